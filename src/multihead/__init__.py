@@ -1,0 +1,16 @@
+"""multihead: multi-head attention for PyTorch, correct on every backend and honest about
+what each head does.
+
+Example:
+    >>> import torch, multihead as mh
+    >>> q = k = v = torch.randn(1, 2, 4, 8)
+    >>> mh.attention(q, k, v, mask=mh.masks.causal()).shape
+    torch.Size([1, 2, 4, 8])
+"""
+
+from . import masks
+from .functional import attention, backends, explain
+
+__version__ = "0.1.0"
+
+__all__ = ["attention", "explain", "backends", "masks", "__version__"]

@@ -1,0 +1,114 @@
+"""The work plan of the blocksparse kernel: which key tiles each query tile visits, in steps.
+
+For every query tile, the key tiles the mask does not rule out are listed in order.
+Query tiles are grouped into chunks (bounded memory); a chunk walks its lists in steps of
+``W`` tiles. Steps made only of full tiles skip mask evaluation; the rest evaluate the
+mask (and tile validity) on the fly. A step whose key
+tiles are the same for every query tile of the chunk is *shared*: one matmul with no
+gather, and when those tiles are consecutive, no copy at all.
+
+Notation: Bm = the mask's batch size (1 if it does not depend on the batch), nQc = query
+tiles in a chunk, W = key tiles in a step, tq/tk = tile sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import masks as M
+from ._call import AttentionCall
+
+TILE = 64                 # columns (keys) of a tile
+TILE_Q = 64               # rows (queries) of a tile
+BUDGET = 1 << 21          # score elements one step holds (8 MiB in fp32)
+MAX_STEP_TILES = 16       # key tiles a step gathers at most
+
+
+@dataclass
+class Step:
+    idx: torch.Tensor            # (Bm, nQc, W) key tile index per query tile
+    valid: torch.Tensor          # (Bm, nQc, W) False where a query tile has fewer tiles
+    masked: bool                 # evaluate the mask on this step
+    shared: bool                 # same key tiles for every query tile (and batch) of the chunk
+    first: int | None            # when shared and consecutive: the first key tile
+
+
+@dataclass
+class Chunk:
+    i0: int                      # first query tile
+    i1: int                      # one past the last query tile
+    steps: list[Step]
+
+
+@dataclass
+class Plan:
+    tq: int
+    tk: int
+    nq: int
+    nk: int
+    chunks: list[Chunk]
+    tiles_visited: int           # (query tile, key tile) pairs computed, summed over Bm
+    tiles_total: int
+
+
+def tile_sizes(call: AttentionCall) -> tuple[int, int]:
+    return max(1, min(TILE_Q, call.Sq)), max(1, min(TILE, call.Sk))
+
+
+def _classify(call: AttentionCall, tq: int, tk: int, nq: int, nk: int):
+    """(nonempty, full) bool tensors (Bm, nQ, nK), reduced over heads soundly."""
+    mask = call.effective_mask
+    if mask is None or not mask.has_predicate:
+        ones = torch.ones(1, nq, nk, dtype=torch.bool, device=call.q.device)
+        nonempty, full = ones, ones.clone()
+    else:
+        state = call.tile_map(tq, tk).state                      # (Bm, Hm, nQ, nK)
+        nonempty = (state != M.EMPTY).any(dim=1)                 # (Bm, nQ, nK)
+        full = (state == M.FULL).all(dim=1)
+    if call.Sk % tk:
+        full[..., -1] = False                                    # padded keys need masking
+    return nonempty, full
+
+
+def make_plan(call: AttentionCall) -> Plan:
+    tq, tk = tile_sizes(call)
+    nq, nk = -(-call.Sq // tq), -(-call.Sk // tk)
+    nonempty, full = _classify(call, tq, tk, nq, nk)
+    rank = torch.where(nonempty, 0, 1) * nk + torch.arange(nk, device=full.device)
+    order = rank.argsort(dim=-1)                                 # (Bm, nQ, nK): visited first
+    ncount = nonempty.sum(-1).cpu()                              # (Bm, nQ)
+    kmax = int(ncount.max()) if ncount.numel() else 0
+    rows = call.B * call.H * tq * tk
+    width = max(1, min(MAX_STEP_TILES, kmax, BUDGET // max(rows, 1)))
+    per_chunk = max(1, BUDGET // max(rows * width, 1))
+    chunks = []
+    for i0 in range(0, nq, per_chunk):
+        i1 = min(nq, i0 + per_chunk)
+        count = ncount[:, i0:i1]
+        kc = int(count.max())
+        ord_c = order[:, i0:i1, :kc]                             # (Bm, nQc, Kc)
+        valid_c = torch.arange(kc, device=order.device) < count.to(order.device).unsqueeze(-1)
+        full_c = full[:, i0:i1].gather(-1, ord_c) & valid_c      # (Bm, nQc, Kc)
+        steps = []
+        for s0 in range(0, kc, width):
+            idx, valid = ord_c[..., s0:s0 + width], valid_c[..., s0:s0 + width]
+            masked = not bool(full_c[..., s0:s0 + width].all())
+            # shared: every query tile of the chunk (and every batch) visits the same tiles
+            shared = bool(valid.all()) and bool((idx == idx[:1, :1]).all())
+            row, first = idx[0, 0], None
+            if shared and bool((row == row[0] + torch.arange(len(row), device=row.device)).all()):
+                first = int(row[0])
+            steps.append(Step(idx, valid, masked, shared, first))
+        chunks.append(Chunk(i0, i1, steps))
+    return Plan(tq, tk, nq, nk, chunks, int(ncount.sum()), int(ncount.numel()) * nk)
+
+
+def density(call: AttentionCall) -> float:
+    """Fraction of tile pairs the kernel computes for this call."""
+    mask = call.effective_mask
+    if mask is None or not mask.has_predicate:
+        return 1.0
+    tq, tk = tile_sizes(call)
+    return call.tile_map(tq, tk).density

@@ -1,0 +1,319 @@
+"""The blocksparse backend: tiled online softmax (FlashAttention's algorithm) in PyTorch ops.
+
+Query tiles visit only the key tiles the mask does not rule out (see ``_tiles.py``); the
+mask is evaluated only on partial tiles; the softmax is accumulated online (running max
+``m``, running sum ``l``) so no ``(Sq, Sk)`` matrix ever exists. Many tiles are batched into
+each matmul, so the Python loop runs a handful of steps per chunk of query tiles.
+
+Backward recomputes the scores tile by tile from the saved log-sum-exp (a custom
+autograd Function), so training memory stays O(S * tile), not O(S^2).
+
+Limits and caveats:
+- no dropout (use ``sdpa`` or ``reference``); no gradient w.r.t. a ``bias`` tensor;
+- half-precision inputs are computed in float32 and cast back (exact, not fast, on CPU);
+- cost follows the mask's *tile* density: a pattern scattered over every tile gains nothing.
+
+Notation: B batch, H query heads, Hkv K/V heads, G = H // Hkv, nQc query tiles of a chunk,
+tq/tk tile sizes, W key tiles in a step, L = W * tk keys in a step, R = nQc * G * tq rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..masks.base import Index
+from ._call import AttentionCall
+from ._tiles import Plan, Step, density, make_plan
+from .registry import Backend, register
+
+NEG_INF = float("-inf")
+
+
+class _Geo:
+    """Sizes of one call, shared by forward and backward."""
+
+    def __init__(self, call: AttentionCall, plan: Plan):
+        self.call, self.plan = call, plan
+        self.B, self.H, self.Hkv, self.G = call.B, call.H, call.Hkv, call.group
+        self.D, self.Dv, self.Sq, self.Sk = call.D, call.Dv, call.Sq, call.Sk
+        self.tq, self.tk, self.nq, self.nk = plan.tq, plan.tk, plan.nq, plan.nk
+        self.mask = call.effective_mask
+
+
+class _Workspace:
+    """Reusable scratch buffers: fresh large allocations page-fault on every step on CPU."""
+
+    def __init__(self, like: torch.Tensor):
+        self.like, self.bufs = like, {}
+
+    def get(self, name: str, shape) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        buf = self.bufs.get(name)
+        if buf is None or buf.numel() < n:
+            buf = self.bufs[name] = self.like.new_empty(n)
+        return buf[:n].view(shape)
+
+
+def _pad_seq(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Zero-pad dim 2 of (B, H, S, D) to length n; contiguous."""
+    if x.shape[2] == n:
+        return x.contiguous()
+    return F.pad(x, (0, 0, 0, n - x.shape[2]))
+
+
+def _heads6(t: torch.Tensor, g: _Geo) -> torch.Tensor:
+    """(Bx, 1|H, nQc, tq|1, L) -> (Bx, 1|Hkv, nQc, 1|G, tq|1, L), matching folded scores."""
+    if t.shape[1] == 1:
+        return t.unsqueeze(3)
+    return t.view(t.shape[0], g.Hkv, g.G, *t.shape[2:]).permute(0, 1, 3, 2, 4, 5)
+
+
+def _mask_step(s: torch.Tensor, g: _Geo, i0: int, i1: int, step: Step):
+    """Add the bias and the mask (as 0 / -inf) in place to scores s (B, Hkv, nQc, G*tq, L).
+
+    Returns a broadcastable float 0/1 "keep" tensor for masked steps (None otherwise), so
+    the caller zeroes masked weights exactly after the exponential. Both are small
+    (nQc, tq, L) tensors broadcast over batch and heads: a broadcast add/mul is ~20x
+    faster on CPU than masked_fill with a broadcast bool mask.
+    """
+    m = g.mask
+    has_bias = m is not None and m.has_bias
+    if not (step.masked or has_bias):
+        return None
+    dev, W = s.device, step.idx.shape[-1]
+    nqc, L = i1 - i0, W * g.tk
+    qpos = torch.arange(i0 * g.tq, i1 * g.tq, device=dev).view(1, 1, nqc, g.tq, 1)
+    kpos = (step.idx.unsqueeze(-1) * g.tk + torch.arange(g.tk, device=dev))  # (Bm, nQc, W, tk)
+    kpos = kpos.view(-1, 1, nqc, 1, L)                                        # (Bm, 1, nQc, 1, L)
+    if m is not None:
+        ix = Index(b=torch.arange(m.batch_size or 1, device=dev).view(-1, 1, 1, 1, 1),
+                   h=torch.arange(m.num_heads or 1, device=dev).view(1, -1, 1, 1, 1),
+                   q=qpos.clamp(max=g.Sq - 1), k=kpos.clamp(max=g.Sk - 1), sq=g.Sq, sk=g.Sk)
+    add = m._bias(ix).to(s.dtype) if has_bias else None       # (Bx, 1|H, nQc, tq|1, L)
+    keep = None
+    if step.masked:
+        ok = (kpos < g.Sk) & step.valid.repeat_interleave(g.tk, dim=-1).view(-1, 1, nqc, 1, L)
+        if m is not None and m.has_predicate:
+            ok = ok & m._allowed(ix)
+        neg = torch.zeros(ok.shape, dtype=s.dtype, device=dev).masked_fill_(~ok, NEG_INF)
+        add = neg if add is None else add + neg
+        keep = _heads6(ok.to(s.dtype), g)                     # (Bx, Hkv|1, nQc, G|1, tq|1, L)
+    s.view(g.B, g.Hkv, nqc, g.G, g.tq, L).add_(_heads6(add, g))
+    return keep
+
+
+def _exp_(s: torch.Tensor, shift: torch.Tensor, keep, g: _Geo) -> torch.Tensor:
+    """In place: exp(s - shift), exactly 0 where masked.
+
+    The shifted scores are clamped at -80 first: exp of inputs that underflow (or are
+    -inf) takes a slow path on x86 CPUs, ~100x slower; exp(-80) = 1.8e-35 is negligible
+    next to the row maximum's 1, and masked entries are then zeroed exactly by ``keep``.
+    """
+    p = s.sub_(shift).clamp_(min=-80.0).exp_()
+    if keep is not None:
+        p.view(*p.shape[:3], g.G, g.tq, p.shape[-1]).mul_(keep)
+    return p
+
+
+def _gather(kp: torch.Tensor, step: Step, g: _Geo, ws: _Workspace, name: str):
+    """Key (or value) tiles of a step.
+
+    Returns (tiles, flat): shared steps give (B, Hkv, L, Dx), others (B, Hkv, nQc, L, Dx);
+    ``flat`` are the row indices into kp viewed as (B*Hkv*nK, tk, Dx) (None for a slice).
+    """
+    W, dx = step.idx.shape[-1], kp.shape[-1]
+    L = W * g.tk
+    if step.first is not None:                                    # consecutive: a view
+        a = step.first * g.tk
+        return kp[:, :, a:a + L], None
+    flat_kp = kp.view(g.B * g.Hkv * g.nk, g.tk, dx)
+    base = (torch.arange(g.B * g.Hkv, device=kp.device) * g.nk).view(g.B, g.Hkv, 1, 1)
+    if step.shared:
+        flat = (base + step.idx[0, 0].view(1, 1, 1, W)).reshape(-1)          # (B*Hkv*W)
+        shape = (g.B, g.Hkv, L, dx)
+    else:
+        flat = (base + step.idx.unsqueeze(1)).reshape(-1)                   # (B*Hkv*nQc*W)
+        shape = (g.B, g.Hkv, step.idx.shape[1], L, dx)
+    out = ws.get(name, (len(flat), g.tk, dx))
+    torch.index_select(flat_kp, 0, flat, out=out)
+    return out.view(shape), flat
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, shared: bool, out: torch.Tensor | None = None):
+    """a (B, Hkv, nQc, rows, x) @ b; for shared steps b is (B, Hkv, x, y) for every tile."""
+    B, Hkv, nqc, rows, x = a.shape
+    if not shared:
+        return torch.matmul(a, b, out=out) if out is not None else a @ b
+    a2 = a.reshape(B, Hkv, nqc * rows, x)
+    res = torch.matmul(a2, b, out=out.view(B, Hkv, nqc * rows, b.shape[-1])) if out is not None else a2 @ b
+    return res.view(B, Hkv, nqc, rows, b.shape[-1])
+
+
+def _scores(qc, kg, step, g: _Geo, ws: _Workspace, i0: int, i1: int):
+    """Masked, biased scores of a step in a workspace buffer: (B, Hkv, nQc, G*tq, L),
+    and the step's keep tensor (see _mask_step)."""
+    L = step.idx.shape[-1] * g.tk
+    buf = ws.get("s", (g.B, g.Hkv, i1 - i0, g.G * g.tq, L))
+    s = _mm(qc, kg.transpose(-1, -2), step.shared, out=buf)
+    return s, _mask_step(s, g, i0, i1, step)
+
+
+def _chunk_q(q6: torch.Tensor, g: _Geo, i0: int, i1: int, scale: float) -> torch.Tensor:
+    """Scaled rows of a chunk of q (or dout), folded: (B, Hkv, nQc, G*tq, D|Dv)."""
+    qc = q6[:, :, :, i0:i1] * scale                               # (B, Hkv, G, nQc, tq, D)
+    return qc.permute(0, 1, 3, 2, 4, 5).reshape(g.B, g.Hkv, i1 - i0, g.G * g.tq, qc.shape[-1])
+
+
+def _forward(g: _Geo, q, k, v, scale):
+    B, Hkv, G, nq, tq = g.B, g.Hkv, g.G, g.nq, g.tq
+    q6 = _pad_seq(q, nq * tq).view(B, Hkv, G, nq, tq, g.D)       # (B, Hkv, G, nQ, tq, D)
+    kp, vp = _pad_seq(k, g.nk * g.tk), _pad_seq(v, g.nk * g.tk)  # (B, Hkv, nK*tk, D|Dv)
+    out = q.new_zeros(B, g.H, nq * tq, g.Dv)
+    lse = q.new_full((B, g.H, nq * tq), NEG_INF)
+    out6 = out.view(B, Hkv, G, nq, tq, g.Dv)                      # (B, Hkv, G, nQ, tq, Dv)
+    lse5 = lse.view(B, Hkv, G, nq, tq)
+    ws = _Workspace(q)
+    for chunk in g.plan.chunks:
+        if not chunk.steps:
+            continue
+        i0, i1 = chunk.i0, chunk.i1
+        qc = _chunk_q(q6, g, i0, i1, scale)                       # (B, Hkv, nQc, G*tq, D)
+        m = l = acc = None
+        for step in chunk.steps:
+            kg, _ = _gather(kp, step, g, ws, "k")
+            vg, _ = _gather(vp, step, g, ws, "v")
+            s, keep = _scores(qc, kg, step, g, ws, i0, i1)        # (B, Hkv, nQc, G*tq, L)
+            mx = s.amax(dim=-1, keepdim=True)
+            m_new = mx if m is None else torch.maximum(m, mx)
+            m_safe = m_new.masked_fill(m_new == NEG_INF, 0.0)     # empty rows: shift by 0
+            p = _exp_(s, m_safe, keep, g)
+            pv = _mm(p, vg, step.shared, out=ws.get("pv", (*p.shape[:4], g.Dv)))
+            if m is None:                                         # pv: (B, Hkv, nQc, G*tq, Dv)
+                l, acc = p.sum(dim=-1, keepdim=True), pv.clone()
+            else:
+                alpha = (m - m_safe).exp_()
+                l = l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+                acc = acc.mul_(alpha).add_(pv)
+            m = m_new
+        m_safe = m.masked_fill(m == NEG_INF, 0.0)
+        res = acc / l.masked_fill(l == 0, 1.0)
+        shape6 = (B, Hkv, i1 - i0, G, tq)
+        out6[:, :, :, i0:i1] = res.view(*shape6, g.Dv).permute(0, 1, 3, 2, 4, 5)
+        lse5[:, :, :, i0:i1] = (m_safe + l.log()).view(shape6).permute(0, 1, 3, 2, 4)
+    return out[:, :, :g.Sq], lse[:, :, :g.Sq]
+
+
+def _backward(g: _Geo, q, k, v, out, lse, dout, dlse, scale):
+    B, Hkv, G, nq, tq, nk, tk = g.B, g.Hkv, g.G, g.nq, g.tq, g.nk, g.tk
+    q6 = _pad_seq(q, nq * tq).view(B, Hkv, G, nq, tq, g.D)
+    do6 = _pad_seq(dout, nq * tq).view(B, Hkv, G, nq, tq, g.Dv)
+    delta = (dout * out).sum(-1)                                  # (B, H, Sq)
+    if dlse is not None:
+        delta = delta - dlse                                      # d lse / d s = p
+    lse_safe = lse.masked_fill(lse == NEG_INF, float("inf"))      # empty rows: p = 0
+    pad_rows = nq * tq - g.Sq
+    lse6 = F.pad(lse_safe, (0, pad_rows), value=float("inf")).view(B, Hkv, G, nq, tq)
+    dl6 = F.pad(delta, (0, pad_rows)).view(B, Hkv, G, nq, tq)
+    kp, vp = _pad_seq(k, nk * tk), _pad_seq(v, nk * tk)
+    dq = torch.zeros_like(q6)                                     # (B, Hkv, G, nQ, tq, D)
+    dk, dv = torch.zeros_like(kp), torch.zeros_like(vp)           # (B, Hkv, nK*tk, D|Dv)
+    ws = _Workspace(q)
+    for chunk in g.plan.chunks:
+        i0, i1 = chunk.i0, chunk.i1
+        nqc = i1 - i0
+        qc = _chunk_q(q6, g, i0, i1, scale)                       # (B, Hkv, nQc, G*tq, D)
+        doc = _chunk_q(do6, g, i0, i1, 1.0)                       # (B, Hkv, nQc, G*tq, Dv)
+        fold = lambda t: t[:, :, :, i0:i1].permute(0, 1, 3, 2, 4).reshape(B, Hkv, nqc, G * tq, 1)
+        lse_c, dl_c = fold(lse6), fold(dl6)
+        dq_c = None
+        for step in chunk.steps:
+            kg, flat = _gather(kp, step, g, ws, "k")
+            vg, _ = _gather(vp, step, g, ws, "v")
+            s, keep = _scores(qc, kg, step, g, ws, i0, i1)        # (B, Hkv, nQc, G*tq, L)
+            p = _exp_(s, lse_c, keep, g)                           # the forward's weights
+            dp = _mm(doc, vg.transpose(-1, -2), step.shared, out=ws.get("dp", p.shape))
+            ds = dp.sub_(dl_c).mul_(p)                            # (B, Hkv, nQc, G*tq, L)
+            part = _mm(ds, kg, step.shared)                       # (B, Hkv, nQc, G*tq, D)
+            dq_c = part if dq_c is None else dq_c.add_(part)
+            _scatter(dv, _tmm(p, doc, step.shared), step, flat, g)
+            _scatter(dk, _tmm(ds, qc, step.shared), step, flat, g)
+        if dq_c is not None:
+            dq[:, :, :, i0:i1] = dq_c.view(B, Hkv, nqc, G, tq, g.D).permute(0, 1, 3, 2, 4, 5)
+    dq = dq.view(B, g.H, nq * tq, g.D)[:, :, :g.Sq] * scale
+    return dq, dk[:, :, :g.Sk], dv[:, :, :g.Sk]
+
+
+def _tmm(a: torch.Tensor, b: torch.Tensor, shared: bool) -> torch.Tensor:
+    """aᵀ @ b per tile: (.., rows, L)ᵀ @ (.., rows, x); shared steps sum over the chunk's tiles."""
+    if not shared:
+        return a.transpose(-1, -2) @ b                            # (B, Hkv, nQc, L, x)
+    B, Hkv, nqc, rows, L = a.shape
+    a2 = a.reshape(B, Hkv, nqc * rows, L)
+    return a2.transpose(-1, -2) @ b.reshape(B, Hkv, nqc * rows, b.shape[-1])  # (B, Hkv, L, x)
+
+
+def _scatter(dst: torch.Tensor, part: torch.Tensor, step: Step, flat, g: _Geo) -> None:
+    """Accumulate per-tile gradients into dst (B, Hkv, nK*tk, x)."""
+    if step.first is not None:
+        a = step.first * g.tk
+        dst[:, :, a:a + part.shape[-2]] += part
+        return
+    x = dst.shape[-1]
+    dst.view(-1, g.tk, x).index_add_(0, flat, part.reshape(-1, g.tk, x))
+
+
+class _BlockSparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, geo, scale):
+        out, lse = _forward(geo, q, k, v, scale)
+        out = out.contiguous()
+        lse = lse.contiguous()
+        ctx.geo, ctx.scale = geo, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = _backward(ctx.geo, q, k, v, out, lse, dout.contiguous(), dlse, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+class BlockSparse(Backend):
+    name = "blocksparse"
+    summary = "tiled online softmax that skips the tiles a mask rules out; returns lse"
+
+    #: measured on a 2-core Xeon (docs/benchmarks.md): per computed pair, the kernel
+    #: costs about this many times what the fused sdpa kernel does
+    overhead = 1.3
+
+    def unsupported(self, call):
+        if call.return_weights:
+            return "does not return attention weights (it never forms them)"
+        if call.dropout_p > 0:
+            return "does not implement dropout"
+        m = call.effective_mask
+        if m is not None and getattr(m, "requires_grad", False) and torch.is_grad_enabled():
+            return "no gradient w.r.t. a bias tensor"
+        return None
+
+    def cost(self, call):
+        return self.overhead * density(call) * call.dense_work + 2e5 * call.B
+
+    def cost_note(self, call):
+        return f"computes {density(call):.1%} of the tiles"
+
+    def run(self, call):
+        q, k, v = call.q, call.k, call.v
+        work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        geo = _Geo(call, make_plan(call))
+        out, lse = _BlockSparseAttention.apply(q.to(work), k.to(work), v.to(work), geo, call.scale)
+        return out.to(q.dtype), None, lse if call.return_lse else None
+
+
+register(BlockSparse())

@@ -1,0 +1,74 @@
+"""The reference backend: the seeds' formula, softmax(q kᵀ · scale + bias) v, in a few lines.
+
+It materializes the ``(B, H, Sq, Sk)`` score matrix, accepts every mask, returns weights
+and log-sum-exp, and is the oracle every other backend is tested against. Half-precision
+inputs are computed in float32 (softmax statistics in fp32) and cast back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._call import AttentionCall
+from .registry import Backend, register
+
+
+def safe_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the last dim where an all ``-inf`` row gives zeros (not NaN).
+
+    Returns ``(weights, lse)``; ``lse`` is ``-inf`` for rows with nothing to attend to.
+    Gradients stay finite (zero) for such rows.
+    """
+    m = scores.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))       # an all -inf row: shift 0
+    p = torch.exp(scores - m)
+    l = p.sum(dim=-1, keepdim=True)
+    empty = l == 0
+    weights = p / torch.where(empty, torch.ones_like(l), l)
+    lse = (m + torch.log(l)).squeeze(-1)                              # log(0) = -inf, no NaN
+    return weights, lse
+
+
+def mask_terms(call: AttentionCall, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The mask's ``(allowed, bias)`` as dense tensors broadcastable to (B, H, Sq, Sk)."""
+    m = call.effective_mask
+    if m is None:
+        return None, None
+    ix = m.index(call.Sq, call.Sk, device)
+    allowed = m._allowed(ix) if m.has_predicate else None
+    bias = m._bias(ix) if m.has_bias else None
+    return allowed, bias
+
+
+class Reference(Backend):
+    name = "reference"
+    summary = "the seeds' formula with a materialized score matrix; any mask, weights, lse"
+
+    def cost(self, call):
+        return 3.0 * call.dense_work  # materializes and re-reads the (B, H, Sq, Sk) matrices
+
+    def cost_note(self, call):
+        return "materializes the full score matrix"
+
+    def run(self, call):
+        q, k, v = call.q, call.k, call.v
+        work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        q, k, v = q.to(work), k.to(work), v.to(work)
+        k = k.repeat_interleave(call.group, dim=1)                    # (B, H, Sk, D)
+        v = v.repeat_interleave(call.group, dim=1)                    # (B, H, Sk, Dv)
+        scores = (q @ k.transpose(-2, -1)) * call.scale               # (B, H, Sq, Sk)
+        allowed, bias = mask_terms(call, q.device)
+        if bias is not None:
+            scores = scores + bias.to(work)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        weights, lse = safe_softmax(scores)
+        if call.dropout_p > 0:
+            weights = torch.nn.functional.dropout(weights, p=call.dropout_p)
+        out = weights @ v                                             # (B, H, Sq, Dv)
+        dt = call.q.dtype
+        return (out.to(dt), weights.to(dt) if call.return_weights else None,
+                lse if call.return_lse else None)
+
+
+register(Reference())

@@ -1,0 +1,415 @@
+"""The mask model: small objects that say which keys each query may attend to.
+
+One convention everywhere: ``True`` means *may attend*. A mask is a predicate over
+``(batch, head, query, key)`` index tensors (like FlexAttention's ``mask_mod``), optionally
+with an additive bias (ALiBi, relative-position biases). Because a mask is a predicate and
+not a tensor, kernels evaluate it only on the tiles they compute, and :meth:`Mask.tiles`
+classifies ``(query tile, key tile)`` pairs as empty, partial or full without ever building
+the ``(Sq, Sk)`` matrix, so work a mask rules out is skipped.
+
+Tile classification is *sound*, never optimistic: a tile reported ``EMPTY`` has no allowed
+pair and a tile reported ``FULL`` has only allowed pairs; anything in doubt is ``PARTIAL``
+(which costs a little work, never a wrong answer).
+
+Notation used for tensor shapes:
+    B: batch, H: query heads, Sq: queries, Sk: keys, nQ/nK: query/key tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Index:
+    """Broadcastable int64 index tensors handed to a mask's predicate.
+
+    ``b``, ``h``, ``q``, ``k`` all have the same rank and broadcast against each other;
+    ``sq`` and ``sk`` are the logical query and key lengths of the call (for alignment).
+    """
+
+    b: torch.Tensor
+    h: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    sq: int
+    sk: int
+
+
+@dataclass(frozen=True)
+class TileIndex:
+    """First and last query/key index of every tile, shaped to broadcast to (B, H, nQ, nK)."""
+
+    b: torch.Tensor   # (B, 1, 1, 1) or (1, 1, 1, 1)
+    h: torch.Tensor   # (1, H, 1, 1) or (1, 1, 1, 1)
+    q0: torch.Tensor  # (1, 1, nQ, 1)
+    q1: torch.Tensor  # (1, 1, nQ, 1), inclusive, clamped to Sq - 1
+    k0: torch.Tensor  # (1, 1, 1, nK)
+    k1: torch.Tensor  # (1, 1, 1, nK), inclusive, clamped to Sk - 1
+    sq: int
+    sk: int
+    tile_q: int
+    tile_k: int
+
+
+@dataclass(frozen=True)
+class TileMap:
+    """Classification of every ``(query tile, key tile)`` pair of a call.
+
+    Attributes:
+        state: int8 tensor ``(B', H', nQ, nK)`` with ``EMPTY`` (0), ``PARTIAL`` (1) or
+            ``FULL`` (2); ``B'`` is 1 when the mask does not depend on the batch, ``H'``
+            likewise for heads.
+        tile_q, tile_k: the tile sizes.
+        sq, sk: the sequence lengths.
+
+    Example:
+        >>> import multihead as mh
+        >>> tm = mh.masks.causal().tiles(256, 256, tile_q=64, tile_k=64)
+        >>> tm.state[0, 0].tolist()[1]
+        [2, 1, 0, 0]
+        >>> round(tm.density, 3)
+        0.625
+    """
+
+    state: torch.Tensor
+    tile_q: int
+    tile_k: int
+    sq: int
+    sk: int
+
+    @property
+    def density(self) -> float:
+        """Fraction of tile pairs that must be computed (partial or full)."""
+        if self.state.numel() == 0:
+            return 0.0
+        return float((self.state != EMPTY).float().mean())
+
+    def counts(self) -> dict[str, int]:
+        """Number of empty, partial and full tile pairs."""
+        return {name: int((self.state == code).sum()) for name, code in
+                (("empty", EMPTY), ("partial", PARTIAL), ("full", FULL))}
+
+
+def _dims(t: torch.Tensor | None) -> str:
+    return "None" if t is None else "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+class Mask:
+    """Base class of every mask. Compose masks with ``&``, ``|`` and ``~``.
+
+    Subclasses implement :meth:`_allowed` (a predicate over :class:`Index`), optionally
+    :meth:`_bias`, and :meth:`_tile_bounds` (sound per-tile ``any``/``all`` bounds).
+    """
+
+    #: batch size the mask was built for, or None when it does not depend on the batch
+    batch_size: int | None = None
+    #: number of heads the mask was built for, or None when it does not depend on the head
+    num_heads: int | None = None
+    #: True when the mask adds a bias (a float term) to the scores
+    has_bias: bool = False
+    #: True when the mask rules some pairs out (False for a pure bias such as ALiBi)
+    has_predicate: bool = True
+
+    # -- what subclasses implement ---------------------------------------------------------
+    def _allowed(self, ix: Index) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement _allowed")
+
+    def _bias(self, ix: Index) -> torch.Tensor | None:
+        return None
+
+    def _tile_bounds(self, tx: TileIndex) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(any, all)`` bool tensors broadcastable to (B, H, nQ, nK)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _tile_bounds")
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Tensors the mask holds (for device checks)."""
+        return []
+
+    def _check(self, batch: int, heads: int, sq: int, sk: int) -> None:
+        """Raise ValueError when the mask cannot apply to a call of these sizes."""
+        if self.batch_size is not None and self.batch_size not in (1, batch):
+            raise ValueError(
+                f"mask: {self!s} was built for batch size {self.batch_size}, but the inputs "
+                f"have batch size {batch}: build the mask from this batch's lengths/ids")
+        if self.num_heads is not None and self.num_heads not in (1, heads):
+            raise ValueError(
+                f"mask: {self!s} was built for {self.num_heads} heads, but q has {heads} "
+                f"heads: build it with num_heads={heads}")
+
+    # -- public API ------------------------------------------------------------------------
+    def check(self, batch: int, heads: int, sq: int, sk: int,
+              device: torch.device | str | None = None) -> None:
+        """Validate the mask against a call's sizes and device; raises ``ValueError``.
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> mh.masks.padding(torch.tensor([3, 2])).check(batch=2, heads=4, sq=5, sk=5)
+        """
+        self._check(batch, heads, sq, sk)
+        if device is not None:
+            device = torch.device(device)
+            for t in self._tensors():
+                if t.device.type != device.type or (
+                        device.index is not None and t.device.index not in (None, device.index)):
+                    raise ValueError(
+                        f"mask: {self!s} holds a tensor on {t.device}, but the inputs are on "
+                        f"{device}: move it with mask.to({str(device)!r}) or build it there")
+
+    def index(self, sq: int, sk: int, device=None) -> Index:
+        """The (B', H', Sq, Sk) index grid this mask is materialized on."""
+        device = torch.device(device) if device is not None else self._device()
+        b = torch.arange(self.batch_size or 1, device=device).view(-1, 1, 1, 1)
+        h = torch.arange(self.num_heads or 1, device=device).view(1, -1, 1, 1)
+        q = torch.arange(sq, device=device).view(1, 1, sq, 1)
+        k = torch.arange(sk, device=device).view(1, 1, 1, sk)
+        return Index(b, h, q, k, sq, sk)
+
+    def materialize(self, sq: int, sk: int, device=None) -> torch.Tensor:
+        """The dense bool tensor ``(B', H', Sq, Sk)``; True = may attend.
+
+        ``B'`` is the mask's batch size (1 when it does not depend on the batch), ``H'``
+        likewise for heads; the result broadcasts to ``(B, H, Sq, Sk)``.
+
+        Example:
+            >>> import multihead as mh
+            >>> mh.masks.causal().materialize(2, 3)[0, 0].int().tolist()
+            [[1, 1, 0], [1, 1, 1]]
+        """
+        ix = self.index(sq, sk, device)
+        full = torch.ones(len(ix.b), len(ix.h), sq, sk, dtype=torch.bool, device=ix.q.device)
+        if not self.has_predicate:
+            return full
+        return full & self._allowed(ix)
+
+    def additive(self, sq: int, sk: int, device=None, dtype=torch.float32) -> torch.Tensor:
+        """The additive float form ``(B', H', Sq, Sk)``: the bias, and ``-inf`` where masked.
+
+        Example:
+            >>> import multihead as mh
+            >>> mh.masks.causal().additive(2, 2)[0, 0].tolist()
+            [[0.0, -inf], [0.0, 0.0]]
+        """
+        ix = self.index(sq, sk, device)
+        out = torch.zeros(len(ix.b), len(ix.h), sq, sk, dtype=dtype, device=ix.q.device)
+        bias = self._bias(ix) if self.has_bias else None
+        if bias is not None:
+            out = out + bias.to(dtype)
+        if self.has_predicate:
+            out = out.masked_fill(~self._allowed(ix), float("-inf"))
+        return out
+
+    def tiles(self, sq: int, sk: int, *, tile_q: int = 64, tile_k: int = 64,
+              device=None, batch: int | None = None, heads: int | None = None) -> TileMap:
+        """Classify every (query tile, key tile) pair as EMPTY, PARTIAL or FULL.
+
+        Args:
+            sq, sk: query and key lengths.
+            tile_q, tile_k: tile sizes; the last tile of each axis may be short.
+            device: where to compute (defaults to the mask's device).
+            batch, heads: sizes to classify for (default: the mask's own).
+
+        Returns:
+            A :class:`TileMap` whose ``state`` is ``(B', H', ceil(Sq/tile_q), ceil(Sk/tile_k))``.
+
+        Example:
+            >>> import multihead as mh
+            >>> mh.masks.sliding_window(64).tiles(256, 256).counts()
+            {'empty': 9, 'partial': 7, 'full': 0}
+        """
+        if tile_q <= 0 or tile_k <= 0:
+            raise ValueError(f"tile_q and tile_k must be positive, got {tile_q} and {tile_k}")
+        device = torch.device(device) if device is not None else self._device()
+        nq, nk = -(-sq // tile_q), -(-sk // tile_k)
+        q0 = torch.arange(nq, device=device) * tile_q
+        k0 = torch.arange(nk, device=device) * tile_k
+        tx = TileIndex(
+            b=torch.arange(batch or self.batch_size or 1, device=device).view(-1, 1, 1, 1),
+            h=torch.arange(heads or self.num_heads or 1, device=device).view(1, -1, 1, 1),
+            q0=q0.view(1, 1, nq, 1), q1=(q0 + tile_q - 1).clamp(max=max(sq - 1, 0)).view(1, 1, nq, 1),
+            k0=k0.view(1, 1, 1, nk), k1=(k0 + tile_k - 1).clamp(max=max(sk - 1, 0)).view(1, 1, 1, nk),
+            sq=sq, sk=sk, tile_q=tile_q, tile_k=tile_k)
+        shape = (1, 1, nq, nk)
+        if not self.has_predicate:
+            state = torch.full(shape, FULL, dtype=torch.int8, device=device)
+        else:
+            any_, all_ = self._tile_bounds(tx)
+            any_ = torch.broadcast_to(any_, torch.broadcast_shapes(any_.shape, shape))
+            all_ = torch.broadcast_to(all_, any_.shape) & any_
+            state = torch.where(all_, FULL, torch.where(any_, PARTIAL, EMPTY)).to(torch.int8)
+        return TileMap(state=state, tile_q=tile_q, tile_k=tile_k, sq=sq, sk=sk)
+
+    def to(self, device) -> "Mask":
+        """A copy of the mask with its tensors on ``device`` (itself when it holds none)."""
+        return self
+
+    def _device(self) -> torch.device:
+        ts = self._tensors()
+        return ts[0].device if ts else torch.device("cpu")
+
+    # -- composition -----------------------------------------------------------------------
+    def __and__(self, other: "Mask") -> "Mask":
+        return And(self, _as_mask(other, "&"))
+
+    def __or__(self, other: "Mask") -> "Mask":
+        return Or(self, _as_mask(other, "|"))
+
+    def __invert__(self) -> "Mask":
+        return Not(self)
+
+    def __rand__(self, other):
+        return And(_as_mask(other, "&"), self)
+
+    def __ror__(self, other):
+        return Or(_as_mask(other, "|"), self)
+
+    # -- display ---------------------------------------------------------------------------
+    def _preview_size(self) -> tuple[int, int]:
+        return 8, 8
+
+    def describe(self) -> str:
+        """One-line description, e.g. ``causal(align='lower_right')``."""
+        return type(self).__name__
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def __repr__(self) -> str:
+        sq, sk = self._preview_size()
+        try:
+            grid = self.materialize(sq, sk, device="cpu")[0, 0]
+        except Exception as exc:  # a repr must never raise
+            return f"{self.describe()} (preview unavailable: {exc})"
+        rows = [" ".join("1" if x else "." for x in row.tolist()) for row in grid]
+        what = f"Sq={sq}, Sk={sk}"
+        if self.batch_size or self.num_heads:
+            what += ", batch 0, head 0"
+        return f"{self.describe()}\n  {what}:\n" + "\n".join("  " + r for r in rows)
+
+
+def _as_mask(other, op: str) -> Mask:
+    if isinstance(other, Mask):
+        return other
+    raise TypeError(f"masks combine with {op} only with other masks, got {type(other).__name__}: "
+                    f"wrap tensors in multihead.masks.dense(...) or multihead.masks.bias(...)")
+
+
+def _max_opt(a: int | None, b: int | None) -> int | None:
+    return max(x for x in (a, b) if x is not None) if (a or b) else None
+
+
+class _Binary(Mask):
+    op = "?"
+
+    def __init__(self, a: Mask, b: Mask):
+        self.a, self.b = a, b
+        self.batch_size = _max_opt(a.batch_size, b.batch_size)
+        self.num_heads = _max_opt(a.num_heads, b.num_heads)
+        self.has_bias = a.has_bias or b.has_bias
+        self.has_predicate = a.has_predicate or b.has_predicate
+
+    def _check(self, batch, heads, sq, sk):
+        self.a._check(batch, heads, sq, sk)
+        self.b._check(batch, heads, sq, sk)
+
+    def _tensors(self):
+        return self.a._tensors() + self.b._tensors()
+
+    def to(self, device):
+        return type(self)(self.a.to(device), self.b.to(device))
+
+    def _preview_size(self):
+        (a0, a1), (b0, b1) = self.a._preview_size(), self.b._preview_size()
+        return max(a0, b0), max(a1, b1)
+
+    def describe(self) -> str:
+        return f"({self.a.describe()} {self.op} {self.b.describe()})"
+
+
+def _pred(m: Mask, ix: Index) -> torch.Tensor | None:
+    return m._allowed(ix) if m.has_predicate else None
+
+
+def _bounds(m: Mask, tx: TileIndex):
+    if not m.has_predicate:
+        t = torch.ones((), dtype=torch.bool, device=tx.q0.device)
+        return t, t
+    return m._tile_bounds(tx)
+
+
+class And(_Binary):
+    """Both masks allow the pair; biases add. Built by ``a & b``."""
+
+    op = "&"
+
+    def _allowed(self, ix):
+        pa, pb = _pred(self.a, ix), _pred(self.b, ix)
+        return pb if pa is None else pa if pb is None else pa & pb
+
+    def _bias(self, ix):
+        ba = self.a._bias(ix) if self.a.has_bias else None
+        bb = self.b._bias(ix) if self.b.has_bias else None
+        return bb if ba is None else ba if bb is None else ba + bb
+
+    def _tile_bounds(self, tx):
+        (any_a, all_a), (any_b, all_b) = _bounds(self.a, tx), _bounds(self.b, tx)
+        return any_a & any_b, all_a & all_b
+
+
+class Or(_Binary):
+    """Either mask allows the pair. Built by ``a | b``; biases cannot be or-ed."""
+
+    op = "|"
+
+    def __init__(self, a: Mask, b: Mask):
+        if a.has_bias or b.has_bias:
+            raise TypeError(
+                f"cannot combine {a.describe()} | {b.describe()}: a mask with an additive bias "
+                f"has no meaning under |; combine biases with & (biases add) instead")
+        if not (a.has_predicate and b.has_predicate):
+            raise TypeError("| with a pure bias mask is meaningless; use & to add a bias")
+        super().__init__(a, b)
+
+    def _allowed(self, ix):
+        return self.a._allowed(ix) | self.b._allowed(ix)
+
+    def _tile_bounds(self, tx):
+        (any_a, all_a), (any_b, all_b) = self.a._tile_bounds(tx), self.b._tile_bounds(tx)
+        return any_a | any_b, all_a | all_b
+
+
+class Not(Mask):
+    """The complement of a boolean mask. Built by ``~m``."""
+
+    def __init__(self, m: Mask):
+        if m.has_bias or not m.has_predicate:
+            raise TypeError(f"~ applies to boolean masks only, not to {m.describe()} (it has a bias)")
+        self.m = m
+        self.batch_size, self.num_heads = m.batch_size, m.num_heads
+
+    def _check(self, batch, heads, sq, sk):
+        self.m._check(batch, heads, sq, sk)
+
+    def _tensors(self):
+        return self.m._tensors()
+
+    def to(self, device):
+        return Not(self.m.to(device))
+
+    def _preview_size(self):
+        return self.m._preview_size()
+
+    def describe(self):
+        return f"~{self.m.describe()}"
+
+    def _allowed(self, ix):
+        return ~self.m._allowed(ix)
+
+    def _tile_bounds(self, tx):
+        any_m, all_m = self.m._tile_bounds(tx)
+        # sound: ~m has an allowed pair unless m is surely full; it is full only if m is surely empty
+        return ~all_m, ~any_m

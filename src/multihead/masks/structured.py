@@ -1,0 +1,302 @@
+"""Structured masks: causal, sliding window, padding, packed documents.
+
+Each is a predicate over index tensors plus *exact* per-tile bounds computed from tile
+corners, so classifying an ``(Sq, Sk)`` problem costs ``O(nQ * nK)``, never ``O(Sq * Sk)``.
+
+Causal alignment, drawn for Sq=2, Sk=5 (1 = may attend)::
+
+    lower_right (default)     upper_left
+    1 1 1 1 0                 1 0 0 0 0
+    1 1 1 1 1                 1 1 0 0 0
+
+Lower-right means query ``i`` sits at key position ``i + Sk - Sq``: the last query sees the
+last key, which is what decoding with a KV cache needs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Index, Mask, TileIndex
+
+_ALIGNS = ("lower_right", "upper_left")
+
+
+def _check_align(align: str) -> str:
+    if align not in _ALIGNS:
+        raise ValueError(f"align must be one of {_ALIGNS}, got {align!r}")
+    return align
+
+
+def _offset(align: str, sq: int, sk: int) -> int:
+    return sk - sq if align == "lower_right" else 0
+
+
+class Window(Mask):
+    """Queries see keys whose distance ``d = (q + offset) - k`` lies in ``[0, size)``.
+
+    ``size=None`` is plain causal attention. Built by :func:`causal` and :func:`sliding_window`.
+    """
+
+    def __init__(self, size: int | None, align: str = "lower_right"):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"sliding_window size must be a positive int, got {size!r}: "
+                             f"a query sees itself and the size-1 keys before it")
+        self.size = size
+        self.align = _check_align(align)
+
+    def describe(self) -> str:
+        if self.size is None:
+            return f"causal(align={self.align!r})"
+        return f"sliding_window({self.size}, align={self.align!r})"
+
+    def _preview_size(self):
+        n = 8 if self.size is None else min(max(self.size + 4, 8), 16)
+        return n, n
+
+    def _allowed(self, ix: Index) -> torch.Tensor:
+        d = ix.q + _offset(self.align, ix.sq, ix.sk) - ix.k
+        ok = d >= 0
+        return ok if self.size is None else ok & (d < self.size)
+
+    def _tile_bounds(self, tx: TileIndex):
+        off = _offset(self.align, tx.sq, tx.sk)
+        dmin = tx.q0 + off - tx.k1  # smallest distance in the tile
+        dmax = tx.q1 + off - tx.k0  # largest distance in the tile
+        if self.size is None:
+            return dmax >= 0, dmin >= 0
+        return (dmax >= 0) & (dmin < self.size), (dmin >= 0) & (dmax < self.size)
+
+
+def causal(align: str = "lower_right") -> Window:
+    """Causal mask: each query sees its own position and every earlier key.
+
+    Args:
+        align: ``"lower_right"`` (default; the last query sees the last key, right for
+            decoding with a cache) or ``"upper_left"`` (query ``i`` sees keys ``0..i``).
+
+    Example:
+        >>> import multihead as mh
+        >>> mh.masks.causal().materialize(3, 3)[0, 0].int().tolist()
+        [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    """
+    return Window(None, align)
+
+
+def sliding_window(size: int, *, align: str = "lower_right") -> Window:
+    """Causal local window: a query sees itself and the ``size - 1`` keys before it.
+
+    Example:
+        >>> import multihead as mh
+        >>> mh.masks.sliding_window(2).materialize(3, 3)[0, 0].int().tolist()
+        [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    """
+    return Window(size, align)
+
+
+def _as_long_1d_or_2d(x, name: str) -> torch.Tensor:
+    t = torch.as_tensor(x)
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+    if t.dim() not in (1, 2):
+        raise ValueError(f"{name} must be 1-D (S,) or 2-D (B, S), got shape {tuple(t.shape)}")
+    return t.long()
+
+
+def _tile_minmax(ids: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tile min and max of ``ids`` (B, S) -> two (B, ceil(S / tile)) tensors."""
+    b, s = ids.shape
+    n = -(-s // tile)
+    padded = torch.cat([ids, ids[:, -1:].expand(b, n * tile - s)], dim=1)  # (B, n * tile)
+    tiles = padded.view(b, n, tile)                                        # (B, n, tile)
+    return tiles.amin(-1), tiles.amax(-1)
+
+
+class Padding(Mask):
+    """Only real (non-padding) positions may be attended (``side="key"``) or may attend.
+
+    A query-side padding mask rules out whole rows: those rows return zeros.
+    """
+
+    def __init__(self, lengths_or_mask, side: str = "key"):
+        if side not in ("key", "query"):
+            raise ValueError(f"side must be 'key' or 'query', got {side!r}")
+        self.side = side
+        t = torch.as_tensor(lengths_or_mask)
+        if t.dtype == torch.bool:
+            if t.dim() != 2:
+                raise ValueError(f"padding: a bool mask must be (B, S) with True = real token, "
+                                 f"got shape {tuple(t.shape)}")
+            self.lengths, self.real = None, t
+        else:
+            if t.is_floating_point() or t.is_complex() or t.dim() != 1:
+                raise TypeError(f"padding: lengths must be a 1-D integer tensor (B,) or a (B, S) "
+                                f"bool tensor, got dtype {t.dtype} and shape {tuple(t.shape)}")
+            t = t.long()
+            if t.numel() and int(t.min()) < 0:
+                raise ValueError(f"padding: lengths must be >= 0, got {t.tolist()}")
+            self.lengths, self.real = t, None
+            self._max_len = int(t.max()) if t.numel() else 0
+        self.batch_size = len(t)
+
+    def _tensors(self):
+        return [self.lengths if self.real is None else self.real]
+
+    def to(self, device):
+        return Padding((self.lengths if self.real is None else self.real).to(device), self.side)
+
+    def describe(self) -> str:
+        side = "" if self.side == "key" else ", side='query'"
+        if self.real is not None:
+            return f"padding(mask of shape {tuple(self.real.shape)}{side})"
+        vals = self.lengths.tolist()
+        shown = ", ".join(map(str, vals[:6])) + (", ..." if len(vals) > 6 else "")
+        return f"padding(lengths=[{shown}]{side})"
+
+    def _preview_size(self):
+        n = self.real.shape[1] if self.real is not None else max(self._max_len, 1)
+        n = min(n, 16)
+        return n, n
+
+    def _check(self, batch, heads, sq, sk):
+        super()._check(batch, heads, sq, sk)
+        s, what = (sk, "Sk") if self.side == "key" else (sq, "Sq")
+        if self.real is not None and self.real.shape[1] != s:
+            raise ValueError(f"mask: {self.describe()} covers {self.real.shape[1]} positions but "
+                             f"{what} = {s}: the (B, S) mask must have S == {what}")
+        if self.real is None and self._max_len > s:
+            raise ValueError(f"mask: {self.describe()} has a length {self._max_len} > {what} = {s}: "
+                             f"lengths count real tokens and cannot exceed the sequence")
+
+    def _allowed(self, ix: Index):
+        pos = ix.k if self.side == "key" else ix.q
+        if self.real is None:
+            return pos < self.lengths.to(pos.device)[ix.b]
+        return self.real.to(pos.device)[ix.b, pos]
+
+    def _tile_bounds(self, tx: TileIndex):
+        first, last = (tx.k0, tx.k1) if self.side == "key" else (tx.q0, tx.q1)
+        if self.real is None:
+            n = self.lengths.to(first.device)[tx.b]  # (B, 1, 1, 1)
+            return first < n, last < n
+        tile = tx.tile_k if self.side == "key" else tx.tile_q
+        real = self.real.to(first.device).long()
+        lo, hi = _tile_minmax(real, tile)           # (B, n): all real iff min == 1
+        shape = (-1, 1, 1, lo.shape[1]) if self.side == "key" else (-1, 1, lo.shape[1], 1)
+        return (hi == 1).view(shape), (lo == 1).view(shape)
+
+
+def padding(lengths_or_mask, *, side: str = "key") -> Padding:
+    """Padding mask from per-sequence lengths ``(B,)`` or a ``(B, S)`` bool tensor (True = real).
+
+    Args:
+        lengths_or_mask: lengths (right padding: positions ``>= length`` are padding), or
+            a bool tensor for any layout (left padding included).
+        side: ``"key"`` (default) hides padded keys; ``"query"`` marks padded queries,
+            whose rows return zeros.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> mh.masks.padding(torch.tensor([2, 3])).materialize(1, 3)[:, 0, 0].int().tolist()
+        [[1, 1, 0], [1, 1, 1]]
+    """
+    return Padding(lengths_or_mask, side)
+
+
+class Document(Mask):
+    """Packed sequences: a query attends only to keys of the same document id."""
+
+    def __init__(self, ids=None, *, kv_ids=None, cu_seqlens=None):
+        if (ids is None) == (cu_seqlens is None):
+            raise ValueError("document: pass exactly one of ids (per-token document ids) or "
+                             "cu_seqlens (cumulative lengths starting at 0)")
+        if cu_seqlens is not None:
+            cu = _as_long_1d_or_2d(cu_seqlens, "cu_seqlens")
+            if cu.dim() != 1 or len(cu) < 1 or int(cu[0]) != 0 or bool((cu.diff() < 0).any()):
+                raise ValueError(f"document: cu_seqlens must be 1-D, start at 0 and never "
+                                 f"decrease, got {cu.tolist()[:10]}")
+            pos = torch.arange(int(cu[-1]), device=cu.device)
+            ids = torch.bucketize(pos, cu[1:], right=True)
+        self.ids = _as_long_1d_or_2d(ids, "ids")
+        if self.ids.dim() == 1:
+            self.ids = self.ids.unsqueeze(0)                          # (1, S)
+        self.kv_ids = None
+        if kv_ids is not None:
+            self.kv_ids = _as_long_1d_or_2d(kv_ids, "kv_ids")
+            if self.kv_ids.dim() == 1:
+                self.kv_ids = self.kv_ids.unsqueeze(0)                # (1, Sk)
+        sizes = {len(self.ids)} | ({len(self.kv_ids)} if self.kv_ids is not None else set())
+        if len(sizes - {1}) > 1:
+            raise ValueError(f"document: ids and kv_ids have different batch sizes {sorted(sizes)}")
+        self.batch_size = max(sizes) if max(sizes) > 1 else None
+
+    def _tensors(self):
+        return [self.ids] + ([self.kv_ids] if self.kv_ids is not None else [])
+
+    def to(self, device):
+        return Document(self.ids.to(device),
+                        kv_ids=None if self.kv_ids is None else self.kv_ids.to(device))
+
+    def describe(self):
+        n = int(self.ids.max()) - int(self.ids.min()) + 1 if self.ids.numel() else 0
+        extra = "" if self.kv_ids is None else f", kv_ids of shape {tuple(self.kv_ids.shape)}"
+        return f"document(ids of shape {tuple(self.ids.shape)}, ~{n} documents{extra})"
+
+    def _preview_size(self):
+        n = min(self.ids.shape[1], 16)
+        return n, (n if self.kv_ids is None else min(self.kv_ids.shape[1], 16))
+
+    def _check(self, batch, heads, sq, sk):
+        super()._check(batch, heads, sq, sk)
+        if self.kv_ids is None and sq > sk:
+            raise ValueError(f"mask: {self.describe()} without kv_ids aligns queries with the last "
+                             f"Sq keys, but Sq = {sq} > Sk = {sk}: pass ids (length Sq) and "
+                             f"kv_ids (length Sk)")
+        if self.kv_ids is None and self.ids.shape[1] != sk:
+            raise ValueError(
+                f"mask: {self.describe()} has {self.ids.shape[1]} ids but Sk = {sk}: give one id "
+                f"per key (queries are the last Sq of them), or pass kv_ids for cross-attention")
+        if self.kv_ids is not None and (self.ids.shape[1] != sq or self.kv_ids.shape[1] != sk):
+            raise ValueError(f"mask: {self.describe()} needs ids of length Sq = {sq} and kv_ids "
+                             f"of length Sk = {sk}")
+
+    def _q_k_ids(self, sq: int, sk: int, device):
+        ids = self.ids.to(device)
+        if self.kv_ids is None:
+            return ids[:, sk - sq:], ids                               # (B', Sq), (B', Sk)
+        return ids, self.kv_ids.to(device)
+
+    def _allowed(self, ix: Index):
+        qid, kid = self._q_k_ids(ix.sq, ix.sk, ix.q.device)
+        bq = ix.b if len(qid) > 1 else 0
+        bk = ix.b if len(kid) > 1 else 0
+        return qid[bq, ix.q] == kid[bk, ix.k]
+
+    def _tile_bounds(self, tx: TileIndex):
+        qid, kid = self._q_k_ids(tx.sq, tx.sk, tx.q0.device)
+        qlo, qhi = _tile_minmax(qid, tx.tile_q)        # (B', nQ)
+        klo, khi = _tile_minmax(kid, tx.tile_k)        # (B', nK)
+        qlo, qhi = qlo[:, None, :, None], qhi[:, None, :, None]  # (B', 1, nQ, 1)
+        klo, khi = klo[:, None, None, :], khi[:, None, None, :]  # (B', 1, 1, nK)
+        any_ = (qlo <= khi) & (klo <= qhi)
+        all_ = (qlo == qhi) & (klo == khi) & (qlo == klo)
+        return any_, all_
+
+
+def document(ids=None, *, kv_ids=None, cu_seqlens=None) -> Document:
+    """Packed-sequence mask: tokens attend only within their own document.
+
+    Args:
+        ids: per-token document ids, ``(S,)`` or ``(B, S)`` (S = Sk; queries are the last
+            Sq positions, matching lower-right causal alignment).
+        kv_ids: ids of the keys when they differ from the queries' (cross-attention);
+            ``ids`` then has length Sq.
+        cu_seqlens: cumulative document lengths ``[0, l0, l0+l1, ...]`` instead of ``ids``.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> m = mh.masks.document(cu_seqlens=torch.tensor([0, 2, 3]))
+        >>> m.materialize(3, 3)[0, 0].int().tolist()
+        [[1, 1, 0], [1, 1, 0], [0, 0, 1]]
+    """
+    return Document(ids, kv_ids=kv_ids, cu_seqlens=cu_seqlens)

@@ -1,0 +1,221 @@
+"""Masks that wrap tensors (``dense``, ``bias``) and the ALiBi bias.
+
+``dense`` is the escape hatch for any pattern: a bool tensor broadcastable to
+``(B, H, Sq, Sk)``. ``bias`` is an additive float term (``-inf`` entries mean "masked");
+``alibi`` is the linear distance bias of Press et al. (2022), computed on the fly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Index, Mask, TileIndex, _dims
+
+
+def _as_4d(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dim() == 0 or t.dim() > 4:
+        raise ValueError(f"{name} must have 1 to 4 dims broadcastable to (B, H, Sq, Sk), "
+                         f"got shape {_dims(t)}")
+    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))             # (B|1, H|1, Sq|1, Sk|1)
+
+
+def _gather4(t: torch.Tensor, ix: Index) -> torch.Tensor:
+    """``t[b, h, q, k]`` for a 4-D tensor whose size-1 dims broadcast."""
+    zero = torch.zeros((), dtype=torch.long, device=ix.q.device)
+    idx = [i if n > 1 else zero for i, n in zip((ix.b, ix.h, ix.q, ix.k), t.shape)]
+    return t.to(ix.q.device)[idx[0], idx[1], idx[2], idx[3]]
+
+
+def _tile_reduce(allowed: torch.Tensor, tile_q: int, tile_k: int):
+    """Per-tile any/all of a 4-D bool tensor (size-1 dims stay size 1)."""
+    b, h, sq, sk = allowed.shape
+    tq = tile_q if sq > 1 else 1
+    tk = tile_k if sk > 1 else 1
+    nq, nk = -(-sq // tq), -(-sk // tk)
+    x = allowed.to(torch.int8)
+    # pad with -1: ignored by max (any) and by min-over-ones trick below
+    x = torch.nn.functional.pad(x, (0, nk * tk - sk, 0, nq * tq - sq), value=-1)
+    x = x.view(b, h, nq, tq, nk, tk)                                   # (B', H', nQ, tq, nK, tk)
+    any_ = x.amax(dim=(3, 5)) == 1
+    all_ = x.masked_fill(x == -1, 1).amin(dim=(3, 5)) == 1
+    return any_, all_
+
+
+def _check_broadcast(mask: Mask, t: torch.Tensor, batch, heads, sq, sk) -> None:
+    want = (batch, heads, sq, sk)
+    if any(n not in (1, w) for n, w in zip(t.shape, want)):
+        raise ValueError(f"mask: {mask.describe()} does not broadcast to (B, H, Sq, Sk) = "
+                         f"{want}: each dim must be 1 or equal to the inputs'")
+
+
+class Dense(Mask):
+    """Any pattern, as a bool tensor broadcastable to (B, H, Sq, Sk); True = may attend."""
+
+    def __init__(self, allowed: torch.Tensor):
+        if not isinstance(allowed, torch.Tensor):
+            raise TypeError(f"dense() takes a bool tensor, got {type(allowed).__name__}")
+        if allowed.dtype != torch.bool:
+            raise TypeError(
+                f"dense() takes a bool tensor (True = may attend), got dtype {allowed.dtype}: "
+                f"use mask > 0 for a 0/1 tensor, or multihead.masks.bias(t) for additive floats")
+        self.t = _as_4d(allowed, "dense mask")
+        self.batch_size = self.t.shape[0] if self.t.shape[0] > 1 else None
+        self.num_heads = self.t.shape[1] if self.t.shape[1] > 1 else None
+
+    def _tensors(self):
+        return [self.t]
+
+    def to(self, device):
+        return type(self)(self.t.to(device))
+
+    def describe(self):
+        return f"dense(shape {_dims(self.t)})"
+
+    def _preview_size(self):
+        return min(self.t.shape[2], 16), min(self.t.shape[3], 16)
+
+    def _check(self, batch, heads, sq, sk):
+        _check_broadcast(self, self.t, batch, heads, sq, sk)
+
+    def _allowed(self, ix: Index):
+        return _gather4(self.t, ix)
+
+    def _tile_bounds(self, tx: TileIndex):
+        return _tile_reduce(self.t.to(tx.q0.device), tx.tile_q, tx.tile_k)
+
+
+def dense(allowed: torch.Tensor) -> Dense:
+    """Wrap a bool tensor broadcastable to ``(B, H, Sq, Sk)`` (True = may attend).
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> m = mh.masks.dense(torch.tensor([[True, False], [True, True]]))
+        >>> m.materialize(2, 2)[0, 0].int().tolist()
+        [[1, 0], [1, 1]]
+    """
+    return Dense(allowed)
+
+
+class Bias(Mask):
+    """An additive float bias; ``-inf`` entries are masked. Gradients flow to the bias."""
+
+    has_bias = True
+
+    def __init__(self, values: torch.Tensor):
+        if not isinstance(values, torch.Tensor) or not values.is_floating_point():
+            what = values.dtype if isinstance(values, torch.Tensor) else type(values).__name__
+            raise TypeError(f"bias() takes a floating-point tensor, got {what}: use "
+                            f"multihead.masks.dense(t) for bool masks")
+        t = _as_4d(values, "bias")
+        if bool(torch.isnan(t).any()) or bool(torch.isposinf(t).any()):
+            raise ValueError("bias contains NaN or +inf: only finite values and -inf (masked) are allowed")
+        neg = torch.isneginf(t)
+        self.has_predicate = bool(neg.any())
+        self.allow = Dense(~neg) if self.has_predicate else None
+        self.values = t.masked_fill(neg, 0.0) if self.has_predicate else t
+        self.raw = values
+        self.batch_size = t.shape[0] if t.shape[0] > 1 else None
+        self.num_heads = t.shape[1] if t.shape[1] > 1 else None
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.values.requires_grad
+
+    def _tensors(self):
+        return [self.values]
+
+    def to(self, device):
+        return Bias(self.raw.to(device))
+
+    def describe(self):
+        return f"bias(shape {_dims(self.values)})"
+
+    def _preview_size(self):
+        return min(self.values.shape[2], 16), min(self.values.shape[3], 16)
+
+    def _check(self, batch, heads, sq, sk):
+        _check_broadcast(self, self.values, batch, heads, sq, sk)
+
+    def _allowed(self, ix):
+        return self.allow._allowed(ix)
+
+    def _tile_bounds(self, tx):
+        return self.allow._tile_bounds(tx)
+
+    def _bias(self, ix):
+        return _gather4(self.values, ix)
+
+
+def bias(values: torch.Tensor) -> Bias:
+    """An additive bias broadcastable to ``(B, H, Sq, Sk)``; ``-inf`` entries are masked.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> b = mh.masks.bias(torch.tensor([[0.0, float("-inf")], [0.5, 0.0]]))
+        >>> b.materialize(2, 2)[0, 0].int().tolist()
+        [[1, 0], [1, 1]]
+    """
+    return Bias(values)
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi's per-head slopes (Press et al. 2022), the geometric sequence ``2^(-8i/n)``.
+
+    For a head count that is not a power of two, the slopes of the next lower power of
+    two are followed by every other slope of the next higher one, as in the paper's code.
+
+    Example:
+        >>> import multihead as mh
+        >>> mh.masks.alibi_slopes(4).tolist()
+        [0.25, 0.0625, 0.015625, 0.00390625]
+    """
+    def pow2(n: int) -> list[float]:
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start * start ** i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        slopes = pow2(num_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(num_heads))
+        slopes = pow2(closest) + pow2(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class ALiBi(Mask):
+    """Bias ``-slope_h * |(q + offset) - k|``: a penalty linear in distance, per head."""
+
+    has_bias = True
+    has_predicate = False
+
+    def __init__(self, num_heads: int, align: str = "lower_right"):
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"alibi: num_heads must be a positive int, got {num_heads!r}")
+        from .structured import _check_align
+        self.num_heads = num_heads
+        self.align = _check_align(align)
+        self.slopes = alibi_slopes(num_heads)
+
+    def describe(self):
+        return f"alibi({self.num_heads}, align={self.align!r})"
+
+    def _bias(self, ix: Index):
+        from .structured import _offset
+        dist = (ix.q + _offset(self.align, ix.sq, ix.sk) - ix.k).abs()
+        return -self.slopes.to(ix.q.device)[ix.h] * dist
+
+    def __repr__(self):
+        sl = ", ".join(f"{s:.4g}" for s in self.slopes.tolist()[:4])
+        return f"{self.describe()}: slopes [{sl}{', ...' if self.num_heads > 4 else ''}]"
+
+
+def alibi(num_heads: int, *, align: str = "lower_right") -> ALiBi:
+    """ALiBi additive bias for ``num_heads`` heads; combine with ``causal()`` for decoders.
+
+    Example:
+        >>> import multihead as mh
+        >>> mh.masks.alibi(2).additive(1, 3)[0, :, 0].tolist()
+        [[-0.125, -0.0625, -0.0], [-0.0078125, -0.00390625, -0.0]]
+    """
+    return ALiBi(num_heads, align)

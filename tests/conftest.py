@@ -1,0 +1,88 @@
+"""Shared helpers: the fp64 oracle, the "plain PyTorch" baseline of the error rule, masks."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import multihead as mh
+from multihead.functional import _tiles
+
+BACKENDS = ["reference", "sdpa", "blocksparse"]
+
+
+@contextlib.contextmanager
+def small_tiles(tile: int = 8, budget: int = 2048):
+    """Shrink the blocksparse tiles so small tests cross many tiles, chunks and steps."""
+    saved = _tiles.TILE, _tiles.TILE_Q, _tiles.BUDGET
+    _tiles.TILE, _tiles.TILE_Q, _tiles.BUDGET = tile, tile, budget
+    try:
+        yield
+    finally:
+        _tiles.TILE, _tiles.TILE_Q, _tiles.BUDGET = saved
+
+
+@pytest.fixture
+def tiny_tiles():
+    with small_tiles():
+        yield
+
+
+def oracle(q, k, v, mask=None, scale=None):
+    """The reference backend in float64: the oracle of every test."""
+    m = mask.to(q.device) if mask is not None else None
+    if isinstance(m, mh.masks.Bias):
+        m = mh.masks.bias(m.raw.double())
+    return mh.attention(q.double(), k.double(), v.double(), mask=m, scale=scale,
+                        backend="reference")
+
+
+def plain_torch(q, k, v, mask=None):
+    """Attention written the plain way, every op in the inputs' dtype (the error-rule baseline)."""
+    sq, sk, g = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    if mask is not None:
+        s = s + mask.additive(sq, sk, dtype=s.dtype)
+    empty = torch.isneginf(s).all(dim=-1, keepdim=True)     # rows with nothing to attend to
+    w = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    return w @ v
+
+
+def make_masks(B: int, H: int, sq: int, sk: int, seed: int = 0) -> dict[str, mh.masks.Mask | None]:
+    """One of every mask kind, and compositions, for a call of these sizes."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, sk + 1, (B,), generator=g)
+    lengths[0] = sk
+    left = torch.arange(sk).unsqueeze(0) >= torch.randint(0, sk, (B,), generator=g).unsqueeze(1)
+    ids = torch.sort(torch.randint(0, 4, (B, sk), generator=g), dim=1).values
+    q_ids = torch.sort(torch.randint(0, 4, (B, sq), generator=g), dim=1).values
+    doc = (mh.masks.document(ids) if sq <= sk else mh.masks.document(q_ids, kv_ids=ids))
+    dense = torch.rand(B, 1, sq, sk, generator=g) > 0.4
+    b = torch.randn(1, H, sq, sk, generator=g)
+    b[torch.rand(1, H, sq, sk, generator=g) > 0.8] = float("-inf")
+    qlen = torch.randint(0, sq + 1, (B,), generator=g)
+    M = mh.masks
+    return {
+        "none": None,
+        "causal": M.causal(),
+        "causal_upper_left": M.causal(align="upper_left"),
+        "sliding_window": M.sliding_window(max(2, sk // 5)),
+        "padding_lengths": M.padding(lengths),
+        "padding_left_bool": M.padding(left),
+        "padding_query": M.padding(qlen, side="query"),
+        "document": doc,
+        "dense": M.dense(dense),
+        "bias": M.bias(b),
+        "alibi": M.alibi(H),
+        "causal&padding": M.causal() & M.padding(lengths),
+        "window&document": M.sliding_window(max(2, sk // 3)) & doc,
+        "causal|dense": M.causal() | M.dense(dense),
+        "~dense&alibi": ~M.dense(dense) & M.alibi(H),
+        "causal&alibi": M.causal() & M.alibi(H),
+    }
+
+
+MASK_NAMES = list(make_masks(1, 1, 4, 4))
