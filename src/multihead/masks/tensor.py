@@ -216,6 +216,6 @@ def alibi(num_heads: int, *, align: str = "lower_right") -> ALiBi:
     Example:
         >>> import multihead as mh
         >>> mh.masks.alibi(2).additive(1, 3)[0, :, 0].tolist()
-        [[-0.125, -0.0625, -0.0], [-0.0078125, -0.00390625, -0.0]]
+        [[-0.125, -0.0625, 0.0], [-0.0078125, -0.00390625, 0.0]]
     """
     return ALiBi(num_heads, align)

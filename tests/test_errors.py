@@ -1,0 +1,67 @@
+"""Every bad input gets a ValueError/TypeError naming the argument, the value and the fix."""
+
+import pytest
+import torch
+
+import multihead as mh
+
+M = mh.masks
+q = torch.randn(2, 4, 5, 8)
+k = v = torch.randn(2, 2, 7, 8)
+
+BAD = [
+    ("3-D q", lambda: mh.attention(torch.randn(2, 5, 32), k, v), ValueError,
+     r"q must be 4-D \(B, H, Sq, D\), got shape \(2, 5, 32\).*MultiHeadAttention"),
+    ("list q", lambda: mh.attention([1, 2], k, v), TypeError, r"q must be a torch.Tensor"),
+    ("int dtype", lambda: mh.attention(q.long(), k, v), TypeError, r"q has dtype torch.int64.*float"),
+    ("mixed dtype", lambda: mh.attention(q, k.double(), v), TypeError, r"share a dtype.*\.to\("),
+    ("batch", lambda: mh.attention(q, torch.randn(3, 2, 7, 8), torch.randn(3, 2, 7, 8)), ValueError,
+     r"batch sizes differ: q \(2, 4, 5, 8\), k \(3, 2, 7, 8\)"),
+    ("head_dim", lambda: mh.attention(q, torch.randn(2, 2, 7, 6), v), ValueError,
+     r"head_dim of q \(8\) and k \(6\) must match"),
+    ("kv mismatch", lambda: mh.attention(q, k, torch.randn(2, 2, 6, 8)), ValueError,
+     r"k \(2, 2, 7, 8\) and v \(2, 2, 6, 8\) must agree"),
+    ("gqa", lambda: mh.attention(q, torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)), ValueError,
+     r"q has 4 heads and k/v have 3.*one of \[1, 2, 4\]"),
+    ("mask broadcast", lambda: mh.attention(q, k, v, mask=M.dense(torch.ones(5, 6, dtype=torch.bool))),
+     ValueError, r"dense\(shape \(1, 1, 5, 6\)\) does not broadcast to \(B, H, Sq, Sk\) = \(2, 4, 5, 7\)"),
+    ("mask dtype", lambda: mh.attention(q, k, v, mask=torch.ones(5, 7, dtype=torch.int32)), TypeError,
+     r"mask has dtype torch.int32"),
+    ("dense dtype", lambda: M.dense(torch.ones(5, 7)), TypeError, r"bool tensor.*bias"),
+    ("padding batch", lambda: mh.attention(q, k, v, mask=M.padding(torch.tensor([1, 2, 3]))),
+     ValueError, r"batch size 3.*batch size 2"),
+    ("padding too long", lambda: mh.attention(q, k, v, mask=M.padding(torch.tensor([9, 2]))),
+     ValueError, r"length 9 > Sk = 7"),
+    ("alibi heads", lambda: mh.attention(q, k, v, mask=M.alibi(3)), ValueError,
+     r"built for 3 heads.*num_heads=4"),
+    ("mask device", lambda: mh.attention(q.to("meta"), k.to("meta"), v.to("meta"),
+                                         mask=M.padding(torch.tensor([1, 2]))),
+     ValueError, r"holds a tensor on cpu, but the inputs are on meta: move it with mask.to\('meta'\)"),
+    ("dropout", lambda: mh.attention(q, k, v, dropout_p=1.0), ValueError, r"dropout_p must be.*\[0, 1\).*1.0"),
+    ("dropout neg", lambda: mh.attention(q, k, v, dropout_p=-0.1), ValueError, r"dropout_p"),
+    ("scale inf", lambda: mh.attention(q, k, v, scale=float("inf")), ValueError,
+     r"scale must be finite and > 0, got inf.*0.3536"),
+    ("scale zero", lambda: mh.attention(q, k, v, scale=0.0), ValueError, r"scale must be finite and > 0"),
+    ("scale type", lambda: mh.attention(q, k, v, scale="1"), TypeError, r"scale must be a float"),
+    ("backend name", lambda: mh.attention(q, k, v, backend="flash"), ValueError,
+     r"unknown backend 'flash': choose one of auto, blocksparse, reference, sdpa"),
+    ("backend cannot", lambda: mh.attention(q, k, v, backend="sdpa", return_weights=True), ValueError,
+     r"backend='sdpa' cannot run this call: it does not return attention weights.*\['reference'\]"),
+    ("window size", lambda: M.sliding_window(0), ValueError, r"size must be a positive int, got 0"),
+    ("align", lambda: M.causal(align="top"), ValueError, r"align must be one of"),
+    ("document args", lambda: M.document(), ValueError, r"exactly one of ids"),
+    ("document len", lambda: mh.attention(q, k, v, mask=M.document(torch.zeros(6, dtype=torch.long))),
+     ValueError, r"6 ids but Sk = 7"),
+    ("cu_seqlens", lambda: M.document(cu_seqlens=torch.tensor([1, 3])), ValueError, r"start at 0"),
+    ("bias nan", lambda: M.bias(torch.tensor([float("nan")])), ValueError, r"NaN"),
+    ("or bias", lambda: M.causal() | M.bias(torch.zeros(2, 2)), TypeError, r"combine biases with &"),
+    ("and tensor", lambda: M.causal() & torch.ones(2, 2, dtype=torch.bool), TypeError, r"masks.dense"),
+    ("negative lengths", lambda: M.padding(torch.tensor([-1, 2])), ValueError, r"lengths must be >= 0"),
+    ("explain too", lambda: mh.explain(q, k, v, backend="nope"), ValueError, r"unknown backend"),
+]
+
+
+@pytest.mark.parametrize("name,fn,exc,pattern", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_message(name, fn, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        fn()

@@ -1,0 +1,142 @@
+"""The mask model: semantics, composition, tile classification soundness, repr."""
+
+import pytest
+import torch
+
+import multihead as mh
+from multihead.masks import EMPTY, FULL, PARTIAL
+
+M = mh.masks
+
+
+def test_causal_alignment_drawn():
+    lr = M.causal().materialize(2, 5)[0, 0].int().tolist()
+    ul = M.causal(align="upper_left").materialize(2, 5)[0, 0].int().tolist()
+    assert lr == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert ul == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]
+
+
+def test_sliding_window_sees_itself_and_size_minus_one_before():
+    m = M.sliding_window(3).materialize(6, 6)[0, 0]
+    for i in range(6):
+        assert m[i].nonzero().flatten().tolist() == list(range(max(0, i - 2), i + 1))
+
+
+def test_padding_forms_agree():
+    lengths = torch.tensor([3, 5])
+    as_bool = torch.arange(5).unsqueeze(0) < lengths.unsqueeze(1)
+    a = M.padding(lengths).materialize(4, 5)
+    b = M.padding(as_bool).materialize(4, 5)
+    assert a.shape == (2, 1, 4, 5) and torch.equal(a, b)
+    q = M.padding(torch.tensor([2, 4]), side="query").materialize(4, 5)
+    assert q[0, 0, :2].all() and not q[0, 0, 2:].any()
+
+
+def test_document_ids_and_cu_seqlens_agree():
+    ids = torch.tensor([0, 0, 0, 1, 1, 2])
+    a = M.document(ids).materialize(6, 6)
+    b = M.document(cu_seqlens=torch.tensor([0, 3, 5, 6])).materialize(6, 6)
+    assert torch.equal(a, b)
+    assert torch.equal(a[0, 0], ids.unsqueeze(0) == ids.unsqueeze(1))
+    # decoding: queries are the last Sq positions
+    assert torch.equal(M.document(ids).materialize(2, 6)[0, 0], a[0, 0, 4:])
+
+
+def test_composition_and_complement():
+    c, w = M.causal(), M.sliding_window(2)
+    a, b = c.materialize(5, 5), w.materialize(5, 5)
+    assert torch.equal((c & w).materialize(5, 5), a & b)
+    d = M.dense(torch.eye(5, dtype=torch.bool))
+    assert torch.equal((w | d).materialize(5, 5), b | d.materialize(5, 5))
+    assert torch.equal((~c).materialize(5, 5), ~a)
+
+
+def test_biases_add_under_and_and_mask_with_minus_inf():
+    al = M.alibi(2)
+    b = torch.randn(1, 2, 3, 3)
+    m = M.causal() & al & M.bias(b)
+    add = m.additive(3, 3)
+    want = (al.additive(3, 3) + b).masked_fill(~M.causal().materialize(3, 3), float("-inf"))
+    torch.testing.assert_close(add, want)
+    with pytest.raises(TypeError, match=r"\|"):
+        _ = M.causal() | al
+
+
+def test_alibi_slopes_match_the_paper():
+    assert M.alibi_slopes(8).tolist() == [2.0 ** -(i + 1) for i in range(8)]
+    s12 = M.alibi_slopes(12).tolist()      # 8 slopes, then every other of the 16-head ones
+    assert s12[:8] == M.alibi_slopes(8).tolist()
+    assert s12[8:] == M.alibi_slopes(16).tolist()[0::2][:4]
+
+
+def test_bias_minus_inf_is_a_mask():
+    b = torch.tensor([[0.0, float("-inf")], [1.0, 2.0]])
+    assert M.bias(b).materialize(2, 2)[0, 0].tolist() == [[True, False], [True, True]]
+
+
+MASKS = {
+    "causal": lambda: M.causal(),
+    "upper_left": lambda: M.causal(align="upper_left"),
+    "window": lambda: M.sliding_window(7),
+    "padding": lambda: M.padding(torch.tensor([13, 40, 0])),
+    "padding_bool": lambda: M.padding(torch.rand(3, 40) > 0.3),
+    "query_padding": lambda: M.padding(torch.tensor([5, 0, 37]), side="query"),
+    "document": lambda: M.document(torch.sort(torch.randint(0, 5, (3, 40))).values),
+    "dense": lambda: M.dense(torch.rand(3, 2, 37, 40) > 0.7),
+    "and": lambda: M.sliding_window(9) & M.padding(torch.tensor([13, 40, 20])),
+    "or": lambda: M.sliding_window(3) | M.document(torch.tensor([0] * 20 + [1] * 20)),
+    "not": lambda: ~M.causal(),
+}
+
+
+def exact_states(dense: torch.Tensor, tq: int, tk: int) -> torch.Tensor:
+    """Tile states computed the slow way, from the materialized mask (B, H, Sq, Sk)."""
+    b, h, sq, sk = dense.shape
+    nq, nk = -(-sq // tq), -(-sk // tk)
+    out = torch.empty(b, h, nq, nk, dtype=torch.long)
+    for i in range(nq):
+        for j in range(nk):
+            block = dense[..., i * tq:(i + 1) * tq, j * tk:(j + 1) * tk].flatten(2)
+            out[..., i, j] = torch.where(block.all(-1), FULL,
+                                         torch.where(block.any(-1), PARTIAL, EMPTY))
+    return out
+
+
+@pytest.mark.parametrize("name", MASKS)
+@pytest.mark.parametrize("tiles", [(8, 8), (5, 16), (64, 64), (1, 1)])
+def test_tile_states_are_exact_or_sound(name, tiles):
+    torch.manual_seed(0)
+    m = MASKS[name]()
+    sq, sk = 37, 40
+    tm = m.tiles(sq, sk, tile_q=tiles[0], tile_k=tiles[1], batch=3, heads=2)
+    want = exact_states(m.materialize(sq, sk).expand(3, 2, sq, sk), *tiles)
+    got = tm.state.long().expand_as(want)
+    # sound: EMPTY only if truly empty, FULL only if truly full
+    assert not ((got == EMPTY) & (want != EMPTY)).any()
+    assert not ((got == FULL) & (want != FULL)).any()
+    if name not in ("document", "and", "or", "not", "padding_bool"):
+        assert torch.equal(got, want)           # exact for these
+
+
+def test_tile_map_density_and_counts():
+    m = M.sliding_window(256)
+    tm = m.tiles(4096, 4096)
+    want = exact_states(m.materialize(4096, 4096), 64, 64)
+    assert tm.counts() == {"empty": int((want == EMPTY).sum()), "partial": int((want == PARTIAL).sum()),
+                           "full": int((want == FULL).sum())}
+    assert tm.counts()["partial"] == 64 + 60      # the diagonal, and tile i-4 for i >= 4
+    assert tm.counts()["full"] == 63 + 62 + 61    # tiles i-1, i-2, i-3
+    assert abs(tm.density - 310 / 4096) < 1e-9    # about 5 of 64 key tiles per query tile
+
+
+def test_repr_draws_the_mask():
+    r = repr(M.causal() & M.padding(torch.tensor([3])))
+    assert "causal" in r and "padding" in r
+    assert "1 1 1 . . . . ." in r            # the last row: 3 real keys
+
+
+def test_masks_move_between_devices_and_check_them():
+    m = M.padding(torch.tensor([3, 4]))
+    assert m.to("cpu")._tensors()[0].device.type == "cpu"
+    with pytest.raises(ValueError, match="meta"):
+        m.check(2, 1, 4, 4, device="meta")
