@@ -10,7 +10,10 @@ Example:
 
 from . import masks
 from .functional import attention, backends, explain
+from .modules import MultiHeadAttention, RotaryEmbedding
+from . import interop, nn  # noqa: E402  (interop uses the public API above)
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "explain", "backends", "masks", "__version__"]
+__all__ = ["attention", "explain", "backends", "masks", "MultiHeadAttention", "RotaryEmbedding",
+           "interop", "nn", "__version__"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 
@@ -88,16 +87,17 @@ class AttentionCall:
         """Multiply-adds of dense attention, B*H*Sq*Sk*(D+Dv): the unit of the cost model."""
         return float(self.B * self.H * self.Sq * self.Sk * (self.D + self.Dv))
 
-    @cached_property
+    @property
     def effective_mask(self) -> M.Mask | None:
         """The mask, or None when it allows every pair and adds no bias (e.g. causal at Sq=1)."""
-        m = self.mask
-        if m is None or m.has_bias or not m.has_predicate:
-            return m
-        if isinstance(m, M.Window) and m.size is None:  # exact, O(1)
-            one = m.tiles(self.Sq, self.Sk, tile_q=max(self.Sq, 1), tile_k=max(self.Sk, 1))
-            return None if bool((one.state == M.FULL).all()) else m
-        return m
+        if "_effective" not in self.__dict__:
+            m = self.mask
+            if isinstance(m, M.Window) and m.size is None:
+                # causal allows everything iff the first query already sees the last key
+                off = self.Sk - self.Sq if m.align == "lower_right" else 0
+                m = None if self.Sk - 1 <= off else m
+            self.__dict__["_effective"] = m
+        return self.__dict__["_effective"]
 
     @property
     def is_pure_causal(self) -> bool:

@@ -287,6 +287,7 @@ class _BlockSparseAttention(torch.autograd.Function):
 class BlockSparse(Backend):
     name = "blocksparse"
     summary = "tiled online softmax that skips the tiles a mask rules out; returns lse"
+    traceable = False
 
     #: measured on a 2-core Xeon (docs/benchmarks.md): per computed pair, the kernel
     #: costs about this many times what the fused sdpa kernel does

@@ -67,8 +67,11 @@ def _describe(call: AttentionCall) -> str:
 
 def _decide(call: AttentionCall, backend: str) -> Explanation:
     rows = []
+    compiling = torch.compiler.is_compiling()
     for name, b in registry.all_backends().items():
         reason = b.unsupported(call)
+        if reason is None and compiling and not b.traceable:
+            reason = "is not traceable by torch.compile (data-dependent tile loop)"
         cost = b.cost(call) if reason is None else None
         rows.append((name, reason, cost, b.cost_note(call) if reason is None else ""))
     if backend == AUTO:

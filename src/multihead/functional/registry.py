@@ -22,6 +22,8 @@ class Backend:
 
     name: str = "?"
     summary: str = ""
+    #: can run inside torch.compile(fullgraph=True) without graph breaks
+    traceable: bool = True
 
     def unsupported(self, call: AttentionCall) -> str | None:
         """Why this backend cannot run ``call`` (a short reason), or None if it can."""

@@ -38,7 +38,7 @@ def _plan_mask(call: AttentionCall):
     if allowed is not None:
         allowed = allowed.expand(*allowed.shape[:2], call.Sq, call.Sk)
         has_any = allowed.any(dim=-1, keepdim=True)                   # (B', H', Sq, 1)
-        if not bool(has_any.all()):
+        if torch.compiler.is_compiling() or not bool(has_any.all()):  # branch-free when tracing
             allowed = allowed | ~has_any                              # open empty rows ...
             row_ok = has_any                                          # ... zero them after
     if bias is None:

@@ -23,8 +23,8 @@ def _as_4d(t: torch.Tensor, name: str) -> torch.Tensor:
 
 def _gather4(t: torch.Tensor, ix: Index) -> torch.Tensor:
     """``t[b, h, q, k]`` for a 4-D tensor whose size-1 dims broadcast."""
-    zero = torch.zeros((), dtype=torch.long, device=ix.q.device)
-    idx = [i if n > 1 else zero for i, n in zip((ix.b, ix.h, ix.q, ix.k), t.shape)]
+    # a broadcast (size-1) dim reads index 0; ``i * 0`` keeps the index's rank
+    idx = [i if n > 1 else i * 0 for i, n in zip((ix.b, ix.h, ix.q, ix.k), t.shape)]
     return t.to(ix.q.device)[idx[0], idx[1], idx[2], idx[3]]
 
 

@@ -1,0 +1,275 @@
+"""``MultiHeadAttention``: projections, heads, RoPE and output projection around ``mh.attention``.
+
+The module projects, splits heads, rotates, and calls :func:`multihead.attention`; it
+holds no backend logic. Self-attention runs one fused QKV GEMM; cross-attention one Q GEMM
+and one fused KV GEMM (when ``kdim == vdim == embed_dim``, the packed layout).
+
+Notation used for tensor shapes:
+    B batch, Sq query length, Sk key length, E embed_dim, H heads, Hkv K/V heads,
+    Dh head_dim, Nq = H * Dh, Nkv = Hkv * Dh.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..functional import attention
+from .rope import RotaryEmbedding
+
+
+class Projection(NamedTuple):
+    """A projection's weight ``(out, in)`` and bias ``(out,)`` (views into the module's parameters)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention (Vaswani et al. 2017) with GQA/MQA, RoPE and cross-attention.
+
+    Args:
+        embed_dim: E, the model width of inputs and outputs.
+        num_heads: H, query heads.
+        num_kv_heads: Hkv, key/value heads (default H; 1 is MQA; ``H % Hkv == 0``).
+        head_dim: Dh (default ``E // H``, the seeds' d_k = d_model / h).
+        bias: biases on the four projections.
+        dropout: dropout on the attention weights in training mode.
+        kdim, vdim: widths of the context's keys/values for cross-attention (default E).
+        rope: a :class:`RotaryEmbedding` applied to queries and keys.
+        backend: passed to :func:`multihead.attention` (``"auto"`` by default).
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> attn = mh.MultiHeadAttention(64, 8, num_kv_heads=2)
+        >>> x = torch.randn(2, 10, 64)
+        >>> y, w = attn(x, mask=mh.masks.causal(), return_weights=True)
+        >>> y.shape, w.shape
+        (torch.Size([2, 10, 64]), torch.Size([2, 8, 10, 10]))
+
+    Shapes:
+        x (B, Sq, E); context (B, Sk, kdim); output (B, Sq, E); weights (B, H, Sq, Sk)
+        or (B, Sq, Sk) averaged.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, bias: bool = True, dropout: float = 0.0,
+                 kdim: int | None = None, vdim: int | None = None,
+                 rope: RotaryEmbedding | None = None, backend: str = "auto",
+                 device=None, dtype=None):
+        super().__init__()
+        E = _positive_int("embed_dim", embed_dim)
+        H = _positive_int("num_heads", num_heads)
+        Hkv = H if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+        if head_dim is None:
+            if E % H:
+                raise ValueError(f"embed_dim ({E}) must be divisible by num_heads ({H}): try "
+                                 f"num_heads in {_divisors(E)[:12]}, or pass head_dim explicitly")
+            head_dim = E // H
+        Dh = _positive_int("head_dim", head_dim)
+        if H % Hkv:
+            raise ValueError(f"num_heads ({H}) must be a multiple of num_kv_heads ({Hkv}): try "
+                             f"num_kv_heads in {_divisors(H)}")
+        if not (isinstance(dropout, (int, float)) and 0.0 <= dropout < 1.0):
+            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+        if rope is not None:
+            if not isinstance(rope, RotaryEmbedding):
+                raise TypeError(f"rope must be a multihead.RotaryEmbedding, got {type(rope).__name__}")
+            if rope.head_dim != Dh:
+                raise ValueError(f"rope was built for head_dim {rope.head_dim} but the module's "
+                                 f"head_dim is {Dh}: use RotaryEmbedding({Dh})")
+        self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = E, H, Hkv, Dh
+        self.kdim = E if kdim is None else _positive_int("kdim", kdim)
+        self.vdim = E if vdim is None else _positive_int("vdim", vdim)
+        self.dropout, self.backend, self.rope = float(dropout), backend, rope
+        nq, nkv = H * Dh, Hkv * Dh
+        fk = dict(device=device, dtype=dtype)
+        self.packed = self.kdim == self.vdim == E
+        if self.packed:   # rows: [W_Q; W_K; W_V], one GEMM for self-attention
+            self.in_proj_weight = nn.Parameter(torch.empty(nq + 2 * nkv, E, **fk))
+            self.in_proj_bias = nn.Parameter(torch.empty(nq + 2 * nkv, **fk)) if bias else None
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty(nq, E, **fk))
+            self.k_proj_weight = nn.Parameter(torch.empty(nkv, self.kdim, **fk))
+            self.v_proj_weight = nn.Parameter(torch.empty(nkv, self.vdim, **fk))
+            self.in_proj_bias = nn.Parameter(torch.empty(nq + 2 * nkv, **fk)) if bias else None
+        self.out_proj = nn.Linear(nq, E, bias=bias, **fk)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform projections and zero biases (torch.nn.MultiheadAttention's init)."""
+        for w in (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight) if not self.packed else ():
+            nn.init.xavier_uniform_(w)
+        if self.packed:
+            nn.init.xavier_uniform_(self.in_proj_weight)
+        if self.in_proj_bias is not None:
+            nn.init.zeros_(self.in_proj_bias)
+            nn.init.zeros_(self.out_proj.bias)
+
+    # -- per-role views -------------------------------------------------------------------
+    def _rows(self, role: str) -> slice:
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {"q": slice(0, nq), "k": slice(nq, nq + nkv), "v": slice(nq + nkv, nq + 2 * nkv),
+                "kv": slice(nq, nq + 2 * nkv)}[role]
+
+    def _proj(self, role: str) -> Projection:
+        rows = self._rows(role)
+        b = self.in_proj_bias[rows] if self.in_proj_bias is not None else None
+        w = self.in_proj_weight[rows] if self.packed else getattr(self, f"{role}_proj_weight")
+        return Projection(w, b)
+
+    @property
+    def q_proj(self) -> Projection:
+        """W_Q ``(H*Dh, E)`` and its bias, as views."""
+        return self._proj("q")
+
+    @property
+    def k_proj(self) -> Projection:
+        """W_K ``(Hkv*Dh, kdim)`` and its bias, as views."""
+        return self._proj("k")
+
+    @property
+    def v_proj(self) -> Projection:
+        """W_V ``(Hkv*Dh, vdim)`` and its bias, as views."""
+        return self._proj("v")
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameter count; ``4*E**2 + 4*E`` for the default MHA (the seeds' count)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def extra_repr(self) -> str:
+        kind = "MHA" if self.num_kv_heads == self.num_heads else (
+            "MQA" if self.num_kv_heads == 1 else "GQA")
+        s = (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+             f"num_kv_heads={self.num_kv_heads} ({kind}), head_dim={self.head_dim}")
+        if not self.packed:
+            s += f", kdim={self.kdim}, vdim={self.vdim}"
+        return s + f", dropout={self.dropout}, parameters={self.num_parameters:,}"
+
+    # -- forward --------------------------------------------------------------------------
+    def _check_input(self, name: str, t, width: int) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (B, S, {width}), got {type(t).__name__}")
+        if t.dim() != 3 or t.shape[-1] != width:
+            raise ValueError(f"{name} must be (B, S, {width}), got shape {tuple(t.shape)}"
+                             + (" (add a batch dim with x.unsqueeze(0))" if t.dim() == 2 else ""))
+        p = self.out_proj.weight
+        if t.dtype != p.dtype or t.device != p.device:
+            raise TypeError(f"{name} is {t.dtype} on {t.device} but the module is {p.dtype} on "
+                            f"{p.device}: use module.to({name}.device, {name}.dtype) or convert {name}")
+
+    def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        B, S, _ = x.shape
+        return x.view(B, S, heads, self.head_dim).transpose(1, 2)      # (B, heads, S, Dh)
+
+    def _qkv(self, x, context, positions):
+        """Projected, head-split (and rotated) q (B, H, Sq, Dh), k and v (B, Hkv, Sk, Dh)."""
+        self._check_input("x", x, self.embed_dim)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if context is None:
+            if self.packed:
+                qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # (B, Sq, Nq + 2*Nkv)
+                q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+            else:
+                raise ValueError(f"self-attention needs kdim == vdim == embed_dim; this module has "
+                                 f"kdim={self.kdim}, vdim={self.vdim}: pass context")
+        else:
+            if self.kdim != self.vdim:
+                raise ValueError("kdim != vdim: this module takes keys and values from one context "
+                                 "of width kdim; build it with kdim == vdim")
+            self._check_input("context", context, self.kdim)
+            if context.shape[0] != x.shape[0]:
+                raise ValueError(f"context batch ({context.shape[0]}) != x batch ({x.shape[0]})")
+            q = F.linear(x, *self.q_proj)                                  # (B, Sq, Nq)
+            if self.packed:
+                kv = F.linear(context, *self._proj("kv"))                  # (B, Sk, 2*Nkv)
+                k, v = kv.split([nkv, nkv], dim=-1)
+            else:
+                k, v = F.linear(context, *self.k_proj), F.linear(context, *self.v_proj)
+        q, k, v = self._heads(q, self.num_heads), self._heads(k, self.num_kv_heads), \
+            self._heads(v, self.num_kv_heads)
+        if self.rope is not None:
+            q, k = self._rotate(q, k, positions, context is None)
+        elif positions is not None:
+            raise ValueError("positions are only used with rope=RotaryEmbedding(...); this module has none")
+        return q, k, v
+
+    def _rotate(self, q, k, positions, self_attn):
+        B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
+        if positions is None:
+            positions = torch.arange(Sq, device=q.device)
+        positions = torch.as_tensor(positions, device=q.device)
+        if positions.shape[-1] != Sq or positions.dim() not in (1, 2) or (
+                positions.dim() == 2 and positions.shape[0] not in (1, B)):
+            raise ValueError(f"positions must be (Sq,) or (B, Sq) = ({Sq},) or ({B}, {Sq}), "
+                             f"got shape {tuple(positions.shape)}")
+        kpos = positions if self_attn else torch.arange(Sk, device=q.device)
+        return self.rope(q, positions), self.rope(k, kpos)
+
+    def _merge(self, heads: torch.Tensor) -> torch.Tensor:
+        B, H, S, Dh = heads.shape
+        return heads.transpose(1, 2).reshape(B, S, H * Dh)            # (B, Sq, H*Dh)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask=None,
+                return_weights: bool = False, average_weights: bool = False,
+                positions: torch.Tensor | None = None):
+        """Attend from ``x`` to itself (or to ``context``); see the class docstring for shapes.
+
+        Returns ``out`` (B, Sq, E), or ``(out, weights)`` when ``return_weights``; weights are
+        per head ``(B, H, Sq, Sk)``, or their head mean ``(B, Sq, Sk)`` with ``average_weights``.
+        """
+        q, k, v = self._qkv(x, context, positions)
+        p = self.dropout if self.training else 0.0
+        res = attention(q, k, v, mask=mask, dropout_p=p, backend=self.backend,
+                        return_weights=return_weights)
+        out, w = res if return_weights else (res, None)
+        y = self.out_proj(self._merge(out))                            # (B, Sq, E)
+        if not return_weights:
+            return y
+        return y, (w.mean(dim=1) if average_weights else w)
+
+    def head_contributions(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
+                           mask=None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Each head's write into the output, ``head_i @ W_O^(i)`` (seed 004): ``(B, H, Sq, E)``.
+
+        Their sum over heads plus ``out_proj.bias`` equals :meth:`forward`'s output.
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> attn = mh.MultiHeadAttention(16, 4).eval()
+            >>> x = torch.randn(1, 3, 16)
+            >>> parts = attn.head_contributions(x)
+            >>> torch.allclose(parts.sum(1) + attn.out_proj.bias, attn(x), atol=1e-6)
+            True
+        """
+        q, k, v = self._qkv(x, context, positions)
+        p = self.dropout if self.training else 0.0
+        out = attention(q, k, v, mask=mask, dropout_p=p, backend=self.backend)  # (B, H, Sq, Dh)
+        w_o = self.out_proj.weight.view(self.embed_dim, self.num_heads, self.head_dim)  # (E, H, Dh)
+        return torch.einsum("bhsd,ehd->bhse", out, w_o)
+
+    # -- interop --------------------------------------------------------------------------
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention) -> "MultiHeadAttention":
+        """Build the equivalent module from a ``torch.nn.MultiheadAttention`` (same outputs)."""
+        from ..interop.torch_mha import from_torch
+        return from_torch(m)
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """The equivalent ``torch.nn.MultiheadAttention`` (``batch_first=True``)."""
+        from ..interop.torch_mha import to_torch
+        return to_torch(self)

@@ -1,0 +1,132 @@
+"""Parity with torch.nn.MultiheadAttention on copied weights: the drop-in and from_torch/to_torch."""
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import multihead as mh
+
+E, H, L, S, B = 16, 4, 5, 7, 3
+
+
+def _pair(batch_first, kdim, vdim, bias, add_bias_kv=False, add_zero_attn=False):
+    torch.manual_seed(0)
+    t = nn.MultiheadAttention(E, H, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first,
+                              add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
+    ours = mh.nn.MultiheadAttention(E, H, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first,
+                                    add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
+    ours.load_state_dict(t.state_dict())            # torch's state_dict, unchanged
+    return t.eval(), ours.eval()
+
+
+def _inputs(batch_first, kdim, vdim, unbatched=False):
+    g = torch.Generator().manual_seed(1)
+    shape = lambda s, w: (s, w) if unbatched else ((B, s, w) if batch_first else (s, B, w))
+    mk = lambda *s: torch.randn(*s, generator=g, requires_grad=True)
+    return mk(*shape(L, E)), mk(*shape(S, kdim or E)), mk(*shape(S, vdim or E))
+
+
+def _masks(kind, dtype):
+    g = torch.Generator().manual_seed(2)
+    kpm = torch.rand(B, S, generator=g) > 0.7
+    kpm[:, 0] = False                              # at least one key each (torch gives NaN otherwise)
+    am2 = torch.rand(L, S, generator=g) > 0.7
+    am2[:, 0] = False
+    am3 = torch.rand(B * H, L, S, generator=g) > 0.7
+    am3[..., 0] = False
+    conv = (lambda m: m) if dtype == "bool" else (
+        lambda m: torch.zeros(m.shape).masked_fill(m, float("-inf")) + torch.randn(m.shape, generator=g) * 0.1)
+    return {"none": {}, "kpm": dict(key_padding_mask=conv(kpm)), "attn2d": dict(attn_mask=conv(am2)),
+            "attn3d": dict(attn_mask=conv(am3)),
+            "both": dict(attn_mask=conv(am2), key_padding_mask=conv(kpm))}[kind]
+
+
+CONFIGS = list(itertools.product([True, False], [None, 10], [True, False]))
+
+
+@pytest.mark.parametrize("batch_first,kdim,bias", CONFIGS)
+@pytest.mark.parametrize("mask_kind", ["none", "kpm", "attn2d", "attn3d", "both"])
+@pytest.mark.parametrize("mask_dtype", ["bool", "float"])
+@pytest.mark.parametrize("need_weights,average", [(False, True), (True, True), (True, False)])
+def test_drop_in_parity(batch_first, kdim, bias, mask_kind, mask_dtype, need_weights, average):
+    t, ours = _pair(batch_first, kdim, kdim, bias)
+    q, k, v = _inputs(batch_first, kdim, kdim)
+    kw = dict(_masks(mask_kind, mask_dtype), need_weights=need_weights, average_attn_weights=average)
+    a_out, a_w = ours(q, k, v, **kw)
+    b_out, b_w = t(q, k, v, **kw)
+    torch.testing.assert_close(a_out, b_out, atol=1e-5, rtol=1e-5)
+    if need_weights:
+        torch.testing.assert_close(a_w, b_w, atol=1e-6, rtol=1e-5)
+    else:
+        assert a_w is None and b_w is None
+    ga = torch.autograd.grad(a_out.sum(), (q, k, v, *ours.parameters()), allow_unused=True)
+    gb = torch.autograd.grad(b_out.sum(), (q, k, v, *t.parameters()), allow_unused=True)
+    for x, y in zip(ga, gb):
+        if y is not None:
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("add_bias_kv,add_zero_attn", [(True, False), (False, True), (True, True)])
+def test_bias_kv_and_zero_attn(add_bias_kv, add_zero_attn):
+    t, ours = _pair(True, None, None, True, add_bias_kv, add_zero_attn)
+    if add_bias_kv:
+        with torch.no_grad():
+            t.bias_k.normal_(), t.bias_v.normal_()
+    ours.load_state_dict(t.state_dict())
+    q, k, v = _inputs(True, None, None)
+    kw = _masks("both", "bool")
+    torch.testing.assert_close(ours(q, k, v, **kw)[0], t(q, k, v, **kw)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_is_causal_and_unbatched():
+    t, ours = _pair(False, None, None, True)
+    mask = nn.Transformer.generate_square_subsequent_mask(L)
+    x = torch.randn(L, E)                                     # unbatched (L, E)
+    a = ours(x, x, x, attn_mask=mask, is_causal=True, need_weights=False)[0]
+    b = t(x, x, x, attn_mask=mask, is_causal=True, need_weights=False)[0]
+    assert a.shape == (L, E)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    wa, wb = ours(x, x, x, attn_mask=mask)[1], t(x, x, x, attn_mask=mask)[1]
+    torch.testing.assert_close(wa, wb)
+    with pytest.raises(RuntimeError, match="is_causal"):
+        ours(x, x, x, is_causal=True)
+
+
+def test_all_keys_padded_gives_zeros_where_torch_gives_nan():
+    t, ours = _pair(True, None, None, True)
+    q, k, v = _inputs(True, None, None)
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[1] = True
+    a, b = ours(q, k, v, key_padding_mask=kpm)[0], t(q, k, v, key_padding_mask=kpm)[0]
+    assert torch.isfinite(a).all()
+    bias = ours.out_proj.bias
+    torch.testing.assert_close(a[1], bias.expand(L, E))      # zero attention, then out_proj
+    torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kdim,bias", [(None, True), (None, False), (10, True)])
+def test_from_torch_and_back(kdim, bias):
+    torch.manual_seed(0)
+    t = nn.MultiheadAttention(E, H, bias=bias, kdim=kdim, vdim=kdim, batch_first=True).eval()
+    ours = mh.MultiHeadAttention.from_torch(t)
+    x, ctx = torch.randn(B, L, E), torch.randn(B, S, kdim or E)
+    mask = torch.rand(L, S) > 0.3
+    mask[:, 0] = True
+    a = ours(x, ctx, mask=mh.masks.dense(mask), return_weights=True, average_weights=True)
+    b = t(x, ctx, ctx, attn_mask=~mask)
+    torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a[1], b[1], atol=1e-6, rtol=1e-5)
+    back = ours.to_torch()
+    torch.testing.assert_close(back(x, ctx, ctx)[0], t(x, ctx, ctx)[0])
+
+
+def test_from_torch_refuses_bias_kv_clearly():
+    t = nn.MultiheadAttention(E, H, add_bias_kv=True)
+    with pytest.raises(ValueError, match="bias_k.*multihead.nn.MultiheadAttention"):
+        mh.MultiHeadAttention.from_torch(t)
+    with pytest.raises(ValueError, match="add_zero_attn"):
+        mh.MultiHeadAttention.from_torch(nn.MultiheadAttention(E, H, add_zero_attn=True))
+    with pytest.raises(ValueError, match="GQA"):
+        mh.MultiHeadAttention(E, H, num_kv_heads=2).to_torch()

@@ -1,0 +1,184 @@
+"""MultiHeadAttention: GQA/MQA as repeated K/V, fused = split, cross-attention, head
+contributions, RoPE, torch.compile, state_dict, the seeds' tutorial class, bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import multihead as mh
+
+
+def test_default_parameter_count_is_the_seeds_4d2_plus_4d():
+    for d, h in [(512, 8), (768, 12), (64, 4)]:
+        assert mh.MultiHeadAttention(d, h).num_parameters == 4 * d * d + 4 * d
+    m = mh.MultiHeadAttention(512, 8, num_kv_heads=2)
+    dh = 64
+    assert m.num_parameters == (512 * 512 + 2 * 512 * 2 * dh) + (512 + 2 * 2 * dh) + 512 * 512 + 512
+    assert "num_kv_heads=2 (GQA)" in repr(m) and "head_dim=64" in repr(m)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_gqa_equals_mha_with_repeated_kv_weights(kv_heads):
+    torch.manual_seed(0)
+    E, H = 32, 4
+    g = mh.MultiHeadAttention(E, H, num_kv_heads=kv_heads).eval()
+    full = mh.MultiHeadAttention(E, H).eval()
+    dh, rep = E // H, H // kv_heads
+    with torch.no_grad():
+        full.q_proj.weight.copy_(g.q_proj.weight)
+        full.q_proj.bias.copy_(g.q_proj.bias.normal_())
+        for role in ("k_proj", "v_proj"):
+            w, b = getattr(g, role)
+            b.normal_()
+            getattr(full, role).weight.copy_(w.view(kv_heads, dh, E).repeat_interleave(rep, 0).reshape(E, E))
+            getattr(full, role).bias.copy_(b.view(kv_heads, dh).repeat_interleave(rep, 0).reshape(E))
+        full.out_proj.load_state_dict(g.out_proj.state_dict())
+    x = torch.randn(2, 9, E)
+    torch.testing.assert_close(g(x, mask=mh.masks.causal()), full(x, mask=mh.masks.causal()))
+
+
+def test_fused_equals_split_projections():
+    torch.manual_seed(0)
+    m = mh.MultiHeadAttention(24, 3).eval()
+    x = torch.randn(2, 6, 24)
+    q = F.linear(x, *m.q_proj).view(2, 6, 3, 8).transpose(1, 2)
+    k = F.linear(x, *m.k_proj).view(2, 6, 3, 8).transpose(1, 2)
+    v = F.linear(x, *m.v_proj).view(2, 6, 3, 8).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 6, 24)
+    torch.testing.assert_close(m(x), m.out_proj(out))
+
+
+def test_cross_attention_with_other_width_and_length():
+    torch.manual_seed(0)
+    m = mh.MultiHeadAttention(16, 4, kdim=10, vdim=10).eval()
+    t = m.to_torch().eval()
+    x, ctx = torch.randn(2, 3, 16), torch.randn(2, 11, 10)
+    y, w = m(x, ctx, return_weights=True)
+    assert y.shape == (2, 3, 16) and w.shape == (2, 4, 3, 11)
+    torch.testing.assert_close(y, t(x, ctx, ctx)[0])
+    packed = mh.MultiHeadAttention(16, 4).eval()
+    c2 = torch.randn(2, 11, 16)
+    torch.testing.assert_close(packed(x, c2), packed.to_torch()(x, c2, c2)[0])
+
+
+def test_head_contributions_sum_to_the_output():
+    torch.manual_seed(0)
+    m = mh.MultiHeadAttention(32, 4, num_kv_heads=2, rope=mh.RotaryEmbedding(8)).eval()
+    x = torch.randn(2, 7, 32)
+    parts = m.head_contributions(x, mask=mh.masks.causal())
+    assert parts.shape == (2, 4, 7, 32)
+    torch.testing.assert_close(parts.sum(1) + m.out_proj.bias, m(x, mask=mh.masks.causal()))
+
+
+def test_rope_is_a_rotation_and_relative():
+    rope = mh.RotaryEmbedding(16)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    rq = lambda m: rope(q, torch.tensor([m]))
+    rk = lambda n: rope(k, torch.tensor([n]))
+    torch.testing.assert_close(rq(5).norm(), q.norm())
+    dot = lambda m, n: (rq(m) * rk(n)).sum()
+    torch.testing.assert_close(dot(7, 3), dot(104, 100), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dot(0, 0), (q * k).sum())
+    assert not torch.allclose(dot(7, 3), dot(7, 4))
+
+
+def test_rope_module_positions():
+    torch.manual_seed(0)
+    m = mh.MultiHeadAttention(32, 4, rope=mh.RotaryEmbedding(8)).eval()
+    x = torch.randn(2, 5, 32)
+    torch.testing.assert_close(m(x), m(x, positions=torch.arange(5)))
+    # shifting every position by the same offset changes nothing (relative encoding)
+    torch.testing.assert_close(m(x), m(x, positions=torch.arange(5) + 100), atol=1e-4, rtol=1e-4)
+
+
+def test_average_weights_is_the_head_mean():
+    m = mh.MultiHeadAttention(16, 4).eval()
+    x = torch.randn(2, 5, 16)
+    _, w = m(x, return_weights=True)
+    _, wa = m(x, return_weights=True, average_weights=True)
+    torch.testing.assert_close(wa, w.mean(1))
+
+
+def test_state_dict_round_trip():
+    a = mh.MultiHeadAttention(16, 4, num_kv_heads=2)
+    b = mh.MultiHeadAttention(16, 4, num_kv_heads=2)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(1, 3, 16)
+    torch.testing.assert_close(a(x), b(x))
+
+
+def test_torch_compile_fullgraph_parity():
+    torch.manual_seed(0)
+    m = mh.MultiHeadAttention(32, 4, num_kv_heads=2).eval()
+    x = torch.randn(2, 8, 32)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), m(x))
+    torch.testing.assert_close(compiled(x, mask=mh.masks.causal()), m(x, mask=mh.masks.causal()))
+
+
+class SeedTutorialMHA(nn.Module):
+    """Seed 000's tutorial class, written out (w_q/w_k/w_v/w_o, mask == 0 -> -1e9)."""
+
+    def __init__(self, d_model, num_heads):
+        super().__init__()
+        self.num_heads, self.d_k = num_heads, d_model // num_heads
+        self.w_q, self.w_k = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+        self.w_v, self.w_o = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        b, s, d = x.size()
+        q = self.w_q(x).view(b, s, self.num_heads, self.d_k).transpose(1, 2)
+        k = self.w_k(x).view(b, s, self.num_heads, self.d_k).transpose(1, 2)
+        v = self.w_v(x).view(b, s, self.num_heads, self.d_k).transpose(1, 2)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / (self.d_k ** 0.5)
+        if mask is not None:
+            scores = scores.masked_fill(mask == 0, -1e9)
+        w = F.softmax(scores, dim=-1)
+        out = torch.matmul(w, v).transpose(1, 2).contiguous().view(b, s, d)
+        return self.w_o(out), w
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_seed_tutorial_parity(masked):
+    torch.manual_seed(0)
+    tut = SeedTutorialMHA(32, 4)
+    ours = mh.MultiHeadAttention(32, 4).eval()
+    with torch.no_grad():
+        ours.in_proj_weight.copy_(torch.cat([tut.w_q.weight, tut.w_k.weight, tut.w_v.weight]))
+        ours.in_proj_bias.copy_(torch.cat([tut.w_q.bias, tut.w_k.bias, tut.w_v.bias]))
+        ours.out_proj.load_state_dict(tut.w_o.state_dict())
+    x = torch.randn(2, 6, 32)
+    causal = torch.tril(torch.ones(6, 6))
+    want, w_want = tut(x, causal if masked else None)
+    got, w_got = ours(x, mask=mh.masks.causal() if masked else None, return_weights=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w_got, w_want, atol=1e-6, rtol=1e-5)
+
+
+BAD = [
+    (lambda: mh.MultiHeadAttention(770, 12), ValueError,
+     r"embed_dim \(770\) must be divisible by num_heads \(12\): try num_heads in \[1, 2, 5, 7, 10, 11"),
+    (lambda: mh.MultiHeadAttention(64, 8, num_kv_heads=3), ValueError,
+     r"num_heads \(8\) must be a multiple of num_kv_heads \(3\): try num_kv_heads in \[1, 2, 4, 8\]"),
+    (lambda: mh.RotaryEmbedding(7), ValueError, r"head_dim must be a positive even int"),
+    (lambda: mh.MultiHeadAttention(64, 8, rope=mh.RotaryEmbedding(16)), ValueError,
+     r"rope was built for head_dim 16 but the module's head_dim is 8"),
+    (lambda: mh.MultiHeadAttention(64, 8)(torch.randn(5, 64)), ValueError,
+     r"x must be \(B, S, 64\), got shape \(5, 64\).*unsqueeze"),
+    (lambda: mh.MultiHeadAttention(64, 8)(torch.randn(2, 5, 32)), ValueError, r"x must be \(B, S, 64\)"),
+    (lambda: mh.MultiHeadAttention(16, 4, kdim=8, vdim=8)(torch.randn(1, 2, 16), torch.randn(1, 3, 9)),
+     ValueError, r"context must be \(B, S, 8\)"),
+    (lambda: mh.MultiHeadAttention(16, 4)(torch.randn(1, 2, 16).double()), TypeError,
+     r"x is torch.float64 on cpu but the module is torch.float32"),
+    (lambda: mh.MultiHeadAttention(16, 4, rope=mh.RotaryEmbedding(4))(torch.randn(1, 3, 16),
+                                                                   positions=torch.arange(4)),
+     ValueError, r"positions must be \(Sq,\) or \(B, Sq\) = \(3,\)"),
+    (lambda: mh.MultiHeadAttention(16, 4, dropout=1.5), ValueError, r"dropout must be a float in \[0, 1\)"),
+]
+
+
+@pytest.mark.parametrize("fn,exc,pattern", BAD)
+def test_bad_input(fn, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        fn()
