@@ -24,6 +24,14 @@ def _refuse_extras(m: nn.MultiheadAttention) -> None:
                          "multihead.MultiHeadAttention; use multihead.nn.MultiheadAttention")
 
 
+def _copy_weights(dst, src, packed: bool) -> None:
+    """Copy projections between torch's and our module: both use torch's parameter names."""
+    names = ["in_proj_weight"] if packed else [f"{r}_proj_weight" for r in "qkv"]
+    for name in names + (["in_proj_bias"] if src.in_proj_bias is not None else []):
+        getattr(dst, name).copy_(getattr(src, name))
+    dst.out_proj.load_state_dict(src.out_proj.state_dict())
+
+
 @torch.no_grad()
 def from_torch(m: nn.MultiheadAttention) -> "mh.MultiHeadAttention":
     """An equivalent :class:`multihead.MultiHeadAttention` with copied weights.
@@ -43,14 +51,7 @@ def from_torch(m: nn.MultiheadAttention) -> "mh.MultiHeadAttention":
     ours = mh.MultiHeadAttention(m.embed_dim, m.num_heads, bias=m.in_proj_bias is not None,
                                  dropout=m.dropout, kdim=m.kdim, vdim=m.vdim,
                                  device=p.device, dtype=p.dtype)
-    if m._qkv_same_embed_dim:
-        ours.in_proj_weight.copy_(m.in_proj_weight)
-    else:
-        for role in "qkv":
-            getattr(ours, f"{role}_proj_weight").copy_(getattr(m, f"{role}_proj_weight"))
-    if m.in_proj_bias is not None:
-        ours.in_proj_bias.copy_(m.in_proj_bias)
-    ours.out_proj.load_state_dict(m.out_proj.state_dict())
+    _copy_weights(ours, m, packed=m._qkv_same_embed_dim)
     return ours.train(m.training)
 
 
@@ -67,14 +68,7 @@ def to_torch(ours: "mh.MultiHeadAttention") -> nn.MultiheadAttention:
     t = nn.MultiheadAttention(ours.embed_dim, ours.num_heads, dropout=ours.dropout,
                               bias=ours.in_proj_bias is not None, kdim=ours.kdim, vdim=ours.vdim,
                               batch_first=True, device=p.device, dtype=p.dtype)
-    if ours.packed:
-        t.in_proj_weight.copy_(ours.in_proj_weight)
-    else:
-        for role in "qkv":
-            getattr(t, f"{role}_proj_weight").copy_(getattr(ours, f"{role}_proj_weight"))
-    if ours.in_proj_bias is not None:
-        t.in_proj_bias.copy_(ours.in_proj_bias)
-    t.out_proj.load_state_dict(ours.out_proj.state_dict())
+    _copy_weights(t, ours, packed=ours.packed)
     return t.train(ours.training)
 
 
