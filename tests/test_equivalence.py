@@ -141,3 +141,18 @@ def test_noncontiguous_inputs():
     for backend in BACKENDS:
         out = mh.attention(q, k, v, mask=mh.masks.sliding_window(7), backend=backend)
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_learned_bias_inside_a_composed_mask_gets_its_gradient():
+    """A trainable bias under & must not be routed to blocksparse (which has no bias grad)."""
+    q, k, v = _inputs(1, 2, 2, 70, 70)
+    b = torch.randn(1, 2, 70, 70, requires_grad=True)
+    mask = mh.masks.sliding_window(8) & mh.masks.bias(b)
+    assert mh.explain(q, k, v, mask=mask).chosen != "blocksparse"
+    with pytest.raises(ValueError, match="no gradient w.r.t. a bias"):
+        mh.attention(q, k, v, mask=mask, backend="blocksparse")
+    out = mh.attention(q, k, v, mask=mask)
+    (g,) = torch.autograd.grad(out.sum(), b)
+    ref = mh.attention(q, k, v, mask=mask, backend="reference")
+    (want,) = torch.autograd.grad(ref.sum(), b)
+    torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-4)

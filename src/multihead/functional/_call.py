@@ -78,7 +78,7 @@ class AttentionCall:
 
     @property
     def requires_grad(self) -> bool:
-        bias_grad = isinstance(self.mask, M.Bias) and self.mask.requires_grad
+        bias_grad = self.mask is not None and self.mask.requires_grad
         return torch.is_grad_enabled() and (
             self.q.requires_grad or self.k.requires_grad or self.v.requires_grad or bias_grad)
 

@@ -49,8 +49,6 @@ class Plan:
     nq: int
     nk: int
     chunks: list[Chunk]
-    tiles_visited: int           # (query tile, key tile) pairs computed, summed over Bm
-    tiles_total: int
 
 
 def tile_sizes(call: AttentionCall) -> tuple[int, int]:
@@ -102,7 +100,7 @@ def make_plan(call: AttentionCall) -> Plan:
                 first = int(row[0])
             steps.append(Step(idx, valid, masked, shared, first))
         chunks.append(Chunk(i0, i1, steps))
-    return Plan(tq, tk, nq, nk, chunks, int(ncount.sum()), int(ncount.numel()) * nk)
+    return Plan(tq, tk, nq, nk, chunks)
 
 
 def density(call: AttentionCall) -> float:

@@ -299,7 +299,7 @@ class BlockSparse(Backend):
         if call.dropout_p > 0:
             return "does not implement dropout"
         m = call.effective_mask
-        if m is not None and getattr(m, "requires_grad", False) and torch.is_grad_enabled():
+        if m is not None and m.requires_grad and torch.is_grad_enabled():
             return "no gradient w.r.t. a bias tensor"
         return None
 

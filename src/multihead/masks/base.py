@@ -243,6 +243,11 @@ class Mask:
             state = torch.where(all_, FULL, torch.where(any_, PARTIAL, EMPTY)).to(torch.int8)
         return TileMap(state=state, tile_q=tile_q, tile_k=tile_k, sq=sq, sk=sk)
 
+    @property
+    def requires_grad(self) -> bool:
+        """True when a tensor the mask holds (a learned bias, say) requires gradients."""
+        return any(t.requires_grad for t in self._tensors())
+
     def to(self, device) -> "Mask":
         """A copy of the mask with its tensors on ``device`` (itself when it holds none)."""
         return self

@@ -119,10 +119,6 @@ class Bias(Mask):
         self.batch_size = t.shape[0] if t.shape[0] > 1 else None
         self.num_heads = t.shape[1] if t.shape[1] > 1 else None
 
-    @property
-    def requires_grad(self) -> bool:
-        return self.values.requires_grad
-
     def _tensors(self):
         return [self.values]
 

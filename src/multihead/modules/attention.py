@@ -111,10 +111,9 @@ class MultiHeadAttention(nn.Module):
 
     def reset_parameters(self) -> None:
         """Xavier-uniform projections and zero biases (torch.nn.MultiheadAttention's init)."""
-        for w in (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight) if not self.packed else ():
-            nn.init.xavier_uniform_(w)
-        if self.packed:
-            nn.init.xavier_uniform_(self.in_proj_weight)
+        names = ["in_proj_weight"] if self.packed else [f"{r}_proj_weight" for r in "qkv"]
+        for name in names:
+            nn.init.xavier_uniform_(getattr(self, name))
         if self.in_proj_bias is not None:
             nn.init.zeros_(self.in_proj_bias)
             nn.init.zeros_(self.out_proj.bias)
