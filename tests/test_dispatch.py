@@ -98,4 +98,4 @@ def test_open_mask_is_dropped():
 
 
 def test_backends_listing():
-    assert set(mh.backends()) == {"reference", "sdpa", "blocksparse"}
+    assert set(mh.backends()) == {"reference", "sdpa", "blocksparse", "varlen"}

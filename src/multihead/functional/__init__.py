@@ -3,7 +3,7 @@
 Backends register themselves on import; ``reference`` is the oracle of the others.
 """
 
-from . import blocksparse, reference, sdpa  # noqa: F401  (register the backends)
+from . import blocksparse, reference, sdpa, varlen  # noqa: F401  (register the backends)
 from .dispatch import Explanation, attention, explain
 from .registry import Backend, backends, register
 

@@ -68,6 +68,6 @@ def backends() -> dict[str, str]:
     Example:
         >>> import multihead as mh
         >>> sorted(mh.backends())
-        ['blocksparse', 'reference', 'sdpa']
+        ['blocksparse', 'reference', 'sdpa', 'varlen']
     """
     return {name: b.summary for name, b in _REGISTRY.items()}

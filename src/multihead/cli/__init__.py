@@ -1,0 +1,1 @@
+"""The ``multihead`` command line: ``multihead inspect`` (more subcommands register in main.py)."""

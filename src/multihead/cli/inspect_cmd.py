@@ -1,0 +1,134 @@
+"""``multihead inspect``: what each head of a real model does, for any text.
+
+Loads the model (default: the embedded all-MiniLM-L6-v2), captures every head's attention
+for the text, prints a table of head roles with the scores behind them and the heads that
+attend most from the query token ("L3H1: it → animal 0.68"), and with ``--out`` writes an
+offline HTML report, PNG/SVG heatmaps and the raw data as JSON.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+DEFAULT_TEXT = "The animal didn't cross the street because it was too tired."
+FORMATS = ("html", "json", "png", "svg")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("inspect", help="show what each attention head does for a text",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("text", nargs="?", help=f"the text (default: {DEFAULT_TEXT!r})")
+    p.add_argument("--file", type=Path, help="texts, one per line: head metrics are averaged over "
+                   "all of them (the first, or TEXT, is shown in detail)")
+    p.add_argument("--model", type=Path, help="a BERT-family model directory (config.json, "
+                   "model.safetensors, tokenizer.json); default: the embedded all-MiniLM-L6-v2")
+    p.add_argument("--query-token", help="the word whose attention is followed "
+                   "(default: the first pronoun)")
+    p.add_argument("--layer", type=int, help="layer of the head shown large (0-based)")
+    p.add_argument("--head", type=int, help="head shown large (0-based)")
+    p.add_argument("--top", type=int, default=8, help="heads listed for the query token (8)")
+    p.add_argument("--out", type=Path, help="directory for the report files")
+    p.add_argument("--format", default=",".join(FORMATS),
+                   help=f"what --out gets, comma-separated from {','.join(FORMATS)} (all)")
+    p.add_argument("--metrics", action="store_true",
+                   help="print every metric of every head (one row per head)")
+    p.add_argument("--no-truncate", action="store_true",
+                   help="refuse texts longer than the model's positions instead of truncating")
+
+
+def _formats(spec: str) -> set[str]:
+    got = {f.strip().lower() for f in spec.split(",") if f.strip()}
+    bad = sorted(got - set(FORMATS))
+    if bad or not got:
+        raise ValueError(f"--format {spec!r}: unknown {bad or 'empty'}; choose from {','.join(FORMATS)}")
+    return got
+
+
+def _texts(args) -> tuple[str, list[str]]:
+    """The text shown in detail, and every text the metrics average over."""
+    others = []
+    if args.file is not None:
+        try:
+            lines = args.file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--file {str(args.file)!r} cannot be read: {e}") from None
+        others = [ln for ln in lines if ln.strip()]
+        if not others:
+            raise ValueError(f"--file {str(args.file)!r} holds no text (one text per line)")
+    shown = args.text if args.text is not None else (others[0] if others else DEFAULT_TEXT)
+    if not shown.strip():
+        raise ValueError("the text is empty: give some words to inspect, e.g. "
+                         f"multihead inspect {DEFAULT_TEXT!r}")
+    rest = [t for t in others if t is not shown]
+    return shown, rest
+
+
+def _prepare_out(out: Path | None) -> None:
+    if out is None:
+        return
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".multihead-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--out {str(out)!r} is not writable ({e.strerror or e}): "
+                         f"choose another directory") from None
+
+
+def _check_index(name: str, value: int | None, size: int, what: str) -> None:
+    if value is not None and not 0 <= value < size:
+        raise ValueError(f"--{name} {value} is out of range: the model has {size} {what} "
+                         f"(0..{size - 1})")
+
+
+def _select(args, looks, query: int, tokens: list[str], L: int, H: int) -> tuple[int, int]:
+    _check_index("layer", args.layer, L, "layers")
+    _check_index("head", args.head, H, "heads per layer")
+    if args.layer is not None and args.head is not None:
+        return args.layer, args.head
+    from ..inspect.capture import headline
+    fits = [k for k in looks if args.layer in (None, k.layer) and args.head in (None, k.head)]
+    best = headline(fits, query, tokens)
+    if best is not None:
+        return best.layer, best.head
+    return (args.layer or 0), (args.head or 0)
+
+
+def run(args) -> int:
+    if args.top < 1:
+        raise ValueError(f"--top must be >= 1, got {args.top}")
+    formats = _formats(args.format)
+    shown, rest = _texts(args)
+    _prepare_out(args.out)
+
+    from rich.console import Console
+    from ..inspect.capture import capture, find_query, strongest_looks
+    from ..inspect.metrics import HeadMetrics
+    from ..inspect.report import Inspection, write
+    from ..models import load
+    from .._progress import track
+
+    err = Console(stderr=True)
+    model = load(args.model)
+    cap = capture(model, shown, truncate=not args.no_truncate)
+    if cap.truncated:
+        err.print(f"[yellow]warning:[/] the text has {cap.original_length} tokens; keeping the first "
+                  f"{len(cap.tokens)} (the model's positions). Pass --no-truncate to refuse instead.")
+    metrics = HeadMetrics.of(cap.weights, cap.tokens)
+    for text in track(rest, len(rest) > 20, len(rest), "inspecting"):
+        c = capture(model, text, truncate=True)
+        metrics.add(c.weights, c.tokens)
+    query = find_query(model, cap.tokens, args.query_token)
+    looks = strongest_looks(cap.weights, cap.tokens, query, top=args.top)
+    L, H = cap.weights.shape[:2]
+    selected = _select(args, looks, query, cap.tokens, L, H)
+    result = Inspection(model.name, cap, metrics, query, looks, selected)
+
+    from .inspect_view import show
+    show(result, Console(width=None if sys.stdout.isatty() else 120), full=args.metrics)
+    if args.out is not None:
+        for p in write(result, args.out, formats):
+            err.print(f"wrote {p}")
+    return 0

@@ -1,0 +1,66 @@
+"""The terminal view of ``multihead inspect`` (rich tables)."""
+
+from __future__ import annotations
+
+from rich.markup import escape
+from rich.table import Table
+
+from ..inspect.metrics import METRICS, thresholds_text
+
+
+SHORT = {"previous token": "prev", "next token": "next", "punctuation": "punct",
+         "focused": "focus"}
+
+
+def _cell(role: str, score: float, selected: bool) -> str:
+    """A grid cell: the role, short, and its score (bold when it is the selected head)."""
+    text = f"{escape(SHORT.get(role, role))}\n{score:.2f}"
+    return f"[bold reverse]{text}[/]" if selected else text
+
+
+def show(result, console, full: bool = False) -> None:
+    """Print the query token's strongest heads and a table of every head's role and metrics."""
+    c, toks = result.capture, result.capture.tokens
+    console.print(f"[bold]{escape(result.model)}[/]: {escape(result.summary())}")
+    console.print("text: " + escape(c.text), soft_wrap=True)
+
+    q = Table(title=f"Heads attending most from {escape(repr(toks[result.query]))} "
+                    f"(token {result.query})", title_justify="left")
+    for col in ("head", "from → to", "weight", "distance"):
+        q.add_column(col, justify="left" if col in ("head", "from → to") else "right")
+    for k in result.looks:
+        far = (k.layer, k.head) == tuple(result.selected)
+        q.add_row(f"L{k.layer}H{k.head}", escape(f"{toks[result.query]} → {toks[k.target]}"),
+                  f"{k.weight:.2f}", str(k.distance(result.query)),
+                  style="bold green" if far and k.weight >= 0.5 else None)
+    console.print(q)
+
+    table, roles = result.metrics.table(), result.metrics.roles()
+    L, H = table["prev"].shape
+    avg = f", averaged over {result.metrics.texts} texts" if result.metrics.texts > 1 else ""
+    if full:
+        t = Table(title=f"Every head: role (score) and metrics{avg}", title_justify="left")
+        for col in ("head", "role", "score", *METRICS):
+            t.add_column(col, justify="left" if col in ("head", "role") else "right")
+        for l in range(L):
+            for h in range(H):
+                role, score = roles[l][h]
+                t.add_row(f"L{l}H{h}", escape(role), f"{score:.2f}",
+                          *(f"{float(table[n][l, h]):.2f}" for n in METRICS),
+                          style="bold" if (l, h) == tuple(result.selected) else None,
+                          end_section=h == H - 1)
+    else:
+        t = Table(title=f"Every head's role (score){avg}; --metrics for all metrics",
+                  title_justify="left", padding=(0, 0, 0, 1))
+        t.add_column("")
+        for h in range(H):
+            t.add_column(f"H{h}", justify="center")
+        for l in range(L):
+            t.add_row(f"L{l}", *(_cell(*roles[l][h], (l, h) == tuple(result.selected))
+                                 for h in range(H)))
+    console.print(t)
+    console.print(escape(thresholds_text()), style="dim")
+    console.print("metrics: cls/sep/punct = weight on [CLS]/[SEP]/punctuation, prev/next/self = "
+                  "weight on the neighbouring/own token, entropy = normalized row entropy "
+                  "(1 = uniform), confidence = mean max weight (Clark et al. 2019; Voita et al. "
+                  "2019). Bold: the head shown large in the report.", style="dim")

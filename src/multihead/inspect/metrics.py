@@ -1,0 +1,151 @@
+"""Head metrics: what each attention head looks at, measured on its attention weights.
+
+Every metric is an average over query rows (and over texts, weighted by their rows) of one
+number per row of a head's attention matrix ``w`` (rows sum to 1):
+
+- ``cls``, ``sep``, ``punct``: the weight a query puts on [CLS], on [SEP], and on
+  punctuation tokens. Clark et al. (2019), "What Does BERT Look At?", found that much of
+  BERT's attention goes to [SEP] and punctuation, often as a "no-op".
+- ``prev``, ``next``, ``self``: the weight on the previous token, the next token, the token
+  itself ("broad positional heads", Clark et al. 2019 sec. 3; Voita et al. 2019's
+  "positional heads" attend to a neighbour with high weight).
+- ``entropy``: the row's entropy divided by ``log(n_keys)``, 0 = all weight on one token,
+  1 = uniform (Clark et al. 2019 sec. 3.3, "broad vs focused" heads).
+- ``confidence``: the row's largest weight (Voita et al. 2019, "Analyzing Multi-Head
+  Self-Attention": confident heads matter most and survive pruning).
+
+Roles are assigned by the thresholds in :data:`ROLE_RULES` (shown in every report).
+
+Notation used for tensor shapes: L layers, H heads, S tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+METRICS = ("cls", "sep", "punct", "prev", "next", "self", "entropy", "confidence")
+
+#: (role, metric, threshold): a head whose metric reaches the threshold takes the role; when
+#: several do, the one with the largest metric value wins.
+ROLE_RULES = (("previous token", "prev", 0.5), ("next token", "next", 0.5),
+              ("self", "self", 0.5), ("[CLS]", "cls", 0.5), ("[SEP]", "sep", 0.5),
+              ("punctuation", "punct", 0.5))
+#: heads with no positional role: "broad" at normalized entropy >= BROAD, else "focused"
+#: at confidence >= FOCUSED, else "mixed".
+BROAD, FOCUSED = 0.8, 0.5
+
+SPECIAL = {"[CLS]", "[SEP]", "[PAD]", "[MASK]", "<s>", "</s>"}
+
+
+def is_punct(token: str) -> bool:
+    """A token made only of punctuation (word-piece ``##`` prefixes ignored).
+
+    Example:
+        >>> [is_punct(t) for t in [".", "##,", "it", "'", "[SEP]"]]
+        [True, True, False, True, False]
+    """
+    t = token[2:] if token.startswith("##") else token
+    return bool(t) and token not in SPECIAL and all(c in string.punctuation for c in t)
+
+
+def _row_metrics(w: torch.Tensor, tokens: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per-row values ``(L, H, S)`` and which rows count ``(S,)`` for each metric."""
+    S = w.shape[-1]
+    if len(tokens) != S:
+        raise ValueError(f"weights cover {S} tokens but {len(tokens)} tokens were given")
+    w = w.double()
+    keys = lambda pred: torch.tensor([pred(t) for t in tokens], dtype=torch.double)  # (S,)
+    every = torch.ones(S, dtype=torch.bool)
+    i = torch.arange(S)
+    below = F.pad(w.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))        # (L, H, S): w[i, i-1]
+    above = F.pad(w.diagonal(offset=1, dim1=-2, dim2=-1), (0, 1))         # (L, H, S): w[i, i+1]
+    entropy = -(w * torch.log(w.clamp_min(1e-30))).sum(-1) / (math.log(S) if S > 1 else 1.0)
+    return {
+        "cls": (w @ keys(lambda t: t in ("[CLS]", "<s>")), every),
+        "sep": (w @ keys(lambda t: t in ("[SEP]", "</s>")), every),
+        "punct": (w @ keys(is_punct), every),
+        "prev": (below, i >= 1),
+        "next": (above, i <= S - 2),
+        "self": (w.diagonal(dim1=-2, dim2=-1), every),
+        "entropy": (entropy, every),
+        "confidence": (w.amax(-1), every),
+    }
+
+
+@dataclass
+class HeadMetrics:
+    """Running averages of every metric per head, over the rows of one or more texts.
+
+    Example:
+        >>> import torch
+        >>> w = torch.eye(4).roll(-1, dims=1)                   # row i puts all weight on i-1 ...
+        >>> w[0] = torch.tensor([1., 0, 0, 0])                  # ... row 0 on itself
+        >>> m = HeadMetrics.of(w[None, None], ["[CLS]", "a", "b", "[SEP]"])
+        >>> round(m.value("prev")[0, 0].item(), 3), m.roles()[0][0]
+        (1.0, ('previous token', 1.0))
+    """
+
+    sums: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=dict)
+    texts: int = 0
+
+    @classmethod
+    def of(cls, weights: torch.Tensor, tokens: list[str]) -> "HeadMetrics":
+        m = cls()
+        m.add(weights, tokens)
+        return m
+
+    def add(self, weights: torch.Tensor, tokens: list[str]) -> None:
+        """Add one text's weights ``(L, H, S, S)`` (rows sum to 1) and its tokens."""
+        if weights.dim() != 4 or weights.shape[-1] != weights.shape[-2]:
+            raise ValueError(f"weights must be (L, H, S, S), got shape {tuple(weights.shape)}")
+        for name, (vals, rows) in _row_metrics(weights, tokens).items():
+            s = vals[..., rows].sum(-1)                                       # (L, H)
+            self.sums[name] = self.sums.get(name, 0) + s
+            self.counts[name] = self.counts.get(name, 0) + int(rows.sum())
+        self.texts += 1
+
+    def value(self, name: str) -> torch.Tensor:
+        """The average of metric ``name`` per head, ``(L, H)`` (NaN-free: 0 with no rows)."""
+        if name not in METRICS:
+            raise ValueError(f"unknown metric {name!r}: choose one of {METRICS}")
+        if not self.texts:
+            raise ValueError("no text added yet: call add(weights, tokens) first")
+        return self.sums[name] / max(self.counts[name], 1)
+
+    def table(self) -> dict[str, torch.Tensor]:
+        return {name: self.value(name) for name in METRICS}
+
+    def roles(self) -> list[list[tuple[str, float]]]:
+        """``[layer][head] -> (role, score)`` by :data:`ROLE_RULES`, then BROAD / FOCUSED."""
+        t = self.table()
+        L, H = t["prev"].shape
+        out = []
+        for l in range(L):
+            row = []
+            for h in range(H):
+                hits = [(float(t[m][l, h]), role) for role, m, thr in ROLE_RULES
+                        if float(t[m][l, h]) >= thr]
+                if hits:
+                    score, role = max(hits)
+                elif float(t["entropy"][l, h]) >= BROAD:
+                    role, score = "broad", float(t["entropy"][l, h])
+                elif float(t["confidence"][l, h]) >= FOCUSED:
+                    role, score = "focused", float(t["confidence"][l, h])
+                else:
+                    role, score = "mixed", float(t["confidence"][l, h])
+                row.append((role, score))
+            out.append(row)
+        return out
+
+
+def thresholds_text() -> str:
+    """The role rules, in one line, for reports."""
+    rules = ", ".join(f"{role} if {m} >= {thr}" for role, m, thr in ROLE_RULES)
+    return (f"roles: {rules} (largest wins); otherwise broad if entropy >= {BROAD}, "
+            f"focused if confidence >= {FOCUSED}, else mixed")

@@ -1,0 +1,95 @@
+"""An inspection's results as data (JSON) and as a self-contained offline HTML report.
+
+The HTML page inlines all of its script, style and data (no CDN, no request of any kind; a
+Content-Security-Policy forbids them). Tokens and texts reach the page only as JSON inside a
+``<script type="application/json">`` whose ``<``, ``>`` and ``&`` are escaped, and are
+written into the page with ``textContent``: a text like ``<script>alert(1)</script>``
+renders as text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .capture import Capture, Look, headline
+from .metrics import METRICS, HeadMetrics, thresholds_text
+
+
+@dataclass
+class Inspection:
+    """Everything one ``multihead inspect`` run found."""
+
+    model: str
+    capture: Capture            # the text shown in detail
+    metrics: HeadMetrics        # averaged over every text given
+    query: int                  # position of the query token in capture.tokens
+    looks: list[Look]           # strongest heads from the query token, best first
+    selected: tuple[int, int]   # (layer, head) shown large
+    texts: int = 1
+
+    def to_dict(self, digits: int = 4) -> dict:
+        """JSON-ready: tokens, weights [L][H][S][S], metrics [L][H], roles, query looks."""
+        c, toks = self.capture, self.capture.tokens
+        rnd = lambda t: torch.round(t.double(), decimals=digits).tolist()
+        L, H = c.weights.shape[:2]
+        roles = self.metrics.roles()
+        return {
+            "model": self.model, "text": c.text, "tokens": toks, "layers": L, "heads": H,
+            "truncated": c.truncated, "original_length": c.original_length,
+            "texts_averaged": self.metrics.texts,
+            "weights": rnd(c.weights),
+            "metrics": {name: rnd(self.metrics.value(name)) for name in METRICS},
+            "roles": [[[r, round(s, digits)] for r, s in row] for row in roles],
+            "thresholds": thresholds_text(),
+            "query": {"position": self.query, "token": toks[self.query],
+                      "heads": [{"layer": k.layer, "head": k.head, "target": k.target,
+                                 "target_token": toks[k.target], "weight": round(k.weight, digits),
+                                 "label": k.label(toks, self.query)} for k in self.looks]},
+            "selected": {"layer": self.selected[0], "head": self.selected[1]},
+            "summary": self.summary(),
+        }
+
+    def summary(self) -> str:
+        c = self.capture
+        s = (f"{len(c.tokens)} tokens" + (f" (truncated from {c.original_length})" if c.truncated
+                                          else "")
+             + f"; metrics averaged over {self.metrics.texts} text(s)")
+        best = headline(self.looks, self.query, c.tokens)
+        if best is not None:
+            s += "; strongest long-range head from the query token: " + best.label(c.tokens, self.query)
+        return s
+
+
+def _safe_json(obj) -> str:
+    """JSON that cannot close its ``<script>`` element or start markup."""
+    return (json.dumps(obj, ensure_ascii=False).replace("<", "\\u003c").replace(">", "\\u003e")
+            .replace("&", "\\u0026").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
+
+
+def html(inspection: Inspection) -> str:
+    """The report page (one string, nothing external)."""
+    template = resources.files(__package__).joinpath("report.html").read_text(encoding="utf-8")
+    return template.replace("__DATA__", _safe_json(inspection.to_dict()))
+
+
+def write(inspection: Inspection, out: Path, formats: set[str]) -> list[Path]:
+    """Write the requested formats (html, json, png, svg) into ``out``; returns the paths."""
+    written = []
+    if "json" in formats:
+        p = out / "inspect.json"
+        p.write_text(json.dumps(inspection.to_dict(), ensure_ascii=False), encoding="utf-8")
+        written.append(p)
+    if "html" in formats:
+        p = out / "report.html"
+        p.write_text(html(inspection), encoding="utf-8")
+        written.append(p)
+    images = formats & {"png", "svg"}
+    if images:
+        from .plots import save_figures
+        written += save_figures(inspection, out, images)
+    return written

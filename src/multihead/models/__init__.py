@@ -1,0 +1,15 @@
+"""Pretrained models on multihead attention: a BERT-family encoder (all-MiniLM-L6-v2 embedded).
+
+Example:
+    >>> from multihead.models import load
+    >>> model = load()                       # the embedded all-MiniLM-L6-v2, offline
+    >>> model.embed(["attention is all you need"]).shape
+    torch.Size([1, 384])
+"""
+
+from .bert import BertConfig, BertEncoder, EncoderOutput, UnsupportedModel
+from .loading import ModelLoadError, default_model_dir, expected_tensors, load
+from .pretrained import Pretrained, Tokens
+
+__all__ = ["BertConfig", "BertEncoder", "EncoderOutput", "UnsupportedModel", "ModelLoadError",
+           "default_model_dir", "expected_tensors", "load", "Pretrained", "Tokens"]

@@ -1,0 +1,129 @@
+"""A loaded model: encoder + tokenizer, with tokenization and packed sentence embeddings.
+
+Notation used for tensor shapes: n texts, S tokens of one text, N packed tokens, E hidden size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+import torch
+
+from .._progress import track
+from .bert import BertConfig, BertEncoder
+
+#: tokens per packed forward in :meth:`Pretrained.embed` (bounds peak memory)
+PACK_TOKENS = 16384
+
+
+class Tokens(NamedTuple):
+    """One tokenized text: ``ids`` (S,), the token strings, and whether it was truncated."""
+
+    ids: torch.Tensor
+    tokens: list[str]
+    truncated: bool
+    original_length: int
+
+
+@dataclass
+class Pretrained:
+    """A pretrained BERT-family model; build it with :func:`multihead.models.load`.
+
+    Attributes:
+        encoder: the :class:`BertEncoder` (eval mode).
+        tokenizer: a ``tokenizers.Tokenizer`` (no padding, no truncation: we do both).
+        config: the encoder's :class:`BertConfig`.
+        sentence: max length, pooling and normalization of sentence embeddings.
+        directory, name: where it came from.
+    """
+
+    encoder: BertEncoder
+    tokenizer: object
+    config: BertConfig
+    sentence: object
+    directory: Path
+    name: str
+
+    def _check_texts(self, texts) -> list[str]:
+        if isinstance(texts, str) or not isinstance(texts, Sequence) or not all(
+                isinstance(t, str) for t in texts):
+            raise TypeError(f"texts must be a list of str, got {type(texts).__name__}")
+        return list(texts)
+
+    def tokenize(self, text: str, *, max_length: int | None = None) -> Tokens:
+        """Tokenize one text with [CLS]/[SEP]; longer than ``max_length`` (default: the model's
+        positions) keeps the first tokens and the final [SEP], and says so in ``truncated``.
+
+        Example:
+            >>> from multihead.models import load
+            >>> load().tokenize("The animal didn't cross.").tokens
+            ['[CLS]', 'the', 'animal', 'didn', "'", 't', 'cross', '.', '[SEP]']
+        """
+        return self.tokenize_batch([text], max_length=max_length)[0]
+
+    def tokenize_batch(self, texts: Sequence[str], *, max_length: int | None = None) -> list[Tokens]:
+        texts = self._check_texts(texts)
+        limit = max_length or self.config.max_position_embeddings
+        full = self.tokenizer.encode_batch(texts)
+        out = []
+        for enc in full:
+            ids, toks, n = enc.ids, enc.tokens, len(enc.ids)
+            if n > limit:   # keep the leading tokens and the closing special token ([SEP])
+                ids, toks = ids[:limit - 1] + ids[-1:], toks[:limit - 1] + toks[-1:]
+            out.append(Tokens(torch.tensor(ids, dtype=torch.long), toks, n > limit, n))
+        return out
+
+    @torch.inference_mode()
+    def embed(self, texts: Sequence[str], *, progress: bool = False,
+              pack_tokens: int = PACK_TOKENS) -> torch.Tensor:
+        """Sentence embeddings ``(n, E)``: pooled (mean over tokens for MiniLM) and normalized
+        as the model's sentence-transformers files say, computed packed with no padding.
+
+        Texts are sorted longest first and packed back to back into forwards of at most
+        ``pack_tokens`` tokens; each text attends only to itself (a document mask run by the
+        ``varlen`` backend), and the token-wise layers never see a padding token.
+
+        Example:
+            >>> from multihead.models import load
+            >>> e = load().embed(["a cat sat", "the dog ran away"])
+            >>> e.shape, [round(float(x), 4) for x in e.norm(dim=1)]
+            (torch.Size([2, 384]), [1.0, 1.0])
+        """
+        texts = self._check_texts(texts)
+        E = self.config.hidden_size
+        device = next(self.encoder.parameters()).device
+        toks = self.tokenize_batch(texts, max_length=self.sentence.max_seq_length)
+        lengths = torch.tensor([len(t.ids) for t in toks])                       # (n,)
+        order = torch.argsort(lengths, descending=True, stable=True).tolist()
+        result = torch.empty(len(texts), E, dtype=next(self.encoder.parameters()).dtype)
+        packs, cur, size = [], [], 0
+        for i in order:
+            if cur and size + int(lengths[i]) > pack_tokens:
+                packs.append(cur)
+                cur, size = [], 0
+            cur.append(i)
+            size += int(lengths[i])
+        if cur:
+            packs.append(cur)
+        for pack in track(packs, progress, len(texts), "embedding", weight=len):
+            ids = torch.cat([toks[i].ids for i in pack]).to(device)              # (N,)
+            ln = lengths[pack].to(device)                                        # (m,)
+            cu = torch.nn.functional.pad(ln.cumsum(0), (1, 0))                   # (m + 1,)
+            h = self.encoder.forward_packed(ids, cu)                             # (N, E)
+            result[pack] = self._pool(h, ln).cpu()
+        return result
+
+    def _pool(self, h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Pool packed token states ``(N, E)`` into one vector per text ``(m, E)``."""
+        if self.sentence.pooling == "cls":
+            starts = torch.nn.functional.pad(lengths.cumsum(0)[:-1], (1, 0))
+            pooled = h[starts]                                                   # (m, E)
+        else:
+            seg = torch.repeat_interleave(torch.arange(len(lengths), device=h.device), lengths)
+            pooled = h.new_zeros(len(lengths), h.shape[1]).index_add_(0, seg, h)  # (m, E)
+            pooled = pooled / lengths[:, None].to(h.dtype)
+        if self.sentence.normalize:
+            pooled = torch.nn.functional.normalize(pooled, dim=-1)
+        return pooled
