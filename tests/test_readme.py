@@ -18,6 +18,10 @@ def test_readme_starts_with_two_setup_commands():
     assert all("pip install torch==2.13.0" in c for c in cmds)
 
 
+def test_readme_first_command_is_the_main_job():
+    assert _setup_commands()[0].endswith("multihead inspect")
+
+
 def test_ci_runs_the_readme_test_command_verbatim():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert _setup_commands()[1] in ci

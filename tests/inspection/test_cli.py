@@ -1,0 +1,120 @@
+"""`multihead inspect` end to end: output, exit codes, files written, JSON content, bad input
+as one-line errors, and no network connection (sockets blocked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from multihead.cli.main import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from tiny import tiny_checkpoint  # noqa: E402
+
+NO_NET = """
+import socket, sys
+def refuse(*a, **k):
+    raise RuntimeError("network access attempted")
+socket.socket.connect = refuse
+socket.socket.connect_ex = refuse
+socket.create_connection = refuse
+socket.getaddrinfo = refuse
+from multihead.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _run(*argv):
+    return subprocess.run([sys.executable, "-c", NO_NET, *argv], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "0"}, timeout=300)
+
+
+def test_default_run_offline_writes_every_format(tmp_path):
+    r = _run("inspect", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "network access attempted" not in r.stdout + r.stderr
+    assert "L3H1" in r.stdout and "it → animal" in r.stdout
+    assert "Traceback" not in r.stderr
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["head_L3H1.png", "head_L3H1.svg", "heads.png", "heads.svg", "inspect.json",
+                     "report.html"]
+    assert (tmp_path / "heads.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "heads.svg").read_text().lstrip().startswith("<?xml")
+    d = json.loads((tmp_path / "inspect.json").read_text())
+    assert d["model"] == "all-MiniLM-L6-v2" and (d["layers"], d["heads"]) == (6, 12)
+    S = len(d["tokens"])
+    assert d["tokens"][:3] == ["[CLS]", "the", "animal"] and S == 16
+    w = d["weights"]
+    assert len(w) == 6 and len(w[0]) == 12 and len(w[0][0]) == S and len(w[0][0][0]) == S
+    assert all(abs(sum(row) - 1) < 1e-3 for row in w[3][1])
+    q = d["query"]
+    assert q["token"] == "it" and q["position"] == 10
+    animal = [h for h in q["heads"] if h["target_token"] == "animal"]
+    assert animal and max(h["weight"] for h in animal) >= 0.5
+    assert d["selected"] == {"layer": 3, "head": 1}
+    assert set(d["metrics"]) == {"cls", "sep", "punct", "prev", "next", "self", "entropy",
+                                 "confidence"}
+    assert d["roles"][0][2][0] == "previous token"
+
+
+def test_options(tmp_path, capsys):
+    f = tmp_path / "texts.txt"
+    f.write_text("The dog chased the cat because it was hungry.\n\nShe said he left.\n")
+    out = tmp_path / "o"
+    assert main(["inspect", "--file", str(f), "--query-token", "cat", "--layer", "0", "--head",
+                 "2", "--out", str(out), "--format", "json", "--metrics"]) == 0
+    text = capsys.readouterr().out
+    assert "averaged over 2 texts" in text and "confidence" in text
+    d = json.loads((out / "inspect.json").read_text())
+    assert d["texts_averaged"] == 2 and d["query"]["token"] == "cat"
+    assert d["selected"] == {"layer": 0, "head": 2} and sorted(p.name for p in out.iterdir()) == [
+        "inspect.json"]
+
+
+def test_long_text_truncates_with_warning_or_refuses(capsys):
+    long = "word " * 600
+    assert main(["inspect", long]) == 0
+    assert "keeping the first 512" in capsys.readouterr().err
+    assert main(["inspect", long, "--no-truncate"]) == 2
+    err = capsys.readouterr().err
+    assert "602 tokens but the model has 512 positions" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["   "], "the text is empty"),
+    (["--query-token", "zebra"], "--query-token 'zebra' (tokens ['zebra']) is not in the text"),
+    (["--layer", "6"], "--layer 6 is out of range: the model has 6 layers (0..5)"),
+    (["--head", "-1"], "--head -1 is out of range: the model has 12 heads per layer (0..11)"),
+    (["--format", "pdf"], "--format 'pdf': unknown ['pdf']"),
+    (["--file", "/nonexistent/texts.txt"], "cannot be read"),
+])
+def test_bad_input_is_one_line(argv, message, capsys):
+    assert main(["inspect", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_unwritable_out(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["inspect", "--out", str(blocker / "sub")]) == 2
+    assert "is not writable" in capsys.readouterr().err
+
+
+def test_model_dirs(tmp_path, capsys):
+    d = tiny_checkpoint(tmp_path / "tiny")
+    assert main(["inspect", "it rains", "--model", str(d), "--out", str(tmp_path / "o"),
+                 "--format", "json"]) == 0
+    data = json.loads((tmp_path / "o" / "inspect.json").read_text())
+    assert (data["model"], data["layers"], data["heads"]) == ("tiny", 2, 4)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "t5"}))
+    capsys.readouterr()
+    assert main(["inspect", "--model", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "model_type is 't5'" in err and err.count("\n") == 1

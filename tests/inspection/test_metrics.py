@@ -1,0 +1,88 @@
+"""Head metrics on hand-built attention matrices with known answers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from multihead.inspect.capture import find_query, headline, strongest_looks, Look
+from multihead.inspect.metrics import HeadMetrics, is_punct
+
+TOKS = ["[CLS]", "the", "cat", ",", "it", "sat", ".", "[SEP]"]
+S = len(TOKS)
+
+
+def _heads(*rows_fns):
+    """(1, len(fns), S, S) weights; each fn maps a query i to a distribution over keys."""
+    w = torch.zeros(1, len(rows_fns), S, S)
+    for h, fn in enumerate(rows_fns):
+        for i in range(S):
+            w[0, h, i] = torch.as_tensor(fn(i), dtype=torch.float32)
+    return w
+
+
+def onehot(j):
+    v = torch.zeros(S)
+    v[j] = 1
+    return v
+
+
+def test_known_answers():
+    w = _heads(lambda i: onehot(max(i - 1, 0)),          # previous token
+               lambda i: onehot(min(i + 1, S - 1)),      # next token
+               lambda i: onehot(i),                      # self
+               lambda i: onehot(0),                      # [CLS]
+               lambda i: onehot(S - 1),                  # [SEP]
+               lambda i: (onehot(3) + onehot(6)) / 2,    # punctuation
+               lambda i: torch.full((S,), 1 / S))        # uniform
+    m = HeadMetrics.of(w, TOKS)
+    t = m.table()
+    assert t["prev"][0].tolist()[0] == 1.0 and t["next"][0].tolist()[1] == 1.0
+    assert t["self"][0, 2] == 1.0 and t["cls"][0, 3] == 1.0 and t["sep"][0, 4] == 1.0
+    assert t["punct"][0, 5] == 1.0
+    assert t["entropy"][0, 6] == pytest.approx(1.0) and t["confidence"][0, 6] == pytest.approx(1 / S)
+    assert t["entropy"][0, 0] == pytest.approx(0.0, abs=1e-9)
+    assert t["entropy"][0, 5] == pytest.approx(math.log(2) / math.log(S))
+    assert t["prev"][0, 6] == pytest.approx(1 / S)       # uniform: 1/S on every neighbour
+    roles = [r for r, _ in m.roles()[0]]
+    assert roles == ["previous token", "next token", "self", "[CLS]", "[SEP]", "punctuation", "broad"]
+
+
+def test_averaging_over_texts_weights_rows():
+    a = _heads(lambda i: onehot(max(i - 1, 0)))          # prev = 1 on 7 rows
+    b = _heads(lambda i: onehot(i))                      # prev = 0 on 7 rows
+    m = HeadMetrics()
+    m.add(a, TOKS)
+    m.add(b, TOKS)
+    assert m.texts == 2 and m.value("prev")[0, 0] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="unknown metric"):
+        m.value("nope")
+    with pytest.raises(ValueError, match=r"\(L, H, S, S\)"):
+        m.add(torch.zeros(2, S, S), TOKS)
+
+
+def test_punctuation_and_looks():
+    assert [is_punct(t) for t in TOKS] == [False, False, False, True, False, False, True, False]
+    w = _heads(lambda i: onehot(max(i - 1, 0)), lambda i: onehot(2) * 0.6 + onehot(0) * 0.4)
+    looks = strongest_looks(w, TOKS, 4)                   # from "it"
+    assert [(k.head, TOKS[k.target], round(k.weight, 2)) for k in looks] == [
+        (0, ",", 1.0), (1, "cat", 0.6)]
+    assert headline(looks, 4, TOKS).head == 1             # a pronoun looks back beyond neighbours
+    assert headline([Look(0, 0, 5, 0.9)], 4, TOKS).target == 5
+
+
+def test_find_query(minilm_tokens):
+    model, toks = minilm_tokens
+    assert toks[find_query(model, toks, None)] == "it"
+    assert find_query(model, toks, "street") == toks.index("street")
+    with pytest.raises(ValueError, match="not in the text; its tokens are: the animal"):
+        find_query(model, toks, "zebra")
+
+
+@pytest.fixture(scope="module")
+def minilm_tokens():
+    from multihead.models import load
+    model = load()
+    return model, model.tokenize("The animal didn't cross the street because it was too tired.").tokens

@@ -1,0 +1,83 @@
+"""The HTML report in real headless Chromium (Debian's, driven by Playwright): it works offline,
+clicking a head changes the heatmap, hovering a token draws lines, and texts are escaped."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from multihead.cli.main import main
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+playwright = pytest.importorskip("playwright.sync_api")
+if not Path(CHROMIUM).exists():
+    pytest.fail("chromium is not installed (apt-get install chromium): the README's test command "
+                "installs it", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+def _open(browser, report: Path):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors, requests, dialogs = [], [], []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("request", lambda r: requests.append(r.url))
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    page.goto(report.as_uri())
+    page.wait_for_selector(".cell")
+    return page, errors, requests, dialogs
+
+
+def _report(tmp_path, *argv) -> Path:
+    assert main(["inspect", *argv, "--out", str(tmp_path), "--format", "html"]) == 0
+    return tmp_path / "report.html"
+
+
+def test_report_is_offline_and_interactive(browser, tmp_path, capsys):
+    report = _report(tmp_path)
+    page, errors, requests, _ = _open(browser, report)
+    assert errors == []
+    assert requests == [report.as_uri()], f"the page requested {requests[1:]}"
+    assert page.locator(".cell").count() == 6 * 12
+    assert page.text_content("#heatmap-title").startswith("L3H1:")      # the it -> animal head
+    before = page.evaluate("document.getElementById('heatmap').toDataURL()")
+    page.click(".cell[data-layer='0'][data-head='2']")
+    assert page.text_content("#heatmap-title").startswith("L0H2: previous token")
+    assert page.evaluate("document.getElementById('heatmap').toDataURL()") != before
+    assert page.locator(".cell.selected").count() == 1
+    assert page.locator("#lines line").count() == 0
+    page.hover(".tok.q[data-i='10']")                                    # "it"
+    n = page.locator("#lines line").count()
+    assert n > 0
+    # L0H2 is a previous-token head: the thickest line from "it" goes to "because"
+    weights = page.eval_on_selector_all("#lines line", "ls => ls.map(l => [+l.dataset.weight, +l.getAttribute('y2')])")
+    assert max(weights)[1] == 9 * 18 + 9
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "report_hover.png"), full_page=True)
+    page.mouse.move(0, 0)
+    assert page.locator("#lines line").count() == 0
+    assert errors == []
+
+
+def test_text_is_escaped(browser, tmp_path, capsys):
+    evil = "<script>alert(1)</script> it <img src=x onerror=alert(2)> & </script>"
+    report = _report(tmp_path, evil)
+    raw = report.read_text()
+    assert "<script>alert(1)" not in raw and "<img src=x" not in raw
+    page, errors, requests, dialogs = _open(browser, report)
+    assert dialogs == [] and errors == [] and requests == [report.as_uri()]
+    assert page.text_content("#text") == evil                       # shown as text, verbatim
+    assert page.locator("#text script, #text img").count() == 0
+    tokens = page.eval_on_selector_all(".tok.k", "ts => ts.map(t => t.textContent)")
+    assert "<" in tokens and "script" in tokens
+    page.screenshot(path=str(ARTIFACTS / "report_escaped.png"), full_page=True)

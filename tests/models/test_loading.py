@@ -1,0 +1,101 @@
+"""Loading fails cleanly and says why: missing files or tensors, wrong shapes, corrupt files,
+unsupported architectures, pickles. Nothing half-loaded comes back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from multihead.models import ModelLoadError, load
+from tiny import tiny_checkpoint
+
+
+def test_tiny_checkpoint_loads_and_matches_shapes(tmp_path):
+    m = load(tiny_checkpoint(tmp_path / "m"))
+    assert m.config.hidden_size == 32 and len(m.encoder.layers) == 2
+    assert not m.encoder.training
+    assert m.encoder.layers[0].attention.in_proj_weight.shape == (96, 32)
+
+
+@pytest.mark.parametrize("missing", ["config.json", "tokenizer.json", "model.safetensors"])
+def test_missing_file(tmp_path, missing):
+    d = tiny_checkpoint(tmp_path / "m")
+    (d / missing).unlink()
+    with pytest.raises(ModelLoadError, match=f"has no {missing}"):
+        load(d)
+
+
+def test_pickled_weights_are_refused_not_loaded(tmp_path):
+    d = tiny_checkpoint(tmp_path / "m")
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x04 not even a real pickle")
+    with pytest.raises(ModelLoadError, match="never loaded"):
+        load(d)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    d = tiny_checkpoint(tmp_path / "m")
+    w = load_file(str(d / "model.safetensors"))
+    del w["encoder.layer.1.attention.self.key.weight"]
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"missing.*encoder\.layer\.1\.attention\.self\.key\.weight"):
+        load(d)
+
+
+def test_misshaped_tensor_is_named(tmp_path):
+    d = tiny_checkpoint(tmp_path / "m")
+    w = load_file(str(d / "model.safetensors"))
+    w["encoder.layer.0.intermediate.dense.weight"] = torch.zeros(63, 32)
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"intermediate\.dense\.weight has shape \(63, 32\).*\(64, 32\)"):
+        load(d)
+
+
+def test_corrupt_file(tmp_path):
+    d = tiny_checkpoint(tmp_path / "m")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="not a readable safetensors file"):
+        load(d)
+    (d / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ModelLoadError, match="not a readable safetensors file"):
+        load(d)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(model_type="gpt2"), "model_type is 'gpt2'"),
+    (dict(position_embedding_type="relative_key"), "position_embedding_type"),
+    (dict(hidden_act="swish"), "hidden_act 'swish'"),
+    (dict(num_attention_heads=5), "not divisible"),
+])
+def test_unsupported_architecture(tmp_path, change, message):
+    d = tiny_checkpoint(tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(change)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=message):
+        load(d)
+
+
+def test_bad_json_and_not_a_directory(tmp_path):
+    d = tiny_checkpoint(tmp_path / "m")
+    (d / "config.json").write_text("{oops")
+    with pytest.raises(ModelLoadError, match="not valid JSON"):
+        load(d)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load(tmp_path / "nowhere")
+
+
+def test_bert_prefixed_checkpoint(tmp_path):
+    """BertForMaskedLM-style checkpoints name tensors 'bert.embeddings...': same weights."""
+    d = tiny_checkpoint(tmp_path / "m")
+    w = load_file(str(d / "model.safetensors"))
+    plain = load(d)
+    save_file({"bert." + k: v for k, v in w.items()} | {"cls.predictions.bias": torch.zeros(3)},
+              str(d / "model.safetensors"))
+    prefixed = load(d)
+    ids = torch.tensor([[101, 2009, 102]])
+    torch.testing.assert_close(plain.encoder(ids).hidden, prefixed.encoder(ids).hidden)

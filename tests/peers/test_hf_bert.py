@@ -1,0 +1,83 @@
+"""The embedded all-MiniLM-L6-v2 on our attention equals Hugging Face transformers' BertModel
+and sentence-transformers on the same weights; packed batches equal texts run one by one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multihead.models import default_model_dir, load
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = ["The animal didn't cross the street because it was too tired.",
+         "Hi.",
+         "Multi-head attention lets the model jointly attend to information from different "
+         "representation subspaces at different positions.",
+         "Packed sequences: each text attends only to its own tokens, padding costs nothing."]
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return load()
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return transformers.BertModel.from_pretrained(str(default_model_dir()),
+                                                  attn_implementation="eager").eval()
+
+
+def _padded(model, texts):
+    toks = model.tokenize_batch(texts)
+    lengths = torch.tensor([len(t.ids) for t in toks])
+    ids = torch.zeros(len(texts), int(lengths.max()), dtype=torch.long)   # (B, S), 0 = [PAD]
+    for i, t in enumerate(toks):
+        ids[i, : len(t.ids)] = t.ids
+    return ids, lengths
+
+
+@torch.inference_mode()
+def test_hidden_states_equal_transformers_bertmodel(ours, hf):
+    ids, lengths = _padded(ours, TEXTS)
+    attn = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+    want = hf(input_ids=ids, attention_mask=attn, output_attentions=True)
+    got = ours.encoder(ids, lengths=lengths, return_weights=True)
+    for i, n in enumerate(lengths.tolist()):
+        torch.testing.assert_close(got.hidden[i, :n], want.last_hidden_state[i, :n],
+                                   atol=1e-5, rtol=1e-5)
+        for layer, (a, b) in enumerate(zip(got.weights, want.attentions)):   # (B, H, S, S)
+            torch.testing.assert_close(a[i, :, :n, :n], b[i, :, :n, :n], atol=1e-5, rtol=1e-4,
+                                       msg=f"layer {layer} weights differ")
+
+
+@torch.inference_mode()
+def test_token_ids_equal_transformers_tokenizer(ours):
+    tok = transformers.AutoTokenizer.from_pretrained(str(default_model_dir()))
+    for text in TEXTS:
+        assert ours.tokenize(text).ids.tolist() == tok(text)["input_ids"]
+
+
+def test_sentence_embeddings_equal_sentence_transformers(ours):
+    st = pytest.importorskip("sentence_transformers")
+    model = st.SentenceTransformer(str(default_model_dir()), device="cpu")
+    long_text = " ".join(["attention"] * 400)           # truncated at 256 by both
+    texts = TEXTS + [long_text]
+    want = model.encode(texts, convert_to_tensor=True)
+    got = ours.embed(texts)
+    torch.testing.assert_close(got, want.cpu(), atol=2e-6, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_packed_batch_equals_one_by_one(ours):
+    texts = TEXTS * 3 + ["a b c", "x"]
+    packed = ours.embed(texts, pack_tokens=64)            # several packs, lengths shuffled
+    single = torch.cat([ours.embed([t]) for t in texts])
+    torch.testing.assert_close(packed, single, atol=1e-6, rtol=1e-5)
+    toks = ours.tokenize_batch(TEXTS)
+    ids = torch.cat([t.ids for t in toks])                # packed in the given order
+    cu = torch.tensor([0] + [len(t.ids) for t in toks]).cumsum(0)
+    h = ours.encoder.forward_packed(ids, cu)               # (N, E)
+    for i, t in enumerate(toks):
+        alone = ours.encoder(t.ids[None]).hidden[0]
+        torch.testing.assert_close(h[cu[i]:cu[i + 1]], alone, atol=1e-5, rtol=1e-5)
