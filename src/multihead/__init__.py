@@ -10,10 +10,11 @@ Example:
 
 from . import masks
 from .functional import attention, backends, explain
-from .modules import MultiHeadAttention, RotaryEmbedding
+from .modules import KVCache, MultiHeadAttention, PagedKVCache, RotaryEmbedding
 from . import interop, nn  # noqa: E402  (interop uses the public API above)
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "explain", "backends", "masks", "MultiHeadAttention", "RotaryEmbedding",
+           "KVCache", "PagedKVCache",
            "interop", "nn", "__version__"]

@@ -65,7 +65,8 @@ def _describe(call: AttentionCall) -> str:
     return "; ".join(parts)
 
 
-def _decide(call: AttentionCall, backend: str) -> Explanation:
+def _decide(call: AttentionCall, backend: str, notes: bool = True) -> Explanation:
+    """The decision; ``notes=False`` (what attention() uses) skips the text only explain() shows."""
     rows = []
     compiling = torch.compiler.is_compiling()
     for name, b in registry.all_backends().items():
@@ -73,7 +74,7 @@ def _decide(call: AttentionCall, backend: str) -> Explanation:
         if reason is None and compiling and not b.traceable:
             reason = "is not traceable by torch.compile (data-dependent tile loop)"
         cost = b.cost(call) if reason is None else None
-        rows.append((name, reason, cost, b.cost_note(call) if reason is None else ""))
+        rows.append((name, reason, cost, b.cost_note(call) if notes and reason is None else ""))
     if backend == AUTO:
         able = [(c, n) for n, r, c, _ in rows if r is None]
         chosen = min(able)[1]  # reference supports everything, so never empty
@@ -85,7 +86,7 @@ def _decide(call: AttentionCall, backend: str) -> Explanation:
             raise ValueError(f"backend={backend!r} cannot run this call: it {reason}; use "
                              f"backend='auto' or one of {able}")
         chosen = backend
-    return Explanation(chosen, backend, tuple(rows), _describe(call))
+    return Explanation(chosen, backend, tuple(rows), _describe(call) if notes else "")
 
 
 def _check_backend(backend) -> str:
@@ -139,7 +140,7 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
     if call.Sk == 0 or call.Sq == 0:
         out, w, lse = _empty(call)
     else:
-        chosen = _decide(call, backend).chosen
+        chosen = _decide(call, backend, notes=False).chosen
         out, w, lse = registry.get(chosen).run(call)
     extra = tuple(x for x, on in ((w, call.return_weights), (lse, call.return_lse)) if on)
     return (out, *extra) if extra else out

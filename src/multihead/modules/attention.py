@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import masks
 from ..functional import attention
+from .kv_cache import KVCache
 from .rope import RotaryEmbedding
 
 
@@ -177,6 +179,16 @@ class MultiHeadAttention(nn.Module):
 
     def _qkv(self, x, context, positions):
         """Projected, head-split (and rotated) q (B, H, Sq, Dh), k and v (B, Hkv, Sk, Dh)."""
+        q, k, v = self._project(x, context)
+        if self.rope is not None:
+            q, k = self._rotate(q, k, positions, context is None)
+        elif positions is not None:
+            raise ValueError("positions are only used with rope=RotaryEmbedding(...); this module has none")
+        return q, k, v
+
+    def _project(self, x, context):
+        """Projected, head-split q (B, H, Sq, Dh), k and v (B, Hkv, Sk, Dh); ``context=False``
+        projects only q (cross-attention whose K/V are cached) and returns None for k, v."""
         self._check_input("x", x, self.embed_dim)
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if context is None:
@@ -186,6 +198,8 @@ class MultiHeadAttention(nn.Module):
             else:
                 raise ValueError(f"self-attention needs kdim == vdim == embed_dim; this module has "
                                  f"kdim={self.kdim}, vdim={self.vdim}: pass context")
+        elif context is False:
+            return self._heads(F.linear(x, *self.q_proj), self.num_heads), None, None
         else:
             if self.kdim != self.vdim:
                 raise ValueError("kdim != vdim: this module takes keys and values from one context "
@@ -199,13 +213,8 @@ class MultiHeadAttention(nn.Module):
                 k, v = kv.split([nkv, nkv], dim=-1)
             else:
                 k, v = F.linear(context, *self.k_proj), F.linear(context, *self.v_proj)
-        q, k, v = self._heads(q, self.num_heads), self._heads(k, self.num_kv_heads), \
+        return self._heads(q, self.num_heads), self._heads(k, self.num_kv_heads), \
             self._heads(v, self.num_kv_heads)
-        if self.rope is not None:
-            q, k = self._rotate(q, k, positions, context is None)
-        elif positions is not None:
-            raise ValueError("positions are only used with rope=RotaryEmbedding(...); this module has none")
-        return q, k, v
 
     def _rotate(self, q, k, positions, self_attn):
         B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
@@ -225,13 +234,27 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask=None,
                 return_weights: bool = False, average_weights: bool = False,
-                positions: torch.Tensor | None = None):
+                positions: torch.Tensor | None = None, cache=None,
+                valid: torch.Tensor | None = None):
         """Attend from ``x`` to itself (or to ``context``); see the class docstring for shapes.
+
+        With ``cache`` (a :class:`KVCache` or ``PagedKVCache.batch(...)``), ``x`` holds only the
+        new tokens: their keys/values are appended and attention covers everything cached.
+        Pass the same ``mask`` as for a full forward (``mh.masks.causal()``); ``valid``
+        ``(B, Sq)`` marks which new tokens are real when prompts are padded (left or right);
+        RoPE positions continue from each sequence's count of real tokens. For
+        cross-attention, give ``context`` on the first call only: its keys/values are cached.
 
         Returns ``out`` (B, Sq, E), or ``(out, weights)`` when ``return_weights``; weights are
         per head ``(B, H, Sq, Sk)``, or their head mean ``(B, Sq, Sk)`` with ``average_weights``.
         """
-        q, k, v = self._qkv(x, context, positions)
+        if cache is None:
+            if valid is not None:
+                raise ValueError("valid marks padded new tokens for a cache: pass cache=, or put "
+                                 "padding in the mask (mh.masks.padding) for a full forward")
+            q, k, v = self._qkv(x, context, positions)
+        else:
+            q, k, v, mask = self._cached(x, context, cache, mask, valid, positions)
         p = self.dropout if self.training else 0.0
         res = attention(q, k, v, mask=mask, dropout_p=p, backend=self.backend,
                         return_weights=return_weights)
@@ -240,6 +263,56 @@ class MultiHeadAttention(nn.Module):
         if not return_weights:
             return y
         return y, (w.mean(dim=1) if average_weights else w)
+
+    def make_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """A :class:`KVCache` with this module's K/V heads, head_dim, dtype and device."""
+        p = self.out_proj.weight
+        return KVCache(batch_size, max_len, self.num_kv_heads, self.head_dim,
+                       dtype=p.dtype, device=p.device)
+
+    def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """K/V cache bytes one token costs in this layer: ``2 * Hkv * Dh * itemsize``
+        (the seeds' MQA/GQA memory argument: H/Hkv times less than MHA)."""
+        size = torch.empty((), dtype=dtype or self.out_proj.weight.dtype).element_size()
+        return 2 * self.num_kv_heads * self.head_dim * size
+
+    def _cached(self, x, context, cache, mask, valid, positions):
+        """q and the cached k/v (new tokens appended), and the mask with cached padding."""
+        if positions is not None:
+            raise ValueError("positions come from the cache when cache= is given (each "
+                             "sequence continues from its length): drop positions=")
+        if not hasattr(cache, "update") or not hasattr(cache, "check_compatible"):
+            raise TypeError(f"cache must be a multihead.KVCache or PagedKVCache.batch(...), got "
+                            f"{type(cache).__name__}")
+        p = self.out_proj.weight
+        cache.check_compatible(self.num_kv_heads, self.head_dim, self.head_dim, p.dtype, p.device)
+        self._check_input("x", x, self.embed_dim)
+        if x.shape[0] != cache.batch_size:
+            raise ValueError(f"x has batch {x.shape[0]} but the cache holds {cache.batch_size} "
+                             f"sequences: use one cache per batch (or PagedKVCache.batch(ids))")
+        if context is not None or cache.cross:                         # cross-attention
+            if context is not None:
+                q, k, v = self._project(x, context)
+                if self.rope is not None:                              # as _rotate does
+                    k = self.rope(k, torch.arange(k.shape[2], device=k.device))
+                cache.store_context(k, v)
+            else:
+                q, _, _ = self._project(x, False)
+            if self.rope is not None:
+                q = self.rope(q, torch.arange(q.shape[2], device=q.device))
+            k, v = cache.context()
+            return q, k, v, mask
+        q, k, v = self._project(x, None)
+        if self.rope is not None:
+            if valid is not None:
+                cache._check_new(k, v, valid, x.shape[0])
+            pos = cache.positions(q.shape[2], valid)                   # (B, Sq)
+            q, k = self.rope(q, pos), self.rope(k, pos)
+        k, v, key_valid = cache.update(k, v, valid)
+        if key_valid is not None:
+            pad = masks.padding(key_valid)
+            mask = pad if mask is None else mask & pad
+        return q, k, v, mask
 
     def head_contributions(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
                            mask=None, positions: torch.Tensor | None = None) -> torch.Tensor:

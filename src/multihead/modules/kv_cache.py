@@ -1,0 +1,175 @@
+"""Key/value caches for incremental decoding: a static preallocated one and a paged pool.
+
+Both keep keys/values *after* RoPE, write new tokens in time order, and remember which
+slots hold real tokens, so prompts padded on the left or on the right are masked by the
+cache, not by the caller: the caller passes the same ``mh.masks.causal()`` as for a full
+forward (lower-right aligned, so it is right for the prefill and for every step).
+
+Every write is checked before anything is stored: a cache that refuses a write is left
+bit-for-bit unchanged.
+
+Notation used for tensor shapes:
+    B batch (sequences), Hkv K/V heads, D head_dim, Dv value dim, T max_len (slots),
+    n new tokens, P pages, p page_size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _pos_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return v
+
+
+class _CacheBase:
+    """What both caches share: geometry checks and the per-token validity bookkeeping."""
+
+    num_kv_heads: int
+    head_dim: int
+    value_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def check_compatible(self, num_kv_heads: int, head_dim: int, value_dim: int,
+                         dtype: torch.dtype, device: torch.device) -> None:
+        """Raise if a module with these sizes cannot use this cache (nothing is written)."""
+        mine = (self.num_kv_heads, self.head_dim, self.value_dim)
+        if mine != (num_kv_heads, head_dim, value_dim):
+            raise ValueError(f"cache holds num_kv_heads={mine[0]}, head_dim={mine[1]}, "
+                             f"value_dim={mine[2]} but the module has num_kv_heads={num_kv_heads}, "
+                             f"head_dim={head_dim}, value_dim={value_dim}: build the cache with "
+                             f"the module's sizes (module.make_cache(...))")
+        if self.dtype != dtype or torch.device(self.device) != torch.device(device):
+            raise TypeError(f"cache is {self.dtype} on {self.device} but the module is {dtype} on "
+                            f"{device}: build the cache with dtype/device of the module")
+
+    def _check_new(self, k, v, valid, batch: int):
+        n = k.shape[2]
+        want_k, want_v = (batch, self.num_kv_heads, n, self.head_dim), \
+            (batch, self.num_kv_heads, n, self.value_dim)
+        if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
+            raise ValueError(f"cache update: k {tuple(k.shape)} / v {tuple(v.shape)} must be "
+                             f"{want_k} / {want_v}")
+        if k.dtype != self.dtype or v.dtype != self.dtype:
+            raise TypeError(f"cache update: k/v are {k.dtype}/{v.dtype}, the cache is {self.dtype}")
+        if valid is None:
+            return None
+        if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or tuple(
+                valid.shape) != (batch, n):
+            raise ValueError(f"valid must be a bool tensor (B, n) = ({batch}, {n}) marking the real "
+                             f"new tokens, got {getattr(valid, 'dtype', type(valid).__name__)} "
+                             f"{tuple(getattr(valid, 'shape', ()))}")
+        return valid.to(self.device)
+
+
+class KVCache(_CacheBase):
+    """A preallocated cache for a batch of ``batch_size`` sequences of up to ``max_len`` tokens.
+
+    Slots are written in time order, the same number for every sequence; ``lengths`` (a
+    tensor) counts each sequence's real tokens, which is where its RoPE positions continue.
+
+    Args:
+        batch_size, max_len, num_kv_heads, head_dim: the buffers' sizes.
+        value_dim: Dv (default head_dim).
+        dtype, device: of the buffers (match the module's).
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> attn = mh.MultiHeadAttention(64, 8, num_kv_heads=2).eval()
+        >>> cache = mh.KVCache(1, 32, num_kv_heads=2, head_dim=8)
+        >>> prompt, nxt = torch.randn(1, 5, 64), torch.randn(1, 1, 64)
+        >>> y = attn(prompt, cache=cache, mask=mh.masks.causal())      # prefill
+        >>> y = attn(nxt, cache=cache, mask=mh.masks.causal())         # one decode step
+        >>> cache.seen, cache.lengths.tolist(), cache.nbytes
+        (6, [6], 4096)
+
+    Shapes:
+        k (B, Hkv, T, D), v (B, Hkv, T, Dv), lengths (B,), valid (B, T).
+    """
+
+    def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, *,
+                 value_dim: int | None = None, dtype: torch.dtype = torch.float32, device=None):
+        B, T = _pos_int("batch_size", batch_size), _pos_int("max_len", max_len)
+        self.num_kv_heads, self.head_dim = _pos_int("num_kv_heads", num_kv_heads), \
+            _pos_int("head_dim", head_dim)
+        self.value_dim = head_dim if value_dim is None else _pos_int("value_dim", value_dim)
+        self.batch_size, self.max_len, self.dtype = B, T, dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        fk = dict(dtype=dtype, device=self.device)
+        self.k = torch.zeros(B, self.num_kv_heads, T, self.head_dim, **fk)     # (B, Hkv, T, D)
+        self.v = torch.zeros(B, self.num_kv_heads, T, self.value_dim, **fk)    # (B, Hkv, T, Dv)
+        self.valid = torch.zeros(B, T, dtype=torch.bool, device=self.device)   # (B, T)
+        self.lengths = torch.zeros(B, dtype=torch.long, device=self.device)    # (B,)
+        self.seen = 0            # slots written (a shape, known on the host without a sync)
+        self.padded = False      # True once a write marked some token as padding
+        self.cross = False       # True when it holds a cross-attention context
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K/V buffers (what the seeds' MQA/GQA argument is about)."""
+        return self.k.nbytes + self.v.nbytes
+
+    def bytes_per_token(self) -> int:
+        """K/V bytes one token costs in one layer: ``Hkv * (D + Dv) * itemsize``."""
+        return self.num_kv_heads * (self.head_dim + self.value_dim) * self.k.element_size()
+
+    def reset(self) -> None:
+        """Forget every sequence; the buffers are kept and reused (stale data is masked)."""
+        self.lengths.zero_()
+        self.valid.zero_()
+        self.seen, self.padded, self.cross = 0, False, False
+
+    def positions(self, n: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """RoPE positions ``(B, n)`` of ``n`` new tokens: each sequence's count of real tokens
+        continues (padding does not advance it)."""
+        steps = torch.ones(self.batch_size, n, dtype=torch.long, device=self.device) \
+            if valid is None else valid.long()
+        return self.lengths[:, None] + steps.cumsum(1) - 1                     # (B, n)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None):
+        """Append ``n`` new tokens; return ``(k_all, v_all, key_valid or None)`` to attend to.
+
+        Raises before writing anything if the tokens do not fit (the cache is unchanged).
+        """
+        valid = self._check_new(k, v, valid, self.batch_size)
+        n = k.shape[2]
+        if self.seen + n > self.max_len:
+            raise ValueError(f"KVCache is full: it holds {self.seen} of max_len={self.max_len} "
+                             f"slots and {n} more were appended; nothing was written. Build it "
+                             f"with a larger max_len, or reset() it")
+        s = slice(self.seen, self.seen + n)
+        self.k[:, :, s] = k
+        self.v[:, :, s] = v
+        if valid is None:
+            self.valid[:, s] = True
+            self.lengths += n
+        else:
+            self.valid[:, s] = valid
+            self.lengths += valid.sum(1)
+            self.padded = self.padded or not bool(valid.all())
+        self.seen += n
+        t = self.seen
+        return self.k[:, :, :t], self.v[:, :, :t], (self.valid[:, :t] if self.padded else None)
+
+    def store_context(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep a cross-attention context's keys/values (once; reset() to replace them)."""
+        if self.seen:
+            raise ValueError("this cache already holds tokens or a context: call reset() before "
+                             "caching a new cross-attention context")
+        self.update(k, v)
+        self.cross = True
+
+    def context(self):
+        """The cached cross-attention keys and values ``(B, Hkv, Sk, D)``, ``(B, Hkv, Sk, Dv)``."""
+        if not self.cross:
+            raise ValueError("this cache holds no cross-attention context: pass context on the "
+                             "first call")
+        return self.k[:, :, :self.seen], self.v[:, :, :self.seen]
+
+    def __repr__(self) -> str:
+        return (f"KVCache(batch_size={self.batch_size}, max_len={self.max_len}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, seen={self.seen}, "
+                f"{str(self.dtype).replace('torch.', '')}, {self.nbytes / 2**20:.1f} MiB)")
