@@ -33,6 +33,17 @@ class _CacheBase:
     dtype: torch.dtype
     device: torch.device
 
+    def _geometry(self, num_kv_heads, head_dim, value_dim, dtype, device) -> dict:
+        """Validate and store the per-token geometry; returns the buffers' dtype/device kwargs."""
+        self.num_kv_heads = _pos_int("num_kv_heads", num_kv_heads)
+        self.head_dim = _pos_int("head_dim", head_dim)
+        self.value_dim = head_dim if value_dim is None else _pos_int("value_dim", value_dim)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        return dict(dtype=dtype, device=self.device)
+
     def check_compatible(self, num_kv_heads: int, head_dim: int, value_dim: int,
                          dtype: torch.dtype, device: torch.device) -> None:
         """Raise if a module with these sizes cannot use this cache (nothing is written)."""
@@ -93,12 +104,8 @@ class KVCache(_CacheBase):
     def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, *,
                  value_dim: int | None = None, dtype: torch.dtype = torch.float32, device=None):
         B, T = _pos_int("batch_size", batch_size), _pos_int("max_len", max_len)
-        self.num_kv_heads, self.head_dim = _pos_int("num_kv_heads", num_kv_heads), \
-            _pos_int("head_dim", head_dim)
-        self.value_dim = head_dim if value_dim is None else _pos_int("value_dim", value_dim)
-        self.batch_size, self.max_len, self.dtype = B, T, dtype
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        fk = dict(dtype=dtype, device=self.device)
+        self.batch_size, self.max_len = B, T
+        fk = self._geometry(num_kv_heads, head_dim, value_dim, dtype, device)
         self.k = torch.zeros(B, self.num_kv_heads, T, self.head_dim, **fk)     # (B, Hkv, T, D)
         self.v = torch.zeros(B, self.num_kv_heads, T, self.value_dim, **fk)    # (B, Hkv, T, Dv)
         self.valid = torch.zeros(B, T, dtype=torch.bool, device=self.device)   # (B, T)

@@ -42,12 +42,8 @@ class PagedKVCache(_CacheBase):
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
                  value_dim: int | None = None, dtype: torch.dtype = torch.float32, device=None):
         P, p = _pos_int("num_pages", num_pages), _pos_int("page_size", page_size)
-        self.num_kv_heads, self.head_dim = _pos_int("num_kv_heads", num_kv_heads), \
-            _pos_int("head_dim", head_dim)
-        self.value_dim = head_dim if value_dim is None else _pos_int("value_dim", value_dim)
-        self.num_pages, self.page_size, self.dtype = P, p, dtype
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        fk = dict(dtype=dtype, device=self.device)
+        self.num_pages, self.page_size = P, p
+        fk = self._geometry(num_kv_heads, head_dim, value_dim, dtype, device)
         self.k = torch.zeros(P * p, self.num_kv_heads, self.head_dim, **fk)     # (P*p, Hkv, D)
         self.v = torch.zeros(P * p, self.num_kv_heads, self.value_dim, **fk)    # (P*p, Hkv, Dv)
         self.valid = torch.zeros(P * p, dtype=torch.bool, device=self.device)   # (P*p,)
