@@ -2,17 +2,18 @@
 
 A subcommand module has ``add_parser(subparsers)`` and ``run(args) -> int``. User mistakes
 raise :class:`CLIError` (or a ``ValueError`` subclass from the library) and are printed as
-one line on stderr with exit status 2, never as a traceback.
+one line on stderr with exit status 2, never as a traceback (``MULTIHEAD_DEBUG=1`` re-raises).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from . import inspect_cmd
+from . import demo_cmd, inspect_cmd, params_cmd
 
-SUBCOMMANDS = {"inspect": inspect_cmd}
+SUBCOMMANDS = {"inspect": inspect_cmd, "params": params_cmd, "demo": demo_cmd}
 
 
 class CLIError(Exception):
@@ -20,8 +21,8 @@ class CLIError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="multihead", description="Multi-head attention: inspect "
-                                "what the heads of a real model do.")
+    p = argparse.ArgumentParser(prog="multihead", description="Multi-head attention: see what "
+                                "the heads of a real model do, and check the seeds' claims.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for mod in SUBCOMMANDS.values():
         mod.add_parser(sub)
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"multihead {args.command}: interrupted", file=sys.stderr)
         return 130
     except (CLIError, ValueError, TypeError, OSError) as e:
+        if os.environ.get("MULTIHEAD_DEBUG"):
+            raise
         msg = " ".join(str(e).split()) or type(e).__name__
         print(f"multihead {args.command}: error: {msg}", file=sys.stderr)
         return 2

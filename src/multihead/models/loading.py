@@ -11,13 +11,13 @@ The default model is all-MiniLM-L6-v2, embedded in the PyPI package ``gt-all-min
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .._init import skip_init
 from .bert import BertConfig, BertEncoder, UnsupportedModel
 
 DEFAULT_NAME = "all-MiniLM-L6-v2"
@@ -124,24 +124,6 @@ def _load_tokenizer(path: Path, c: BertConfig):
     return tok
 
 
-@contextlib.contextmanager
-def _skip_init():
-    """Make ``torch.nn.init`` a no-op while modules whose weights will be loaded are built.
-
-    (Building on the meta device would also skip the work, but its first use costs seconds
-    of one-time setup on the CPU, which ``multihead inspect`` cannot afford.)
-    """
-    names = ("uniform_", "normal_", "kaiming_uniform_", "xavier_uniform_", "zeros_", "ones_")
-    saved = {n: getattr(torch.nn.init, n) for n in names}
-    try:
-        for n in names:
-            setattr(torch.nn.init, n, lambda tensor, *a, **k: tensor)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.nn.init, n, f)
-
-
 def _read_json(path: Path, default):
     if not path.is_file():
         return default
@@ -208,7 +190,7 @@ def load(model_dir: str | Path | None = None, *, dtype: torch.dtype = torch.floa
         raise ModelLoadError(f"{d}: {e}") from None
     tokenizer = _load_tokenizer(d / "tokenizer.json", config)
     state = _to_ours(_read_weights(d / "model.safetensors", config), config, dtype)
-    with _skip_init():      # every parameter is assigned below: random init would be wasted
+    with skip_init():       # every parameter is assigned below: random init would be wasted
         encoder = BertEncoder(config, dtype=dtype)
     encoder.load_state_dict(state, strict=True, assign=True)
     encoder = encoder.to(device).eval()

@@ -1,0 +1,1 @@
+"""Analyses behind `multihead params` and `multihead demo`: the seeds claims, on numbers."""

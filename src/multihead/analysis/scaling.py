@@ -1,0 +1,92 @@
+"""Seed 004's exercises 1 and 2, measured: why scores are divided by sqrt(d_k), and why
+masks are -inf (not -1e9) in half precision.
+
+Exercise 1: with q and k drawn from N(0, 1), q·k has variance d_k, so unscaled scores grow
+as sqrt(d_k) and the softmax over a row of keys saturates (one key takes nearly all the
+weight, gradients vanish); dividing by sqrt(d_k) keeps the std near 1.
+
+Exercise 2: -1e9 cannot be stored in float16 (its largest magnitude is 65504): torch refuses
+to ``masked_fill`` it, an additive mask cast to float16 becomes -inf, and a row whose keys
+are all masked then turns into NaN, while "safe" large negatives silently spread the row's
+weight over the masked keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SEED_004_UNSCALED_STD = {8: 2.8, 64: 8.0, 512: 22.6, 4096: 64.0}
+
+
+def scaling(dks=(8, 64, 512, 4096), keys: int = 10, draws: int = 500, seed: int = 0) -> list[dict]:
+    """Std of q·k and the mean max softmax probability over ``keys`` keys, unscaled and scaled.
+
+    Example:
+        >>> rows = scaling(dks=(64,), draws=200)
+        >>> round(rows[0]["unscaled_std"]), round(rows[0]["scaled_std"])
+        (8, 1)
+    """
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for dk in dks:
+        if isinstance(dk, bool) or not isinstance(dk, int) or dk <= 0:
+            raise ValueError(f"d_k values must be positive ints, got {dk!r}")
+        q = torch.randn(draws, 1, dk, generator=g, dtype=torch.float64)          # (N, 1, d_k)
+        k = torch.randn(draws, keys, dk, generator=g, dtype=torch.float64)       # (N, keys, d_k)
+        dots = (q @ k.transpose(1, 2)).squeeze(1)                                # (N, keys)
+        scaled = dots / math.sqrt(dk)
+        rows.append({
+            "d_k": dk, "sqrt_d_k": math.sqrt(dk),
+            "unscaled_std": float(dots.std()), "scaled_std": float(scaled.std()),
+            "unscaled_max_prob": float(torch.softmax(dots, -1).amax(-1).mean()),
+            "scaled_max_prob": float(torch.softmax(scaled, -1).amax(-1).mean()),
+            "seed_004_unscaled_std": SEED_004_UNSCALED_STD.get(dk),
+        })
+    return rows
+
+
+def _try(fn):
+    try:
+        return fn(), None
+    except RuntimeError as e:
+        return None, str(e).splitlines()[0]
+
+
+def fp16_masking(seed: int = 0) -> list[dict]:
+    """Softmax of one fp16 score row with two keys masked and one row with all keys masked,
+    masked five ways; what each gives (weights, NaN, or torch's error)."""
+    import multihead as mh
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(2, 4, generator=g).half()                                    # (2 rows, 4 keys)
+    hide = torch.tensor([[False, False, True, True], [True, True, True, True]])  # True = masked
+    bias = torch.full((2, 4), -5.0).half()                                       # e.g. an ALiBi term
+    fmin = torch.finfo(torch.float16).min
+    cases = [
+        ("masked_fill(-1e9) in fp16", lambda: torch.softmax(s.masked_fill(hide, -1e9), -1)),
+        ("additive -1e9 mask cast to fp16", lambda: torch.softmax(
+            s + torch.zeros(2, 4).masked_fill(hide, -1e9).half(), -1)),
+        ("-1e9 in fp32 (no overflow)", lambda: torch.softmax(
+            s.float() + torch.zeros(2, 4).masked_fill(hide, -1e9), -1)),
+        ("finfo(fp16).min, plus a bias", lambda: torch.softmax(s.masked_fill(hide, fmin) + bias, -1)),
+        ("-inf in fp16", lambda: torch.softmax(s.masked_fill(hide, float("-inf")), -1)),
+        ("multihead.attention (True = may attend)", lambda: _weights(mh, s, ~hide)),
+    ]
+    out = []
+    for name, fn in cases:
+        w, err = _try(fn)
+        out.append({"method": name, "error": err,
+                    "partly_masked_row": None if w is None else [round(float(x), 4) for x in w[0]],
+                    "fully_masked_row": None if w is None else [
+                        None if math.isnan(float(x)) else round(float(x), 4) for x in w[1]]})
+    return out
+
+
+def _weights(mh, s, allowed):
+    """Weights of mh.attention for scores ``s`` (built as q·k with one-hot keys)."""
+    q = s.float().view(1, 1, 2, 4) * 2.0                  # scale 1/sqrt(4) undoes the 2
+    k = torch.eye(4).view(1, 1, 4, 4)
+    _, w = mh.attention(q.half(), k.half(), k.half(), mask=mh.masks.dense(allowed),
+                        return_weights=True)
+    return w[0, 0]

@@ -1,0 +1,146 @@
+"""``multihead params``: parameters, memory and FLOPs of attention layers, checked on a real module.
+
+Seed 003's claims as numbers: 4d² parameters whatever the number of heads, the h·n² score
+matrices naive attention materializes, and how MQA/GQA shrink the KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("params", help="parameter, memory and FLOP counts of attention layers",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--preset", help="a named configuration (see --table)")
+    p.add_argument("--d-model", type=int, help="model width d")
+    p.add_argument("--heads", type=int, help="query heads h")
+    p.add_argument("--kv-heads", type=int, help="K/V heads (GQA; 1 = MQA; default: heads)")
+    p.add_argument("--head-dim", type=int, help="d_k (default d_model / heads)")
+    p.add_argument("--layers", type=int, help="attention layers (default: 1, or the preset's)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length n (2048)")
+    p.add_argument("--batch", type=int, default=1, help="batch size (1)")
+    p.add_argument("--dtype", default="bf16", help="bytes per element: fp32, bf16, fp16 (bf16)")
+    p.add_argument("--no-bias", action="store_true", help="projections without biases")
+    p.add_argument("--table", action="store_true",
+                   help="every preset side by side, and MHA vs GQA vs MQA cache sizes")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _shape(args):
+    from dataclasses import asdict
+
+    from ..analysis.params import AttentionShape, preset
+    if args.preset is not None:
+        s = preset(args.preset)
+        over = {k: v for k, v in (("d_model", args.d_model), ("heads", args.heads),
+                                  ("kv_heads", args.kv_heads), ("head_dim", args.head_dim),
+                                  ("layers", args.layers)) if v is not None}
+        if args.no_bias:
+            over["bias"] = False
+        return AttentionShape(**{**asdict(s), **over}) if over else s
+    if args.d_model is None or args.heads is None:
+        raise ValueError("give --preset NAME, or --d-model and --heads (see --table for presets)")
+    return AttentionShape(args.d_model, args.heads, kv_heads=args.kv_heads,
+                          head_dim=args.head_dim, layers=args.layers or 1, bias=not args.no_bias)
+
+
+def _variants(s):
+    """The same model as MHA, GQA (8 groups where possible) and MQA."""
+    kvs = [s.heads] + ([8] if s.heads % 8 == 0 and s.heads > 8 else []) + [1]
+    if s.hkv not in kvs:
+        kvs.insert(1, s.hkv)
+    return [s.with_kv_heads(k) for k in kvs]
+
+
+def run(args) -> int:
+    from ..analysis.params import PRESETS, human_bytes, human_count, report
+    kw = dict(seq=args.seq, batch=args.batch, dtype=args.dtype)
+    if args.table:
+        rows = [report(s, **kw) for s in PRESETS.values()]
+        focus = _shape(args) if (args.preset or args.d_model) else PRESETS["llama2-70b"]
+        variants = [report(v, **kw) for v in _variants(focus)]
+        if args.json:
+            print(json.dumps({"presets": rows, "kv_variants": variants}, indent=2))
+            return 0
+        _print_table(rows, variants, focus, args, human_bytes, human_count)
+        return 0
+    r = report(_shape(args), **kw)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    _print_one(r, human_bytes, human_count)
+    return 0
+
+
+def _console():
+    from rich.console import Console
+    return Console(width=None if sys.stdout.isatty() else 120, markup=False)
+
+
+def _print_one(r, hb, hc) -> None:
+    from rich.table import Table
+    c, con = r["config"], _console()
+    t = Table(title=f"{c['name'] or 'attention'}: d={c['d_model']}, h={c['heads']}, "
+                    f"h_kv={c['kv_heads']} ({c['kind']}), d_k={c['head_dim']}, layers={c['layers']}, "
+                    f"n={r['seq']}, batch={r['batch']}, {r['dtype']}", title_justify="left")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    check = "= sum(p.numel()) of a real MultiHeadAttention" if r["params_match_module"] else \
+        f"!= module ({r['params_per_layer_module']:,})"
+    rows = [
+        ("parameters per layer", f"{r['params_per_layer']:,}  ({check})"),
+        ("  MHA with d_k = d/h: 4d² (+4d)", f"{r['mha_equivalent_params_per_layer']:,}"),
+        ("parameters, all layers", f"{r['params_all_layers']:,}"),
+        ("naive attention scores h·n², per layer per sequence",
+         hb(r["naive_scores_bytes_per_layer_per_sequence"])),
+        ("  fused backend instead (fp32 log-sum-exp h·n)",
+         hb(r["fused_extra_bytes_per_layer_per_sequence"])),
+        ("KV cache per token, one layer", hb(r["kv_cache_bytes_per_token_per_layer"])),
+        ("KV cache per token, all layers", hb(r["kv_cache_bytes_per_token"])),
+        ("KV cache per sequence (n tokens)", hb(r["kv_cache_bytes_per_sequence"])),
+        ("KV cache for the batch", hb(r["kv_cache_bytes_batch"])),
+        ("FLOPs per token, projections", hc(r["flops_per_token_projections"])),
+        ("FLOPs per token, attention core (causal, average)",
+         hc(r["flops_per_token_attention_core_avg"])),
+        ("FLOPs per sequence", hc(r["flops_per_sequence"])),
+    ]
+    for q, v in rows:
+        t.add_row(q, v)
+    con.print(t)
+    con.print("FLOPs: 2 per multiply-add; attention core 4·h·n²·d_k forward, halved by the causal "
+              "mask (FlashAttention's convention).", style="dim")
+
+
+def _print_table(rows, variants, focus, args, hb, hc) -> None:
+    from rich.table import Table
+    con = _console()
+    t = Table(title=f"Seed 003's configurations (n={args.seq}, {args.dtype})", title_justify="left")
+    for col in ("model", "d", "h", "h_kv", "d_k", "layers", "params/layer", "= 4d²", "module",
+                "KV/token", "scores/layer"):
+        t.add_column(col, justify="left" if col == "model" else "right")
+    for r in rows:
+        c = r["config"]
+        four = "yes" if r["params_per_layer"] == r["mha_equivalent_params_per_layer"] else \
+            f"no: {c['kind']}"
+        t.add_row(c["name"], str(c["d_model"]), str(c["heads"]), str(c["kv_heads"]),
+                  str(c["head_dim"]), str(c["layers"]), f"{r['params_per_layer']:,}", four,
+                  "ok" if r["params_match_module"] else "MISMATCH",
+                  hb(r["kv_cache_bytes_per_token"]), hb(r["naive_scores_bytes_per_layer_per_sequence"]))
+    con.print(t)
+    con.print("params/layer by the formula; module = the same count from sum(p.numel()) of a real "
+              "MultiHeadAttention; KV/token over all layers; scores/layer = the h·n² matrix naive "
+              "attention materializes per sequence.", style="dim")
+    v = Table(title=f"{focus.name or 'this model'}: the KV cache as MHA, GQA and MQA "
+                    f"(n={args.seq}, batch={args.batch}, {args.dtype})", title_justify="left")
+    for col in ("variant", "kv heads", "params/layer", "cache/token", "cache/sequence",
+                "cache/batch", "vs MHA"):
+        v.add_column(col, justify="left" if col == "variant" else "right")
+    base = variants[0]["kv_cache_bytes_per_token"]
+    for r in variants:
+        c = r["config"]
+        v.add_row(c["kind"], str(c["kv_heads"]), f"{r['params_per_layer']:,}",
+                  hb(r["kv_cache_bytes_per_token"]), hb(r["kv_cache_bytes_per_sequence"]),
+                  hb(r["kv_cache_bytes_batch"]), f"{r['kv_cache_bytes_per_token'] / base:.3f}x")
+    con.print(v)

@@ -1,0 +1,64 @@
+"""`multihead demo`: the scaling numbers fall in seed 004's ranges, the fp16 masking cases
+behave as shown, and the heads experiment runs end to end (quick mode)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from multihead.analysis.scaling import fp16_masking, scaling
+from multihead.cli.main import main
+
+
+def test_scaling_matches_seed_004():
+    rows = scaling(draws=500)
+    for r, want in zip(rows, (2.8, 8.0, 22.6, 64.0)):
+        assert r["unscaled_std"] == pytest.approx(want, rel=0.05)
+        assert r["scaled_std"] == pytest.approx(1.0, abs=0.05)
+        assert 0.2 < r["scaled_max_prob"] < 0.4
+    probs = [r["unscaled_max_prob"] for r in rows]
+    assert probs == sorted(probs) and probs[1] > 0.8 and probs[-1] > 0.95     # saturation
+
+
+def test_fp16_masking_cases():
+    cases = {c["method"]: c for c in fp16_masking()}
+    assert "overflow" in cases["masked_fill(-1e9) in fp16"]["error"]
+    assert cases["additive -1e9 mask cast to fp16"]["fully_masked_row"] == [None] * 4     # NaN
+    assert cases["-1e9 in fp32 (no overflow)"]["fully_masked_row"] == [0.25] * 4         # leaks
+    ours = cases["multihead.attention (True = may attend)"]
+    assert ours["fully_masked_row"] == [0.0] * 4
+    assert ours["partly_masked_row"][2:] == [0.0, 0.0]
+    assert ours["partly_masked_row"] == pytest.approx(cases["-inf in fp16"]["partly_masked_row"],
+                                                      abs=2e-3)
+
+
+def test_scaling_cli(capsys):
+    assert main(["demo", "scaling", "--draws", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "seed 004 says" in out and "NaN" in out and "torch error" in out
+
+
+def test_heads_demo_quick_end_to_end(tmp_path, capsys):
+    assert main(["demo", "heads", "--quick", "--steps", "40", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Prediction" in out and "Finding" in out
+    d = json.loads((tmp_path / "heads.json").read_text())
+    kinds = [r["kind"] for r in d["results"]]
+    assert kinds == ["h=8", "h=1", "h=8 shared"]
+    by = {r["kind"]: r for r in d["results"]}
+    assert by["h=8"]["parameters"] == by["h=1"]["parameters"]               # equal d_model
+    shared = by["h=8 shared"]["offset_profile"]
+    assert all(p == pytest.approx(shared[0], abs=1e-6) for p in shared)    # one pattern
+    assert len(by["h=8"]["offset_profile"]) == 8 and len(by["h=1"]["offset_profile"]) == 1
+    assert (tmp_path / "heads.png").read_bytes()[:4] == b"\x89PNG"
+    assert 0 <= by["h=8"]["accuracy"] <= 1 and d["finding"].startswith("h=8: accuracy")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["demo", "scaling", "--draws", "1"], "--draws must be >= 2"),
+    (["demo", "heads", "--steps", "0"], "--steps must be >= 1"),
+])
+def test_demo_bad_input(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

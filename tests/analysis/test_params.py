@@ -1,0 +1,81 @@
+"""`multihead params`: the formula equals a real module's parameter count for many
+configurations, the presets reproduce seed 003's table, and bad input gets one-line errors."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+import multihead as mh
+from multihead.analysis.params import (AttentionShape, PRESETS, formula_params, module_params,
+                                       preset, report)
+from multihead.cli.main import main
+
+# seed 003, "Typical Configurations": model, hidden dim H, heads h, per-head d_k, layers
+SEED_003 = [("Transformer (base)", 512, 8, 64, 6), ("GPT-2 (Small)", 768, 12, 64, 12),
+            ("GPT-2 (Medium)", 1024, 16, 64, 24), ("GPT-3 (175B)", 12288, 96, 128, 96),
+            ("LLaMA-7B", 4096, 32, 128, 32), ("LLaMA-65B", 8192, 64, 128, 80)]
+
+
+def test_formula_equals_real_module_for_random_configs():
+    rng = random.Random(0)
+    for _ in range(200):
+        hkv = rng.choice([1, 2, 3, 4])
+        h = hkv * rng.randint(1, 6)
+        dk = rng.randint(1, 24)
+        d = rng.randint(1, 96)
+        s = AttentionShape(d, h, kv_heads=hkv, head_dim=dk, bias=rng.random() < 0.5)
+        real = mh.MultiHeadAttention(d, h, num_kv_heads=hkv, head_dim=dk, bias=s.bias)
+        assert formula_params(s) == sum(p.numel() for p in real.parameters()) == module_params(s)
+
+
+def test_presets_reproduce_seed_table_and_four_d_squared():
+    rows = {s.name: s for s in PRESETS.values()}
+    for name, d, h, dk, layers in SEED_003:
+        s = rows[name]
+        assert (s.d_model, s.heads, s.dk, s.layers) == (d, h, dk, layers)
+        assert d == h * dk
+        weights = formula_params(AttentionShape(d, h))  - 4 * d   # biases removed
+        assert weights == 4 * d * d                               # 4H², independent of h
+    llama2 = preset("LLAMA2-70B")
+    assert (llama2.d_model, llama2.heads, llama2.hkv, llama2.dk) == (8192, 64, 8, 128)
+
+
+def test_memory_and_flops_numbers():
+    r = report(preset("llama2-70b"), seq=4096, batch=2, dtype="bf16")
+    assert r["kv_cache_bytes_per_token"] == 2 * 8 * 128 * 2 * 80           # K and V, 80 layers
+    assert r["kv_cache_bytes_batch"] == r["kv_cache_bytes_per_token"] * 4096 * 2
+    assert r["naive_scores_bytes_per_layer_per_sequence"] == 64 * 4096 ** 2 * 2
+    mha = report(preset("llama2-70b").with_kv_heads(64), seq=4096)
+    assert mha["kv_cache_bytes_per_token"] == 8 * r["kv_cache_bytes_per_token"]
+    small = report(AttentionShape(8, 2, bias=False), seq=4, dtype="fp32", causal=False)
+    assert small["flops_per_sequence"] == 2 * 4 * 8 * 8 * 4 + 4 * 2 * 4 * 4 * 4
+
+
+def test_cli_json_and_table(capsys):
+    assert main(["params", "--preset", "gpt2-small", "--seq", "1024", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["params_per_layer"] == 4 * 768 ** 2 + 4 * 768 and d["params_match_module"]
+    assert main(["params", "--d-model", "512", "--heads", "8", "--kv-heads", "2", "--no-bias"]) == 0
+    assert "GQA-2" in capsys.readouterr().out
+    assert main(["params", "--table"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name, *_ in SEED_003) and "MQA" in out and "0.125x" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--preset", "gpt5"], "unknown preset 'gpt5': choose one of transformer-base"),
+    (["--d-model", "770", "--heads", "12"], "d_model (770) must be divisible by heads (12)"),
+    (["--d-model", "-4", "--heads", "2"], "d_model must be a positive int, got -4"),
+    (["--d-model", "512", "--heads", "8", "--kv-heads", "3"], "multiple of kv_heads (3)"),
+    (["--d-model", "512"], "give --preset NAME, or --d-model and --heads"),
+    (["--preset", "gpt2-small", "--dtype", "int3"], "unknown dtype 'int3'"),
+    (["--preset", "gpt2-small", "--seq", "0"], "--seq must be a positive int"),
+])
+def test_bad_input(argv, message, capsys):
+    assert main(["params", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
