@@ -11,11 +11,7 @@ produce the same embeddings (checked); throughput is texts per second, same run.
 
 from __future__ import annotations
 
-import importlib
 import json
-import pkgutil
-import random
-import re
 import subprocess
 import sys
 import time
@@ -23,39 +19,9 @@ import time
 import torch
 
 from benchmarks.core import machine, timeit
+from multihead.bench.corpus import corpus
+from multihead.bench.peers import hf_embed
 from multihead.models import default_model_dir, load
-
-
-def corpus(model, n: int = 256, lo: int = 8, hi: int = 128, seed: int = 0) -> list[str]:
-    """``n`` docstring paragraphs of ``lo``..``hi`` tokens, seeded sample."""
-    paragraphs = set()
-    for mod in sorted(m.name for m in pkgutil.iter_modules() if not m.name.startswith("_")):
-        if mod in ("antigravity", "this", "idlelib", "turtledemo", "tkinter", "test"):
-            continue
-        try:
-            doc = importlib.import_module(mod).__doc__ or ""
-        except Exception:  # noqa: BLE001 (optional stdlib parts may be missing)
-            continue
-        for p in re.split(r"\n\s*\n", doc):
-            text = " ".join(p.split())
-            if re.search(r"[a-z]{3,} [a-z]{3,} [a-z]{3,}", text) and not text.startswith(">>>"):
-                paragraphs.add(text)
-    sized = [p for p in sorted(paragraphs) if lo <= len(model.tokenize(p).ids) <= hi]
-    random.Random(seed).shuffle(sized)
-    if len(sized) < n:
-        raise RuntimeError(f"only {len(sized)} paragraphs of {lo}..{hi} tokens found")
-    return sized[:n]
-
-
-def hf_embed(hf, tokenizer, texts, batch: int = 32) -> torch.Tensor:
-    out = []
-    for i in range(0, len(texts), batch):
-        enc = tokenizer(texts[i:i + batch], padding="longest", truncation=True, max_length=256,
-                        return_tensors="pt")
-        h = hf(**enc).last_hidden_state                                     # (b, S, E)
-        m = enc["attention_mask"].unsqueeze(-1).to(h.dtype)                 # (b, S, 1)
-        out.append(torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1))
-    return torch.cat(out)
 
 
 def main() -> None:

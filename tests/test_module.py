@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import multihead as mh
+from multihead.bench.peers import SeedTutorialMHA
 
 
 def test_default_parameter_count_is_the_seeds_4d2_plus_4d():
@@ -115,28 +116,6 @@ def test_torch_compile_fullgraph_parity():
     compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), m(x))
     torch.testing.assert_close(compiled(x, mask=mh.masks.causal()), m(x, mask=mh.masks.causal()))
-
-
-class SeedTutorialMHA(nn.Module):
-    """Seed 000's tutorial class, written out (w_q/w_k/w_v/w_o, mask == 0 -> -1e9)."""
-
-    def __init__(self, d_model, num_heads):
-        super().__init__()
-        self.num_heads, self.d_k = num_heads, d_model // num_heads
-        self.w_q, self.w_k = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
-        self.w_v, self.w_o = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
-
-    def forward(self, x, mask=None):
-        b, s, d = x.size()
-        q = self.w_q(x).view(b, s, self.num_heads, self.d_k).transpose(1, 2)
-        k = self.w_k(x).view(b, s, self.num_heads, self.d_k).transpose(1, 2)
-        v = self.w_v(x).view(b, s, self.num_heads, self.d_k).transpose(1, 2)
-        scores = torch.matmul(q, k.transpose(-2, -1)) / (self.d_k ** 0.5)
-        if mask is not None:
-            scores = scores.masked_fill(mask == 0, -1e9)
-        w = F.softmax(scores, dim=-1)
-        out = torch.matmul(w, v).transpose(1, 2).contiguous().view(b, s, d)
-        return self.w_o(out), w
 
 
 @pytest.mark.parametrize("masked", [False, True])

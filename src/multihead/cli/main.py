@@ -11,9 +11,10 @@ import argparse
 import os
 import sys
 
-from . import demo_cmd, inspect_cmd, params_cmd
+from . import bench_cmd, demo_cmd, inspect_cmd, params_cmd
 
-SUBCOMMANDS = {"inspect": inspect_cmd, "params": params_cmd, "demo": demo_cmd}
+SUBCOMMANDS = {"inspect": inspect_cmd, "params": params_cmd, "demo": demo_cmd,
+               "bench": bench_cmd}
 
 
 class CLIError(Exception):

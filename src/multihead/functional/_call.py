@@ -47,6 +47,10 @@ def as_mask(mask) -> M.Mask | None:
                     f"{type(mask).__name__}")
 
 
+#: tile maps of tensor-free masks (causal, sliding windows), keyed by what determines them
+_SHARED_TILE_MAPS: dict = {}
+
+
 @dataclass
 class AttentionCall:
     """A validated attention call: the inputs plus derived sizes and mask facts."""
@@ -105,12 +109,23 @@ class AttentionCall:
         return isinstance(m, M.Window) and m.size is None
 
     def tile_map(self, tile_q: int, tile_k: int) -> M.TileMap:
-        """The mask's tile classification for this call (cached per tile size)."""
+        """The mask's tile classification for this call (cached per tile size; masks made of
+        no tensors, such as causal and sliding windows, also across calls)."""
         cache = self.__dict__.setdefault("_tile_maps", {})
         key = (tile_q, tile_k)
         if key not in cache:
-            cache[key] = self.effective_mask.tiles(
-                self.Sq, self.Sk, tile_q=tile_q, tile_k=tile_k, device=self.q.device)
+            m = self.effective_mask
+            shared = None if m._tensors() else (m.describe(), self.Sq, self.Sk, tile_q, tile_k,
+                                                str(self.q.device))
+            if shared is not None and shared in _SHARED_TILE_MAPS:
+                cache[key] = _SHARED_TILE_MAPS[shared]
+            else:
+                cache[key] = m.tiles(self.Sq, self.Sk, tile_q=tile_q, tile_k=tile_k,
+                                     device=self.q.device)
+                if shared is not None:
+                    if len(_SHARED_TILE_MAPS) >= 256:
+                        _SHARED_TILE_MAPS.pop(next(iter(_SHARED_TILE_MAPS)))
+                    _SHARED_TILE_MAPS[shared] = cache[key]
         return cache[key]
 
 

@@ -1,0 +1,126 @@
+"""Timing, peak memory and the machine's own limits, on the CPU or a CUDA GPU.
+
+Times are medians over repetitions after warm-up, with the spread (min to max) beside them;
+on CUDA they come from CUDA events after a synchronize. Peak memory is the allocator's
+high-water mark above the memory in use before the call (CUDA), or the peak of the
+profiler's CPU allocation events (CPU).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Stats:
+    median: float       # seconds
+    low: float
+    high: float
+    reps: int
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median."""
+        return (self.high - self.low) / self.median if self.median else 0.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(fn, device: torch.device, *, reps: int = 5, warmup: int = 1,
+            budget_s: float | None = None) -> Stats:
+    """Median time of ``fn()``; stops early (at least 3 reps) once ``budget_s`` is spent."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times, start = [], time.perf_counter()
+    for i in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize(device)
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        if budget_s is not None and i >= 2 and time.perf_counter() - start > budget_s:
+            break
+    times.sort()
+    return Stats(times[len(times) // 2], times[0], times[-1], len(times))
+
+
+def peak_memory(fn, device: torch.device) -> int:
+    """Bytes allocated at the peak of ``fn()`` beyond what was allocated before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.events() if e.cpu_memory_usage),
+                    key=lambda e: e.time_range.start)
+    cur = peak = 0
+    for e in events:
+        cur += e.cpu_memory_usage
+        peak = max(peak, cur)
+    return peak
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for a naive peer's score matrices (MemAvailable, or CUDA's free memory)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+@dataclass
+class Limits:
+    gemm_flops: float     # FLOP/s of a large GEMM in the benchmark dtype
+    read_bw: float        # bytes/s of a full read of a large tensor
+
+
+def machine_limits(device: torch.device, dtype: torch.dtype, quick: bool = False) -> Limits:
+    """Measure this machine's matmul FLOP/s and memory read bandwidth, now."""
+    n = 1024 if quick else 2048
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    t = measure(lambda: a @ b, device, reps=5, warmup=2).median
+    x = torch.ones((128 if quick else 512) * 2**20 // 4, device=device)
+    bw = measure(lambda: x.sum(), device, reps=5, warmup=2).median
+    return Limits(2 * n ** 3 / t, x.nbytes / bw)
+
+
+def describe(device: torch.device) -> str:
+    """CPU model and cores (or GPU name), torch and Python versions."""
+    if device.type == "cuda":
+        hw = torch.cuda.get_device_name(device)
+    else:
+        hw = platform.processor() or "unknown CPU"
+        try:
+            with open("/proc/cpuinfo") as f:
+                hw = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), hw)
+        except OSError:
+            pass
+        hw += f", {torch.get_num_threads()} threads"
+    return f"{hw}; torch {torch.__version__}; Python {platform.python_version()}"

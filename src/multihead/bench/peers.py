@@ -1,0 +1,67 @@
+"""Peers we did not write, as a user would call them (written out where they are not importable).
+
+Notation used for tensor shapes: B batch, H heads, Hkv K/V heads, S length, D head dim, E width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SeedTutorialMHA(nn.Module):
+    """Seed 000's tutorial class, written out (w_q/w_k/w_v/w_o, ``mask == 0 -> -1e9``)."""
+
+    def __init__(self, d_model, num_heads):
+        super().__init__()
+        self.num_heads, self.d_k = num_heads, d_model // num_heads
+        self.w_q, self.w_k = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+        self.w_v, self.w_o = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask=None):
+        b, s, d = x.size()
+        q = self.w_q(x).view(b, s, self.num_heads, self.d_k).transpose(1, 2)
+        k = self.w_k(x).view(b, s, self.num_heads, self.d_k).transpose(1, 2)
+        v = self.w_v(x).view(b, s, self.num_heads, self.d_k).transpose(1, 2)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / (self.d_k ** 0.5)
+        if mask is not None:
+            scores = scores.masked_fill(mask == 0, -1e9)
+        w = F.softmax(scores, dim=-1)
+        out = torch.matmul(w, v).transpose(1, 2).contiguous().view(b, s, d)
+        return self.w_o(out), w
+
+
+def tutorial_attention(q, k, v, allowed=None):
+    """The seed tutorial's attention core on (B, H, S, D) tensors: scores, -1e9 mask, softmax."""
+    scores = torch.matmul(q, k.transpose(-2, -1)) / (q.shape[-1] ** 0.5)     # (B, H, S, S)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, -1e9)
+    return torch.matmul(F.softmax(scores, dim=-1), v)
+
+
+def repeat_kv(x: torch.Tensor, g: int) -> torch.Tensor:
+    """Hugging Face's ``repeat_kv``: (B, Hkv, S, D) -> (B, Hkv*g, S, D), a copy."""
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, g, s, d).reshape(b, h * g, s, d)
+
+
+def hf_gqa_eager(q, k, v):
+    """Hugging Face's eager GQA attention: repeat K/V, matmul, softmax, matmul."""
+    g = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, g), repeat_kv(v, g)
+    w = torch.softmax((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5, dim=-1)
+    return w @ v
+
+
+def hf_embed(hf, tokenizer, texts, batch: int = 32) -> torch.Tensor:
+    """Sentence embeddings the way Hugging Face users write them: padded batches of 32."""
+    out = []
+    dev = next(hf.parameters()).device
+    for i in range(0, len(texts), batch):
+        enc = tokenizer(texts[i:i + batch], padding="longest", truncation=True, max_length=256,
+                        return_tensors="pt").to(dev)
+        h = hf(**enc).last_hidden_state                                     # (b, S, E)
+        m = enc["attention_mask"].unsqueeze(-1).to(h.dtype)                 # (b, S, 1)
+        out.append(F.normalize((h * m).sum(1) / m.sum(1), dim=-1))
+    return torch.cat(out)

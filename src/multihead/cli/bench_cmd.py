@@ -1,0 +1,65 @@
+"""``multihead bench``: measure multihead against every installed peer, on this machine.
+
+The machine's matmul FLOP/s and memory read bandwidth are measured first, in the same run;
+every row reports time, the achieved rate, its fraction of that limit, peak memory, and
+the ratio against each peer. ``--out`` writes results.json, results.md and results.png.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark against torch, HF and the tutorial on this machine",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--suite", default="quick", help="quick (< 1 min on 2 CPU cores), standard "
+                   "or full (default quick)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (cuda) (default fp32)")
+    p.add_argument("--out", type=Path, help="directory for results.json, results.md, results.png")
+
+
+def run(args) -> int:
+    from ..bench.cases import suite_cases
+    from ..bench.suite import check_target, run_suite
+    check_target(args.device, args.dtype)
+    cases = suite_cases(args.suite)
+    if args.out is not None:
+        from .inspect_cmd import _prepare_out
+        _prepare_out(args.out)
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    err = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err, transient=True) as bar:
+        task = bar.add_task("measuring the machine's limits", total=len(cases))
+        result = run_suite(args.suite, args.device, args.dtype,
+                           progress=lambda c: bar.update(task, description=c.name[:60]),
+                           on_row=lambda r: bar.advance(task))
+    _show(result, Console(width=None if sys.stdout.isatty() else 160, markup=False))
+    if args.out is not None:
+        from ..bench.report import write
+        for p in write(result, args.out):
+            err.print(f"wrote {p}", markup=False)
+    if result.interrupted:
+        err.print("interrupted: the rows above are what was measured", markup=False)
+        return 130
+    return 0
+
+
+def _show(result, con) -> None:
+    from rich.table import Table
+
+    from ..bench.report import HEADER, NOTES, header_text, lines
+    con.print(header_text(result))
+    t = Table(show_lines=True)
+    for col in HEADER:
+        t.add_column(col, overflow="fold")
+    for cells in lines(result):
+        t.add_row(*cells)
+    con.print(t)
+    con.print(NOTES, style="dim")
+    con.print(f"{len(result.rows)} cases in {result.seconds:.0f} s", style="dim")
