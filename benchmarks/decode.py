@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import multihead as mh
 from benchmarks.core import machine, timeit
+from multihead.bench.peers import hf_gqa_eager as hf_eager, repeat_kv
 
 B, H, HKV, D = 1, 32, 8, 128
 
@@ -26,20 +27,6 @@ def read_bandwidth(gib: float = 1.0) -> float:
     x = torch.ones(int(gib * 2**30) // 4)
     t = timeit(lambda: x.sum(), reps=7, warmup=2)
     return x.nbytes / t
-
-
-def repeat_kv(x: torch.Tensor, g: int) -> torch.Tensor:
-    """Hugging Face's repeat_kv: (B, Hkv, S, D) -> (B, Hkv*g, S, D), a copy."""
-    b, h, s, d = x.shape
-    return x[:, :, None].expand(b, h, g, s, d).reshape(b, h * g, s, d)
-
-
-def hf_eager(q, k, v):
-    """Hugging Face's eager attention path for GQA: repeat K/V, matmul, softmax, matmul."""
-    g = q.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, g), repeat_kv(v, g)
-    w = torch.softmax((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5, dim=-1)
-    return w @ v
 
 
 def hf_sdpa(q, k, v):

@@ -76,3 +76,18 @@ def test_naive_peer_refused_when_it_does_not_fit():
                          S.Limits(1e11, 1e10), reps=3, naive=True)
     assert "refused" in row["peers"]["seed tutorial"]["skipped"]
     assert "ratio" in row["peers"]["sdpa"]
+
+
+def test_a_failing_peer_is_reported_not_fatal():
+    case = suite_cases("quick")[0]
+    real = case.build
+
+    def build(device, dtype):
+        b = real(device, dtype)
+        b.peers["broken peer"] = lambda: (_ for _ in ()).throw(RuntimeError("inductor said no"))
+        return b
+    case.build = build
+    row = S.run_case(case, torch.device("cpu"), torch.float32, S.Limits(1e11, 1e10), reps=3,
+                     naive=True)
+    assert row["peers"]["broken peer"]["skipped"] == "failed: RuntimeError: inductor said no"
+    assert "ratio" in row["peers"]["sdpa"]

@@ -76,11 +76,18 @@ def run_case(case: Case, device, dtype, limits: Limits, reps: int, naive: bool) 
                                              f"{free / 2**30:.1f} GiB free"}
             continue
         entry = {}
-        if name in built.compile:
-            t = time.perf_counter()
-            built.compile[name]()
-            entry["compile_s"] = time.perf_counter() - t
-        s = measure(fn, device, reps=reps, budget_s=15)
+        try:
+            if name in built.compile:
+                t = time.perf_counter()
+                built.compile[name]()
+                entry["compile_s"] = time.perf_counter() - t
+            s = measure(fn, device, reps=reps, budget_s=15)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # noqa: BLE001 (a peer's own failure is a result, not our crash)
+            msg = (str(e).strip().splitlines() or [""])[0][:160]
+            row["peers"][name] = {"skipped": f"failed: {type(e).__name__}: {msg}"}
+            continue
         row["peers"][name] = {**entry, **_ms(s), "ratio": s.median / ours.median}
     return row
 
