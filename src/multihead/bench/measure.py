@@ -102,12 +102,13 @@ class Limits:
 
 
 def machine_limits(device: torch.device, dtype: torch.dtype, quick: bool = False) -> Limits:
-    """Measure this machine's matmul FLOP/s and memory read bandwidth, now."""
-    n = 1024 if quick else 2048
+    """Measure this machine's matmul FLOP/s and memory read bandwidth, now (the best of
+    several repetitions: a limit is what the machine can reach)."""
+    n = 1024 if quick else 4096
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-    t = measure(lambda: a @ b, device, reps=5, warmup=2).median
+    t = measure(lambda: a @ b, device, reps=5, warmup=2).low
     x = torch.ones((128 if quick else 512) * 2**20 // 4, device=device)
-    bw = measure(lambda: x.sum(), device, reps=5, warmup=2).median
+    bw = measure(lambda: x.sum(), device, reps=7, warmup=2).low
     return Limits(2 * n ** 3 / t, x.nbytes / bw)
 
 
