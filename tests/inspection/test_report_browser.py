@@ -56,6 +56,9 @@ def test_report_is_offline_and_interactive(browser, tmp_path, capsys):
     assert page.evaluate("document.getElementById('heatmap').toDataURL()") != before
     assert page.locator(".cell.selected").count() == 1
     assert page.locator("#lines line").count() == 0
+    box = page.locator("#heatmap").bounding_box()                       # bottom-right cell
+    page.locator("#heatmap").hover(position={"x": box["width"] - 5, "y": box["height"] - 5})
+    assert page.text_content("#tip").startswith("[SEP] → [SEP]: ")
     page.hover(".tok.q[data-i='10']")                                    # "it"
     n = page.locator("#lines line").count()
     assert n > 0
