@@ -129,6 +129,8 @@ def test_cross_attention_cache_equals_recomputing():
     torch.testing.assert_close(torch.cat([first, later], 1), full, atol=2e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="already holds"):
         m(x, ctx, cache=cache)
+    with pytest.raises(ValueError, match="valid marks padded new tokens of a self-attention"):
+        m(x, cache=cache, valid=torch.ones(2, 4, dtype=torch.bool))
 
 
 def _snapshot(c):

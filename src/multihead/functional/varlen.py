@@ -51,9 +51,8 @@ def _find_segments(call: AttentionCall):
     distinct = torch.tensor([row.unique().numel() for row in ids])
     if bool((runs != distinct).any()):
         return "document ids are not contiguous runs (an id occurs in two separate places)"
-    rows = range(call.B) if ids.shape[0] == 1 else range(ids.shape[0])
     starts, lengths = [], []
-    for b in rows:
+    for b in range(call.B):                          # ids hold 1 row (shared) or B rows
         r = b if ids.shape[0] > 1 else 0
         st = change[r].nonzero().flatten()                              # (runs,)
         ln = torch.diff(st, append=torch.tensor([S]))
@@ -90,7 +89,7 @@ def _buckets(call: AttentionCall) -> list[Bucket]:
     """The documents' groups: equal lengths when each group is one contiguous slice, else
     lengths within PAD_TOLERANCE of each other (fewer, larger calls; gathered and padded).
 
-    Documents packed longest first (what :meth:`BertEncoder.embed` does) make every group of
+    Documents packed longest first (what :meth:`multihead.models.Pretrained.embed` does) make every group of
     equal lengths one contiguous slice: the kernel then reads views, with no gather.
     """
     cache = call.__dict__

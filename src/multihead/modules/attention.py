@@ -291,6 +291,9 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"x has batch {x.shape[0]} but the cache holds {cache.batch_size} "
                              f"sequences: use one cache per batch (or PagedKVCache.batch(ids))")
         if context is not None or cache.cross:                         # cross-attention
+            if valid is not None:
+                raise ValueError("valid marks padded new tokens of a self-attention cache; for "
+                                 "cross-attention mask the context with mask=mh.masks.padding(...)")
             if context is not None:
                 q, k, v = self._project(x, context)
                 if self.rope is not None:                              # as _rotate does
