@@ -91,3 +91,15 @@ def test_a_failing_peer_is_reported_not_fatal():
                      naive=True)
     assert row["peers"]["broken peer"]["skipped"] == "failed: RuntimeError: inductor said no"
     assert "ratio" in row["peers"]["sdpa"]
+
+
+def test_gpu_sdpa_backend_peers_are_built():
+    """The CUDA-only peers (SDPA pinned to flash / cuDNN) are built the same way on any device;
+    on the CPU the flash backend runs and equals plain SDPA."""
+    from multihead.bench.cases import Built, _add_gpu_sdpa
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    b = Built(ours=lambda: None)
+    _add_gpu_sdpa(b, lambda f: f, q, k, v, causal=True)
+    assert set(b.peers) == {"sdpa (flash backend)", "sdpa (cuDNN backend)"}
+    torch.testing.assert_close(b.peers["sdpa (flash backend)"](),
+                               torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))

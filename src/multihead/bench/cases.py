@@ -105,6 +105,8 @@ def attention_case(kind: str, S: int, *, B=1, H=12, D=64, window=256, train=Fals
                   flops=4 * B * H * S * S * D * _density(kind, S, window, lengths)
                   * (3.5 if train else 1.0), naive_bytes=B * H * S * S * item)
         peer = lambda f: _with_backward(f, (q, k, v), train)
+        if device.type == "cuda" and kind in ("dense", "causal"):
+            _add_gpu_sdpa(b, peer, q, k, v, kind == "causal")
         if kind == "dense":
             b.peers["sdpa"] = peer(lambda: F.scaled_dot_product_attention(q, k, v))
             b.peers["seed tutorial"] = peer(lambda: P.tutorial_attention(q, k, v))
@@ -116,11 +118,26 @@ def attention_case(kind: str, S: int, *, B=1, H=12, D=64, window=256, train=Fals
         b.peers["sdpa + dense mask"] = peer(lambda: F.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed))
         b.peers["seed tutorial"] = peer(lambda: P.tutorial_attention(q, k, v, allowed))
-        if flex:
+        if flex or (device.type == "cuda" and kind != "dense"):
             _add_flex(b, q, k, v, kind, window, lengths, device, train)
         return b
 
     return Case(kind, f"{label}, B={B} H={H} S={S} D={D}", S, mode, build)
+
+
+def _add_gpu_sdpa(b: Built, peer, q, k, v, causal: bool) -> None:
+    """On CUDA: SDPA pinned to its flash and cuDNN backends, as separate peers (a backend that
+    cannot run the call is reported as failed in the row)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for label, backend in (("flash", "FLASH_ATTENTION"), ("cuDNN", "CUDNN_ATTENTION")):
+        if not hasattr(SDPBackend, backend):
+            b.peers[f"sdpa ({label} backend)"] = f"SDPBackend.{backend} is not in this torch"
+            continue
+
+        def run(kind=getattr(SDPBackend, backend)):
+            with sdpa_kernel(kind):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        b.peers[f"sdpa ({label} backend)"] = peer(run)
 
 
 def _add_flex(b: Built, q, k, v, kind, window, lengths, device, train) -> None:
