@@ -307,9 +307,7 @@ class MultiHeadAttention(nn.Module):
             return q, k, v, mask
         q, k, v = self._project(x, None)
         if self.rope is not None:
-            if valid is not None:
-                cache._check_new(k, v, valid, x.shape[0])
-            pos = cache.positions(q.shape[2], valid)                   # (B, Sq)
+            pos = cache.positions(q.shape[2], valid)                   # (B, Sq); checks valid
             q, k = self.rope(q, pos), self.rope(k, pos)
         k, v, key_valid = cache.update(k, v, valid)
         if key_valid is not None:

@@ -57,8 +57,32 @@ class _CacheBase:
             raise TypeError(f"cache is {self.dtype} on {self.device} but the module is {dtype} on "
                             f"{device}: build the cache with dtype/device of the module")
 
-    def _check_new(self, k, v, valid, batch: int):
-        n = k.shape[2]
+    def _real_counts(self) -> torch.Tensor:
+        """Real (non-padding) tokens stored per sequence, ``(B,)``."""
+        raise NotImplementedError
+
+    def _check_valid(self, valid, n: int):
+        """``valid`` (B, n) bool on the cache's device, or None; a clear error otherwise."""
+        if valid is None:
+            return None
+        batch = self.batch_size
+        if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or tuple(
+                valid.shape) != (batch, n):
+            raise ValueError(f"valid must be a bool tensor (B, n) = ({batch}, {n}) marking the real "
+                             f"new tokens, got {getattr(valid, 'dtype', type(valid).__name__)} "
+                             f"{tuple(getattr(valid, 'shape', ()))}")
+        return valid.to(self.device)
+
+    def positions(self, n: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """RoPE positions ``(B, n)`` of ``n`` new tokens: each sequence's count of real tokens
+        continues (padding does not advance it)."""
+        valid = self._check_valid(valid, n)
+        steps = torch.ones(self.batch_size, n, dtype=torch.long, device=self.device) \
+            if valid is None else valid.long()
+        return self._real_counts()[:, None] + steps.cumsum(1) - 1              # (B, n)
+
+    def _check_new(self, k, v, valid):
+        n, batch = k.shape[2], self.batch_size
         want_k, want_v = (batch, self.num_kv_heads, n, self.head_dim), \
             (batch, self.num_kv_heads, n, self.value_dim)
         if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
@@ -66,14 +90,7 @@ class _CacheBase:
                              f"{want_k} / {want_v}")
         if k.dtype != self.dtype or v.dtype != self.dtype:
             raise TypeError(f"cache update: k/v are {k.dtype}/{v.dtype}, the cache is {self.dtype}")
-        if valid is None:
-            return None
-        if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or tuple(
-                valid.shape) != (batch, n):
-            raise ValueError(f"valid must be a bool tensor (B, n) = ({batch}, {n}) marking the real "
-                             f"new tokens, got {getattr(valid, 'dtype', type(valid).__name__)} "
-                             f"{tuple(getattr(valid, 'shape', ()))}")
-        return valid.to(self.device)
+        return self._check_valid(valid, n)
 
 
 class KVCache(_CacheBase):
@@ -129,19 +146,15 @@ class KVCache(_CacheBase):
         self.valid.zero_()
         self.seen, self.padded, self.cross = 0, False, False
 
-    def positions(self, n: int, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """RoPE positions ``(B, n)`` of ``n`` new tokens: each sequence's count of real tokens
-        continues (padding does not advance it)."""
-        steps = torch.ones(self.batch_size, n, dtype=torch.long, device=self.device) \
-            if valid is None else valid.long()
-        return self.lengths[:, None] + steps.cumsum(1) - 1                     # (B, n)
+    def _real_counts(self) -> torch.Tensor:
+        return self.lengths
 
     def update(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None):
         """Append ``n`` new tokens; return ``(k_all, v_all, key_valid or None)`` to attend to.
 
         Raises before writing anything if the tokens do not fit (the cache is unchanged).
         """
-        valid = self._check_new(k, v, valid, self.batch_size)
+        valid = self._check_new(k, v, valid)
         n = k.shape[2]
         if self.seen + n > self.max_len:
             raise ValueError(f"KVCache is full: it holds {self.seen} of max_len={self.max_len} "

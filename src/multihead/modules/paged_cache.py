@@ -121,17 +121,14 @@ class PagedBatch(_CacheBase):
         for a in ("num_kv_heads", "head_dim", "value_dim", "dtype", "device"):
             setattr(self, a, getattr(pool, a))
 
-    def positions(self, n: int, valid: torch.Tensor | None = None) -> torch.Tensor:
-        real = torch.tensor([self.pool._real[s] for s in self.ids], device=self.device)
-        steps = torch.ones(len(self.ids), n, dtype=torch.long, device=self.device) \
-            if valid is None else valid.long()
-        return real[:, None] + steps.cumsum(1) - 1                            # (B, n)
+    def _real_counts(self) -> torch.Tensor:
+        return torch.tensor([self.pool._real[s] for s in self.ids], device=self.device)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None):
         """Append ``n`` tokens to every sequence of the batch; returns right-aligned
         ``(k_all (B, Hkv, L, D), v_all, key_valid (B, L))``. Checks the pool has room first."""
         pool, p = self.pool, self.pool.page_size
-        valid = self._check_new(k, v, valid, len(self.ids))
+        valid = self._check_new(k, v, valid)
         n = k.shape[2]
         need = [-(-(pool._written[s] + n) // p) - len(pool._tables[s]) for s in self.ids]
         if sum(need) > len(pool._free):
