@@ -4,7 +4,6 @@ contributions, RoPE, torch.compile, state_dict, the seeds' tutorial class, bad i
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import multihead as mh
 from multihead.bench.peers import SeedTutorialMHA

@@ -7,7 +7,6 @@ import json
 import random
 
 import pytest
-import torch
 
 import multihead as mh
 from multihead.analysis.params import (AttentionShape, PRESETS, formula_params, module_params,

@@ -7,8 +7,9 @@ the ratio against each peer. ``--out`` writes results.json, results.md and resul
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
+
+from ._common import console, prepare_out
 
 
 def add_parser(sub) -> None:
@@ -26,9 +27,7 @@ def run(args) -> int:
     from ..bench.suite import check_target, run_suite
     check_target(args.device, args.dtype)
     cases = suite_cases(args.suite)
-    if args.out is not None:
-        from .inspect_cmd import _prepare_out
-        _prepare_out(args.out)
+    prepare_out(args.out)
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -39,7 +38,7 @@ def run(args) -> int:
         result = run_suite(args.suite, args.device, args.dtype,
                            progress=lambda c: bar.update(task, description=c.name[:60]),
                            on_row=lambda r: bar.advance(task))
-    _show(result, Console(width=None if sys.stdout.isatty() else 160, markup=False))
+    _show(result, console(width=160, markup=False))
     if args.out is not None:
         from ..bench.report import write
         for p in write(result, args.out):

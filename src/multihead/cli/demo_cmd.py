@@ -8,8 +8,9 @@ vs heads sharing W_Q/W_K/W_V, trained on a task that needs two relations (exerci
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
+
+from ._common import console, prepare_out
 
 
 def add_parser(sub) -> None:
@@ -22,11 +23,6 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, help="heads: training steps (1000; --quick 150)")
     p.add_argument("--out", type=Path, help="heads: write heads.png and heads.json here")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-
-
-def _console():
-    from rich.console import Console
-    return Console(width=None if sys.stdout.isatty() else 120, markup=False)
 
 
 def run(args) -> int:
@@ -45,7 +41,7 @@ def _scaling(args) -> int:
     if args.json:
         print(json.dumps({"scaling": rows, "fp16_masking": masks}, indent=2))
         return 0
-    con = _console()
+    con = console(markup=False)
     t = Table(title=f"q, k ~ N(0, 1); softmax over 10 keys; mean of {args.draws} draws "
                     f"(seed {args.seed})", title_justify="left")
     for col in ("d_k", "sqrt(d_k)", "std q·k", "seed 004 says", "max prob", "std q·k/sqrt(d_k)",
@@ -83,9 +79,8 @@ def _heads(args) -> int:
     from ..analysis import heads_experiment as hx
     setup = hx.Setup.quick() if args.quick else hx.Setup()
     setup = replace(setup, seed=args.seed, **({"steps": args.steps} if args.steps else {}))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-    con = _console()
+    prepare_out(args.out)
+    con = console(markup=False)
     if not args.json:
         con.print(f"Task: y[t] = (x[t-1] + 2·x[t-3]) mod {setup.vocab}, T={setup.length}, "
                   f"d_model={setup.d_model}, {setup.steps} steps of batch {setup.batch}, "

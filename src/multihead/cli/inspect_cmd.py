@@ -8,8 +8,9 @@ offline HTML report, PNG/SVG heatmaps and the raw data as JSON.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
+
+from ._common import console, prepare_out
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired."
 FORMATS = ("html", "json", "png", "svg")
@@ -64,19 +65,6 @@ def _texts(args) -> tuple[str, list[str]]:
     return shown, rest
 
 
-def _prepare_out(out: Path | None) -> None:
-    if out is None:
-        return
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".multihead-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"--out {str(out)!r} is not writable ({e.strerror or e}): "
-                         f"choose another directory") from None
-
-
 def _check_index(name: str, value: int | None, size: int, what: str) -> None:
     if value is not None and not 0 <= value < size:
         raise ValueError(f"--{name} {value} is out of range: the model has {size} {what} "
@@ -101,7 +89,7 @@ def run(args) -> int:
         raise ValueError(f"--top must be >= 1, got {args.top}")
     formats = _formats(args.format)
     shown, rest = _texts(args)
-    _prepare_out(args.out)
+    prepare_out(args.out)
 
     from rich.console import Console
     from ..inspect.capture import capture, find_query, strongest_looks
@@ -127,7 +115,7 @@ def run(args) -> int:
     result = Inspection(model.name, cap, metrics, query, looks, selected)
 
     from .inspect_view import show
-    show(result, Console(width=None if sys.stdout.isatty() else 120), full=args.metrics)
+    show(result, console(), full=args.metrics)
     if args.out is not None:
         for p in write(result, args.out, formats):
             err.print(f"wrote {p}")

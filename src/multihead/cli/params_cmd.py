@@ -7,7 +7,8 @@ matrices naive attention materializes, and how MQA/GQA shrink the KV cache.
 from __future__ import annotations
 
 import json
-import sys
+
+from ._common import console
 
 
 def add_parser(sub) -> None:
@@ -74,14 +75,9 @@ def run(args) -> int:
     return 0
 
 
-def _console():
-    from rich.console import Console
-    return Console(width=None if sys.stdout.isatty() else 120, markup=False)
-
-
 def _print_one(r, hb, hc) -> None:
     from rich.table import Table
-    c, con = r["config"], _console()
+    c, con = r["config"], console(markup=False)
     t = Table(title=f"{c['name'] or 'attention'}: d={c['d_model']}, h={c['heads']}, "
                     f"h_kv={c['kv_heads']} ({c['kind']}), d_k={c['head_dim']}, layers={c['layers']}, "
                     f"n={r['seq']}, batch={r['batch']}, {r['dtype']}", title_justify="left")
@@ -115,7 +111,7 @@ def _print_one(r, hb, hc) -> None:
 
 def _print_table(rows, variants, focus, args, hb, hc) -> None:
     from rich.table import Table
-    con = _console()
+    con = console(markup=False)
     t = Table(title=f"Seed 003's configurations (n={args.seq}, {args.dtype})", title_justify="left")
     for col in ("model", "d", "h", "h_kv", "d_k", "layers", "params/layer", "= 4d²", "module",
                 "KV/token", "scores/layer"):
