@@ -91,17 +91,23 @@ class AttentionCall:
         """Multiply-adds of dense attention, B*H*Sq*Sk*(D+Dv): the unit of the cost model."""
         return float(self.B * self.H * self.Sq * self.Sk * (self.D + self.Dv))
 
+    def memo(self, name: str, compute):
+        """A fact derived from this call, computed once (backends cache their analyses here)."""
+        if name not in self.__dict__:
+            self.__dict__[name] = compute()
+        return self.__dict__[name]
+
     @property
     def effective_mask(self) -> M.Mask | None:
         """The mask, or None when it allows every pair and adds no bias (e.g. causal at Sq=1)."""
-        if "_effective" not in self.__dict__:
+        def compute():
             m = self.mask
             if isinstance(m, M.Window) and m.size is None:
                 # causal allows everything iff the first query already sees the last key
                 off = self.Sk - self.Sq if m.align == "lower_right" else 0
                 m = None if self.Sk - 1 <= off else m
-            self.__dict__["_effective"] = m
-        return self.__dict__["_effective"]
+            return m
+        return self.memo("_effective", compute)
 
     @property
     def is_pure_causal(self) -> bool:
@@ -140,7 +146,7 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got q on {q.device}, k on {k.device}, "
                          f"v on {v.device}")
-    (B, H, Sq, D), (Bk, Hkv, Sk, Dk), (Bv, Hv, Skv, Dv) = q.shape, k.shape, v.shape
+    (B, H, Sq, D), (Bk, Hkv, Sk, Dk), (Bv, Hv, Skv, _) = q.shape, k.shape, v.shape
     if not (B == Bk == Bv):
         raise ValueError(f"batch sizes differ: q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)} "
                          f"(dim 0 must match)")

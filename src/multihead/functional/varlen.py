@@ -31,10 +31,7 @@ PAD_TOLERANCE = 0.1
 
 def _segments(call: AttentionCall):
     """(starts (N_docs,), lengths (N_docs,)) in flattened ``b * S + s`` token offsets, or a reason."""
-    cache = call.__dict__
-    if "_varlen_segments" not in cache:
-        cache["_varlen_segments"] = _find_segments(call)
-    return cache["_varlen_segments"]
+    return call.memo("_varlen_segments", lambda: _find_segments(call))
 
 
 def _find_segments(call: AttentionCall):
@@ -92,16 +89,13 @@ def _buckets(call: AttentionCall) -> list[Bucket]:
     Documents packed longest first (what :meth:`multihead.models.Pretrained.embed` does) make every group of
     equal lengths one contiguous slice: the kernel then reads views, with no gather.
     """
-    cache = call.__dict__
-    if "_varlen_buckets" not in cache:
+    def compute():
         starts, lengths = _segments(call)
         order = torch.argsort(lengths, descending=True, stable=True)
         starts, lengths = starts[order], lengths[order]
         out = _group(starts, lengths, 0.0)
-        if not all(b.contiguous for b in out):
-            out = _group(starts, lengths, PAD_TOLERANCE)
-        cache["_varlen_buckets"] = out
-    return cache["_varlen_buckets"]
+        return out if all(b.contiguous for b in out) else _group(starts, lengths, PAD_TOLERANCE)
+    return call.memo("_varlen_buckets", compute)
 
 
 class VarLen(Backend):
