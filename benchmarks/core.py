@@ -7,7 +7,6 @@ Every ratio compares peers measured in the same run on the same machine.
 from __future__ import annotations
 
 import json
-import platform
 import subprocess
 import sys
 import time
@@ -16,31 +15,16 @@ import torch
 import torch.nn.functional as F
 
 import multihead as mh
+from multihead.bench.measure import describe, measure
 
 
 def timeit(fn, reps: int = 5, warmup: int = 1) -> float:
-    """Median wall time of fn() in seconds."""
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return sorted(ts)[len(ts) // 2]
+    """Median wall time of fn() in seconds (multihead bench's measure, on the CPU)."""
+    return measure(fn, torch.device("cpu"), reps=reps, warmup=warmup).median
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-            f"Python {platform.python_version()}")
+    return describe(torch.device("cpu"))
 
 
 def dense_auto_vs_sdpa(results):
