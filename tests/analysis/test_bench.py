@@ -73,7 +73,7 @@ def test_naive_peer_refused_when_it_does_not_fit():
     case = suite_cases("quick")[0]
     with mock.patch.object(S, "available_memory", return_value=1024):
         row = S.run_case(case, torch.device("cpu"), torch.float32,
-                         S.Limits(1e11, 1e10), reps=3, naive=True)
+                         S.Limits(1e11, 1e10), reps=3)
     assert "refused" in row["peers"]["seed tutorial"]["skipped"]
     assert "ratio" in row["peers"]["sdpa"]
 
@@ -87,8 +87,7 @@ def test_a_failing_peer_is_reported_not_fatal():
         b.peers["broken peer"] = lambda: (_ for _ in ()).throw(RuntimeError("inductor said no"))
         return b
     case.build = build
-    row = S.run_case(case, torch.device("cpu"), torch.float32, S.Limits(1e11, 1e10), reps=3,
-                     naive=True)
+    row = S.run_case(case, torch.device("cpu"), torch.float32, S.Limits(1e11, 1e10), reps=3)
     assert row["peers"]["broken peer"]["skipped"] == "failed: RuntimeError: inductor said no"
     assert "ratio" in row["peers"]["sdpa"]
 

@@ -34,6 +34,7 @@ class Built:
     naive_bytes: int = 0
     unit: str = "FLOP/s"
     compile: dict = field(default_factory=dict)    # peer -> callable whose first call compiles
+    naive: set = field(default_factory=set)        # peers that materialize O(H·S²) scores
 
 
 @dataclass
@@ -110,6 +111,7 @@ def attention_case(kind: str, S: int, *, B=1, H=12, D=64, window=256, train=Fals
         if kind == "dense":
             b.peers["sdpa"] = peer(lambda: F.scaled_dot_product_attention(q, k, v))
             b.peers["seed tutorial"] = peer(lambda: P.tutorial_attention(q, k, v))
+            b.naive = {"seed tutorial"}
             return b
         allowed = mask.materialize(S, S).to(device)                           # (S, S) bool
         if kind == "causal":
@@ -118,6 +120,7 @@ def attention_case(kind: str, S: int, *, B=1, H=12, D=64, window=256, train=Fals
         b.peers["sdpa + dense mask"] = peer(lambda: F.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed))
         b.peers["seed tutorial"] = peer(lambda: P.tutorial_attention(q, k, v, allowed))
+        b.naive = {"seed tutorial"}         # (SDPA with a mask holds only the S x S mask)
         if flex or (device.type == "cuda" and kind != "dense"):
             _add_flex(b, q, k, v, kind, window, lengths, device, train)
         return b
@@ -177,7 +180,7 @@ def decode_case(L: int, *, H=32, Hkv=8, D=128) -> Case:
                      {"sdpa enable_gqa": nograd(lambda: F.scaled_dot_product_attention(
                          q, k, v, enable_gqa=True)),
                       "HF repeat-K/V (eager)": nograd(lambda: P.hf_gqa_eager(q, k, v))},
-                     bytes=k.nbytes + v.nbytes, unit="B/s",
+                     bytes=k.nbytes + v.nbytes, unit="B/s", naive={"HF repeat-K/V (eager)"},
                      naive_bytes=H * L * torch.empty((), dtype=dtype).element_size())
     return Case("decode", f"GQA decode step, H={H} Hkv={Hkv} D={D}, cache {L}", L, "fwd", build)
 
@@ -198,7 +201,8 @@ def mha_case(B: int, S: int, E: int, H: int, *, train=False) -> Case:
                       "torch MHA (need_weights=False)": wrap(first(
                           lambda: ref(x, x, x, need_weights=False))),
                       "seed tutorial class": wrap(first(lambda: tut(x)))},
-                     flops=flops, naive_bytes=B * H * S * S * torch.empty((), dtype=dtype).element_size())
+                     flops=flops, naive_bytes=B * H * S * S * torch.empty((), dtype=dtype).element_size(),
+                     naive={"torch MHA (need_weights=True, default)", "seed tutorial class"})
     return Case("mha", f"MHA layer, B={B} S={S} E={E} H={H}", S, "fwd+bwd" if train else "fwd", build)
 
 

@@ -52,7 +52,7 @@ def _ms(stats) -> dict:
             "high_ms": stats.high * 1e3, "reps": stats.reps}
 
 
-def run_case(case: Case, device, dtype, limits: Limits, reps: int, naive: bool) -> dict:
+def run_case(case: Case, device, dtype, limits: Limits, reps: int) -> dict:
     built = case.build(device, dtype)
     ours = measure(built.ours, device, reps=reps, budget_s=15)
     work = built.flops if built.flops is not None else built.bytes
@@ -69,8 +69,7 @@ def run_case(case: Case, device, dtype, limits: Limits, reps: int, naive: bool) 
         if isinstance(fn, str):
             row["peers"][name] = {"skipped": fn}
             continue
-        if ("tutorial" in name or "dense mask" in name or "eager" in name) and \
-                built.naive_bytes * NAIVE_HEADROOM > free:
+        if name in built.naive and built.naive_bytes * NAIVE_HEADROOM > free:
             row["peers"][name] = {"skipped": f"refused: its O(H·S²) scores need "
                                              f"{built.naive_bytes * NAIVE_HEADROOM / 2**30:.1f} GiB, "
                                              f"{free / 2**30:.1f} GiB free"}
@@ -104,7 +103,7 @@ def run_suite(suite: str = "quick", device: str = "cpu", dtype: str = "fp32",
         for case in cases:
             if progress is not None:
                 progress(case)
-            row = run_case(case, dev, dt, run.limits, reps, naive=True)
+            row = run_case(case, dev, dt, run.limits, reps)
             run.rows.append(row)
             if on_row is not None:
                 on_row(row)

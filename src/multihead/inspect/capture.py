@@ -114,6 +114,6 @@ def strongest_looks(weights: torch.Tensor, tokens: list[str], query: int, top: i
         return []
     row = weights[:, :, query, :].masked_fill(~keep, -1.0)                 # (L, H, S)
     best, target = row.max(dim=-1)                                          # (L, H)
-    L, H = best.shape
+    H = best.shape[1]
     order = torch.argsort(best.flatten(), descending=True)[:top].tolist()
     return [Look(i // H, i % H, int(target.flatten()[i]), float(best.flatten()[i])) for i in order]

@@ -30,7 +30,6 @@ class Inspection:
     query: int                  # position of the query token in capture.tokens
     looks: list[Look]           # strongest heads from the query token, best first
     selected: tuple[int, int]   # (layer, head) shown large
-    texts: int = 1
 
     def to_dict(self, digits: int = 4) -> dict:
         """JSON-ready: tokens, weights [L][H][S][S], metrics [L][H], roles, query looks."""

@@ -13,6 +13,7 @@ import torch
 
 from .._progress import track
 from .bert import BertConfig, BertEncoder
+from .loading import SentenceConfig
 
 #: tokens per packed forward in :meth:`Pretrained.embed` (bounds peak memory)
 PACK_TOKENS = 16384
@@ -42,7 +43,7 @@ class Pretrained:
     encoder: BertEncoder
     tokenizer: object
     config: BertConfig
-    sentence: object
+    sentence: SentenceConfig
     directory: Path
     name: str
 
