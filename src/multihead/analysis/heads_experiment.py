@@ -37,6 +37,8 @@ PREDICTION = ("seed 004: one head can produce only one attention pattern, so h=1
 
 @dataclass(frozen=True)
 class Setup:
+    """The experiment's sizes and training schedule (``quick()``: a CI smoke run)."""
+
     vocab: int = 12
     length: int = 16
     d_model: int = 64
@@ -49,11 +51,18 @@ class Setup:
 
     @classmethod
     def quick(cls) -> "Setup":
+        """150 steps: checks the pipeline end to end, too short to learn the task."""
         return cls(steps=150, eval_sequences=500)
 
 
 def make_batch(s: Setup, n: int, g: torch.Generator):
-    """Tokens ``(n, T)`` and targets ``(n, T)`` (-100 where the target is undefined)."""
+    """Tokens ``(n, T)`` and targets ``(n, T)`` (-100 where the target is undefined).
+
+    Example:
+        >>> x, y = make_batch(Setup(), 1, torch.Generator().manual_seed(0))
+        >>> int(y[0, 5]) == (int(x[0, 4]) + 2 * int(x[0, 2])) % 12, int(y[0, 2])
+        (True, -100)
+    """
     x = torch.randint(0, s.vocab, (n, s.length), generator=g)
     a, b = s.offsets
     y = torch.full_like(x, -100)
@@ -81,6 +90,9 @@ class SharedQKVAttention(nn.Module):
 
 
 class TinyModel(nn.Module):
+    """Embeddings, one causal attention layer with a residual, and an MLP read-out:
+    tokens (B, T) -> logits (B, T, V) (and the attention weights (B, h, T, T) on request)."""
+
     def __init__(self, s: Setup, attn: nn.Module):
         super().__init__()
         self.tok = nn.Embedding(s.vocab, s.d_model)
@@ -99,6 +111,7 @@ class TinyModel(nn.Module):
 
 
 def build(kind: str, s: Setup) -> TinyModel:
+    """``"h=8"``, ``"h=1"`` or ``"h=8 shared"``, initialized under ``s.seed``."""
     torch.manual_seed(s.seed)
     attn = {"h=8": lambda: mh.MultiHeadAttention(s.d_model, 8),
             "h=1": lambda: mh.MultiHeadAttention(s.d_model, 1),
@@ -108,6 +121,8 @@ def build(kind: str, s: Setup) -> TinyModel:
 
 @dataclass
 class Result:
+    """One trained model's evaluation and what its heads attend to."""
+
     kind: str
     parameters: int
     loss: float
@@ -169,6 +184,7 @@ def _head_relations(w: torch.Tensor, s: Setup):
 
 
 def run(s: Setup, kinds=("h=8", "h=1", "h=8 shared")) -> list[Result]:
+    """Train and evaluate each model kind under the same setup."""
     return [train(k, s) for k in kinds]
 
 

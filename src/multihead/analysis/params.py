@@ -56,17 +56,21 @@ class AttentionShape:
 
     @property
     def hkv(self) -> int:
+        """K/V heads (``heads`` when not given: MHA)."""
         return self.heads if self.kv_heads is None else self.kv_heads
 
     @property
     def dk(self) -> int:
+        """Per-head width (``d_model / heads`` when not given)."""
         return self.d_model // self.heads if self.head_dim is None else self.head_dim
 
     @property
     def kind(self) -> str:
+        """``"MHA"``, ``"MQA"`` or ``"GQA-<kv heads>"``."""
         return "MHA" if self.hkv == self.heads else "MQA" if self.hkv == 1 else f"GQA-{self.hkv}"
 
     def with_kv_heads(self, kv: int) -> "AttentionShape":
+        """The same model with ``kv`` K/V heads (MHA, GQA or MQA variants)."""
         return AttentionShape(**{**asdict(self), "kv_heads": kv})
 
 
@@ -112,7 +116,12 @@ def formula_params(s: AttentionShape) -> int:
 
 
 def module_params(s: AttentionShape) -> int:
-    """``sum(p.numel())`` of a real :class:`MultiHeadAttention` built on the meta device."""
+    """``sum(p.numel())`` of a real :class:`MultiHeadAttention` built on the meta device.
+
+    Example:
+        >>> module_params(AttentionShape(4096, 32, kv_heads=8, bias=False)) == 4096 * 4096 * 2 + 2 * 4096 * 1024
+        True
+    """
     from .._init import skip_init
     from ..modules import MultiHeadAttention
     with skip_init():
@@ -123,7 +132,13 @@ def module_params(s: AttentionShape) -> int:
 
 def report(s: AttentionShape, *, seq: int = 2048, batch: int = 1, dtype: str = "bf16",
            causal: bool = True) -> dict:
-    """Every count for one configuration at sequence length ``seq`` (JSON-ready)."""
+    """Every count for one configuration at sequence length ``seq`` (JSON-ready).
+
+    Example:
+        >>> r = report(preset("llama2-70b"), seq=4096, dtype="bf16")
+        >>> r["kv_cache_bytes_per_token"], human_bytes(r["kv_cache_bytes_per_sequence"])
+        (327680, '1.2 GiB')
+    """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     for name, v in (("seq", seq), ("batch", batch)):
@@ -171,7 +186,12 @@ def human_bytes(n: float) -> str:
 
 
 def human_count(n: float) -> str:
-    """``12_582_912 -> '12.58M'``."""
+    """``12_582_912 -> '12.58M'``.
+
+    Example:
+        >>> human_count(12_582_912), human_count(950)
+        ('12.58M', '950')
+    """
     for unit, f in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= f:
             return f"{n / f:.2f}{unit}"

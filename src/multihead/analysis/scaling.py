@@ -56,7 +56,13 @@ def _try(fn):
 
 def fp16_masking(seed: int = 0) -> list[dict]:
     """Softmax of one fp16 score row with two keys masked and one row with all keys masked,
-    masked five ways; what each gives (weights, NaN, or torch's error)."""
+    masked five ways; what each gives (weights, NaN as None, or torch's error).
+
+    Example:
+        >>> rows = {r["method"]: r for r in fp16_masking()}
+        >>> rows["-inf in fp16"]["fully_masked_row"], rows["multihead.attention (True = may attend)"]["fully_masked_row"]
+        ([None, None, None, None], [0.0, 0.0, 0.0, 0.0])
+    """
     import multihead as mh
     g = torch.Generator().manual_seed(seed)
     s = torch.randn(2, 4, generator=g).half()                                    # (2 rows, 4 keys)

@@ -39,6 +39,8 @@ class Built:
 
 @dataclass
 class Case:
+    """A row of a suite; ``build`` makes its inputs only when it runs."""
+
     family: str
     name: str
     seq: int | None
@@ -233,7 +235,12 @@ def minilm_case(n: int = 256) -> Case:
 
 
 def suite_cases(suite: str) -> list[Case]:
-    """The cases of ``quick`` (< 1 min on 2 CPU cores), ``standard`` or ``full``."""
+    """The cases of ``quick`` (< 1 min on 2 CPU cores), ``standard`` or ``full``.
+
+    Example:
+        >>> [c.name for c in suite_cases("quick")][:2]
+        ['dense, B=1 H=8 S=256 D=64', 'dense, B=1 H=8 S=512 D=64']
+    """
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}: choose one of {', '.join(SUITES)}")
     if suite == "quick":

@@ -19,6 +19,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class Stats:
+    """Seconds: the median, the fastest and slowest repetition, and how many ran."""
+
     median: float       # seconds
     low: float
     high: float
@@ -37,7 +39,13 @@ def _sync(device: torch.device) -> None:
 
 def measure(fn, device: torch.device, *, reps: int = 5, warmup: int = 1,
             budget_s: float | None = None) -> Stats:
-    """Median time of ``fn()``; stops early (at least 3 reps) once ``budget_s`` is spent."""
+    """Median time of ``fn()``; stops early (at least 3 reps) once ``budget_s`` is spent.
+
+    Example:
+        >>> s = measure(lambda: sum(range(1000)), torch.device("cpu"), reps=5)
+        >>> s.reps, s.low <= s.median <= s.high
+        (5, True)
+    """
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -97,6 +105,8 @@ def available_memory(device: torch.device) -> int:
 
 @dataclass
 class Limits:
+    """This machine's ceilings, measured in the same run as the cases."""
+
     gemm_flops: float     # FLOP/s of a large GEMM in the benchmark dtype
     read_bw: float        # bytes/s of a full read of a large tensor
 

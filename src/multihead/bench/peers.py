@@ -33,7 +33,14 @@ class SeedTutorialMHA(nn.Module):
 
 
 def tutorial_attention(q, k, v, allowed=None):
-    """The seed tutorial's attention core on (B, H, S, D) tensors: scores, -1e9 mask, softmax."""
+    """The seed tutorial's attention core on (B, H, S, D) tensors: scores, -1e9 mask, softmax.
+
+    Example:
+        >>> import multihead as mh
+        >>> q = torch.randn(1, 2, 5, 8)
+        >>> torch.allclose(tutorial_attention(q, q, q), mh.attention(q, q, q), atol=1e-6)
+        True
+    """
     scores = torch.matmul(q, k.transpose(-2, -1)) / (q.shape[-1] ** 0.5)     # (B, H, S, S)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, -1e9)
@@ -41,7 +48,12 @@ def tutorial_attention(q, k, v, allowed=None):
 
 
 def repeat_kv(x: torch.Tensor, g: int) -> torch.Tensor:
-    """Hugging Face's ``repeat_kv``: (B, Hkv, S, D) -> (B, Hkv*g, S, D), a copy."""
+    """Hugging Face's ``repeat_kv``: (B, Hkv, S, D) -> (B, Hkv*g, S, D), a copy.
+
+    Example:
+        >>> repeat_kv(torch.arange(2.).view(1, 2, 1, 1), 2).flatten().tolist()
+        [0.0, 0.0, 1.0, 1.0]
+    """
     b, h, s, d = x.shape
     return x[:, :, None].expand(b, h, g, s, d).reshape(b, h * g, s, d)
 

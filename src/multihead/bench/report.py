@@ -48,6 +48,7 @@ HEADER = ["case", "mode", "ours", "spread", "achieved", "of limit", "peak MiB", 
 
 
 def header_text(run) -> str:
+    """The run's first line: command, machine, and the limits measured."""
     lim = run.limits
     return (f"multihead bench --suite {run.suite} --device {run.device} --dtype {run.dtype}: "
             f"{run.machine}. Limits measured in this run: matmul {lim.gemm_flops / 1e9:.1f} "
@@ -63,6 +64,7 @@ NOTES = ("FLOPs: 4·B·H·Sq·Sk·D forward, 2.5x that for the backward, only th
 
 
 def write(run, out: Path) -> list[Path]:
+    """Write results.json, results.md and results.png into ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
     data = {"suite": run.suite, "device": run.device, "dtype": run.dtype, "machine": run.machine,
             "limits": asdict(run.limits), "interrupted": run.interrupted, "seconds": run.seconds,

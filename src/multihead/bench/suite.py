@@ -22,6 +22,8 @@ NAIVE_HEADROOM = 3
 
 @dataclass
 class Run:
+    """A suite's results: the machine, its limits, one row per case measured."""
+
     suite: str
     device: str
     dtype: str
@@ -33,7 +35,12 @@ class Run:
 
 
 def check_target(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """Validate --device and --dtype; one clear error each."""
+    """Validate --device and --dtype; one clear error each.
+
+    Example:
+        >>> check_target("cpu", "bf16")
+        (device(type='cpu'), torch.bfloat16)
+    """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"unknown device {device!r}: choose cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
@@ -53,6 +60,7 @@ def _ms(stats) -> dict:
 
 
 def run_case(case: Case, device, dtype, limits: Limits, reps: int) -> dict:
+    """Time ``case`` and its peers; a peer that cannot run says why in its entry."""
     built = case.build(device, dtype)
     ours = measure(built.ours, device, reps=reps, budget_s=15)
     work = built.flops if built.flops is not None else built.bytes

@@ -53,7 +53,15 @@ def capture(model, text: str, *, truncate: bool = True) -> Capture:
 
 
 def find_query(model, tokens: list[str], word: str | None) -> int:
-    """Position of ``word``'s first word piece in ``tokens`` (default: the first pronoun)."""
+    """Position of ``word``'s first word piece in ``tokens`` (default: the first pronoun).
+
+    Example:
+        >>> from multihead.models import load
+        >>> model = load()
+        >>> toks = model.tokenize("The dog barked because it was hungry.").tokens
+        >>> toks[find_query(model, toks, None)], find_query(model, toks, "dog")
+        ('it', 2)
+    """
     content = [(i, t) for i, t in enumerate(tokens) if t not in SPECIAL]
     if word is None:
         for i, t in content:
@@ -81,9 +89,11 @@ class Look:
     weight: float
 
     def distance(self, query: int) -> int:
+        """How many tokens separate the target from the query."""
         return abs(self.target - query)
 
     def label(self, tokens: list[str], query: int) -> str:
+        """``"L3H1: it → animal 0.68"``."""
         return f"L{self.layer}H{self.head}: {tokens[query]} → {tokens[self.target]} {self.weight:.2f}"
 
 
@@ -91,6 +101,12 @@ def headline(looks: list[Look], query: int, tokens: list[str] | None = None) -> 
     """The look worth showing first: the strongest one beyond the neighbouring tokens
     (previous/next-token heads are common and positional), and for a pronoun the strongest
     one back to an earlier word (where its antecedent is: "it → animal"); else the strongest.
+
+    Example:
+        >>> toks = ["[CLS]", "dog", "ran", "it", "fell"]
+        >>> looks = [Look(0, 0, 2, 0.9), Look(1, 3, 4, 0.8), Look(2, 5, 1, 0.7)]
+        >>> headline(looks, 3, toks).label(toks, 3)
+        'L2H5: it → dog 0.70'
     """
     far = [k for k in looks if k.distance(query) > 1]
     if tokens is not None and tokens[query] in PRONOUNS:

@@ -96,6 +96,7 @@ class HeadMetrics:
 
     @classmethod
     def of(cls, weights: torch.Tensor, tokens: list[str]) -> "HeadMetrics":
+        """The metrics of one text's weights ``(L, H, S, S)``."""
         m = cls()
         m.add(weights, tokens)
         return m
@@ -119,6 +120,7 @@ class HeadMetrics:
         return self.sums[name] / max(self.counts[name], 1)
 
     def table(self) -> dict[str, torch.Tensor]:
+        """Every metric's per-head average, ``{name: (L, H)}``."""
         return {name: self.value(name) for name in METRICS}
 
     def roles(self) -> list[list[tuple[str, float]]]:

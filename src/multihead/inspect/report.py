@@ -54,6 +54,7 @@ class Inspection:
         }
 
     def summary(self) -> str:
+        """One line: token count, truncation, texts averaged, the headline look."""
         c = self.capture
         s = (f"{len(c.tokens)} tokens" + (f" (truncated from {c.original_length})" if c.truncated
                                           else "")

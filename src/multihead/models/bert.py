@@ -79,6 +79,7 @@ class BertConfig:
 
     @property
     def head_dim(self) -> int:
+        """d_k = hidden_size / num_attention_heads."""
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
@@ -106,6 +107,7 @@ class BertConfig:
 
     @classmethod
     def from_file(cls, path) -> "BertConfig":
+        """Read ``config.json`` at ``path`` (invalid JSON raises :class:`UnsupportedModel`)."""
         try:
             with open(path, encoding="utf-8") as f:
                 d = json.load(f)
@@ -124,6 +126,8 @@ class EncoderOutput(NamedTuple):
 
 
 class BertEmbeddings(nn.Module):
+    """LayerNorm(word + position + token type embeddings): ids (..., S) -> (..., S, E)."""
+
     def __init__(self, c: BertConfig, **fk):
         super().__init__()
         self.word = nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=c.pad_token_id, **fk)

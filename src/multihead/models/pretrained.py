@@ -65,6 +65,13 @@ class Pretrained:
         return self.tokenize_batch([text], max_length=max_length)[0]
 
     def tokenize_batch(self, texts: Sequence[str], *, max_length: int | None = None) -> list[Tokens]:
+        """:meth:`tokenize` for many texts at once (the tokenizer's batch encoder).
+
+        Example:
+            >>> from multihead.models import load
+            >>> [len(t.ids) for t in load().tokenize_batch(["hi", "a b c"], max_length=4)]
+            [3, 4]
+        """
         texts = self._check_texts(texts)
         limit = max_length or self.config.max_position_embeddings
         full = self.tokenizer.encode_batch(texts)

@@ -77,10 +77,12 @@ class PagedKVCache(_CacheBase):
 
     @property
     def sequences(self) -> list[int]:
+        """Ids of the live sequences."""
         return sorted(self._tables)
 
     @property
     def pages_used(self) -> int:
+        """Pages held by live sequences (``num_pages`` minus the free ones)."""
         return self.num_pages - len(self._free)
 
     @property
