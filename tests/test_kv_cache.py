@@ -116,6 +116,10 @@ def test_paged_equals_static_and_frees_pages():
         pool.free(ids[0])
     with pytest.raises(KeyError, match="unknown sequence id"):
         pool.batch([ids[0]])
+    with pytest.raises(ValueError, match=r"distinct sequence ids, got \[1, 1\]"):
+        pool.batch([ids[1], ids[1]])
+    with pytest.raises(ValueError, match="page_size must be a positive int"):
+        mh.PagedKVCache(num_pages=4, page_size=0, num_kv_heads=2, head_dim=8)
 
 
 def test_cross_attention_cache_equals_recomputing():

@@ -99,3 +99,23 @@ def test_bert_prefixed_checkpoint(tmp_path):
     prefixed = load(d)
     ids = torch.tensor([[101, 2009, 102]])
     torch.testing.assert_close(plain.encoder(ids).hidden, prefixed.encoder(ids).hidden)
+
+
+def test_encoder_and_embed_bad_input(tmp_path):
+    m = load(tiny_checkpoint(tmp_path / "m"))
+    enc = m.encoder
+    with pytest.raises(TypeError, match=r"input_ids must be an integer tensor \(B, S\)"):
+        enc(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match=r"input_ids must be \(B, S\), got shape \(3,\)"):
+        enc(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"must lie in \[0, 30522\).*\[-1, 5\]"):
+        enc(torch.tensor([[5, -1]]))
+    with pytest.raises(ValueError, match="70 tokens but the model has 64 positions"):
+        enc(torch.ones(1, 70, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"cu_seqlens must be \[0, \.\.\., N=4\]"):
+        enc.forward_packed(torch.ones(4, dtype=torch.long), torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        enc.forward_packed(torch.ones(4, dtype=torch.long), torch.tensor([0, 0, 4]))
+    with pytest.raises(TypeError, match="texts must be a list of str, got str"):
+        m.embed("one text")
+    assert m.embed([]).shape == (0, 32)
