@@ -188,10 +188,10 @@ def run(s: Setup, kinds=("h=8", "h=1", "h=8 shared")) -> list[Result]:
     return [train(k, s) for k in kinds]
 
 
-def _split(r: Result, a: int, b: int) -> str:
-    p = r.offset_profile
-    return "; ".join(f"head {h}: {p[h][a]:.2f} on x[t-{a}], {p[h][b]:.2f} on x[t-{b}]"
-                     for h in range(len(p)))
+def _split(r: Result, a: int, b: int, head: int = 0) -> str:
+    """``"0.98 on x[t-1], 0.00 on x[t-3]"``: one head's weight on the two relations."""
+    p = r.offset_profile[head]
+    return f"{p[a]:.2f} on x[t-{a}], {p[b]:.2f} on x[t-{b}]"
 
 
 def finding(results: list[Result], offsets: tuple = Setup.offsets) -> str:
@@ -216,7 +216,7 @@ def finding(results: list[Result], offsets: tuple = Setup.offsets) -> str:
         gap = sh.accuracy - by["h=1"].accuracy
         same = max(max(abs(x - y) for x, y in zip(p, sh.offset_profile[0])) for p in sh.offset_profile)
         text += (f" Heads sharing W_Q/W_K/W_V computed one pattern (largest difference between "
-                 f"heads {same:.3f}: {_split(sh, a, b).split(';')[0].replace('head 0: ', '')}) "
+                 f"heads {same:.3f}: {_split(sh, a, b)}) "
                  f"and ended {gap:+.1%} from the single full-width head")
         text += (": as predicted, no better." if gap <= 0.02 else
                  ": better than predicted. One pattern that mixes both relations with unequal "
