@@ -140,3 +140,64 @@ def test_masks_move_between_devices_and_check_them():
     assert m.to("cpu")._tensors()[0].device.type == "cpu"
     with pytest.raises(ValueError, match="meta"):
         m.check(2, 1, 4, 4, device="meta")
+
+
+# -- host facts: what backends decide on without reading a device tensor -------------------
+
+from conftest import make_masks  # noqa: E402
+
+
+@pytest.mark.parametrize("sq,sk", [(7, 7), (3, 11), (11, 3), (1, 5), (16, 16)])
+@pytest.mark.parametrize("seed", range(3))
+def test_may_have_empty_rows_is_sound(sq, sk, seed):
+    """False only if every query row really has a key (what lets sdpa skip its row fix)."""
+    cases = dict(make_masks(2, 3, sq, sk, seed=seed))
+    cases.update({"window 2 ul": M.sliding_window(2, align="upper_left"),
+                  "window 3": M.sliding_window(3), "causal ul": M.causal(align="upper_left"),
+                  "padding all real": M.padding(torch.tensor([sk, sk])),
+                  "padding bool": M.padding(torch.ones(2, sk, dtype=torch.bool))})
+    for name, m in cases.items():
+        if m is None:
+            continue
+        has_empty = bool((~m.materialize(sq, sk).any(-1)).any())
+        if has_empty:
+            assert m.may_have_empty_rows(sq, sk), f"{name} ({sq}x{sk}) claims no empty rows"
+
+
+def test_may_have_empty_rows_is_exact_where_it_can_be():
+    assert not M.causal().may_have_empty_rows(4, 9) and M.causal().may_have_empty_rows(9, 4)
+    assert not M.causal(align="upper_left").may_have_empty_rows(9, 4)
+    assert M.sliding_window(2, align="upper_left").may_have_empty_rows(9, 4)
+    assert not M.padding(torch.tensor([3, 1])).may_have_empty_rows(5, 5)
+    assert M.padding(torch.tensor([3, 0])).may_have_empty_rows(5, 5)
+    assert not (M.causal() & M.alibi(2)).may_have_empty_rows(5, 5)
+    assert not (M.causal() | M.dense(torch.zeros(5, 5, dtype=torch.bool))).may_have_empty_rows(5, 5)
+
+
+def test_moving_a_mask_keeps_its_host_facts_and_reads_nothing_back():
+    from nosync import NoReadBack
+    doc = M.document(cu_seqlens=torch.tensor([0, 3, 8]))
+    pad = M.padding(torch.tensor([5, 2]))
+    with NoReadBack():
+        d, p = doc.to("meta"), pad.to("meta")
+        assert d.runs_known and d.runs().lengths[0].tolist() == [3, 5]
+        assert "2 runs" in d.describe() and p.describe() == "padding(lengths=[5, 2])"
+        assert not p.may_have_empty_rows(4, 5)
+        b = M.bias(torch.zeros(1, 1, 4, 4)).to("meta")
+        assert b.values.device.type == "meta" and b.has_predicate is False
+    born = M.document(torch.zeros(6, dtype=torch.long, device="meta"))
+    assert not born.runs_known and "on meta" in born.describe()
+
+
+def test_cache_keys_name_everything_that_determines_a_mask():
+    assert M.causal().cache_key() != M.causal(align="upper_left").cache_key()
+    assert M.sliding_window(8).cache_key() != M.sliding_window(9).cache_key()
+    assert (M.causal() & M.alibi(4)).cache_key() == (M.causal() & M.alibi(4)).cache_key()
+    assert (M.causal() & M.alibi(4)).cache_key() != (M.causal() & M.alibi(8)).cache_key()
+    assert M.padding(torch.tensor([3])).cache_key() is None            # holds a tensor
+    assert (M.causal() & M.padding(torch.tensor([3]))).cache_key() is None
+
+    class Mine(M.Mask):
+        def _allowed(self, ix):
+            return ix.q >= ix.k
+    assert Mine().cache_key() is None and not Mine().memoizable    # a user's class: not shared

@@ -21,7 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .._device import to_device
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
+
+#: facts derived from masks that are fully determined by their cache_key(), shared by calls
+_SHARED: dict = {}
+_SHARED_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,73 @@ class Mask:
     has_bias: bool = False
     #: True when the mask rules some pairs out (False for a pure bias such as ALiBi)
     has_predicate: bool = True
+    #: the structure backends read ("causal", "window", "padding", "document", "dense",
+    #: "bias", "alibi"; "and"/"or"/"not" for compositions; "custom" for user subclasses)
+    kind: str = "custom"
+    #: our own mask classes are immutable, so facts derived from them may be cached
+    _immutable: bool = False
+
+    # -- what backends read ------------------------------------------------------------------
+    def cache_key(self):
+        """A hashable value that fully determines this mask, or None.
+
+        Facts derived from a mask with a key (tile maps, plans, dispatch decisions) are
+        shared by every call and every mask with the same key. The default is None: a
+        subclass is only shared if it says what determines it. Masks holding tensors return
+        None (their facts are cached on the object instead, while its tensors are unmodified).
+
+        Example:
+            >>> import multihead as mh
+            >>> mh.masks.sliding_window(8).cache_key()
+            ('window', 8, 'lower_right')
+        """
+        return None
+
+    def leaves(self):
+        """The masks this one is composed of (itself for a mask that is not a composition)."""
+        yield self
+
+    def may_have_empty_rows(self, sq: int, sk: int) -> bool:
+        """False only if every query row surely has a key to attend to (decided on the host,
+        from sizes and host facts, never by reading a device tensor). True when unsure.
+
+        Example:
+            >>> import multihead as mh
+            >>> mh.masks.causal().may_have_empty_rows(4, 9), mh.masks.causal().may_have_empty_rows(9, 4)
+            (False, True)
+        """
+        return self.has_predicate
+
+    @property
+    def memoizable(self) -> bool:
+        """True when facts derived from this object may be cached on it (our own masks)."""
+        return self._immutable
+
+    def cached(self, what: str, args: tuple, compute):
+        """``compute()``, cached by what determines it: globally under :meth:`cache_key`, else
+        on this object while its tensors are unmodified (their version counters), else not.
+        """
+        key = self.cache_key()
+        if key is not None:
+            full = (key, what, args)
+            if full not in _SHARED:
+                if len(_SHARED) >= _SHARED_MAX:
+                    _SHARED.pop(next(iter(_SHARED)))
+                _SHARED[full] = compute()
+            return _SHARED[full]
+        if not self.memoizable:
+            return compute()
+        try:
+            versions = tuple(t._version for t in self._tensors())
+        except RuntimeError:               # inference tensors keep no version counter
+            return compute()
+        store = self.__dict__.setdefault("_memo", {})
+        full = (what, args, versions)
+        if full not in store:
+            if len(store) >= 64:
+                store.pop(next(iter(store)))
+            store[full] = compute()
+        return store[full]
 
     # -- what subclasses implement ---------------------------------------------------------
     def _allowed(self, ix: Index) -> torch.Tensor:
@@ -215,6 +288,7 @@ class Mask:
 
         Returns:
             A :class:`TileMap` whose ``state`` is ``(B', H', ceil(Sq/tile_q), ceil(Sk/tile_k))``.
+            Results are cached (see :meth:`cached`): treat the map as read-only.
 
         Example:
             >>> import multihead as mh
@@ -224,6 +298,16 @@ class Mask:
         if tile_q <= 0 or tile_k <= 0:
             raise ValueError(f"tile_q and tile_k must be positive, got {tile_q} and {tile_k}")
         device = torch.device(device) if device is not None else self._device()
+        args = (sq, sk, tile_q, tile_k, batch, heads)
+        if self.cache_key() is not None and device.type != "cpu":
+            # determined by ints: classify on the host once, copy to the device without a sync
+            host = self.cached("tiles", (*args, "cpu"), lambda: self._classify(*args, "cpu"))
+            return self.cached("tiles", (*args, str(device)), lambda: TileMap(
+                to_device(host.state, device), tile_q, tile_k, sq, sk))
+        return self.cached("tiles", (*args, str(device)), lambda: self._classify(*args, device))
+
+    def _classify(self, sq, sk, tile_q, tile_k, batch, heads, device) -> TileMap:
+        device = torch.device(device)
         nq, nk = -(-sq // tile_q), -(-sk // tile_k)
         q0 = torch.arange(nq, device=device) * tile_q
         k0 = torch.arange(nk, device=device) * tile_k
@@ -249,8 +333,23 @@ class Mask:
         return any(t.requires_grad for t in self._tensors())
 
     def to(self, device) -> "Mask":
-        """A copy of the mask with its tensors on ``device`` (itself when it holds none)."""
+        """A copy of the mask with its tensors on ``device`` (itself when it holds none).
+
+        Host tensors are copied without synchronizing the device, and the host facts the
+        mask derived from them (lengths, document runs) travel along: build masks from host
+        (CPU) data, then move them.
+        """
         return self
+
+    def _moved(self, device, *names: str) -> "Mask":
+        """A shallow copy whose tensor attributes ``names`` are on ``device`` (host facts kept)."""
+        new = object.__new__(type(self))
+        new.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_memo"})
+        for name in names:
+            t = getattr(self, name)
+            if t is not None:
+                setattr(new, name, to_device(t, device))
+        return new
 
     def _device(self) -> torch.device:
         ts = self._tensors()
@@ -312,6 +411,7 @@ class _Binary(Mask):
 
     def __init__(self, a: Mask, b: Mask):
         self.a, self.b = a, b
+        self.kind = {"&": "and", "|": "or"}[self.op]
         self.batch_size = _max_opt(a.batch_size, b.batch_size)
         self.num_heads = _max_opt(a.num_heads, b.num_heads)
         self.has_bias = a.has_bias or b.has_bias
@@ -323,6 +423,18 @@ class _Binary(Mask):
 
     def _tensors(self):
         return self.a._tensors() + self.b._tensors()
+
+    def leaves(self):
+        yield from self.a.leaves()
+        yield from self.b.leaves()
+
+    @property
+    def memoizable(self) -> bool:
+        return self.a.memoizable and self.b.memoizable
+
+    def cache_key(self):
+        ka, kb = self.a.cache_key(), self.b.cache_key()
+        return None if ka is None or kb is None else (self.op, ka, kb)
 
     def to(self, device):
         return type(self)(self.a.to(device), self.b.to(device))
@@ -364,6 +476,11 @@ class And(_Binary):
         (any_a, all_a), (any_b, all_b) = _bounds(self.a, tx), _bounds(self.b, tx)
         return any_a & any_b, all_a & all_b
 
+    def may_have_empty_rows(self, sq, sk):
+        if not (self.a.has_predicate and self.b.has_predicate):  # a bias rules nothing out
+            return (self.a if self.a.has_predicate else self.b).may_have_empty_rows(sq, sk)
+        return True
+
 
 class Or(_Binary):
     """Either mask allows the pair. Built by ``a | b``; biases cannot be or-ed."""
@@ -386,9 +503,14 @@ class Or(_Binary):
         (any_a, all_a), (any_b, all_b) = self.a._tile_bounds(tx), self.b._tile_bounds(tx)
         return any_a | any_b, all_a | all_b
 
+    def may_have_empty_rows(self, sq, sk):
+        return self.a.may_have_empty_rows(sq, sk) and self.b.may_have_empty_rows(sq, sk)
+
 
 class Not(Mask):
     """The complement of a boolean mask. Built by ``~m``."""
+
+    kind = "not"
 
     def __init__(self, m: Mask):
         if m.has_bias or not m.has_predicate:
@@ -401,6 +523,20 @@ class Not(Mask):
 
     def _tensors(self):
         return self.m._tensors()
+
+    def leaves(self):
+        yield from self.m.leaves()
+
+    @property
+    def memoizable(self) -> bool:
+        return self.m.memoizable
+
+    def cache_key(self):
+        k = self.m.cache_key()
+        return None if k is None else ("~", k)
+
+    def may_have_empty_rows(self, sq, sk):
+        return True
 
     def to(self, device):
         return Not(self.m.to(device))

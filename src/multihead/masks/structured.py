@@ -15,6 +15,8 @@ last key, which is what decoding with a KV cache needs.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .base import Index, Mask, TileIndex
@@ -38,12 +40,27 @@ class Window(Mask):
     ``size=None`` is plain causal attention. Built by :func:`causal` and :func:`sliding_window`.
     """
 
+    _immutable = True
+
     def __init__(self, size: int | None, align: str = "lower_right"):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"sliding_window size must be a positive int, got {size!r}: "
                              f"a query sees itself and the size-1 keys before it")
         self.size = size
         self.align = _check_align(align)
+        self.kind = "causal" if size is None else "window"
+
+    def cache_key(self):
+        return ("window", self.size, self.align)
+
+    def may_have_empty_rows(self, sq: int, sk: int) -> bool:
+        # query q sees keys k in [q + off - size + 1, q + off] (no lower end for causal)
+        off = _offset(self.align, sq, sk)
+        if sq == 0:
+            return False
+        if off < 0:                                    # the first query is before every key
+            return True
+        return self.size is not None and (sq - 1 + off) - self.size + 1 > sk - 1
 
     def describe(self) -> str:
         if self.size is None:
@@ -116,40 +133,56 @@ class Padding(Mask):
     """Only real (non-padding) positions may be attended (``side="key"``) or may attend.
 
     A query-side padding mask rules out whole rows: those rows return zeros.
+
+    Lengths are validated when the mask is built, which reads them: build it from host
+    (CPU) lengths and move it with ``.to(device)`` to keep that read off the GPU's queue.
+    A ``(B, S)`` bool tensor is never read.
     """
+
+    kind = "padding"
+    _immutable = True
 
     def __init__(self, lengths_or_mask, side: str = "key"):
         if side not in ("key", "query"):
             raise ValueError(f"side must be 'key' or 'query', got {side!r}")
         self.side = side
         t = torch.as_tensor(lengths_or_mask)
+        self._host_lengths = None      # lengths as a host tensor, when known without a sync
+        self._min_count = None         # fewest real positions of a sequence, when known
         if t.dtype == torch.bool:
             if t.dim() != 2:
                 raise ValueError(f"padding: a bool mask must be (B, S) with True = real token, "
                                  f"got shape {tuple(t.shape)}")
             self.lengths, self.real = None, t
+            if t.device.type == "cpu" and t.numel():
+                self._min_count = int(t.sum(1).min())
         else:
             if t.is_floating_point() or t.is_complex() or t.dim() != 1:
                 raise TypeError(f"padding: lengths must be a 1-D integer tensor (B,) or a (B, S) "
                                 f"bool tensor, got dtype {t.dtype} and shape {tuple(t.shape)}")
             t = t.long()
-            if t.numel() and int(t.min()) < 0:
-                raise ValueError(f"padding: lengths must be >= 0, got {t.tolist()}")
-            self.lengths, self.real = t, None
-            self._max_len = int(t.max()) if t.numel() else 0
+            host = t.cpu()                                          # reads device lengths once
+            if host.numel() and int(host.min()) < 0:
+                raise ValueError(f"padding: lengths must be >= 0, got {host.tolist()}")
+            self.lengths, self.real, self._host_lengths = t, None, host
+            self._max_len = int(host.max()) if host.numel() else 0
+            self._min_count = int(host.min()) if host.numel() else 0
         self.batch_size = len(t)
 
     def _tensors(self):
         return [self.lengths if self.real is None else self.real]
 
     def to(self, device):
-        return Padding((self.lengths if self.real is None else self.real).to(device), self.side)
+        return self._moved(device, "lengths", "real")
+
+    def may_have_empty_rows(self, sq: int, sk: int) -> bool:
+        return self.side == "query" or self._min_count is None or self._min_count == 0
 
     def describe(self) -> str:
         side = "" if self.side == "key" else ", side='query'"
         if self.real is not None:
             return f"padding(mask of shape {tuple(self.real.shape)}{side})"
-        vals = self.lengths.tolist()
+        vals = self._host_lengths.tolist()
         shown = ", ".join(map(str, vals[:6])) + (", ..." if len(vals) > 6 else "")
         return f"padding(lengths=[{shown}]{side})"
 
@@ -203,8 +236,42 @@ def padding(lengths_or_mask, *, side: str = "key") -> Padding:
     return Padding(lengths_or_mask, side)
 
 
+class DocumentRuns(NamedTuple):
+    """Where a document mask's documents lie, on the host: per row of ids (``B'`` rows),
+    the start and length of every run of equal ids.
+
+    Attributes:
+        contiguous: True when every document id forms one run in its row (what packing
+            produces); False when an id occurs in two separate places.
+        starts: one ``(runs,)`` int64 host tensor per row.
+        lengths: one ``(runs,)`` int64 host tensor per row.
+    """
+
+    contiguous: bool
+    starts: list
+    lengths: list
+
+
+def _find_runs(ids: torch.Tensor) -> DocumentRuns:
+    """The runs of equal values in each row of a host tensor ``(B', S)``."""
+    S = ids.shape[1]
+    change = torch.ones_like(ids, dtype=torch.bool)                     # (B', S): a run starts
+    change[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    starts = [row.nonzero().flatten() for row in change]
+    contiguous = all(len(st) == row.unique().numel() for st, row in zip(starts, ids))
+    lengths = [torch.diff(st, append=torch.tensor([S])) for st in starts]
+    return DocumentRuns(contiguous, starts, lengths)
+
+
 class Document(Mask):
-    """Packed sequences: a query attends only to keys of the same document id."""
+    """Packed sequences: a query attends only to keys of the same document id.
+
+    Built from host (CPU) ids or ``cu_seqlens``, the mask knows where its documents lie
+    without reading a device tensor, also after ``.to(device)``; see :meth:`runs`.
+    """
+
+    kind = "document"
+    _immutable = True
 
     def __init__(self, ids=None, *, kv_ids=None, cu_seqlens=None):
         if (ids is None) == (cu_seqlens is None):
@@ -217,6 +284,7 @@ class Document(Mask):
                                  f"decrease, got {cu.tolist()[:10]}")
             pos = torch.arange(int(cu[-1]), device=cu.device)
             ids = torch.bucketize(pos, cu[1:], right=True)
+        self._runs = None                                  # DocumentRuns, once known
         self.ids = _as_long_1d_or_2d(ids, "ids")
         if self.ids.dim() == 1:
             self.ids = self.ids.unsqueeze(0)                          # (1, S)
@@ -234,13 +302,41 @@ class Document(Mask):
         return [self.ids] + ([self.kv_ids] if self.kv_ids is not None else [])
 
     def to(self, device):
-        return Document(self.ids.to(device),
-                        kv_ids=None if self.kv_ids is None else self.kv_ids.to(device))
+        if self.ids.device.type == "cpu" and self.kv_ids is None:
+            self.runs()                                    # free on the host: take it along
+        return self._moved(device, "ids", "kv_ids")
+
+    @property
+    def runs_known(self) -> bool:
+        """True when :meth:`runs` needs no read of a device tensor."""
+        return self._runs is not None or self.ids.device.type == "cpu"
+
+    def runs(self) -> DocumentRuns:
+        """Where the documents lie (host tensors), computed once.
+
+        Free for masks built from host ids or ``cu_seqlens`` (also after ``.to(device)``);
+        for ids that were born on a GPU, the first call reads them back (a host sync).
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> r = mh.masks.document(torch.tensor([0, 0, 1, 1, 1])).runs()
+            >>> r.contiguous, r.starts[0].tolist(), r.lengths[0].tolist()
+            (True, [0, 2], [2, 3])
+        """
+        if self._runs is None:
+            self._runs = _find_runs(self.ids.cpu())
+        return self._runs
+
+    def may_have_empty_rows(self, sq: int, sk: int) -> bool:
+        return self.kv_ids is not None            # without kv_ids every query sees itself
 
     def describe(self):
-        n = int(self.ids.max()) - int(self.ids.min()) + 1 if self.ids.numel() else 0
+        if self.runs_known and self.ids.numel():
+            n = f"{sum(len(s) for s in self.runs().starts)} runs"
+        else:
+            n = f"on {self.ids.device}"
         extra = "" if self.kv_ids is None else f", kv_ids of shape {tuple(self.kv_ids.shape)}"
-        return f"document(ids of shape {tuple(self.ids.shape)}, ~{n} documents{extra})"
+        return f"document(ids of shape {tuple(self.ids.shape)}, {n}{extra})"
 
     def _preview_size(self):
         n = min(self.ids.shape[1], 16)

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from .._device import to_device
 from .base import Index, Mask, TileIndex, _dims
 
 
@@ -53,6 +54,9 @@ def _check_broadcast(mask: Mask, t: torch.Tensor, batch, heads, sq, sk) -> None:
 class Dense(Mask):
     """Any pattern, as a bool tensor broadcastable to (B, H, Sq, Sk); True = may attend."""
 
+    kind = "dense"
+    _immutable = True
+
     def __init__(self, allowed: torch.Tensor):
         if not isinstance(allowed, torch.Tensor):
             raise TypeError(f"dense() takes a bool tensor, got {type(allowed).__name__}")
@@ -68,7 +72,7 @@ class Dense(Mask):
         return [self.t]
 
     def to(self, device):
-        return type(self)(self.t.to(device))
+        return self._moved(device, "t")
 
     def describe(self):
         return f"dense(shape {_dims(self.t)})"
@@ -99,9 +103,16 @@ def dense(allowed: torch.Tensor) -> Dense:
 
 
 class Bias(Mask):
-    """An additive float bias; ``-inf`` entries are masked. Gradients flow to the bias."""
+    """An additive float bias; ``-inf`` entries are masked. Gradients flow to the bias.
 
+    A host (CPU) bias is checked when the mask is built (NaN or +inf is refused) and its
+    ``-inf`` entries are found. A GPU bias is not read (that would synchronize): it is
+    taken to mask wherever it holds ``-inf``, and a NaN in it gives NaN rows, as in torch.
+    """
+
+    kind = "bias"
     has_bias = True
+    _immutable = True
 
     def __init__(self, values: torch.Tensor):
         if not isinstance(values, torch.Tensor) or not values.is_floating_point():
@@ -109,10 +120,14 @@ class Bias(Mask):
             raise TypeError(f"bias() takes a floating-point tensor, got {what}: use "
                             f"multihead.masks.dense(t) for bool masks")
         t = _as_4d(values, "bias")
-        if bool(torch.isnan(t).any()) or bool(torch.isposinf(t).any()):
-            raise ValueError("bias contains NaN or +inf: only finite values and -inf (masked) are allowed")
         neg = torch.isneginf(t)
-        self.has_predicate = bool(neg.any())
+        if t.device.type == "cpu":
+            if bool(torch.isnan(t).any()) or bool(torch.isposinf(t).any()):
+                raise ValueError("bias contains NaN or +inf: only finite values and -inf "
+                                 "(masked) are allowed")
+            self.has_predicate = bool(neg.any())
+        else:
+            self.has_predicate = True      # unknown without a read: -inf entries may mask
         self.allow = Dense(~neg) if self.has_predicate else None
         self.values = t.masked_fill(neg, 0.0) if self.has_predicate else t
         self.raw = values
@@ -123,7 +138,10 @@ class Bias(Mask):
         return [self.values]
 
     def to(self, device):
-        return Bias(self.raw.to(device))
+        new = self._moved(device, "values", "raw")
+        if self.allow is not None:
+            new.allow = self.allow.to(device)
+        return new
 
     def describe(self):
         return f"bias(shape {_dims(self.values)})"
@@ -182,8 +200,10 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 class ALiBi(Mask):
     """Bias ``-slope_h * |(q + offset) - k|``: a penalty linear in distance, per head."""
 
+    kind = "alibi"
     has_bias = True
     has_predicate = False
+    _immutable = True
 
     def __init__(self, num_heads: int, align: str = "lower_right"):
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
@@ -196,10 +216,15 @@ class ALiBi(Mask):
     def describe(self):
         return f"alibi({self.num_heads}, align={self.align!r})"
 
+    def cache_key(self):
+        return ("alibi", self.num_heads, self.align)
+
     def _bias(self, ix: Index):
         from .structured import _offset
         dist = (ix.q + _offset(self.align, ix.sq, ix.sk) - ix.k).abs()
-        return -self.slopes.to(ix.q.device)[ix.h] * dist
+        slopes = self.cached("slopes", (str(ix.q.device),),
+                             lambda: to_device(self.slopes, ix.q.device))   # (H,)
+        return -slopes[ix.h] * dist
 
     def __repr__(self):
         sl = ", ".join(f"{s:.4g}" for s in self.slopes.tolist()[:4])
