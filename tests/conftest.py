@@ -13,7 +13,7 @@ settings.register_profile("repeatable", derandomize=True)
 settings.load_profile("repeatable")
 
 import multihead as mh
-from multihead.functional import _tiles
+from multihead.functional.backend import _tiles
 
 BACKENDS = ["reference", "sdpa", "blocksparse"]
 
@@ -60,7 +60,7 @@ def plain_torch(q, k, v, mask=None):
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
     if mask is not None:
-        s = s + mask.additive(sq, sk, dtype=s.dtype)
+        s = s + mask.additive(sq, sk, dtype=s.dtype, device=q.device)
     empty = torch.isneginf(s).all(dim=-1, keepdim=True)     # rows with nothing to attend to
     w = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     return w @ v

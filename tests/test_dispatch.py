@@ -40,9 +40,9 @@ def test_auto_choice_and_actual_dispatch(name, build, expected):
     ran = []
     for n, b in registry.all_backends().items():
         orig = b.run
-        def spy(call, _n=n, _orig=orig):
+        def spy(call, plan, _n=n, _orig=orig):
             ran.append(_n)
-            return _orig(call)
+            return _orig(call, plan)
         mock.patch.object(b, "run", side_effect=spy).start()
     try:
         mh.attention(q, k, v, **kw)
@@ -81,10 +81,10 @@ def test_explain_report_lists_every_backend_with_a_reason():
     text = str(rep)
     assert "backend: reference" in text
     assert "sdpa" in text and "cannot run: does not return attention weights" in text
-    assert "blocksparse" in text and "never forms them" in text
+    assert "blocksparse" in text and text.count("does not return attention weights") == 3
     rep = mh.explain(*_qkv(S=2048), mask=M.sliding_window(64))
     assert "computes" in str(rep) and "of the tiles" in str(rep)
-    assert "est. cost" in str(rep)
+    assert "est." in str(rep) and "device profile: cpu" in str(rep)
 
 
 def test_explicit_backend_runs_even_if_not_cheapest():
@@ -101,3 +101,121 @@ def test_open_mask_is_dropped():
 
 def test_backends_listing():
     assert set(mh.backends()) == {"reference", "sdpa", "blocksparse", "varlen"}
+
+
+# -- decisions are cached, keyed by what fully determines them ----------------------------
+
+class Band(M.Mask):
+    """A user's own mask class: keys within ``width`` of the query (no cache_key: not shared)."""
+
+    def __init__(self, width):
+        self.width = width
+
+    def _allowed(self, ix):
+        return (ix.q - ix.k).abs() < self.width
+
+    def _tile_bounds(self, tx):
+        near = (tx.q0 - tx.k1 < self.width) & (tx.k0 - tx.q1 < self.width)
+        inside = (tx.q1 - tx.k0 < self.width) & (tx.k1 - tx.q0 < self.width)
+        return near, inside
+
+
+def test_two_custom_masks_of_one_class_never_share_a_tile_map():
+    """Review bug: a band of width 8 then one of width 300 on blocksparse gave a max error
+    of 0.57, because tile maps were shared under describe() (the class name)."""
+    q, k, v = _qkv(S=512, H=2, Hkv=2, D=16)
+    for width in (8, 300, 8):
+        out = mh.attention(q, k, v, mask=Band(width), backend="blocksparse")
+        ref = mh.attention(q, k, v, mask=Band(width), backend="reference")
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_mask_changed_in_place_is_planned_again():
+    q, k, v = _qkv(S=256, H=2, Hkv=2, D=16)
+    allowed = torch.zeros(256, 256, dtype=torch.bool)
+    allowed[:, :64] = True
+    mask = M.dense(allowed)
+    first = mh.attention(q, k, v, mask=mask, backend="blocksparse")
+    torch.testing.assert_close(first, mh.attention(q, k, v, mask=mask, backend="reference"))
+    allowed[:, 128:] = True                      # in place: the tensor's version changes
+    again = mh.attention(q, k, v, mask=mask, backend="blocksparse")
+    torch.testing.assert_close(again, mh.attention(q, k, v, mask=mask, backend="reference"))
+    assert not torch.allclose(first, again)
+
+
+def _count_plans():
+    calls = []
+    for b in registry.all_backends().values():
+        orig = b.plan
+        mock.patch.object(b, "plan", side_effect=lambda c, p, _o=orig: calls.append(1) or _o(c, p)
+                          ).start()
+    return calls
+
+
+@pytest.mark.parametrize("mask", [None, M.causal(), M.sliding_window(32) & M.alibi(4),
+                                  M.padding(torch.tensor([100]))],
+                         ids=["none", "causal", "window&alibi", "padding"])
+def test_a_repeated_call_is_not_planned_again(mask):
+    q, k, v = _qkv(S=128)
+    mh.functional.dispatch.clear_cache()
+    calls = _count_plans()
+    try:
+        mh.attention(q, k, v, mask=mask)
+        planned = len(calls)
+        mh.attention(q, k, v, mask=mask)
+        mh.attention(q + 1, k, v, mask=mask)     # other values, same shapes
+        assert planned > 0 and len(calls) == planned
+        mh.attention(q[:, :, :64], k, v, mask=mask)   # another shape: planned again
+        assert len(calls) > planned
+    finally:
+        mock.patch.stopall()
+
+
+def test_a_new_profile_drops_cached_decisions():
+    q, k, v = _qkv(S=2048)
+    mask = M.sliding_window(64)
+    assert mh.explain(q, k, v, mask=mask).chosen == "blocksparse"
+    mh.attention(q, k, v, mask=mask)
+    ran = []
+    sdpa = registry.get("sdpa")
+    try:
+        mh.functional.profiles.set_profile("cpu", "h100")      # price the CPU as an H100
+        with mock.patch.object(sdpa, "run", side_effect=lambda c, p: ran.append(1) or
+                               sdpa.__class__.run(sdpa, c, p)):
+            mh.attention(q, k, v, mask=mask)
+        assert ran == [1]
+    finally:
+        mh.functional.profiles.set_profile("cpu", None)
+
+
+def test_bad_input_is_refused_also_after_a_cached_call():
+    q, k, v = _qkv(S=64)
+    mh.attention(q, k, v, mask=M.causal())
+    with pytest.raises(ValueError, match="dropout_p"):
+        mh.attention(q, k, v, mask=M.causal(), dropout_p=1.5)
+    with pytest.raises(ValueError, match="dropout_p"):
+        mh.attention(q, k, v, mask=M.causal(), dropout_p=True)
+    with pytest.raises(TypeError, match="scale"):
+        mh.attention(q, k, v, mask=M.causal(), scale="big")
+    with pytest.raises(ValueError, match="head_dim"):
+        mh.attention(q, k[..., :16], v, mask=M.causal())
+
+
+def _transposed_layout(fn):
+    """SDPA as CUDA's fp32 kernels return it: the same values in a (B, S, H, D) memory layout."""
+    def sdpa(*args, **kwargs):
+        out = fn(*args, **kwargs)                                        # (B, H, S, D)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)          # strides of (B, S, H, D)
+    return sdpa
+
+
+@pytest.mark.parametrize("mask", [None, M.padding(torch.tensor([50, 20])), M.sliding_window(9)],
+                         ids=["none", "padding", "window"])
+def test_sdpa_output_in_another_memory_layout(mask):
+    """The fp32 GQA crash on CUDA ("view size is not compatible"), reproduced on the CPU."""
+    q, k, v = torch.randn(2, 8, 50, 16), torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 16)
+    real = torch.nn.functional.scaled_dot_product_attention
+    with mock.patch("torch.nn.functional.scaled_dot_product_attention", _transposed_layout(real)):
+        out = mh.attention(q, k, v, mask=mask, backend="sdpa")
+    torch.testing.assert_close(out, mh.attention(q, k, v, mask=mask, backend="reference"),
+                               atol=1e-5, rtol=1e-5)

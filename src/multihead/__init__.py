@@ -9,12 +9,12 @@ Example:
 """
 
 from . import masks
-from .functional import attention, backends, explain
+from .functional import attention, backends, explain, profiles
 from .modules import KVCache, MultiHeadAttention, PagedKVCache, RotaryEmbedding
 from . import interop, nn  # noqa: E402  (interop uses the public API above)
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "explain", "backends", "masks", "MultiHeadAttention", "RotaryEmbedding",
+__all__ = ["attention", "explain", "backends", "profiles", "masks", "MultiHeadAttention", "RotaryEmbedding",
            "KVCache", "PagedKVCache",
            "interop", "nn", "__version__"]

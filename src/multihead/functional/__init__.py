@@ -1,10 +1,18 @@
-"""Functional core: :func:`attention`, :func:`explain` and the backend registry.
+"""Functional core: :func:`attention`, :func:`explain`, the backends and their cost model.
 
-Backends register themselves on import; ``reference`` is the oracle of the others.
+Backends live one file each in ``backend/`` and register themselves when imported;
+``reference`` is the oracle of the others. Each declares its :class:`Capabilities` and
+plans calls as device-neutral :class:`Work`, priced by a :class:`DeviceProfile`
+(see :mod:`multihead.functional.profiles`).
 """
 
-from . import blocksparse, reference, sdpa, varlen  # noqa: F401  (register the backends)
+from . import profiles, registry
+from .capabilities import Capabilities
+from .cost import DeviceProfile, Work
 from .dispatch import Explanation, attention, explain
-from .registry import Backend, backends, register
+from .registry import Backend, Plan, backends, register
 
-__all__ = ["attention", "explain", "Explanation", "backends", "Backend", "register"]
+registry.discover()
+
+__all__ = ["attention", "explain", "Explanation", "backends", "Backend", "Plan", "register",
+           "Capabilities", "Work", "DeviceProfile", "profiles"]

@@ -7,8 +7,6 @@ argument, shows the bad shape or value, and says how to fix it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-
 import torch
 
 from .. import masks as M
@@ -47,33 +45,26 @@ def as_mask(mask) -> M.Mask | None:
                     f"{type(mask).__name__}")
 
 
-#: tile maps of tensor-free masks (causal, sliding windows), keyed by what determines them
-_SHARED_TILE_MAPS: dict = {}
-
-
-@dataclass
 class AttentionCall:
-    """A validated attention call: the inputs plus derived sizes and mask facts."""
+    """A validated attention call: the inputs, their sizes, and facts derived from them.
 
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    mask: M.Mask | None
-    scale: float
-    dropout_p: float
-    return_weights: bool
-    return_lse: bool
-    B: int = field(init=False)
-    H: int = field(init=False)
-    Hkv: int = field(init=False)
-    Sq: int = field(init=False)
-    Sk: int = field(init=False)
-    D: int = field(init=False)
-    Dv: int = field(init=False)
+    Attributes:
+        q, k, v, mask, scale, dropout_p, return_weights, return_lse: the arguments
+            (``mask`` as a :class:`multihead.masks.Mask` or None, ``scale`` resolved).
+        B, H, Hkv, Sq, Sk, D, Dv: the sizes.
+    """
 
-    def __post_init__(self):
-        self.B, self.H, self.Sq, self.D = self.q.shape
-        self.Hkv, self.Sk, self.Dv = self.k.shape[1], self.k.shape[2], self.v.shape[3]
+    __slots__ = ("q", "k", "v", "mask", "scale", "dropout_p", "return_weights", "return_lse",
+                 "B", "H", "Hkv", "Sq", "Sk", "D", "Dv", "_memo")
+
+    def __init__(self, q, k, v, mask, scale: float, dropout_p: float, return_weights: bool,
+                 return_lse: bool):
+        self.q, self.k, self.v, self.mask = q, k, v, mask
+        self.scale, self.dropout_p = scale, dropout_p
+        self.return_weights, self.return_lse = return_weights, return_lse
+        self.B, self.H, self.Sq, self.D = q.shape
+        self.Hkv, self.Sk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
+        self._memo = {}
 
     @property
     def group(self) -> int:
@@ -86,16 +77,11 @@ class AttentionCall:
         return torch.is_grad_enabled() and (
             self.q.requires_grad or self.k.requires_grad or self.v.requires_grad or bias_grad)
 
-    @property
-    def dense_work(self) -> float:
-        """Multiply-adds of dense attention, B*H*Sq*Sk*(D+Dv): the unit of the cost model."""
-        return float(self.B * self.H * self.Sq * self.Sk * (self.D + self.Dv))
-
     def memo(self, name: str, compute):
         """A fact derived from this call, computed once (backends cache their analyses here)."""
-        if name not in self.__dict__:
-            self.__dict__[name] = compute()
-        return self.__dict__[name]
+        if name not in self._memo:
+            self._memo[name] = compute()
+        return self._memo[name]
 
     @property
     def effective_mask(self) -> M.Mask | None:
@@ -107,32 +93,28 @@ class AttentionCall:
                 off = self.Sk - self.Sq if m.align == "lower_right" else 0
                 m = None if self.Sk - 1 <= off else m
             return m
-        return self.memo("_effective", compute)
+        return self.memo("effective", compute)
+
+    @property
+    def pairs(self) -> int:
+        """(query, key) pairs of dense attention, B*H*Sq*Sk."""
+        return self.B * self.H * self.Sq * self.Sk
+
+    def io_bytes(self, kv_reads: float = 1.0) -> float:
+        """Bytes of q and out, plus k and v read ``kv_reads`` times, in the inputs' dtype."""
+        size = self.q.element_size()
+        return size * (self.B * self.H * self.Sq * (self.D + self.Dv)
+                       + kv_reads * self.B * self.Hkv * self.Sk * (self.D + self.Dv))
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """float32 for half-precision inputs (what backends built of torch ops compute in)."""
+        return torch.float32 if self.q.dtype in (torch.float16, torch.bfloat16) else self.q.dtype
 
     @property
     def is_pure_causal(self) -> bool:
         m = self.effective_mask
         return isinstance(m, M.Window) and m.size is None
-
-    def tile_map(self, tile_q: int, tile_k: int) -> M.TileMap:
-        """The mask's tile classification for this call (cached per tile size; masks made of
-        no tensors, such as causal and sliding windows, also across calls)."""
-        cache = self.__dict__.setdefault("_tile_maps", {})
-        key = (tile_q, tile_k)
-        if key not in cache:
-            m = self.effective_mask
-            shared = None if m._tensors() else (m.describe(), self.Sq, self.Sk, tile_q, tile_k,
-                                                str(self.q.device))
-            if shared is not None and shared in _SHARED_TILE_MAPS:
-                cache[key] = _SHARED_TILE_MAPS[shared]
-            else:
-                cache[key] = m.tiles(self.Sq, self.Sk, tile_q=tile_q, tile_k=tile_k,
-                                     device=self.q.device)
-                if shared is not None:
-                    if len(_SHARED_TILE_MAPS) >= 256:
-                        _SHARED_TILE_MAPS.pop(next(iter(_SHARED_TILE_MAPS)))
-                    _SHARED_TILE_MAPS[shared] = cache[key]
-        return cache[key]
 
 
 def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) -> AttentionCall:

@@ -1,4 +1,16 @@
-"""``attention()`` and ``explain()``: one call, the cheapest exact backend, and why."""
+"""``attention()`` and ``explain()``: one call, the cheapest exact backend, and why.
+
+Every backend that can run a call (its declared capabilities) plans it as device-neutral
+work, which the device's profile prices in seconds; ``auto`` runs the cheapest. On a device
+where a host sync stalls the queue (a GPU), a plan that syncs runs only if none avoids it.
+
+Decisions are cached, keyed by what fully determines them: the shapes, dtypes, devices and
+arguments of the call, the profile, and the mask's :meth:`~multihead.masks.Mask.cache_key`
+(masks made of ints: causal, windows, ALiBi). A mask holding tensors keeps its decisions
+on itself, valid while its tensors are unmodified; a user's own mask class is never cached.
+A cached call runs no validation, planning or mask analysis again: it goes straight to the
+backend, without reading anything back from the device.
+"""
 
 from __future__ import annotations
 
@@ -6,44 +18,69 @@ from dataclasses import dataclass
 
 import torch
 
-from . import registry
+from .. import masks as M
+from . import profiles, registry
 from ._call import AttentionCall, make_call
+from .cost import DeviceProfile
+from .registry import Backend, Plan
 
 AUTO = "auto"
+_DECISIONS: dict = {}
+_MAX_DECISIONS = 1024
+_EMPTY = "empty"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One backend's answer for a call: why it cannot run it, or its plan and price."""
+
+    name: str
+    reasons: tuple
+    plan: Plan | None = None
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)
 class Explanation:
-    """Which backend runs a call and why each other one does not.
+    """Which backend runs a call, on which device profile, and why each other one does not.
 
     Attributes:
         chosen: the backend that runs.
         requested: what the caller asked for (``"auto"`` or a name).
-        rows: ``(name, reason_or_None, cost_or_None, note)`` for every backend;
-            ``reason`` is why it cannot run the call, ``cost`` its estimate (dense
-            multiply-add units).
+        rows: a :class:`Row` per registered backend.
         call: a one-line summary of the call.
+        profile: the :class:`~multihead.functional.cost.DeviceProfile` that priced it.
     """
 
     chosen: str
     requested: str
     rows: tuple
     call: str
+    profile: DeviceProfile
+
+    @property
+    def plan(self) -> Plan:
+        """The chosen backend's plan."""
+        return next(r.plan for r in self.rows if r.name == self.chosen)
 
     def __str__(self) -> str:
-        lines = [f"attention {self.call}", f"backend: {self.chosen}"
-                 + (" (chosen by auto: cheapest exact backend)" if self.requested == AUTO
-                    else " (requested)")]
-        costs = [c for _, r, c, _ in self.rows if r is None]
-        best = min(costs) if costs else None
-        for name, reason, cost, note in self.rows:
-            mark = "*" if name == self.chosen else " "
-            if reason is not None:
-                lines.append(f" {mark} {name:<12} cannot run: {reason}")
-            else:
-                rel = f"{cost / best:.2f}x" if best else "-"
-                lines.append(f" {mark} {name:<12} est. cost {cost:.3g} ({rel} the cheapest)"
-                             + (f": {note}" if note else ""))
+        lines = [f"attention {self.call}", f"device profile: {self.profile.describe()}",
+                 f"backend: {self.chosen}" + (" (chosen by auto: cheapest exact backend)"
+                                              if self.requested == AUTO else " (requested)")]
+        best = min((r.seconds for r in self.rows if r.plan is not None), default=None)
+        for r in self.rows:
+            mark = "*" if r.name == self.chosen else " "
+            if r.plan is None:
+                lines.append(f" {mark} {r.name:<12} cannot run: {'; '.join(r.reasons)}")
+                continue
+            parts = self.profile.breakdown(r.plan.work)
+            cause = ", ".join(f"{k} {v * 1e3:.3g}" for k, v in parts.items() if v > 0)
+            rel = f"{r.seconds / best:.2f}x" if best else "-"
+            lines.append(f" {mark} {r.name:<12} est. {r.seconds * 1e3:.3g} ms ({rel} the "
+                         f"cheapest; ms: {cause})" + (f": {r.plan.note}" if r.plan.note else ""))
+        syncs = self.plan.work.syncs
+        if syncs:
+            lines.append(f"note: the chosen plan reads the device back ({syncs} host syncs)")
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -65,28 +102,50 @@ def _describe(call: AttentionCall) -> str:
     return "; ".join(parts)
 
 
-def _decide(call: AttentionCall, backend: str, notes: bool = True) -> Explanation:
-    """The decision; ``notes=False`` (what attention() uses) skips the text only explain() shows."""
+def _rows(call: AttentionCall, profile: DeviceProfile) -> list[Row]:
     rows = []
-    compiling = torch.compiler.is_compiling()
     for name, b in registry.all_backends().items():
-        reason = b.unsupported(call)
-        if reason is None and compiling and not b.traceable:
-            reason = "is not traceable by torch.compile (data-dependent tile loop)"
-        cost = b.cost(call) if reason is None else None
-        rows.append((name, reason, cost, b.cost_note(call) if notes and reason is None else ""))
-    if backend == AUTO:
-        able = [(c, n) for n, r, c, _ in rows if r is None]
-        chosen = min(able)[1]  # reference supports everything, so never empty
-    else:
-        registry.get(backend)  # raises on unknown names
-        reason = next(r for n, r, _, _ in rows if n == backend)
-        if reason is not None:
-            able = [n for n, r, _, _ in rows if r is None]
-            raise ValueError(f"backend={backend!r} cannot run this call: it {reason}; use "
-                             f"backend='auto' or one of {able}")
-        chosen = backend
-    return Explanation(chosen, backend, tuple(rows), _describe(call) if notes else "")
+        reasons = b.unsupported(call, profile)
+        if reasons:
+            rows.append(Row(name, tuple(reasons)))
+            continue
+        plan = b.plan(call, profile)
+        if not profile.fits(plan.work):
+            rows.append(Row(name, (f"needs {plan.work.memory / 2**30:.1f} GiB of scratch memory; "
+                                   f"{profile.name} has {profile.memory / 2**30:.0f} GiB",)))
+            continue
+        rows.append(Row(name, (), plan, profile.seconds(plan.work)))
+    return rows
+
+
+def _choose(rows: list[Row], backend: str, profile: DeviceProfile) -> Row:
+    able = [r for r in rows if r.plan is not None]
+    if backend != AUTO:
+        row = next(r for r in rows if r.name == backend)
+        if row.plan is None:
+            raise ValueError(f"backend={backend!r} cannot run this call: it "
+                             f"{'; it '.join(row.reasons)}; use backend='auto' or one of "
+                             f"{[r.name for r in able]}")
+        return row
+    if not able:
+        why = "; ".join(f"{r.name} {' and '.join(r.reasons)}" for r in rows)
+        raise ValueError(f"no backend can run this call: {why}")
+    if profile.avoids_syncs:
+        free = [r for r in able if r.plan.work.syncs == 0]
+        able = free or able
+    best = able[0]
+    for r in able[1:]:                  # a plain loop: torch.compile traces it
+        if r.seconds < best.seconds:
+            best = r
+    return best
+
+
+def _decide(call: AttentionCall, backend: str, profile: DeviceProfile):
+    """(backend, plan) for a validated call; (None, "empty") when Sq or Sk is 0."""
+    if call.Sq == 0 or call.Sk == 0:
+        return None, _EMPTY
+    row = _choose(_rows(call, profile), backend, profile)
+    return registry.get(row.name), row.plan
 
 
 def _check_backend(backend) -> str:
@@ -97,14 +156,34 @@ def _check_backend(backend) -> str:
     return backend
 
 
+def _key(q, k, v, scale, dropout_p, backend, return_weights, return_lse):
+    """What determines a decision besides the mask, or None when it cannot be a dict key."""
+    try:
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+               v.device, scale, scale.__class__, dropout_p, dropout_p.__class__, backend,
+               bool(return_weights), bool(return_lse), grad, profiles.generation)
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
+
+
+def clear_cache() -> None:
+    """Forget every cached decision (the caches on mask objects go with their masks)."""
+    _DECISIONS.clear()
+
+
 def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
               return_weights=False, return_lse=False):
     """Multi-head scaled dot-product attention: ``softmax(q kᵀ · scale + bias) v``.
 
     Works for MHA (``Hkv == H``), GQA (``H % Hkv == 0``) and MQA (``Hkv == 1``), self- and
     cross-attention (``Sq != Sk``). A query row with nothing to attend to returns zeros.
-    ``backend="auto"`` runs the cheapest backend that is exact for the call; see
-    :func:`explain` for the decision.
+    ``backend="auto"`` runs the cheapest backend that is exact for the call on the inputs'
+    device; see :func:`explain` for the decision. It never synchronizes with a GPU for masks
+    made of ints (causal, windows, ALiBi) or built from host data; only a plan that must read
+    a device tensor back does (``explain()`` says so), and auto avoids those on GPUs.
 
     Args:
         q: queries ``(B, H, Sq, D)``.
@@ -114,7 +193,7 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
             (dense), a float tensor (additive bias), or None.
         scale: multiplier of the scores; default ``1 / sqrt(D)``.
         dropout_p: dropout on the attention weights (pass 0.0 at evaluation).
-        backend: ``"auto"``, ``"reference"``, ``"sdpa"`` or ``"blocksparse"``.
+        backend: ``"auto"`` or the name of a backend (:func:`multihead.backends`).
         return_weights: also return the weights ``(B, H, Sq, Sk)``.
         return_lse: also return the log-sum-exp of each score row ``(B, H, Sq)``
             (``-inf`` for rows with nothing to attend to).
@@ -134,14 +213,42 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
         B batch, H query heads, Hkv key/value heads, Sq queries, Sk keys,
         D query/key head dim, Dv value head dim.
     """
-    backend = _check_backend(backend)
-    call = make_call(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p,
-                     return_weights=return_weights, return_lse=return_lse)
-    if call.Sk == 0 or call.Sq == 0:
+    args = dict(mask=mask, scale=scale, dropout_p=dropout_p, return_weights=return_weights,
+                return_lse=return_lse)
+    made = []
+
+    def decide():
+        _check_backend(backend)
+        made.append(make_call(q, k, v, **args))
+        return _decide(made[0], backend, profiles.profile_for(q.device))
+
+    key = None if torch.compiler.is_compiling() else _key(
+        q, k, v, scale, dropout_p, backend, return_weights, return_lse)
+    cache_key = None if key is None or not (mask is None or isinstance(mask, M.Mask)) \
+        else mask.cache_key() if mask is not None else ()
+    if cache_key is not None:                       # no mask, or a mask made of ints
+        full = (key, cache_key)
+        decision = _DECISIONS.get(full)
+        if decision is None:
+            decision = decide()
+            if len(_DECISIONS) >= _MAX_DECISIONS:
+                _DECISIONS.pop(next(iter(_DECISIONS)))
+            _DECISIONS[full] = decision
+    elif key is not None and isinstance(mask, M.Mask) and mask.memoizable:
+        decision = mask.cached("decision", (key, mask.requires_grad), decide)
+    else:                                           # raw tensors, user masks, compiling
+        decision = decide()
+    if made:
+        call = made[0]
+    else:                                           # validated when the decision was made
+        call = AttentionCall(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None
+                             else float(scale), float(dropout_p), bool(return_weights),
+                             bool(return_lse))
+    backend_obj, plan = decision
+    if plan is _EMPTY:
         out, w, lse = _empty(call)
     else:
-        chosen = _decide(call, backend, notes=False).chosen
-        out, w, lse = registry.get(chosen).run(call)
+        out, w, lse = backend_obj.run(call, plan)
     extra = tuple(x for x, on in ((w, call.return_weights), (lse, call.return_lse)) if on)
     return (out, *extra) if extra else out
 
@@ -156,21 +263,39 @@ def _empty(call: AttentionCall):
 
 
 def explain(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
-            return_weights=False, return_lse=False) -> Explanation:
+            return_weights=False, return_lse=False, profile=None) -> Explanation:
     """Say which backend :func:`attention` runs for these arguments, and why.
 
-    Takes exactly the arguments of :func:`attention` and validates them the same way;
-    computes nothing but the decision.
+    Takes the arguments of :func:`attention` and validates them the same way; computes
+    nothing but the decision. ``profile`` (a built-in name such as ``"h100"``, or a
+    :class:`~multihead.functional.cost.DeviceProfile`) asks what auto would choose on
+    another device, e.g. on an H100 from a laptop.
 
     Example:
         >>> import torch, multihead as mh
         >>> q = torch.randn(1, 4, 128, 32)
         >>> print(mh.explain(q, q, q, mask=mh.masks.causal()))  # doctest: +ELLIPSIS
         attention q (B=1, H=4, Sq=128, D=32), ...
+        device profile: cpu ...
         backend: sdpa (chosen by auto: cheapest exact backend)
         ...
     """
-    backend = _check_backend(backend)
+    _check_backend(backend)
     call = make_call(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p,
                      return_weights=return_weights, return_lse=return_lse)
-    return _decide(call, backend)
+    if profile is None:
+        profile = profiles.profile_for(q.device)
+    elif isinstance(profile, str):
+        profile = profiles.get_profile(profile)
+    elif not isinstance(profile, DeviceProfile):
+        raise TypeError(f"profile must be a name ({', '.join(profiles.BUILTIN)}) or a "
+                        f"DeviceProfile, got {type(profile).__name__}")
+    rows = _rows(call, profile)
+    if call.Sq == 0 or call.Sk == 0:
+        chosen = "reference" if backend == AUTO else backend
+    else:
+        chosen = _choose(rows, backend, profile).name
+    return Explanation(chosen, backend, tuple(rows), _describe(call), profile)
+
+
+__all__ = ["attention", "explain", "Explanation", "Row", "Backend", "clear_cache"]

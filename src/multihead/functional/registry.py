@@ -1,15 +1,41 @@
-"""The backend registry: each backend declares what it can do and what it costs.
+"""The backend registry: each backend declares what it supports and what a call costs it.
 
-Adding a backend is one file: subclass :class:`Backend`, implement ``unsupported``,
-``cost`` and ``run``, and call :func:`register` at import time (see ``reference.py``).
-The dispatcher picks the cheapest backend whose ``unsupported`` returns ``None``.
+Adding a backend is one file in ``multihead/functional/backend/`` (found and imported when
+``multihead`` is): subclass :class:`Backend`, declare its :class:`Capabilities`, implement
+``plan`` (the :class:`Work` a call costs it, in device-neutral units) and ``run``, and call
+:func:`register`. The dispatcher prices every plan with the device's profile and runs the
+cheapest; the generic tests pick up every registered backend.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Any
+
 from ._call import AttentionCall
+from .capabilities import Capabilities
+from .cost import DeviceProfile, Work
 
 Result = tuple  # (out (B, H, Sq, Dv), weights (B, H, Sq, Sk) | None, lse (B, H, Sq) | None)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a backend would run a call: its work, a few words for ``explain()``, and the
+    host-side details ``run`` needs (no tensors derived from a mask's contents, unless the
+    plan is only cached with that mask).
+
+    Attributes:
+        work: the call's cost in device-neutral units.
+        note: where the estimate comes from, for ``explain()``.
+        detail: backend-specific choices made while planning, handed back to ``run``.
+    """
+
+    work: Work
+    note: str = ""
+    detail: Any = None
 
 
 class Backend:
@@ -18,26 +44,37 @@ class Backend:
     Attributes:
         name: the name users pass as ``backend=``.
         summary: one line for :func:`multihead.backends` and ``explain()``.
+        capabilities: what it supports, as data (per device type: override
+            :meth:`capabilities_on`).
     """
 
     name: str = "?"
     summary: str = ""
-    #: can run inside torch.compile(fullgraph=True) without graph breaks
-    traceable: bool = True
+    capabilities: Capabilities = Capabilities()
 
-    def unsupported(self, call: AttentionCall) -> str | None:
-        """Why this backend cannot run ``call`` (a short reason), or None if it can."""
+    def capabilities_on(self, device_type: str) -> Capabilities:
+        """The capabilities on one device type (the same everywhere unless overridden)."""
+        return self.capabilities
+
+    def unsupported(self, call: AttentionCall, profile: DeviceProfile) -> list[str]:
+        """Every reason this backend cannot run ``call`` (empty when it can): the declared
+        capabilities first, then :meth:`check` for what data cannot say."""
+        reasons = self.capabilities_on(profile.device_type).reasons(call, profile.device_type)
+        if not reasons:
+            extra = self.check(call)
+            if extra:
+                reasons.append(extra)
+        return reasons
+
+    def check(self, call: AttentionCall) -> str | None:
+        """A reason the declared capabilities cannot express, or None."""
         return None
 
-    def cost(self, call: AttentionCall) -> float:
-        """Estimated cost in units of dense multiply-adds (lower is better)."""
-        raise NotImplementedError(f"backend {self.name!r} must implement cost()")
+    def plan(self, call: AttentionCall, profile: DeviceProfile) -> Plan:
+        """The :class:`Plan` for ``call``: its :class:`Work` and the details ``run`` needs."""
+        raise NotImplementedError(f"backend {self.name!r} must implement plan()")
 
-    def cost_note(self, call: AttentionCall) -> str:
-        """A few words on where the cost estimate comes from (shown by explain())."""
-        return ""
-
-    def run(self, call: AttentionCall) -> Result:
+    def run(self, call: AttentionCall, plan: Plan) -> Result:
         """Compute ``(out, weights or None, lse or None)``; weights/lse only when asked."""
         raise NotImplementedError(f"backend {self.name!r} must implement run()")
 
@@ -49,6 +86,14 @@ def register(backend: Backend) -> Backend:
     """Add a backend to the registry (by its ``name``) and return it."""
     _REGISTRY[backend.name] = backend
     return backend
+
+
+def discover() -> None:
+    """Import every module of ``multihead.functional.backend`` (each registers itself)."""
+    package = importlib.import_module(f"{__package__}.backend")
+    for name in sorted(info.name for info in pkgutil.iter_modules(package.__path__)):
+        if not name.startswith("_"):
+            importlib.import_module(f"{package.__name__}.{name}")
 
 
 def get(name: str) -> Backend:

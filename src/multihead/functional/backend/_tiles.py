@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import masks as M
-from ._call import AttentionCall
+from ... import masks as M
+from ..._device import to_device
+from .._call import AttentionCall
 
 TILE = 64                 # columns (keys) of a tile
 TILE_Q = 64               # rows (queries) of a tile
@@ -33,6 +34,7 @@ class Step:
     masked: bool                 # evaluate the mask on this step
     shared: bool                 # same key tiles for every query tile (and batch) of the chunk
     first: int | None            # when shared and consecutive: the first key tile
+    count: int                   # (query tile, key tile) pairs it computes (valid entries)
 
 
 @dataclass
@@ -50,44 +52,66 @@ class Plan:
     nk: int
     chunks: list[Chunk]
 
+    @property
+    def density(self) -> float:
+        """Fraction of the (query tile, key tile) pairs computed (averaged over the batch)."""
+        steps = [s for c in self.chunks for s in c.steps]
+        if not steps:
+            return 0.0
+        return sum(s.count for s in steps) / (steps[0].idx.shape[0] * self.nq * self.nk)
+
 
 def tile_sizes(call: AttentionCall) -> tuple[int, int]:
     return max(1, min(TILE_Q, call.Sq)), max(1, min(TILE, call.Sk))
 
 
-def _classify(call: AttentionCall, tq: int, tk: int, nq: int, nk: int):
-    """(nonempty, full) bool tensors (Bm, nQ, nK), reduced over heads soundly."""
+def on_host(call: AttentionCall) -> bool:
+    """Whether the mask's tiles can be classified on the host without reading a device
+    tensor: no mask, a mask determined by ints (causal, windows), or a mask on the CPU."""
+    m = call.effective_mask
+    return (m is None or not m.has_predicate or m.cache_key() is not None
+            or all(t.device.type == "cpu" for t in m._tensors()))
+
+
+def _classify(call: AttentionCall, tq: int, tk: int, nq: int, nk: int, device):
+    """(nonempty, full) bool tensors (Bm, nQ, nK) on ``device``, reduced over heads soundly."""
     mask = call.effective_mask
     if mask is None or not mask.has_predicate:
-        ones = torch.ones(1, nq, nk, dtype=torch.bool, device=call.q.device)
+        ones = torch.ones(1, nq, nk, dtype=torch.bool, device=device)
         nonempty, full = ones, ones.clone()
     else:
-        state = call.tile_map(tq, tk).state                      # (Bm, Hm, nQ, nK)
+        state = mask.tiles(call.Sq, call.Sk, tile_q=tq, tile_k=tk, device=device).state
         nonempty = (state != M.EMPTY).any(dim=1)                 # (Bm, nQ, nK)
         full = (state == M.FULL).all(dim=1)
     if call.Sk % tk:
+        full = full.clone()
         full[..., -1] = False                                    # padded keys need masking
     return nonempty, full
 
 
 def make_plan(call: AttentionCall) -> Plan:
+    """The kernel's plan. Built on the host when :func:`on_host` (then no host-device sync:
+    its index tensors are copied to the device without one); else on the device, reading
+    its tile counts back (syncs)."""
     tq, tk = tile_sizes(call)
     nq, nk = -(-call.Sq // tq), -(-call.Sk // tk)
-    nonempty, full = _classify(call, tq, tk, nq, nk)
-    rank = torch.where(nonempty, 0, 1) * nk + torch.arange(nk, device=full.device)
+    device = torch.device("cpu") if on_host(call) else call.q.device
+    nonempty, full = _classify(call, tq, tk, nq, nk, device)
+    rank = torch.where(nonempty, 0, 1) * nk + torch.arange(nk, device=device)
     order = rank.argsort(dim=-1)                                 # (Bm, nQ, nK): visited first
     ncount = nonempty.sum(-1).cpu()                              # (Bm, nQ)
     kmax = int(ncount.max()) if ncount.numel() else 0
     rows = call.B * call.H * tq * tk
     width = max(1, min(MAX_STEP_TILES, kmax, BUDGET // max(rows, 1)))
     per_chunk = max(1, BUDGET // max(rows * width, 1))
+    target = call.q.device
     chunks = []
     for i0 in range(0, nq, per_chunk):
         i1 = min(nq, i0 + per_chunk)
         count = ncount[:, i0:i1]
         kc = int(count.max())
         ord_c = order[:, i0:i1, :kc]                             # (Bm, nQc, Kc)
-        valid_c = torch.arange(kc, device=order.device) < count.to(order.device).unsqueeze(-1)
+        valid_c = torch.arange(kc, device=device) < count.to(device).unsqueeze(-1)
         full_c = full[:, i0:i1].gather(-1, ord_c) & valid_c      # (Bm, nQc, Kc)
         steps = []
         for s0 in range(0, kc, width):
@@ -96,17 +120,9 @@ def make_plan(call: AttentionCall) -> Plan:
             # shared: every query tile of the chunk (and every batch) visits the same tiles
             shared = bool(valid.all()) and bool((idx == idx[:1, :1]).all())
             row, first = idx[0, 0], None
-            if shared and bool((row == row[0] + torch.arange(len(row), device=row.device)).all()):
+            if shared and bool((row == row[0] + torch.arange(len(row), device=device)).all()):
                 first = int(row[0])
-            steps.append(Step(idx, valid, masked, shared, first))
+            steps.append(Step(to_device(idx, target), to_device(valid, target), masked, shared,
+                              first, int(valid.sum())))
         chunks.append(Chunk(i0, i1, steps))
     return Plan(tq, tk, nq, nk, chunks)
-
-
-def density(call: AttentionCall) -> float:
-    """Fraction of tile pairs the kernel computes for this call."""
-    mask = call.effective_mask
-    if mask is None or not mask.has_predicate:
-        return 1.0
-    tq, tk = tile_sizes(call)
-    return call.tile_map(tq, tk).density

@@ -22,10 +22,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..masks.base import Index
-from ._call import AttentionCall
-from ._tiles import Plan, Step, density, make_plan
-from .registry import Backend, register
+from ...masks.base import Index
+from .._call import AttentionCall
+from ..capabilities import Capabilities
+from ..cost import Work
+from ..registry import Backend, Plan, register
+from . import _tiles
+from ._tiles import Step, make_plan, on_host
 
 NEG_INF = float("-inf")
 
@@ -33,7 +36,7 @@ NEG_INF = float("-inf")
 class _Geo:
     """Sizes of one call, shared by forward and backward."""
 
-    def __init__(self, call: AttentionCall, plan: Plan):
+    def __init__(self, call: AttentionCall, plan: _tiles.Plan):
         self.call, self.plan = call, plan
         self.B, self.H, self.Hkv, self.G = call.B, call.H, call.Hkv, call.group
         self.D, self.Dv, self.Sq, self.Sk = call.D, call.Dv, call.Sq, call.Sk
@@ -284,35 +287,74 @@ class _BlockSparseAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+#: per (query, key) pair the kernel computes: fp32 bytes of its elementwise passes over the
+#: scores (scale, max, exp, sum, the weights' matmul), and more where the mask is evaluated
+PAIR_BYTES, MASKED_PAIR_BYTES = 8, 40
+#: torch ops a step launches (gathers, matmuls, online softmax), more where it is masked,
+#: and per chunk of query tiles (slicing, folding, the final division and writes)
+STEP_OPS, MASKED_STEP_OPS, CHUNK_OPS = 22, 16, 12
+
+
+def _work(call: AttentionCall, plan: _tiles.Plan | None) -> Work:
+    """The kernel's work, counted from its plan (or bounded from above without one)."""
+    B, H, Hkv, D, Dv = call.B, call.H, call.Hkv, call.D, call.Dv
+    size = torch.empty((), dtype=call.compute_dtype).element_size()
+    syncs = 0
+    if plan is None:        # the mask's tiles live on a device: assume every tile is computed
+        tq, tk = _tiles.tile_sizes(call)
+        nq, nk = -(-call.Sq // tq), -(-call.Sk // tk)
+        rows = B * H * tq * tk
+        width = max(1, min(_tiles.MAX_STEP_TILES, nk, _tiles.BUDGET // rows))
+        chunks = -(-nq // max(1, _tiles.BUDGET // (rows * width)))
+        steps = chunks * -(-nk // width)
+        pairs, masked = B * H * nq * tq * nk * tk, B * H * nq * tq * nk * tk
+        gathered, launches = 0, steps * (STEP_OPS + MASKED_STEP_OPS) + chunks * CHUNK_OPS
+        syncs = 2 + chunks + 3 * steps               # planning reads tile counts back
+    else:
+        pairs = masked = gathered = 0
+        launches = 0
+        m = call.effective_mask
+        bias = m is not None and m.has_bias                  # evaluated on every step
+        for chunk in plan.chunks:
+            launches += CHUNK_OPS
+            for step in chunk.steps:
+                n = B * H * (chunk.i1 - chunk.i0) * plan.tq * step.idx.shape[-1] * plan.tk
+                pairs += n
+                evaluated = step.masked or bias
+                masked += n if evaluated else 0
+                launches += STEP_OPS + (MASKED_STEP_OPS if evaluated else 0)
+                if step.first is None:       # K/V tiles gathered (per query tile if not shared)
+                    tiles = step.idx.shape[-1] * (1 if step.shared else chunk.i1 - chunk.i0)
+                    gathered += 2 * B * Hkv * tiles * plan.tk * (D + Dv) * size
+    convert = call.io_bytes() * (2 if call.compute_dtype != call.q.dtype else 0)
+    work = Work(flops=2.0 * pairs * (D + Dv), kernel="tiles", dtype=call.compute_dtype,
+                bytes=PAIR_BYTES * (pairs - masked) + MASKED_PAIR_BYTES * masked + gathered
+                + convert + call.io_bytes(), launches=10 + launches, syncs=syncs,
+                memory=4 * _tiles.BUDGET * size)
+    if call.requires_grad:
+        work = work.times(flops=2.5, bytes=2.5, launches=2.2)
+    return work
+
+
 class BlockSparse(Backend):
     name = "blocksparse"
     summary = "tiled online softmax that skips the tiles a mask rules out; returns lse"
-    traceable = False
+    capabilities = Capabilities(lse=True, traceable=False)
 
-    #: measured on a 2-core Xeon (docs/benchmarks.md): per computed pair, the kernel
-    #: costs about this many times what the fused sdpa kernel does
-    overhead = 1.3
+    def plan(self, call, profile):
+        tiles = make_plan(call) if on_host(call) else None
+        work = _work(call, tiles)
+        if tiles is None:
+            note = (f"the mask's tiles are on {call.q.device}: planning reads them back "
+                    f"({work.syncs} syncs); estimated as if every tile were computed")
+        else:
+            note = f"computes {tiles.density:.1%} of the tiles"
+        return Plan(work, note, tiles)
 
-    def unsupported(self, call):
-        if call.return_weights:
-            return "does not return attention weights (it never forms them)"
-        if call.dropout_p > 0:
-            return "does not implement dropout"
-        m = call.effective_mask
-        if m is not None and m.requires_grad and torch.is_grad_enabled():
-            return "no gradient w.r.t. a bias tensor"
-        return None
-
-    def cost(self, call):
-        return self.overhead * density(call) * call.dense_work + 2e5 * call.B
-
-    def cost_note(self, call):
-        return f"computes {density(call):.1%} of the tiles"
-
-    def run(self, call):
+    def run(self, call, plan):
         q, k, v = call.q, call.k, call.v
-        work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        geo = _Geo(call, make_plan(call))
+        work = call.compute_dtype
+        geo = _Geo(call, plan.detail if plan.detail is not None else make_plan(call))
         out, lse = _BlockSparseAttention.apply(q.to(work), k.to(work), v.to(work), geo, call.scale)
         return out.to(q.dtype), None, lse if call.return_lse else None
 

@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from ._call import AttentionCall
-from .registry import Backend, register
+from .._call import AttentionCall
+from ..capabilities import Capabilities
+from ..cost import Work
+from ..registry import Backend, Plan, register
+
+#: fp32 passes over the score matrix (matmul out, scale, bias, mask, max, exp, sum, divide,
+#: the weights' matmul, and their reads and temporaries): bytes per pair = 4 * this
+SCORE_PASSES = 20
 
 
 def safe_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,19 +46,32 @@ def mask_terms(call: AttentionCall, device) -> tuple[torch.Tensor | None, torch.
     return allowed, bias
 
 
+def mask_launches(call: AttentionCall) -> int:
+    """Ops that materialize the mask (index grids, one predicate or bias per leaf)."""
+    m = call.effective_mask
+    return 0 if m is None else 6 + 4 * sum(1 for _ in m.leaves())
+
+
 class Reference(Backend):
     name = "reference"
     summary = "the seeds' formula with a materialized score matrix; any mask, weights, lse"
+    capabilities = Capabilities(weights=True, lse=True, dropout=True, bias_grad=True)
 
-    def cost(self, call):
-        return 3.0 * call.dense_work  # materializes and re-reads the (B, H, Sq, Sk) matrices
+    def plan(self, call, profile):
+        size = torch.empty((), dtype=call.compute_dtype).element_size()
+        repeats = 0 if call.group == 1 else 2 * call.group       # K/V repeated for the heads
+        work = Work(flops=2.0 * call.pairs * (call.D + call.Dv), kernel="matmul",
+                    dtype=call.compute_dtype,
+                    bytes=SCORE_PASSES * size * call.pairs + call.io_bytes(1 + repeats),
+                    launches=14 + mask_launches(call),
+                    memory=3 * size * call.pairs + call.io_bytes(repeats))
+        if call.requires_grad:
+            work = work.times(flops=2.5, bytes=2.0, launches=2.5)
+        return Plan(work, "materializes the full score matrix")
 
-    def cost_note(self, call):
-        return "materializes the full score matrix"
-
-    def run(self, call):
+    def run(self, call, plan):
         q, k, v = call.q, call.k, call.v
-        work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        work = call.compute_dtype
         q, k, v = q.to(work), k.to(work), v.to(work)
         k = k.repeat_interleave(call.group, dim=1)                    # (B, H, Sk, D)
         v = v.repeat_interleave(call.group, dim=1)                    # (B, H, Sk, Dv)

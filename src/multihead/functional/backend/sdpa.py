@@ -1,94 +1,129 @@
 """The sdpa backend: ``torch.nn.functional.scaled_dot_product_attention``.
 
-PyTorch's fused kernels (flash on CPU and GPU) without materializing weights.
+PyTorch's fused kernels (flash and memory-efficient on GPUs, flash on CPUs) without
+materializing weights:
 - no mask (or a mask that allows everything, such as causal at Sq=1): the plain kernel;
 - a pure causal mask where torch's alignment agrees with ours: ``is_causal=True``;
 - anything else: the mask is materialized as a bool (or additive float) tensor.
-GQA never copies K/V: the query heads of a group are folded into the query axis when the
-mask does not depend on the head (faster on CPU), else ``enable_gqa=True``.
+GQA never copies K/V: ``enable_gqa=True`` where the device's kernels read each K/V head
+once (profile feature ``sdpa_native_gqa``); elsewhere the query heads of a group are folded
+into the query axis when the mask does not depend on the head.
 Rows with nothing to attend to are opened before the kernel and zeroed after it, so they
-return zeros with zero gradients on every torch version.
+return zeros with zero gradients on every torch version; whether a mask can have such rows
+is decided on the host (:meth:`multihead.masks.Mask.may_have_empty_rows`), never by
+reading the mask back.
 Limits: no weights, no log-sum-exp.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-from ._call import AttentionCall
-from .reference import mask_terms
-from .registry import Backend, register
+from .._call import AttentionCall
+from ..capabilities import Capabilities
+from ..cost import Work
+from ..registry import Backend, Plan, register
+from .reference import mask_launches, mask_terms
+
+#: query rows and keys of one tile of the fused kernels (for their parallelism)
+ROWS, KEY_SPLIT = 128, 1024
 
 
-def _uses_is_causal(call: AttentionCall) -> bool:
-    """torch's is_causal is upper-left aligned: it matches ours when Sq == Sk."""
-    return call.is_pure_causal and (call.effective_mask.align == "upper_left" or call.Sq == call.Sk)
+class Detail(NamedTuple):
+    mode: str        # "plain", "causal" (is_causal=True) or "masked"
+    fold: bool       # fold the query heads of a K/V head into the query axis
+    row_fix: bool    # open rows with nothing to attend to, zero them after
 
 
-def _plan_mask(call: AttentionCall):
-    """Return (attn_mask or None, is_causal, row_ok or None) for SDPA."""
+def _mode(call: AttentionCall) -> str:
     m = call.effective_mask
     if m is None:
-        return None, False, None
-    if _uses_is_causal(call):
-        return None, True, None
+        return "plain"
+    if call.is_pure_causal and (m.align == "upper_left" or call.Sq == call.Sk):
+        return "causal"        # torch's is_causal is upper-left aligned: ours when Sq == Sk
+    return "masked"
+
+
+def _causal_pairs(sq: int, sk: int) -> int:
+    """Pairs an upper-left causal kernel computes: allowed ones plus half-empty diagonal tiles."""
+    n = min(sq, sk)
+    allowed = n * (n + 1) // 2 + (sq - n) * sk
+    return min(sq * sk, allowed + min(sq, sk) * ROWS // 2)
+
+
+def _dense_mask(call: AttentionCall, row_fix: bool):
+    """Return (attn_mask or None, row_ok or None) for SDPA: (B', H', Sq, Sk) bool or float."""
     allowed, bias = mask_terms(call, call.q.device)
     row_ok = None
     if allowed is not None:
         allowed = allowed.expand(*allowed.shape[:2], call.Sq, call.Sk)
-        has_any = allowed.any(dim=-1, keepdim=True)                   # (B', H', Sq, 1)
-        if torch.compiler.is_compiling() or not bool(has_any.all()):  # branch-free when tracing
-            allowed = allowed | ~has_any                              # open empty rows ...
-            row_ok = has_any                                          # ... zero them after
+        if row_fix:
+            has_any = allowed.any(dim=-1, keepdim=True)                   # (B', H', Sq, 1)
+            allowed = allowed | ~has_any                                  # open empty rows ...
+            row_ok = has_any                                              # ... zero them after
     if bias is None:
-        return allowed, False, row_ok
+        return allowed, row_ok
     attn = bias.to(call.q.dtype)
     if allowed is not None:
         attn = attn.masked_fill(~allowed, float("-inf"))
-    return attn, False, row_ok
+    return attn, row_ok
 
 
 class SDPA(Backend):
     name = "sdpa"
     summary = "torch's fused scaled_dot_product_attention (flash kernel); dense masks materialized"
+    capabilities = Capabilities(dropout=True, bias_grad=True)
 
-    def unsupported(self, call):
-        if call.return_weights:
-            return "does not return attention weights"
-        if call.return_lse:
-            return "does not return the log-sum-exp"
-        return None
+    def plan(self, call, profile):
+        B, H, Hkv, G, Sq, Sk = call.B, call.H, call.Hkv, call.group, call.Sq, call.Sk
+        mode, m = _mode(call), call.effective_mask
+        row_fix = mode == "masked" and m.may_have_empty_rows(Sq, Sk)
+        head_free = mode != "masked" or not m.num_heads or m.num_heads == 1
+        native = "sdpa_native_gqa" in profile.features
+        fold = G > 1 and head_free and mode != "causal" and not native
+        kv_reads = G if G > 1 and not (fold or native) else 1
+        pairs = B * H * _causal_pairs(Sq, Sk) if mode == "causal" else call.pairs
+        heads, rows = (B * Hkv, G * Sq) if fold else (B * H, Sq)
+        mask_bytes = 0.0
+        if mode == "masked":   # materialized from int64 index grids, converted to the dtype
+            elems = (m.batch_size or 1) * (m.num_heads or 1) * Sq * Sk
+            per = 8 * (4 + 2 * sum(1 for _ in m.leaves())) if m.has_bias else \
+                call.q.element_size() * (3 + sum(1 for _ in m.leaves()))
+            mask_bytes = elems * per
+        work = Work(flops=2.0 * pairs * (call.D + call.Dv),
+                    kernel="fused_masked" if mode == "masked" else "fused", dtype=call.q.dtype,
+                    bytes=call.io_bytes(kv_reads) + mask_bytes,
+                    launches=1 + (mask_launches(call) + 4 * row_fix if mode == "masked" else 0),
+                    memory=mask_bytes / 2,
+                    parallel=heads * -(-rows // ROWS) * (1 if mode == "masked" else -(-Sk // KEY_SPLIT)))
+        if call.requires_grad:
+            work = work.times(flops=3.5, bytes=3.0, launches=2.0)
+        note = {"plain": "no mask: plain fused kernel",
+                "causal": "is_causal=True: the fused kernel skips the upper triangle",
+                "masked": "mask materialized densely, every pair computed"}[mode]
+        if G > 1:
+            note += ("; query heads folded into the query axis" if fold else
+                     "; enable_gqa" + ("" if native else " (K/V read once per query head)"))
+        return Plan(work, note, Detail(mode, fold, row_fix))
 
-    def cost(self, call):
-        if call.effective_mask is None:
-            return 1.0 * call.dense_work
-        if _uses_is_causal(call):
-            return 0.55 * call.dense_work
-        return 1.25 * call.dense_work  # full work plus a materialized mask
-
-    def cost_note(self, call):
-        if call.effective_mask is None:
-            return "no mask: plain fused kernel"
-        if _uses_is_causal(call):
-            return "is_causal=True: the fused kernel skips the upper triangle"
-        return "mask materialized densely, every pair computed"
-
-    def run(self, call):
+    def run(self, call, plan):
+        mode, fold, row_fix = plan.detail
         q, k, v = call.q, call.k, call.v
-        attn_mask, is_causal, row_ok = _plan_mask(call)
-        B, H, Hkv, G, Sq = call.B, call.H, call.Hkv, call.group, call.Sq
-        kw = dict(dropout_p=call.dropout_p, scale=call.scale, is_causal=is_causal)
-        head_free = attn_mask is None or attn_mask.shape[1] == 1
-        if G > 1 and head_free and not is_causal:
-            # fold the G query heads of each K/V head into the query axis: no K/V copies
-            qf = q.reshape(B, Hkv, G * Sq, call.D)                    # (B, Hkv, G*Sq, D)
+        B, H, Hkv, G, Sq, Sk = call.B, call.H, call.Hkv, call.group, call.Sq, call.Sk
+        attn_mask, row_ok = _dense_mask(call, row_fix) if mode == "masked" else (None, None)
+        kw = dict(dropout_p=call.dropout_p, scale=call.scale, is_causal=mode == "causal")
+        if fold:
+            qf = q.reshape(B, Hkv, G * Sq, call.D)                       # (B, Hkv, G*Sq, D)
             if attn_mask is not None:
                 Bm = attn_mask.shape[0]
-                attn_mask = attn_mask.unsqueeze(2).expand(Bm, 1, G, Sq, call.Sk)
-                attn_mask = attn_mask.reshape(Bm, 1, G * Sq, call.Sk)  # (B', 1, G*Sq, Sk)
+                attn_mask = attn_mask.unsqueeze(2).expand(Bm, 1, G, Sq, Sk)
+                attn_mask = attn_mask.reshape(Bm, 1, G * Sq, Sk)          # (B', 1, G*Sq, Sk)
             out = F.scaled_dot_product_attention(qf, k, v, attn_mask=attn_mask, **kw)
-            out = out.view(B, H, Sq, call.Dv)                         # (B, H, Sq, Dv)
+            # reshape, not view: some kernels (CUDA's fp32 ones) return a transposed layout
+            out = out.reshape(B, H, Sq, call.Dv)                          # (B, H, Sq, Dv)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
                                                  enable_gqa=G > 1, **kw)

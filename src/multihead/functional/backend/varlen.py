@@ -19,53 +19,67 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .. import masks as M
-from ._call import AttentionCall
-from .registry import Backend, register
+from ..._device import to_device
+from .._call import AttentionCall
+from ..capabilities import Capabilities
+from ..cost import Work
+from ..registry import Backend, Plan, register
+from .sdpa import ROWS
 
-#: cost of one extra kernel launch and gather, in dense multiply-add units (2-core Xeon)
-GROUP_OVERHEAD = 1.5e6
 #: documents whose lengths are within this fraction of a group's longest share one call
 PAD_TOLERANCE = 0.1
+#: torch ops per group: views or gathers, the kernel, the write into the output
+GROUP_OPS, GATHER_OPS = 5, 10
 
 
 def _segments(call: AttentionCall):
-    """(starts (N_docs,), lengths (N_docs,)) in flattened ``b * S + s`` token offsets, or a reason."""
-    return call.memo("_varlen_segments", lambda: _find_segments(call))
+    """(starts (N_docs,), lengths (N_docs,)) host tensors in flattened ``b * S + s`` token
+    offsets, from the mask's document runs (which it knows on the host when built from host
+    ids or cu_seqlens; else reading them is a sync), or a reason this backend cannot run."""
+    return call.memo("varlen_segments", lambda: _find_segments(call))
 
 
 def _find_segments(call: AttentionCall):
-    m = call.effective_mask
-    if not isinstance(m, M.Document) or m.kv_ids is not None:
-        return "only runs a plain document mask (no kv_ids, no composition)"
-    if call.Sq != call.Sk or call.Sk == 0:
-        return f"needs Sq == Sk > 0 (got Sq={call.Sq}, Sk={call.Sk})"
-    ids = m.ids.cpu()                                                   # (B', S)
-    S = ids.shape[1]
-    change = torch.ones_like(ids, dtype=torch.bool)                     # (B', S): a run starts
-    change[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    runs = change.sum(dim=1)
-    distinct = torch.tensor([row.unique().numel() for row in ids])
-    if bool((runs != distinct).any()):
+    runs = call.effective_mask.runs()
+    if not runs.contiguous:
         return "document ids are not contiguous runs (an id occurs in two separate places)"
+    S = call.Sk
     starts, lengths = [], []
-    for b in range(call.B):                          # ids hold 1 row (shared) or B rows
-        r = b if ids.shape[0] > 1 else 0
-        st = change[r].nonzero().flatten()                              # (runs,)
-        ln = torch.diff(st, append=torch.tensor([S]))
-        starts.append(st + b * S)
-        lengths.append(ln)
+    for b in range(call.B):                          # runs of 1 row (shared) or B rows
+        r = b if len(runs.starts) > 1 else 0
+        starts.append(runs.starts[r] + b * S)
+        lengths.append(runs.lengths[r])
     return torch.cat(starts), torch.cat(lengths)
 
 
 class Bucket(NamedTuple):
-    """Documents run together, padded to ``length`` (``exact``: all have that length)."""
+    """Documents run together, padded to ``length`` (``exact``: all have that length).
+
+    The index tensors live on the host; ``run`` copies them to the device without a sync.
+    """
 
     length: int
-    starts: torch.Tensor
-    lengths: torch.Tensor
-    exact: bool
-    contiguous: bool
+    starts: torch.Tensor          # (n,) first token of each document (flattened offsets)
+    lengths: torch.Tensor         # (n,)
+    exact: bool                   # every document has ``length`` tokens
+    contiguous: bool              # exact, and back to back from ``first``: views, no gather
+    first: int                    # the first document's start
+    gather: torch.Tensor          # (n, length) token of each padded slot (a start if padding)
+    keep: torch.Tensor            # (n, length) True where the slot holds a real token
+    tokens: torch.Tensor          # (real tokens,) their flattened offsets
+    slots: torch.Tensor           # (real tokens,) their slots in the (n * length) block
+
+
+def _bucket(length: int, starts: torch.Tensor, lengths: torch.Tensor) -> Bucket:
+    n = len(starts)
+    exact = bool((lengths == length).all())
+    contiguous = exact and bool((starts == starts[0] + length * torch.arange(n)).all())
+    ar = torch.arange(length)
+    keep = ar[None, :] < lengths[:, None]                                  # (n, L)
+    gather = torch.where(keep, starts[:, None] + ar[None, :], starts[:, None])
+    slots = (torch.arange(n)[:, None] * length + ar[None, :])[keep]        # (real,)
+    return Bucket(length, starts, lengths, exact, contiguous, int(starts[0]), gather, keep,
+                  gather[keep], slots)
 
 
 def _group(starts, lengths, tolerance: float) -> list[Bucket]:
@@ -75,11 +89,25 @@ def _group(starts, lengths, tolerance: float) -> list[Bucket]:
         j = i + 1
         while j < len(ln) and ln[j] >= ln[i] * (1 - tolerance):
             j += 1
-        st, exact = starts[i:j], ln[j - 1] == ln[i]
-        back_to_back = exact and bool((st == st[0] + ln[i] * torch.arange(j - i)).all())
-        out.append(Bucket(ln[i], st, lengths[i:j], exact, back_to_back))
+        out.append(_bucket(ln[i], starts[i:j], lengths[i:j]))
         i = j
     return out
+
+
+class Groups:
+    """A call's buckets, and their index tensors per device (copied once, then reused)."""
+
+    def __init__(self, buckets: list[Bucket]):
+        self.buckets, self._on = buckets, {}
+
+    def indices(self, i: int, device) -> tuple:
+        """(gather, keep, tokens, slots) of bucket ``i`` on ``device``."""
+        key = (i, str(device))
+        if key not in self._on:
+            b = self.buckets[i]
+            self._on[key] = tuple(to_device(t, device) for t in (b.gather, b.keep, b.tokens,
+                                                                 b.slots))
+        return self._on[key]
 
 
 def _buckets(call: AttentionCall) -> list[Bucket]:
@@ -101,28 +129,53 @@ def _buckets(call: AttentionCall) -> list[Bucket]:
 class VarLen(Backend):
     name = "varlen"
     summary = "packed documents: one fused SDPA call per group of equal-length documents"
-    traceable = False
+    capabilities = Capabilities(masks=frozenset({"document"}), compositions=False,
+                                cross_attention=False, dropout=True, traceable=False)
 
-    def unsupported(self, call):
-        if call.return_weights:
-            return "does not return attention weights"
-        if call.return_lse:
-            return "does not return the log-sum-exp"
-        seg = _segments(call)
-        return seg if isinstance(seg, str) else None
+    def check(self, call):
+        m = call.effective_mask
+        if m is None:
+            return "applies document masks only"
+        if m.kv_ids is not None:
+            return "does not take kv_ids (cross-attention between documents)"
+        if m.runs_known:
+            seg = _segments(call)
+            return seg if isinstance(seg, str) else None
+        return None
 
-    def cost(self, call):
-        pairs = sum(len(b.starts) * b.length ** 2 for b in _buckets(call))
-        return pairs * call.H * (call.D + call.Dv) + GROUP_OVERHEAD * len(_buckets(call))
-
-    def cost_note(self, call):
-        _, lengths = _segments(call)
+    def plan(self, call, profile):
+        m = call.effective_mask
+        if not m.runs_known:           # on a device: counting the documents would sync
+            work = Work(flops=2.0 * call.pairs * (call.D + call.Dv), dtype=call.q.dtype,
+                        bytes=3 * call.io_bytes(), launches=GATHER_OPS + GROUP_OPS, syncs=1)
+            return Plan(work, f"document ids on {m.ids.device}: finding the documents reads "
+                              f"them back (1 sync); build the mask from host ids or cu_seqlens")
         buckets = _buckets(call)
+        H, D, Dv = call.H, call.D, call.Dv
+        pairs = sum(len(b.starts) * b.length ** 2 for b in buckets) * H
+        gathered = sum(len(b.starts) * b.length for b in buckets if not b.contiguous)
+        pieces = sum(len(b.starts) * H * -(-b.length // ROWS) for b in buckets)
+        work = Work(flops=2.0 * pairs * (D + Dv),
+                    kernel="fused" if all(b.exact for b in buckets) else "fused_masked",
+                    dtype=call.q.dtype,
+                    bytes=call.io_bytes() * (1 + 2 * gathered / max(call.B * call.Sq, 1)),
+                    launches=sum(GROUP_OPS + (0 if b.contiguous else GATHER_OPS)
+                                 for b in buckets),
+                    parallel=pieces / max(len(buckets), 1))
+        if call.requires_grad:
+            work = work.times(flops=3.5, bytes=3.0, launches=2.0)
+        _, lengths = _segments(call)
         padded = sum(len(b.starts) * b.length for b in buckets)
-        return (f"{len(lengths)} documents in {len(buckets)} length groups, "
-                f"{1 - int(lengths.sum()) / padded:.1%} padding")
+        return Plan(work, f"{len(lengths)} documents in {len(buckets)} length groups, "
+                          f"{1 - int(lengths.sum()) / max(padded, 1):.1%} padding", Groups(buckets))
 
-    def run(self, call):
+    def run(self, call, plan):
+        groups = plan.detail
+        if groups is None:             # the ids were on a device: read them now (a sync)
+            seg = _segments(call)
+            if isinstance(seg, str):
+                raise ValueError(f"backend='varlen' cannot run this call: it {seg}")
+            groups = Groups(_buckets(call))
         q, k, v = call.q, call.k, call.v
         B, H, Hkv, S, D, Dv = call.B, call.H, call.Hkv, call.Sq, call.D, call.Dv
         dev = q.device
@@ -130,30 +183,26 @@ class VarLen(Backend):
         kf = k.transpose(1, 2).reshape(B * S, Hkv, D)                  # (B*S, Hkv, D)
         vf = v.transpose(1, 2).reshape(B * S, Hkv, Dv)                 # (B*S, Hkv, Dv)
         out = q.new_empty(B * S, H, Dv)                                # (B*S, H, Dv)
-        for bucket in _buckets(call):
+        for i, bucket in enumerate(groups.buckets):
             n, L = len(bucket.starts), bucket.length
-            s0 = int(bucket.starts[0])
+            s0 = bucket.first
             if bucket.contiguous:      # n back-to-back documents of length L: views, no copies
                 qg, kg, vg = (t[s0:s0 + n * L].view(n, L, t.shape[1], t.shape[2])
                               for t in (qf, kf, vf))                   # (n, L, heads, dim)
-                keys, flat, valid = None, None, None
+                keys = None
             else:
-                st, ln = bucket.starts.to(dev), bucket.lengths.to(dev)
-                ar = torch.arange(L, device=dev)
-                valid = ar[None, :] < ln[:, None]                      # (n, L)
-                idx = torch.where(valid, st[:, None] + ar[None, :], st[:, None])  # (n, L)
-                qg, kg, vg = (t.index_select(0, idx.flatten()).view(n, L, t.shape[1], t.shape[2])
+                gather, keep, tokens, slots = groups.indices(i, dev)
+                qg, kg, vg = (t.index_select(0, gather.flatten()).view(n, L, t.shape[1], t.shape[2])
                               for t in (qf, kf, vf))                   # (n, L, heads, dim)
-                keys = None if bucket.exact else valid[:, None, None, :]  # (n, 1, 1, L)
-                flat = idx[valid]                                      # (sum of lengths,)
+                keys = None if bucket.exact else keep[:, None, None, :]  # (n, 1, 1, L)
             og = F.scaled_dot_product_attention(
                 qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=keys,
                 dropout_p=call.dropout_p, scale=call.scale, enable_gqa=H != Hkv)  # (n, H, L, Dv)
-            og = og.transpose(1, 2)                                    # (n, L, H, Dv)
-            if flat is None:
-                out[s0:s0 + n * L] = og.reshape(n * L, H, Dv)
+            og = og.transpose(1, 2).reshape(n * L, H, Dv)              # (n*L, H, Dv)
+            if bucket.contiguous:
+                out[s0:s0 + n * L] = og
             else:
-                out.index_copy_(0, flat, og[valid])
+                out.index_copy_(0, tokens, og.index_select(0, slots))
         return out.view(B, S, H, Dv).transpose(1, 2), None, None       # (B, H, S, Dv)
 
 

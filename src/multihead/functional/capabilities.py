@@ -1,0 +1,90 @@
+"""What a backend supports, declared as data and checked in one place.
+
+Each backend states its limits as a :class:`Capabilities` value (per device type where
+they differ), like xFormers' ``SUPPORTED_*`` attributes; :meth:`Capabilities.reasons`
+turns a call that exceeds them into short, readable reasons. Only what data cannot say
+(document ids that are not contiguous runs, say) is left to a backend's own code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._call import AttentionCall
+
+#: leaf mask structures a backend can declare (compositions are "and", "or", "not")
+MASK_KINDS = frozenset({"causal", "window", "padding", "document", "dense", "bias", "alibi",
+                        "custom"})
+ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """The calls a backend can run.
+
+    Attributes:
+        devices: device types (``"cpu"``, ``"cuda"``); None (the default): any device.
+        dtypes: input dtypes.
+        max_head_dim: largest D and Dv.
+        masks: leaf mask kinds it applies (see :data:`MASK_KINDS`).
+        compositions: whether masks combined with ``&``, ``|``, ``~`` are accepted.
+        weights: returns the attention weights.
+        lse: returns the log-sum-exp of each row.
+        dropout: applies dropout on the weights.
+        bias_grad: propagates gradients into a bias tensor.
+        traceable: runs inside ``torch.compile(fullgraph=True)``.
+        cross_attention: accepts Sq != Sk.
+
+    Example:
+        >>> Capabilities(devices=frozenset({"cuda"}), lse=True).lse
+        True
+    """
+
+    devices: frozenset | None = None
+    dtypes: frozenset = ALL_DTYPES
+    max_head_dim: int = 1 << 16
+    masks: frozenset = MASK_KINDS
+    compositions: bool = True
+    weights: bool = False
+    lse: bool = False
+    dropout: bool = False
+    bias_grad: bool = False
+    traceable: bool = True
+    cross_attention: bool = True
+
+    def reasons(self, call: AttentionCall, device_type: str) -> list[str]:
+        """Why this backend cannot run ``call`` on ``device_type`` (empty when it can)."""
+        out = []
+        if self.devices is not None and device_type not in self.devices:
+            out.append(f"runs on {', '.join(sorted(self.devices))}, not {device_type}")
+        if call.q.dtype not in self.dtypes:
+            names = ", ".join(sorted(_dtype_name(d) for d in self.dtypes))
+            out.append(f"takes {names}, not {_dtype_name(call.q.dtype)}")
+        if max(call.D, call.Dv) > self.max_head_dim:
+            out.append(f"takes head dims up to {self.max_head_dim}, not {max(call.D, call.Dv)}")
+        if call.return_weights and not self.weights:
+            out.append("does not return attention weights")
+        if call.return_lse and not self.lse:
+            out.append("does not return the log-sum-exp")
+        if call.dropout_p > 0 and not self.dropout:
+            out.append("does not implement dropout")
+        if call.Sq != call.Sk and not self.cross_attention:
+            out.append(f"needs Sq == Sk (got Sq={call.Sq}, Sk={call.Sk})")
+        m = call.effective_mask
+        if m is not None:
+            if m.kind in ("and", "or", "not") and not self.compositions:
+                out.append(f"does not apply composed masks ({m.kind})")
+            kinds = sorted({leaf.kind for leaf in m.leaves()} - self.masks)
+            if kinds:
+                out.append(f"does not apply {', '.join(kinds)} masks")
+            if not self.bias_grad and m.requires_grad and torch.is_grad_enabled():
+                out.append("no gradient w.r.t. a bias tensor")
+        if not self.traceable and torch.compiler.is_compiling():
+            out.append("is not traceable by torch.compile (a data-dependent host loop)")
+        return out
