@@ -1,6 +1,10 @@
 """KV caches: cached decoding equals one full causal forward (MHA/GQA/MQA, RoPE, padded
-prompts of different lengths, fp32 and bf16), chunked prefill, paged == static,
-cross-attention caching, and caches left unchanged by refused writes."""
+prompts of different lengths, static and paged, fp32 and bf16), chunked prefill, paged ==
+static, cross-attention caching (with RoPE), caches left unchanged by refused writes, and
+no host-device sync in cached decoding (on the meta device, under NoReadBack).
+
+The helpers here (_module, _data, _cache, _decode, _decode_paged, _cross_decode, _full,
+_assert_rule, SYNC_SCENARIOS) also serve tests/test_cuda_modules.py."""
 
 from __future__ import annotations
 
@@ -11,28 +15,35 @@ import pytest
 import torch
 
 import multihead as mh
+from nosync import NoReadBack
 
 E, H = 32, 4
 CAUSAL = mh.masks.causal()
 
 
-def _module(kv, rope, dtype=torch.float32, seed=0):
+def _module(kv, rope, dtype=torch.float32, seed=0, device="cpu"):
     torch.manual_seed(seed)
     m = mh.MultiHeadAttention(E, H, num_kv_heads=kv,
                               rope=mh.RotaryEmbedding(E // H) if rope else None).eval()
-    return m.to(dtype)
+    return m.to(device, dtype)
 
 
-def _data(lengths, steps, dtype, seed=1):
+def _data(lengths, steps, dtype, seed=1, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(n + steps, E, generator=g).to(dtype) for n in lengths]
+    return [torch.randn(n + steps, E, generator=g).to(device, dtype) for n in lengths]
+
+
+def _pool(m, num_pages=16, page_size=4):
+    p = m.out_proj.weight
+    return mh.PagedKVCache(num_pages=num_pages, page_size=page_size, num_kv_heads=m.num_kv_heads,
+                           head_dim=m.head_dim, dtype=p.dtype, device=p.device)
 
 
 def _decode(m, seqs, lengths, steps, cache, side):
     """Prefill padded prompts (one padding side), then `steps` single-token steps."""
-    B, P = len(seqs), max(lengths)
-    x = torch.zeros(B, P, E, dtype=seqs[0].dtype)
-    valid = torch.zeros(B, P, dtype=torch.bool)
+    B, P, dev = len(seqs), max(lengths), seqs[0].device
+    x = torch.zeros(B, P, E, dtype=seqs[0].dtype, device=dev)
+    valid = torch.zeros(B, P, dtype=torch.bool, device=dev)
     for b, (s, n) in enumerate(zip(seqs, lengths)):
         sl = slice(0, n) if side == "right" else slice(P - n, P)
         x[b, sl], valid[b, sl] = s[:n], True
@@ -46,19 +57,49 @@ def _decode(m, seqs, lengths, steps, cache, side):
     return [torch.cat(o) for o in outs]
 
 
+def _decode_paged(m, seqs, lengths, steps, pool):
+    """Continuous batching: each prompt prefilled on its own, then all decoded together."""
+    ids = [pool.add_sequence() for _ in seqs]
+    outs = [[m(s[None, :n], cache=pool.batch([i]), mask=CAUSAL)[0]]
+            for s, n, i in zip(seqs, lengths, ids)]
+    for t in range(steps):
+        xt = torch.stack([s[n + t] for s, n in zip(seqs, lengths)])[:, None]   # (B, 1, E)
+        yt = m(xt, cache=pool.batch(ids), mask=CAUSAL)
+        for b in range(len(seqs)):
+            outs[b].append(yt[b])
+    return [torch.cat(o) for o in outs], ids
+
+
 def _full(m, seqs):
     return [m(s[None], mask=CAUSAL)[0] for s in seqs]
 
 
+def _assert_rule(got, base, ref, slack):
+    """The error rule: ``got``'s error against the fp64 ``ref`` is at most twice the error of
+    ``base`` (the same computation done plainly in the same dtype), plus ``slack``."""
+    for g, b, r in zip(got, base, ref):
+        err, base_err = (g.double() - r).abs().max(), (b.double() - r).abs().max()
+        assert err <= 2 * base_err + slack, f"error {err:.3g} > 2 x {base_err:.3g} + {slack:.3g}"
+
+
+def _cache(kind, m, B):
+    """A fresh cache for ``B`` sequences: a static KVCache or a batch of a new paged pool."""
+    if kind == "static":
+        return m.make_cache(B, 16)
+    pool = _pool(m)
+    return pool.batch([pool.add_sequence() for _ in range(B)])
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
 @pytest.mark.parametrize("kv", [4, 2, 1], ids=["MHA", "GQA", "MQA"])
-def test_token_by_token_equals_full_forward_fp32(kv, rope, side):
+def test_token_by_token_equals_full_forward_fp32(kv, rope, side, kind):
     lengths, steps = [5, 3, 1], 4
     m = _module(kv, rope)
     seqs = _data(lengths, steps, torch.float32)
     with torch.no_grad():
-        got = _decode(m, seqs, lengths, steps, m.make_cache(3, 16), side)
+        got = _decode(m, seqs, lengths, steps, _cache(kind, m, 3), side)
         want = _full(m, seqs)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=2e-6, rtol=1e-5)
@@ -75,8 +116,7 @@ def test_bf16_within_twice_the_full_forward_error(kv):
         got = _decode(m16, [s.bfloat16() for s in seqs], lengths, steps, m16.make_cache(2, 12),
                       "right")
         base = _full(m16, [s.bfloat16() for s in seqs])
-    for g, b, r in zip(got, base, ref):
-        assert (g.double() - r).abs().max() <= 2 * (b.double() - r).abs().max() + 1e-3
+    _assert_rule(got, base, ref, 1e-3)
 
 
 def test_chunked_prefill_equals_prefill_at_once():
@@ -95,19 +135,11 @@ def test_paged_equals_static_and_frees_pages():
     lengths, steps = [7, 2], 5
     seqs = _data(lengths, steps, torch.float32)
     pool = mh.PagedKVCache(num_pages=16, page_size=4, num_kv_heads=2, head_dim=E // H)
-    ids = [pool.add_sequence(), pool.add_sequence()]
     with torch.no_grad():
         static = _decode(m, seqs, lengths, steps, m.make_cache(2, 16), "right")
-        # paged: each sequence prefilled on its own (continuous batching), then decoded together
-        paged = [[m(s[None, :n], cache=pool.batch([i]), mask=CAUSAL)[0]]
-                 for s, n, i in zip(seqs, lengths, ids)]
-        for t in range(steps):
-            xt = torch.stack([s[n + t] for s, n in zip(seqs, lengths)])[:, None]
-            yt = m(xt, cache=pool.batch(ids), mask=CAUSAL)
-            for b in range(2):
-                paged[b].append(yt[b])
+        paged, ids = _decode_paged(m, seqs, lengths, steps, pool)
     for s, p in zip(static, paged):
-        torch.testing.assert_close(torch.cat(p), s, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(p, s, atol=2e-6, rtol=1e-5)
     assert [pool.length(i) for i in ids] == [12, 7]
     assert pool.pages_used == 3 + 2 and pool.nbytes == 5 * 4 * 2 * 2 * (E // H) * 4
     pool.free(ids[0])
@@ -122,23 +154,62 @@ def test_paged_equals_static_and_frees_pages():
         mh.PagedKVCache(num_pages=4, page_size=0, num_kv_heads=2, head_dim=8)
 
 
-def test_cross_attention_cache_equals_recomputing():
-    m = _module(2, False)
+def _cross_decode(m, x, ctx, cache, chunks):
+    """Queries fed in chunks of these sizes; the context is given on the first call only."""
+    outs, start = [], 0
+    for i, n in enumerate(chunks):
+        outs.append(m(x[:, start:start + n], ctx if i == 0 else None, cache=cache))
+        start += n
+    return torch.cat(outs, 1)                                         # (B, Sq, E)
+
+
+@pytest.mark.parametrize("chunks", [[1] * 7, [2, 4, 1]], ids=["token_by_token", "chunks"])
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
+@pytest.mark.parametrize("kv", [4, 2, 1], ids=["MHA", "GQA", "MQA"])
+def test_cross_attention_cache_equals_full_forward(kv, rope, chunks):
+    m = _module(kv, rope)
+    ctx, x = torch.randn(2, 9, E), torch.randn(2, 7, E)
+    cache = m.make_cache(2, 9)
+    with torch.no_grad():
+        got = _cross_decode(m, x, ctx, cache, chunks)
+        full = m(x, ctx)                                 # queries at 0..6, keys at 0..8
+        torch.testing.assert_close(got, full, atol=2e-6, rtol=1e-5)
+        assert cache.queries == 7
+        cache.reset()                                    # forgets the queries served too
+        torch.testing.assert_close(_cross_decode(m, x, ctx, cache, chunks), got, atol=0, rtol=0)
+
+
+def test_cross_attention_cache_errors():
+    m = _module(2, True)
     ctx, x = torch.randn(2, 9, E), torch.randn(2, 4, E)
     cache = m.make_cache(2, 9)
     with torch.no_grad():
-        first = m(x[:, :2], ctx, cache=cache)
-        later = m(x[:, 2:], cache=cache)                 # context not given again
-        full = m(x, ctx)
-    torch.testing.assert_close(torch.cat([first, later], 1), full, atol=2e-6, rtol=1e-5)
+        m(x, ctx, cache=cache)
     with pytest.raises(ValueError, match="already holds"):
         m(x, ctx, cache=cache)
     with pytest.raises(ValueError, match="valid marks padded new tokens of a self-attention"):
         m(x, cache=cache, valid=torch.ones(2, 4, dtype=torch.bool))
+    assert cache.queries == 4                            # refused calls served no query
+    with pytest.raises(ValueError, match="holds no cross-attention context"):
+        m.make_cache(2, 9).cross_positions(1)
 
 
 def _snapshot(c):
     return [t.clone() for t in (c.k, c.v, c.valid)] + [getattr(c, "lengths", torch.tensor(0)).clone()]
+
+
+def test_paged_cache_refuses_cross_attention_and_stays_unchanged():
+    m = _module(2, True)
+    pool = _pool(m)
+    a, b = pool.add_sequence(), pool.add_sequence()
+    m(torch.randn(1, 3, E), cache=pool.batch([a]), mask=CAUSAL)
+    before, used = _snapshot(pool), pool.pages_used
+    with pytest.raises(TypeError, match="PagedKVCache batch does not hold cross-attention "
+                                        "contexts.*use a KVCache.*make_cache"):
+        m(torch.randn(2, 2, E), torch.randn(2, 5, E), cache=pool.batch([a, b]))
+    assert (pool.pages_used, pool.length(a), pool.length(b)) == (used, 3, 0)
+    for x, y in zip(before, _snapshot(pool)):
+        assert torch.equal(x, y)
 
 
 def test_overflow_leaves_static_cache_unchanged():
@@ -212,3 +283,98 @@ def test_cache_sizes_make_the_mqa_argument():
     per = [x.cache_bytes_per_token(torch.bfloat16) for x in (mha, gqa, mqa)]
     assert per == [2 * 32 * 128 * 2, 2 * 8 * 128 * 2, 2 * 1 * 128 * 2]
     assert mh.KVCache(1, 4096, 8, 128, dtype=torch.bfloat16).nbytes == 4096 * per[1]
+
+
+# -- no host-device sync ----------------------------------------------------------------------
+# Each scenario runs a module (on the meta device here, on a GPU in test_cuda_modules.py) from
+# fresh caches: a forward, prefills, decode steps, padded prompts, paged batches.
+
+
+def _rand(m, *shape):
+    return torch.randn(*shape, device=m.out_proj.weight.device)
+
+
+def _new_kv(m, B, n):
+    """Keys and values ``(B, Hkv, n, Dh)`` to write into a cache without attention."""
+    return _rand(m, B, m.num_kv_heads, n, m.head_dim), _rand(m, B, m.num_kv_heads, n, m.head_dim)
+
+
+def _left_padded(m, B, n):
+    """``valid`` (B, n) built on the device: sequence b is left-padded by b tokens."""
+    dev = m.out_proj.weight.device
+    return torch.arange(n, device=dev)[None] >= torch.arange(B, device=dev)[:, None]
+
+
+def _forward_causal(m):
+    m(_rand(m, 2, 7, E), mask=CAUSAL)
+
+
+def _prefill_causal(m):
+    m(_rand(m, 2, 7, E), cache=m.make_cache(2, 16), mask=CAUSAL)
+
+
+def _decode_steps(m):
+    cache = m.make_cache(2, 16)
+    cache.update(*_new_kv(m, 2, 5))                      # a prompt written without attention
+    for _ in range(2):
+        m(_rand(m, 2, 1, E), cache=cache, mask=CAUSAL)
+
+
+def _padded_prefill_decode(m):
+    cache = m.make_cache(2, 16)
+    m(_rand(m, 2, 5, E), cache=cache, mask=CAUSAL, valid=_left_padded(m, 2, 5))
+    m(_rand(m, 2, 1, E), cache=cache, mask=CAUSAL)
+
+
+def _paged_decode_steps(m):
+    pool = _pool(m)
+    ids = [pool.add_sequence(), pool.add_sequence()]
+    pool.batch(ids).update(*_new_kv(m, 2, 5))
+    for _ in range(2):
+        m(_rand(m, 2, 1, E), cache=pool.batch(ids), mask=CAUSAL)
+
+
+def _paged_uneven_decode(m):
+    pool = _pool(m)
+    a, b = pool.add_sequence(), pool.add_sequence()
+    pool.batch([a]).update(*_new_kv(m, 1, 6))
+    pool.batch([b]).update(*_new_kv(m, 1, 2))
+    m(_rand(m, 2, 1, E), cache=pool.batch([a, b]), mask=CAUSAL)
+
+
+def _cache_bookkeeping(m):
+    """The caches' own API (positions, writes with and without valid, cross-attention)."""
+    valid = _left_padded(m, 2, 5)
+    cache = m.make_cache(2, 16)
+    cache.positions(5, valid)
+    assert cache.update(*_new_kv(m, 2, 5), valid)[2] is not None     # padded: never read back
+    cache.positions(1)
+    cache.update(*_new_kv(m, 2, 1))
+    cross = m.make_cache(2, 9)
+    cross.store_context(*_new_kv(m, 2, 9))
+    cross.context(), cross.cross_positions(3)
+    pool = _pool(m)
+    a, b = pool.add_sequence(), pool.add_sequence()
+    pool.batch([a, b]).positions(5, valid)
+    pool.batch([a, b]).update(*_new_kv(m, 2, 5), valid)
+    pool.batch([b]).update(*_new_kv(m, 1, 3))
+    pool.batch([a, b]).positions(1)
+    assert pool.batch([a, b]).update(*_new_kv(m, 2, 1))[2] is not None
+
+
+SYNC_SCENARIOS = {
+    "forward_causal": _forward_causal,
+    "prefill_causal": _prefill_causal,
+    "decode_steps": _decode_steps,
+    "padded_prefill_decode": _padded_prefill_decode,
+    "paged_decode_steps": _paged_decode_steps,
+    "paged_uneven_decode": _paged_uneven_decode,
+    "cache_bookkeeping": _cache_bookkeeping,
+}
+
+
+@pytest.mark.parametrize("name", SYNC_SCENARIOS)
+def test_cached_decoding_never_syncs_on_meta(name):
+    m = _module(2, True, device="meta")                  # GQA, RoPE
+    with torch.no_grad(), NoReadBack():
+        SYNC_SCENARIOS[name](m)

@@ -1,5 +1,8 @@
 """MultiHeadAttention: GQA/MQA as repeated K/V, fused = split, cross-attention, head
-contributions, RoPE, torch.compile, state_dict, the seeds' tutorial class, bad input."""
+contributions, RoPE, torch.compile, state_dict, the seeds' tutorial class, bad input, and
+no host-device sync in a forward (on the meta device, under NoReadBack).
+
+gqa_and_repeated_mha and split_forward also serve tests/test_cuda_modules.py."""
 
 import pytest
 import torch
@@ -7,6 +10,7 @@ import torch.nn.functional as F
 
 import multihead as mh
 from multihead.bench.peers import SeedTutorialMHA
+from nosync import NoReadBack
 
 
 def test_default_parameter_count_is_the_seeds_4d2_plus_4d():
@@ -18,10 +22,10 @@ def test_default_parameter_count_is_the_seeds_4d2_plus_4d():
     assert "num_kv_heads=2 (GQA)" in repr(m) and "head_dim=64" in repr(m)
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])
-def test_gqa_equals_mha_with_repeated_kv_weights(kv_heads):
+def gqa_and_repeated_mha(kv_heads, E=32, H=4):
+    """A GQA/MQA module with random biases, and the MHA module whose K/V weights repeat its
+    K/V heads (each group of query heads sees its shared head): the two are equal."""
     torch.manual_seed(0)
-    E, H = 32, 4
     g = mh.MultiHeadAttention(E, H, num_kv_heads=kv_heads).eval()
     full = mh.MultiHeadAttention(E, H).eval()
     dh, rep = E // H, H // kv_heads
@@ -34,19 +38,42 @@ def test_gqa_equals_mha_with_repeated_kv_weights(kv_heads):
             getattr(full, role).weight.copy_(w.view(kv_heads, dh, E).repeat_interleave(rep, 0).reshape(E, E))
             getattr(full, role).bias.copy_(b.view(kv_heads, dh).repeat_interleave(rep, 0).reshape(E))
         full.out_proj.load_state_dict(g.out_proj.state_dict())
-    x = torch.randn(2, 9, E)
+    return g, full
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_gqa_equals_mha_with_repeated_kv_weights(kv_heads):
+    g, full = gqa_and_repeated_mha(kv_heads)
+    x = torch.randn(2, 9, 32)
     torch.testing.assert_close(g(x, mask=mh.masks.causal()), full(x, mask=mh.masks.causal()))
+
+
+def split_forward(m, x):
+    """``m``'s self-attention computed with three separate projections and torch's SDPA."""
+    B, S, _ = x.shape
+    split = lambda p: F.linear(x, *p).view(B, S, m.num_heads, m.head_dim).transpose(1, 2)
+    q, k, v = split(m.q_proj), split(m.k_proj), split(m.v_proj)    # (B, H, S, Dh)
+    out = F.scaled_dot_product_attention(q, k, v)                   # (B, H, S, Dh)
+    return m.out_proj(out.transpose(1, 2).reshape(B, S, m.num_heads * m.head_dim))
 
 
 def test_fused_equals_split_projections():
     torch.manual_seed(0)
     m = mh.MultiHeadAttention(24, 3).eval()
     x = torch.randn(2, 6, 24)
-    q = F.linear(x, *m.q_proj).view(2, 6, 3, 8).transpose(1, 2)
-    k = F.linear(x, *m.k_proj).view(2, 6, 3, 8).transpose(1, 2)
-    v = F.linear(x, *m.v_proj).view(2, 6, 3, 8).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 6, 24)
-    torch.testing.assert_close(m(x), m.out_proj(out))
+    torch.testing.assert_close(m(x), split_forward(m, x))
+
+
+def test_forward_on_meta_never_syncs():
+    m = mh.MultiHeadAttention(32, 4, num_kv_heads=2, rope=mh.RotaryEmbedding(8)).to("meta").eval()
+    x, ctx = torch.randn(2, 6, 32, device="meta"), torch.randn(2, 9, 32, device="meta")
+    with torch.no_grad(), NoReadBack() as mode:
+        assert m(x).shape == (2, 6, 32)
+        m(x, positions=torch.arange(6))                # host positions: sent without a sync
+        m(x, positions=[[0, 1, 2, 3, 4, 5]] * 2)
+        m(x, ctx, return_weights=True)
+        mh.RotaryEmbedding(8)(torch.randn(1, 2, 6, 8, device="meta"), torch.arange(6))
+    assert "_to_copy" in mode.ops
 
 
 def test_cross_attention_with_other_width_and_length():

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import masks
+from .._device import to_device
 from ..functional import attention
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding
@@ -220,7 +221,7 @@ class MultiHeadAttention(nn.Module):
         B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
         if positions is None:
             positions = torch.arange(Sq, device=q.device)
-        positions = torch.as_tensor(positions, device=q.device)
+        positions = to_device(torch.as_tensor(positions), q.device)   # host ints: no sync
         if positions.shape[-1] != Sq or positions.dim() not in (1, 2) or (
                 positions.dim() == 2 and positions.shape[0] not in (1, B)):
             raise ValueError(f"positions must be (Sq,) or (B, Sq) = ({Sq},) or ({B}, {Sq}), "
@@ -243,7 +244,9 @@ class MultiHeadAttention(nn.Module):
         Pass the same ``mask`` as for a full forward (``mh.masks.causal()``); ``valid``
         ``(B, Sq)`` marks which new tokens are real when prompts are padded (left or right);
         RoPE positions continue from each sequence's count of real tokens. For
-        cross-attention, give ``context`` on the first call only: its keys/values are cached.
+        cross-attention, give ``context`` on the first call only: its keys/values are cached,
+        and queries fed in steps are rotated at the positions they have in the full query
+        sequence (the cache counts the queries it has served).
 
         Returns ``out`` (B, Sq, E), or ``(out, weights)`` when ``return_weights``; weights are
         per head ``(B, H, Sq, Sk)``, or their head mean ``(B, Sq, Sk)`` with ``average_weights``.
@@ -301,9 +304,10 @@ class MultiHeadAttention(nn.Module):
                 cache.store_context(k, v)
             else:
                 q, _, _ = self._project(x, False)
-            if self.rope is not None:
-                q = self.rope(q, torch.arange(q.shape[2], device=q.device))
             k, v = cache.context()
+            pos = cache.cross_positions(q.shape[2])                    # (Sq,): continues
+            if self.rope is not None:
+                q = self.rope(q, pos)
             return q, k, v, mask
         q, k, v = self._project(x, None)
         if self.rope is not None:

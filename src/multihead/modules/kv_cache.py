@@ -8,6 +8,11 @@ forward (lower-right aligned, so it is right for the prefill and for every step)
 Every write is checked before anything is stored: a cache that refuses a write is left
 bit-for-bit unchanged.
 
+Nothing here reads a device tensor back on the hot path (no host-device sync): what the
+host must know (slots written, whether any write carried a ``valid``, queries served) is
+kept as host ints and flags; what depends on ``valid``'s values (real-token counts, RoPE
+positions, key validity) stays on the device.
+
 Notation used for tensor shapes:
     B batch (sequences), Hkv K/V heads, D head_dim, Dv value dim, T max_len (slots),
     n new tokens, P pages, p page_size.
@@ -16,6 +21,8 @@ Notation used for tensor shapes:
 from __future__ import annotations
 
 import torch
+
+from .._device import to_device
 
 
 def _pos_int(name: str, v) -> int:
@@ -41,7 +48,8 @@ class _CacheBase:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         self.dtype = dtype
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        # the concrete device ("cuda" -> "cuda:0"), so it compares equal to the module's
+        self.device = torch.empty(0, device=device).device
         return dict(dtype=dtype, device=self.device)
 
     def check_compatible(self, num_kv_heads: int, head_dim: int, value_dim: int,
@@ -71,7 +79,7 @@ class _CacheBase:
             raise ValueError(f"valid must be a bool tensor (B, n) = ({batch}, {n}) marking the real "
                              f"new tokens, got {getattr(valid, 'dtype', type(valid).__name__)} "
                              f"{tuple(getattr(valid, 'shape', ()))}")
-        return valid.to(self.device)
+        return to_device(valid, self.device)
 
     def positions(self, n: int, valid: torch.Tensor | None = None) -> torch.Tensor:
         """RoPE positions ``(B, n)`` of ``n`` new tokens: each sequence's count of real tokens
@@ -128,8 +136,9 @@ class KVCache(_CacheBase):
         self.valid = torch.zeros(B, T, dtype=torch.bool, device=self.device)   # (B, T)
         self.lengths = torch.zeros(B, dtype=torch.long, device=self.device)    # (B,)
         self.seen = 0            # slots written (a shape, known on the host without a sync)
-        self.padded = False      # True once a write marked some token as padding
+        self.padded = False      # True once a write came with `valid` (its values are not read)
         self.cross = False       # True when it holds a cross-attention context
+        self.queries = 0         # cross-attention queries served: where their positions continue
 
     @property
     def nbytes(self) -> int:
@@ -144,7 +153,7 @@ class KVCache(_CacheBase):
         """Forget every sequence; the buffers are kept and reused (stale data is masked)."""
         self.lengths.zero_()
         self.valid.zero_()
-        self.seen, self.padded, self.cross = 0, False, False
+        self.seen, self.padded, self.cross, self.queries = 0, False, False, 0
 
     def _real_counts(self) -> torch.Tensor:
         return self.lengths
@@ -153,6 +162,8 @@ class KVCache(_CacheBase):
         """Append ``n`` new tokens; return ``(k_all, v_all, key_valid or None)`` to attend to.
 
         Raises before writing anything if the tokens do not fit (the cache is unchanged).
+        Once a write came with ``valid``, ``key_valid`` is returned from then on: whether every
+        token was real is never read back from the device.
         """
         valid = self._check_new(k, v, valid)
         n = k.shape[2]
@@ -169,7 +180,7 @@ class KVCache(_CacheBase):
         else:
             self.valid[:, s] = valid
             self.lengths += valid.sum(1)
-            self.padded = self.padded or not bool(valid.all())
+            self.padded = True
         self.seen += n
         t = self.seen
         return self.k[:, :, :t], self.v[:, :, :t], (self.valid[:, :t] if self.padded else None)
@@ -188,6 +199,17 @@ class KVCache(_CacheBase):
             raise ValueError("this cache holds no cross-attention context: pass context on the "
                              "first call")
         return self.k[:, :, :self.seen], self.v[:, :, :self.seen]
+
+    def cross_positions(self, n: int) -> torch.Tensor:
+        """RoPE positions ``(n,)`` of the next ``n`` cross-attention queries; counts them served.
+
+        A full cross-attention forward rotates its queries at ``0..Sq-1``, so queries fed in
+        steps continue from the number served before (the same for every sequence: a host
+        int, no device read); ``reset()`` starts again at 0.
+        """
+        self.context()                                     # raises if no context is cached
+        start, self.queries = self.queries, self.queries + n
+        return torch.arange(start, start + n, device=self.device)
 
     def __repr__(self) -> str:
         return (f"KVCache(batch_size={self.batch_size}, max_len={self.max_len}, "

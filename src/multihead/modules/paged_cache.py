@@ -6,6 +6,12 @@ tokens stored, not with a maximum length. A forward runs on a batch of live sequ
 right-aligned, so ``mh.masks.causal()`` (lower-right) is right for every sequence whatever
 its length.
 
+The host keeps the bookkeeping it decides with (block tables, slots written, which sequences
+were written with ``valid``); per step, the batch's block tables reach the device in one
+non-blocking copy, and slot indices, key validity and real-token counts are computed there,
+so a forward never waits for the device. Cross-attention contexts are not paged: use a
+:class:`KVCache` for those.
+
 Notation used for tensor shapes:
     P pages, p page_size, Hkv K/V heads, D head_dim, Dv value dim, B sequences in a batch,
     n new tokens, L longest sequence of the batch.
@@ -17,7 +23,13 @@ import itertools
 
 import torch
 
+from .._device import to_device
 from .kv_cache import _CacheBase, _pos_int
+
+
+def _slot(table: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Pool slots of token positions: ``table`` (B, Pmax) page ids, ``pos`` (B, m) -> (B, m)."""
+    return table.gather(1, pos // page_size) * page_size + pos % page_size
 
 
 class PagedKVCache(_CacheBase):
@@ -49,15 +61,17 @@ class PagedKVCache(_CacheBase):
         self.valid = torch.zeros(P * p, dtype=torch.bool, device=self.device)   # (P*p,)
         self._free = list(range(P))
         self._tables: dict[int, list[int]] = {}
-        self._written: dict[int, int] = {}     # slots written per sequence
-        self._real: dict[int, int] = {}        # real (non-padding) tokens per sequence
+        self._written: dict[int, int] = {}     # slots written per sequence (host ints)
+        self._real: dict[int, torch.Tensor] = {}   # real tokens per sequence, 0-dim on the device
+        self._padded: set[int] = set()         # sequences written with `valid` (host flags)
+        self._zero = torch.zeros((), dtype=torch.long, device=self.device)   # never written to
         self._ids = itertools.count()
 
     # -- sequences ---------------------------------------------------------------------
     def add_sequence(self) -> int:
         """Start a new, empty sequence; returns its id (no page is taken until it writes)."""
         sid = next(self._ids)
-        self._tables[sid], self._written[sid], self._real[sid] = [], 0, 0
+        self._tables[sid], self._written[sid], self._real[sid] = [], 0, self._zero
         return sid
 
     def _check_id(self, sid) -> None:
@@ -69,11 +83,16 @@ class PagedKVCache(_CacheBase):
         self._check_id(sid)
         self._free.extend(self._tables.pop(sid))
         del self._written[sid], self._real[sid]
+        self._padded.discard(sid)
 
     def length(self, sid: int) -> int:
-        """Real tokens stored for sequence ``sid``."""
+        """Real tokens stored for sequence ``sid``.
+
+        An explicit host query: the count lives on the device (it depends on ``valid``), so
+        this reads it back and synchronizes; forwards never call it.
+        """
         self._check_id(sid)
-        return self._real[sid]
+        return int(self._real[sid])
 
     @property
     def sequences(self) -> list[int]:
@@ -106,11 +125,14 @@ class PagedKVCache(_CacheBase):
                 f"sequences={len(self._tables)}, pages_used={self.pages_used})")
 
     # -- slots ---------------------------------------------------------------------------
-    def _slots(self, sid: int, start: int, stop: int) -> torch.Tensor:
-        """Pool slot index of positions ``start..stop-1`` of sequence ``sid``."""
-        pos = torch.arange(start, stop)
-        table = torch.tensor(self._tables[sid], dtype=torch.long)
-        return table[pos // self.page_size] * self.page_size + pos % self.page_size
+    def _device_tables(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots written ``(B,)`` and block tables ``(B, Pmax)`` (padded with page 0) of these
+        sequences, on the device: host ints sent in one copy that does not wait."""
+        pmax = max(1, max(len(self._tables[s]) for s in ids))
+        rows = [[self._written[s]] + self._tables[s] + [0] * (pmax - len(self._tables[s]))
+                for s in ids]
+        dev = to_device(torch.tensor(rows, dtype=torch.long), self.device)   # (B, 1 + Pmax)
+        return dev[:, 0], dev[:, 1:]
 
 
 class PagedBatch(_CacheBase):
@@ -124,11 +146,18 @@ class PagedBatch(_CacheBase):
             setattr(self, a, getattr(pool, a))
 
     def _real_counts(self) -> torch.Tensor:
-        return torch.tensor([self.pool._real[s] for s in self.ids], device=self.device)
+        return torch.stack([self.pool._real[s] for s in self.ids])              # (B,)
+
+    def store_context(self, k, v) -> None:
+        """Refused: a paged pool holds self-attention tokens only (nothing is written)."""
+        raise TypeError("cache: a PagedKVCache batch does not hold cross-attention contexts; "
+                        "for cross-attention use a KVCache, e.g. module.make_cache(batch_size, "
+                        "context_len), and give context on the first call")
 
     def update(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None):
         """Append ``n`` tokens to every sequence of the batch; returns right-aligned
-        ``(k_all (B, Hkv, L, D), v_all, key_valid (B, L))``. Checks the pool has room first."""
+        ``(k_all (B, Hkv, L, D), v_all, key_valid (B, L) or None)``. Checks the pool has room
+        first (a refused write changes nothing)."""
         pool, p = self.pool, self.pool.page_size
         valid = self._check_new(k, v, valid)
         n = k.shape[2]
@@ -139,34 +168,36 @@ class PagedBatch(_CacheBase):
                              f"written. Free finished sequences, or build a larger pool")
         for sid, m in zip(self.ids, need):
             pool._tables[sid] += [pool._free.pop() for _ in range(m)]
-        slots = torch.cat([pool._slots(s, pool._written[s], pool._written[s] + n)
-                           for s in self.ids]).to(self.device)                # (B*n,)
+        before, table = pool._device_tables(self.ids)                         # (B,), (B, Pmax)
         B, Hkv = len(self.ids), self.num_kv_heads
+        pos = before[:, None] + torch.arange(n, device=self.device)            # (B, n)
+        slots = _slot(table, pos, p).flatten()                                 # (B*n,)
         pool.k.index_copy_(0, slots, k.transpose(1, 2).reshape(B * n, Hkv, self.head_dim))
         pool.v.index_copy_(0, slots, v.transpose(1, 2).reshape(B * n, Hkv, self.value_dim))
-        new_valid = torch.ones(B * n, dtype=torch.bool, device=self.device) if valid is None \
-            else valid.reshape(B * n)
-        pool.valid.index_copy_(0, slots, new_valid)
-        real = [n] * B if valid is None else valid.sum(1).tolist()
-        for sid, r in zip(self.ids, real):
+        if valid is None:
+            pool.valid.index_fill_(0, slots, True)
+            counts = self._real_counts() + n                                   # (B,)
+        else:
+            pool.valid.index_copy_(0, slots, valid.reshape(B * n))
+            counts = self._real_counts() + valid.sum(1)                        # (B,)
+            pool._padded.update(self.ids)
+        for b, sid in enumerate(self.ids):
             pool._written[sid] += n
-            pool._real[sid] += int(r)
-        return self._gather()
+            pool._real[sid] = counts[b]                  # a view: nothing copied or read back
+        return self._gather(before + n, table)
 
-    def _gather(self):
-        """Each sequence's keys/values, right-aligned to the longest: ``(B, Hkv, L, D)``."""
-        pool = self.pool
-        lens = [pool._written[s] for s in self.ids]
-        L = max(lens)
-        idx = torch.zeros(len(self.ids), L, dtype=torch.long)                 # (B, L)
-        present = torch.zeros(len(self.ids), L, dtype=torch.bool)             # (B, L)
-        for b, (sid, n) in enumerate(zip(self.ids, lens)):
-            idx[b, L - n:] = pool._slots(sid, 0, n)
-            present[b, L - n:] = True
-        idx, present = idx.to(self.device), present.to(self.device)
-        flat = idx.flatten()                                                  # (B*L,)
-        k = pool.k.index_select(0, flat).view(len(self.ids), L, self.num_kv_heads, self.head_dim)
-        v = pool.v.index_select(0, flat).view(len(self.ids), L, self.num_kv_heads, self.value_dim)
-        key_valid = present & pool.valid[idx]                                 # (B, L)
-        mask = None if bool(key_valid.all()) else key_valid
-        return k.transpose(1, 2), v.transpose(1, 2), mask                    # (B, Hkv, L, D)
+    def _gather(self, lens: torch.Tensor, table: torch.Tensor):
+        """Each sequence's keys/values, right-aligned to the longest: ``(B, Hkv, L, D)``, and
+        which of those keys are real ``(B, L)`` (None when the host knows they all are)."""
+        pool, B = self.pool, len(self.ids)
+        written = [pool._written[s] for s in self.ids]
+        L = max(written)
+        rel = torch.arange(L, device=self.device) - (L - lens)[:, None]          # (B, L)
+        idx = _slot(table, rel.clamp(min=0), pool.page_size).flatten()           # (B*L,)
+        k = pool.k.index_select(0, idx).view(B, L, self.num_kv_heads, self.head_dim)
+        v = pool.v.index_select(0, idx).view(B, L, self.num_kv_heads, self.value_dim)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)                              # (B, Hkv, L, D)
+        if len(set(written)) == 1 and not pool._padded.intersection(self.ids):
+            return k, v, None
+        key_valid = (rel >= 0) & pool.valid.index_select(0, idx).view(B, L)      # (B, L)
+        return k, v, key_valid

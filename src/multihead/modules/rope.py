@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._device import to_device
+
 
 class RotaryEmbedding(nn.Module):
     """Rotary embedding applied to ``(B, H, S, D)`` queries/keys at explicit positions.
@@ -47,8 +49,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"RotaryEmbedding({self.head_dim}) got inputs with head_dim {x.shape[-1]}")
-        pos = positions.to(device=x.device, dtype=torch.float32)
-        ang = pos.unsqueeze(-1) * self.inv_freq.to(x.device)         # (B|1, S, D/2) or (S, D/2)
+        pos = to_device(positions, x.device).to(torch.float32)        # host positions: no sync
+        ang = pos.unsqueeze(-1) * to_device(self.inv_freq, x.device)  # (B|1, S, D/2) or (S, D/2)
         if ang.dim() == 2:
             ang = ang.unsqueeze(0)                                     # (1, S, D/2)
         ang = torch.cat([ang, ang], dim=-1).unsqueeze(1)               # (B|1, 1, S, D)
