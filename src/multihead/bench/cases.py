@@ -20,9 +20,6 @@ import torch.nn.functional as F
 import multihead as mh
 from . import peers as P
 
-SUITES = ("quick", "standard", "full")
-
-
 @dataclass
 class Built:
     """A case made concrete on a device: callables to time, and the work they do."""
@@ -33,8 +30,9 @@ class Built:
     bytes: float | None = None
     naive_bytes: int = 0
     unit: str = "FLOP/s"
-    compile: dict = field(default_factory=dict)    # peer -> callable whose first call compiles
+    compile: dict = field(default_factory=dict)    # peer -> compile-and-check step (see flex)
     naive: set = field(default_factory=set)        # peers that materialize O(H·S²) scores
+    overhead_vs: str | None = None                 # report ours - this peer's time per call
 
 
 @dataclass
@@ -46,18 +44,6 @@ class Case:
     seq: int | None
     mode: str
     build: Callable[[torch.device, torch.dtype], Built]
-
-
-def _density(kind: str, S: int, window: int, lengths: list[int]) -> float:
-    """Fraction of the S x S pairs the mask allows (exact)."""
-    if kind == "dense":
-        return 1.0
-    if kind == "causal":
-        return (S + 1) / (2 * S)
-    if kind == "window":
-        w = min(window, S)
-        return (w * (w + 1) / 2 + (S - w) * w) / S ** 2
-    return sum(n * n for n in lengths) / S ** 2
 
 
 def _doc_lengths(S: int, seed: int = 0) -> list[int]:
@@ -86,48 +72,77 @@ def _with_backward(fn, inputs, train: bool):
     return run_train
 
 
+LABELS = {"dense": "dense", "causal": "causal", "window": "sliding window {window}",
+          "documents": "packed documents 64-512", "padding": "key padding, random lengths",
+          "causal&padding": "causal & key padding, random lengths", "alibi": "ALiBi bias"}
+
+
+def _mask(kind: str, S: int, B: int, H: int, window: int):
+    """The case's mask (None for dense), its document lengths and its key lengths (random,
+    seeded, between S/4 and S: one per sequence)."""
+    docs = _doc_lengths(S) if kind == "documents" else []
+    rng = random.Random(0)
+    keys = torch.tensor([rng.randint(S // 4, S) for _ in range(B)]) if "padding" in kind else None
+    M = mh.masks
+    mask = {"dense": lambda: None, "causal": M.causal,
+            "window": lambda: M.sliding_window(window),
+            "documents": lambda: M.document(cu_seqlens=torch.tensor([0] + docs).cumsum(0)),
+            "padding": lambda: M.padding(keys),
+            "causal&padding": lambda: M.causal() & M.padding(keys),
+            "alibi": lambda: M.alibi(H)}[kind]()
+    return mask, docs, keys
+
+
 def attention_case(kind: str, S: int, *, B=1, H=12, D=64, window=256, train=False,
-                   flex=False) -> Case:
-    """Dense, causal, sliding-window or packed-document attention at length S."""
+                   flex=False, family: str | None = None) -> Case:
+    """Attention at length S under one mask kind (a key of :data:`LABELS`), against SDPA
+    (plain, ``is_causal``, or with the mask materialized), the seeds' tutorial, and compiled
+    flex_attention (with ``flex``, and on CUDA for every masked kind)."""
+    if kind not in LABELS:
+        raise ValueError(f"unknown mask kind {kind!r}: choose one of {', '.join(LABELS)}")
     mode = "fwd+bwd" if train else "fwd"
-    label = {"dense": "dense", "causal": "causal", "window": f"sliding window {window}",
-             "documents": "packed documents 64-512"}[kind]
+    label = LABELS[kind].format(window=window)
 
     def build(device, dtype) -> Built:
         g = torch.Generator(device="cpu").manual_seed(0)
         q, k, v = (torch.randn(B, H, S, D, generator=g).to(device, dtype).requires_grad_(train)
                    for _ in range(3))
-        lengths = _doc_lengths(S) if kind == "documents" else []
-        mask = {"dense": None, "causal": mh.masks.causal(),
-                "window": mh.masks.sliding_window(window),
-                "documents": mh.masks.document(
-                    cu_seqlens=torch.tensor([0] + lengths).cumsum(0))}[kind]
+        mask, docs, keys = _mask(kind, S, B, H, window)
         mask = mask.to(device) if mask is not None else None
+        allowed = (mask.materialize(S, S, device)                               # (B', 1, S, S)
+                   if mask is not None and mask.has_predicate else None)
+        density = (1.0 if allowed is None
+                   else allowed.sum(dtype=torch.int64).item() / allowed.numel())
         item = torch.empty((), dtype=dtype).element_size()
-        b = Built(_with_backward(lambda: mh.attention(q, k, v, mask=mask), (q, k, v), train),
-                  flops=4 * B * H * S * S * D * _density(kind, S, window, lengths)
-                  * (3.5 if train else 1.0), naive_bytes=B * H * S * S * item)
+        ours = lambda: mh.attention(q, k, v, mask=mask)
+        b = Built(_with_backward(ours, (q, k, v), train),
+                  flops=4 * B * H * S * S * D * density * (3.5 if train else 1.0),
+                  naive_bytes=B * H * S * S * item, naive={"seed tutorial"})
         peer = lambda f: _with_backward(f, (q, k, v), train)
         if device.type == "cuda" and kind in ("dense", "causal"):
             _add_gpu_sdpa(b, peer, q, k, v, kind == "causal")
         if kind == "dense":
             b.peers["sdpa"] = peer(lambda: F.scaled_dot_product_attention(q, k, v))
             b.peers["seed tutorial"] = peer(lambda: P.tutorial_attention(q, k, v))
-            b.naive = {"seed tutorial"}
-            return b
-        allowed = mask.materialize(S, S).to(device)                           # (S, S) bool
-        if kind == "causal":
-            b.peers["sdpa is_causal"] = peer(lambda: F.scaled_dot_product_attention(
-                q, k, v, is_causal=True))
-        b.peers["sdpa + dense mask"] = peer(lambda: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed))
-        b.peers["seed tutorial"] = peer(lambda: P.tutorial_attention(q, k, v, allowed))
-        b.naive = {"seed tutorial"}         # (SDPA with a mask holds only the S x S mask)
+        else:
+            if kind == "causal":
+                b.peers["sdpa is_causal"] = peer(lambda: F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True))
+            dense = allowed if allowed is not None else mask.additive(S, S, device, dtype)
+            b.peers["sdpa + dense mask"] = peer(lambda: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=dense))
+            if allowed is not None:     # (SDPA with a bool mask holds only the S x S mask)
+                b.peers["seed tutorial"] = peer(lambda: P.tutorial_attention(q, k, v, allowed))
+            else:                       # the tutorial has no additive bias; SDPA's is H·S²
+                b.naive = {"sdpa + dense mask"}
         if flex or (device.type == "cuda" and kind != "dense"):
-            _add_flex(b, q, k, v, kind, window, lengths, device, train)
+            from . import flex as FX
+            mods = FX.mods(kind, heads=H, device=device, window=window, doc_lengths=docs,
+                           key_lengths=keys)
+            FX.add_peer(b, peer, q, k, v, *mods, reference=None if train else ours)
         return b
 
-    return Case(kind, f"{label}, B={B} H={H} S={S} D={D}", S, mode, build)
+    return Case(family or kind, f"{label}, B={B} H={H} S={S} D={D}", S, mode, build)
 
 
 def _add_gpu_sdpa(b: Built, peer, q, k, v, causal: bool) -> None:
@@ -145,37 +160,16 @@ def _add_gpu_sdpa(b: Built, peer, q, k, v, causal: bool) -> None:
         b.peers[f"sdpa ({label} backend)"] = peer(run)
 
 
-def _add_flex(b: Built, q, k, v, kind, window, lengths, device, train) -> None:
-    """FlexAttention compiled with the same block mask (its compile time reported apart)."""
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError:
-        b.peers["flex_attention (compiled)"] = "not available in this torch"
-        return
-    S = q.shape[2]
-    if kind == "window":
-        fn = lambda bb, h, qi, ki: (qi >= ki) & (qi - ki < window)
-    elif kind == "causal":
-        fn = lambda bb, h, qi, ki: qi >= ki
-    else:
-        doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)
-        fn = lambda bb, h, qi, ki: doc[qi] == doc[ki]
-    block = create_block_mask(fn, None, None, S, S, device=str(device))
-    compiled = torch.compile(flex_attention)
-    run = _with_backward(lambda: compiled(q, k, v, block_mask=block), (q, k, v), train)
-    b.peers["flex_attention (compiled)"] = run
-    b.compile["flex_attention (compiled)"] = run
-
-
-def decode_case(L: int, *, H=32, Hkv=8, D=128) -> Case:
-    """One GQA decode step (Sq=1) against a KVCache holding L tokens: memory-bound."""
+def decode_case(L: int, *, B=1, H=32, Hkv=8, D=128) -> Case:
+    """One GQA decode step (Sq=1) of B sequences against a KVCache holding L tokens each:
+    memory-bound (the name shows B when it is above 1)."""
     def build(device, dtype) -> Built:
-        cache = mh.KVCache(1, L, Hkv, D, dtype=dtype, device=device)
+        cache = mh.KVCache(B, L, Hkv, D, dtype=dtype, device=device)
         g = torch.Generator(device="cpu").manual_seed(0)
-        cache.update(torch.randn(1, Hkv, L, D, generator=g).to(device, dtype),
-                     torch.randn(1, Hkv, L, D, generator=g).to(device, dtype))
-        k, v = cache.k[:, :, :cache.seen], cache.v[:, :, :cache.seen]          # (1, Hkv, L, D)
-        q = torch.randn(1, H, 1, D, generator=g).to(device, dtype)
+        cache.update(torch.randn(B, Hkv, L, D, generator=g).to(device, dtype),
+                     torch.randn(B, Hkv, L, D, generator=g).to(device, dtype))
+        k, v = cache.k[:, :, :cache.seen], cache.v[:, :, :cache.seen]          # (B, Hkv, L, D)
+        q = torch.randn(B, H, 1, D, generator=g).to(device, dtype)
         causal = mh.masks.causal()
         nograd = lambda f: _with_backward(f, (), False)
         return Built(nograd(lambda: mh.attention(q, k, v, mask=causal)),
@@ -183,8 +177,32 @@ def decode_case(L: int, *, H=32, Hkv=8, D=128) -> Case:
                          q, k, v, enable_gqa=True)),
                       "HF repeat-K/V (eager)": nograd(lambda: P.hf_gqa_eager(q, k, v))},
                      bytes=k.nbytes + v.nbytes, unit="B/s", naive={"HF repeat-K/V (eager)"},
-                     naive_bytes=H * L * torch.empty((), dtype=dtype).element_size())
-    return Case("decode", f"GQA decode step, H={H} Hkv={Hkv} D={D}, cache {L}", L, "fwd", build)
+                     naive_bytes=B * H * L * torch.empty((), dtype=dtype).element_size())
+    batch = f"B={B} " if B > 1 else ""
+    return Case("decode", f"GQA decode step, {batch}H={H} Hkv={Hkv} D={D}, cache {L}", L, "fwd",
+                build)
+
+
+def overhead_case(kind: str, *, B=1, H=8, S=128, D=64) -> Case:
+    """Per-call overhead: a call so small that launching it is most of its cost, ours vs
+    SDPA (``is_causal`` for causal); the row reports ours - SDPA per call as well."""
+    if kind not in ("dense", "causal"):
+        raise ValueError(f"overhead_case: kind must be 'dense' or 'causal', got {kind!r}")
+
+    def build(device, dtype) -> Built:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = (torch.randn(B, H, S, D, generator=g).to(device, dtype) for _ in range(3))
+        causal = kind == "causal"
+        mask = mh.masks.causal() if causal else None
+        nograd = lambda f: _with_backward(f, (), False)
+        name = "sdpa is_causal" if causal else "sdpa"
+        density = (S + 1) / (2 * S) if causal else 1.0
+        return Built(nograd(lambda: mh.attention(q, k, v, mask=mask)),
+                     {name: nograd(lambda: F.scaled_dot_product_attention(
+                         q, k, v, is_causal=causal))},
+                     flops=4 * B * H * S * S * D * density, overhead_vs=name)
+    return Case("overhead", f"per-call overhead, {kind}, B={B} H={H} S={S} D={D}", S, "fwd",
+                build)
 
 
 def mha_case(B: int, S: int, E: int, H: int, *, train=False) -> Case:
@@ -232,32 +250,3 @@ def minilm_case(n: int = 256) -> Case:
         return b
     return Case("minilm", f"MiniLM sentence embedding, {n} texts of 8-128 tokens", None, "fwd",
                 build)
-
-
-def suite_cases(suite: str) -> list[Case]:
-    """The cases of ``quick`` (< 1 min on 2 CPU cores), ``standard`` or ``full``.
-
-    Example:
-        >>> [c.name for c in suite_cases("quick")][:2]
-        ['dense, B=1 H=8 S=256 D=64', 'dense, B=1 H=8 S=512 D=64']
-    """
-    if suite not in SUITES:
-        raise ValueError(f"unknown suite {suite!r}: choose one of {', '.join(SUITES)}")
-    if suite == "quick":
-        return ([attention_case(k, S, H=8) for k in ("dense", "causal") for S in (256, 512)]
-                + [attention_case("causal", 512, H=8, train=True),
-                   attention_case("window", 1024, H=8, window=64),
-                   attention_case("documents", 1024, H=8),
-                   decode_case(2048), mha_case(2, 256, 256, 4)])
-    lengths = (1024, 2048, 4096) + ((8192, 16384) if suite == "full" else ())
-    cases = [attention_case(k, S) for k in ("dense", "causal") for S in lengths]
-    cases += [attention_case("causal", 2048, train=True),
-              attention_case("window", 4096, flex=True),
-              attention_case("window", 4096, train=True),
-              attention_case("documents", 4096, flex=True),
-              decode_case(4096), decode_case(32768),
-              mha_case(8, 512, 768, 12), minilm_case()]
-    if suite == "full":
-        cases += [attention_case("window", 16384, flex=True),
-                  attention_case("documents", 16384), mha_case(8, 512, 768, 12, train=True)]
-    return cases

@@ -1,71 +1,19 @@
-"""Timing, peak memory and the machine's own limits, on the CPU or a CUDA GPU.
+"""Peak memory and the machine's own limits, on the CPU or a CUDA GPU (times: ``timing``).
 
-Times are medians over repetitions after warm-up, with the spread (min to max) beside them;
-on CUDA they come from CUDA events after a synchronize. Peak memory is the allocator's
-high-water mark above the memory in use before the call (CUDA), or the peak of the
-profiler's CPU allocation events (CPU).
+Peak memory is the allocator's high-water mark above the memory in use before the call
+(CUDA), or the peak of the profiler's CPU allocation events (CPU).
 """
 
 from __future__ import annotations
 
 import platform
-import time
 from dataclasses import dataclass
 
 import torch
 
+from .timing import Stats, measure  # noqa: F401 (re-exported: benchmarks/ time with it)
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class Stats:
-    """Seconds: the median, the fastest and slowest repetition, and how many ran."""
-
-    median: float       # seconds
-    low: float
-    high: float
-    reps: int
-
-    @property
-    def spread(self) -> float:
-        """(max - min) / median."""
-        return (self.high - self.low) / self.median if self.median else 0.0
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure(fn, device: torch.device, *, reps: int = 5, warmup: int = 1,
-            budget_s: float | None = None) -> Stats:
-    """Median time of ``fn()``; stops early (at least 3 reps) once ``budget_s`` is spent.
-
-    Example:
-        >>> s = measure(lambda: sum(range(1000)), torch.device("cpu"), reps=5)
-        >>> s.reps, s.low <= s.median <= s.high
-        (5, True)
-    """
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times, start = [], time.perf_counter()
-    for i in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize(device)
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        if budget_s is not None and i >= 2 and time.perf_counter() - start > budget_s:
-            break
-    times.sort()
-    return Stats(times[len(times) // 2], times[0], times[-1], len(times))
 
 
 def peak_memory(fn, device: torch.device) -> int:

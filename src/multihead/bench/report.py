@@ -6,16 +6,14 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from .units import duration, si
+
 
 def _rate(row) -> str:
     r, unit = row["rate"], row["unit"]
     if r is None:
         return "-"
-    if unit == "FLOP/s":
-        return f"{r / 1e9:.1f} GFLOP/s"
-    if unit == "B/s":
-        return f"{r / 1e9:.1f} GB/s"
-    return f"{r:.0f} {unit}"
+    return si(r, unit) if unit in ("FLOP/s", "B/s") else f"{r:.0f} {unit}"
 
 
 def _peers(row) -> list[str]:
@@ -25,18 +23,28 @@ def _peers(row) -> list[str]:
             out.append(f"{name}: {p['skipped']}")
         else:
             extra = f", compile {p['compile_s']:.1f} s" if "compile_s" in p else ""
-            out.append(f"{name}: {p['median_ms']:.2f} ms ({p['ratio']:.2f}x{extra})")
+            out.append(f"{name}: {duration(p['median_ms'] / 1e3)} ({p['ratio']:.2f}x{extra})")
+    if "overhead_us" in row:
+        out.append(f"overhead = ours - sdpa: {duration(row['overhead_us'] / 1e6)} per call")
     return out
 
 
+def _spread(o) -> str:
+    spread = (o["high_ms"] - o["low_ms"]) / o["median_ms"] if o["median_ms"] else 0
+    return f"±{spread / 2:.0%}" + ("" if o.get("settled", True) else " (unsettled)")
+
+
 def lines(run) -> list[list[str]]:
-    """One list of cells per row: case, mode, ours, spread, rate, % limit, peak MiB, peers."""
+    """One list of cells per row: case, mode, ours, spread, rate, % limit, peak MiB, peers
+    (for a case that did not run: why, in the peers' column)."""
     out = []
     for r in run.rows:
         o = r["ours"]
+        if o is None:
+            out.append([r["case"], r["mode"], "not run", "-", "-", "-", "-", "-", r["skipped"]])
+            continue
         frac = r["fraction_of_limit"]
-        spread = (o["high_ms"] - o["low_ms"]) / o["median_ms"] if o["median_ms"] else 0
-        out.append([r["case"], r["mode"], f"{o['median_ms']:.2f} ms", f"±{spread / 2:.0%}",
+        out.append([r["case"], r["mode"], duration(o["median_ms"] / 1e3), _spread(o),
                     _rate(r), "-" if frac is None else f"{frac:.0%}",
                     f"{o['peak_bytes'] / 2**20:.1f}", f"{r['naive_bytes'] / 2**20:.0f}",
                     "; ".join(_peers(r))])
@@ -50,9 +58,11 @@ HEADER = ["case", "mode", "ours", "spread", "achieved", "of limit", "peak MiB", 
 def header_text(run) -> str:
     """The run's first line: command, machine, and the limits measured."""
     lim = run.limits
-    return (f"multihead bench --suite {run.suite} --device {run.device} --dtype {run.dtype}: "
-            f"{run.machine}. Limits measured in this run: matmul {lim.gemm_flops / 1e9:.1f} "
-            f"GFLOP/s, memory read {lim.read_bw / 1e9:.1f} GB/s."
+    cold = " --cold-l2" if run.cold_l2 else ""
+    return (f"multihead bench --suite {run.suite} --device {run.device} --dtype {run.dtype}{cold}: "
+            f"{run.machine}. Limits measured in this run: matmul {si(lim.gemm_flops, 'FLOP/s')}, "
+            f"memory read {si(lim.read_bw, 'B/s')}."
+            + (f" {run.timing}" if run.timing else "")
             + (" INTERRUPTED: partial results." if run.interrupted else ""))
 
 
@@ -60,15 +70,18 @@ NOTES = ("FLOPs: 4·B·H·Sq·Sk·D forward, 2.5x that for the backward, only th
          "counted for sparse masks (FlashAttention's convention); module rows add the "
          "projections. Decode rows are memory-bound: K/V cache bytes read per second. Ratio = "
          "peer time / our time (above 1: we are faster). 'naive MiB' = the H·S² score matrices "
-         "a naive implementation materializes; naive peers are refused where that does not fit.")
+         "a naive implementation materializes; naive peers are refused where that does not fit. "
+         "Per-call overhead rows: a call small enough that launching it is the cost; "
+         "'overhead' = our time - SDPA's, per call.")
 
 
 def write(run, out: Path) -> list[Path]:
     """Write results.json, results.md and results.png into ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
     data = {"suite": run.suite, "device": run.device, "dtype": run.dtype, "machine": run.machine,
-            "limits": asdict(run.limits), "interrupted": run.interrupted, "seconds": run.seconds,
-            "notes": NOTES, "rows": run.rows}
+            "limits": asdict(run.limits), "cold_l2": run.cold_l2, "timing": run.timing,
+            "interrupted": run.interrupted, "seconds": run.seconds, "notes": NOTES,
+            "rows": run.rows}
     js = out / "results.json"
     js.write_text(json.dumps(data, indent=2))
     md = out / "results.md"
@@ -84,16 +97,19 @@ def write(run, out: Path) -> list[Path]:
 
 
 def _plot(run, path: Path):
-    """Time vs sequence length (log-log) for the families measured at several lengths."""
+    """Time vs sequence length (log-log) for dense and causal attention, and (CUDA suites)
+    the time of each mask kind at the longest length measured, ours against each peer."""
+    done = [r for r in run.rows if r["ours"] is not None and r["mode"] == "fwd"]
     fams = {}
-    for r in run.rows:
-        if r["seq"] is not None and r["mode"] == "fwd" and r["family"] in ("dense", "causal"):
+    for r in done:
+        if r["seq"] is not None and r["family"] in ("dense", "causal"):
             fams.setdefault(r["family"], []).append(r)
+    masks = [r for r in done if r["family"] == "masks"]
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, max(1, len(fams)), figsize=(5.5 * max(1, len(fams)), 4),
-                             squeeze=False)
+    panels = max(1, len(fams) + bool(masks))
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
     for ax, (fam, rows) in zip(axes[0], fams.items()):
         rows = sorted(rows, key=lambda r: r["seq"])
         xs = [r["seq"] for r in rows]
@@ -109,10 +125,30 @@ def _plot(run, path: Path):
         ax.set_ylabel("time (ms)")
         ax.set_title(f"{fam} attention, forward")
         ax.legend(fontsize=7)
-    if not fams:
+    if masks:
+        _mask_bars(axes[0][-1], masks)
+    if not fams and not masks:
         axes[0][0].text(0.5, 0.5, "no multi-length cases measured", ha="center")
     fig.suptitle(header_text(run)[:110], fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _mask_bars(ax, rows) -> None:
+    """Horizontal bars: one group per mask kind at the longest length, ours and each peer."""
+    S = max(r["seq"] for r in rows)
+    rows = [r for r in rows if r["seq"] == S]
+    series = {"multihead": [r["ours"]["median_ms"] for r in rows]}
+    for name in ("sdpa", "sdpa + dense mask", "flex_attention (compiled)"):
+        series[name] = [r["peers"].get(name, {}).get("median_ms", 0.0) for r in rows]
+    height = 0.8 / len(series)
+    for i, (name, ms) in enumerate(series.items()):
+        ax.barh([j + i * height for j in range(len(rows))], ms, height, label=name)
+    ax.set_yticks([j + 0.4 - height / 2 for j in range(len(rows))])
+    ax.set_yticklabels([r["case"].split(",")[0] for r in rows], fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("time (ms); no bar: not measured")
+    ax.set_title(f"mask kinds, S={S}, forward")
+    ax.legend(fontsize=7)

@@ -2,19 +2,24 @@
 
 Each row holds our median time and spread, the achieved rate and its fraction of the
 measured limit, peak memory, and for every peer its time and ``peer time / our time``
-(above 1: we are faster), or why it did not run. Ctrl-C stops the run; what was measured
-is kept.
+(above 1: we are faster), or why it did not run. A case that cannot be built or whose own
+call fails (a model package that is not installed, out of memory, ...) is a row that says
+why, and the suite goes on. Ctrl-C stops the run; what was measured is kept.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .cases import Case, suite_cases
-from .measure import DTYPES, Limits, available_memory, describe, machine_limits, measure, peak_memory
+from .cases import Case
+from .catalog import suite_cases
+from .flex import NotComparable, compile_limits, forbid_recompiles
+from .measure import DTYPES, Limits, available_memory, describe, machine_limits, peak_memory
+from .timing import describe_timing, measure
 
 #: a naive peer runs only if its score matrices (times this factor) fit in free memory
 NAIVE_HEADROOM = 3
@@ -32,10 +37,12 @@ class Run:
     rows: list = field(default_factory=list)
     interrupted: bool = False
     seconds: float = 0.0
+    cold_l2: bool = False
+    timing: str = ""          # how the times were taken (one sentence)
 
 
-def check_target(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """Validate --device and --dtype; one clear error each.
+def check_target(device: str, dtype: str, cold_l2: bool = False) -> tuple[torch.device, torch.dtype]:
+    """Validate --device, --dtype and --cold-l2; one clear error each.
 
     Example:
         >>> check_target("cpu", "bf16")
@@ -51,27 +58,77 @@ def check_target(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     if device == "cpu" and dtype == "fp16":
         raise ValueError("--dtype fp16 is not supported on the CPU (emulated, not a fast path "
                          "anyone would use): use fp32 or bf16 on the CPU, fp16 on cuda")
+    if cold_l2 and device != "cuda":
+        raise ValueError(f"--cold-l2 needs --device cuda: it flushes the GPU's L2 cache before "
+                         f"each timed call; on {device} the times are wall clock with warm caches "
+                         f"(drop --cold-l2)")
     return torch.device(device), DTYPES[dtype]
 
 
 def _ms(stats) -> dict:
     return {"median_ms": stats.median * 1e3, "low_ms": stats.low * 1e3,
-            "high_ms": stats.high * 1e3, "reps": stats.reps}
+            "high_ms": stats.high * 1e3, "reps": stats.reps, "calls": stats.calls,
+            "settled": stats.settled}
 
 
-def run_case(case: Case, device, dtype, limits: Limits, reps: int) -> dict:
-    """Time ``case`` and its peers; a peer that cannot run says why in its entry."""
-    built = case.build(device, dtype)
-    ours = measure(built.ours, device, reps=reps, budget_s=15)
+def _first_line(e: BaseException, limit: int = 160) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:limit]
+
+
+def why_not(e: Exception) -> str:
+    """A row's or peer's reason: ``skipped: ...`` for something not installed here,
+    ``failed: Type: message`` for anything else.
+
+    Example:
+        >>> why_not(ImportError("transformers is not installed"))
+        'skipped: transformers is not installed'
+        >>> why_not(RuntimeError("CUDA out of memory. Tried to allocate 16.00 GiB"))
+        'failed: RuntimeError: CUDA out of memory. Tried to allocate 16.00 GiB'
+    """
+    from ..models.loading import ModelLoadError
+    if isinstance(e, (ImportError, ModelLoadError)):
+        return f"skipped: {_first_line(e, 300)}"
+    return f"failed: {type(e).__name__}: {_first_line(e)}"
+
+
+def _release(device: torch.device) -> None:
+    """Return a failed or finished case's memory to the device (CUDA's free memory is what
+    the naive peers are refused against)."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def run_case(case: Case, device, dtype, limits: Limits, reps: int, *,
+             cold_l2: bool = False) -> dict:
+    """Time ``case`` and its peers. If the case cannot be built or our call fails, the row
+    says why (``skipped``) and has no times; a peer that cannot run says why in its entry."""
+    row = {"family": case.family, "case": case.name, "seq": case.seq, "mode": case.mode,
+           "unit": None, "ours": None, "flops": None, "bytes": None, "rate": None,
+           "fraction_of_limit": None, "naive_bytes": 0, "peers": {}}
+    budget = 15 if device.type == "cpu" else 3
+    timed = lambda fn: measure(fn, device, reps=reps, budget_s=budget, cold_l2=cold_l2)
+    _release(device)
+    built = None
+    try:
+        built = case.build(device, dtype)
+        ours = timed(built.ours)
+        peak = peak_memory(built.ours, device)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 (a case that cannot run here is a row that says why)
+        row["skipped"], built = why_not(e), None
+    if built is None:               # (released once the traceback, which holds tensors, is gone)
+        _release(device)
+        return row
     work = built.flops if built.flops is not None else built.bytes
     rate = work / ours.median if work is not None else None
     limit = limits.gemm_flops if built.unit == "FLOP/s" else limits.read_bw if built.unit == "B/s" \
         else None
-    row = {"family": case.family, "case": case.name, "seq": case.seq, "mode": case.mode,
-           "unit": built.unit, "ours": {**_ms(ours), "peak_bytes": peak_memory(built.ours, device)},
-           "flops": built.flops, "bytes": built.bytes, "rate": rate,
-           "fraction_of_limit": rate / limit if rate is not None and limit else None,
-           "naive_bytes": built.naive_bytes, "peers": {}}
+    row.update({"unit": built.unit, "ours": {**_ms(ours), "peak_bytes": peak},
+                "flops": built.flops, "bytes": built.bytes, "rate": rate,
+                "fraction_of_limit": rate / limit if rate is not None and limit else None,
+                "naive_bytes": built.naive_bytes})
     free = available_memory(device)
     for name, fn in built.peers.items():
         if isinstance(fn, str):
@@ -82,39 +139,50 @@ def run_case(case: Case, device, dtype, limits: Limits, reps: int) -> dict:
                                              f"{built.naive_bytes * NAIVE_HEADROOM / 2**30:.1f} GiB, "
                                              f"{free / 2**30:.1f} GiB free"}
             continue
-        entry = {}
+        entry, s = {}, None
         try:
-            if name in built.compile:
-                t = time.perf_counter()
-                built.compile[name]()
-                entry["compile_s"] = time.perf_counter() - t
-            s = measure(fn, device, reps=reps, budget_s=15)
+            if name in built.compile:          # compiled: fresh, checked, then no recompiles
+                entry = built.compile[name]()
+                with forbid_recompiles():
+                    s = timed(fn)
+            else:
+                s = timed(fn)
         except KeyboardInterrupt:
             raise
+        except NotComparable as e:
+            row["peers"][name] = {**entry, "skipped": f"not measured: {e}"}
+            continue
         except Exception as e:  # noqa: BLE001 (a peer's own failure is a result, not our crash)
-            msg = (str(e).strip().splitlines() or [""])[0][:160]
-            row["peers"][name] = {"skipped": f"failed: {type(e).__name__}: {msg}"}
+            row["peers"][name] = {"skipped": why_not(e)}
+        if s is None:               # (released once the traceback, which holds tensors, is gone)
+            _release(device)
             continue
         row["peers"][name] = {**entry, **_ms(s), "ratio": s.median / ours.median}
+    base = row["peers"].get(built.overhead_vs or "", {})
+    if "median_ms" in base:
+        row["overhead_us"] = (row["ours"]["median_ms"] - base["median_ms"]) * 1e3
     return row
 
 
 def run_suite(suite: str = "quick", device: str = "cpu", dtype: str = "fp32",
-              on_row=None, progress=None) -> Run:
-    """Measure the limits, then every case of ``suite``; Ctrl-C keeps what was measured."""
-    dev, dt = check_target(device, dtype)
-    cases = suite_cases(suite)
+              on_row=None, progress=None, cold_l2: bool = False) -> Run:
+    """Measure the limits, then every case of ``suite`` sized for ``device``; Ctrl-C keeps
+    what was measured. ``cold_l2`` (CUDA): flush the L2 cache before every timed call."""
+    dev, dt = check_target(device, dtype, cold_l2)
+    cases = suite_cases(suite, dev)
     start = time.perf_counter()
-    run = Run(suite, device, dtype, describe(dev), machine_limits(dev, dt, quick=suite == "quick"))
+    run = Run(suite, device, dtype, describe(dev), machine_limits(dev, dt, quick=suite == "quick"),
+              cold_l2=cold_l2, timing=describe_timing(dev, cold_l2))
     reps = 3 if suite == "quick" else 5
     try:
-        for case in cases:
-            if progress is not None:
-                progress(case)
-            row = run_case(case, dev, dt, run.limits, reps)
-            run.rows.append(row)
-            if on_row is not None:
-                on_row(row)
+        with compile_limits():
+            for case in cases:
+                if progress is not None:
+                    progress(case)
+                row = run_case(case, dev, dt, run.limits, reps, cold_l2=cold_l2)
+                run.rows.append(row)
+                if on_row is not None:
+                    on_row(row)
     except KeyboardInterrupt:
         run.interrupted = True
     run.seconds = time.perf_counter() - start

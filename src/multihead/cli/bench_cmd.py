@@ -3,6 +3,9 @@
 The machine's matmul FLOP/s and memory read bandwidth are measured first, in the same run;
 every row reports time, the achieved rate, its fraction of that limit, peak memory, and
 the ratio against each peer. ``--out`` writes results.json, results.md and results.png.
+The cases are sized for ``--device`` (the CPU suites are frozen; the CUDA ones go to 32k
+tokens); on CUDA, times come from CUDA events around batches of calls, or around single
+calls after an L2 flush with ``--cold-l2``. A case that cannot run here says why in its row.
 """
 
 from __future__ import annotations
@@ -19,14 +22,17 @@ def add_parser(sub) -> None:
                    "or full (default quick)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (cuda) (default fp32)")
+    p.add_argument("--cold-l2", action="store_true", help="cuda: flush the L2 cache before every "
+                   "timed call and time calls singly (default: batches of back-to-back calls, "
+                   "warm caches)")
     p.add_argument("--out", type=Path, help="directory for results.json, results.md, results.png")
 
 
 def run(args) -> int:
-    from ..bench.cases import suite_cases
+    from ..bench.catalog import suite_cases
     from ..bench.suite import check_target, run_suite
-    check_target(args.device, args.dtype)
-    cases = suite_cases(args.suite)
+    check_target(args.device, args.dtype, args.cold_l2)
+    cases = suite_cases(args.suite, args.device)
     prepare_out(args.out)
 
     from rich.console import Console
@@ -35,7 +41,7 @@ def run(args) -> int:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=True) as bar:
         task = bar.add_task("measuring the machine's limits", total=len(cases))
-        result = run_suite(args.suite, args.device, args.dtype,
+        result = run_suite(args.suite, args.device, args.dtype, cold_l2=args.cold_l2,
                            progress=lambda c: bar.update(task, description=c.name[:60]),
                            on_row=lambda r: bar.advance(task))
     _show(result, console(width=160, markup=False))
@@ -61,4 +67,6 @@ def _show(result, con) -> None:
         t.add_row(*cells)
     con.print(t)
     con.print(NOTES, style="dim")
-    con.print(f"{len(result.rows)} cases in {result.seconds:.0f} s", style="dim")
+    not_run = sum(r["ours"] is None for r in result.rows)
+    con.print(f"{len(result.rows)} cases in {result.seconds:.0f} s"
+              + (f"; {not_run} not run (the reason is in the row)" if not_run else ""), style="dim")

@@ -1,0 +1,89 @@
+"""Which cases each suite runs, sized for the device.
+
+The CPU suites are frozen (names and sizes): runs before and after a change are compared
+row by row. The CUDA suites use GPU sizes: H=16 (H=32 where a model has it), D=128,
+sequences up to 32k, decode at B=1 and B=8, one case per mask kind against SDPA with the
+mask materialized and compiled flex_attention, and the per-call overhead of a tiny call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cases import Case, attention_case, decode_case, mha_case, minilm_case, overhead_case
+
+SUITES = ("quick", "standard", "full")
+
+#: the mask kinds of the CUDA "masks" family: (kind, sliding window)
+MASK_KINDS = (("dense", 0), ("causal", 0), ("window", 256), ("window", 2048), ("documents", 0),
+              ("padding", 0), ("causal&padding", 0), ("alibi", 0))
+#: the ones the quick CUDA suite keeps
+QUICK_MASK_KINDS = (("window", 256), ("documents", 0), ("causal&padding", 0), ("alibi", 0))
+
+
+def suite_cases(suite: str, device: str | torch.device = "cpu") -> list[Case]:
+    """The cases of ``quick`` (< 1 min on 2 CPU cores), ``standard`` or ``full`` on ``device``.
+
+    Example:
+        >>> [c.name for c in suite_cases("quick")][:2]
+        ['dense, B=1 H=8 S=256 D=64', 'dense, B=1 H=8 S=512 D=64']
+        >>> [c.name for c in suite_cases("quick", "cuda") if c.family == "decode"]
+        ['GQA decode step, H=32 Hkv=8 D=128, cache 4096', 'GQA decode step, B=8 H=32 Hkv=8 D=128, cache 4096']
+    """
+    if suite not in SUITES:
+        raise ValueError(f"unknown suite {suite!r}: choose one of {', '.join(SUITES)}")
+    kind = getattr(device, "type", device)
+    if kind == "cpu":
+        return _cpu(suite)
+    if kind == "cuda":
+        return _cuda(suite)
+    raise ValueError(f"unknown device {device!r}: choose cpu or cuda")
+
+
+def _overhead() -> list[Case]:
+    return [overhead_case("dense"), overhead_case("causal")]
+
+
+def _cpu(suite: str) -> list[Case]:
+    if suite == "quick":
+        return ([attention_case(k, S, H=8) for k in ("dense", "causal") for S in (256, 512)]
+                + [attention_case("causal", 512, H=8, train=True),
+                   attention_case("window", 1024, H=8, window=64),
+                   attention_case("documents", 1024, H=8),
+                   decode_case(2048), mha_case(2, 256, 256, 4)])
+    lengths = (1024, 2048, 4096) + ((8192, 16384) if suite == "full" else ())
+    cases = [attention_case(k, S) for k in ("dense", "causal") for S in lengths]
+    cases += [attention_case("causal", 2048, train=True),
+              attention_case("window", 4096, flex=True),
+              attention_case("window", 4096, train=True),
+              attention_case("documents", 4096, flex=True),
+              decode_case(4096), decode_case(32768),
+              mha_case(8, 512, 768, 12), minilm_case()]
+    if suite == "full":
+        cases += [attention_case("window", 16384, flex=True),
+                  attention_case("documents", 16384), mha_case(8, 512, 768, 12, train=True)]
+    return cases + _overhead()
+
+
+def _cuda(suite: str) -> list[Case]:
+    gpu = dict(H=16, D=128)
+    quick, full = suite == "quick", suite == "full"
+    lengths = ((1024, 4096) if quick else
+               (1024, 2048, 4096, 8192, 16384) + ((32768,) if full else ()))
+    cases = [attention_case(k, S, **gpu) for k in ("dense", "causal") for S in lengths]
+    cases += [attention_case("causal", S, train=True, **gpu)
+              for S in ((4096,) if quick else (4096, 16384))]
+    if not quick:
+        cases += [attention_case(k, 4096, train=True, **gpu) for k in ("window", "documents")]
+    kinds = QUICK_MASK_KINDS if quick else MASK_KINDS
+    cases += [attention_case(k, S, B=2, window=w or 256, flex=True, family="masks", **gpu)
+              for S in ((4096, 16384) if full else (4096,)) for k, w in kinds]
+    cases += [decode_case(L, B=B) for B in (1, 8) for L in ((4096,) if quick else (4096, 32768))]
+    cases += [mha_case(8, 2048, 1024, 16)] + ([] if quick else [mha_case(8, 2048, 1024, 16,
+                                                                          train=True)])
+    if full:                                 # a 7B-class layer's shape: 32 heads of 128
+        cases += [attention_case("causal", 8192, H=32, D=128, train=t, family="causal, H=32")
+                  for t in (False, True)]
+    if not quick:
+        cases.append(minilm_case())
+    return cases + _overhead()
