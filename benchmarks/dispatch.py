@@ -1,0 +1,128 @@
+"""How good are auto's choices on this machine? Every able backend, timed, per call.
+
+Run:  .venv/bin/python -m benchmarks.dispatch [--quick] [--device cuda] [--dtype bf16]
+
+For a grid of calls (mask kinds, lengths, GQA, decoding, lse, gradients) every backend
+that can run the call is timed; the row shows auto's choice, the fastest backend, and the
+regret t(auto) / t(fastest) (1.00: auto picked the fastest). The cost model's estimates
+are printed beside the measurements, so a profile can be checked against the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import multihead as mh
+from multihead.functional import dispatch, profiles
+from multihead.functional._call import make_call
+
+M = mh.masks
+
+
+def _time(fn, device, reps=5) -> float:
+    """Median seconds of fn() after a warm-up (CUDA: synchronized around each call)."""
+    fn()
+    out = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out.append(time.perf_counter() - t)
+    return sorted(out)[len(out) // 2]
+
+
+def _masks(S: int, B: int, device):
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(S // 4, S + 1, (B,), generator=g)
+    docs = torch.arange(S) // max(S // 8, 1)
+    yield "none", None
+    yield "causal", M.causal()
+    yield "window 64", M.sliding_window(64)
+    yield f"window {S // 4}", M.sliding_window(max(S // 4, 1))
+    yield "documents", M.document(docs).to(device)
+    yield "interleaved docs", M.document(docs % 3).to(device)
+    yield "padding", M.padding(lengths).to(device)
+    yield "causal&padding", (M.causal() & M.padding(lengths)).to(device)
+    yield "dense 50%", M.dense((torch.rand(S, S, generator=g) > 0.5).to(device))
+    yield "alibi", M.alibi(8)
+    yield "causal&alibi", M.causal() & M.alibi(8)
+
+
+def _calls(quick: bool, device, dtype):
+    sizes = (256, 1024) if quick else (128, 512, 2048)
+    for S in sizes:
+        for name, mask in _masks(S, 1, device):
+            yield f"{name} S={S}", dict(shape=(1, 8, 8, S, S, 64), mask=mask)
+    for S in sizes:
+        yield f"lse S={S}", dict(shape=(1, 8, 8, S, S, 64), mask=None, lse=True)
+        yield f"causal lse S={S}", dict(shape=(1, 8, 8, S, S, 64), mask=M.causal(), lse=True)
+        yield f"causal grad S={S}", dict(shape=(1, 8, 8, S, S, 64), mask=M.causal(), grad=True)
+        yield f"window 64 grad S={S}", dict(shape=(1, 8, 8, S, S, 64),
+                                            mask=M.sliding_window(64), grad=True)
+    for L in ((1024, 4096) if quick else (1024, 8192)):
+        yield f"GQA decode L={L}", dict(shape=(1, 32, 8, 1, L, 128), mask=M.causal())
+        yield f"GQA chunk of 16, L={L}", dict(shape=(1, 32, 8, 16, L, 128), mask=M.causal())
+
+
+def run(quick: bool, device: str, dtype: str) -> list[dict]:
+    dev, dt = torch.device(device), {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                     "fp16": torch.float16}[dtype]
+    profile = profiles.profile_for(dev)
+    rows = []
+    for label, c in _calls(quick, dev, dt):
+        B, H, Hkv, Sq, Sk, D = c["shape"]
+        grad = c.get("grad", False)
+        q = torch.randn(B, H, Sq, D, device=dev, dtype=dt, requires_grad=grad)
+        k, v = (torch.randn(B, Hkv, Sk, D, device=dev, dtype=dt, requires_grad=grad)
+                for _ in range(2))
+        kw = dict(mask=c["mask"], return_lse=c.get("lse", False))
+        call = make_call(q, k, v, scale=None, dropout_p=0.0, return_weights=False, **kw)
+        est, measured = {}, {}
+        for r in dispatch._rows(call, profile):
+            if r.plan is None:
+                continue
+            est[r.name] = r.seconds
+
+            def fn(name=r.name):
+                res = mh.attention(q, k, v, backend=name, **kw)
+                out = res[0] if isinstance(res, tuple) else res
+                if grad:
+                    out.float().sum().backward()
+            if r.seconds > 2.0:                  # would take too long: estimate only
+                continue
+            measured[r.name] = _time(fn, dev, reps=3 if quick else 5)
+        chosen = mh.explain(q, k, v, **kw).chosen
+        best = min(measured, key=measured.get)
+        regret = measured[chosen] / measured[best] if chosen in measured else float("nan")
+        rows.append(dict(case=label, chosen=chosen, fastest=best, regret=regret,
+                         measured_ms={n: t * 1e3 for n, t in measured.items()},
+                         estimated_ms={n: t * 1e3 for n, t in est.items()}))
+        times = "  ".join(f"{n} {measured[n] * 1e3:.2f}/{est[n] * 1e3:.2f}" for n in measured)
+        print(f"{label:<28} auto {chosen:<11} fastest {best:<11} regret {regret:4.2f}   "
+              f"(measured/estimated ms) {times}", flush=True)
+    worst = max(r["regret"] for r in rows)
+    mean = sum(r["regret"] for r in rows) / len(rows)
+    print(f"{len(rows)} calls on {profile.name}: auto picked the fastest in "
+          f"{sum(r['chosen'] == r['fastest'] for r in rows)}; mean regret {mean:.2f}, "
+          f"worst {worst:.2f}")
+    return rows
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--json", help="write the rows here")
+    a = p.parse_args()
+    result = run(a.quick, a.device, a.dtype)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
