@@ -58,12 +58,14 @@ class AttentionCall:
                  "B", "H", "Hkv", "Sq", "Sk", "D", "Dv", "_memo")
 
     def __init__(self, q, k, v, mask, scale: float, dropout_p: float, return_weights: bool,
-                 return_lse: bool):
+                 return_lse: bool, shapes: tuple | None = None):
         self.q, self.k, self.v, self.mask = q, k, v, mask
         self.scale, self.dropout_p = scale, dropout_p
         self.return_weights, self.return_lse = return_weights, return_lse
-        self.B, self.H, self.Sq, self.D = q.shape
-        self.Hkv, self.Sk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
+        qs, ks, vs = shapes or (q.shape, k.shape, v.shape)
+        self.B, self.H, self.Sq, self.D = qs
+        _, self.Hkv, self.Sk, _ = ks
+        self.Dv = vs[3]
         self._memo = {}
 
     @property

@@ -156,17 +156,35 @@ def _check_backend(backend) -> str:
     return backend
 
 
-def _key(q, k, v, scale, dropout_p, backend, return_weights, return_lse):
-    """What determines a decision besides the mask, or None when it cannot be a dict key."""
+def _hashable(key) -> bool:
     try:
-        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
-               v.device, scale, scale.__class__, dropout_p, dropout_p.__class__, backend,
-               bool(return_weights), bool(return_lse), grad, profiles.generation)
         hash(key)
-    except (AttributeError, TypeError):
-        return None
-    return key
+    except TypeError:
+        return False
+    return True
+
+
+def _shared_decision(full_key, args):
+    """``(call or None, decision)`` from the shared cache, deciding (and storing) on a miss."""
+    try:
+        decision = _DECISIONS.get(full_key)
+    except TypeError:                               # an argument that cannot be a dict key
+        return None, None
+    if decision is not None:
+        return None, decision
+    call, decision = _new_decision(*args)
+    if len(_DECISIONS) >= _MAX_DECISIONS:
+        _DECISIONS.pop(next(iter(_DECISIONS)))
+    _DECISIONS[full_key] = decision
+    return call, decision
+
+
+def _new_decision(q, k, v, mask, scale, dropout_p, backend, return_weights, return_lse):
+    """Validate the call and decide: ``(call, (backend, plan))``."""
+    _check_backend(backend)
+    call = make_call(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p,
+                     return_weights=return_weights, return_lse=return_lse)
+    return call, _decide(call, backend, profiles.profile_for(q.device))
 
 
 def clear_cache() -> None:
@@ -213,44 +231,43 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
         B batch, H query heads, Hkv key/value heads, Sq queries, Sk keys,
         D query/key head dim, Dv value head dim.
     """
-    args = dict(mask=mask, scale=scale, dropout_p=dropout_p, return_weights=return_weights,
-                return_lse=return_lse)
-    made = []
+    key = None
+    if not torch.compiler.is_compiling():
+        try:     # what determines the decision besides the mask (a miss validates all of it)
+            shapes = (q.shape, k.shape, v.shape)
+            key = (shapes, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, scale,
+                   scale.__class__, dropout_p, dropout_p.__class__, backend, return_weights,
+                   return_lse, torch.is_grad_enabled() and (
+                       q.requires_grad or k.requires_grad or v.requires_grad),
+                   profiles.generation)
+        except AttributeError:                      # not tensors: the miss path says so
+            pass
+    call, decision = None, None
+    args = (q, k, v, mask, scale, dropout_p, backend, return_weights, return_lse)
+    if key is None:
+        pass
+    elif mask is None or (isinstance(mask, M.Mask) and mask.cache_key() is not None):
+        call, decision = _shared_decision((key, None if mask is None else mask.cache_key()),
+                                          args)
+    elif isinstance(mask, M.Mask) and mask.memoizable and _hashable(key):   # on the mask
+        made = []
 
-    def decide():
-        _check_backend(backend)
-        made.append(make_call(q, k, v, **args))
-        return _decide(made[0], backend, profiles.profile_for(q.device))
-
-    key = None if torch.compiler.is_compiling() else _key(
-        q, k, v, scale, dropout_p, backend, return_weights, return_lse)
-    cache_key = None if key is None or not (mask is None or isinstance(mask, M.Mask)) \
-        else mask.cache_key() if mask is not None else ()
-    if cache_key is not None:                       # no mask, or a mask made of ints
-        full = (key, cache_key)
-        decision = _DECISIONS.get(full)
-        if decision is None:
-            decision = decide()
-            if len(_DECISIONS) >= _MAX_DECISIONS:
-                _DECISIONS.pop(next(iter(_DECISIONS)))
-            _DECISIONS[full] = decision
-    elif key is not None and isinstance(mask, M.Mask) and mask.memoizable:
-        decision = mask.cached("decision", (key, mask.requires_grad), decide)
-    else:                                           # raw tensors, user masks, compiling
-        decision = decide()
-    if made:
-        call = made[0]
-    else:                                           # validated when the decision was made
+        def new():
+            made.append(_new_decision(*args))
+            return made[0][1]
+        decision = mask.cached("decision", (key, mask.requires_grad), new)
+        call = made[0][0] if made else None
+    if decision is None:                            # raw tensors, user masks, compiling
+        call, decision = _new_decision(*args)
+    if call is None:                                # validated when the decision was made
         call = AttentionCall(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None
                              else float(scale), float(dropout_p), bool(return_weights),
-                             bool(return_lse))
+                             bool(return_lse), shapes)
     backend_obj, plan = decision
-    if plan is _EMPTY:
-        out, w, lse = _empty(call)
-    else:
-        out, w, lse = backend_obj.run(call, plan)
-    extra = tuple(x for x, on in ((w, call.return_weights), (lse, call.return_lse)) if on)
-    return (out, *extra) if extra else out
+    out, w, lse = _empty(call) if plan is _EMPTY else backend_obj.run(call, plan)
+    if not (call.return_weights or call.return_lse):
+        return out
+    return (out, *(x for x, on in ((w, call.return_weights), (lse, call.return_lse)) if on))
 
 
 def _empty(call: AttentionCall):

@@ -49,9 +49,10 @@ class Window(Mask):
         self.size = size
         self.align = _check_align(align)
         self.kind = "causal" if size is None else "window"
+        self._key = ("window", size, self.align)
 
     def cache_key(self):
-        return ("window", self.size, self.align)
+        return self._key
 
     def may_have_empty_rows(self, sq: int, sk: int) -> bool:
         # query q sees keys k in [q + off - size + 1, q + off] (no lower end for causal)
