@@ -15,7 +15,19 @@ settings.load_profile("repeatable")
 import multihead as mh
 from multihead.functional.backend import _tiles
 
+#: the backends that run every mask (most tests use these)
 BACKENDS = ["reference", "sdpa", "blocksparse"]
+#: every registered backend: a new one meets the oracle without editing a test
+ALL_BACKENDS = sorted(mh.backends())
+
+
+def skip_unless_runs(backend: str, q, k, v, **kw) -> None:
+    """Skip the test when ``backend`` cannot run this call, after checking it says so."""
+    try:
+        mh.explain(q, k, v, backend=backend, **kw)
+    except ValueError as e:
+        assert f"backend={backend!r} cannot run this call: it " in str(e)
+        pytest.skip(str(e))
 
 
 def pytest_collection_modifyitems(config, items):
