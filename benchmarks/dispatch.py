@@ -1,6 +1,7 @@
 """How good are auto's choices on this machine? Every able backend, timed, per call.
 
 Run:  .venv/bin/python -m benchmarks.dispatch [--quick] [--device cuda] [--dtype bf16]
+      .venv/bin/python -m benchmarks.dispatch --overhead [--device cuda]
 
 For a grid of calls (mask kinds, lengths, GQA, decoding, lse, gradients) every backend
 that can run the call is timed; the row shows auto's choice, the fastest backend, and the
@@ -115,14 +116,50 @@ def run(quick: bool, device: str, dtype: str) -> list[dict]:
     return rows
 
 
+def overhead(device: str = "cpu", n: int = 20000) -> dict:
+    """Per-call overhead of attention() over the SDPA call it wraps, for dense and causal
+    calls small enough that the kernel is not the cost: best of 5 loops of ``n`` calls."""
+    dev = torch.device(device)
+    q = torch.randn(1, 8, 16 if dev.type == "cpu" else 128, 64, device=dev)
+    causal = M.causal()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    pairs = {"dense": (lambda: sdpa(q, q, q), lambda: mh.attention(q, q, q)),
+             "causal": (lambda: sdpa(q, q, q, is_causal=True),
+                        lambda: mh.attention(q, q, q, mask=causal))}
+
+    def per_call(fn):
+        for _ in range(200):
+            fn()
+        best = float("inf")
+        for _ in range(5):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            best = min(best, (time.perf_counter() - t) / n)
+        return best * 1e6
+    out = {}
+    with torch.no_grad():
+        for name, (peer, ours) in pairs.items():
+            a, b = per_call(peer), per_call(ours)
+            out[name] = dict(sdpa_us=a, ours_us=b, overhead_us=b - a)
+            print(f"per-call {name:<6} S={q.shape[2]}: sdpa {a:6.1f} us, ours {b:6.1f} us, "
+                  f"overhead {b - a:5.1f} us", flush=True)
+    return out
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--overhead", action="store_true", help="only the per-call overhead")
     a = p.parse_args()
-    result = run(a.quick, a.device, a.dtype)
+    result = overhead(a.device) if a.overhead else run(a.quick, a.device, a.dtype)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
