@@ -19,24 +19,15 @@ import torch
 
 import multihead as mh
 from multihead.functional import dispatch, profiles
+from multihead.bench.measure import measure
 from multihead.functional._call import make_call
 
 M = mh.masks
 
 
 def _time(fn, device, reps=5) -> float:
-    """Median seconds of fn() after a warm-up (CUDA: synchronized around each call)."""
-    fn()
-    out = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        out.append(time.perf_counter() - t)
-    return sorted(out)[len(out) // 2]
+    """Median seconds of fn() (multihead bench's timing: CUDA events in settled batches)."""
+    return measure(fn, device, reps=reps).median
 
 
 def _masks(S: int, B: int, device):

@@ -13,6 +13,8 @@ call that completes never read device data back. On a real GPU the tests also us
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -59,3 +61,14 @@ class NoReadBack(TorchDispatchMode):
                 raise AssertionError(f"host-device sync: blocking aten.{name} from the host to "
                                      f"{dst_dev}")
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_sync_is_an_error():
+    """On a GPU: any synchronizing CUDA call inside raises (torch's sync debug mode)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -11,12 +11,12 @@
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
 
 import multihead as mh
+from nosync import cuda_sync_is_an_error
 from conftest import (ALL_BACKENDS, MASK_NAMES, make_masks, oracle, plain_torch,
                       skip_unless_runs, small_tiles)
 from test_nosync import NAMES, scenarios
@@ -78,16 +78,6 @@ def test_fp32_gqa_through_sdpa():
         torch.testing.assert_close(out.double(), oracle(q, k, v, mask), atol=1e-4, rtol=1e-4)
 
 
-@contextlib.contextmanager
-def no_sync():
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_attention_never_syncs_on_cuda(name):
     def build():
@@ -96,12 +86,12 @@ def test_attention_never_syncs_on_cuda(name):
     mh.attention(q, k, v, mask=mask)                     # kernels loaded, decision cached
     mh.functional.dispatch.clear_cache()
     q, k, v, mask = build()                              # a fresh mask object: decided afresh
-    with no_sync():
+    with cuda_sync_is_an_error():
         mh.attention(q, k, v, mask=mask)
         mh.attention(q, k, v, mask=mask)                 # cached
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     mh.attention(qg, kg, vg, mask=mask).sum().backward()
-    with no_sync():
+    with cuda_sync_is_an_error():
         mh.attention(qg, kg, vg, mask=mask).sum().backward()
 
 
@@ -110,7 +100,7 @@ def test_module_forward_never_syncs_on_cuda():
                                  device=DEV, dtype=torch.bfloat16)
     x = torch.randn(2, 100, 256, device=DEV, dtype=torch.bfloat16)
     attn(x, mask=mh.masks.causal())
-    with no_sync():
+    with cuda_sync_is_an_error():
         attn(x, mask=mh.masks.causal())
 
 

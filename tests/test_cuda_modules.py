@@ -13,7 +13,6 @@ reference's largest value. The helpers are the CPU tests' own (imported, not cop
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 import multihead as mh
+from nosync import cuda_sync_is_an_error
 from peers.test_torch_mha import _inputs, _masks, _pair
 from test_kv_cache import (E, SYNC_SCENARIOS, _assert_rule, _cache, _cross_decode, _data,
                            _decode, _decode_paged, _full, _module, _pool)
@@ -178,14 +178,6 @@ def test_drop_in_low_precision_within_the_error_rule(dtype, mask_kind):
 
 
 # -- no host-device synchronization ----------------------------------------------------------
-@contextlib.contextmanager
-def _sync_is_an_error():
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 @pytest.mark.parametrize("name", SYNC_SCENARIOS)        # the scenarios run on the meta device
@@ -193,5 +185,5 @@ def test_no_host_device_sync(name):
     m = _module(2, True, device=DEV)                          # GQA, RoPE
     with torch.no_grad():
         SYNC_SCENARIOS[name](m)                               # warm-up: lazy init may sync
-        with _sync_is_an_error():
+        with cuda_sync_is_an_error():
             SYNC_SCENARIOS[name](m)
