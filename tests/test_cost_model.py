@@ -159,10 +159,8 @@ class _CudaOnly(registry.Backend):
 @pytest.fixture
 def cuda_only():
     b = registry.register(_CudaOnly())
-    mh.functional.dispatch.clear_cache()
     yield b
-    registry._REGISTRY.pop(b.name)
-    mh.functional.dispatch.clear_cache()
+    registry.unregister(b.name)
 
 
 def test_a_new_backend_is_one_class_and_its_capabilities_explain_themselves(cuda_only):
@@ -173,3 +171,26 @@ def test_a_new_backend_is_one_class_and_its_capabilities_explain_themselves(cuda
                            "takes head dims up to 128, not 160", "does not apply window masks")
     e = choice("h100", *qkv(1, 2, 2, 64, 64), mask=M.causal(), return_lse=True)
     assert e.chosen == cuda_only.name
+
+
+def test_registering_a_backend_drops_cached_decisions():
+    q = torch.randn(1, 2, 64, 16)
+    mh.attention(q, q, q, mask=M.causal(), return_lse=True)          # cached: blocksparse
+    ran = []
+
+    class Free(_CudaOnly):
+        name = "free-test"
+        capabilities = Capabilities(lse=True)
+
+        def run(self, call, plan):
+            ran.append(1)
+            return registry.get("blocksparse").run(call, registry.get("blocksparse").plan(
+                call, profiles.profile_for("cpu")))
+    registry.register(Free())
+    try:
+        mh.attention(q, q, q, mask=M.causal(), return_lse=True)
+        assert ran == [1]
+    finally:
+        registry.unregister("free-test")
+    mh.attention(q, q, q, mask=M.causal(), return_lse=True)
+    assert ran == [1]

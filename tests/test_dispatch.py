@@ -219,3 +219,172 @@ def test_sdpa_output_in_another_memory_layout(mask):
         out = mh.attention(q, k, v, mask=mask, backend="sdpa")
     torch.testing.assert_close(out, mh.attention(q, k, v, mask=mask, backend="reference"),
                                atol=1e-5, rtol=1e-5)
+
+
+# -- what an adversarial pass found: every cached path must stay exactly right -------------
+
+def _ref(q, k, v, mask):
+    return mh.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
+
+
+def test_a_learned_bias_gets_its_gradient_after_a_no_grad_call():
+    """Frozen q/k/v, trainable bias: a decision made under no_grad must not be reused."""
+    q, k, v = _qkv(S=512, H=2, Hkv=2, D=16)
+    w = torch.randn(1, 2, 512, 512)
+    w[..., ::3] = float("-inf")
+    w.requires_grad_()
+    mask = M.bias(w) & M.sliding_window(64)
+    with torch.no_grad():
+        mh.attention(q, k, v, mask=mask)
+    out = mh.attention(q, k, v, mask=mask)
+    assert out.requires_grad
+    (g,) = torch.autograd.grad(out.sum(), w)
+    (want,) = torch.autograd.grad(mh.attention(q, k, v, mask=mask, backend="reference").sum(), w)
+    torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        mh.attention(q, k, v, mask=mask, backend="blocksparse")
+    with pytest.raises(ValueError, match="no gradient w.r.t. a bias"):
+        mh.attention(q, k, v, mask=mask, backend="blocksparse")
+
+
+class Strided(M.Window):
+    """A user's subclass of one of our masks: causal, every other key."""
+
+    def __init__(self):
+        super().__init__(None)
+
+    def _allowed(self, ix):
+        return super()._allowed(ix) & (ix.k % 2 == 0)
+
+    def _tile_bounds(self, tx):
+        any_, _ = super()._tile_bounds(tx)
+        return any_, torch.zeros_like(any_)
+
+
+def test_a_subclass_of_a_builtin_mask_is_a_mask_of_its_own():
+    q, k, v = _qkv(S=128, H=2, Hkv=2, D=16)
+    mh.attention(q, k, v, mask=M.causal())           # causal's decision and tile map cached
+    mask = Strided()
+    assert mask.cache_key() is None and mask.kind == "custom" and not mask.memoizable
+    for backend in ("auto", "sdpa", "blocksparse"):
+        torch.testing.assert_close(mh.attention(q, k, v, mask=mask, backend=backend).double(),
+                                   _ref(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_masks_cannot_be_changed_behind_the_caches():
+    window, alibi = M.sliding_window(8), M.alibi(4)
+    with pytest.raises(AttributeError):
+        window.size = 128
+    with pytest.raises(AttributeError):
+        alibi.num_heads = 8
+    alibi.slopes.mul_(100)                           # a fresh tensor: the mask is unchanged
+    q, k, v = _qkv(S=64)
+    torch.testing.assert_close(mh.attention(q, k, v, mask=alibi),
+                               mh.attention(q, k, v, mask=M.alibi(4)))
+    lengths, ids = torch.tensor([40]), torch.arange(64) // 16
+    pad, doc = M.padding(lengths), M.document(ids)
+    before = [mh.attention(q, k, v, mask=m, backend=b) for m, b in ((pad, "sdpa"), (doc, "varlen"))]
+    lengths[0], ids[:] = 3, ids.flip(0)              # the masks kept their own copies
+    after = [mh.attention(q, k, v, mask=m, backend=b) for m, b in ((pad, "sdpa"), (doc, "varlen"))]
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_copied_mask_does_not_carry_stale_plans():
+    import copy
+    q, k, v = _qkv(S=256, H=2, Hkv=2, D=16)
+    allowed = torch.rand(256, 256) > 0.7
+    mask = M.dense(allowed)
+    mh.attention(q, k, v, mask=mask, backend="blocksparse")
+    allowed[:, :128] = False
+    twin = copy.deepcopy(mask)
+    torch.testing.assert_close(mh.attention(q, k, v, mask=twin, backend="blocksparse").double(),
+                               _ref(q, k, v, twin), atol=1e-5, rtol=1e-5)
+
+
+def test_a_bias_is_read_as_it_is_at_each_call():
+    """A learned bias reused across steps: updated in place, gradients every step."""
+    q, k, v = _qkv(S=64, H=2, Hkv=2, D=16)
+    w = torch.nn.Parameter(torch.zeros(1, 2, 64, 64))
+    mask = M.bias(w)
+    for _ in range(2):
+        out = mh.attention(q, k, v, mask=mask)
+        torch.testing.assert_close(out.double(), _ref(q, k, v, M.bias(w.detach())),
+                                   atol=1e-5, rtol=1e-5)
+        out.sum().backward()
+        assert w.grad is not None and torch.isfinite(w.grad).all()
+        with torch.no_grad():
+            w.add_(torch.randn_like(w))
+            w[0, 0, 5] = float("-inf")               # a row that gains -inf everywhere
+    with torch.no_grad():
+        out = mh.attention(q, k, v, mask=mask, backend="blocksparse")
+    assert (out[0, 0, 5] == 0).all()
+    torch.testing.assert_close(out.double(), _ref(q, k, v, M.bias(w.detach())),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_half_precision_sdpa_keeps_a_large_fp32_bias_finite():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g).half() for _ in range(3))
+    b = torch.zeros(1, 1, 16, 16)
+    b[0, 0, 3, 5] = 1e5                                # beyond fp16's range
+    b[0, 0, 7] = torch.finfo(torch.float32).min        # Hugging Face's "masked" value
+    got = mh.attention(q, k, v, mask=M.bias(b), backend="sdpa")
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[:, :, 3], v[:, :, 5])        # the +1e5 key takes the row
+    # a constant shift leaves a softmax row unchanged: row 7 is attention without the bias
+    plain = mh.attention(q, k, v, backend="sdpa")
+    torch.testing.assert_close(got[:, :, 7], plain[:, :, 7], atol=2e-3, rtol=2e-3)
+    others = [i for i in range(16) if i not in (3, 7)]
+    torch.testing.assert_close(got[:, :, others].double(), _ref(q, k, v, M.bias(b))[:, :, others],
+                               atol=2e-3, rtol=2e-3)
+
+
+def test_odd_arguments_get_the_same_clear_errors_on_every_path():
+    q, k, v = _qkv(S=32)
+    s = torch.tensor(0.25)
+    mh.attention(q, k, v, scale=s)
+    s.fill_(float("nan"))
+    with pytest.raises(ValueError, match="scale must be finite"):
+        mh.attention(q, k, v, scale=s)
+    with pytest.raises(TypeError, match="scale must be a float.*bool"):
+        mh.attention(q, k, v, scale=torch.tensor(True))
+    with pytest.raises(TypeError, match="requires grad"):
+        mh.attention(q, k, v, scale=torch.tensor(0.3, requires_grad=True))
+    with pytest.raises(TypeError, match="return_weights must be True or False, got 'no'"):
+        mh.attention(q, k, v, return_weights="no")
+    with pytest.raises(ValueError, match="backend='sdpa' cannot run this call"):
+        mh.attention(q[:, :, :0], k, v, backend="sdpa", return_weights=True)
+
+    class Listy(M.Mask):
+        def cache_key(self):
+            return ["not", "hashable"]
+
+        def _allowed(self, ix):
+            return ix.q >= ix.k
+
+        def _tile_bounds(self, tx):
+            return tx.q1 >= tx.k0, tx.q0 >= tx.k1
+    with pytest.raises(TypeError, match=r"Listy.cache_key\(\) must return a hashable value"):
+        mh.attention(q, k, v, mask=Listy(), backend="blocksparse")
+
+
+def test_a_decoding_loop_plans_only_the_backend_auto_chose():
+    """The key length grows every step: the choice is kept per structure, the plan is made
+    for the exact call by the chosen backend alone (no tile plan, no copies to the device)."""
+    q = torch.randn(1, 8, 1, 32)
+    kv = torch.randn(1, 2, 300, 32)
+    mh.functional.dispatch.clear_cache()
+    calls = []
+    for b in registry.all_backends().values():
+        orig = b.plan
+        mock.patch.object(b, "plan", side_effect=lambda c, p, _o=orig, _n=b.name:
+                          calls.append(_n) or _o(c, p)).start()
+    try:
+        mh.attention(q, kv[:, :, :200], kv[:, :, :200], mask=M.causal())
+        first = len(calls)
+        for t in range(201, 256):                          # one power-of-two bucket
+            mh.attention(q, kv[:, :, :t], kv[:, :, :t], mask=M.causal())
+        assert first >= 3 and calls[first:] == ["sdpa"] * 55
+    finally:
+        mock.patch.stopall()

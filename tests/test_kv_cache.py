@@ -378,3 +378,35 @@ def test_cached_decoding_never_syncs_on_meta(name):
     m = _module(2, True, device="meta")                  # GQA, RoPE
     with torch.no_grad(), NoReadBack():
         SYNC_SCENARIOS[name](m)
+
+
+def test_a_forward_that_fails_after_writing_leaves_every_cache_as_it_was():
+    """The mask is checked by attention(), after the new keys were written: the write is
+    undone, and decoding goes on exactly as if the failing call had never been made."""
+    m = _module(2, True)
+    bad = mh.masks.padding(torch.tensor([1, 2, 3]))                 # built for batch 3
+    seqs = _data([4, 4], 2, torch.float32)
+    x = torch.stack([s[:4] for s in seqs])                           # (2, 4, E)
+    nxt = torch.stack([s[4:5] for s in seqs])                        # (2, 1, E)
+
+    cache, pool = m.make_cache(2, 16), _pool(m)
+    ids = [pool.add_sequence(), pool.add_sequence()]
+    cross = m.make_cache(2, 16)
+    with torch.no_grad():
+        m(x, cache=cache, mask=CAUSAL)
+        m(x, cache=pool.batch(ids), mask=CAUSAL)
+        m(x, torch.randn(2, 6, E), cache=cross)
+        state = (cache.seen, cache.lengths.clone(), cache.valid.clone(), cache.padded)
+        paged = (pool.pages_used, [pool.length(i) for i in ids], sorted(pool._free))
+        for fail in (lambda: m(nxt, cache=cache, mask=CAUSAL & bad),
+                     lambda: m(nxt, cache=pool.batch(ids), mask=CAUSAL & bad),
+                     lambda: m(nxt, cache=cross, mask=bad)):
+            with pytest.raises(ValueError, match="built for batch size 3"):
+                fail()
+        assert (cache.seen, cache.padded) == (state[0], state[3])
+        assert torch.equal(cache.lengths, state[1]) and torch.equal(cache.valid, state[2])
+        assert (pool.pages_used, [pool.length(i) for i in ids], sorted(pool._free)) == paged
+        assert cross.queries == 4
+        got = m(nxt, cache=cache, mask=CAUSAL)[:, 0]
+        want = torch.stack([m(s[None, :5], mask=CAUSAL)[0, -1] for s in seqs])
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)

@@ -184,7 +184,7 @@ def test_moving_a_mask_keeps_its_host_facts_and_reads_nothing_back():
         assert "2 runs" in d.describe() and p.describe() == "padding(lengths=[5, 2])"
         assert not p.may_have_empty_rows(4, 5)
         b = M.bias(torch.zeros(1, 1, 4, 4)).to("meta")
-        assert b.values.device.type == "meta" and b.has_predicate is False
+        assert b.values.device.type == "meta" and b.has_predicate
     born = M.document(torch.zeros(6, dtype=torch.long, device="meta"))
     assert not born.runs_known and "on meta" in born.describe()
 

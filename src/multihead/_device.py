@@ -25,5 +25,6 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     if t.device.type != "cpu":
         return t.to(device)
     if device.type == "cuda":
-        t = t.pin_memory()
+        # a private pinned copy: the copy runs later, so the caller may reuse its buffer
+        t = t.clone().pin_memory() if t.is_pinned() else t.pin_memory()
     return t.to(device, non_blocking=True)

@@ -90,7 +90,7 @@ class AttentionCall:
         """The mask, or None when it allows every pair and adds no bias (e.g. causal at Sq=1)."""
         def compute():
             m = self.mask
-            if isinstance(m, M.Window) and m.size is None:
+            if type(m) is M.Window and m.size is None:
                 # causal allows everything iff the first query already sees the last key
                 off = self.Sk - self.Sq if m.align == "lower_right" else 0
                 m = None if self.Sk - 1 <= off else m
@@ -116,7 +116,17 @@ class AttentionCall:
     @property
     def is_pure_causal(self) -> bool:
         m = self.effective_mask
-        return isinstance(m, M.Window) and m.size is None
+        return type(m) is M.Window and m.size is None
+
+
+def default_scale(head_dim: int) -> float:
+    """``1 / sqrt(D)``, the seeds' scale (one formula for every path).
+
+    Example:
+        >>> default_scale(64)
+        0.125
+    """
+    return 1.0 / math.sqrt(head_dim)
 
 
 def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) -> AttentionCall:
@@ -147,17 +157,25 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
     if D == 0:
         raise ValueError(f"head_dim must be positive, got q {shape_str(q)}")
     if scale is None:
-        scale = 1.0 / math.sqrt(D)
+        scale = default_scale(D)
     else:
-        if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        if isinstance(scale, torch.Tensor):
+            if scale.numel() != 1 or not scale.is_floating_point() or scale.requires_grad:
+                raise TypeError(f"scale must be a float, got a tensor of shape "
+                                f"{tuple(scale.shape)}, {scale.dtype}"
+                                + (" that requires grad (it would get no gradient: scale q "
+                                   "instead)" if scale.requires_grad else ""))
             scale = float(scale)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(f"scale must be a float, got {type(scale).__name__}")
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale must be finite and > 0, got {scale} (default: 1/sqrt(D) = "
-                             f"{1 / math.sqrt(D):.4g})")
+                             f"{default_scale(D):.4g})")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    for name, flag in (("return_weights", return_weights), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
     m = as_mask(mask)
     if m is not None:
         m.check(B, H, Sq, Sk, q.device)

@@ -84,7 +84,7 @@ class Capabilities:
             if kinds:
                 out.append(f"does not apply {', '.join(kinds)} masks")
             if not self.bias_grad and m.requires_grad and torch.is_grad_enabled():
-                out.append("no gradient w.r.t. a bias tensor")
+                out.append("gives no gradient w.r.t. a bias tensor")
         if not self.traceable and torch.compiler.is_compiling():
             out.append("is not traceable by torch.compile (a data-dependent host loop)")
         return out

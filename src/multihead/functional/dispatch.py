@@ -4,12 +4,19 @@ Every backend that can run a call (its declared capabilities) plans it as device
 work, which the device's profile prices in seconds; ``auto`` runs the cheapest. On a device
 where a host sync stalls the queue (a GPU), a plan that syncs runs only if none avoids it.
 
-Decisions are cached, keyed by what fully determines them: the shapes, dtypes, devices and
-arguments of the call, the profile, and the mask's :meth:`~multihead.masks.Mask.cache_key`
-(masks made of ints: causal, windows, ALiBi). A mask holding tensors keeps its decisions
-on itself, valid while its tensors are unmodified; a user's own mask class is never cached.
-A cached call runs no validation, planning or mask analysis again: it goes straight to the
-backend, without reading anything back from the device.
+Two caches, keyed by what fully determines what they hold:
+
+- plans, by the exact call: shapes, dtypes, devices, arguments, grad mode, the profile and
+  the mask's :meth:`~multihead.masks.Mask.cache_key` (masks made of ints: causal, windows,
+  ALiBi); a mask holding tensors keeps its plans on itself, valid while its tensors are
+  unmodified. A call found here validates, plans and analyses nothing: it goes straight to
+  its backend, without reading anything back from the device.
+- auto's choice, by the call's structure: the same, with batch and sequence lengths rounded
+  up to a power of two (and Sq = 1, Sq = Sk, Sq < Sk kept apart) and the mask's
+  :meth:`~multihead.masks.Mask.structure` instead of its contents. A decoding loop, whose
+  key length grows every step, plans only the chosen backend for each new length.
+
+A user's own mask class is in neither cache unless it says what determines it.
 """
 
 from __future__ import annotations
@@ -20,13 +27,14 @@ import torch
 
 from .. import masks as M
 from . import profiles, registry
-from ._call import AttentionCall, make_call
+from ._call import AttentionCall, default_scale, make_call
 from .cost import DeviceProfile
 from .registry import Backend, Plan
 
 AUTO = "auto"
-_DECISIONS: dict = {}
-_MAX_DECISIONS = 1024
+_DECISIONS: dict = {}      # exact call -> (backend, plan)
+_CHOICES: dict = {}        # structure of a call -> the backend auto chose
+_MAX = 1024
 _EMPTY = "empty"
 
 
@@ -50,6 +58,8 @@ class Explanation:
         rows: a :class:`Row` per registered backend.
         call: a one-line summary of the call.
         profile: the :class:`~multihead.functional.cost.DeviceProfile` that priced it.
+        reused: the backend ``attention()`` runs instead, when auto's choice for calls of
+            this structure was made earlier and differs (see the module's docstring).
     """
 
     chosen: str
@@ -57,11 +67,12 @@ class Explanation:
     rows: tuple
     call: str
     profile: DeviceProfile
+    reused: str | None = None
 
     @property
-    def plan(self) -> Plan:
-        """The chosen backend's plan."""
-        return next(r.plan for r in self.rows if r.name == self.chosen)
+    def plan(self) -> Plan | None:
+        """The chosen backend's plan (None for an empty call)."""
+        return next((r.plan for r in self.rows if r.name == self.chosen), None)
 
     def __str__(self) -> str:
         lines = [f"attention {self.call}", f"device profile: {self.profile.describe()}",
@@ -78,9 +89,15 @@ class Explanation:
             rel = f"{r.seconds / best:.2f}x" if best else "-"
             lines.append(f" {mark} {r.name:<12} est. {r.seconds * 1e3:.3g} ms ({rel} the "
                          f"cheapest; ms: {cause})" + (f": {r.plan.note}" if r.plan.note else ""))
-        syncs = self.plan.work.syncs
-        if syncs:
-            lines.append(f"note: the chosen plan reads the device back ({syncs} host syncs)")
+        if self.chosen == _EMPTY:
+            lines[2] = "backend: none (Sq or Sk is 0: the output is zeros, the lse -inf)"
+        elif self.plan.work.syncs:
+            lines.append(f"note: the chosen plan reads the device back "
+                         f"({self.plan.work.syncs} host syncs)")
+        if self.reused:
+            lines.append(f"note: attention() runs {self.reused}, auto's earlier choice for "
+                         f"calls of this structure (mh.functional.dispatch.clear_cache() "
+                         f"forgets it)")
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -102,20 +119,23 @@ def _describe(call: AttentionCall) -> str:
     return "; ".join(parts)
 
 
-def _rows(call: AttentionCall, profile: DeviceProfile) -> list[Row]:
+def _rows(call: AttentionCall, profile: DeviceProfile, device_type: str) -> list[Row]:
     rows = []
     for name, b in registry.all_backends().items():
-        reasons = b.unsupported(call, profile)
-        if reasons:
-            rows.append(Row(name, tuple(reasons)))
-            continue
-        plan = b.plan(call, profile)
-        if not profile.fits(plan.work):
-            rows.append(Row(name, (f"needs {plan.work.memory / 2**30:.1f} GiB of scratch memory; "
-                                   f"{profile.name} has {profile.memory / 2**30:.0f} GiB",)))
-            continue
-        rows.append(Row(name, (), plan, profile.seconds(plan.work)))
+        row = _row(b, call, profile, device_type)
+        rows.append(row)
     return rows
+
+
+def _row(b: Backend, call: AttentionCall, profile: DeviceProfile, device_type: str) -> Row:
+    reasons = b.unsupported(call, device_type)
+    if reasons:
+        return Row(b.name, tuple(reasons))
+    plan = b.plan(call, profile)
+    if not profile.fits(plan.work):
+        return Row(b.name, (f"needs {plan.work.memory / 2**30:.1f} GiB of scratch memory; "
+                            f"{profile.name} has {profile.memory / 2**30:.0f} GiB",))
+    return Row(b.name, (), plan, profile.seconds(plan.work))
 
 
 def _choose(rows: list[Row], backend: str, profile: DeviceProfile) -> Row:
@@ -140,12 +160,47 @@ def _choose(rows: list[Row], backend: str, profile: DeviceProfile) -> Row:
     return best
 
 
+def _bucket(n: int) -> int:
+    return n if n <= 8 else 1 << (n - 1).bit_length()
+
+
+def _structure(call: AttentionCall):
+    """What auto's choice depends on besides sizes within a factor of 2; None: not shared."""
+    m = call.effective_mask
+    shape = None if m is None else m.structure()
+    if m is not None and shape is None:
+        return None
+    q, Sq, Sk = call.q, call.Sq, call.Sk
+    return (_bucket(call.B), call.H, call.Hkv, call.D, call.Dv, _bucket(Sq), _bucket(Sk),
+            Sq == 1, Sq == Sk, Sq < Sk, q.dtype, q.device, call.dropout_p > 0,
+            call.return_weights, call.return_lse, call.requires_grad, shape,
+            profiles.generation, registry.generation)
+
+
 def _decide(call: AttentionCall, backend: str, profile: DeviceProfile):
     """(backend, plan) for a validated call; (None, "empty") when Sq or Sk is 0."""
-    if call.Sq == 0 or call.Sk == 0:
+    device_type = call.q.device.type
+    if call.Sq == 0 or call.Sk == 0:                # nothing to plan; still: could it run?
+        reasons = [] if backend == AUTO else registry.get(backend).unsupported(call, device_type)
+        if reasons:
+            _choose([Row(backend, tuple(reasons))], backend, profile)
         return None, _EMPTY
-    row = _choose(_rows(call, profile), backend, profile)
+    structure = None if backend != AUTO or torch.compiler.is_compiling() else _structure(call)
+    if structure is not None and structure in _CHOICES:
+        b = registry.all_backends().get(_CHOICES[structure])
+        row = _row(b, call, profile, device_type) if b is not None else None
+        if row is not None and row.plan is not None:
+            return b, row.plan
+    row = _choose(_rows(call, profile, device_type), backend, profile)
+    if structure is not None:
+        _remember(_CHOICES, structure, row.name)
     return registry.get(row.name), row.plan
+
+
+def _remember(cache: dict, key, value) -> None:
+    if len(cache) >= _MAX:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
 
 
 def _check_backend(backend) -> str:
@@ -156,26 +211,13 @@ def _check_backend(backend) -> str:
     return backend
 
 
-def _hashable(key) -> bool:
-    try:
-        hash(key)
-    except TypeError:
-        return False
-    return True
-
-
 def _shared_decision(full_key, args):
-    """``(call or None, decision)`` from the shared cache, deciding (and storing) on a miss."""
-    try:
-        decision = _DECISIONS.get(full_key)
-    except TypeError:                               # an argument that cannot be a dict key
-        return None, None
+    """``(call or None, decision)`` from the plan cache, deciding (and storing) on a miss."""
+    decision = _DECISIONS.get(full_key)
     if decision is not None:
         return None, decision
     call, decision = _new_decision(*args)
-    if len(_DECISIONS) >= _MAX_DECISIONS:
-        _DECISIONS.pop(next(iter(_DECISIONS)))
-    _DECISIONS[full_key] = decision
+    _remember(_DECISIONS, full_key, decision)
     return call, decision
 
 
@@ -188,8 +230,13 @@ def _new_decision(q, k, v, mask, scale, dropout_p, backend, return_weights, retu
 
 
 def clear_cache() -> None:
-    """Forget every cached decision (the caches on mask objects go with their masks)."""
+    """Forget every cached plan and choice (those kept on mask objects go with their masks).
+
+    Example:
+        >>> clear_cache()
+    """
     _DECISIONS.clear()
+    _CHOICES.clear()
 
 
 def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
@@ -232,37 +279,41 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
         D query/key head dim, Dv value head dim.
     """
     key = None
-    if not torch.compiler.is_compiling():
-        try:     # what determines the decision besides the mask (a miss validates all of it)
+    if not (torch.compiler.is_compiling() or isinstance(scale, torch.Tensor)):
+        try:     # what determines the plan besides the mask (a miss validates all of it)
             shapes = (q.shape, k.shape, v.shape)
             key = (shapes, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, scale,
                    scale.__class__, dropout_p, dropout_p.__class__, backend, return_weights,
-                   return_lse, torch.is_grad_enabled() and (
-                       q.requires_grad or k.requires_grad or v.requires_grad),
-                   profiles.generation)
-        except AttributeError:                      # not tensors: the miss path says so
-            pass
+                   return_weights.__class__, return_lse, return_lse.__class__,
+                   torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad,
+                   profiles.generation, registry.generation)
+            hash(key)
+        except (AttributeError, TypeError):         # the miss path says what is wrong
+            key = None
     call, decision = None, None
     args = (q, k, v, mask, scale, dropout_p, backend, return_weights, return_lse)
     if key is None:
         pass
-    elif mask is None or (isinstance(mask, M.Mask) and mask.cache_key() is not None):
-        call, decision = _shared_decision((key, None if mask is None else mask.cache_key()),
-                                          args)
-    elif isinstance(mask, M.Mask) and mask.memoizable and _hashable(key):   # on the mask
-        made = []
+    elif mask is None:
+        call, decision = _shared_decision((key, None), args)
+    elif isinstance(mask, M.Mask) and mask.memoizable:
+        mask_key = mask.cache_key()
+        if mask_key is not None:                    # made of ints: shared by equal masks
+            call, decision = _shared_decision((key, mask_key), args)
+        else:                                       # holds tensors: kept on the mask
+            made = []
 
-        def new():
-            made.append(_new_decision(*args))
-            return made[0][1]
-        decision = mask.cached("decision", (key, mask.requires_grad), new)
-        call = made[0][0] if made else None
+            def new():
+                made.append(_new_decision(*args))
+                return made[0][1]
+            decision = mask.cached("plan", (key, mask.requires_grad), new)
+            call = made[0][0] if made else None
     if decision is None:                            # raw tensors, user masks, compiling
         call, decision = _new_decision(*args)
     if call is None:                                # validated when the decision was made
-        call = AttentionCall(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None
-                             else float(scale), float(dropout_p), bool(return_weights),
-                             bool(return_lse), shapes)
+        call = AttentionCall(q, k, v, mask, default_scale(q.shape[-1]) if scale is None
+                             else float(scale), float(dropout_p), return_weights, return_lse,
+                             shapes)
     backend_obj, plan = decision
     out, w, lse = _empty(call) if plan is _EMPTY else backend_obj.run(call, plan)
     if not (call.return_weights or call.return_lse):
@@ -307,12 +358,17 @@ def explain(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
     elif not isinstance(profile, DeviceProfile):
         raise TypeError(f"profile must be a name ({', '.join(profiles.BUILTIN)}) or a "
                         f"DeviceProfile, got {type(profile).__name__}")
-    rows = _rows(call, profile)
+    device_type = profile.device_type
+    rows = _rows(call, profile, device_type)
     if call.Sq == 0 or call.Sk == 0:
-        chosen = "reference" if backend == AUTO else backend
-    else:
-        chosen = _choose(rows, backend, profile).name
-    return Explanation(chosen, backend, tuple(rows), _describe(call), profile)
+        _decide(call, backend, profile)             # raises if a requested backend cannot run
+        return Explanation(_EMPTY, backend, tuple(rows), _describe(call), profile)
+    chosen = _choose(rows, backend, profile).name
+    structure = _structure(call) if backend == AUTO and device_type == call.q.device.type \
+        and profile is profiles.profile_for(call.q.device) else None
+    reused = _CHOICES.get(structure) if structure is not None else None
+    return Explanation(chosen, backend, tuple(rows), _describe(call), profile,
+                       reused if reused not in (None, chosen) else None)
 
 
 __all__ = ["attention", "explain", "Explanation", "Row", "Backend", "clear_cache"]

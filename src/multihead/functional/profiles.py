@@ -71,8 +71,13 @@ generation = 0
 
 
 def get_profile(name: str) -> DeviceProfile:
-    """A built-in profile by name: ``"cpu"``, ``"h100"``, ``"h200"`` or ``"a100"``."""
-    if name not in BUILTIN:
+    """A built-in profile by name: ``"cpu"``, ``"h100"``, ``"h200"`` or ``"a100"``.
+
+    Example:
+        >>> get_profile("h200").bandwidth / 1e12    # TB/s
+        4.0
+    """
+    if not isinstance(name, str) or name not in BUILTIN:
         raise ValueError(f"unknown profile {name!r}: choose one of {', '.join(BUILTIN)}, or "
                          f"measure this machine with multihead.profiles.calibrate(device)")
     if name == "cpu":
@@ -100,6 +105,16 @@ def _cuda_profile(device: torch.device) -> DeviceProfile:
         units=props.multi_processor_count, memory=float(props.total_memory))
 
 
+def _device_key(device, what: str = "device") -> str:
+    """``"cpu"`` (CPU tensors carry no index), ``"cuda"``, ``"cuda:1"``...; a clear error."""
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError, ValueError):
+        raise ValueError(f"{what} must name a device such as 'cpu', 'cuda' or 'cuda:1', got "
+                         f"{device!r}") from None
+    return "cpu" if device.type == "cpu" else str(device)
+
+
 def profile_for(device) -> DeviceProfile:
     """The profile ``auto`` uses for ``device`` (an installed one first, then the default).
 
@@ -108,7 +123,7 @@ def profile_for(device) -> DeviceProfile:
         'cpu'
     """
     device = torch.device(device)
-    key = str(device)
+    key = "cpu" if device.type == "cpu" else str(device)
     found = _OVERRIDES.get(key) or _OVERRIDES.get(device.type) or _RESOLVED.get(key)
     if found is None and torch.compiler.is_compiling():
         # tracing: take the figures as they are (no thread-count or device query in a graph)
@@ -132,11 +147,16 @@ def set_profile(device, profile: DeviceProfile | str | None) -> None:
         >>> set_profile("cuda", None)        # back to the default
     """
     global generation
-    key = str(device)
+    key = _device_key(device)
+    if isinstance(profile, str):
+        profile = get_profile(profile)
+    elif profile is not None and not isinstance(profile, DeviceProfile):
+        raise TypeError(f"profile must be a DeviceProfile, a built-in name "
+                        f"({', '.join(BUILTIN)}) or None, got {type(profile).__name__}")
     if profile is None:
         _OVERRIDES.pop(key, None)
     else:
-        _OVERRIDES[key] = get_profile(profile) if isinstance(profile, str) else profile
+        _OVERRIDES[key] = profile
     _RESOLVED.clear()
     generation += 1
 
@@ -163,9 +183,16 @@ def calibrate(device="cpu") -> DeviceProfile:
     Times, per dtype, SDPA's fused kernel with and without a dense mask, a batch of score
     matmuls and of small-tile matmuls; a read of a large tensor; tiny ops back to back (the
     host cost of a launch); and a device round trip (a sync).
+
+    Example:
+        >>> p = calibrate("cpu")                                  # doctest: +SKIP
+        >>> set_profile("cpu", p)                                 # doctest: +SKIP
     """
-    device = torch.device(device)
+    device = torch.device(_device_key(device))
     cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise ValueError(f"calibrate: device {str(device)!r} is not available here (no CUDA "
+                         f"GPU): calibrate 'cpu'")
     base = profile_for(device)
     S, D, H = (4096, 128, 16) if cuda else (1024, 64, 8)
     sdpa = torch.nn.functional.scaled_dot_product_attention

@@ -56,10 +56,10 @@ class Backend:
         """The capabilities on one device type (the same everywhere unless overridden)."""
         return self.capabilities
 
-    def unsupported(self, call: AttentionCall, profile: DeviceProfile) -> list[str]:
-        """Every reason this backend cannot run ``call`` (empty when it can): the declared
-        capabilities first, then :meth:`check` for what data cannot say."""
-        reasons = self.capabilities_on(profile.device_type).reasons(call, profile.device_type)
+    def unsupported(self, call: AttentionCall, device_type: str) -> list[str]:
+        """Every reason this backend cannot run ``call`` on ``device_type`` (empty when it
+        can): the declared capabilities first, then :meth:`check` for what data cannot say."""
+        reasons = self.capabilities_on(device_type).reasons(call, device_type)
         if not reasons:
             extra = self.check(call)
             if extra:
@@ -80,12 +80,26 @@ class Backend:
 
 
 _REGISTRY: dict[str, Backend] = {}
+#: bumped whenever the set of backends changes, so cached dispatch decisions are dropped
+generation = 0
 
 
 def register(backend: Backend) -> Backend:
     """Add a backend to the registry (by its ``name``) and return it."""
+    global generation
+    if not isinstance(backend, Backend) or not isinstance(backend.name, str):
+        raise TypeError(f"register takes a Backend instance with a name, got {backend!r}")
     _REGISTRY[backend.name] = backend
+    generation += 1
     return backend
+
+
+def unregister(name: str) -> None:
+    """Remove a registered backend (cached decisions that chose it are dropped)."""
+    global generation
+    get(name)
+    del _REGISTRY[name]
+    generation += 1
 
 
 def discover() -> None:

@@ -123,7 +123,9 @@ class Mask:
     #: the structure backends read ("causal", "window", "padding", "document", "dense",
     #: "bias", "alibi"; "and"/"or"/"not" for compositions; "custom" for user subclasses)
     kind: str = "custom"
-    #: our own mask classes are immutable, so facts derived from them may be cached
+    #: set to True in the body of each of our own mask classes: they never change after
+    #: construction (or, for tensors they share with the caller, are version-tracked), so
+    #: facts derived from them may be cached. Not inherited: a user's subclass is not cached.
     _immutable: bool = False
 
     # -- what backends read ------------------------------------------------------------------
@@ -132,8 +134,9 @@ class Mask:
 
         Facts derived from a mask with a key (tile maps, plans, dispatch decisions) are
         shared by every call and every mask with the same key. The default is None: a
-        subclass is only shared if it says what determines it. Masks holding tensors return
-        None (their facts are cached on the object instead, while its tensors are unmodified).
+        subclass (also of one of our masks) is only shared if it overrides this to say what
+        determines it. Masks holding tensors return None (their facts are cached on the object
+        instead, while its tensors are unmodified).
 
         Example:
             >>> import multihead as mh
@@ -142,8 +145,27 @@ class Mask:
         """
         return None
 
+    def structure(self):
+        """What a mask is made of, without its contents: kind, sizes, alignment, which
+        tensors (by shape and dtype) and host facts. Masks of one structure share a dispatch
+        choice (never a plan, which may depend on contents). None (the default, and for a
+        user's subclass): not shared.
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> (mh.masks.causal() & mh.masks.padding(torch.tensor([3, 5]))).structure()
+            ('&', ('window', None, 'lower_right'), ('padding', 'key', 2, 'lengths'))
+        """
+        return self.cache_key()
+
     def leaves(self):
-        """The masks this one is composed of (itself for a mask that is not a composition)."""
+        """The masks this one is composed of (itself for a mask that is not a composition).
+
+        Example:
+            >>> import multihead as mh
+            >>> [m.kind for m in (mh.masks.causal() & mh.masks.alibi(2)).leaves()]
+            ['causal', 'alibi']
+        """
         yield self
 
     def may_have_empty_rows(self, sq: int, sk: int) -> bool:
@@ -159,8 +181,13 @@ class Mask:
 
     @property
     def memoizable(self) -> bool:
-        """True when facts derived from this object may be cached on it (our own masks)."""
-        return self._immutable
+        """True when facts derived from this object may be cached on it: masks of our own
+        classes (exactly: a user's subclass of one of them is not)."""
+        return type(self).__dict__.get("_immutable", False)
+
+    def __getstate__(self):
+        """Copies and pickles start without this object's cached facts."""
+        return {k: v for k, v in self.__dict__.items() if k != "_memo"}
 
     def cached(self, what: str, args: tuple, compute):
         """``compute()``, cached by what determines it: globally under :meth:`cache_key`, else
@@ -169,6 +196,11 @@ class Mask:
         key = self.cache_key()
         if key is not None:
             full = (key, what, args)
+            try:
+                hash(full)
+            except TypeError:
+                raise TypeError(f"{type(self).__name__}.cache_key() must return a hashable value "
+                                f"(a tuple of ints and strings, say), got {key!r}") from None
             if full not in _SHARED:
                 if len(_SHARED) >= _SHARED_MAX:
                     _SHARED.pop(next(iter(_SHARED)))
@@ -232,6 +264,27 @@ class Mask:
                     raise ValueError(
                         f"mask: {self!s} holds a tensor on {t.device}, but the inputs are on "
                         f"{device}: move it with mask.to({str(device)!r}) or build it there")
+
+    def at(self, ix: Index) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The mask at the positions ``ix``: ``(allowed or None, bias or None)``, each
+        broadcastable to the index tensors' shape (None: rules nothing out / adds nothing).
+        Backends evaluate masks through this, on the tiles they compute.
+
+        Example:
+            >>> import multihead as mh
+            >>> m = mh.masks.causal() & mh.masks.alibi(1)
+            >>> allowed, bias = m.at(m.index(2, 2))
+            >>> allowed[0, 0].tolist(), bias[0, 0].tolist()
+            ([[True, False], [True, True]], [[-0.0, -0.00390625], [-0.00390625, -0.0]])
+        """
+        return (self._allowed(ix) if self.has_predicate else None,
+                self._bias(ix) if self.has_bias else None)
+
+    @property
+    def on_host(self) -> bool:
+        """True when the mask can be analysed without reading a device tensor: it holds no
+        tensor, or only tensors on the CPU."""
+        return all(t.device.type == "cpu" for t in self._tensors())
 
     def index(self, sq: int, sk: int, device=None) -> Index:
         """The (B', H', Sq, Sk) index grid this mask is materialized on."""
@@ -430,11 +483,15 @@ class _Binary(Mask):
 
     @property
     def memoizable(self) -> bool:
-        return self.a.memoizable and self.b.memoizable
+        return type(self) in (And, Or) and self.a.memoizable and self.b.memoizable
 
     def cache_key(self):
         ka, kb = self.a.cache_key(), self.b.cache_key()
-        return None if ka is None or kb is None else (self.op, ka, kb)
+        return None if ka is None or kb is None or not self.memoizable else (self.op, ka, kb)
+
+    def structure(self):
+        sa, sb = self.a.structure(), self.b.structure()
+        return None if sa is None or sb is None or not self.memoizable else (self.op, sa, sb)
 
     def to(self, device):
         return type(self)(self.a.to(device), self.b.to(device))
@@ -529,11 +586,15 @@ class Not(Mask):
 
     @property
     def memoizable(self) -> bool:
-        return self.m.memoizable
+        return type(self) is Not and self.m.memoizable
 
     def cache_key(self):
         k = self.m.cache_key()
-        return None if k is None else ("~", k)
+        return None if k is None or not self.memoizable else ("~", k)
+
+    def structure(self):
+        k = self.m.structure()
+        return None if k is None or not self.memoizable else ("~", k)
 
     def may_have_empty_rows(self, sq, sk):
         return True

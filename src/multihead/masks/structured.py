@@ -46,10 +46,20 @@ class Window(Mask):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"sliding_window size must be a positive int, got {size!r}: "
                              f"a query sees itself and the size-1 keys before it")
-        self.size = size
-        self.align = _check_align(align)
-        self.kind = "causal" if size is None else "window"
-        self._key = ("window", size, self.align)
+        self._size, self._align = size, _check_align(align)
+        ours = type(self) is Window           # a user's subclass is a mask of its own kind
+        self.kind = ("causal" if size is None else "window") if ours else "custom"
+        self._key = ("window", size, self._align) if ours else None
+
+    @property
+    def size(self) -> int | None:
+        """Keys a query sees (itself included); None for plain causal. Read-only."""
+        return self._size
+
+    @property
+    def align(self) -> str:
+        """``"lower_right"`` or ``"upper_left"``. Read-only."""
+        return self._align
 
     def cache_key(self):
         return self._key
@@ -135,9 +145,10 @@ class Padding(Mask):
 
     A query-side padding mask rules out whole rows: those rows return zeros.
 
-    Lengths are validated when the mask is built, which reads them: build it from host
-    (CPU) lengths and move it with ``.to(device)`` to keep that read off the GPU's queue.
-    A ``(B, S)`` bool tensor is never read.
+    Lengths are copied and validated when the mask is built, which reads them: build it
+    from host (CPU) lengths and move it with ``.to(device)`` to keep that read off the GPU's
+    queue. A ``(B, S)`` bool tensor on a GPU is neither copied nor read (the mask then
+    reads it as it is at each call).
     """
 
     kind = "padding"
@@ -154,14 +165,15 @@ class Padding(Mask):
             if t.dim() != 2:
                 raise ValueError(f"padding: a bool mask must be (B, S) with True = real token, "
                                  f"got shape {tuple(t.shape)}")
+            if t.device.type == "cpu":     # a private copy: the facts below stay true
+                t = t.clone()
+                self._min_count = int(t.sum(1).min()) if t.numel() else 0
             self.lengths, self.real = None, t
-            if t.device.type == "cpu" and t.numel():
-                self._min_count = int(t.sum(1).min())
         else:
             if t.is_floating_point() or t.is_complex() or t.dim() != 1:
                 raise TypeError(f"padding: lengths must be a 1-D integer tensor (B,) or a (B, S) "
                                 f"bool tensor, got dtype {t.dtype} and shape {tuple(t.shape)}")
-            t = t.long()
+            t = t.long().clone()              # a private copy: the facts below stay true
             host = t.cpu()                                          # reads device lengths once
             if host.numel() and int(host.min()) < 0:
                 raise ValueError(f"padding: lengths must be >= 0, got {host.tolist()}")
@@ -178,6 +190,12 @@ class Padding(Mask):
 
     def may_have_empty_rows(self, sq: int, sk: int) -> bool:
         return self.side == "query" or self._min_count is None or self._min_count == 0
+
+    def structure(self):
+        if not self.memoizable:
+            return None
+        return ("padding", self.side, self.batch_size, "lengths" if self.real is None
+                else f"bool {tuple(self.real.shape)}")
 
     def describe(self) -> str:
         side = "" if self.side == "key" else ", side='query'"
@@ -267,8 +285,9 @@ def _find_runs(ids: torch.Tensor) -> DocumentRuns:
 class Document(Mask):
     """Packed sequences: a query attends only to keys of the same document id.
 
-    Built from host (CPU) ids or ``cu_seqlens``, the mask knows where its documents lie
-    without reading a device tensor, also after ``.to(device)``; see :meth:`runs`.
+    The mask keeps a copy of its ids. Built from host (CPU) ids or ``cu_seqlens``, it knows
+    where its documents lie without reading a device tensor, also after ``.to(device)``;
+    see :meth:`runs`. ``cu_seqlens`` on a GPU are read once, when the mask is built.
     """
 
     kind = "document"
@@ -286,12 +305,12 @@ class Document(Mask):
             pos = torch.arange(int(cu[-1]), device=cu.device)
             ids = torch.bucketize(pos, cu[1:], right=True)
         self._runs = None                                  # DocumentRuns, once known
-        self.ids = _as_long_1d_or_2d(ids, "ids")
+        self.ids = _as_long_1d_or_2d(ids, "ids").clone()   # private: its runs stay true
         if self.ids.dim() == 1:
             self.ids = self.ids.unsqueeze(0)                          # (1, S)
         self.kv_ids = None
         if kv_ids is not None:
-            self.kv_ids = _as_long_1d_or_2d(kv_ids, "kv_ids")
+            self.kv_ids = _as_long_1d_or_2d(kv_ids, "kv_ids").clone()
             if self.kv_ids.dim() == 1:
                 self.kv_ids = self.kv_ids.unsqueeze(0)                # (1, Sk)
         sizes = {len(self.ids)} | ({len(self.kv_ids)} if self.kv_ids is not None else set())
@@ -330,6 +349,12 @@ class Document(Mask):
 
     def may_have_empty_rows(self, sq: int, sk: int) -> bool:
         return self.kv_ids is not None            # without kv_ids every query sees itself
+
+    def structure(self):
+        if not self.memoizable:
+            return None
+        kv = None if self.kv_ids is None else tuple(self.kv_ids.shape)
+        return ("document", tuple(self.ids.shape), kv, self.runs_known)
 
     def describe(self):
         if self.runs_known and self.ids.numel():

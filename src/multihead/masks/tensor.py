@@ -74,6 +74,9 @@ class Dense(Mask):
     def to(self, device):
         return self._moved(device, "t")
 
+    def structure(self):
+        return ("dense", tuple(self.t.shape)) if self.memoizable else None
+
     def describe(self):
         return f"dense(shape {_dims(self.t)})"
 
@@ -105,13 +108,15 @@ def dense(allowed: torch.Tensor) -> Dense:
 class Bias(Mask):
     """An additive float bias; ``-inf`` entries are masked. Gradients flow to the bias.
 
-    A host (CPU) bias is checked when the mask is built (NaN or +inf is refused) and its
-    ``-inf`` entries are found. A GPU bias is not read (that would synchronize): it is
-    taken to mask wherever it holds ``-inf``, and a NaN in it gives NaN rows, as in torch.
+    The mask reads its tensor as it is at each call (a learned bias may be updated in place
+    between calls, and gradients reach it every time). A host (CPU) bias is checked for NaN
+    and +inf when the mask is built; a GPU bias is not read (that would synchronize), so a
+    NaN in it gives NaN rows, as in torch.
     """
 
     kind = "bias"
     has_bias = True
+    has_predicate = True          # -inf entries mask (whether there are any is never read)
     _immutable = True
 
     def __init__(self, values: torch.Tensor):
@@ -120,43 +125,41 @@ class Bias(Mask):
             raise TypeError(f"bias() takes a floating-point tensor, got {what}: use "
                             f"multihead.masks.dense(t) for bool masks")
         t = _as_4d(values, "bias")
-        neg = torch.isneginf(t)
-        if t.device.type == "cpu":
-            if bool(torch.isnan(t).any()) or bool(torch.isposinf(t).any()):
-                raise ValueError("bias contains NaN or +inf: only finite values and -inf "
-                                 "(masked) are allowed")
-            self.has_predicate = bool(neg.any())
-        else:
-            self.has_predicate = True      # unknown without a read: -inf entries may mask
-        self.allow = Dense(~neg) if self.has_predicate else None
-        self.values = t.masked_fill(neg, 0.0) if self.has_predicate else t
-        self.raw = values
+        if t.device.type == "cpu" and (bool(torch.isnan(t).any()) or bool(torch.isposinf(t).any())):
+            raise ValueError("bias contains NaN or +inf: only finite values and -inf (masked) "
+                             "are allowed")
+        self.raw = t                                           # (B|1, H|1, Sq|1, Sk|1)
         self.batch_size = t.shape[0] if t.shape[0] > 1 else None
         self.num_heads = t.shape[1] if t.shape[1] > 1 else None
 
+    @property
+    def values(self) -> torch.Tensor:
+        """The finite part of the bias (``-inf`` entries as 0), as the tensor is now."""
+        return self.raw.masked_fill(torch.isneginf(self.raw), 0.0)
+
     def _tensors(self):
-        return [self.values]
+        return [self.raw]
 
     def to(self, device):
-        new = self._moved(device, "values", "raw")
-        if self.allow is not None:
-            new.allow = self.allow.to(device)
-        return new
+        return self._moved(device, "raw")
+
+    def structure(self):
+        return ("bias", tuple(self.raw.shape), self.raw.dtype) if self.memoizable else None
 
     def describe(self):
-        return f"bias(shape {_dims(self.values)})"
+        return f"bias(shape {_dims(self.raw)})"
 
     def _preview_size(self):
-        return min(self.values.shape[2], 16), min(self.values.shape[3], 16)
+        return min(self.raw.shape[2], 16), min(self.raw.shape[3], 16)
 
     def _check(self, batch, heads, sq, sk):
-        _check_broadcast(self, self.values, batch, heads, sq, sk)
+        _check_broadcast(self, self.raw, batch, heads, sq, sk)
 
     def _allowed(self, ix):
-        return self.allow._allowed(ix)
+        return _gather4(~torch.isneginf(self.raw), ix)
 
     def _tile_bounds(self, tx):
-        return self.allow._tile_bounds(tx)
+        return _tile_reduce(~torch.isneginf(self.raw.to(tx.q0.device)), tx.tile_q, tx.tile_k)
 
     def _bias(self, ix):
         return _gather4(self.values, ix)
@@ -209,15 +212,28 @@ class ALiBi(Mask):
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
             raise ValueError(f"alibi: num_heads must be a positive int, got {num_heads!r}")
         from .structured import _check_align
-        self.num_heads = num_heads
-        self.align = _check_align(align)
-        self.slopes = alibi_slopes(num_heads)
+        self._heads, self._align = num_heads, _check_align(align)
+        self._slopes = tuple(alibi_slopes(num_heads).tolist())
+
+    @property
+    def num_heads(self) -> int:
+        """H, the heads the slopes are for. Read-only."""
+        return self._heads
+
+    @property
+    def align(self) -> str:
+        return self._align
+
+    @property
+    def slopes(self) -> torch.Tensor:
+        """The per-head slopes ``(H,)`` (a fresh tensor: changing it changes no mask)."""
+        return torch.tensor(self._slopes, dtype=torch.float32)
 
     def describe(self):
         return f"alibi({self.num_heads}, align={self.align!r})"
 
     def cache_key(self):
-        return ("alibi", self.num_heads, self.align)
+        return ("alibi", self._heads, self._align) if type(self) is ALiBi else None
 
     def _bias(self, ix: Index):
         from .structured import _offset
@@ -227,7 +243,7 @@ class ALiBi(Mask):
         return -slopes[ix.h] * dist
 
     def __repr__(self):
-        sl = ", ".join(f"{s:.4g}" for s in self.slopes.tolist()[:4])
+        sl = ", ".join(f"{s:.4g}" for s in self._slopes[:4])
         return f"{self.describe()}: slopes [{sl}{', ...' if self.num_heads > 4 else ''}]"
 
 

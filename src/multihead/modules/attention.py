@@ -259,8 +259,13 @@ class MultiHeadAttention(nn.Module):
         else:
             q, k, v, mask = self._cached(x, context, cache, mask, valid, positions)
         p = self.dropout if self.training else 0.0
-        res = attention(q, k, v, mask=mask, dropout_p=p, backend=self.backend,
-                        return_weights=return_weights)
+        try:
+            res = attention(q, k, v, mask=mask, dropout_p=p, backend=self.backend,
+                            return_weights=return_weights)
+        except BaseException:
+            if cache is not None:        # a failed call leaves the cache as it found it
+                cache.rollback()
+            raise
         out, w = res if return_weights else (res, None)
         y = self.out_proj(self._merge(out))                            # (B, Sq, E)
         if not return_weights:
@@ -289,6 +294,7 @@ class MultiHeadAttention(nn.Module):
                             f"{type(cache).__name__}")
         p = self.out_proj.weight
         cache.check_compatible(self.num_kv_heads, self.head_dim, self.head_dim, p.dtype, p.device)
+        cache.begin()                    # what this forward writes, rollback() undoes
         self._check_input("x", x, self.embed_dim)
         if x.shape[0] != cache.batch_size:
             raise ValueError(f"x has batch {x.shape[0]} but the cache holds {cache.batch_size} "

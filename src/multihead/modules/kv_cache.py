@@ -69,6 +69,31 @@ class _CacheBase:
         """Real (non-padding) tokens stored per sequence, ``(B,)``."""
         raise NotImplementedError
 
+    # -- a forward's writes, undone if the forward fails after them ----------------------
+    def begin(self) -> None:
+        """Start recording writes: :meth:`rollback` undoes exactly those made since."""
+        self._journal = []
+
+    def rollback(self) -> None:
+        """Undo the writes since :meth:`begin` (the module calls this when attention fails
+        after the cache was written): the cache then holds the tokens, lengths, padding and
+        positions it held before. The slots written keep their values, unused and masked.
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> cache = mh.KVCache(1, 8, num_kv_heads=1, head_dim=4)
+            >>> cache.begin(); _ = cache.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4))
+            >>> cache.rollback(); cache.seen, cache.lengths.tolist()
+            (0, [0])
+        """
+        for undo in reversed(getattr(self, "_journal", [])):
+            undo()
+        self._journal = []
+
+    def _record(self, undo) -> None:
+        if getattr(self, "_journal", None) is not None:
+            self._journal.append(undo)
+
     def _check_valid(self, valid, n: int):
         """``valid`` (B, n) bool on the cache's device, or None; a clear error otherwise."""
         if valid is None:
@@ -174,13 +199,17 @@ class KVCache(_CacheBase):
         s = slice(self.seen, self.seen + n)
         self.k[:, :, s] = k
         self.v[:, :, s] = v
-        if valid is None:
-            self.valid[:, s] = True
-            self.lengths += n
-        else:
-            self.valid[:, s] = valid
-            self.lengths += valid.sum(1)
-            self.padded = True
+        added = n if valid is None else valid.sum(1)                           # (B,) or n
+        self.valid[:, s] = True if valid is None else valid
+        self.lengths += added
+        before = (self.seen, self.padded)
+
+        def undo():
+            self.lengths -= added
+            self.valid[:, s] = False
+            self.seen, self.padded = before
+        self._record(undo)
+        self.padded = self.padded or valid is not None
         self.seen += n
         t = self.seen
         return self.k[:, :, :t], self.v[:, :, :t], (self.valid[:, :t] if self.padded else None)
@@ -192,6 +221,7 @@ class KVCache(_CacheBase):
                              "caching a new cross-attention context")
         self.update(k, v)
         self.cross = True
+        self._record(lambda: setattr(self, "cross", False))
 
     def context(self):
         """The cached cross-attention keys and values ``(B, Hkv, Sk, D)``, ``(B, Hkv, Sk, Dv)``."""
@@ -209,6 +239,7 @@ class KVCache(_CacheBase):
         """
         self.context()                                     # raises if no context is cached
         start, self.queries = self.queries, self.queries + n
+        self._record(lambda: setattr(self, "queries", start))
         return torch.arange(start, start + n, device=self.device)
 
     def __repr__(self) -> str:

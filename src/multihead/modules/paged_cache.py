@@ -166,6 +166,18 @@ class PagedBatch(_CacheBase):
             raise ValueError(f"PagedKVCache is out of pages: this step needs {sum(need)} more page(s) "
                              f"but {len(pool._free)} of {pool.num_pages} are free; nothing was "
                              f"written. Free finished sequences, or build a larger pool")
+        state = ({s: list(pool._tables[s]) for s in self.ids}, list(pool._free),
+                 {s: (pool._written[s], pool._real[s]) for s in self.ids}, set(pool._padded))
+
+        def undo():                    # pages back to the pool, counts as they were
+            tables, free, counts, padded = state
+            pool._tables.update(tables)
+            pool._free[:] = free
+            for sid, (written, real) in counts.items():
+                pool._written[sid], pool._real[sid] = written, real
+            pool._padded.clear()
+            pool._padded.update(padded)
+        self._record(undo)
         for sid, m in zip(self.ids, need):
             pool._tables[sid] += [pool._free.pop() for _ in range(m)]
         before, table = pool._device_tables(self.ids)                         # (B,), (B, Pmax)

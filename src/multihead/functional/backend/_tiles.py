@@ -14,8 +14,10 @@ tiles in a chunk, W = key tiles in a step, tq/tk = tile sizes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from ... import masks as M
 from ..._device import to_device
@@ -65,12 +67,73 @@ def tile_sizes(call: AttentionCall) -> tuple[int, int]:
     return max(1, min(TILE_Q, call.Sq)), max(1, min(TILE, call.Sk))
 
 
+class Geometry(NamedTuple):
+    """Tile sizes and counts, key tiles a step holds, query tiles a chunk holds."""
+
+    tq: int
+    tk: int
+    nq: int
+    nk: int
+    width: int
+    per_chunk: int
+
+
+def geometry(call: AttentionCall, kmax: int) -> Geometry:
+    """The plan's sizes when a query tile visits at most ``kmax`` key tiles."""
+    tq, tk = tile_sizes(call)
+    nq, nk = -(-call.Sq // tq), -(-call.Sk // tk)
+    rows = call.B * call.H * tq * tk
+    width = max(1, min(MAX_STEP_TILES, kmax, BUDGET // max(rows, 1)))
+    return Geometry(tq, tk, nq, nk, width, max(1, BUDGET // max(rows * width, 1)))
+
+
+class Estimate(NamedTuple):
+    """What a plan would compute, counted without building it."""
+
+    pairs: int             # (query, key) pairs computed, heads and batch included
+    masked_pairs: int      # of which in steps that evaluate the mask
+    steps: int
+    masked_steps: int
+    chunks: int
+    gathered_tiles: int    # key tiles copied per K/V head (0 when steps read slices)
+    density: float         # fraction of the tile pairs computed
+    exact: bool            # False: an upper bound (the mask's tiles live on a device)
+
+
+def estimate(call: AttentionCall) -> Estimate:
+    """Count the plan's work from the host tile map, with no loop over its steps; an upper
+    bound (every tile computed and masked) when the mask's tiles live on a device."""
+    tq, tk = tile_sizes(call)
+    nq, nk = -(-call.Sq // tq), -(-call.Sk // tk)
+    unit = call.B * call.H * tq * tk
+    if not on_host(call):
+        g = geometry(call, nk)
+        chunks = -(-nq // g.per_chunk)
+        steps = chunks * -(-nk // g.width)
+        return Estimate(unit * nq * nk, unit * nq * nk, steps, steps, chunks, nq * nk, 1.0, False)
+    nonempty, full = _classify(call, tq, tk, nq, nk, "cpu")       # (Bm, nQ, nK)
+    count = nonempty.sum(-1).amax(0)                              # (nQ,) key tiles per row
+    partial = (nonempty & ~full).any(-1).any(0)                   # (nQ,) rows with a mask
+    g = geometry(call, int(count.max()) if nq else 0)
+    chunks = -(-nq // g.per_chunk)
+    pad = chunks * g.per_chunk - nq
+    kc = F.pad(count, (0, pad)).view(chunks, g.per_chunk).amax(1)           # (chunks,)
+    rows = torch.full((chunks,), g.per_chunk)
+    rows[-1] -= pad
+    masked = F.pad(partial, (0, pad)).view(chunks, g.per_chunk).any(1)       # (chunks,)
+    steps_c = -(-kc // g.width)
+    pairs_c = rows * kc * unit
+    gathered = 0 if call.effective_mask is None else int((rows * kc).sum())
+    return Estimate(int(pairs_c.sum()), int(pairs_c[masked].sum()), int(steps_c.sum()),
+                    int(steps_c[masked].sum()), chunks, gathered,
+                    float(nonempty.float().mean()), True)
+
+
 def on_host(call: AttentionCall) -> bool:
     """Whether the mask's tiles can be classified on the host without reading a device
     tensor: no mask, a mask determined by ints (causal, windows), or a mask on the CPU."""
     m = call.effective_mask
-    return (m is None or not m.has_predicate or m.cache_key() is not None
-            or all(t.device.type == "cpu" for t in m._tensors()))
+    return m is None or not m.has_predicate or m.on_host
 
 
 def _classify(call: AttentionCall, tq: int, tk: int, nq: int, nk: int, device):
@@ -100,10 +163,7 @@ def make_plan(call: AttentionCall) -> Plan:
     rank = torch.where(nonempty, 0, 1) * nk + torch.arange(nk, device=device)
     order = rank.argsort(dim=-1)                                 # (Bm, nQ, nK): visited first
     ncount = nonempty.sum(-1).cpu()                              # (Bm, nQ)
-    kmax = int(ncount.max()) if ncount.numel() else 0
-    rows = call.B * call.H * tq * tk
-    width = max(1, min(MAX_STEP_TILES, kmax, BUDGET // max(rows, 1)))
-    per_chunk = max(1, BUDGET // max(rows * width, 1))
+    _, _, _, _, width, per_chunk = geometry(call, int(ncount.max()) if ncount.numel() else 0)
     target = call.q.device
     chunks = []
     for i0 in range(0, nq, per_chunk):

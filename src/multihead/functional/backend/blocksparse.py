@@ -28,7 +28,7 @@ from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
 from . import _tiles
-from ._tiles import Step, make_plan, on_host
+from ._tiles import Step, make_plan
 
 NEG_INF = float("-inf")
 
@@ -95,12 +95,13 @@ def _mask_step(s: torch.Tensor, g: _Geo, i0: int, i1: int, step: Step):
         ix = Index(b=torch.arange(m.batch_size or 1, device=dev).view(-1, 1, 1, 1, 1),
                    h=torch.arange(m.num_heads or 1, device=dev).view(1, -1, 1, 1, 1),
                    q=qpos.clamp(max=g.Sq - 1), k=kpos.clamp(max=g.Sk - 1), sq=g.Sq, sk=g.Sk)
-    add = m._bias(ix).to(s.dtype) if has_bias else None       # (Bx, 1|H, nQc, tq|1, L)
+    allowed, bias = m.at(ix) if m is not None else (None, None)
+    add = bias.to(s.dtype) if bias is not None else None    # (Bx, 1|H, nQc, tq|1, L)
     keep = None
     if step.masked:
         ok = (kpos < g.Sk) & step.valid.repeat_interleave(g.tk, dim=-1).view(-1, 1, nqc, 1, L)
-        if m is not None and m.has_predicate:
-            ok = ok & m._allowed(ix)
+        if allowed is not None:
+            ok = ok & allowed
         neg = torch.zeros(ok.shape, dtype=s.dtype, device=dev).masked_fill_(~ok, NEG_INF)
         add = neg if add is None else add + neg
         keep = _heads6(ok.to(s.dtype), g)                     # (Bx, Hkv|1, nQc, G|1, tq|1, L)
@@ -295,41 +296,22 @@ PAIR_BYTES, MASKED_PAIR_BYTES = 8, 40
 STEP_OPS, MASKED_STEP_OPS, CHUNK_OPS = 22, 16, 12
 
 
-def _work(call: AttentionCall, plan: _tiles.Plan | None) -> Work:
-    """The kernel's work, counted from its plan (or bounded from above without one)."""
-    B, H, Hkv, D, Dv = call.B, call.H, call.Hkv, call.D, call.Dv
+def _work(call: AttentionCall, est: _tiles.Estimate) -> Work:
+    """The kernel's work, from the counts of its plan."""
+    D, Dv = call.D, call.Dv
     size = torch.empty((), dtype=call.compute_dtype).element_size()
-    syncs = 0
-    if plan is None:        # the mask's tiles live on a device: assume every tile is computed
-        tq, tk = _tiles.tile_sizes(call)
-        nq, nk = -(-call.Sq // tq), -(-call.Sk // tk)
-        rows = B * H * tq * tk
-        width = max(1, min(_tiles.MAX_STEP_TILES, nk, _tiles.BUDGET // rows))
-        chunks = -(-nq // max(1, _tiles.BUDGET // (rows * width)))
-        steps = chunks * -(-nk // width)
-        pairs, masked = B * H * nq * tq * nk * tk, B * H * nq * tq * nk * tk
-        gathered, launches = 0, steps * (STEP_OPS + MASKED_STEP_OPS) + chunks * CHUNK_OPS
-        syncs = 2 + chunks + 3 * steps               # planning reads tile counts back
-    else:
-        pairs = masked = gathered = 0
-        launches = 0
-        m = call.effective_mask
-        bias = m is not None and m.has_bias                  # evaluated on every step
-        for chunk in plan.chunks:
-            launches += CHUNK_OPS
-            for step in chunk.steps:
-                n = B * H * (chunk.i1 - chunk.i0) * plan.tq * step.idx.shape[-1] * plan.tk
-                pairs += n
-                evaluated = step.masked or bias
-                masked += n if evaluated else 0
-                launches += STEP_OPS + (MASKED_STEP_OPS if evaluated else 0)
-                if step.first is None:       # K/V tiles gathered (per query tile if not shared)
-                    tiles = step.idx.shape[-1] * (1 if step.shared else chunk.i1 - chunk.i0)
-                    gathered += 2 * B * Hkv * tiles * plan.tk * (D + Dv) * size
+    m = call.effective_mask
+    bias = m is not None and m.has_bias                  # the bias is evaluated on every step
+    masked, evaluated = (est.pairs, est.steps) if bias else (est.masked_pairs, est.masked_steps)
     convert = call.io_bytes() * (2 if call.compute_dtype != call.q.dtype else 0)
-    work = Work(flops=2.0 * pairs * (D + Dv), kernel="tiles", dtype=call.compute_dtype,
-                bytes=PAIR_BYTES * (pairs - masked) + MASKED_PAIR_BYTES * masked + gathered
-                + convert + call.io_bytes(), launches=10 + launches, syncs=syncs,
+    gathered = 2 * call.B * call.Hkv * est.gathered_tiles * _tiles.tile_sizes(call)[1] \
+        * (D + Dv) * size
+    work = Work(flops=2.0 * est.pairs * (D + Dv), kernel="tiles", dtype=call.compute_dtype,
+                bytes=PAIR_BYTES * (est.pairs - masked) + MASKED_PAIR_BYTES * masked + gathered
+                + convert + call.io_bytes(),
+                launches=10 + est.chunks * CHUNK_OPS + est.steps * STEP_OPS
+                + evaluated * MASKED_STEP_OPS,
+                syncs=0 if est.exact else 2 + est.chunks + 3 * est.steps,
                 memory=4 * _tiles.BUDGET * size)
     if call.requires_grad:
         work = work.times(flops=2.5, bytes=2.5, launches=2.2)
@@ -342,19 +324,21 @@ class BlockSparse(Backend):
     capabilities = Capabilities(lse=True, traceable=False)
 
     def plan(self, call, profile):
-        tiles = make_plan(call) if on_host(call) else None
-        work = _work(call, tiles)
-        if tiles is None:
+        est = _tiles.estimate(call)
+        work = _work(call, est)
+        if est.exact:
+            note = f"computes {est.density:.1%} of the tiles"
+        else:
             note = (f"the mask's tiles are on {call.q.device}: planning reads them back "
                     f"({work.syncs} syncs); estimated as if every tile were computed")
-        else:
-            note = f"computes {tiles.density:.1%} of the tiles"
-        return Plan(work, note, tiles)
+        return Plan(work, note, {})     # the step plan is built by the first run, then kept
 
     def run(self, call, plan):
         q, k, v = call.q, call.k, call.v
         work = call.compute_dtype
-        geo = _Geo(call, plan.detail if plan.detail is not None else make_plan(call))
+        if "steps" not in plan.detail:
+            plan.detail["steps"] = make_plan(call)
+        geo = _Geo(call, plan.detail["steps"])
         out, lse = _BlockSparseAttention.apply(q.to(work), k.to(work), v.to(work), geo, call.scale)
         return out.to(q.dtype), None, lse if call.return_lse else None
 

@@ -13,6 +13,7 @@ from .._call import AttentionCall
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
+from ._common import mask_launches, mask_terms
 
 #: fp32 passes over the score matrix (matmul out, scale, bias, mask, max, exp, sum, divide,
 #: the weights' matmul, and their reads and temporaries): bytes per pair = 4 * this
@@ -33,23 +34,6 @@ def safe_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     weights = p / torch.where(empty, torch.ones_like(l), l)
     lse = (m + torch.log(l)).squeeze(-1)                              # log(0) = -inf, no NaN
     return weights, lse
-
-
-def mask_terms(call: AttentionCall, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The mask's ``(allowed, bias)`` as dense tensors broadcastable to (B, H, Sq, Sk)."""
-    m = call.effective_mask
-    if m is None:
-        return None, None
-    ix = m.index(call.Sq, call.Sk, device)
-    allowed = m._allowed(ix) if m.has_predicate else None
-    bias = m._bias(ix) if m.has_bias else None
-    return allowed, bias
-
-
-def mask_launches(call: AttentionCall) -> int:
-    """Ops that materialize the mask (index grids, one predicate or bias per leaf)."""
-    m = call.effective_mask
-    return 0 if m is None else 6 + 4 * sum(1 for _ in m.leaves())
 
 
 class Reference(Backend):

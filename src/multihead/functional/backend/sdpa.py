@@ -26,11 +26,7 @@ from .._call import AttentionCall
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
-from .reference import mask_launches, mask_terms
-
-#: query rows and keys of one tile of the fused kernels (for their parallelism)
-ROWS, KEY_SPLIT = 128, 1024
-
+from ._common import FUSED_ROWS, KEY_SPLIT, mask_launches, mask_terms
 
 class Detail(NamedTuple):
     mode: str        # "plain", "causal" (is_causal=True) or "masked"
@@ -51,7 +47,7 @@ def _causal_pairs(sq: int, sk: int) -> int:
     """Pairs an upper-left causal kernel computes: allowed ones plus half-empty diagonal tiles."""
     n = min(sq, sk)
     allowed = n * (n + 1) // 2 + (sq - n) * sk
-    return min(sq * sk, allowed + min(sq, sk) * ROWS // 2)
+    return min(sq * sk, allowed + min(sq, sk) * FUSED_ROWS // 2)
 
 
 def _dense_mask(call: AttentionCall, row_fix: bool):
@@ -66,6 +62,9 @@ def _dense_mask(call: AttentionCall, row_fix: bool):
             row_ok = has_any                                              # ... zero them after
     if bias is None:
         return allowed, row_ok
+    info = torch.finfo(call.q.dtype)           # the kernel adds the bias in the inputs' dtype:
+    if info.max < torch.finfo(bias.dtype).max:     # keep finite values finite in a narrower one
+        bias = bias.clamp(info.min, info.max)
     attn = bias.to(call.q.dtype)
     if allowed is not None:
         attn = attn.masked_fill(~allowed, float("-inf"))
@@ -98,7 +97,8 @@ class SDPA(Backend):
                     bytes=call.io_bytes(kv_reads) + mask_bytes,
                     launches=1 + (mask_launches(call) + 4 * row_fix if mode == "masked" else 0),
                     memory=mask_bytes / 2,
-                    parallel=heads * -(-rows // ROWS) * (1 if mode == "masked" else -(-Sk // KEY_SPLIT)))
+                    parallel=heads * -(-rows // FUSED_ROWS)
+                    * (1 if mode == "masked" else -(-Sk // KEY_SPLIT)))
         if call.requires_grad:
             work = work.times(flops=3.5, bytes=3.0, launches=2.0)
         note = {"plain": "no mask: plain fused kernel",

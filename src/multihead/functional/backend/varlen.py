@@ -24,7 +24,7 @@ from .._call import AttentionCall
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
-from .sdpa import ROWS
+from ._common import FUSED_ROWS
 
 #: documents whose lengths are within this fraction of a group's longest share one call
 PAD_TOLERANCE = 0.1
@@ -154,7 +154,7 @@ class VarLen(Backend):
         H, D, Dv = call.H, call.D, call.Dv
         pairs = sum(len(b.starts) * b.length ** 2 for b in buckets) * H
         gathered = sum(len(b.starts) * b.length for b in buckets if not b.contiguous)
-        pieces = sum(len(b.starts) * H * -(-b.length // ROWS) for b in buckets)
+        pieces = sum(len(b.starts) * H * -(-b.length // FUSED_ROWS) for b in buckets)
         work = Work(flops=2.0 * pairs * (D + Dv),
                     kernel="fused" if all(b.exact for b in buckets) else "fused_masked",
                     dtype=call.q.dtype,

@@ -1,0 +1,28 @@
+"""What several backends share: the mask materialized densely, and facts of fused kernels.
+
+Notation: B' and H' are the mask's batch and head sizes (1 where it does not depend on them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._call import AttentionCall
+
+#: query rows of one tile of the fused (flash) kernels, and the keys per split when the
+#: kernel splits long key ranges across units (flash-decoding): for their parallelism
+FUSED_ROWS, KEY_SPLIT = 128, 1024
+
+
+def mask_terms(call: AttentionCall, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The mask's ``(allowed, bias)`` as dense tensors ``(B', H', Sq, Sk)`` (None: none)."""
+    m = call.effective_mask
+    if m is None:
+        return None, None
+    return m.at(m.index(call.Sq, call.Sk, device))
+
+
+def mask_launches(call: AttentionCall) -> int:
+    """Ops that materialize the mask (index grids, one predicate or bias per leaf)."""
+    m = call.effective_mask
+    return 0 if m is None else 6 + 4 * sum(1 for _ in m.leaves())
