@@ -59,7 +59,17 @@ class Capabilities:
     cross_attention: bool = True
 
     def reasons(self, call: AttentionCall, device_type: str) -> list[str]:
-        """Why this backend cannot run ``call`` on ``device_type`` (empty when it can)."""
+        """Why this backend cannot run ``call`` on ``device_type`` (empty when it can).
+
+        Example:
+            >>> import torch
+            >>> from multihead.functional._call import make_call
+            >>> q = torch.randn(1, 2, 4, 8)
+            >>> call = make_call(q, q, q, mask=None, scale=None, dropout_p=0.1,
+            ...                  return_weights=True, return_lse=False)
+            >>> Capabilities(devices=frozenset({"cuda"})).reasons(call, "cpu")
+            ['runs on cuda, not cpu', 'does not return attention weights', 'does not implement dropout']
+        """
         out = []
         if self.devices is not None and device_type not in self.devices:
             out.append(f"runs on {', '.join(sorted(self.devices))}, not {device_type}")

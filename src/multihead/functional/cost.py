@@ -105,6 +105,12 @@ class DeviceProfile:
 
         Compute and memory time are stretched when the main kernel has fewer independent
         pieces (``w.parallel``) than the device has units.
+
+        Example:
+            >>> from multihead.functional.profiles import get_profile
+            >>> parts = get_profile("h100").breakdown(Work(launches=1000, syncs=1))
+            >>> round(parts["launches"] * 1e3, 1), round(parts["syncs"] * 1e6)    # ms, us
+            (6.0, 50)
         """
         rate = self.rate(w.kernel, w.dtype)
         stretch = 1.0 / min(1.0, max(w.parallel, 1.0) / self.units)

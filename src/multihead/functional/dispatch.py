@@ -347,6 +347,9 @@ def explain(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
         device profile: cpu ...
         backend: sdpa (chosen by auto: cheapest exact backend)
         ...
+
+    Shapes:
+        as :func:`attention`: q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv).
     """
     _check_backend(backend)
     call = make_call(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p,

@@ -103,7 +103,13 @@ def unregister(name: str) -> None:
 
 
 def discover() -> None:
-    """Import every module of ``multihead.functional.backend`` (each registers itself)."""
+    """Import every module of ``multihead.functional.backend`` (each registers itself);
+    ``import multihead`` does it. Files starting with ``_`` are helpers, not backends.
+
+    Example:
+        >>> discover(); sorted(backends())
+        ['blocksparse', 'reference', 'sdpa', 'varlen']
+    """
     package = importlib.import_module(f"{__package__}.backend")
     for name in sorted(info.name for info in pkgutil.iter_modules(package.__path__)):
         if not name.startswith("_"):

@@ -192,6 +192,18 @@ class Mask:
     def cached(self, what: str, args: tuple, compute):
         """``compute()``, cached by what determines it: globally under :meth:`cache_key`, else
         on this object while its tensors are unmodified (their version counters), else not.
+
+        Changes that bypass version counters (writes through ``.data`` or a shared numpy
+        array) are not seen: build a new mask after such a change.
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> m = mh.masks.dense(torch.ones(4, 4, dtype=torch.bool))
+            >>> m.cached("n", (), lambda: 1), m.cached("n", (), lambda: 2)     # kept
+            (1, 1)
+            >>> m.t[0, 0] = False                                             # modified
+            >>> m.cached("n", (), lambda: 3)
+            3
         """
         key = self.cache_key()
         if key is not None:

@@ -236,6 +236,13 @@ class KVCache(_CacheBase):
         A full cross-attention forward rotates its queries at ``0..Sq-1``, so queries fed in
         steps continue from the number served before (the same for every sequence: a host
         int, no device read); ``reset()`` starts again at 0.
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> cache = mh.KVCache(1, 8, num_kv_heads=1, head_dim=4)
+            >>> cache.store_context(torch.ones(1, 1, 5, 4), torch.ones(1, 1, 5, 4))
+            >>> cache.cross_positions(2).tolist(), cache.cross_positions(1).tolist()
+            ([0, 1], [2])
         """
         self.context()                                     # raises if no context is cached
         start, self.queries = self.queries, self.queries + n
