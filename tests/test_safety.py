@@ -115,3 +115,12 @@ def test_dropout_rejected_by_blocksparse_with_a_pointer():
     q = torch.randn(1, 1, 4, 4)
     with pytest.raises(ValueError, match=r"blocksparse.*dropout.*'reference', 'sdpa'"):
         mh.attention(q, q, q, dropout_p=0.1, backend="blocksparse")
+
+
+def test_explain_an_empty_call():
+    q, k = torch.randn(1, 2, 0, 8), torch.randn(1, 2, 5, 8)
+    for args in ((q, k, k), (k, q, q)):
+        text = str(mh.explain(*args, mask=mh.masks.causal()))
+        assert "backend: none (Sq or Sk is 0: the output is zeros" in text
+    with pytest.raises(ValueError, match="backend='varlen' cannot run this call"):
+        mh.explain(q, k, k, backend="varlen", mask=mh.masks.causal())

@@ -90,7 +90,8 @@ class Explanation:
             lines.append(f" {mark} {r.name:<12} est. {r.seconds * 1e3:.3g} ms ({rel} the "
                          f"cheapest; ms: {cause})" + (f": {r.plan.note}" if r.plan.note else ""))
         if self.chosen == _EMPTY:
-            lines[2] = "backend: none (Sq or Sk is 0: the output is zeros, the lse -inf)"
+            lines[2:] = ["backend: none (Sq or Sk is 0: the output is zeros, the lse -inf)"]
+            return "\n".join(lines)
         elif self.plan.work.syncs:
             lines.append(f"note: the chosen plan reads the device back "
                          f"({self.plan.work.syncs} host syncs)")
@@ -362,10 +363,12 @@ def explain(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
         raise TypeError(f"profile must be a name ({', '.join(profiles.BUILTIN)}) or a "
                         f"DeviceProfile, got {type(profile).__name__}")
     device_type = profile.device_type
-    rows = _rows(call, profile, device_type)
-    if call.Sq == 0 or call.Sk == 0:
+    if call.Sq == 0 or call.Sk == 0:                # nothing to plan
         _decide(call, backend, profile)             # raises if a requested backend cannot run
+        rows = [Row(n, tuple(b.unsupported(call, device_type)))
+                for n, b in registry.all_backends().items()]
         return Explanation(_EMPTY, backend, tuple(rows), _describe(call), profile)
+    rows = _rows(call, profile, device_type)
     chosen = _choose(rows, backend, profile).name
     structure = _structure(call) if backend == AUTO and device_type == call.q.device.type \
         and profile is profiles.profile_for(call.q.device) else None
