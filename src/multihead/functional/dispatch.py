@@ -121,11 +121,7 @@ def _describe(call: AttentionCall) -> str:
 
 
 def _rows(call: AttentionCall, profile: DeviceProfile, device_type: str) -> list[Row]:
-    rows = []
-    for name, b in registry.all_backends().items():
-        row = _row(b, call, profile, device_type)
-        rows.append(row)
-    return rows
+    return [_row(b, call, profile, device_type) for b in registry.all_backends().values()]
 
 
 def _row(b: Backend, call: AttentionCall, profile: DeviceProfile, device_type: str) -> Row:

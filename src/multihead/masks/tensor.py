@@ -155,14 +155,15 @@ class Bias(Mask):
     def _check(self, batch, heads, sq, sk):
         _check_broadcast(self, self.raw, batch, heads, sq, sk)
 
-    def _allowed(self, ix):
-        return _gather4(~torch.isneginf(self.raw), ix)
+    def _allowed(self, ix):                    # gather first: a tile reads its entries only
+        return ~torch.isneginf(_gather4(self.raw, ix))
 
     def _tile_bounds(self, tx):
         return _tile_reduce(~torch.isneginf(self.raw.to(tx.q0.device)), tx.tile_q, tx.tile_k)
 
     def _bias(self, ix):
-        return _gather4(self.values, ix)
+        b = _gather4(self.raw, ix)
+        return b.masked_fill(torch.isneginf(b), 0.0)
 
 
 def bias(values: torch.Tensor) -> Bias:
