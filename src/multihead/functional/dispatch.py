@@ -26,15 +26,15 @@ from dataclasses import dataclass
 import torch
 
 from .. import masks as M
-from . import profiles, registry
+from .._cache import BoundedCache
+from . import nonfinite, profiles, registry
 from ._call import AttentionCall, default_scale, make_call
 from .cost import DeviceProfile
 from .registry import Backend, Plan
 
 AUTO = "auto"
-_DECISIONS: dict = {}      # exact call -> (backend, plan)
-_CHOICES: dict = {}        # structure of a call -> the backend auto chose
-_MAX = 1024
+_DECISIONS = BoundedCache(1024, 64 << 20)     # exact call -> (backend, plan)
+_CHOICES = BoundedCache(1024, 1 << 20)        # structure of a call -> the backend auto chose
 _EMPTY = "empty"
 
 
@@ -175,29 +175,24 @@ def _structure(call: AttentionCall):
 
 
 def _decide(call: AttentionCall, backend: str, profile: DeviceProfile):
-    """(backend, plan) for a validated call; (None, "empty") when Sq or Sk is 0."""
+    """(backend, plan) for a validated call; (None, "empty") when B, Sq or Sk is 0."""
     device_type = call.q.device.type
-    if call.Sq == 0 or call.Sk == 0:                # nothing to plan; still: could it run?
+    if call.B == 0 or call.Sq == 0 or call.Sk == 0:     # nothing to plan; still: could it run?
         reasons = [] if backend == AUTO else registry.get(backend).unsupported(call, device_type)
         if reasons:
             _choose([Row(backend, tuple(reasons))], backend, profile)
         return None, _EMPTY
     structure = None if backend != AUTO or torch.compiler.is_compiling() else _structure(call)
-    if structure is not None and structure in _CHOICES:
-        b = registry.all_backends().get(_CHOICES[structure])
+    chosen = _CHOICES.get(structure) if structure is not None else None
+    if chosen is not None:
+        b = registry.all_backends().get(chosen)
         row = _row(b, call, profile, device_type) if b is not None else None
         if row is not None and row.plan is not None:
             return b, row.plan
     row = _choose(_rows(call, profile, device_type), backend, profile)
     if structure is not None:
-        _remember(_CHOICES, structure, row.name)
+        _CHOICES.put(structure, row.name)
     return registry.get(row.name), row.plan
-
-
-def _remember(cache: dict, key, value) -> None:
-    if len(cache) >= _MAX:
-        cache.pop(next(iter(cache)))
-    cache[key] = value
 
 
 def _check_backend(backend) -> str:
@@ -214,7 +209,7 @@ def _shared_decision(full_key, args):
     if decision is not None:
         return None, decision
     call, decision = _new_decision(*args)
-    _remember(_DECISIONS, full_key, decision)
+    _DECISIONS.put(full_key, decision)
     return call, decision
 
 
@@ -312,14 +307,14 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
                              else float(scale), float(dropout_p), return_weights, return_lse,
                              shapes)
     backend_obj, plan = decision
-    out, w, lse = _empty(call) if plan is _EMPTY else backend_obj.run(call, plan)
+    out, w, lse = _empty(call) if plan is _EMPTY else nonfinite.run(backend_obj, call, plan)
     if not (call.return_weights or call.return_lse):
         return out
     return (out, *(x for x, on in ((w, call.return_weights), (lse, call.return_lse)) if on))
 
 
 def _empty(call: AttentionCall):
-    """Sq == 0 or Sk == 0: zeros, still connected to the autograd graph."""
+    """B, Sq or Sk is 0: zeros (or empty), still connected to the autograd graph."""
     qg = call.q.reshape(call.B, call.Hkv, call.group * call.Sq, call.D)
     w = qg @ call.k.transpose(-1, -2)                     # (B, Hkv, G*Sq, Sk): zeros or empty
     out = (w @ call.v).view(call.B, call.H, call.Sq, call.Dv)
@@ -359,7 +354,7 @@ def explain(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
         raise TypeError(f"profile must be a name ({', '.join(profiles.BUILTIN)}) or a "
                         f"DeviceProfile, got {type(profile).__name__}")
     device_type = profile.device_type
-    if call.Sq == 0 or call.Sk == 0:                # nothing to plan
+    if call.B == 0 or call.Sq == 0 or call.Sk == 0:     # nothing to plan
         _decide(call, backend, profile)             # raises if a requested backend cannot run
         rows = [Row(n, tuple(b.unsupported(call, device_type)))
                 for n, b in registry.all_backends().items()]

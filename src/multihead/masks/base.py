@@ -21,13 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .._cache import BoundedCache
 from .._device import to_device
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 #: facts derived from masks that are fully determined by their cache_key(), shared by calls
-_SHARED: dict = {}
-_SHARED_MAX = 256
+_SHARED = BoundedCache(max_entries=256, max_bytes=64 << 20)
+#: the same for facts kept on one mask object (tensor masks), per object
+_MEMO_ENTRIES, _MEMO_BYTES = 64, 32 << 20
 
 
 @dataclass(frozen=True)
@@ -213,24 +215,17 @@ class Mask:
             except TypeError:
                 raise TypeError(f"{type(self).__name__}.cache_key() must return a hashable value "
                                 f"(a tuple of ints and strings, say), got {key!r}") from None
-            if full not in _SHARED:
-                if len(_SHARED) >= _SHARED_MAX:
-                    _SHARED.pop(next(iter(_SHARED)))
-                _SHARED[full] = compute()
-            return _SHARED[full]
+            return _SHARED.get_or_compute(full, compute)
         if not self.memoizable:
             return compute()
         try:
             versions = tuple(t._version for t in self._tensors())
         except RuntimeError:               # inference tensors keep no version counter
             return compute()
-        store = self.__dict__.setdefault("_memo", {})
-        full = (what, args, versions)
-        if full not in store:
-            if len(store) >= 64:
-                store.pop(next(iter(store)))
-            store[full] = compute()
-        return store[full]
+        store = self.__dict__.get("_memo")
+        if store is None:                  # setdefault: one store even if threads race here
+            store = self.__dict__.setdefault("_memo", BoundedCache(_MEMO_ENTRIES, _MEMO_BYTES))
+        return store.get_or_compute((what, args, versions), compute)
 
     # -- what subclasses implement ---------------------------------------------------------
     def _allowed(self, ix: Index) -> torch.Tensor:

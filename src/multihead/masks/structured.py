@@ -220,16 +220,20 @@ class Padding(Mask):
             raise ValueError(f"mask: {self.describe()} has a length {self._max_len} > {what} = {s}: "
                              f"lengths count real tokens and cannot exceed the sequence")
 
+    def _row(self, b: torch.Tensor) -> torch.Tensor:
+        """Batch indices into this mask's rows: one sequence broadcasts to every batch."""
+        return b if self.batch_size > 1 else b * 0
+
     def _allowed(self, ix: Index):
         pos = ix.k if self.side == "key" else ix.q
         if self.real is None:
-            return pos < self.lengths.to(pos.device)[ix.b]
-        return self.real.to(pos.device)[ix.b, pos]
+            return pos < self.lengths.to(pos.device)[self._row(ix.b)]
+        return self.real.to(pos.device)[self._row(ix.b), pos]
 
     def _tile_bounds(self, tx: TileIndex):
         first, last = (tx.k0, tx.k1) if self.side == "key" else (tx.q0, tx.q1)
         if self.real is None:
-            n = self.lengths.to(first.device)[tx.b]  # (B, 1, 1, 1)
+            n = self.lengths.to(first.device)[self._row(tx.b)]  # (B, 1, 1, 1)
             return first < n, last < n
         tile = tx.tile_k if self.side == "key" else tx.tile_q
         real = self.real.to(first.device).long()

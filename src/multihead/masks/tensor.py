@@ -110,7 +110,8 @@ class Bias(Mask):
 
     The mask reads its tensor as it is at each call (a learned bias may be updated in place
     between calls, and gradients reach it every time). A host (CPU) bias is checked for NaN
-    and +inf when the mask is built; a GPU bias is not read (that would synchronize), so a
+    and +inf when the mask is built (not while ``torch.compile`` traces, where reading it
+    would break the graph); a GPU bias is not read (that would synchronize), so a
     NaN in it gives NaN rows, as in torch.
     """
 
@@ -125,7 +126,8 @@ class Bias(Mask):
             raise TypeError(f"bias() takes a floating-point tensor, got {what}: use "
                             f"multihead.masks.dense(t) for bool masks")
         t = _as_4d(values, "bias")
-        if t.device.type == "cpu" and (bool(torch.isnan(t).any()) or bool(torch.isposinf(t).any())):
+        if (t.device.type == "cpu" and not torch.compiler.is_compiling()
+                and (bool(torch.isnan(t).any()) or bool(torch.isposinf(t).any()))):
             raise ValueError("bias contains NaN or +inf: only finite values and -inf (masked) "
                              "are allowed")
         self.raw = t                                           # (B|1, H|1, Sq|1, Sk|1)
@@ -241,7 +243,8 @@ class ALiBi(Mask):
         dist = (ix.q + _offset(self.align, ix.sq, ix.sk) - ix.k).abs()
         slopes = self.cached("slopes", (str(ix.q.device),),
                              lambda: to_device(self.slopes, ix.q.device))   # (H,)
-        return -slopes[ix.h] * dist
+        h = ix.h if self.num_heads > 1 else ix.h * 0    # one slope broadcasts to every head
+        return -slopes[h] * dist
 
     def __repr__(self):
         sl = ", ".join(f"{s:.4g}" for s in self._slopes[:4])

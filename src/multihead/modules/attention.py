@@ -251,21 +251,24 @@ class MultiHeadAttention(nn.Module):
         Returns ``out`` (B, Sq, E), or ``(out, weights)`` when ``return_weights``; weights are
         per head ``(B, H, Sq, Sk)``, or their head mean ``(B, Sq, Sk)`` with ``average_weights``.
         """
+        p = self.dropout if self.training else 0.0
         if cache is None:
             if valid is not None:
                 raise ValueError("valid marks padded new tokens for a cache: pass cache=, or put "
                                  "padding in the mask (mh.masks.padding) for a full forward")
             q, k, v = self._qkv(x, context, positions)
-        else:
-            q, k, v, mask = self._cached(x, context, cache, mask, valid, positions)
-        p = self.dropout if self.training else 0.0
-        try:
             res = attention(q, k, v, mask=mask, dropout_p=p, backend=self.backend,
                             return_weights=return_weights)
-        except BaseException:
-            if cache is not None:        # a failed call leaves the cache as it found it
+        else:
+            self._check_cache(cache)
+            cache.begin()                # what this forward writes, rollback() undoes
+            try:
+                q, k, v, mask = self._cached(x, context, cache, mask, valid, positions)
+                res = attention(q, k, v, mask=mask, dropout_p=p, backend=self.backend,
+                                return_weights=return_weights)
+            except BaseException:        # a failed call leaves the cache as it found it
                 cache.rollback()
-            raise
+                raise
         out, w = res if return_weights else (res, None)
         y = self.out_proj(self._merge(out))                            # (B, Sq, E)
         if not return_weights:
@@ -284,17 +287,19 @@ class MultiHeadAttention(nn.Module):
         size = torch.empty((), dtype=dtype or self.out_proj.weight.dtype).element_size()
         return 2 * self.num_kv_heads * self.head_dim * size
 
-    def _cached(self, x, context, cache, mask, valid, positions):
-        """q and the cached k/v (new tokens appended), and the mask with cached padding."""
-        if positions is not None:
-            raise ValueError("positions come from the cache when cache= is given (each "
-                             "sequence continues from its length): drop positions=")
+    def _check_cache(self, cache) -> None:
+        """Raise unless ``cache`` is a cache this module can use (nothing is written)."""
         if not hasattr(cache, "update") or not hasattr(cache, "check_compatible"):
             raise TypeError(f"cache must be a multihead.KVCache or PagedKVCache.batch(...), got "
                             f"{type(cache).__name__}")
         p = self.out_proj.weight
         cache.check_compatible(self.num_kv_heads, self.head_dim, self.head_dim, p.dtype, p.device)
-        cache.begin()                    # what this forward writes, rollback() undoes
+
+    def _cached(self, x, context, cache, mask, valid, positions):
+        """q and the cached k/v (new tokens appended), and the mask with cached padding."""
+        if positions is not None:
+            raise ValueError("positions come from the cache when cache= is given (each "
+                             "sequence continues from its length): drop positions=")
         self._check_input("x", x, self.embed_dim)
         if x.shape[0] != cache.batch_size:
             raise ValueError(f"x has batch {x.shape[0]} but the cache holds {cache.batch_size} "

@@ -148,6 +148,15 @@ class PagedBatch(_CacheBase):
     def _real_counts(self) -> torch.Tensor:
         return torch.stack([self.pool._real[s] for s in self.ids])              # (B,)
 
+    def check_compatible(self, *sizes) -> None:
+        """Also refuses a batch whose sequences were freed since it was made."""
+        gone = [s for s in self.ids if s not in self.pool._tables]
+        if gone:
+            raise ValueError(f"cache: sequence(s) {gone} of this PagedKVCache batch were freed "
+                             f"(live sequences: {self.pool.sequences}); make a new batch of live "
+                             f"ids with pool.batch([...])")
+        super().check_compatible(*sizes)
+
     def store_context(self, k, v) -> None:
         """Refused: a paged pool holds self-attention tokens only (nothing is written)."""
         raise TypeError("cache: a PagedKVCache batch does not hold cross-attention contexts; "

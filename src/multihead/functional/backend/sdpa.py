@@ -62,9 +62,14 @@ def _dense_mask(call: AttentionCall, row_fix: bool):
             row_ok = has_any                                              # ... zero them after
     if bias is None:
         return allowed, row_ok
-    info = torch.finfo(call.q.dtype)           # the kernel adds the bias in the inputs' dtype:
-    if info.max < torch.finfo(bias.dtype).max:     # keep finite values finite in a narrower one
-        bias = bias.clamp(info.min, info.max)
+    if bias.dtype != call.q.dtype:
+        # The kernel adds the bias in the inputs' dtype, where rounding a large value costs
+        # more than the inputs' own precision (a bias of 40 in bf16 is off by 0.125). Every
+        # backend adds the bias in fp32; here each row is shifted to a maximum of 0 first
+        # (softmax ignores a row's shift), so the values that carry weight round finely.
+        top = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
+        top = top.detach().amax(dim=-1, keepdim=True)                       # (B', H', Sq, 1)
+        bias = bias - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     attn = bias.to(call.q.dtype)
     if allowed is not None:
         attn = attn.masked_fill(~allowed, float("-inf"))

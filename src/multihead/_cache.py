@@ -1,0 +1,120 @@
+"""A small memo table that is safe under threads and bounded by the bytes it keeps.
+
+Every cache of derived facts in the library (tile maps of masks, plans, auto's choices)
+is one of these. Values are kept in insertion order and the oldest go first once the
+entries or the bytes of the tensors they hold pass the limits. A value is computed
+outside the lock (two threads may compute it at once; one result is kept), so a slow
+computation never blocks other threads and a computation may itself use the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+
+_MISSING = object()
+
+
+def nbytes(value, depth: int = 4) -> int:
+    """Bytes of the tensors reachable from ``value`` (through containers, dataclasses,
+    named tuples and plain objects, ``depth`` levels deep).
+
+    Example:
+        >>> import torch
+        >>> nbytes({"a": torch.zeros(4), "b": (torch.zeros(2, dtype=torch.int8), 3)})
+        18
+    """
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if depth == 0 or value is None or isinstance(value, (int, float, str, bool, bytes)):
+        return 0
+    if isinstance(value, dict):
+        items = value.values()
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    elif hasattr(value, "__dict__"):
+        items = vars(value).values()
+    else:
+        items = [getattr(value, s) for s in getattr(type(value), "__slots__", ())
+                 if hasattr(value, s)]
+    return sum(nbytes(v, depth - 1) for v in items)
+
+
+class BoundedCache:
+    """A thread-safe memo table bounded by entries and by the tensor bytes it holds.
+
+    Args:
+        max_entries: the most values kept.
+        max_bytes: the most tensor bytes kept; a single value larger than this is
+            returned but not kept.
+
+    Example:
+        >>> import torch
+        >>> c = BoundedCache(max_entries=2, max_bytes=64)
+        >>> c.get_or_compute("a", lambda: torch.zeros(8)).shape      # 32 bytes, kept
+        torch.Size([8])
+        >>> _ = c.get_or_compute("b", lambda: torch.zeros(12))       # 48 bytes: "a" goes
+        >>> "a" in c, "b" in c, c.nbytes
+        (False, True, 48)
+    """
+
+    def __init__(self, max_entries: int, max_bytes: int):
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._data: dict = {}            # key -> (value, bytes)
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def __contains__(self, key) -> bool:
+        with self._lock:
+            return key in self._data
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes held now."""
+        return self._bytes
+
+    def get(self, key, default=None):
+        with self._lock:
+            hit = self._data.get(key, _MISSING)
+        return default if hit is _MISSING else hit[0]
+
+    def put(self, key, value) -> None:
+        """Keep ``value`` under ``key``, dropping the oldest entries to stay in bounds."""
+        size = nbytes(value)
+        with self._lock:
+            old = self._data.pop(key, None)
+            if old is not None:
+                self._bytes -= old[1]
+            if size > self.max_bytes:
+                return
+            while self._data and (len(self._data) >= self.max_entries
+                                  or self._bytes + size > self.max_bytes):
+                self._bytes -= self._data.pop(next(iter(self._data)))[1]
+            self._data[key] = (value, size)
+            self._bytes += size
+
+    def get_or_compute(self, key, compute):
+        """The value under ``key``, computing and keeping it on a miss."""
+        with self._lock:
+            hit = self._data.get(key, _MISSING)
+        if hit is not _MISSING:
+            return hit[0]
+        value = compute()
+        with self._lock:                 # another thread may have kept one meanwhile
+            hit = self._data.get(key, _MISSING)
+        if hit is not _MISSING:
+            return hit[0]
+        self.put(key, value)
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._bytes = 0

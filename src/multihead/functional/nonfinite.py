@@ -1,0 +1,66 @@
+"""NaN and inf in the inputs: one rule for every backend.
+
+The rule:
+
+- a key or value the mask hides from a query row never changes that row, however it is
+  non-finite (fused kernels compute masked pairs and then weight them by 0, and
+  ``0 * NaN`` is NaN: left alone, a NaN in a padded key would poison every row);
+- a query row that has something to attend to is all NaN when its query, or a key or value
+  it may attend to, holds a NaN or an inf (torch's CPU kernel would return zeros for a NaN
+  query, the reference NaN in some columns only: neither is what the caller's data says);
+- a row with nothing to attend to stays zeros.
+
+On the CPU, where reading a result back is free, it costs one reduction over q and one
+over the output: a non-finite input a row may see, or a hidden one that leaked through a
+kernel, leaves a non-finite output; only then are the inputs scanned, the call run again
+on cleaned inputs and the rows that see non-finite values set to NaN. On devices where a
+read-back stalls the queue (GPUs) nothing is inspected, and the fused kernels' own NaN
+handling applies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._call import AttentionCall
+from .backend._common import mask_terms
+
+
+def _finite(q: torch.Tensor, out: torch.Tensor) -> bool:
+    with torch.no_grad():                 # an overflowing sum only takes the careful path
+        total = q.sum(dtype=torch.float32) + out.sum(dtype=torch.float32)
+    return bool(torch.isfinite(total))
+
+
+def _replaced(call: AttentionCall, q, k, v) -> AttentionCall:
+    """The same call on other tensors of the same shapes."""
+    return AttentionCall(q, k, v, call.mask, call.scale, call.dropout_p, call.return_weights,
+                         call.return_lse)
+
+
+def poisoned_rows(call: AttentionCall) -> torch.Tensor:
+    """``(B, H, Sq)``: rows that may attend to something and whose query, or a key or value
+    they may attend to, is not finite."""
+    bad_q = ~torch.isfinite(call.q).all(-1)                                       # (B, H, Sq)
+    bad_kv = ~(torch.isfinite(call.k).all(-1) & torch.isfinite(call.v).all(-1))   # (B, Hkv, Sk)
+    bad_kv = bad_kv.repeat_interleave(call.group, dim=1)[:, :, None, :]            # (B, H, 1, Sk)
+    allowed, _ = mask_terms(call, call.q.device)                 # (B', H', Sq, Sk) or None
+    if allowed is None:
+        return bad_q | bad_kv.any(-1)
+    sees_bad = (allowed & bad_kv).any(-1)                                          # (B, H, Sq)
+    return sees_bad | (bad_q & allowed.any(-1))
+
+
+def run(backend, call: AttentionCall, plan):
+    """``backend.run(call, plan)`` under the rule of this module."""
+    out, w, lse = backend.run(call, plan)
+    if call.q.device.type != "cpu" or torch.compiler.is_compiling() or _finite(call.q, out):
+        return out, w, lse
+    clean = [t.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0) for t in (call.q, call.k, call.v)]
+    out, w, lse = backend.run(_replaced(call, *clean), plan)
+    rows = poisoned_rows(call)                                                     # (B, H, Sq)
+    nan = float("nan")
+    out = out.masked_fill(rows[..., None], nan)
+    w = w.masked_fill(rows[..., None], nan) if w is not None else None
+    lse = lse.masked_fill(rows, nan) if lse is not None else None
+    return out, w, lse
