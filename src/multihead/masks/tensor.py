@@ -108,6 +108,10 @@ def dense(allowed: torch.Tensor) -> Dense:
 class Bias(Mask):
     """An additive float bias; ``-inf`` entries are masked. Gradients flow to the bias.
 
+    Every backend adds it to float32 scores at the bias's own precision (never rounded to
+    half-precision inputs first); finite values, however negative (``finfo(dtype).min``),
+    are numbers, not masks.
+
     The mask reads its tensor as it is at each call (a learned bias may be updated in place
     between calls, and gradients reach it every time). A host (CPU) bias is checked for NaN
     and +inf when the mask is built (not while ``torch.compile`` traces, where reading it

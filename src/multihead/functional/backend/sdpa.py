@@ -32,6 +32,7 @@ class Detail(NamedTuple):
     mode: str        # "plain", "causal" (is_causal=True) or "masked"
     fold: bool       # fold the query heads of a K/V head into the query axis
     row_fix: bool    # open rows with nothing to attend to, zero them after
+    upcast: bool     # run the kernel in fp32 (a half-precision one would round the bias)
 
 
 def _mode(call: AttentionCall) -> str:
@@ -50,7 +51,23 @@ def _causal_pairs(sq: int, sk: int) -> int:
     return min(sq * sk, allowed + min(sq, sk) * FUSED_ROWS // 2)
 
 
-def _dense_mask(call: AttentionCall, row_fix: bool):
+def _bias_dtype(m) -> torch.dtype:
+    """The dtype a mask's bias is computed in: a tensor bias's own, fp32 for ALiBi."""
+    dt = torch.float16
+    for leaf in m.leaves():
+        if leaf.has_bias:
+            raw = getattr(leaf, "raw", None)
+            dt = torch.promote_types(dt, raw.dtype if raw is not None else torch.float32)
+    return dt
+
+
+def _rounds(bias: torch.dtype, inputs: torch.dtype) -> bool:
+    """Would the kernel round this bias (it adds the bias in the inputs' dtype)?"""
+    wide, narrow = torch.finfo(bias), torch.finfo(inputs)
+    return wide.eps < narrow.eps or wide.max > narrow.max
+
+
+def _dense_mask(call: AttentionCall, row_fix: bool, dtype: torch.dtype):
     """Return (attn_mask or None, row_ok or None) for SDPA: (B', H', Sq, Sk) bool or float."""
     allowed, bias = mask_terms(call, call.q.device)
     row_ok = None
@@ -62,15 +79,7 @@ def _dense_mask(call: AttentionCall, row_fix: bool):
             row_ok = has_any                                              # ... zero them after
     if bias is None:
         return allowed, row_ok
-    if bias.dtype != call.q.dtype:
-        # The kernel adds the bias in the inputs' dtype, where rounding a large value costs
-        # more than the inputs' own precision (a bias of 40 in bf16 is off by 0.125). Every
-        # backend adds the bias in fp32; here each row is shifted to a maximum of 0 first
-        # (softmax ignores a row's shift), so the values that carry weight round finely.
-        top = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
-        top = top.detach().amax(dim=-1, keepdim=True)                       # (B', H', Sq, 1)
-        bias = bias - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    attn = bias.to(call.q.dtype)
+    attn = bias.to(dtype)
     if allowed is not None:
         attn = attn.masked_fill(~allowed, float("-inf"))
     return attn, row_ok
@@ -85,6 +94,10 @@ class SDPA(Backend):
         B, H, Hkv, G, Sq, Sk = call.B, call.H, call.Hkv, call.group, call.Sq, call.Sk
         mode, m = _mode(call), call.effective_mask
         row_fix = mode == "masked" and m.may_have_empty_rows(Sq, Sk)
+        # every backend adds a bias in fp32 (at its own precision); the kernel adds it in
+        # the inputs' dtype, so a bias that would round there runs the kernel in fp32
+        upcast = mode == "masked" and m.has_bias and _rounds(_bias_dtype(m), call.q.dtype)
+        dtype = torch.float32 if upcast else call.q.dtype
         head_free = mode != "masked" or not m.num_heads or m.num_heads == 1
         native = "sdpa_native_gqa" in profile.features
         fold = G > 1 and head_free and mode != "causal" and not native
@@ -97,9 +110,10 @@ class SDPA(Backend):
             per = 8 * (4 + 2 * sum(1 for _ in m.leaves())) if m.has_bias else \
                 call.q.element_size() * (3 + sum(1 for _ in m.leaves()))
             mask_bytes = elems * per
+        io = call.io_bytes(kv_reads) * (1 if not upcast else 2 * 4 / call.q.element_size())
         work = Work(flops=2.0 * pairs * (call.D + call.Dv),
-                    kernel="fused_masked" if mode == "masked" else "fused", dtype=call.q.dtype,
-                    bytes=call.io_bytes(kv_reads) + mask_bytes,
+                    kernel="fused_masked" if mode == "masked" else "fused", dtype=dtype,
+                    bytes=io + mask_bytes,
                     launches=1 + (mask_launches(call) + 4 * row_fix if mode == "masked" else 0),
                     memory=mask_bytes / 2,
                     parallel=heads * -(-rows // FUSED_ROWS)
@@ -112,13 +126,18 @@ class SDPA(Backend):
         if G > 1:
             note += ("; query heads folded into the query axis" if fold else
                      "; enable_gqa" + ("" if native else " (K/V read once per query head)"))
-        return Plan(work, note, Detail(mode, fold, row_fix))
+        if upcast:
+            note += f"; computed in float32 (a {call.q.dtype} kernel would round the bias)"
+        return Plan(work, note, Detail(mode, fold, row_fix, upcast))
 
     def run(self, call, plan):
-        mode, fold, row_fix = plan.detail
+        mode, fold, row_fix, upcast = plan.detail
         q, k, v = call.q, call.k, call.v
+        if upcast:
+            q, k, v = q.float(), k.float(), v.float()
         B, H, Hkv, G, Sq, Sk = call.B, call.H, call.Hkv, call.group, call.Sq, call.Sk
-        attn_mask, row_ok = _dense_mask(call, row_fix) if mode == "masked" else (None, None)
+        attn_mask, row_ok = _dense_mask(call, row_fix, q.dtype) if mode == "masked" \
+            else (None, None)
         kw = dict(dropout_p=call.dropout_p, scale=call.scale, is_causal=mode == "causal")
         if fold:
             qf = q.reshape(B, Hkv, G * Sq, call.D)                       # (B, Hkv, G*Sq, D)
@@ -134,7 +153,7 @@ class SDPA(Backend):
                                                  enable_gqa=G > 1, **kw)
         if row_ok is not None:
             out = out * row_ok.to(out.dtype)
-        return out, None, None
+        return out.to(call.q.dtype), None, None
 
 
 register(SDPA())

@@ -1,0 +1,138 @@
+"""One numerical semantics on every backend.
+
+- Biases are added in fp32 (at the bias's own precision) whatever the inputs' dtype: a
+  backend whose kernel adds them in fp16/bf16 must not be less accurate for it.
+- A bias of ``finfo(dtype).min`` is a (very negative) number, not a mask: every backend
+  adds it as fp32 arithmetic says (a row of it is a shift that softmax ignores, or swamps
+  the scores: uniform weights); only ``-inf`` masks.
+- Masked keys and values never influence a row, however non-finite; a row that may attend
+  to a non-finite query, key or value is all NaN; a row with nothing to attend to is zeros.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import multihead as mh
+from conftest import ALL_BACKENDS, oracle
+
+M = mh.masks
+HALF = [torch.float16, torch.bfloat16]
+BACKENDS = ["reference", "sdpa", "blocksparse"]
+
+
+def _qkv(B=2, H=4, S=64, D=32, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, S, D, generator=g).to(dtype) for _ in range(3)]
+
+
+def _err(x, ref):
+    return (x.double() - ref).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["bias N(0, 20)", "bias N(0, 20) & causal", "alibi"])
+def test_a_float32_bias_costs_no_backend_accuracy_in_half_precision(dtype, name):
+    """sdpa used to round an fp32 bias to bf16 first: 15x the reference's error (0.23)."""
+    q, k, v = _qkv(S=128)
+    g = torch.Generator().manual_seed(3)
+    b = torch.randn(1, 4, 128, 128, generator=g) * 20
+    mask = {"bias N(0, 20)": M.bias(b), "bias N(0, 20) & causal": M.bias(b) & M.causal(),
+            "alibi": M.alibi(4)}[name]
+    ref = oracle(q, k, v, mask)
+    qh, kh, vh = q.to(dtype), k.to(dtype), v.to(dtype)
+    errs = {be: _err(mh.attention(qh, kh, vh, mask=mask, backend=be), ref) for be in BACKENDS}
+    floor = _err(qh.double(), q.double()) / 4            # the inputs' own rounding, scaled
+    for be, e in errs.items():
+        assert e <= 1.5 * errs["reference"] + floor, errs
+
+
+@pytest.mark.parametrize("dtype", HALF + [torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_finfo_min_is_a_number_and_large_biases_stay_finite(dtype):
+    q, k, v = _qkv(B=1, H=2, S=8, D=16, dtype=dtype)
+    b = torch.zeros(1, 2, 8, 8)
+    b[0, 0, 3] = torch.finfo(dtype).min                        # Hugging Face's "masked"
+    b[0, 1, 5, 2] = 1e5                                        # beyond fp16's range
+    outs = {be: mh.attention(q, k, v, mask=M.bias(b), backend=be) for be in BACKENDS}   # fp32
+    ref = oracle(q, k, v, M.bias(b))         # fp16's min shifts a row (softmax ignores it);
+    for be, out in outs.items():             # bf16's and fp32's swamp the scores: uniform
+        assert torch.isfinite(out).all(), be
+        torch.testing.assert_close(out[0, 0, 3].double(), ref[0, 0, 3], atol=2e-2, rtol=0)
+        torch.testing.assert_close(out[0, 1, 5].float(), v[0, 1, 2].float(), atol=2e-2, rtol=0)
+    for be in BACKENDS[1:]:
+        torch.testing.assert_close(outs[be].float(), outs["reference"].float(),
+                                   atol=3e-2 if dtype == torch.bfloat16 else 4e-3, rtol=0)
+
+
+def _masks(S):
+    return {
+        "none": None,
+        "causal": M.causal(),
+        "padding": M.padding(torch.tensor([S - 3, S])),
+        "window": M.sliding_window(3),
+        "document": M.document(torch.tensor([[0] * 3 + [1] * (S - 5) + [2] * 2] * 2)),
+        "bias": M.bias(torch.randn(1, 1, S, S, generator=torch.Generator().manual_seed(1))),
+        "causal&padding": M.causal() & M.padding(torch.tensor([S - 3, S - 1])),
+    }
+
+
+def _expected(q, k, v, mask):
+    """The rule, written out: the oracle on finite inputs, NaN where a row sees a bad one."""
+    S = q.shape[2]
+    allowed = torch.ones(1, 1, S, S, dtype=torch.bool) if mask is None \
+        else mask.materialize(S, S).expand(q.shape[0], q.shape[1], S, S)
+    bad_q = ~torch.isfinite(q).all(-1)                                      # (B, H, Sq)
+    bad_kv = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))      # (B, H, Sk)
+    clean = [t.nan_to_num(0.0, 0.0, 0.0) for t in (q, k, v)]
+    out = oracle(*clean, mask)
+    rows = ((allowed & bad_kv[:, :, None]).any(-1) | (bad_q & allowed.any(-1)))
+    return out.masked_fill(rows[..., None], float("nan")), rows
+
+
+@pytest.mark.parametrize("mask_name", list(_masks(12)))
+@pytest.mark.parametrize("where", ["q", "k", "v", "hidden k", "hidden v"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_non_finite_inputs_follow_one_rule_on_every_backend(backend, value, where, mask_name):
+    S = 12
+    q, k, v = _qkv(B=2, H=2, S=S, D=8, seed=4)
+    mask = _masks(S)[mask_name]
+    try:
+        mh.explain(q, k, v, mask=mask, backend=backend)
+    except ValueError:
+        pytest.skip(f"{backend} does not run {mask_name}")
+    if where == "q":
+        q[0, 1, 4, 2] = value
+    elif where in ("k", "v"):
+        (k if where == "k" else v)[1, 0, 1, 3] = value          # key 1: seen by most rows
+    else:                                   # keys hidden from every row of batch 0 (padding)
+        if mask_name not in ("padding", "causal&padding"):
+            pytest.skip("only padding hides keys from every row")
+        (k if where == "hidden k" else v)[0, :, S - 1] = value
+    want, rows = _expected(q, k, v, mask)
+    got = mh.attention(q, k, v, mask=mask, backend=backend)
+    assert torch.equal(got.isnan(), want.isnan()), (backend, got.isnan().any(-1))
+    ok = ~rows[..., None].expand_as(got)
+    torch.testing.assert_close(got[ok], want[ok].float(), atol=1e-5, rtol=1e-5)
+    if where.startswith("hidden"):
+        assert not got.isnan().any()                              # masked: no influence
+
+
+def test_a_nan_query_is_nan_not_zeros_on_sdpa():
+    """torch's CPU flash kernel returns zeros for a NaN query row; the reference NaN."""
+    q, k, v = _qkv(B=1, H=1, S=4, D=8)
+    q[0, 0, 2, 0] = float("nan")
+    out = mh.attention(q, k, v, backend="sdpa")
+    assert out[0, 0, 2].isnan().all() and not out[0, 0, [0, 1, 3]].isnan().any()
+
+
+def test_a_row_with_nothing_to_attend_to_stays_zeros_even_with_a_nan_query():
+    q, k, v = _qkv(B=1, H=1, S=4, D=8)
+    q[0, 0, 0, 0] = float("nan")
+    pad = M.padding(torch.tensor([2]), side="query") & M.padding(torch.tensor([3]))
+    for be in BACKENDS:
+        out = mh.attention(q, k, v, mask=~M.dense(torch.eye(4, dtype=torch.bool)
+                                                  .roll(0)[None, None]) & pad, backend=be)
+        assert out[0, 0, 2:].eq(0).all()          # padded queries: zeros
+        assert out[0, 0, 0].isnan().all()        # a NaN query that sees keys: NaN
