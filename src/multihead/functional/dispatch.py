@@ -90,7 +90,8 @@ class Explanation:
             lines.append(f" {mark} {r.name:<12} est. {r.seconds * 1e3:.3g} ms ({rel} the "
                          f"cheapest; ms: {cause})" + (f": {r.plan.note}" if r.plan.note else ""))
         if self.chosen == _EMPTY:
-            lines[2:] = ["backend: none (Sq or Sk is 0: the output is zeros, the lse -inf)"]
+            lines[2:] = ["backend: none (B, Sq or Sk is 0: the output is empty or zeros, the "
+                         "lse -inf)"]
             return "\n".join(lines)
         elif self.plan.work.syncs:
             lines.append(f"note: the chosen plan reads the device back "
@@ -180,7 +181,10 @@ def _decide(call: AttentionCall, backend: str, profile: DeviceProfile):
     if call.B == 0 or call.Sq == 0 or call.Sk == 0:     # nothing to plan; still: could it run?
         reasons = [] if backend == AUTO else registry.get(backend).unsupported(call, device_type)
         if reasons:
-            _choose([Row(backend, tuple(reasons))], backend, profile)
+            able = [n for n, b in registry.all_backends().items()
+                    if not b.unsupported(call, device_type)]
+            raise ValueError(f"backend={backend!r} cannot run this call: it "
+                             f"{'; it '.join(reasons)}; use backend='auto' or one of {able}")
         return None, _EMPTY
     structure = None if backend != AUTO or torch.compiler.is_compiling() else _structure(call)
     chosen = _CHOICES.get(structure) if structure is not None else None

@@ -444,6 +444,8 @@ class Mask:
 
     def __repr__(self) -> str:
         sq, sk = self._preview_size()
+        if self.batch_size == 0:
+            return f"{self.describe()} (an empty batch: nothing to draw)"
         try:
             grid = self.materialize(sq, sk, device="cpu")[0, 0]
         except Exception as exc:  # a repr must never raise

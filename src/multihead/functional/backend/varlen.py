@@ -44,7 +44,7 @@ def _find_segments(call: AttentionCall):
     if not runs.contiguous:
         return "document ids are not contiguous runs (an id occurs in two separate places)"
     S = call.Sk
-    starts, lengths = [], []
+    starts, lengths = [torch.zeros(0, dtype=torch.long)], [torch.zeros(0, dtype=torch.long)]
     for b in range(call.B):                          # runs of 1 row (shared) or B rows
         r = b if len(runs.starts) > 1 else 0
         starts.append(runs.starts[r] + b * S)

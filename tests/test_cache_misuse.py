@@ -1,0 +1,165 @@
+"""Caches survive misuse: every error a cached forward can raise (and an interrupt) leaves
+the static, paged and cross-attention caches exactly as they were, and decoding then goes
+on as if the failing call had never been made. A randomized test (fixed seed) mixes good
+steps with failing ones and checks every output against one full causal forward."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import multihead as mh
+
+E, H, KV = 32, 4, 2
+M = mh.masks
+CAUSAL = M.causal()
+
+
+class _Interrupting(M.Window):
+    """A causal mask whose evaluation is interrupted (as Ctrl-C would) mid-call."""
+
+    def _allowed(self, ix):
+        raise KeyboardInterrupt
+
+
+def _module(seed=0):
+    torch.manual_seed(seed)
+    return mh.MultiHeadAttention(E, H, num_kv_heads=KV, dropout=0.1,
+                                 rope=mh.RotaryEmbedding(E // H)).eval()
+
+
+def _failures(m, B, L):
+    """(name, call) pairs: each makes a cached forward of one new token per row fail.
+    ``L`` is the key length that step would have (cached tokens + 1)."""
+    x = torch.randn(B, 1, E)
+
+    def with_backend(name, **kw):
+        def call(cache):
+            old = m.backend
+            m.backend = name
+            try:
+                return m(x, cache=cache, mask=CAUSAL, **kw)
+            finally:
+                m.backend = old
+        return call
+
+    def training(cache):
+        m.train()
+        try:
+            return with_backend("blocksparse")(cache)
+        finally:
+            m.eval()
+
+    return {
+        "mask of a wrong type": lambda c: m(x, cache=c, mask="causal"),
+        "mask of a wrong size": lambda c: m(x, cache=c, mask=M.dense(
+            torch.ones(1, 1, 1, L + 3, dtype=torch.bool))),
+        "mask of a wrong batch": lambda c: m(x, cache=c, mask=CAUSAL & M.padding(
+            torch.ones(B + 2, dtype=torch.long))),
+        "mask of a wrong head count": lambda c: m(x, cache=c, mask=CAUSAL & M.alibi(H + 1)),
+        "weights from a backend without them": with_backend("sdpa", return_weights=True),
+        "dropout on a backend without it": training,
+        "unknown backend": with_backend("flashy"),
+        "valid of a wrong shape": lambda c: m(x, cache=c, mask=CAUSAL,
+                                              valid=torch.ones(B, 2, dtype=torch.bool)),
+        "x of a wrong width": lambda c: m(torch.randn(B, 1, E + 1), cache=c, mask=CAUSAL),
+        "x of a wrong batch": lambda c: m(torch.randn(B + 1, 1, E), cache=c, mask=CAUSAL),
+        "interrupt during attention": lambda c: m(x, cache=c, mask=_Interrupting(None)),
+    }
+
+
+def _state(cache):
+    """Everything a cache's future depends on, as comparable values."""
+    if isinstance(cache, mh.KVCache):
+        n = cache.seen
+        return (n, cache.padded, cache.cross, cache.queries, cache.lengths.tolist(),
+                cache.valid[:, :n].tolist(), cache.k[:, :, :n].clone(), cache.v[:, :, :n].clone())
+    pool = cache.pool
+    return (pool.pages_used, sorted(pool._free), dict(pool._written), sorted(pool._padded),
+            [pool.length(s) for s in cache.ids], {s: list(t) for s, t in pool._tables.items()})
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
+def _caches(m, B):
+    pool = mh.PagedKVCache(num_pages=32, page_size=4, num_kv_heads=KV, head_dim=E // H)
+    return {"static": m.make_cache(B, 32),
+            "paged": pool.batch([pool.add_sequence() for _ in range(B)])}
+
+
+ERRORS = list(_failures(_module(), 2, 5))
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+@pytest.mark.parametrize("error", ERRORS)
+def test_every_failing_cached_call_leaves_the_cache_unchanged(error, kind):
+    m, B = _module(), 2
+    g = torch.Generator().manual_seed(1)
+    seqs = torch.randn(B, 6, E, generator=g)
+    cache = _caches(m, B)[kind]
+    with torch.no_grad():
+        m(seqs[:, :4], cache=cache, mask=CAUSAL)
+        before = _state(cache)
+        with pytest.raises((ValueError, TypeError, KeyboardInterrupt)) as info:
+            _failures(m, B, 5)[error](cache)
+        if info.type is not KeyboardInterrupt:
+            assert len(str(info.value)) > 20                      # says what is wrong
+        assert _same(_state(cache), before), error
+        got = torch.cat([m(seqs[:, t:t + 1], cache=cache, mask=CAUSAL) for t in (4, 5)], 1)
+        want = m(seqs, mask=CAUSAL)[:, 4:]
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("error", ["mask of a wrong type", "mask of a wrong batch",
+                                   "weights from a backend without them", "unknown backend",
+                                   "interrupt during attention"])
+def test_failing_cross_attention_calls_leave_the_context_and_positions(error):
+    m, B = _module(), 2
+    g = torch.Generator().manual_seed(2)
+    x, ctx = torch.randn(B, 3, E, generator=g), torch.randn(B, 5, E, generator=g)
+    cache = m.make_cache(B, 8)
+    with torch.no_grad():
+        first = m(x[:, :2], ctx, cache=cache)
+        before = _state(cache)
+        call = _failures(m, B, 5)[error]
+        with pytest.raises((ValueError, TypeError, KeyboardInterrupt)):
+            if error == "interrupt during attention":
+                m(x[:, 2:], cache=cache, mask=_Interrupting(None, align="upper_left"))
+            else:
+                call(cache)
+        assert _same(_state(cache), before)
+        got = torch.cat([first, m(x[:, 2:], cache=cache)], 1)
+        want = m(x, ctx)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_random_misuse_never_changes_what_decoding_computes(kind):
+    """40 random steps per seed: good steps of 1-3 tokens and failing calls, interleaved."""
+    m = _module()
+    for seed in range(3):
+        rng = random.Random(seed)
+        B = rng.choice([1, 2, 3])
+        g = torch.Generator().manual_seed(seed)
+        seqs = torch.randn(B, 64, E, generator=g)
+        cache, done, outs = _caches(m, B)[kind], 0, []
+        with torch.no_grad():
+            for _ in range(40):
+                if rng.random() < 0.5 and done:
+                    name = rng.choice(ERRORS)
+                    before = _state(cache)
+                    with pytest.raises((ValueError, TypeError, KeyboardInterrupt)):
+                        _failures(m, B, done + 1)[name](cache)
+                    assert _same(_state(cache), before), (seed, name)
+                else:
+                    n = rng.randint(1, 3)
+                    if done + n > 32:
+                        break
+                    outs.append(m(seqs[:, done:done + n], cache=cache, mask=CAUSAL))
+                    done += n
+            want = m(seqs[:, :done], mask=CAUSAL)
+        torch.testing.assert_close(torch.cat(outs, 1), want, atol=3e-6, rtol=1e-5)

@@ -1,0 +1,157 @@
+"""What an adversarial pass broke outside the numerics: memory-hungry plans, the shared
+caches under threads and long sequences, and crashes on legal but unusual inputs (batch-1
+masks that broadcast, empty batches, misused paged batches)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+import multihead as mh
+from conftest import BACKENDS, oracle
+from multihead.functional import dispatch, profiles
+from multihead.masks import base as mask_base
+
+M = mh.masks
+
+
+def _qkv(B, H, S, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+# -- structured biases must not be materialized where they do not fit ---------------------
+def test_alibi_at_16k_is_not_sent_to_a_plan_that_materializes_it():
+    """auto used to send alibi(8) at S=16384 to sdpa: 11.5 GB peak (OOM at 32k)."""
+    q = torch.empty(1, 8, 16384, 64)
+    e = mh.explain(q, q, q, mask=M.alibi(8))
+    assert e.chosen == "blocksparse"
+    sdpa = next(r for r in e.rows if r.name == "sdpa")
+    assert sdpa.plan is None and any("scratch memory" in r for r in sdpa.reasons)
+
+
+def test_a_plan_that_does_not_fit_the_device_is_refused_with_its_size():
+    q = torch.empty(2, 8, 4096, 64)
+    pad = M.padding(torch.tensor([3900, 4096]))
+    small = dataclasses.replace(profiles.get_profile("cpu"), memory=256 << 20)
+    e = mh.explain(q, q, q, mask=pad, profile=small)
+    refused = {r.name: r.reasons for r in e.rows if r.plan is None}
+    assert "reference" in refused and "sdpa" in refused, refused
+    assert any("GiB of scratch memory" in x or "MiB of scratch memory" in x
+               for x in refused["sdpa"])
+    assert e.chosen == "blocksparse"
+
+
+# -- the shared caches ---------------------------------------------------------------------
+def test_the_shared_tile_cache_is_bounded_by_bytes():
+    """300 long-sequence explain() calls used to keep 302 MiB of tile maps."""
+    mask_base._SHARED.clear()
+    q = torch.empty(1, 1, 1, 8)
+    for s in range(32768, 32768 + 300 * 64, 64):
+        qs = q.expand(1, 1, s, 8)
+        mh.explain(qs, qs, qs, mask=M.sliding_window(128 + s % 7))
+    assert mask_base._SHARED.nbytes <= 64 << 20
+    assert dispatch._DECISIONS.nbytes <= 64 << 20
+
+
+def test_masks_and_plans_are_safe_under_16_threads():
+    """Unlocked caches raised KeyError / 'dictionary changed size' under 16 threads."""
+    masks = [M.causal(), M.sliding_window(5), M.alibi(2) & M.causal(),
+             M.padding(torch.tensor([7, 3]))]
+    errors = []
+
+    def work(i):
+        try:
+            for j in range(40):
+                S = 8 + (i * 7 + j) % 24
+                q, k, v = (t.float() for t in _qkv(2, 2, S, 8, seed=j))
+                m = masks[(i + j) % len(masks)]
+                if isinstance(m, M.Padding):
+                    m = M.padding(torch.tensor([S, S // 2]))
+                out = mh.attention(q, k, v, mask=m)
+                ref = oracle(q, k, v, m)
+                torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+                if j % 8 == 0:
+                    mask_base._SHARED.clear()                # evictions race with readers
+        except Exception as e:                              # reported in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+
+
+# -- crashes on legal inputs ---------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["padding(B=1) & dense(B=2)", "alibi(1) & dense(H=4)",
+                                  "padding bool(B=1) & dense(B=2)", "document(B=1) & bias(B=2)"])
+def test_batch_1_and_head_1_masks_broadcast_in_compositions(name, backend):
+    """These raised IndexError: a mask leaf of batch (or heads) 1 must broadcast."""
+    B, H, S = 2, 4, 8
+    q, k, v = _qkv(B, H, S)
+    g = torch.Generator().manual_seed(3)
+    dense = M.dense(torch.rand(B, 1, S, S, generator=g) > 0.3)
+    mask = {
+        "padding(B=1) & dense(B=2)": M.padding(torch.tensor([5])) & dense,
+        "alibi(1) & dense(H=4)": M.alibi(1) & M.dense(torch.rand(1, H, S, S, generator=g) > 0.3),
+        "padding bool(B=1) & dense(B=2)": M.padding(torch.arange(S)[None] < 6) & dense,
+        "document(B=1) & bias(B=2)": M.document(torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]]))
+        & M.bias(torch.randn(B, 1, S, S, generator=g)),
+    }[name]
+    torch.testing.assert_close(mh.attention(q, k, v, mask=mask, backend=backend),
+                               oracle(q, k, v, mask), atol=1e-10, rtol=1e-9)
+
+
+@pytest.mark.parametrize("backend", ["auto"] + BACKENDS + ["varlen"])
+@pytest.mark.parametrize("name", ["padding lengths", "padding bool", "document", "none"])
+def test_an_empty_batch_returns_an_empty_result(name, backend):
+    """B=0 with padding or document masks crashed (IndexError in tile classification)."""
+    q, k, v = _qkv(0, 2, 8)
+    mask = {"padding lengths": M.padding(torch.zeros(0, dtype=torch.long)),
+            "padding bool": M.padding(torch.zeros(0, 8, dtype=torch.bool)),
+            "document": M.document(torch.zeros(0, 8, dtype=torch.long)), "none": None}[name]
+    if backend == "varlen" and name != "document":        # it says why, and what can
+        with pytest.raises(ValueError, match="varlen.*cannot run.*one of .*'sdpa'"):
+            mh.attention(q, k, v, mask=mask, backend=backend)
+        return
+    out = mh.attention(q.requires_grad_(), k, v, mask=mask, backend=backend)
+    assert out.shape == (0, 2, 8, 16)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+    assert "empty" in str(mh.explain(q, k, v, mask=mask))
+
+
+def test_an_empty_batch_through_the_module():
+    m = mh.MultiHeadAttention(16, 4, num_kv_heads=2).eval()
+    x = torch.randn(0, 5, 16)
+    assert m(x, mask=M.causal() & M.padding(torch.zeros(0, dtype=torch.long))).shape == (0, 5, 16)
+
+
+def test_a_paged_batch_used_after_free_says_so():
+    """It raised a bare KeyError from inside update()."""
+    m = mh.MultiHeadAttention(16, 4, num_kv_heads=2).eval()
+    pool = mh.PagedKVCache(8, 4, 2, 4)
+    a, b = pool.add_sequence(), pool.add_sequence()
+    batch = pool.batch([a, b])
+    m(torch.randn(2, 3, 16), cache=batch, mask=M.causal())
+    pool.free(a)
+    used = pool.pages_used
+    with pytest.raises(ValueError, match=r"sequence\(s\) \[0\] of this PagedKVCache batch were "
+                                         r"freed.*pool.batch"):
+        m(torch.randn(2, 1, 16), cache=batch, mask=M.causal())
+    assert pool.pages_used == used and pool.length(b) == 3
+
+
+def test_cross_attention_context_with_a_paged_batch_is_a_clear_error():
+    m = mh.MultiHeadAttention(16, 4, num_kv_heads=2).eval()
+    pool = mh.PagedKVCache(8, 4, 2, 4)
+    batch = pool.batch([pool.add_sequence(), pool.add_sequence()])
+    with pytest.raises(TypeError, match="does not hold cross-attention contexts.*KVCache"):
+        m(torch.randn(2, 1, 16), torch.randn(2, 5, 16), cache=batch)
+    assert pool.pages_used == 0
