@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from multihead.cli.main import main
 
@@ -49,9 +50,10 @@ def test_default_run_offline_writes_every_format(tmp_path):
     assert d["model"] == "all-MiniLM-L6-v2" and (d["layers"], d["heads"]) == (6, 12)
     S = len(d["tokens"])
     assert d["tokens"][:3] == ["[CLS]", "the", "animal"] and S == 16
-    w = d["weights"]
-    assert len(w) == 6 and len(w[0]) == 12 and len(w[0][0]) == S and len(w[0][0][0]) == S
-    assert all(abs(sum(row) - 1) < 1e-3 for row in w[3][1])
+    from multihead.inspect.packing import unpack_weights
+    w = unpack_weights(d["weights"])                     # packed: one byte per weight
+    assert tuple(w.shape) == (6, 12, S, S) and d["weights"]["shape"] == [6, 12, S, S]
+    assert torch.allclose(w.sum(-1), torch.ones(6, 12, S), atol=0.01)
     q = d["query"]
     assert q["token"] == "it" and q["position"] == 10
     animal = [h for h in q["heads"] if h["target_token"] == "animal"]
@@ -118,3 +120,31 @@ def test_model_dirs(tmp_path, capsys):
     assert main(["inspect", "--model", str(d)]) == 2
     err = capsys.readouterr().err
     assert "model_type is 't5'" in err and err.count("\n") == 1
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_long_text_report_is_small(tmp_path, long_text, capsys):
+    # 512 tokens (truncated): the weights alone are 6 x 12 x 512 x 512 = 19M numbers; the
+    # report once wrote 270 MB and drew a 29000-pixel heatmap. All files: under 25 MB.
+    data = tmp_path / "data"
+    assert main(["inspect", long_text, "--out", str(data), "--format", "html,json"]) == 0
+    sizes = {p.name: p.stat().st_size for p in data.iterdir()}
+    assert sizes["report.html"] < 8e6 and sizes["inspect.json"] < 16e6, sizes
+    d = json.loads((data / "inspect.json").read_text())
+    assert len(d["tokens"]) == 512 and d["truncated"]
+    from multihead.inspect.packing import unpack_weights
+    w = unpack_weights(d["weights"])                                     # (6, 12, 512, 512)
+    assert tuple(w.shape) == (6, 12, 512, 512)
+    assert torch.allclose(w.sum(-1), torch.ones(6, 12, 512), atol=0.02)  # small weights kept
+
+    figures = tmp_path / "figures"
+    assert main(["inspect", long_text, "--out", str(figures), "--format", "png,svg"]) == 0
+    sizes.update({p.name: p.stat().st_size for p in figures.iterdir()})
+    assert len(sizes) == 6 and sum(sizes.values()) < 25e6, sizes
+    for p in figures.glob("*.png"):
+        assert max(_png_size(p.read_bytes())) <= 2400, p.name
+    assert "every 7th token labelled" in next(figures.glob("head_*.svg")).read_text()

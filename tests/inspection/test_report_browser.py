@@ -84,3 +84,27 @@ def test_text_is_escaped(browser, tmp_path, capsys):
     tokens = page.eval_on_selector_all(".tok.k", "ts => ts.map(t => t.textContent)")
     assert "<" in tokens and "script" in tokens
     page.screenshot(path=str(ARTIFACTS / "report_escaped.png"), full_page=True)
+
+
+def test_long_report_works(browser, tmp_path, long_text, capsys):
+    # 512 tokens: the weights arrive packed (one byte each, compressed) and are decoded by
+    # the page; the large heatmap stays a readable size and drops its unreadable labels
+    report = _report(tmp_path, long_text)
+    assert report.stat().st_size < 8e6
+    page, errors, requests, _ = _open(browser, report)
+    assert errors == [] and requests == [report.as_uri()]
+    assert page.locator(".cell").count() == 6 * 12
+    size = page.evaluate("[document.getElementById('heatmap').width, "
+                         "document.getElementById('heatmap').height]")
+    assert size == [1024, 1024]                                    # 2 px per token, no labels
+    box = page.locator("#heatmap").bounding_box()
+    page.locator("#heatmap").hover(position={"x": box["width"] - 3, "y": box["height"] - 3})
+    assert page.text_content("#tip").startswith("[SEP] → [SEP]: ")
+    before = page.evaluate("document.getElementById('heatmap').toDataURL()")
+    page.click(".cell[data-layer='0'][data-head='2']")
+    assert page.evaluate("document.getElementById('heatmap').toDataURL()") != before
+    page.hover(".tok.q[data-i='300']")
+    weights = page.eval_on_selector_all("#lines line", "ls => ls.map(l => +l.dataset.weight)")
+    assert weights and all(0.01 <= w <= 1 for w in weights)
+    page.screenshot(path=str(ARTIFACTS / "report_long.png"))
+    assert errors == []

@@ -8,9 +8,10 @@ offline HTML report, PNG/SVG heatmaps and the raw data as JSON.
 
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 
-from ._common import console, prepare_out
+from ._common import console
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired."
 FORMATS = ("html", "json", "png", "svg")
@@ -48,13 +49,14 @@ def _formats(spec: str) -> set[str]:
 
 def _texts(args) -> tuple[str, list[str]]:
     """The text shown in detail, and every text the metrics average over."""
+    from ..inspect.capture import check_utf8
     others = []
+    if args.text is not None:
+        check_utf8(args.text, "TEXT (the command-line text)")
+    if args.query_token is not None:
+        check_utf8(args.query_token, "--query-token")
     if args.file is not None:
-        try:
-            lines = args.file.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--file {str(args.file)!r} cannot be read: {e}") from None
-        others = [ln for ln in lines if ln.strip()]
+        others = [ln for ln in _read_lines(args.file) if ln.strip()]
         if not others:
             raise ValueError(f"--file {str(args.file)!r} holds no text (one text per line)")
     shown = args.text if args.text is not None else (others[0] if others else DEFAULT_TEXT)
@@ -63,6 +65,24 @@ def _texts(args) -> tuple[str, list[str]]:
                          f"multihead inspect {DEFAULT_TEXT!r}")
     rest = [t for t in others if t is not shown]
     return shown, rest
+
+
+def _read_lines(path: Path) -> list[str]:
+    """The lines of the UTF-8 text file ``--file`` (a leading byte-order mark is dropped)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"--file {str(path)!r} cannot be read ({e.strerror or e}): "
+                         f"pass a readable text file, one text per line") from None
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"--file {str(path)!r} is not UTF-8 text (line {line}, byte "
+                         f"0x{data[e.start]:02x} at offset {e.start}): save it as UTF-8, e.g. "
+                         f"iconv -f latin1 -t utf-8 FILE > FILE.utf8") from None
 
 
 def _check_index(name: str, value: int | None, size: int, what: str) -> None:
@@ -89,7 +109,9 @@ def run(args) -> int:
         raise ValueError(f"--top must be >= 1, got {args.top}")
     formats = _formats(args.format)
     shown, rest = _texts(args)
-    prepare_out(args.out)
+    if args.out is not None:
+        from ..inspect.files import check_writable
+        check_writable(args.out)
 
     from rich.console import Console
     from ..inspect.capture import capture, find_query, strongest_looks

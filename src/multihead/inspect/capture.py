@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .metrics import SPECIAL
+from .metrics import SPECIAL, all_finite
 
 PRONOUNS = ("it", "he", "she", "they", "him", "her", "them", "its", "his", "their", "this",
             "that", "who", "which", "we", "you", "i")
@@ -17,6 +17,10 @@ PRONOUNS = ("it", "he", "she", "they", "him", "her", "them", "its", "his", "thei
 
 class InspectError(ValueError):
     """A user's input the inspector cannot use; the message says why and what to do."""
+
+
+class NonFiniteError(InspectError):
+    """The model produced NaN or infinite values: its weights are probably corrupt."""
 
 
 @dataclass
@@ -42,6 +46,7 @@ def capture(model, text: str, *, truncate: bool = True) -> Capture:
     """
     if not isinstance(text, str) or not text.strip():
         raise InspectError("the text is empty: give some words to inspect")
+    check_utf8(text, "the text")
     limit = model.config.max_position_embeddings
     tok = model.tokenize(text)
     if tok.truncated and not truncate:
@@ -49,7 +54,74 @@ def capture(model, text: str, *, truncate: bool = True) -> Capture:
                            f"positions: shorten it, or drop --no-truncate to keep the first {limit}")
     out = model.encoder(tok.ids[None], return_weights=True)
     w = torch.stack([x[0] for x in out.weights]).float()                     # (L, H, S, S)
+    check_finite(w, out.hidden, tok.tokens, getattr(model, "directory", None))
     return Capture(text, tok.tokens, w, tok.truncated, tok.original_length)
+
+
+def check_utf8(text: str, what: str) -> None:
+    """Refuse text that cannot be UTF-8: lone surrogates, which is how Python keeps the
+    undecodable bytes of a command-line argument (``surrogateescape``).
+
+    Example:
+        >>> check_utf8("caf\\udce9", "TEXT")
+        Traceback (most recent call last):
+        ...
+        multihead.inspect.capture.InspectError: TEXT is not valid UTF-8 (character 4 is the undecodable byte 0xe9): pass UTF-8 text, e.g. convert the terminal or file with iconv -f latin1 -t utf-8
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        ch = text[e.start]
+        what_is = (f"the undecodable byte 0x{ord(ch) - 0xDC00:02x}" if 0xDC80 <= ord(ch) <= 0xDCFF
+                   else f"the lone surrogate U+{ord(ch):04X}")
+        raise InspectError(f"{what} is not valid UTF-8 (character {e.start + 1} is {what_is}): "
+                           f"pass UTF-8 text, e.g. convert the terminal or file with "
+                           f"iconv -f latin1 -t utf-8") from None
+
+
+def check_finite(weights: torch.Tensor, hidden: torch.Tensor | None, tokens: list[str],
+                 source=None) -> None:
+    """Raise :class:`NonFiniteError` if the attention weights ``(L, H, S, S)`` or the
+    encoder's output hold NaN or infinity, naming the first layer, its heads and a query token.
+
+    Example:
+        >>> w = torch.full((2, 3, 2, 2), 0.5); w[1, 2, 0, 1] = float("nan")
+        >>> check_finite(w, None, ["[CLS]", "[SEP]"])
+        Traceback (most recent call last):
+        ...
+        multihead.inspect.capture.NonFiniteError: layer 1 produced non-finite attention weights (NaN or inf) in head 2 (L1H2, first at query token 0 '[CLS]'): the model's weights are probably corrupt (NaN/inf in a tensor of layer 1 or before) or overflow in this dtype; check or re-export the checkpoint
+    """
+    where = f" in {source}" if source is not None else ""
+    advice = f"check or re-export the checkpoint{where}"
+    if not all_finite(weights):
+        bad = ~torch.isfinite(weights)                                          # (L, H, S, S)
+        per_head = bad.flatten(2).any(-1)                                       # (L, H)
+        layer = int(per_head.any(-1).nonzero()[0])
+        heads = per_head[layer].nonzero().flatten().tolist()
+        row = int(bad[layer, heads[0]].any(-1).nonzero()[0])
+        named = f"head {heads[0]}" if len(heads) == 1 else f"{len(heads)} heads ({_ranges(heads)})"
+        raise NonFiniteError(
+            f"layer {layer} produced non-finite attention weights (NaN or inf) in {named} "
+            f"(L{layer}H{heads[0]}, first at query token {row} {tokens[row]!r}): the model's "
+            f"weights are probably corrupt (NaN/inf in a tensor of layer {layer} or before) or "
+            f"overflow in this dtype; {advice}")
+    if hidden is not None and not all_finite(hidden):
+        last = weights.shape[0] - 1
+        raise NonFiniteError(
+            f"the encoder's output (after layer {last}) holds non-finite values (NaN or inf) "
+            f"although every attention weight is finite: the model's weights are probably corrupt "
+            f"(NaN/inf in layer {last}'s value, output or feed-forward tensors) or overflow in "
+            f"this dtype; {advice}")
+
+
+def _ranges(xs: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out, start = [], xs[0]
+    for a, b in zip(xs, xs[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)
 
 
 def find_query(model, tokens: list[str], word: str | None) -> int:

@@ -42,6 +42,17 @@ BROAD, FOCUSED = 0.8, 0.5
 SPECIAL = {"[CLS]", "[SEP]", "[PAD]", "[MASK]", "<s>", "</s>"}
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite (one cheap reduction when they are).
+
+    Example:
+        >>> all_finite(torch.ones(3)), all_finite(torch.tensor([1.0, float("nan")]))
+        (True, False)
+    """
+    # any NaN or inf makes the sum NaN or inf; only a finite overflow needs the full check
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def is_punct(token: str) -> bool:
     """A token made only of punctuation (word-piece ``##`` prefixes ignored).
 
@@ -105,10 +116,17 @@ class HeadMetrics:
         """Add one text's weights ``(L, H, S, S)`` (rows sum to 1) and its tokens."""
         if weights.dim() != 4 or weights.shape[-1] != weights.shape[-2]:
             raise ValueError(f"weights must be (L, H, S, S), got shape {tuple(weights.shape)}")
-        for name, (vals, rows) in _row_metrics(weights, tokens).items():
-            s = vals[..., rows].sum(-1)                                       # (L, H)
-            self.sums[name] = self.sums.get(name, 0) + s
-            self.counts[name] = self.counts.get(name, 0) + int(rows.sum())
+        if not all_finite(weights):
+            raise ValueError("weights hold NaN or inf values: the model's weights are probably "
+                             "corrupt (multihead.inspect.capture.check_finite names the layer)")
+        sums, counts = {name: [] for name in METRICS}, {}
+        for layer in weights.split(1):                   # (1, H, S, S): bounds the fp64 copies
+            for name, (vals, rows) in _row_metrics(layer, tokens).items():
+                sums[name].append(vals[..., rows].sum(-1))                    # (1, H)
+                counts[name] = int(rows.sum())
+        for name in METRICS:
+            self.sums[name] = self.sums.get(name, 0) + torch.cat(sums[name])  # (L, H)
+            self.counts[name] = self.counts.get(name, 0) + counts[name]
         self.texts += 1
 
     def value(self, name: str) -> torch.Tensor:

@@ -5,6 +5,11 @@ Content-Security-Policy forbids them). Tokens and texts reach the page only as J
 ``<script type="application/json">`` whose ``<``, ``>`` and ``&`` are escaped, and are
 written into the page with ``textContent``: a text like ``<script>alert(1)</script>``
 renders as text.
+
+Attention weights are packed one byte each (:mod:`multihead.inspect.packing`): a 512-token
+report is a few MB, not hundreds. JSON is strict (no ``NaN``/``Infinity``), and every file is
+built in memory before the first one is written, each through a temporary file
+(:mod:`multihead.inspect.files`): an error leaves no half-written report.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from pathlib import Path
 import torch
 
 from .capture import Capture, Look, headline
+from .files import write_all
 from .metrics import METRICS, HeadMetrics, thresholds_text
+from .packing import pack_weights
 
 
 @dataclass
@@ -31,8 +38,10 @@ class Inspection:
     looks: list[Look]           # strongest heads from the query token, best first
     selected: tuple[int, int]   # (layer, head) shown large
 
-    def to_dict(self, digits: int = 4) -> dict:
-        """JSON-ready: tokens, weights [L][H][S][S], metrics [L][H], roles, query looks."""
+    def to_dict(self, digits: int = 4, *, curve: str = "sqrt") -> dict:
+        """JSON-ready: tokens, weights (L, H, S, S) packed with ``curve``
+        (:func:`multihead.inspect.packing.unpack_weights` reads them), metrics [L][H], roles,
+        query looks."""
         c, toks = self.capture, self.capture.tokens
         rnd = lambda t: torch.round(t.double(), decimals=digits).tolist()
         L, H = c.weights.shape[:2]
@@ -41,7 +50,7 @@ class Inspection:
             "model": self.model, "text": c.text, "tokens": toks, "layers": L, "heads": H,
             "truncated": c.truncated, "original_length": c.original_length,
             "texts_averaged": self.metrics.texts,
-            "weights": rnd(c.weights),
+            "weights": pack_weights(c.weights, curve=curve),
             "metrics": {name: rnd(self.metrics.value(name)) for name in METRICS},
             "roles": [[[r, round(s, digits)] for r, s in row] for row in roles],
             "thresholds": thresholds_text(),
@@ -65,31 +74,42 @@ class Inspection:
         return s
 
 
+def _json(obj) -> str:
+    """Strict JSON: NaN or infinity raise ``ValueError`` instead of writing invalid JSON."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False)
+
+
 def _safe_json(obj) -> str:
     """JSON that cannot close its ``<script>`` element or start markup."""
-    return (json.dumps(obj, ensure_ascii=False).replace("<", "\\u003c").replace(">", "\\u003e")
+    return (_json(obj).replace("<", "\\u003c").replace(">", "\\u003e")
             .replace("&", "\\u0026").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
 
 
 def html(inspection: Inspection) -> str:
     """The report page (one string, nothing external)."""
     template = resources.files(__package__).joinpath("report.html").read_text(encoding="utf-8")
-    return template.replace("__DATA__", _safe_json(inspection.to_dict()))
+    # the page draws from bytes in proportion to the weight (the "linear" curve)
+    return template.replace("__DATA__", _safe_json(inspection.to_dict(curve="linear")))
+
+
+def render(inspection: Inspection, formats: set[str]) -> dict[str, bytes]:
+    """Every requested file (html, json, png, svg) as ``{file name: content}``, in memory."""
+    files = {}
+    if "json" in formats:
+        files["inspect.json"] = _json(inspection.to_dict()).encode("utf-8")
+    if "html" in formats:
+        files["report.html"] = html(inspection).encode("utf-8")
+    images = formats & {"png", "svg"}
+    if images:
+        from .plots import render_figures
+        files.update(render_figures(inspection, images))
+    return files
 
 
 def write(inspection: Inspection, out: Path, formats: set[str]) -> list[Path]:
-    """Write the requested formats (html, json, png, svg) into ``out``; returns the paths."""
-    written = []
-    if "json" in formats:
-        p = out / "inspect.json"
-        p.write_text(json.dumps(inspection.to_dict(), ensure_ascii=False), encoding="utf-8")
-        written.append(p)
-    if "html" in formats:
-        p = out / "report.html"
-        p.write_text(html(inspection), encoding="utf-8")
-        written.append(p)
-    images = formats & {"png", "svg"}
-    if images:
-        from .plots import save_figures
-        written += save_figures(inspection, out, images)
-    return written
+    """Write the requested formats (html, json, png, svg) into ``out``; returns the paths.
+
+    Everything is rendered first, then each file replaces its name atomically (a symlink
+    planted at a name is replaced, never followed).
+    """
+    return write_all(out, render(inspection, formats))
