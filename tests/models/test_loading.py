@@ -50,7 +50,8 @@ def test_misshaped_tensor_is_named(tmp_path):
     w = load_file(str(d / "model.safetensors"))
     w["encoder.layer.0.intermediate.dense.weight"] = torch.zeros(63, 32)
     save_file(w, str(d / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match=r"intermediate\.dense\.weight has shape \(63, 32\).*\(64, 32\)"):
+    with pytest.raises(ModelLoadError,
+                       match=r"intermediate_size is 64.*intermediate\.dense\.weight of shape \(63, 32\)"):
         load(d)
 
 
@@ -58,10 +59,10 @@ def test_corrupt_file(tmp_path):
     d = tiny_checkpoint(tmp_path / "m")
     data = (d / "model.safetensors").read_bytes()
     (d / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(ModelLoadError, match="not a readable safetensors file"):
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: .*data_offsets.*corrupt"):
         load(d)
     (d / "model.safetensors").write_bytes(b"garbage")
-    with pytest.raises(ModelLoadError, match="not a readable safetensors file"):
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors is 7 bytes, too short"):
         load(d)
 
 

