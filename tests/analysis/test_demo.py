@@ -56,8 +56,10 @@ def test_heads_demo_quick_end_to_end(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["demo", "scaling", "--draws", "1"], "--draws must be >= 2"),
-    (["demo", "heads", "--steps", "0"], "--steps must be >= 1"),
+    (["demo", "scaling", "--draws", "1"], "argument --draws: 1 is out of range: give an integer "
+                                          "from 2 to 5000"),
+    (["demo", "heads", "--steps", "0"], "argument --steps: 0 is out of range: give an integer "
+                                        "from 1 to 100000"),
 ])
 def test_demo_bad_input(argv, message, capsys):
     assert main(argv) == 2

@@ -68,11 +68,12 @@ def test_cli_json_and_table(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--preset", "gpt5"], "unknown preset 'gpt5': choose one of transformer-base"),
     (["--d-model", "770", "--heads", "12"], "d_model (770) must be divisible by heads (12)"),
-    (["--d-model", "-4", "--heads", "2"], "d_model must be a positive int, got -4"),
+    (["--d-model", "-4", "--heads", "2"],
+     "argument --d-model: -4 is out of range: give an integer from 1 to 1048576"),
     (["--d-model", "512", "--heads", "8", "--kv-heads", "3"], "multiple of kv_heads (3)"),
     (["--d-model", "512"], "give --preset NAME, or --d-model and --heads"),
     (["--preset", "gpt2-small", "--dtype", "int3"], "unknown dtype 'int3'"),
-    (["--preset", "gpt2-small", "--seq", "0"], "--seq must be a positive int"),
+    (["--preset", "gpt2-small", "--seq", "0"], "argument --seq: 0 is out of range"),
 ])
 def test_bad_input(argv, message, capsys):
     assert main(["params", *argv]) == 2

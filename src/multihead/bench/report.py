@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import asdict
 from pathlib import Path
 
+from .._files import atomic_write
 from .units import duration, si
 
 
@@ -75,30 +77,33 @@ NOTES = ("FLOPs: 4·B·H·Sq·Sk·D forward, 2.5x that for the backward, only th
          "'overhead' = our time - SDPA's, per call.")
 
 
-def write(run, out: Path) -> list[Path]:
-    """Write results.json, results.md and results.png into ``out``; returns their paths."""
+#: the files :func:`write` puts in ``--out``
+FILES = ("results.json", "results.md", "results.png")
+
+
+def write(run, out: Path, *, plot: bool = True) -> list[Path]:
+    """Write results.json, results.md and (with ``plot``) results.png into ``out``, each
+    atomically (a reader never sees half a file; a symlink there is replaced, not followed);
+    returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
     data = {"suite": run.suite, "device": run.device, "dtype": run.dtype, "machine": run.machine,
             "limits": asdict(run.limits), "cold_l2": run.cold_l2, "timing": run.timing,
             "interrupted": run.interrupted, "seconds": run.seconds, "notes": NOTES,
             "rows": run.rows}
-    js = out / "results.json"
-    js.write_text(json.dumps(data, indent=2))
-    md = out / "results.md"
+    paths = [atomic_write(out / "results.json", json.dumps(data, indent=2))]
     body = ["| " + " | ".join(HEADER) + " |", "|" + " --- |" * len(HEADER)]
     body += ["| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |" for cells in lines(run)]
-    md.write_text(f"# Benchmark results\n\n{header_text(run)}\n\n" + "\n".join(body)
-                  + f"\n\n{NOTES}\n")
-    paths = [js, md]
-    png = _plot(run, out / "results.png")
-    if png is not None:
-        paths.append(png)
+    paths.append(atomic_write(out / "results.md", f"# Benchmark results\n\n{header_text(run)}\n\n"
+                              + "\n".join(body) + f"\n\n{NOTES}\n"))
+    if plot:
+        paths.append(atomic_write(out / "results.png", _plot(run)))
     return paths
 
 
-def _plot(run, path: Path):
+def _plot(run) -> bytes:
     """Time vs sequence length (log-log) for dense and causal attention, and (CUDA suites)
-    the time of each mask kind at the longest length measured, ours against each peer."""
+    the time of each mask kind at the longest length measured, ours against each peer, as
+    PNG bytes."""
     done = [r for r in run.rows if r["ours"] is not None and r["mode"] == "fwd"]
     fams = {}
     for r in done:
@@ -131,9 +136,12 @@ def _plot(run, path: Path):
         axes[0][0].text(0.5, 0.5, "no multi-length cases measured", ha="center")
     fig.suptitle(header_text(run)[:110], fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    png = io.BytesIO()
+    try:
+        fig.savefig(png, format="png", dpi=120)
+    finally:
+        plt.close(fig)
+    return png.getvalue()
 
 
 def _mask_bars(ax, rows) -> None:

@@ -1,9 +1,14 @@
-"""What every subcommand shares: the output console and the ``--out`` directory check."""
+"""What every subcommand shares: the output console, bounded integer options and the
+``--out`` directory check."""
 
 from __future__ import annotations
 
+import argparse
+import re
 import sys
 from pathlib import Path
+
+from .._files import probe_writable
 
 
 def console(width: int = 120, markup: bool = True):
@@ -12,15 +17,69 @@ def console(width: int = 120, markup: bool = True):
     return Console(width=None if sys.stdout.isatty() else width, markup=markup)
 
 
-def prepare_out(out: Path | None) -> None:
-    """Create ``--out`` and prove it is writable, before any long work (one clear error)."""
+def int_in(lo: int, hi: int):
+    """An argparse ``type``: a whole number from ``lo`` to ``hi``, else a one-line error.
+
+    argparse puts the option's name in front of the message, so the user reads e.g.
+    ``argument --d-model: '1e18' is not a whole number: give an integer from 1 to 1048576``.
+
+    Args:
+        lo: the smallest value accepted.
+        hi: the largest value accepted.
+
+    Returns:
+        A function from the option's text to its int value.
+
+    Example:
+        >>> int_in(1, 8)("3")
+        3
+        >>> int_in(1, 8)("9")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: 9 is out of range: give an integer from 1 to 8
+    """
+    accepted = f"give an integer from {lo} to {hi}"
+
+    def parse(text: str) -> int:
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        try:
+            value = int(text)
+        except ValueError:
+            if re.fullmatch(r"\s*[+-]?\d[\d_]*\s*", text):     # digits beyond int()'s limit
+                raise argparse.ArgumentTypeError(f"{shown} is out of range: {accepted}") from None
+            raise argparse.ArgumentTypeError(f"{shown!r} is not a whole number: {accepted}") \
+                from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{shown.strip()} is out of range: {accepted}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def prepare_out(out: Path | None, names: tuple[str, ...] = ()) -> None:
+    """Create ``--out`` and prove it is writable, before any long work (one clear error).
+
+    Args:
+        out: the directory, or ``None`` (nothing to check).
+        names: the files the command will write there; none may be a directory.
+
+    Raises:
+        ValueError: ``out`` is a file, cannot be created or written, or one of ``names``
+            is a directory in it.
+    """
     if out is None:
         return
     try:
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {str(out)!r} is not writable: it is a file, not a "
+                             f"directory: choose a directory")
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".multihead-write-test"
-        probe.write_text("")
-        probe.unlink()
+        probe_writable(out)
+        taken = [n for n in names if (out / n).is_dir() and not (out / n).is_symlink()]
     except OSError as e:
         raise ValueError(f"--out {str(out)!r} is not writable ({e.strerror or e}): "
                          f"choose another directory") from None
+    if taken:
+        raise ValueError(f"--out {str(out)!r}: {taken[0]} there is a directory, so it cannot be "
+                         f"written: remove it or choose another directory")

@@ -6,10 +6,16 @@ the ratio against each peer. ``--out`` writes results.json, results.md and resul
 The cases are sized for ``--device`` (the CPU suites are frozen; the CUDA ones go to 32k
 tokens); on CUDA, times come from CUDA events around batches of calls, or around single
 calls after an L2 flush with ``--cold-l2``. A case that cannot run here says why in its row.
+Ctrl-C keeps the cases measured so far (the files say ``interrupted``); before the first case
+finishes it writes nothing, so an earlier run's results are not replaced by an empty one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import sys
+import threading
 from pathlib import Path
 
 from ._common import console, prepare_out
@@ -30,29 +36,79 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..bench.catalog import suite_cases
+    from ..bench.report import FILES
     from ..bench.suite import check_target, run_suite
     check_target(args.device, args.dtype, args.cold_l2)
     cases = suite_cases(args.suite, args.device)
-    prepare_out(args.out)
+    prepare_out(args.out, FILES)
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     err = Console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err, transient=True) as bar:
-        task = bar.add_task("measuring the machine's limits", total=len(cases))
-        result = run_suite(args.suite, args.device, args.dtype, cold_l2=args.cold_l2,
-                           progress=lambda c: bar.update(task, description=c.name[:60]),
-                           on_row=lambda r: bar.advance(task))
-    _show(result, console(width=160, markup=False))
+    result = None
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=err, transient=True) as bar:
+            task = bar.add_task("measuring the machine's limits", total=len(cases))
+            result = run_suite(args.suite, args.device, args.dtype, cold_l2=args.cold_l2,
+                               progress=lambda c: bar.update(task, description=c.name[:60]),
+                               on_row=lambda r: bar.advance(task))
+    except KeyboardInterrupt:       # (while measuring the machine's limits, before any case)
+        pass
+    if result is None or (result.interrupted and not result.rows):
+        return _nothing_measured(args.out)
+    try:
+        _show(result, console(width=160, markup=False))
+    except KeyboardInterrupt:
+        result.interrupted = True
     if args.out is not None:
-        from ..bench.report import write
-        for p in write(result, args.out):
-            err.print(f"wrote {p}", markup=False)
+        _save(result, args.out, err)
     if result.interrupted:
-        err.print("interrupted: the rows above are what was measured", markup=False)
+        err.print(f"interrupted: {len(result.rows)} of {len(cases)} cases measured"
+                  + (f", saved in {args.out}" if args.out is not None else ""), markup=False)
         return 130
     return 0
+
+
+def _nothing_measured(out: Path | None) -> int:
+    """Ctrl-C before any case finished: write nothing (an earlier run's results stay)."""
+    kept = ""
+    if out is not None:
+        old = out / "results.json"
+        kept = (f"; the results already in {out} are left as they were" if old.exists()
+                else f"; nothing written to {out}")
+    print(f"multihead bench: interrupted before any case finished{kept}", file=sys.stderr)
+    return 130
+
+
+def _save(result, out: Path, err) -> None:
+    """Write the results; Ctrl-C while writing marks them interrupted and writes
+    results.json and results.md again (results.png is left as it is), with Ctrl-C ignored
+    for that moment, so the files on disk always say whether the run was interrupted."""
+    from ..bench.report import write
+    try:
+        paths = write(result, out)
+    except KeyboardInterrupt:
+        result.interrupted = True
+        with _sigint_ignored():
+            paths = write(result, out, plot=False)
+        err.print(f"results.png in {out} was not updated", markup=False)
+    for p in paths:
+        err.print(f"wrote {p}", markup=False)
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """Ignore Ctrl-C inside the block (only the main thread can; elsewhere, no change)."""
+    old = signal.getsignal(signal.SIGINT)
+    if old is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def _show(result, con) -> None:

@@ -7,29 +7,36 @@ vs heads sharing W_Q/W_K/W_V, trained on a task that needs two relations (exerci
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
-from ._common import console, prepare_out
+from .._files import atomic_write
+from ._common import console, int_in, prepare_out
+
+#: seeds are 32-bit (the experiment derives seed + 1 and seed + 2 from it)
+MAX_SEED = 2**32 - 1
+#: each draw holds 11 float64 vectors of d_k = 4096 (~360 KB): 5000 draws are ~1.8 GB
+MAX_DRAWS = 5000
+#: the default run is 1000 steps; 100 times that is already far past any use
+MAX_STEPS = 100_000
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="reproduce the seeds' claims (scaling, heads)",
                        description=__doc__.splitlines()[0])
     p.add_argument("name", choices=["scaling", "heads"], help="which demonstration")
-    p.add_argument("--seed", type=int, default=0, help="random seed (0)")
-    p.add_argument("--draws", type=int, default=500, help="scaling: draws per d_k (500)")
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help="random seed (0)")
+    p.add_argument("--draws", type=int_in(2, MAX_DRAWS), default=500,
+                   help=f"scaling: draws per d_k, 2 to {MAX_DRAWS} (500)")
     p.add_argument("--quick", action="store_true", help="heads: a short run (CI smoke test)")
-    p.add_argument("--steps", type=int, help="heads: training steps (1000; --quick 150)")
+    p.add_argument("--steps", type=int_in(1, MAX_STEPS),
+                   help=f"heads: training steps, 1 to {MAX_STEPS} (1000; --quick 150)")
     p.add_argument("--out", type=Path, help="heads: write heads.png and heads.json here")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
 def run(args) -> int:
-    if args.draws < 2:
-        raise ValueError(f"--draws must be >= 2, got {args.draws}")
-    if args.steps is not None and args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
     return _scaling(args) if args.name == "scaling" else _heads(args)
 
 
@@ -79,7 +86,7 @@ def _heads(args) -> int:
     from ..analysis import heads_experiment as hx
     setup = hx.Setup.quick() if args.quick else hx.Setup()
     setup = replace(setup, seed=args.seed, **({"steps": args.steps} if args.steps else {}))
-    prepare_out(args.out)
+    prepare_out(args.out, ("heads.json", "heads.png"))
     con = console(markup=False)
     if not args.json:
         con.print(f"Task: y[t] = (x[t-1] + 2·x[t-3]) mod {setup.vocab}, T={setup.length}, "
@@ -92,7 +99,7 @@ def _heads(args) -> int:
     data = {"setup": setup.__dict__, "prediction": hx.PREDICTION, "finding": text,
             "results": [r.__dict__ for r in results]}
     if args.out is not None:
-        (args.out / "heads.json").write_text(json.dumps(data, indent=2))
+        atomic_write(args.out / "heads.json", json.dumps(data, indent=2))
         _plot(results, args.out / "heads.png")
     if args.json:
         print(json.dumps(data, indent=2))
@@ -124,5 +131,9 @@ def _plot(results, path: Path) -> None:
         ax.set_yticks(range(len(r.offset_profile)))
         ax.set_title(f"{r.kind}: accuracy {r.accuracy:.0%}", fontsize=10)
     fig.colorbar(im, ax=axes[0].tolist(), fraction=0.02)
-    fig.savefig(path, dpi=150, bbox_inches="tight")
-    plt.close(fig)
+    png = io.BytesIO()
+    try:
+        fig.savefig(png, format="png", dpi=150, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    atomic_write(path, png.getvalue())

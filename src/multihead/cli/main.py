@@ -3,11 +3,15 @@
 A subcommand module has ``add_parser(subparsers)`` and ``run(args) -> int``. User mistakes
 raise :class:`CLIError` (or a ``ValueError`` subclass from the library) and are printed as
 one line on stderr with exit status 2, never as a traceback (``MULTIHEAD_DEBUG=1`` re-raises).
+Two things are handled here for every command: command-line text that is not UTF-8 is
+refused before any command sees it, and output the terminal's encoding cannot show is
+escaped (``\\u2248``) instead of failing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -21,17 +25,92 @@ class CLIError(Exception):
     """A user error the command reports in one line."""
 
 
+class UsageError(CLIError):
+    """A command line argparse (or the UTF-8 check) refuses; its text is the whole line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line (raised, so :func:`main` returns 2)."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="multihead", description="Multi-head attention: see what "
-                                "the heads of a real model do, and check the seeds' claims.")
+    p = _Parser(prog="multihead", description="Multi-head attention: see what the heads of a "
+                "real model do, and check the seeds' claims.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for mod in SUBCOMMANDS.values():
         mod.add_parser(sub)
     return p
 
 
+def check_utf8(argv: list[str]) -> None:
+    """Refuse command-line text that was not UTF-8 (Python decodes it to lone surrogates).
+
+    Raises:
+        UsageError: naming the option (or the argument's position) and showing its bytes.
+
+    Example:
+        >>> check_utf8(["params", "--preset", "gpt2-small"])
+    """
+    for i, arg in enumerate(argv):
+        try:
+            arg.encode("utf-8")
+            continue
+        except UnicodeEncodeError:
+            pass
+        try:
+            shown = repr(arg.encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError:
+            shown = ascii(arg)
+        if arg.startswith("-") and "=" in arg:
+            where = f"argument {arg.split('=', 1)[0]}"
+        elif i > 0 and argv[i - 1].startswith("-") and not arg.startswith("-"):
+            where = f"argument {argv[i - 1]}"
+        else:
+            where = f"command-line argument {i + 1}"
+        prog = f"multihead {argv[0]}" if argv and argv[0] in SUBCOMMANDS else "multihead"
+        raise UsageError(f"{prog}: error: {where}: {shown} is not valid UTF-8 text: pass it as "
+                         f"UTF-8 (set the terminal to UTF-8, or rename the file)")
+
+
+@contextlib.contextmanager
+def _lenient_output():
+    """Escape what stdout/stderr's encoding cannot show (``PYTHONIOENCODING=ascii``, a
+    Latin-1 terminal) instead of raising ``UnicodeEncodeError``; restored afterwards."""
+    changed = []
+    for stream in (sys.stdout, sys.stderr):
+        errors = getattr(stream, "errors", None)
+        if hasattr(stream, "reconfigure") and errors in ("strict", "surrogateescape"):
+            try:
+                stream.reconfigure(errors="backslashreplace")
+                changed.append((stream, errors))
+            except (ValueError, OSError):       # (a closed or detached stream: leave it)
+                pass
+    try:
+        yield
+    finally:
+        for stream, errors in changed:
+            with contextlib.suppress(ValueError, OSError):
+                stream.reconfigure(errors=errors)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run ``multihead COMMAND ...``; returns the exit status (0, 2 for a user error, 130
+    when interrupted)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with _lenient_output():
+        try:
+            check_utf8(argv)
+            args = build_parser().parse_args(argv)
+        except UsageError as e:
+            print(str(e), file=sys.stderr)
+            return 2
+        return _run(args)
+
+
+def _run(args) -> int:
     try:
         return SUBCOMMANDS[args.command].run(args)
     except KeyboardInterrupt:

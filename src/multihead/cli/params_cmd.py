@@ -8,20 +8,29 @@ from __future__ import annotations
 
 import json
 
-from ._common import console
+from ._common import console, int_in
+
+
+#: the accepted range of each numeric option: far beyond any real model, small enough that
+#: the meta-device check stays instant and no count overflows
+LIMITS = {"d-model": 2**20, "heads": 2**16, "kv-heads": 2**16, "head-dim": 2**16,
+          "layers": 100_000, "seq": 2**30, "batch": 2**20}
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("params", help="parameter, memory and FLOP counts of attention layers",
                        description=__doc__.splitlines()[0])
+    n = {k: int_in(1, hi) for k, hi in LIMITS.items()}
     p.add_argument("--preset", help="a named configuration (see --table)")
-    p.add_argument("--d-model", type=int, help="model width d")
-    p.add_argument("--heads", type=int, help="query heads h")
-    p.add_argument("--kv-heads", type=int, help="K/V heads (GQA; 1 = MQA; default: heads)")
-    p.add_argument("--head-dim", type=int, help="d_k (default d_model / heads)")
-    p.add_argument("--layers", type=int, help="attention layers (default: 1, or the preset's)")
-    p.add_argument("--seq", type=int, default=2048, help="sequence length n (2048)")
-    p.add_argument("--batch", type=int, default=1, help="batch size (1)")
+    p.add_argument("--d-model", type=n["d-model"], help="model width d")
+    p.add_argument("--heads", type=n["heads"], help="query heads h")
+    p.add_argument("--kv-heads", type=n["kv-heads"],
+                   help="K/V heads (GQA; 1 = MQA; default: heads)")
+    p.add_argument("--head-dim", type=n["head-dim"], help="d_k (default d_model / heads)")
+    p.add_argument("--layers", type=n["layers"],
+                   help="attention layers (default: 1, or the preset's)")
+    p.add_argument("--seq", type=n["seq"], default=2048, help="sequence length n (2048)")
+    p.add_argument("--batch", type=n["batch"], default=1, help="batch size (1)")
     p.add_argument("--dtype", default="bf16", help="bytes per element: fp32, bf16, fp16 (bf16)")
     p.add_argument("--no-bias", action="store_true", help="projections without biases")
     p.add_argument("--table", action="store_true",

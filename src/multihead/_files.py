@@ -1,0 +1,70 @@
+"""Files written safely (bench results, demo figures, inspect reports): whole or not at
+all, and never through a symlink.
+
+A file is first written to a fresh temporary file in the same directory (created
+with ``O_EXCL``, so it cannot be a symlink planted there), then renamed over the target
+with :func:`os.replace`. A reader sees the old file or the new one, never half of one; a
+symlink at the target is replaced by the file, its target is left alone; an interrupted
+write (Ctrl-C, a full disk) leaves the old file and no temporary behind.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+
+def atomic_write(path: Path, data: str | bytes) -> Path:
+    """Write ``data`` (text is UTF-8) to ``path`` atomically; returns ``path``.
+
+    Args:
+        path: the file to create or replace; its directory must exist.
+        data: the whole content.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        IsADirectoryError: ``path`` is a directory.
+        OSError: the directory is not writable, the disk is full, ...
+
+    Example:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp())
+        >>> atomic_write(d / "a.txt", "hello").read_text()
+        'hello'
+    """
+    path = Path(path)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    # O_EXCL: a fresh file, never an existing one or a symlink; mode 0o666 minus the umask
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:          # (Ctrl-C included: the old file stays, the temporary goes)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def probe_writable(directory: Path) -> None:
+    """Create and remove a fresh file in ``directory``: raises ``OSError`` if it cannot.
+
+    The probe is a new file (``O_EXCL``), so a symlink planted under a fixed name cannot
+    make it truncate some other file.
+
+    Example:
+        >>> import tempfile
+        >>> probe_writable(Path(tempfile.mkdtemp()))
+    """
+    tmp = Path(directory) / f".multihead-write-test.{secrets.token_hex(6)}"
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    os.unlink(tmp)

@@ -1,0 +1,191 @@
+"""`multihead bench` keeps its results honest when interrupted and writes them safely:
+Ctrl-C while writing leaves files that say ``interrupted: true`` with every case measured;
+Ctrl-C before the first case finishes replaces nothing; each file is written atomically and
+a symlink in ``--out`` is replaced, never written through; hostile ``--out`` paths are one
+clear line before any measuring. KeyboardInterrupt is injected where a Ctrl-C would land."""
+
+from __future__ import annotations
+
+import json
+import os
+from unittest import mock
+
+import pytest
+
+from multihead.bench import report as R
+from multihead.bench import suite as S
+from multihead.bench.cases import attention_case
+from multihead.cli.main import main
+
+LIMITS = S.Limits(1e11, 1e10)
+EARLIER = {"results.json": '{"earlier": true}', "results.md": "# earlier\n",
+           "results.png": "earlier png"}
+
+
+@pytest.fixture
+def tiny_suite():
+    """Two small cases instead of the quick suite, and no limits measurement (fast)."""
+    cases = [attention_case("dense", 64, H=2, D=16), attention_case("causal", 64, H=2, D=16)]
+    with mock.patch.object(S, "suite_cases", return_value=cases), \
+            mock.patch("multihead.bench.catalog.suite_cases", return_value=cases), \
+            mock.patch.object(S, "machine_limits", return_value=LIMITS):
+        yield [c.name for c in cases]
+
+
+def _earlier_results(out):
+    out.mkdir(exist_ok=True)
+    for name, text in EARLIER.items():
+        (out / name).write_text(text)
+
+
+def _results(out) -> dict:
+    return json.loads((out / "results.json").read_text())
+
+
+def _interrupt_once(real):
+    """``real``, except that its first call raises KeyboardInterrupt (a Ctrl-C)."""
+    calls = []
+
+    def fn(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    return fn
+
+
+# -- Ctrl-C while the results are written --------------------------------------------------
+
+def test_ctrl_c_while_plotting_leaves_results_that_say_interrupted(tmp_path, tiny_suite, capsys):
+    with mock.patch.object(R, "_plot", side_effect=KeyboardInterrupt):
+        assert main(["bench", "--out", str(tmp_path)]) == 130
+    d = _results(tmp_path)
+    assert d["interrupted"] is True
+    assert [r["case"] for r in d["rows"]] == tiny_suite           # every case measured is kept
+    assert "INTERRUPTED" in (tmp_path / "results.md").read_text()
+    assert "2 of 2 cases measured" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_writing_the_json_leaves_results_that_say_interrupted(tmp_path, tiny_suite):
+    _earlier_results(tmp_path)
+    dumps = _interrupt_once(json.dumps)
+    with mock.patch("multihead.bench.report.json.dumps", side_effect=dumps):
+        assert main(["bench", "--out", str(tmp_path)]) == 130
+    d = _results(tmp_path)
+    assert d["interrupted"] is True and [r["case"] for r in d["rows"]] == tiny_suite
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_ctrl_c_while_printing_the_table_still_writes_interrupted_results(tmp_path, tiny_suite):
+    with mock.patch("multihead.cli.bench_cmd._show", side_effect=KeyboardInterrupt):
+        assert main(["bench", "--out", str(tmp_path)]) == 130
+    d = _results(tmp_path)
+    assert d["interrupted"] is True and [r["case"] for r in d["rows"]] == tiny_suite
+
+
+def test_ctrl_c_during_a_later_case_keeps_the_cases_before_it(tmp_path, tiny_suite):
+    real = S.run_case
+    with mock.patch.object(S, "run_case", side_effect=lambda case, *a, **k: (
+            (_ for _ in ()).throw(KeyboardInterrupt) if case.name == tiny_suite[1]
+            else real(case, *a, **k))):
+        assert main(["bench", "--out", str(tmp_path)]) == 130
+    d = _results(tmp_path)
+    assert d["interrupted"] is True and [r["case"] for r in d["rows"]] == tiny_suite[:1]
+
+
+# -- Ctrl-C before any case finished: nothing is replaced -----------------------------------
+
+@pytest.mark.parametrize("where", ["first case", "machine limits"])
+def test_ctrl_c_before_any_case_finished_keeps_earlier_results(where, tmp_path, tiny_suite,
+                                                              capsys):
+    _earlier_results(tmp_path)
+    target = "run_case" if where == "first case" else "machine_limits"
+    with mock.patch.object(S, target, side_effect=KeyboardInterrupt):
+        assert main(["bench", "--out", str(tmp_path)]) == 130
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == EARLIER
+    err = capsys.readouterr().err
+    assert "interrupted before any case finished" in err
+    assert "left as they were" in err and "Traceback" not in err
+
+
+def test_ctrl_c_before_any_case_finished_writes_nothing_into_an_empty_out(tmp_path, tiny_suite,
+                                                                        capsys):
+    out = tmp_path / "new"
+    with mock.patch.object(S, "run_case", side_effect=KeyboardInterrupt):
+        assert main(["bench", "--out", str(out)]) == 130
+    assert list(out.iterdir()) == []
+    assert f"nothing written to {out}" in capsys.readouterr().err
+
+
+# -- atomic writes, never through a symlink -------------------------------------------------
+
+def test_results_replace_a_symlink_instead_of_writing_through_it(tmp_path, tiny_suite):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("results.json", "results.md", "results.png"):
+        (out / name).symlink_to(victim)
+    (out / ".multihead-write-test").symlink_to(victim)      # the old fixed probe name
+    assert main(["bench", "--out", str(out)]) == 0
+    assert victim.read_text() == "precious"
+    assert not (out / "results.json").is_symlink() and _results(out)["rows"]
+
+
+def test_an_interrupted_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    from multihead import _files as F
+    target = tmp_path / "results.json"
+    target.write_text("old")
+    with mock.patch.object(F.os, "replace", side_effect=KeyboardInterrupt), \
+            pytest.raises(KeyboardInterrupt):
+        F.atomic_write(target, "new")
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["results.json"]
+    F.atomic_write(target, b"new")
+    assert target.read_text() == "new" and os.listdir(tmp_path) == ["results.json"]
+
+
+def test_written_files_get_the_usual_permissions(tmp_path):
+    from multihead import _files as F
+    old = os.umask(0o022)
+    try:
+        F.atomic_write(tmp_path / "a.json", "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644
+
+
+# -- hostile --out paths: one line, before any measuring ------------------------------------
+
+def _bad_out(tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "with-dir" / "results.json").mkdir(parents=True)
+    return {
+        "a file": (a_file, "is a file, not a directory"),
+        "under a file": (a_file / "sub", "is not writable (Not a directory)"),
+        "symlink loop": (tmp_path / "loop", "is not writable"),
+        "results.json is a directory": (tmp_path / "with-dir",
+                                        "results.json there is a directory"),
+        "unwritable": ("/sys/multihead-bench-out", "is not writable"),
+        "name too long": (tmp_path / ("x" * 300), "is not writable (File name too long)"),
+    }
+
+
+@pytest.mark.parametrize("case", ["a file", "under a file", "symlink loop",
+                                  "results.json is a directory", "unwritable", "name too long"])
+def test_bad_out_is_one_line_before_measuring(case, tmp_path, capsys):
+    out, message = _bad_out(tmp_path)[case]
+    with mock.patch.object(S, "machine_limits", side_effect=AssertionError("measured")):
+        assert main(["bench", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_demo_heads_refuses_a_bad_out_before_training(tmp_path, capsys):
+    (tmp_path / "heads.json").mkdir()
+    with mock.patch("multihead.analysis.heads_experiment.train",
+                    side_effect=AssertionError("trained")):
+        assert main(["demo", "heads", "--quick", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "heads.json there is a directory" in err and err.count("\n") == 1
