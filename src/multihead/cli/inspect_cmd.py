@@ -27,9 +27,9 @@ def add_parser(sub) -> None:
                    "model.safetensors, tokenizer.json); default: the embedded all-MiniLM-L6-v2")
     p.add_argument("--query-token", help="the word whose attention is followed "
                    "(default: the first pronoun)")
-    p.add_argument("--layer", type=int_in(0, 1023),
+    p.add_argument("--layer", type=int,
                    help="layer of the head shown large (0-based)")
-    p.add_argument("--head", type=int_in(0, 4095), help="head shown large (0-based)")
+    p.add_argument("--head", type=int, help="head shown large (0-based)")
     p.add_argument("--top", type=int_in(1, 100000), default=8,
                    help="heads listed for the query token (8)")
     p.add_argument("--out", type=Path, help="directory for the report files")
