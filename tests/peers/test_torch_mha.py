@@ -130,3 +130,27 @@ def test_from_torch_refuses_bias_kv_clearly():
         mh.MultiHeadAttention.from_torch(nn.MultiheadAttention(E, H, add_zero_attn=True))
     with pytest.raises(ValueError, match="GQA"):
         mh.MultiHeadAttention(E, H, num_kv_heads=2).to_torch()
+
+
+def _compile_masks(dtype):
+    g = torch.Generator().manual_seed(9)
+    am, kpm = torch.rand(L, S, generator=g) > 0.7, torch.rand(B, S, generator=g) > 0.7
+    am[:, 0] = kpm[:, 0] = False
+    if dtype == "bool":
+        return am, kpm
+    to_float = lambda m: torch.randn(m.shape, generator=g).masked_fill(m, float("-inf"))
+    return to_float(am), to_float(kpm)
+
+
+@pytest.mark.parametrize("mask_dtype", ["bool", "float"])
+def test_torch_compile_fullgraph_matches_eager(mask_dtype):
+    """One graph, no break, for masks of either dtype (the cheap "eager" backend keeps it fast)."""
+    _, ours = _pair(True, None, None, True)
+    q, k, v = (t.detach() for t in _inputs(True, None, None))
+    am, kpm = _compile_masks(mask_dtype)
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True, backend="eager")
+    for kw in (dict(attn_mask=am, need_weights=False), dict(key_padding_mask=kpm),
+               dict(attn_mask=am, key_padding_mask=kpm, need_weights=False),
+               dict(attn_mask=am, key_padding_mask=kpm, average_attn_weights=False)):
+        torch.testing.assert_close(compiled(q, k, v, **kw), ours(q, k, v, **kw))

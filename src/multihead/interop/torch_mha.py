@@ -1,17 +1,26 @@
 """``torch.nn.MultiheadAttention`` interop: conversion both ways, and a drop-in replacement.
 
 torch's masks say ``True`` = *ignore*; ours say ``True`` = *may attend*. The inversion
-happens here and nowhere else. The one deliberate difference of the drop-in: where torch
-returns NaN (a query whose keys are all masked), it returns zeros.
+happens here and nowhere else. The drop-in follows torch's rules as torch's own tests pin
+them down: the inputs it refuses (with torch's exception type, which is also a
+``ValueError``), the dtype mismatches it tolerates, the ``is_causal`` hint, TorchScript
+(which compiles torch's implementation on the same parameters), NestedTensor inputs, and
+the memory layout of the output. The one deliberate difference: where torch returns NaN
+(a query whose keys are all masked), it returns zeros.
 """
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 import multihead as mh
+
+from .torch_rules import (_AssertionArgError, _check_inputs, _check_nested, _lengths,
+                          _RuntimeArgError, _torch_mask)
 
 
 def _refuse_extras(m: nn.MultiheadAttention) -> None:
@@ -72,24 +81,24 @@ def to_torch(ours: "mh.MultiHeadAttention") -> nn.MultiheadAttention:
     return t.train(ours.training)
 
 
-def _torch_mask(mask, name: str, dtype) -> "mh.masks.Mask | None":
-    """torch convention (bool True = ignore, or additive float) -> a multihead mask."""
-    if mask is None:
-        return None
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor or None, got {type(mask).__name__}")
-    if mask.dtype == torch.bool:
-        return mh.masks.dense(~mask)
-    if mask.is_floating_point():
-        return mh.masks.bias(mask.to(dtype))
-    raise TypeError(f"{name} must be bool (True = ignore) or float (added to scores), got {mask.dtype}")
-
-
 class MultiheadAttention(nn.MultiheadAttention):
     """Drop-in for ``torch.nn.MultiheadAttention``: same constructor, forward, parameters and
     ``state_dict``; computed by :func:`multihead.attention`.
 
-    Masks follow torch's convention here (bool ``True`` = ignore, or additive float).
+    Masks follow torch's convention here (bool ``True`` = ignore, or additive float), and
+    inputs are checked by torch's rules: what torch refuses is refused, with an exception that
+    is both torch's type (``AssertionError`` or ``RuntimeError``) and ``ValueError`` (or
+    ``TypeError`` for a mask's dtype), and a message that shows the shape it wanted.
+    ``is_causal=True`` with ``need_weights=False`` and no ``key_padding_mask`` applies the
+    (upper-left) causal mask instead of ``attn_mask``, as torch does; otherwise ``attn_mask``
+    is used. NestedTensor inputs (``batch_first=True``, no masks) are padded, computed with a
+    key padding mask, and returned nested, with the padded-query rows of the weights zero.
+
+    ``torch.jit.script`` of this module, or of a module holding it (a
+    ``TransformerEncoderLayer`` whose ``self_attn`` it is), compiles torch's
+    ``F.multi_head_attention_forward`` on the same parameters: the scripted module runs
+    torch's implementation, not multihead's (TorchScript cannot compile the dispatch).
+
     The one deliberate difference: a query whose keys are all masked gets zeros, not NaN.
 
     Example:
@@ -100,18 +109,72 @@ class MultiheadAttention(nn.MultiheadAttention):
         >>> x = torch.randn(5, 2, 16)                       # (L, B, E): batch_first=False
         >>> torch.allclose(ours(x, x, x)[0], t(x, x, x)[0], atol=1e-6)
         True
+
+    Shapes:
+        L queries, S keys, N batch, E embed_dim; ``(L, N, E)``, or ``(N, L, E)`` with
+        ``batch_first=True``, or ``(L, E)`` unbatched; masks ``(N, S)`` and ``(L, S)`` or
+        ``(N * num_heads, L, S)``.
     """
 
-    def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
-                attn_mask=None, average_attn_weights=True, is_causal=False):
+    def __init__(self, embed_dim, num_heads, *args, **kwargs):
+        if (isinstance(embed_dim, int) and isinstance(num_heads, int) and 0 < num_heads
+                and 0 < embed_dim and embed_dim % num_heads):
+            fits = [h for h in range(1, embed_dim + 1) if embed_dim % h == 0][:12]
+            raise _AssertionArgError(f"embed_dim ({embed_dim}) must be divisible by num_heads "
+                                     f"({num_heads}): try num_heads in {fits}")
+        super().__init__(embed_dim, num_heads, *args, **kwargs)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor,
+                key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
+                attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        if torch.jit.is_scripting():
+            return self._forward_scripted(query, key, value, key_padding_mask, need_weights,
+                                          attn_mask, average_attn_weights, is_causal)
+        return self._forward_ours(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                  average_attn_weights, is_causal)
+
+    def _forward_scripted(self, query: Tensor, key: Tensor, value: Tensor,
+                          key_padding_mask: Optional[Tensor], need_weights: bool,
+                          attn_mask: Optional[Tensor], average_attn_weights: bool,
+                          is_causal: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        """What TorchScript compiles: torch's functional forward on this module's parameters."""
+        batch_first = self.batch_first and query.dim() == 3
+        if batch_first:                                   # (N, L, E) -> (L, N, E)
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        out, w = F.multi_head_attention_forward(
+            query, key, value, self.embed_dim, self.num_heads, self.in_proj_weight,
+            self.in_proj_bias, self.bias_k, self.bias_v, self.add_zero_attn, self.dropout,
+            self.out_proj.weight, self.out_proj.bias, training=self.training,
+            key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
+            use_separate_proj_weight=not self._qkv_same_embed_dim,
+            q_proj_weight=self.q_proj_weight, k_proj_weight=self.k_proj_weight,
+            v_proj_weight=self.v_proj_weight, average_attn_weights=average_attn_weights,
+            is_causal=is_causal)
+        if batch_first:
+            out = out.transpose(0, 1)                     # (N, L, E)
+        return out, w
+
+    @torch.jit.unused
+    def _forward_ours(self, query: Tensor, key: Tensor, value: Tensor,
+                      key_padding_mask: Optional[Tensor], need_weights: bool,
+                      attn_mask: Optional[Tensor], average_attn_weights: bool,
+                      is_causal: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        if query.is_nested or key.is_nested or value.is_nested:
+            return self._forward_nested(query, key, value, key_padding_mask, need_weights,
+                                        attn_mask, average_attn_weights, is_causal)
+        causal = is_causal and key_padding_mask is None and not need_weights
+        unbatched = not _check_inputs(self, query, key, value, key_padding_mask, attn_mask,
+                                      causal)
         if is_causal and attn_mask is None:
-            raise RuntimeError("Need attn_mask if specifying the is_causal hint (torch's rule); "
-                               "with multihead you can pass mask=multihead.masks.causal() instead")
-        unbatched = query.dim() == 2
-        if unbatched:
+            raise _RuntimeArgError(
+                "Need attn_mask if specifying the is_causal hint (torch's rule): pass "
+                "attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(L); with "
+                "multihead you can pass mask=multihead.masks.causal() instead")
+        if unbatched:                                     # (L, E) -> (L, 1, E)
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
             if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask.unsqueeze(0)
+                key_padding_mask = key_padding_mask.unsqueeze(0)          # (1, S)
         if not self.batch_first or unbatched:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))  # (B, S, E)
         B, L, E = query.shape
@@ -121,31 +184,36 @@ class MultiheadAttention(nn.MultiheadAttention):
         else:
             w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
         b_q = b_k = b_v = None
-        if self.in_proj_bias is not None:
-            b_q, b_k, b_v = self.in_proj_bias.split(E)
-        q = F.linear(query, w_q, b_q).view(B, L, H, Dh).transpose(1, 2)     # (B, H, L, Dh)
+        if self.in_proj_bias is not None:               # torch adds a bias of another dtype
+            b_q, b_k, b_v = self.in_proj_bias.to(w_q.dtype).split(E)
+        q = F.linear(query, w_q, b_q).reshape(B, L, H, Dh).transpose(1, 2)  # (B, H, L, Dh)
         k, v = F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)          # (B, S, E)
-        extra = []                                                          # keys added at the end
+        n_extra = 0                                                         # keys added at the end
         if self.bias_k is not None:
             k = torch.cat([k, self.bias_k.view(1, 1, E).expand(B, 1, E)], dim=1)
             v = torch.cat([v, self.bias_v.view(1, 1, E).expand(B, 1, E)], dim=1)
-            extra.append(1)
+            n_extra += 1
         if self.add_zero_attn:
             k = torch.cat([k, k.new_zeros(B, 1, E)], dim=1)
             v = torch.cat([v, v.new_zeros(B, 1, E)], dim=1)
-            extra.append(1)
+            n_extra += 1
         S = k.shape[1]
-        k = k.view(B, S, H, Dh).transpose(1, 2)                             # (B, H, S, Dh)
-        v = v.view(B, S, H, Dh).transpose(1, 2)
-        mask = self._mask(attn_mask, key_padding_mask, B, L, S, sum(extra), q.dtype)
+        k = k.reshape(B, S, H, Dh).transpose(1, 2)                          # (B, H, S, Dh)
+        v = v.reshape(B, S, H, Dh).transpose(1, 2)
+        if causal:                                     # the hint: query i sees keys 0..i
+            mask = mh.masks.causal(align="upper_left")
+        else:
+            mask = self._mask(attn_mask, key_padding_mask, B, n_extra, q.dtype)
         p = self.dropout if self.training else 0.0
         res = mh.attention(q, k, v, mask=mask, dropout_p=p, return_weights=need_weights)
         out, w = res if need_weights else (res, None)
-        out = self.out_proj(out.transpose(1, 2).reshape(B, L, E))          # (B, L, E)
-        if not self.batch_first or unbatched:
-            out = out.transpose(0, 1)
+        # torch's memory layout: (L, B, E) contiguous, batch_first a transposed view of it
+        # (a Dropout after this module draws its mask in memory order: same layout, same mask)
+        out = self.out_proj(out.permute(2, 0, 1, 3).reshape(L, B, E))     # (L, B, E)
         if unbatched:
-            out = out.squeeze(1)
+            out = out.squeeze(1)                                            # (L, E)
+        elif self.batch_first:
+            out = out.transpose(0, 1)                                       # (B, L, E)
         if w is not None:
             if average_attn_weights:
                 w = w.mean(dim=1)                                           # (B, L, S)
@@ -153,19 +221,42 @@ class MultiheadAttention(nn.MultiheadAttention):
                 w = w.squeeze(0)
         return out, w
 
-    def _mask(self, attn_mask, key_padding_mask, B, L, S, n_extra, dtype):
-        """Combine torch-style masks into one multihead mask over (B, H, L, S)."""
+    def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                        average_attn_weights, is_causal):
+        """Nested ``(N, L*, E)`` inputs: pad, mask the padded keys, and return nested output."""
+        _check_nested(self, query, key, value, key_padding_mask, attn_mask)
+        q_len, kv_len = _lengths(query), _lengths(key)
+        if _lengths(value) != kv_len:
+            raise _AssertionArgError(f"NestedTensor inputs to MultiheadAttention: key and value "
+                                     f"must hold sequences of the same lengths, got {kv_len} "
+                                     f"and {_lengths(value)}")
+        pad = lambda t: torch.nested.to_padded_tensor(t, 0.0)              # (N, L_max, E)
+        q = pad(query)
+        k = q if key is query else pad(key)
+        v = k if value is key else pad(value)
+        keys = torch.arange(k.shape[1], device=k.device)
+        kpm = keys >= torch.tensor(kv_len, device=k.device)[:, None]       # (N, S_max) True = pad
+        out, w = self._forward_ours(q, k, v, kpm, need_weights, None, average_attn_weights,
+                                    is_causal)
+        out = torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, q_len)],
+                                            layout=query.layout)
+        if w is not None:                          # padded queries attend nothing, as in torch
+            rows = torch.arange(q.shape[1], device=q.device)
+            q_pad = rows >= torch.tensor(q_len, device=q.device)[:, None]  # (N, L_max)
+            q_pad = q_pad[:, :, None] if average_attn_weights else q_pad[:, None, :, None]
+            w = w.masked_fill(q_pad, 0.0)
+        return out, w
+
+    def _mask(self, attn_mask, key_padding_mask, B, n_extra, dtype):
+        """Combine torch-style masks (already checked) into one multihead mask over (B, H, L, S)."""
         if attn_mask is not None and attn_mask.dim() == 3:
-            if attn_mask.shape[0] != B * self.num_heads:
-                raise ValueError(f"attn_mask 3-D must be (B*num_heads, L, S) = "
-                                 f"({B * self.num_heads}, {L}, {S - n_extra}), got {tuple(attn_mask.shape)}")
-            attn_mask = attn_mask.view(B, self.num_heads, *attn_mask.shape[1:])
+            attn_mask = attn_mask.view(B, self.num_heads, *attn_mask.shape[1:])  # (B, H, L, S)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask[:, None, None, :]                # (B, 1, 1, S)
         pad = lambda m: F.pad(m, (0, n_extra), value=False if m.dtype == torch.bool else 0.0) \
             if n_extra and m is not None else m
-        attn, kpm = pad(attn_mask), pad(key_padding_mask)
-        masks = [m for m in (_torch_mask(attn, "attn_mask", dtype),
-                             _torch_mask(kpm.view(B, 1, 1, S) if kpm is not None else None,
-                                         "key_padding_mask", dtype)) if m is not None]
+        masks = [m for m in (_torch_mask(pad(attn_mask), dtype),
+                             _torch_mask(pad(key_padding_mask), dtype)) if m is not None]
         if not masks:
             return None
         return masks[0] if len(masks) == 1 else masks[0] & masks[1]

@@ -1,0 +1,190 @@
+"""The input rules of ``torch.nn.MultiheadAttention``, as the drop-in enforces them.
+
+Shapes of inputs and masks checked in torch's order, with torch's wording first (so code
+matching torch's messages keeps working), then the bad shape, the expected one and the
+likely fix; errors of torch's exception type that are also ``ValueError``; mask dtype
+rules; and the NestedTensor inputs torch's inference path accepts.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+import multihead as mh
+
+
+# -- errors: torch's exception type and ours at once ------------------------------------
+
+class _AssertionArgError(ValueError, AssertionError):
+    """A bad argument where torch raises ``AssertionError``: catch it as either."""
+
+
+class _RuntimeArgError(ValueError, RuntimeError):
+    """A bad argument where torch raises ``RuntimeError``: catch it as either."""
+
+
+class _DtypeArgError(TypeError, AssertionError):
+    """A mask of a dtype torch refuses (with ``AssertionError``): catch it as either."""
+
+
+def _torch_mask(mask, dtype) -> "mh.masks.Mask | None":
+    """torch convention (bool True = ignore, or additive float) -> a multihead mask."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return mh.masks.dense(~mask)
+    return mh.masks.bias(mask.to(dtype))
+
+
+# -- torch's input rules (``_mha_shape_check``, ``_canonical_mask`` and the size checks) --
+
+def _check_mask_dtypes(key_padding_mask, attn_mask) -> None:
+    """bool or float masks only; mixing the two kinds warns, as in torch."""
+    for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+        if m is None:
+            continue
+        if not isinstance(m, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor or None, got {type(m).__name__}")
+        if m.dtype != torch.bool and not m.is_floating_point():
+            raise _DtypeArgError(
+                f"only bool and floating types of {name} are supported: got {m.dtype}; pass "
+                f"{name}.bool() (True = ignore) or an additive float mask (-inf = ignore)")
+    if (key_padding_mask is not None and attn_mask is not None
+            and key_padding_mask.dtype != attn_mask.dtype):
+        warnings.warn("Support for mismatched key_padding_mask and attn_mask is deprecated. "
+                      "Use same type for both instead.", stacklevel=4)
+
+
+def _attn_mask_error(shape, batched: bool, N: int, H: int, L: int, S: int) -> str:
+    """What an attn_mask of ``shape`` should have been, and the likely fix."""
+    want = (f"(L, S) = ({L}, {S}) shared by the batch, or (N*num_heads, L, S) = "
+            f"({N * H}, {L}, {S}) per sequence and head" if batched else
+            f"(L, S) = ({L}, {S}), or (num_heads, L, S) = ({H}, {L}, {S}) per head "
+            f"(the query is unbatched)")
+    hint = ""
+    if len(shape) == 4:
+        hint = "; a (N, num_heads, L, S) mask is attn_mask.flatten(0, 1)"
+    elif len(shape) == 1:
+        hint = "; a mask over keys only is key_padding_mask"
+    elif len(shape) == 2 and 1 in shape:
+        hint = f"; broadcast it first: attn_mask.expand({L}, {S})"
+    elif len(shape) == 3 and shape[0] == 1:
+        hint = "; one mask for the whole batch is 2-D: attn_mask[0]"
+    elif len(shape) == 3 and shape[0] == N and batched:
+        hint = "; one mask per sequence is attn_mask.repeat_interleave(num_heads, dim=0)"
+    return f"attn_mask has shape {shape}, expected {want}{hint}"
+
+
+def _kpm_error(shape, batched: bool, N: int, S: int) -> str:
+    """What a key_padding_mask of ``shape`` should have been, and the likely fix."""
+    want = f"(N, S) = ({N}, {S})" if batched else f"(S,) = ({S},) (the query is unbatched)"
+    hint = ("; it looks transposed: pass key_padding_mask.transpose(0, 1)"
+            if batched and shape == (S, N) else "")
+    return f"key_padding_mask has shape {shape}, expected {want} with True at keys to ignore{hint}"
+
+
+def _check_inputs(m: nn.MultiheadAttention, query, key, value, key_padding_mask, attn_mask,
+                  causal_hint: bool) -> bool:
+    """Refuse every input torch refuses, with torch's exception type; return ``batched``.
+
+    ``causal_hint``: the ``is_causal`` hint replaces ``attn_mask``, whose size is then not
+    checked (torch checks its rank and dtype only).
+    """
+    _check_mask_dtypes(key_padding_mask, attn_mask)
+    kpm, am = key_padding_mask, attn_mask
+    qd, kd, vd = query.dim(), key.dim(), value.dim()
+    if qd not in (2, 3):
+        raise _AssertionArgError(
+            f"query should be unbatched 2D or batched 3D tensor but received {qd}-D query "
+            f"tensor (shape {tuple(query.shape)}): pass (L, N, E), (N, L, E) with "
+            f"batch_first=True, or (L, E)")
+    batched = qd == 3
+    tag = "batched (3-D)" if batched else "unbatched (2-D)"
+    if kd != qd or vd != qd:
+        raise _AssertionArgError(
+            f"For {tag} `query`, expected `key` and `value` to be {qd}-D but found {kd}-D and "
+            f"{vd}-D tensors respectively: shapes {tuple(key.shape)} and {tuple(value.shape)}")
+    # (N, L, S) in the caller's layout
+    if not batched:
+        N, L, S = 1, query.shape[0], key.shape[0]
+    elif m.batch_first:
+        N, L, S = query.shape[0], query.shape[1], key.shape[1]
+    else:
+        N, L, S = query.shape[1], query.shape[0], key.shape[0]
+    if kpm is not None and kpm.dim() != qd - 1:
+        raise _AssertionArgError(
+            f"For {tag} `query`, expected `key_padding_mask` to be `None` or {qd - 1}-D but "
+            f"found {kpm.dim()}-D tensor instead: " + _kpm_error(tuple(kpm.shape), batched, N, S))
+    if am is not None:
+        err = _attn_mask_error(tuple(am.shape), batched, N, m.num_heads, L, S)
+        if am.dim() not in (2, 3):
+            raise _AssertionArgError(f"For {tag} `query`, expected `attn_mask` to be `None`, "
+                                     f"2-D or 3-D but found {am.dim()}-D tensor instead: {err}")
+        if not batched and am.dim() == 3 and tuple(am.shape) != (m.num_heads, L, S):
+            raise _AssertionArgError(f"Expected `attn_mask` shape to be {(m.num_heads, L, S)} "
+                                     f"but got {tuple(am.shape)}: {err}")
+    if query.shape[-1] != m.embed_dim:
+        raise _AssertionArgError(
+            f"was expecting embedding dimension of {m.embed_dim}, but got {query.shape[-1]}: "
+            f"query has shape {tuple(query.shape)}, its last dim must be embed_dim")
+    if m._qkv_same_embed_dim and key.shape != value.shape:
+        raise _AssertionArgError(f"key shape {tuple(key.shape)} does not match value shape "
+                                 f"{tuple(value.shape)}")
+    if key.shape[:-1] != value.shape[:-1]:
+        raise _AssertionArgError(
+            f"key's sequence and batch dims {tuple(key.shape[:-1])} do not match value's "
+            f"{tuple(value.shape[:-1])}")
+    for name, t, dim in (("key", key, m.kdim), ("value", value, m.vdim)):
+        if t.shape[-1] != dim:
+            raise _RuntimeArgError(f"{name} has shape {tuple(t.shape)}: its last dim must be "
+                                   f"{'kdim' if name == 'key' else 'vdim'} = {dim}")
+    if batched and key.shape[1 - int(m.batch_first)] != N:
+        raise _RuntimeArgError(f"key has batch size {key.shape[1 - int(m.batch_first)]} but "
+                               f"query has {N}: shapes {tuple(key.shape)} and "
+                               f"{tuple(query.shape)} (batch_first={m.batch_first})")
+    if am is not None and not causal_hint:
+        if am.dim() == 2 and tuple(am.shape) != (L, S):
+            raise _RuntimeArgError(f"The shape of the 2D attn_mask is {am.shape}, but should "
+                                   f"be {(L, S)}: {err}")
+        if am.dim() == 3 and tuple(am.shape) != (N * m.num_heads, L, S):
+            raise _RuntimeArgError(f"The shape of the 3D attn_mask is {am.shape}, but should "
+                                   f"be {(N * m.num_heads, L, S)}: {err}")
+    want = (N, S) if batched else (S,)
+    if kpm is not None and tuple(kpm.shape) != want:
+        i = 0 if kpm.shape[0] != want[0] else 1                 # the first dim that is off
+        raise _AssertionArgError(f"Expected key_padded_mask.shape[{i}] to be {want[i]}, but got "
+                                 f"{kpm.shape[i]}: " + _kpm_error(tuple(kpm.shape), batched, N, S))
+    return batched
+
+
+def _check_nested(m: nn.MultiheadAttention, query, key, value, key_padding_mask,
+                  attn_mask) -> None:
+    """NestedTensor inputs: all three nested, batch first, no masks (their lengths are the mask)."""
+    kinds = ", ".join(f"{n} {'nested' if t.is_nested else 'plain'}"
+                      for n, t in (("query", query), ("key", key), ("value", value)))
+    if not (query.is_nested and key.is_nested and value.is_nested):
+        why = f"query, key and value must all be NestedTensors or all plain tensors, got {kinds}"
+    elif not m.batch_first:
+        why = ("they need batch_first=True (a NestedTensor's first dim is its batch): build "
+               "the module with batch_first=True")
+    elif key_padding_mask is not None or attn_mask is not None:
+        why = ("key_padding_mask and attn_mask cannot be given with them (the lengths of the "
+               "sequences are the mask): pass padded tensors and a key_padding_mask instead")
+    elif query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+        why = (f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D "
+               f"query tensor; nested inputs must be (N, L*, E) with {key.dim()}-D key and "
+               f"{value.dim()}-D value alike")
+    elif not query.size(0) == key.size(0) == value.size(0):
+        why = (f"query, key and value hold {query.size(0)}, {key.size(0)} and {value.size(0)} "
+               f"sequences; they must hold the same number")
+    else:
+        return
+    raise _AssertionArgError(f"NestedTensor inputs to MultiheadAttention: {why}")
+
+
+def _lengths(nt: torch.Tensor) -> list[int]:
+    """The length of each sequence of a nested ``(N, L*, E)`` tensor."""
+    return [t.shape[0] for t in nt.unbind()]

@@ -1,0 +1,404 @@
+"""The drop-in follows torch.nn.MultiheadAttention's rules, not only its numbers.
+
+Which inputs it refuses (and with which exception types), which dtype mismatches it
+tolerates, what the ``is_causal`` hint means, TorchScript, and NestedTensor inputs.
+Every case is checked against torch's own class on the same weights.
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import multihead as mh
+
+E, H, L, S, B = 16, 4, 5, 7, 3
+
+
+def _pair(**kw):
+    torch.manual_seed(0)
+    t = nn.MultiheadAttention(E, H, **kw)
+    ours = mh.nn.MultiheadAttention(E, H, **kw)
+    ours.load_state_dict(t.state_dict())
+    return t.eval(), ours.eval()
+
+
+def _torch_error(module, *args, **kw) -> BaseException:
+    """The exception torch's own class raises for this call (the test fails if none)."""
+    with pytest.raises(Exception) as info:
+        module(*args, **kw)
+    return info.value
+
+
+def _seq_first():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(L, B, E, generator=g), torch.randn(S, B, E, generator=g)
+
+
+# ----------------------------------------------------------------------------- mask shapes
+
+BAD_ATTN_MASKS = {
+    "1-D (S,)": (S,),
+    "(1, S)": (1, S),
+    "(L, 1)": (L, 1),
+    "(S, L)": (S, L),
+    "4-D (B, H, L, S)": (B, H, L, S),
+    "3-D (1, L, S)": (1, L, S),
+    "3-D (B, L, S)": (B, L, S),
+    "3-D (B*H, S, L)": (B * H, S, L),
+}
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+@pytest.mark.parametrize("name", list(BAD_ATTN_MASKS))
+def test_attn_mask_of_a_shape_torch_refuses_is_refused(name, dtype, need_weights):
+    t, ours = _pair()
+    q, kv = _seq_first()
+    kw = dict(attn_mask=torch.zeros(BAD_ATTN_MASKS[name], dtype=dtype), need_weights=need_weights)
+    want = type(_torch_error(t, q, kv, kv, **kw))
+    with pytest.raises(want) as info:
+        ours(q, kv, kv, **kw)
+    assert isinstance(info.value, ValueError)
+    msg = str(info.value)
+    assert "attn_mask" in msg and str(tuple(BAD_ATTN_MASKS[name])) in msg
+    assert f"({L}, {S})" in msg and f"({B * H}, {L}, {S})" in msg     # the shapes that would do
+
+
+@pytest.mark.parametrize("shape", [(S,), (B, S, 1), (B + 1, S), (B, S + 1), (1, S)])
+def test_key_padding_mask_of_a_shape_torch_refuses_is_refused(shape):
+    t, ours = _pair()
+    q, kv = _seq_first()
+    kw = dict(key_padding_mask=torch.zeros(shape, dtype=torch.bool))
+    want = type(_torch_error(t, q, kv, kv, **kw))
+    with pytest.raises(want) as info:
+        ours(q, kv, kv, **kw)
+    assert isinstance(info.value, ValueError)
+    assert "key_padding_mask" in str(info.value) and str(shape) in str(info.value)
+    assert f"(N, S) = ({B}, {S})" in str(info.value)
+
+
+@pytest.mark.parametrize("shape,fix", [((B, H, L, S), r"attn_mask.flatten\(0, 1\)"),
+                                       ((B, L, S), r"repeat_interleave\(num_heads, dim=0\)"),
+                                       ((1, L, S), r"attn_mask\[0\]"),
+                                       ((1, S), rf"attn_mask.expand\({L}, {S}\)"),
+                                       ((S,), "key_padding_mask")])
+def test_attn_mask_errors_suggest_the_likely_fix(shape, fix):
+    _, ours = _pair()
+    q, kv = _seq_first()
+    with pytest.raises(ValueError, match=fix):
+        ours(q, kv, kv, attn_mask=torch.zeros(shape, dtype=torch.bool))
+
+
+def test_transposed_key_padding_mask_is_refused_not_reinterpreted():
+    """The classic mistake with batch_first=False: a (S, B) mask, like the (S, B, E) keys."""
+    t, ours = _pair()
+    q, kv = _seq_first()
+    kpm = torch.zeros(S, B, dtype=torch.bool)
+    kpm[-1] = True                                      # meant: the last key of every sequence
+    with pytest.raises(AssertionError):
+        t(q, kv, kv, key_padding_mask=kpm)
+    want = r"key_padding_mask.*\(7, 3\).*\(N, S\) = \(3, 7\)"
+    with pytest.raises(ValueError, match=want) as info:
+        ours(q, kv, kv, key_padding_mask=kpm)
+    assert isinstance(info.value, AssertionError)
+    assert "transpose" in str(info.value)               # the likely fix is suggested
+
+
+def test_unbatched_masks_follow_torchs_shapes():
+    t, ours = _pair()
+    x, ctx = torch.randn(L, E), torch.randn(S, E)
+    ok = dict(key_padding_mask=torch.zeros(S, dtype=torch.bool),
+              attn_mask=torch.zeros(H, L, S, dtype=torch.bool))
+    torch.testing.assert_close(ours(x, ctx, ctx, **ok)[0], t(x, ctx, ctx, **ok)[0],
+                               atol=1e-5, rtol=1e-5)
+    for bad in (dict(key_padding_mask=torch.zeros(1, S, dtype=torch.bool)),
+                dict(attn_mask=torch.zeros(H + 1, L, S, dtype=torch.bool)),
+                dict(attn_mask=torch.zeros(S, dtype=torch.bool))):
+        want = type(_torch_error(t, x, ctx, ctx, **bad))
+        with pytest.raises(want) as info:
+            ours(x, ctx, ctx, **bad)
+        assert isinstance(info.value, ValueError) and "unbatched" in str(info.value)
+
+
+# ------------------------------------------------------------------ exception types
+
+def _bad_calls():
+    q, kv = _seq_first()
+    return {
+        "query 4-D": (q[None], kv[None], kv[None]),
+        "key 2-D": (q, kv[:, 0], kv),
+        "value 2-D": (q, kv, kv[:, 0]),
+        "unbatched key 3-D": (q[:, 0], kv, kv[:, 0]),
+        "query embed dim": (q[..., :-1], kv, kv),
+        "key embed dim": (q, kv[..., :-1], kv[..., :-1]),
+        "key/value lengths": (q, kv, kv[:-1]),
+        "key batch": (q, kv[:, :-1], kv[:, :-1]),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_bad_inputs_raise_torchs_type_and_value_error(case):
+    t, ours = _pair()
+    args = _bad_calls()[case]
+    torch_err = _torch_error(t, *args)
+    assert type(torch_err) in (AssertionError, RuntimeError)
+    with pytest.raises(type(torch_err)) as info:
+        ours(*args)
+    assert isinstance(info.value, ValueError)
+    assert info.value.args[0]                            # a message, not a bare assertion
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.int32])
+@pytest.mark.parametrize("arg", ["attn_mask", "key_padding_mask"])
+def test_integer_masks_raise_assertion_and_type_error(arg, dtype):
+    t, ours = _pair()
+    q, kv = _seq_first()
+    shape = (L, S) if arg == "attn_mask" else (B, S)
+    kw = {arg: torch.zeros(shape, dtype=dtype)}
+    with pytest.raises(AssertionError):
+        t(q, kv, kv, **kw)
+    with pytest.raises(TypeError, match=f"{arg}.*{dtype}") as info:
+        ours(q, kv, kv, **kw)
+    assert isinstance(info.value, AssertionError)
+
+
+def test_is_causal_without_attn_mask_is_a_runtime_and_value_error():
+    _, ours = _pair()
+    q, kv = _seq_first()
+    with pytest.raises(RuntimeError, match="is_causal") as info:
+        ours(q, kv, kv, is_causal=True, need_weights=False)
+    assert isinstance(info.value, ValueError)
+
+
+def test_indivisible_embed_dim_is_assertion_and_value_error_with_suggestions():
+    with pytest.raises(AssertionError):
+        nn.MultiheadAttention(10, 3)
+    want = r"embed_dim \(10\).*num_heads \(3\).*\[1, 2, 5, 10\]"
+    with pytest.raises(ValueError, match=want) as info:
+        mh.nn.MultiheadAttention(10, 3)
+    assert isinstance(info.value, AssertionError)
+
+
+# ------------------------------------------------------------------ dtype tolerance
+
+@torch.no_grad()
+def test_in_proj_bias_of_another_dtype_than_query_is_tolerated_like_torch():
+    t, ours = _pair(batch_first=True, dtype=torch.float64)
+    for m in (t, ours):
+        m.in_proj_bias = nn.Parameter(t.in_proj_bias.detach().to(torch.float16))
+    x = torch.randn(B, L, E, dtype=torch.float64)
+    a, b = ours(x, x, x)[0], t(x, x, x)[0]
+    assert a.dtype == b.dtype == torch.float64
+    torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("kpm_float", [True, False])
+def test_mismatched_mask_dtypes_warn_like_torch_and_agree(kpm_float):
+    t, ours = _pair()
+    q, kv = _seq_first()
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[:, -2:] = True
+    am = torch.rand(L, S, generator=torch.Generator().manual_seed(0)) > 0.6
+    am[:, 0] = False
+    to_float = lambda m: torch.zeros(m.shape).masked_fill(m, float("-inf"))
+    kw = dict(key_padding_mask=to_float(kpm) if kpm_float else kpm,
+              attn_mask=am if kpm_float else to_float(am))
+    results = []
+    for m in (ours, t):
+        with pytest.warns(UserWarning, match="mismatched key_padding_mask and attn_mask"):
+            results.append(m(q, kv, kv, **kw))
+    torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
+
+
+def test_matching_mask_dtypes_do_not_warn():
+    _, ours = _pair()
+    q, kv = _seq_first()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours(q, kv, kv, key_padding_mask=torch.zeros(B, S, dtype=torch.bool),
+             attn_mask=torch.zeros(L, S, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------ the is_causal hint
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("kv_len", [L, S])
+def test_is_causal_hint_replaces_attn_mask_when_nothing_else_needs_it(batch_first, kv_len):
+    """need_weights=False and no key_padding_mask: the causal mask, whatever attn_mask says."""
+    t, ours = _pair(batch_first=batch_first)
+    g = torch.Generator().manual_seed(4)
+    shape = lambda n: (B, n, E) if batch_first else (n, B, E)
+    q, kv = torch.randn(shape(L), generator=g), torch.randn(shape(kv_len), generator=g)
+    nothing_masked = torch.zeros(L, kv_len, dtype=torch.bool)
+    kw = dict(attn_mask=nothing_masked, is_causal=True, need_weights=False)
+    a, b = ours(q, kv, kv, **kw)[0], t(q, kv, kv, **kw)[0]
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # the hint is upper-left causal (query i sees keys 0..i), as in torch
+    causal = torch.ones(L, kv_len, dtype=torch.bool).triu(1)
+    torch.testing.assert_close(a, ours(q, kv, kv, attn_mask=causal, need_weights=False)[0])
+    # the hint does not even read the mask's shape (only its rank and dtype)
+    odd = dict(kw, attn_mask=torch.zeros(1, 1, dtype=torch.bool))
+    torch.testing.assert_close(ours(q, kv, kv, **odd)[0], t(q, kv, kv, **odd)[0],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_is_causal_hint_is_ignored_when_weights_or_padding_need_the_mask():
+    t, ours = _pair()
+    q, kv = _seq_first()
+    nothing_masked = torch.zeros(L, S, dtype=torch.bool)
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[0, -1] = True
+    for kw in (dict(need_weights=True), dict(need_weights=False, key_padding_mask=kpm)):
+        kw = dict(kw, attn_mask=nothing_masked, is_causal=True)
+        a, b = ours(q, kv, kv, **kw), t(q, kv, kv, **kw)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        plain = {k: v for k, v in kw.items() if k != "is_causal"}
+        torch.testing.assert_close(a, ours(q, kv, kv, **plain))
+
+
+# ------------------------------------------------------------------ TorchScript
+
+def _masks_seq_first():
+    am = torch.rand(L, L, generator=torch.Generator().manual_seed(5)) > 0.7
+    am.fill_diagonal_(False)
+    am[:, 0] = False                                   # every query keeps a key under kpm too
+    kpm = torch.zeros(B, L, dtype=torch.bool)
+    kpm[1, -2:] = True
+    return am, kpm
+
+
+_NO_JIT_DEPRECATION = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+
+
+@_NO_JIT_DEPRECATION
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("kdim", [None, 10])
+def test_torchscript_of_the_drop_in_matches_eager(batch_first, kdim):
+    _, ours = _pair(batch_first=batch_first, kdim=kdim, vdim=kdim)
+    scripted = torch.jit.script(ours)
+    g = torch.Generator().manual_seed(6)
+    shape = lambda n, w: (B, n, w) if batch_first else (n, B, w)
+    q, kv = torch.randn(shape(L, E), generator=g), torch.randn(shape(L, kdim or E), generator=g)
+    am, kpm = _masks_seq_first()
+    for kw in (dict(), dict(attn_mask=am, key_padding_mask=kpm),
+               dict(attn_mask=am, need_weights=False), dict(key_padding_mask=kpm,
+                                                            average_attn_weights=False)):
+        torch.testing.assert_close(scripted(q, kv, kv, **kw), ours(q, kv, kv, **kw),
+                                   atol=1e-5, rtol=1e-5)
+    # scripting keeps the module: same parameters, still our class in eager code
+    assert isinstance(ours, mh.nn.MultiheadAttention)
+    with torch.no_grad():
+        ours.out_proj.bias.add_(1.0)
+    torch.testing.assert_close(scripted(q, kv, kv)[0], ours(q, kv, kv)[0], atol=1e-5, rtol=1e-5)
+
+
+class _EncoderLayerWithOurs(nn.TransformerEncoderLayer):
+    """A user's layer that builds our attention itself."""
+
+    def __init__(self, d_model, nhead, **kw):
+        super().__init__(d_model, nhead, **kw)
+        self.self_attn = mh.nn.MultiheadAttention(d_model, nhead, dropout=kw.get("dropout", 0.1),
+                                                  batch_first=kw.get("batch_first", False))
+
+
+@_NO_JIT_DEPRECATION
+@pytest.mark.parametrize("build", ["assigned", "subclass"])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_torchscript_of_an_encoder_layer_holding_the_drop_in(build, batch_first):
+    torch.manual_seed(0)
+    kw = dict(dim_feedforward=32, dropout=0.0, batch_first=batch_first)
+    if build == "assigned":
+        layer = nn.TransformerEncoderLayer(E, H, **kw)
+        layer.self_attn = mh.nn.MultiheadAttention(E, H, batch_first=batch_first)
+    else:
+        layer = _EncoderLayerWithOurs(E, H, **kw)
+    layer.eval()
+    scripted = torch.jit.script(layer)
+    assert isinstance(layer.self_attn, mh.nn.MultiheadAttention)
+    x = torch.randn((B, L, E) if batch_first else (L, B, E))
+    am, kpm = _masks_seq_first()
+    for mk in (dict(), dict(src_mask=am), dict(src_key_padding_mask=kpm),
+               dict(src_mask=am, src_key_padding_mask=kpm)):
+        torch.testing.assert_close(scripted(x, **mk), layer(x, **mk), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ NestedTensor inputs
+
+_NO_PROTOTYPE_WARNING = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+
+
+def _nested(lengths, layout, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return torch.nested.nested_tensor([torch.randn(n, E, generator=g) for n in lengths],
+                                      layout=layout)
+
+
+@_NO_PROTOTYPE_WARNING
+@pytest.mark.parametrize("need_weights,average", [(False, True), (True, True), (True, False)])
+@torch.no_grad()
+def test_nested_self_attention_matches_torchs_inference_fast_path(need_weights, average):
+    t, ours = _pair(batch_first=True)
+    x = _nested([4, 6, 1], torch.strided)
+    a_out, a_w = ours(x, x, x, need_weights=need_weights, average_attn_weights=average)
+    b_out, b_w = t(x, x, x, need_weights=need_weights, average_attn_weights=average)
+    assert a_out.is_nested and a_out.layout == b_out.layout == torch.strided
+    for a, b in zip(a_out.unbind(), b_out.unbind()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    if need_weights:
+        torch.testing.assert_close(a_w, b_w, atol=1e-6, rtol=1e-5)
+    else:
+        assert a_w is None and b_w is None
+
+
+@_NO_PROTOTYPE_WARNING
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+@torch.no_grad()
+def test_nested_inputs_equal_each_sequence_on_its_own(layout):
+    """Self- and cross-attention on nested inputs of either layout, sequence by sequence."""
+    _, ours = _pair(batch_first=True)
+    x, ctx = _nested([4, 6, 1], layout), _nested([2, 3, 5], layout, seed=8)
+    for kv in (x, ctx):
+        out = ours(x, kv, kv, need_weights=False)[0]
+        assert out.is_nested and out.layout == layout
+        for o, xi, ki in zip(out.unbind(), x.unbind(), kv.unbind()):
+            torch.testing.assert_close(o, ours(xi, ki, ki)[0], atol=1e-5, rtol=1e-5)
+
+
+@_NO_PROTOTYPE_WARNING
+@torch.no_grad()
+def test_nested_inputs_torch_cannot_take_are_refused_clearly():
+    t, ours = _pair(batch_first=True)
+    x = _nested([4, 6], torch.strided)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    with pytest.raises(AssertionError):
+        t(x, x, x, key_padding_mask=kpm)
+    with pytest.raises(ValueError, match="NestedTensor.*key_padding_mask") as info:
+        ours(x, x, x, key_padding_mask=kpm)
+    assert isinstance(info.value, AssertionError)
+    with pytest.raises(ValueError, match="NestedTensor.*batch_first"):
+        _pair(batch_first=False)[1](x, x, x)
+    with pytest.raises(ValueError, match="NestedTensor"):
+        ours(x, x.to_padded_tensor(0.0), x)
+
+
+# ------------------------------------------------------------------ memory layout
+
+@pytest.mark.parametrize("layout", ["batch_first", "seq_first", "unbatched"])
+def test_output_memory_layout_is_torchs_so_a_following_dropout_agrees(layout):
+    """A Dropout after attention draws its mask in memory order: same strides, same mask."""
+    t, ours = _pair(batch_first=layout == "batch_first")
+    x = torch.randn({"batch_first": (B, L, E), "seq_first": (L, B, E), "unbatched": (L, E)}[layout])
+    assert ours(x, x, x)[0].stride() == t(x, x, x)[0].stride()
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, H, 32, dropout=0.2, batch_first=layout == "batch_first")
+    with_ours = nn.TransformerEncoderLayer(E, H, 32, dropout=0.2,
+                                           batch_first=layout == "batch_first")
+    with_ours.self_attn = mh.nn.MultiheadAttention(E, H, dropout=0.2,
+                                                   batch_first=layout == "batch_first")
+    with_ours.load_state_dict(layer.state_dict())
+    torch.manual_seed(1)
+    a = layer(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(with_ours(x), a, atol=1e-5, rtol=1e-5)
