@@ -77,7 +77,7 @@ def run(quick: bool, device: str, dtype: str) -> list[dict]:
         kw = dict(mask=c["mask"], return_lse=c.get("lse", False))
         call = make_call(q, k, v, scale=None, dropout_p=0.0, return_weights=False, **kw)
         est, measured = {}, {}
-        for r in dispatch._rows(call, profile):
+        for r in dispatch._rows(call, profile, dev.type):
             if r.plan is None:
                 continue
             est[r.name] = r.seconds
