@@ -332,12 +332,10 @@ def test_half_precision_sdpa_keeps_a_large_fp32_bias_finite():
     got = mh.attention(q, k, v, mask=M.bias(b), backend="sdpa")
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got[:, :, 3], v[:, :, 5])        # the +1e5 key takes the row
-    # a constant shift leaves a softmax row unchanged: row 7 is attention without the bias
-    plain = mh.attention(q, k, v, backend="sdpa")
-    torch.testing.assert_close(got[:, :, 7], plain[:, :, 7], atol=2e-3, rtol=2e-3)
-    others = [i for i in range(16) if i not in (3, 7)]
-    torch.testing.assert_close(got[:, :, others].double(), _ref(q, k, v, M.bias(b))[:, :, others],
-                               atol=2e-3, rtol=2e-3)
+    # the bias is added in fp32, as on every backend: fp32's min swamps row 7's scores
+    # (uniform weights), and every row agrees with the fp64 oracle
+    torch.testing.assert_close(got[:, :, 7], v.mean(2), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(got.double(), _ref(q, k, v, M.bias(b)), atol=2e-3, rtol=2e-3)
 
 
 def test_odd_arguments_get_the_same_clear_errors_on_every_path():
