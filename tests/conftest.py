@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 
 import pytest
 import torch
@@ -113,3 +114,16 @@ def make_masks(B: int, H: int, sq: int, sk: int, seed: int = 0) -> dict[str, mh.
 
 
 MASK_NAMES = list(make_masks(1, 1, 4, 4))
+
+
+# -- texts shared by the inspection tests ------------------------------------------------
+WORDS = ("the animal didn't cross the street because it was too tired and the river ran fast "
+         "under an old bridge while children played near houses, dogs barked; she said he left "
+         "early: they watched birds fly over hills, trees and fields.").split()
+
+
+@pytest.fixture(scope="session")
+def long_text() -> str:
+    """A text (for tests/inspection) of ~870 tokens: MiniLM keeps its first 512 (its positions)."""
+    rng = random.Random(0)
+    return " ".join(rng.choice(WORDS) for _ in range(700))

@@ -121,6 +121,6 @@ def test_explain_an_empty_call():
     q, k = torch.randn(1, 2, 0, 8), torch.randn(1, 2, 5, 8)
     for args in ((q, k, k), (k, q, q)):
         text = str(mh.explain(*args, mask=mh.masks.causal()))
-        assert "backend: none (Sq or Sk is 0: the output is zeros" in text
+        assert "backend: none (B, Sq or Sk is 0: the output is empty or zeros" in text
     with pytest.raises(ValueError, match="backend='varlen' cannot run this call"):
         mh.explain(q, k, k, backend="varlen", mask=mh.masks.causal())
