@@ -163,3 +163,26 @@ def test_random_misuse_never_changes_what_decoding_computes(kind):
                     done += n
             want = m(seqs[:, :done], mask=CAUSAL)
         torch.testing.assert_close(torch.cat(outs, 1), want, atol=3e-6, rtol=1e-5)
+
+
+def test_rollback_after_a_successful_forward_undoes_nothing():
+    """The journal stayed open after a successful forward: a later rollback() undid it, and
+    on a paged pool returned pages another live sequence held."""
+    m = _module()
+    pool = mh.PagedKVCache(num_pages=8, page_size=4, num_kv_heads=KV, head_dim=E // H)
+    a, b = pool.add_sequence(), pool.add_sequence()
+    with torch.no_grad():
+        m(torch.randn(1, 3, E), cache=pool.batch([a]), mask=CAUSAL)
+        x = pool.batch([a])
+        m(torch.randn(1, 2, E), cache=x, mask=CAUSAL)          # a takes a second page
+        m(torch.randn(1, 8, E), cache=pool.batch([b]), mask=CAUSAL)
+        tables = {s: list(t) for s, t in pool._tables.items()}
+        x.rollback()
+    assert {s: list(t) for s, t in pool._tables.items()} == tables
+    held = {p for t in pool._tables.values() for p in t}
+    assert not held & set(pool._free) and pool.length(a) == 5 and pool.length(b) == 8
+    cache = m.make_cache(1, 16)
+    with torch.no_grad():
+        m(torch.randn(1, 3, E), cache=cache, mask=CAUSAL)
+    cache.rollback()
+    assert cache.seen == 3 and cache.lengths.tolist() == [3]

@@ -136,3 +136,80 @@ def test_a_row_with_nothing_to_attend_to_stays_zeros_even_with_a_nan_query():
                                                   .roll(0)[None, None]) & pad, backend=be)
         assert out[0, 0, 2:].eq(0).all()          # padded queries: zeros
         assert out[0, 0, 0].isnan().all()        # a NaN query that sees keys: NaN
+
+
+# -- the careful path: what it costs and what it keeps ---------------------------------------
+def test_finite_half_precision_inputs_whose_sums_overflow_run_once(monkeypatch):
+    """A finite fp16 q of large values overflowed the check's fp16 sum: a second run."""
+    from multihead.functional import registry
+    q, k, v = _qkv(B=1, H=2, S=64, D=32, dtype=torch.float16)
+    q = q * 2000                                   # finite; its fp16 sum is not
+    assert torch.isinf(q.sum()) and torch.isfinite(q).all()
+    runs = []
+    sdpa = registry.get("sdpa")
+    real = type(sdpa).run
+    monkeypatch.setattr(type(sdpa), "run", lambda self, c, p: runs.append(1) or real(self, c, p))
+    mh.attention(q, k, v, backend="sdpa")
+    assert len(runs) == 1
+
+
+def test_the_careful_path_works_in_chunks_of_rows(monkeypatch):
+    """One NaN used to build (B, H, Sq, Sk) booleans at once (3.3 GB at S=16384)."""
+    from multihead.functional import nonfinite
+    q, k, v = _qkv(B=2, H=2, S=12, D=8, seed=4)
+    v[1, 0, 1, 3] = float("nan")
+    mask = M.causal() & M.padding(torch.tensor([9, 12]))
+    whole = nonfinite.poisoned_rows(mh.functional._call.make_call(
+        q, k, v, mask=mask, scale=None, dropout_p=0.0, return_weights=False, return_lse=False))
+    monkeypatch.setattr(nonfinite, "_CHUNK_ELEMS", 30)          # a few rows per chunk
+    want, _ = _expected(q, k, v, mask)
+    for be in BACKENDS:
+        got = mh.attention(q, k, v, mask=mask, backend=be)
+        assert torch.equal(got.isnan(), want.isnan()), be
+    assert torch.equal(whole, want.isnan().all(-1))
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_a_hidden_nan_does_not_change_dropout(backend):
+    """The careful path ran the call again with fresh dropout draws."""
+    q, k, v = _qkv(B=2, H=2, S=12, D=8, seed=5)
+    pad = M.padding(torch.tensor([9, 12]))
+    torch.manual_seed(7)
+    clean = mh.attention(q, k, v, mask=pad, dropout_p=0.3, backend=backend)
+    after_clean = torch.rand(3)
+    v[0, :, 10] = float("nan")                                 # hidden by the padding
+    torch.manual_seed(7)
+    poisoned = mh.attention(q, k, v, mask=pad, dropout_p=0.3, backend=backend)
+    torch.testing.assert_close(poisoned, clean)
+    assert torch.equal(torch.rand(3), after_clean)             # the stream moved the same
+
+
+def test_vmap_over_attention_still_works():
+    q, k, v = (torch.randn(3, 1, 2, 4, 8) for _ in range(3))
+    out = torch.func.vmap(lambda a, b, c: mh.attention(a, b, c, mask=M.causal()))(q, k, v)
+    torch.testing.assert_close(out[1], mh.attention(q[1], k[1], v[1], mask=M.causal()))
+
+
+def test_a_minus_inf_key_score_hides_that_key_as_a_minus_inf_bias_does():
+    """IEEE arithmetic: a score of -inf gives weight 0 (documented, not a NaN row)."""
+    q, k, v = _qkv(B=1, H=1, S=4, D=8)
+    q = q.abs() + 0.1                                          # every component positive
+    k[0, 0, 2, 0] = float("-inf")                              # score of key 2: -inf
+    hide = torch.zeros(1, 1, 4, 4)
+    hide[..., 2] = float("-inf")
+    k_clean = k.clone()
+    k_clean[0, 0, 2, 0] = 0.0
+    for be in BACKENDS:
+        got = mh.attention(q, k, v, backend=be)
+        torch.testing.assert_close(got, mh.attention(q, k_clean, v, mask=M.bias(hide),
+                                                     backend="reference"))
+
+
+def test_fp32_inputs_with_an_fp64_bias_are_not_upcast():
+    q = torch.randn(1, 2, 8, 8)
+    e = mh.explain(q, q, q, mask=M.bias(torch.randn(1, 1, 8, 8, dtype=torch.float64)),
+                   backend="sdpa")
+    assert "computed in float32" not in str(e) and not e.plan.detail.upcast
+    h = q.half()
+    e = mh.explain(h, h, h, mask=M.bias(torch.randn(1, 1, 8, 8)), backend="sdpa")
+    assert "computed in float32" in str(e) and e.plan.detail.upcast

@@ -156,3 +156,30 @@ def test_cross_attention_context_with_a_paged_batch_is_a_clear_error():
     with pytest.raises(TypeError, match="does not hold cross-attention contexts.*KVCache"):
         m(torch.randn(2, 1, 16), torch.randn(2, 5, 16), cache=batch)
     assert pool.pages_used == 0
+
+
+def test_an_empty_batch_mask_composes_materializes_and_draws():
+    m = M.padding(torch.zeros(0, dtype=torch.long)) & M.causal()
+    assert m.batch_size == 0
+    assert m.materialize(3, 3).shape == (0, 1, 3, 3)
+    assert m.tiles(3, 3).state.shape[0] == 0
+    assert "empty batch" in repr(m)
+    assert (M.padding(torch.tensor([2])) & M.dense(torch.ones(2, 1, 3, 3, dtype=torch.bool))
+            ).batch_size == 2
+
+
+def test_the_cache_counts_each_storage_once_and_survives_cycles():
+    from multihead._cache import BoundedCache, nbytes
+    t = torch.zeros(4)
+    assert nbytes(t.expand(10_000_000, 4)) == 16                 # not 160 MB
+    assert nbytes([t, t[1:], {"again": t}]) == 16                # one storage
+    c = BoundedCache(4, 64)
+    c.put("view", t.expand(1000, 4))
+    assert "view" in c and c.nbytes == 16
+
+    class Node:
+        pass
+    nodes = [Node() for _ in range(200)]
+    for n in nodes:
+        n.others = nodes                                          # 200-wide cycles
+    assert nbytes(nodes[0]) == 0

@@ -19,29 +19,46 @@ _MISSING = object()
 
 def nbytes(value, depth: int = 4) -> int:
     """Bytes of the tensors reachable from ``value`` (through containers, dataclasses,
-    named tuples and plain objects, ``depth`` levels deep).
+    named tuples and plain objects, ``depth`` levels deep): each storage counted once, at
+    its own size (an expanded view costs what it holds, not what it shows).
 
     Example:
         >>> import torch
-        >>> nbytes({"a": torch.zeros(4), "b": (torch.zeros(2, dtype=torch.int8), 3)})
+        >>> t = torch.zeros(4)
+        >>> nbytes({"a": t, "b": (torch.zeros(2, dtype=torch.int8), t.expand(100, 4), 3)})
         18
     """
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if depth == 0 or value is None or isinstance(value, (int, float, str, bool, bytes)):
-        return 0
-    if isinstance(value, dict):
-        items = value.values()
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        items = value
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        items = [getattr(value, f.name) for f in dataclasses.fields(value)]
-    elif hasattr(value, "__dict__"):
-        items = vars(value).values()
-    else:
-        items = [getattr(value, s) for s in getattr(type(value), "__slots__", ())
-                 if hasattr(value, s)]
-    return sum(nbytes(v, depth - 1) for v in items)
+    seen_storages, seen_objects = set(), set()
+
+    def walk(v, depth: int) -> int:
+        if isinstance(v, torch.Tensor):
+            try:
+                st = v.untyped_storage()
+                key, size = (st.data_ptr(), st.device), st.nbytes()
+            except (RuntimeError, NotImplementedError):     # no storage (meta, wrappers)
+                key, size = id(v), 0
+            if key in seen_storages:
+                return 0
+            seen_storages.add(key)
+            return size
+        if depth == 0 or v is None or isinstance(v, (int, float, str, bool, bytes)):
+            return 0
+        if id(v) in seen_objects:
+            return 0
+        seen_objects.add(id(v))
+        if isinstance(v, dict):
+            items = v.values()
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            items = v
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            items = [getattr(v, f.name) for f in dataclasses.fields(v)]
+        elif hasattr(v, "__dict__"):
+            items = vars(v).values()
+        else:
+            items = [getattr(v, s) for s in getattr(type(v), "__slots__", ()) if hasattr(v, s)]
+        return sum(walk(x, depth - 1) for x in items)
+
+    return walk(value, depth)
 
 
 class BoundedCache:

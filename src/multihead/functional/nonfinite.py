@@ -20,17 +20,23 @@ handling applies.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from ._call import AttentionCall
-from .backend._common import mask_terms
 
 
 def _finite(q: torch.Tensor, out: torch.Tensor) -> bool:
-    # two host reads (free on a CPU); a sum that overflows only takes the careful path
-    return math.isfinite(q.sum().item() + out.sum().item())
+    """True when q and the output are finite (two host reads, free on a CPU; a sum that
+    overflows only takes the careful path). Inputs it cannot read (``torch.func``
+    transforms) count as finite: the kernels' own handling applies, as on GPUs."""
+    try:
+        return math.isfinite(q.sum(dtype=torch.float32).item()
+                             + out.sum(dtype=torch.float32).item())
+    except RuntimeError:                  # vmap and friends refuse .item()
+        return True
 
 
 def _replaced(call: AttentionCall, q, k, v) -> AttentionCall:
@@ -39,24 +45,43 @@ def _replaced(call: AttentionCall, q, k, v) -> AttentionCall:
                          call.return_lse)
 
 
+#: booleans of one chunk of (B, H, rows, Sk) in the careful path
+_CHUNK_ELEMS = 1 << 24
+
+
 def poisoned_rows(call: AttentionCall) -> torch.Tensor:
     """``(B, H, Sq)``: rows that may attend to something and whose query, or a key or value
-    they may attend to, is not finite."""
+    they may attend to, is not finite. Evaluated in chunks of query rows (memory bounded
+    by :data:`_CHUNK_ELEMS`, whatever Sq and Sk)."""
     bad_q = ~torch.isfinite(call.q).all(-1)                                       # (B, H, Sq)
     bad_kv = ~(torch.isfinite(call.k).all(-1) & torch.isfinite(call.v).all(-1))   # (B, Hkv, Sk)
     bad_kv = bad_kv.repeat_interleave(call.group, dim=1)[:, :, None, :]            # (B, H, 1, Sk)
-    allowed, _ = mask_terms(call, call.q.device)                 # (B', H', Sq, Sk) or None
-    if allowed is None:
+    m = call.effective_mask
+    if m is None:
         return bad_q | bad_kv.any(-1)
-    sees_bad = (allowed & bad_kv).any(-1)                                          # (B, H, Sq)
-    return sees_bad | (bad_q & allowed.any(-1))
+    ix = m.index(call.Sq, call.Sk, call.q.device)
+    step = max(1, _CHUNK_ELEMS // max(1, call.B * call.H * call.Sk))
+    rows = []
+    for i in range(0, call.Sq, step):
+        part = dataclasses.replace(ix, q=ix.q[:, :, i:i + step])
+        allowed, _ = m.at(part)                               # (B', H', rows, Sk) or None
+        if allowed is None:
+            allowed = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=call.q.device)
+        allowed = allowed.expand(*allowed.shape[:2], ix.q[:, :, i:i + step].shape[2], call.Sk)
+        sees_bad = (allowed & bad_kv).any(-1)                                      # (B, H, rows)
+        rows.append(sees_bad | (bad_q[:, :, i:i + step] & allowed.any(-1)))
+    return torch.cat(rows, dim=2)
 
 
 def run(backend, call: AttentionCall, plan):
     """``backend.run(call, plan)`` under the rule of this module."""
+    on_host = call.q.device.type == "cpu" and not torch.compiler.is_compiling()
+    rng = torch.random.get_rng_state() if on_host and call.dropout_p > 0 else None
     out, w, lse = backend.run(call, plan)
-    if call.q.device.type != "cpu" or torch.compiler.is_compiling() or _finite(call.q, out):
+    if not on_host or _finite(call.q, out):
         return out, w, lse
+    if rng is not None:                   # the same dropout draws as the first run
+        torch.random.set_rng_state(rng)
     clean = [t.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0) for t in (call.q, call.k, call.v)]
     out, w, lse = backend.run(_replaced(call, *clean), plan)
     rows = poisoned_rows(call)                                                     # (B, H, Sq)

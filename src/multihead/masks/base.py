@@ -296,8 +296,8 @@ class Mask:
     def index(self, sq: int, sk: int, device=None) -> Index:
         """The (B', H', Sq, Sk) index grid this mask is materialized on."""
         device = torch.device(device) if device is not None else self._device()
-        b = torch.arange(self.batch_size or 1, device=device).view(-1, 1, 1, 1)
-        h = torch.arange(self.num_heads or 1, device=device).view(1, -1, 1, 1)
+        b = torch.arange(_size(self.batch_size), device=device).view(-1, 1, 1, 1)
+        h = torch.arange(_size(self.num_heads), device=device).view(1, -1, 1, 1)
         q = torch.arange(sq, device=device).view(1, 1, sq, 1)
         k = torch.arange(sk, device=device).view(1, 1, 1, sk)
         return Index(b, h, q, k, sq, sk)
@@ -372,8 +372,10 @@ class Mask:
         q0 = torch.arange(nq, device=device) * tile_q
         k0 = torch.arange(nk, device=device) * tile_k
         tx = TileIndex(
-            b=torch.arange(batch or self.batch_size or 1, device=device).view(-1, 1, 1, 1),
-            h=torch.arange(heads or self.num_heads or 1, device=device).view(1, -1, 1, 1),
+            b=torch.arange(_size(self.batch_size if batch is None else batch),
+                           device=device).view(-1, 1, 1, 1),
+            h=torch.arange(_size(self.num_heads if heads is None else heads),
+                           device=device).view(1, -1, 1, 1),
             q0=q0.view(1, 1, nq, 1), q1=(q0 + tile_q - 1).clamp(max=max(sq - 1, 0)).view(1, 1, nq, 1),
             k0=k0.view(1, 1, 1, nk), k1=(k0 + tile_k - 1).clamp(max=max(sk - 1, 0)).view(1, 1, 1, nk),
             sq=sq, sk=sk, tile_q=tile_q, tile_k=tile_k)
@@ -465,7 +467,15 @@ def _as_mask(other, op: str) -> Mask:
 
 
 def _max_opt(a: int | None, b: int | None) -> int | None:
-    return max(x for x in (a, b) if x is not None) if (a or b) else None
+    """The broadcast of two sizes (None: the mask does not depend on that dim; 1 broadcasts
+    to anything, an empty batch included)."""
+    sizes = [x for x in (a, b) if x is not None and x != 1]
+    return (0 if 0 in sizes else max(sizes)) if sizes else (1 if 1 in (a, b) else None)
+
+
+def _size(n: int | None) -> int:
+    """A dim's length on an index grid: 1 where the mask does not depend on it."""
+    return 1 if n is None else n
 
 
 class _Binary(Mask):

@@ -222,7 +222,7 @@ class Padding(Mask):
 
     def _row(self, b: torch.Tensor) -> torch.Tensor:
         """Batch indices into this mask's rows: one sequence broadcasts to every batch."""
-        return b if self.batch_size > 1 else b * 0
+        return b * 0 if self.batch_size == 1 else b     # (an empty batch indexes nothing)
 
     def _allowed(self, ix: Index):
         pos = ix.k if self.side == "key" else ix.q

@@ -269,6 +269,7 @@ class MultiHeadAttention(nn.Module):
             except BaseException:        # a failed call leaves the cache as it found it
                 cache.rollback()
                 raise
+            cache.commit()
         out, w = res if return_weights else (res, None)
         y = self.out_proj(self._merge(out))                            # (B, Sq, E)
         if not return_weights:

@@ -86,9 +86,14 @@ class _CacheBase:
             >>> cache.rollback(); cache.seen, cache.lengths.tolist()
             (0, [0])
         """
-        for undo in reversed(getattr(self, "_journal", [])):
+        for undo in reversed(getattr(self, "_journal", None) or []):
             undo()
-        self._journal = []
+        self._journal = None
+
+    def commit(self) -> None:
+        """Stop recording: the writes since :meth:`begin` stay (the module calls this when
+        a forward succeeds, so a later :meth:`rollback` cannot undo a finished step)."""
+        self._journal = None
 
     def _record(self, undo) -> None:
         if getattr(self, "_journal", None) is not None:

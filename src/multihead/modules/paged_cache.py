@@ -175,20 +175,22 @@ class PagedBatch(_CacheBase):
             raise ValueError(f"PagedKVCache is out of pages: this step needs {sum(need)} more page(s) "
                              f"but {len(pool._free)} of {pool.num_pages} are free; nothing was "
                              f"written. Free finished sequences, or build a larger pool")
-        state = ({s: list(pool._tables[s]) for s in self.ids}, list(pool._free),
-                 {s: (pool._written[s], pool._real[s]) for s in self.ids}, set(pool._padded))
+        taken = {}                     # the pages this write takes, per sequence
+        saved = {s: (pool._written[s], pool._real[s], s in pool._padded) for s in self.ids}
 
-        def undo():                    # pages back to the pool, counts as they were
-            tables, free, counts, padded = state
-            pool._tables.update(tables)
-            pool._free[:] = free
-            for sid, (written, real) in counts.items():
-                pool._written[sid], pool._real[sid] = written, real
-            pool._padded.clear()
-            pool._padded.update(padded)
+        def undo():                    # exactly these pages back to the pool, counts as they were
+            for sid, pages in taken.items():
+                if sid in pool._tables:
+                    del pool._tables[sid][len(pool._tables[sid]) - len(pages):]
+                pool._free.extend(reversed(pages))
+            for sid, (written, real, padded) in saved.items():
+                if sid in pool._tables:
+                    pool._written[sid], pool._real[sid] = written, real
+                    (pool._padded.add if padded else pool._padded.discard)(sid)
         self._record(undo)
         for sid, m in zip(self.ids, need):
-            pool._tables[sid] += [pool._free.pop() for _ in range(m)]
+            taken[sid] = [pool._free.pop() for _ in range(m)]
+            pool._tables[sid] += taken[sid]
         before, table = pool._device_tables(self.ids)                         # (B,), (B, Pmax)
         B, Hkv = len(self.ids), self.num_kv_heads
         pos = before[:, None] + torch.arange(n, device=self.device)            # (B, n)
