@@ -5,8 +5,13 @@ from __future__ import annotations
 import contextlib
 import random
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():          # Triton kernels run on the CPU, interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import settings
 
 # CI must be reproducible: the same examples every run (explore locally with --hypothesis-seed)

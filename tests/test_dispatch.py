@@ -2,6 +2,8 @@
 
 from unittest import mock
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -81,7 +83,8 @@ def test_explain_report_lists_every_backend_with_a_reason():
     text = str(rep)
     assert "backend: reference" in text
     assert "sdpa" in text and "cannot run: does not return attention weights" in text
-    assert "blocksparse" in text and text.count("does not return attention weights") == 3
+    assert "blocksparse" in text
+    assert text.count("does not return attention weights") == len(mh.backends()) - 1
     rep = mh.explain(*_qkv(S=2048), mask=M.sliding_window(64))
     assert "computes" in str(rep) and "of the tiles" in str(rep)
     assert "est." in str(rep) and "device profile: cpu" in str(rep)
@@ -100,7 +103,8 @@ def test_open_mask_is_dropped():
 
 
 def test_backends_listing():
-    assert set(mh.backends()) == {"reference", "sdpa", "blocksparse", "varlen"}
+    extra = {"triton"} if importlib.util.find_spec("triton") else set()
+    assert set(mh.backends()) == {"reference", "sdpa", "blocksparse", "varlen"} | extra
 
 
 # -- decisions are cached, keyed by what fully determines them ----------------------------

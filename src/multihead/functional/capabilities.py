@@ -40,6 +40,7 @@ class Capabilities:
         bias_grad: propagates gradients into a bias tensor.
         traceable: runs inside ``torch.compile(fullgraph=True)``.
         cross_attention: accepts Sq != Sk.
+        backward: gives gradients (a call that needs them goes elsewhere when it does not).
 
     Example:
         >>> Capabilities(devices=frozenset({"cuda"}), lse=True).lse
@@ -57,6 +58,7 @@ class Capabilities:
     bias_grad: bool = False
     traceable: bool = True
     cross_attention: bool = True
+    backward: bool = True
 
     def reasons(self, call: AttentionCall, device_type: str) -> list[str]:
         """Why this backend cannot run ``call`` on ``device_type`` (empty when it can).
@@ -95,6 +97,8 @@ class Capabilities:
                 out.append(f"does not apply {', '.join(kinds)} masks")
             if not self.bias_grad and m.requires_grad and torch.is_grad_enabled():
                 out.append("gives no gradient w.r.t. a bias tensor")
+        if not self.backward and call.requires_grad:
+            out.append("has no backward (gradients are needed)")
         if not self.traceable and torch.compiler.is_compiling():
             out.append("is not traceable by torch.compile (a data-dependent host loop)")
         return out

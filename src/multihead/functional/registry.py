@@ -107,8 +107,8 @@ def discover() -> None:
     ``import multihead`` does it. Files starting with ``_`` are helpers, not backends.
 
     Example:
-        >>> discover(); sorted(backends())
-        ['blocksparse', 'reference', 'sdpa', 'varlen']
+        >>> discover(); {"blocksparse", "reference", "sdpa", "varlen"} <= set(backends())
+        True
     """
     package = importlib.import_module(f"{__package__}.backend")
     for name in sorted(info.name for info in pkgutil.iter_modules(package.__path__)):
@@ -132,7 +132,7 @@ def backends() -> dict[str, str]:
 
     Example:
         >>> import multihead as mh
-        >>> sorted(mh.backends())
-        ['blocksparse', 'reference', 'sdpa', 'varlen']
+        >>> {"blocksparse", "reference", "sdpa", "varlen"} <= set(mh.backends())  # + "triton"
+        True
     """
     return {name: b.summary for name, b in _REGISTRY.items()}

@@ -1,0 +1,110 @@
+"""The triton backend: our FlashAttention-2 forward kernel (``multihead.kernels``) on GPUs.
+
+It runs band masks (causal, sliding windows, either alignment) and key padding from
+lengths, alone or combined with ``&``, computing only the key blocks the band reaches; GQA
+and MQA read each K/V head in place. Forward only, for now: a call that needs gradients
+goes to another backend. Registered only where Triton is installed.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ... import kernels
+from ... import masks as M
+from .._call import AttentionCall
+from ..capabilities import Capabilities
+from ..cost import Work
+from ..registry import Backend, Plan, register
+
+#: its FLOP rate against the vendor's fused kernel on the same device (priced as slower,
+#: so it is chosen for the work it skips, not for work both would do)
+EFFICIENCY = 0.8
+
+
+class Band(NamedTuple):
+    causal: bool
+    window: int | None
+    offset: int
+    padding: M.Padding | None
+
+
+def _band(call: AttentionCall) -> Band | str:
+    """The call's mask as a band and key padding, or why it is not one."""
+    m = call.effective_mask
+    leaves = [m] if m is None or m.kind != "and" else [m.a, m.b]
+    window = padding = None
+    for leaf in leaves:
+        if leaf is None:
+            continue
+        if type(leaf) is M.Window and window is None:
+            window = leaf
+        elif (type(leaf) is M.Padding and padding is None and leaf.side == "key"
+              and leaf.real is None):
+            padding = leaf
+        else:
+            return ("runs masks of the form band (causal or sliding window), key padding from "
+                    "lengths, or band & padding")
+    if window is None:
+        return Band(False, None, 0, padding)
+    offset = call.Sk - call.Sq if window.align == "lower_right" else 0
+    return Band(True, window.size, offset, padding)
+
+
+def _pairs(call: AttentionCall, band: Band, block_m: int, block_n: int) -> int:
+    """(query, key) pairs of the key blocks the kernel visits, over all rows and heads."""
+    hi_keys = [call.Sk] * call.B
+    if band.padding is not None and band.padding._host_lengths is not None:
+        host = [min(call.Sk, int(n)) for n in band.padding._host_lengths.tolist()]
+        hi_keys = host * call.B if len(host) == 1 else host
+    total = 0
+    for hi in hi_keys:
+        for m0 in range(0, call.Sq, block_m):
+            top = min(hi, m0 + block_m + band.offset) if band.causal else hi
+            lo = max(0, m0 + band.offset - band.window + 1) // block_n * block_n \
+                if band.window is not None else 0
+            total += max(0, top - lo) * min(block_m, call.Sq - m0)
+    return total * call.H
+
+
+class TritonFlash(Backend):
+    name = "triton"
+    summary = "our FlashAttention-2 forward in Triton: band masks and key padding, GQA in place"
+    capabilities = Capabilities(devices=frozenset({"cuda"}),
+                                dtypes=frozenset({torch.float16, torch.bfloat16}),
+                                max_head_dim=256, masks=frozenset({"causal", "window", "padding"}),
+                                lse=True, traceable=False, backward=False)
+
+    def check(self, call):
+        band = _band(call)
+        return band if isinstance(band, str) else None
+
+    def plan(self, call, profile):
+        from ...kernels.flash_fwd import block_sizes
+        band = _band(call)
+        bm, bn = block_sizes(call.D, call.Dv)
+        pairs = _pairs(call, band, bm, bn)
+        work = Work(flops=2.0 * pairs * (call.D + call.Dv) / EFFICIENCY, kernel="fused",
+                    dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=call.group), launches=1,
+                    parallel=call.B * call.H * -(-call.Sq // bm))   # no split over keys (yet)
+        kind = ("sliding window" if band.window is not None else "causal" if band.causal
+                else "no band")
+        note = f"{kind}{' & key padding' if band.padding is not None else ''}: " \
+               f"{pairs / max(1, call.pairs):.1%} of the pairs computed"
+        return Plan(work, note, band)
+
+    def run(self, call, plan):
+        from ...kernels.flash_fwd import flash_forward
+        band = plan.detail
+        lens = None
+        if band.padding is not None:            # one length per row of the batch, on device
+            lens = band.padding.lengths.expand(call.B).contiguous()
+        out, lse = flash_forward(call.q, call.k, call.v, scale=call.scale, causal=band.causal,
+                                 window=band.window, offset=band.offset, kv_lengths=lens)
+        return out, None, lse if call.return_lse else None
+
+
+if kernels.available():
+    register(TritonFlash())

@@ -1,0 +1,139 @@
+"""FlashAttention-2's forward in Triton, for band masks (causal, sliding window) and key
+padding, with GQA/MQA and ``Sq != Sk``.
+
+One program computes ``BLOCK_M`` query rows of one (batch, head): it streams the key blocks
+the mask can reach, keeping the running maximum and sum of the online softmax in fp32, and
+writes the output rows and their log-sum-exp. The key-block range comes from the indices:
+
+- causal, aligned by ``offset`` (``Sk - Sq`` lower-right, 0 upper-left): query ``i`` sees
+  keys ``j <= i + offset``, so the block stops after its last row's last key;
+- a sliding window of ``window`` keys also starts at its first row's first key;
+- key padding (``kv_lengths``, one per batch) stops every row at the sequence's length.
+
+Only the blocks on the band's edges evaluate the mask; no mask tensor exists. Query head
+``h`` reads K/V head ``h // group`` in place (no copies). A row with nothing to attend to
+gets zeros and a log-sum-exp of ``-inf``.
+
+Notation: B batch, H query heads, Hkv K/V heads, Sq/Sk lengths, D/Dv head dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _forward(Q, K, V, O, LSE, LENS, scale,
+             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+             sob, soh, som, sod,
+             H, G, Sq, Sk, offset, window,
+             CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_LENS: tl.constexpr,
+             D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G                                        # the K/V head of this query head
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)     # (BLOCK_M,)
+    dq = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dq[None, :] * sqd,
+                mask=(rows[:, None] < Sq) & (dq[None, :] < D), other=0.0)   # (BLOCK_M, BLOCK_D)
+
+    hi = Sk                                            # keys [lo, hi) can be reached
+    if HAS_LENS:
+        hi = tl.minimum(hi, tl.load(LENS + b))
+    if CAUSAL:
+        hi = tl.minimum(hi, (pid_m + 1) * BLOCK_M + offset)
+    lo = 0
+    if WINDOWED:
+        lo = tl.maximum(pid_m * BLOCK_M + offset - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)                                # (BLOCK_N,)
+        k = tl.load(k_base + cols[None, :] * skn + dq[:, None] * skd,
+                    mask=(cols[None, :] < hi) & (dq[:, None] < D), other=0.0)  # (BLOCK_D, BLOCK_N)
+        s = tl.dot(q, k) * scale                                            # (BLOCK_M, BLOCK_N)
+        ok = cols[None, :] < hi
+        if CAUSAL:
+            ok = ok & (cols[None, :] <= rows[:, None] + offset)
+        if WINDOWED:
+            ok = ok & (cols[None, :] > rows[:, None] + offset - window)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)               # a row seeing nothing
+        p = tl.exp(s - shift[:, None])
+        alpha = tl.exp(m_i - shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + cols[:, None] * svn + dv[None, :] * svd,
+                    mask=(cols[:, None] < hi) & (dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    tl.store(O + b * sob + h * soh + rows[:, None] * som + dv[None, :] * sod,
+             out.to(O.dtype.element_ty), mask=(rows[:, None] < Sq) & (dv[None, :] < DV))
+    tl.store(LSE + bh * Sq + rows, lse, mask=rows < Sq)
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def block_sizes(D: int, Dv: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) for these head dims: smaller tiles for wider heads (registers)."""
+    width = max(_pow2(D), _pow2(Dv))
+    return (64, 64) if width <= 64 else (64, 32) if width <= 128 else (32, 32)
+
+
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                  causal: bool = False, window: int | None = None, offset: int = 0,
+                  kv_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q (B, H, Sq, D)`` over ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)``.
+
+    Args:
+        scale: multiplier of the scores.
+        causal: query ``i`` sees keys ``j <= i + offset``.
+        window: with ``causal``, also ``j > i + offset - window`` (the query's own key and
+            the ``window - 1`` before it).
+        offset: the alignment of the band (``Sk - Sq``: lower-right; 0: upper-left).
+        kv_lengths: ``(B,)`` int tensor on q's device; keys ``j >= kv_lengths[b]`` are
+            padding.
+
+    Returns:
+        ``(out (B, H, Sq, Dv) in q's dtype, lse (B, H, Sq) fp32)``; rows with nothing to
+        attend to give zeros and ``-inf``.
+
+    Example:
+        >>> import torch
+        >>> q = k = v = torch.randn(1, 2, 8, 16, device="cuda", dtype=torch.float16)  # doctest: +SKIP
+        >>> out, lse = flash_forward(q, k, v, scale=0.25, causal=True)             # doctest: +SKIP
+    """
+    B, H, Sq, D = q.shape
+    _, Hkv, Sk, Dv = v.shape
+    out = torch.empty(B, H, Sq, Dv, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
+    if B * H * Sq == 0:
+        return out, lse
+    bm, bn = block_sizes(D, Dv)
+    lens = kv_lengths if kv_lengths is not None else lse      # unused when HAS_LENS is off
+    grid = (triton.cdiv(Sq, bm), B * H)                       # static: no host read
+    _forward[grid](
+        q, k, v, out, lse, lens, scale,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        H, H // Hkv, Sq, Sk, offset, window if window is not None else 0,
+        CAUSAL=causal or window is not None, WINDOWED=window is not None,
+        HAS_LENS=kv_lengths is not None, D=D, DV=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
+        BLOCK_M=bm, BLOCK_N=bn)
+    return out, lse
