@@ -10,6 +10,7 @@ import math
 import torch
 
 from .. import masks as M
+from ..masks.structured import _offset
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -92,7 +93,7 @@ class AttentionCall:
             m = self.mask
             if type(m) is M.Window and m.size is None:
                 # causal allows everything iff the first query already sees the last key
-                off = self.Sk - self.Sq if m.align == "lower_right" else 0
+                off = _offset(m.align, self.Sq, self.Sk)
                 m = None if self.Sk - 1 <= off else m
             return m
         return self.memo("effective", compute)

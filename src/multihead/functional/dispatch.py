@@ -136,14 +136,18 @@ def _row(b: Backend, call: AttentionCall, profile: DeviceProfile, device_type: s
     return Row(b.name, (), plan, profile.seconds(plan.work))
 
 
+def _cannot_run(backend: str, reasons, able: list[str]) -> ValueError:
+    """The error of a requested backend that cannot run a call: why, and what can."""
+    return ValueError(f"backend={backend!r} cannot run this call: it {'; it '.join(reasons)}; "
+                      f"use backend='auto' or one of {able}")
+
+
 def _choose(rows: list[Row], backend: str, profile: DeviceProfile) -> Row:
     able = [r for r in rows if r.plan is not None]
     if backend != AUTO:
         row = next(r for r in rows if r.name == backend)
         if row.plan is None:
-            raise ValueError(f"backend={backend!r} cannot run this call: it "
-                             f"{'; it '.join(row.reasons)}; use backend='auto' or one of "
-                             f"{[r.name for r in able]}")
+            raise _cannot_run(backend, row.reasons, [r.name for r in able])
         return row
     if not able:
         why = "; ".join(f"{r.name} {' and '.join(r.reasons)}" for r in rows)
@@ -183,8 +187,7 @@ def _decide(call: AttentionCall, backend: str, profile: DeviceProfile):
         if reasons:
             able = [n for n, b in registry.all_backends().items()
                     if not b.unsupported(call, device_type)]
-            raise ValueError(f"backend={backend!r} cannot run this call: it "
-                             f"{'; it '.join(reasons)}; use backend='auto' or one of {able}")
+            raise _cannot_run(backend, reasons, able)
         return None, _EMPTY
     structure = None if backend != AUTO or torch.compiler.is_compiling() else _structure(call)
     chosen = _CHOICES.get(structure) if structure is not None else None

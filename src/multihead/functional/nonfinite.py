@@ -37,8 +37,8 @@ def _finite(q: torch.Tensor, out: torch.Tensor) -> bool:
                 and q.is_contiguous() and out.is_contiguous()):
             # one BLAS call: a NaN or inf on either side makes q . out non-finite
             return math.isfinite(torch.dot(q.view(-1), out.view(-1)).item())
-        return math.isfinite(q.sum(dtype=torch.float32).item()
-                             + out.sum(dtype=torch.float32).item())
+        return math.isfinite((q.sum(dtype=torch.float32)
+                              + out.sum(dtype=torch.float32)).item())
     except RuntimeError:                  # vmap and friends refuse .item()
         return True
 

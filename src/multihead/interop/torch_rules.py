@@ -119,13 +119,13 @@ def _check_inputs(m: nn.MultiheadAttention, query, key, value, key_padding_mask,
             f"For {tag} `query`, expected `key_padding_mask` to be `None` or {qd - 1}-D but "
             f"found {kpm.dim()}-D tensor instead: " + _kpm_error(tuple(kpm.shape), batched, N, S))
     if am is not None:
-        err = _attn_mask_error(tuple(am.shape), batched, N, m.num_heads, L, S)
+        err = lambda: _attn_mask_error(tuple(am.shape), batched, N, m.num_heads, L, S)  # noqa: E731
         if am.dim() not in (2, 3):
             raise _AssertionArgError(f"For {tag} `query`, expected `attn_mask` to be `None`, "
-                                     f"2-D or 3-D but found {am.dim()}-D tensor instead: {err}")
+                                     f"2-D or 3-D but found {am.dim()}-D tensor instead: {err()}")
         if not batched and am.dim() == 3 and tuple(am.shape) != (m.num_heads, L, S):
             raise _AssertionArgError(f"Expected `attn_mask` shape to be {(m.num_heads, L, S)} "
-                                     f"but got {tuple(am.shape)}: {err}")
+                                     f"but got {tuple(am.shape)}: {err()}")
     if query.shape[-1] != m.embed_dim:
         raise _AssertionArgError(
             f"was expecting embedding dimension of {m.embed_dim}, but got {query.shape[-1]}: "

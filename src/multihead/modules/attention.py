@@ -322,8 +322,9 @@ class MultiHeadAttention(nn.Module):
                 q = self.rope(q, pos)
             return q, k, v, mask
         q, k, v = self._project(x, None)
+        valid = cache._check_valid(valid, q.shape[2])                  # checked, moved once
         if self.rope is not None:
-            pos = cache.positions(q.shape[2], valid)                   # (B, Sq); checks valid
+            pos = cache.positions(q.shape[2], valid)                   # (B, Sq)
             q, k = self.rope(q, pos), self.rope(k, pos)
         k, v, key_valid = cache.update(k, v, valid)
         if key_valid is not None:

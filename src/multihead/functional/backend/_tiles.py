@@ -36,7 +36,6 @@ class Step:
     masked: bool                 # evaluate the mask on this step
     shared: bool                 # same key tiles for every query tile (and batch) of the chunk
     first: int | None            # when shared and consecutive: the first key tile
-    count: int                   # (query tile, key tile) pairs it computes (valid entries)
 
 
 @dataclass
@@ -53,14 +52,6 @@ class Plan:
     nq: int
     nk: int
     chunks: list[Chunk]
-
-    @property
-    def density(self) -> float:
-        """Fraction of the (query tile, key tile) pairs computed (averaged over the batch)."""
-        steps = [s for c in self.chunks for s in c.steps]
-        if not steps:
-            return 0.0
-        return sum(s.count for s in steps) / (steps[0].idx.shape[0] * self.nq * self.nk)
 
 
 def tile_sizes(call: AttentionCall) -> tuple[int, int]:
@@ -183,6 +174,6 @@ def make_plan(call: AttentionCall) -> Plan:
             if shared and bool((row == row[0] + torch.arange(len(row), device=device)).all()):
                 first = int(row[0])
             steps.append(Step(to_device(idx, target), to_device(valid, target), masked, shared,
-                              first, int(valid.sum())))
+                              first))
         chunks.append(Chunk(i0, i1, steps))
     return Plan(tq, tk, nq, nk, chunks)

@@ -95,7 +95,8 @@ def _mask_step(s: torch.Tensor, g: _Geo, i0: int, i1: int, step: Step):
         ix = Index(b=torch.arange(m.batch_size or 1, device=dev).view(-1, 1, 1, 1, 1),
                    h=torch.arange(m.num_heads or 1, device=dev).view(1, -1, 1, 1, 1),
                    q=qpos.clamp(max=g.Sq - 1), k=kpos.clamp(max=g.Sk - 1), sq=g.Sq, sk=g.Sk)
-    allowed, bias = m.at(ix) if m is not None else (None, None)
+    allowed = m._allowed(ix) if step.masked and m is not None and m.has_predicate else None
+    bias = m._bias(ix) if has_bias else None        # a full step needs only the bias
     add = bias.to(s.dtype) if bias is not None else None    # (Bx, 1|H, nQc, tq|1, L)
     keep = None
     if step.masked:

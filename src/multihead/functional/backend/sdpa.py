@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ...masks.structured import _offset
 from .._call import AttentionCall
 from ..capabilities import Capabilities
 from ..cost import Work
@@ -39,7 +40,7 @@ def _mode(call: AttentionCall) -> str:
     m = call.effective_mask
     if m is None:
         return "plain"
-    if call.is_pure_causal and (m.align == "upper_left" or call.Sq == call.Sk):
+    if call.is_pure_causal and _offset(m.align, call.Sq, call.Sk) == 0:
         return "causal"        # torch's is_causal is upper-left aligned: ours when Sq == Sk
     return "masked"
 

@@ -14,6 +14,7 @@ import torch
 
 from ... import kernels
 from ... import masks as M
+from ...masks.structured import _offset
 from .._call import AttentionCall
 from ..capabilities import Capabilities
 from ..cost import Work
@@ -32,7 +33,11 @@ class Band(NamedTuple):
 
 
 def _band(call: AttentionCall) -> Band | str:
-    """The call's mask as a band and key padding, or why it is not one."""
+    """The call's mask as a band and key padding, or why it is not one (once per call)."""
+    return call.memo("triton_band", lambda: _find_band(call))
+
+
+def _find_band(call: AttentionCall) -> Band | str:
     m = call.effective_mask
     leaves = [m] if m is None or m.kind != "and" else [m.a, m.b]
     window = padding = None
@@ -49,8 +54,7 @@ def _band(call: AttentionCall) -> Band | str:
                     "lengths, or band & padding")
     if window is None:
         return Band(False, None, 0, padding)
-    offset = call.Sk - call.Sq if window.align == "lower_right" else 0
-    return Band(True, window.size, offset, padding)
+    return Band(True, window.size, _offset(window.align, call.Sq, call.Sk), padding)
 
 
 def _pairs(call: AttentionCall, band: Band, block_m: int, block_n: int) -> int:
