@@ -11,7 +11,7 @@ from __future__ import annotations
 import codecs
 from pathlib import Path
 
-from ._common import console, int_in
+from ._common import console, int_in, prepare_out
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired."
 FORMATS = ("html", "json", "png", "svg")
@@ -107,13 +107,9 @@ def _select(args, looks, query: int, tokens: list[str], L: int, H: int) -> tuple
 
 
 def run(args) -> int:
-    if args.top < 1:
-        raise ValueError(f"--top must be >= 1, got {args.top}")
     formats = _formats(args.format)
     shown, rest = _texts(args)
-    if args.out is not None:
-        from ..inspect.files import check_writable
-        check_writable(args.out)
+    prepare_out(args.out)
 
     from rich.console import Console
     from ..inspect.capture import capture, find_query, strongest_looks

@@ -1,34 +1,11 @@
-"""Writing report files safely (see :mod:`multihead._files`): the ``--out`` directory
-checked before any work, every file whole or not at all, never through a symlink."""
+"""Writing report files safely (see :mod:`multihead._files`): every file whole or not at
+all, never through a symlink; a file that cannot be written is one clear error."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .._files import atomic_write, probe_writable
-
-
-def check_writable(out: Path) -> None:
-    """Create the directory ``out`` and prove that files can be created in it.
-
-    The probe is a fresh temporary file (never an existing name, never a symlink), removed
-    at once. Call it before any long work, so that a bad ``--out`` fails in one line.
-
-    Raises:
-        ValueError: naming ``--out`` and the reason, when it cannot be created or written.
-
-    Example:
-        >>> import tempfile, pathlib
-        >>> d = pathlib.Path(tempfile.mkdtemp()) / "report"
-        >>> check_writable(d); sorted(d.iterdir())
-        []
-    """
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe_writable(out)
-    except OSError as e:
-        raise ValueError(f"--out {str(out)!r} is not writable ({e.strerror or e}): "
-                         f"choose another directory") from None
+from .._files import atomic_write
 
 
 def write_all(out: Path, files: dict[str, bytes]) -> list[Path]:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import multihead as mh
+from multihead.modules.attention import _divisors
 
 from .torch_rules import (_AssertionArgError, _check_inputs, _check_nested, _lengths,
                           _RuntimeArgError, _torch_mask)
@@ -119,7 +120,7 @@ class MultiheadAttention(nn.MultiheadAttention):
     def __init__(self, embed_dim, num_heads, *args, **kwargs):
         if (isinstance(embed_dim, int) and isinstance(num_heads, int) and 0 < num_heads
                 and 0 < embed_dim and embed_dim % num_heads):
-            fits = [h for h in range(1, embed_dim + 1) if embed_dim % h == 0][:12]
+            fits = _divisors(embed_dim)[:12]
             raise _AssertionArgError(f"embed_dim ({embed_dim}) must be divisible by num_heads "
                                      f"({num_heads}): try num_heads in {fits}")
         super().__init__(embed_dim, num_heads, *args, **kwargs)
@@ -225,11 +226,11 @@ class MultiheadAttention(nn.MultiheadAttention):
                         average_attn_weights, is_causal):
         """Nested ``(N, L*, E)`` inputs: pad, mask the padded keys, and return nested output."""
         _check_nested(self, query, key, value, key_padding_mask, attn_mask)
-        q_len, kv_len = _lengths(query), _lengths(key)
-        if _lengths(value) != kv_len:
+        q_len, kv_len, v_len = _lengths(query), _lengths(key), _lengths(value)
+        if v_len != kv_len:
             raise _AssertionArgError(f"NestedTensor inputs to MultiheadAttention: key and value "
                                      f"must hold sequences of the same lengths, got {kv_len} "
-                                     f"and {_lengths(value)}")
+                                     f"and {v_len}")
         pad = lambda t: torch.nested.to_padded_tensor(t, 0.0)              # (N, L_max, E)
         q = pad(query)
         k = q if key is query else pad(key)

@@ -148,10 +148,10 @@ def _check_inputs(m: nn.MultiheadAttention, query, key, value, key_padding_mask,
     if am is not None and not causal_hint:
         if am.dim() == 2 and tuple(am.shape) != (L, S):
             raise _RuntimeArgError(f"The shape of the 2D attn_mask is {am.shape}, but should "
-                                   f"be {(L, S)}: {err}")
+                                   f"be {(L, S)}: {err()}")
         if am.dim() == 3 and tuple(am.shape) != (N * m.num_heads, L, S):
             raise _RuntimeArgError(f"The shape of the 3D attn_mask is {am.shape}, but should "
-                                   f"be {(N * m.num_heads, L, S)}: {err}")
+                                   f"be {(N * m.num_heads, L, S)}: {err()}")
     want = (N, S) if batched else (S,)
     if kpm is not None and tuple(kpm.shape) != want:
         i = 0 if kpm.shape[0] != want[0] else 1                 # the first dim that is off

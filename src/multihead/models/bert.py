@@ -30,6 +30,7 @@ from torch import nn
 
 from .. import masks
 from ..modules import MultiHeadAttention
+from ..modules.attention import _divisors
 from ._files import ModelLoadError, describe, is_real, read_json, show
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu,
@@ -129,7 +130,7 @@ def _check_fields(v: dict, source: str) -> None:
     if E % v["num_attention_heads"]:
         raise UnsupportedModel(f"{source}: hidden_size ({E}) is not divisible by num_attention_heads "
                                f"({v['num_attention_heads']}): try num_attention_heads in "
-                               f"{[h for h in range(1, min(E, 64) + 1) if E % h == 0]}")
+                               f"{[h for h in _divisors(E) if h <= 64]}")
     act = v["hidden_act"]
     if not isinstance(act, str) or act not in ACTIVATIONS:
         raise UnsupportedModel(f"{source}: hidden_act {show(act)} is not supported; "
