@@ -78,7 +78,16 @@ def poisoned_rows(call: AttentionCall) -> torch.Tensor:
 
 
 def run(backend, call: AttentionCall, plan):
-    """``backend.run(call, plan)`` under the rule of this module."""
+    """``backend.run(call, plan)`` under the rule of this module; returns
+    ``(out (B, H, Sq, Dv), weights (B, H, Sq, Sk) or None, lse (B, H, Sq) or None)``.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> q = torch.randn(1, 1, 3, 4); k = q.clone(); k[0, 0, 2] = float("nan")
+        >>> out = mh.attention(q, k, q, mask=mh.masks.causal())     # runs through here
+        >>> out[0, 0].isnan().all(-1).tolist()         # only the row that sees key 2
+        [False, False, True]
+    """
     on_host = call.q.device.type == "cpu" and not torch.compiler.is_compiling()
     rng = torch.random.get_rng_state() if on_host and call.dropout_p > 0 else None
     out, w, lse = backend.run(call, plan)

@@ -9,5 +9,11 @@ import importlib.util
 
 
 def available() -> bool:
-    """True when Triton can be imported (the kernels' one dependency beyond torch)."""
+    """True when Triton can be imported (the kernels' one dependency beyond torch).
+
+    Example:
+        >>> import multihead as mh
+        >>> available() == ("triton" in mh.backends())     # the backend registers with it
+        True
+    """
     return importlib.util.find_spec("triton") is not None

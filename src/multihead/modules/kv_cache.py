@@ -92,7 +92,15 @@ class _CacheBase:
 
     def commit(self) -> None:
         """Stop recording: the writes since :meth:`begin` stay (the module calls this when
-        a forward succeeds, so a later :meth:`rollback` cannot undo a finished step)."""
+        a forward succeeds, so a later :meth:`rollback` cannot undo a finished step).
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> cache = mh.KVCache(1, 8, num_kv_heads=1, head_dim=4)
+            >>> cache.begin(); _ = cache.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4))
+            >>> cache.commit(); cache.rollback(); cache.seen                 # kept
+            3
+        """
         self._journal = None
 
     def _record(self, undo) -> None:
