@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .cases import Case, attention_case, decode_case, mha_case, minilm_case, overhead_case
+from .hf_cases import hf_model_cases
 
 SUITES = ("quick", "standard", "full")
 
@@ -58,7 +59,7 @@ def _cpu(suite: str) -> list[Case]:
               attention_case("window", 4096, train=True),
               attention_case("documents", 4096, flex=True),
               decode_case(4096), decode_case(32768),
-              mha_case(8, 512, 768, 12), minilm_case()]
+              mha_case(8, 512, 768, 12), minilm_case(), *hf_model_cases()]
     if suite == "full":
         cases += [attention_case("window", 16384, flex=True),
                   attention_case("documents", 16384), mha_case(8, 512, 768, 12, train=True)]
@@ -85,5 +86,5 @@ def _cuda(suite: str) -> list[Case]:
         cases += [attention_case("causal", 8192, H=32, D=128, train=t, family="causal, H=32")
                   for t in (False, True)]
     if not quick:
-        cases.append(minilm_case())
+        cases += [minilm_case(), *hf_model_cases()]
     return cases + _overhead()

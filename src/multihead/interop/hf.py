@@ -1,0 +1,135 @@
+"""Hugging Face ``transformers`` on multihead: ``attn_implementation="multihead"``.
+
+Importing this module registers ``"multihead"`` with ``transformers`` (5.x) twice: as an
+attention function (``AttentionInterface``) that runs every attention layer through
+:func:`multihead.attention`, and as a mask builder (``AttentionMaskInterface``) that hands
+it our structured masks (causal, padding, sliding window, packed documents from
+``position_ids``) instead of a dense 4-D tensor::
+
+    import multihead.interop.hf   # registers "multihead"
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="multihead")
+
+GQA runs on the K/V heads as they are (no ``repeat_kv`` copies), and
+``output_attentions=True`` stays on our attention (the weights come from the same call).
+Logit softcapping and attention sinks are refused with an error naming the model option.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import masks as M
+from ..functional import attention
+from .hf_masks import HFMask, build_mask
+
+NAME = "multihead"
+
+
+def register(name: str = NAME) -> str:
+    """Register ``name`` as an attention implementation and mask builder in ``transformers``.
+
+    Idempotent; importing this module already calls it. Returns the name.
+
+    Raises:
+        ImportError: ``transformers`` (5.x, with ``AttentionMaskInterface``) is not installed.
+
+    Example:
+        >>> import multihead.interop.hf as hf
+        >>> hf.register()
+        'multihead'
+        >>> from transformers import AttentionInterface
+        >>> "multihead" in AttentionInterface._global_mapping
+        True
+    """
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:
+        raise ImportError("multihead.interop.hf needs transformers 5.x (AttentionInterface and "
+                          "masking_utils.AttentionMaskInterface): pip install 'transformers>=5'"
+                          ) from e
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, build_mask)
+    return name
+
+
+def _refuse(module, what: str, option: str):
+    model = type(getattr(module, "config", None)).__name__
+    raise ValueError(f"attn_implementation='multihead' does not support {what} ({model}.{option} "
+                     f"is set): load this model with attn_implementation='eager' instead")
+
+
+def _check_options(module, kwargs):
+    """Options of some models that our attention does not run: refused, never ignored."""
+    if kwargs.get("softcap") is not None:
+        _refuse(module, "attention logit softcapping", "attn_logit_softcapping")
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        _refuse(module, "attention sinks", "sinks")
+    if kwargs.get("position_bias") is not None:
+        _refuse(module, "a per-layer position bias", "relative_attention_num_buckets")
+    cache = kwargs.get("cache")
+    if cache is not None and type(cache).__name__ == "PagedAttentionCache":
+        raise ValueError("attn_implementation='multihead' does not run transformers' continuous "
+                         "batching (a PagedAttentionCache): use model.generate() with its default "
+                         "cache, or attn_implementation='sdpa' for generate_batch()")
+
+
+def _mask_for(module, attention_mask, q_len: int, k_len: int, is_causal):
+    """Our mask and the number of keys used, from whatever the model passed."""
+    if isinstance(attention_mask, HFMask):
+        return attention_mask.mask, attention_mask.keys
+    if attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+        if causal and q_len > 1:                      # as transformers' sdpa: query i sees 0..i
+            return M.causal(align="upper_left"), k_len
+        return None, k_len
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        if attention_mask.dtype == torch.bool:        # a model's own 4-D mask, True = attend
+            return M.dense(attention_mask[..., :k_len]), k_len
+        return M.bias(attention_mask[..., :k_len]), k_len     # additive, as eager adds it
+    raise TypeError(f"attn_implementation='multihead' got an attention_mask it cannot read: "
+                    f"{type(attention_mask).__name__} of shape "
+                    f"{tuple(getattr(attention_mask, 'shape', ()))}; pass a 2-D padding mask "
+                    f"(B, S) to the model, or a 4-D bool/additive mask (B, 1, Sq, Sk)")
+
+
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      is_causal=None, **kwargs):
+    """The ``AttentionInterface`` entry: ``(B, H, Sq, D)`` inputs, ``(B, Sq, H, Dv)`` output.
+
+    Args:
+        module: the model's attention layer (read for ``is_causal`` and its config's name).
+        query: ``(B, H, Sq, D)``.
+        key: ``(B, Hkv, Sk, D)``; GQA/MQA heads are used in place.
+        value: ``(B, Hkv, Sk, Dv)``.
+        attention_mask: an :class:`~multihead.interop.hf_masks.HFMask` from our mask builder,
+            None, or a 4-D bool (True = attend) or additive float mask.
+        scaling: score multiplier (the layer's ``scaling``); default ``1/sqrt(D)``.
+        dropout: dropout on the weights (transformers passes 0.0 at evaluation).
+        is_causal: the layer's causal flag when no mask is given.
+        **kwargs: ``output_attentions`` returns the weights; options we do not run
+            (softcapping, sinks, position biases) raise.
+
+    Returns:
+        ``(out, weights)``: ``out`` ``(B, Sq, H, Dv)``; ``weights`` ``(B, H, Sq, Sk)`` with
+        ``output_attentions=True``, else None.
+    """
+    _check_options(module, kwargs)
+    q_len, k_len = query.shape[2], key.shape[2]
+    mask, keys = _mask_for(module, attention_mask, q_len, k_len, is_causal)
+    if keys < k_len:                                   # never-visible keys are skipped
+        key, value = key[:, :, :keys], value[:, :, :keys]              # (B, Hkv, keys, D)
+    want = bool(kwargs.get("output_attentions", False))
+    res = attention(query, key, value, mask=mask, scale=scaling, dropout_p=float(dropout),
+                    return_weights=want)
+    out, weights = res if want else (res, None)
+    if want and keys < k_len:                          # as long as the keys the model holds
+        weights = torch.nn.functional.pad(weights, (0, k_len - keys))  # (B, H, Sq, Sk)
+    return out.transpose(1, 2).contiguous(), weights                   # (B, Sq, H, Dv)
+
+
+try:                                                   # import-time registration
+    register()
+except ImportError:                                    # without transformers: register() says why
+    pass

@@ -1,0 +1,208 @@
+"""Hugging Face mask functions read as structured masks: no 4-D tensor for the common cases.
+
+``transformers`` (5.x) builds every mask from a *mask function* ``f(b, h, q, kv) -> bool``
+composed from a few known pieces (causal, sliding-window overlay, padding, packed
+sequences, ``and_masks``/``or_masks``) and asks the registered mask builder to turn it into
+whatever its attention function wants. :func:`build_mask` reads those pieces back from the
+closures and returns an :class:`HFMask`: one of our masks (``causal() & padding(...)``,
+``sliding_window(w) & document(ids)``, ...) plus how many keys it can ever see. A piece we
+do not know (a model's own overlay, chunked attention) is evaluated by Hugging Face's own
+``sdpa_mask`` into a dense bool mask, so the result is always exact; :attr:`HFMask.dense`
+says when that happened.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import masks as M
+
+_Overlay = tuple          # ("overlay", w): keys after q - w, only meaningful with causal
+
+
+class HFMask:
+    """What our mask builder hands to our attention function, once per model call.
+
+    Attributes:
+        mask: a :class:`multihead.masks.Mask`, or None when every key may be attended.
+        keys: how many keys (from the first) the attention uses; the rest are never
+            visible (a static cache's unused slots, future positions), so they are skipped.
+        dense: True when the mask function held a piece we do not read as structure and
+            was evaluated by ``transformers`` into a dense bool mask.
+
+    It answers ``shape``/``ndim``/``contiguous()`` like the 4-D masks ``transformers``
+    passes around, so generation code that prepares masks ahead of time carries it along.
+    """
+
+    def __init__(self, mask, keys: int, shape: tuple, dense: bool = False):
+        self.mask, self.keys, self.shape, self.dense = mask, keys, shape, dense
+        self.ndim = 4
+
+    def contiguous(self):
+        return self
+
+    def describe(self) -> str:
+        what = "all keys" if self.mask is None else self.mask.describe()
+        return f"{what} over the first {self.keys} keys" + (" (dense)" if self.dense else "")
+
+    __repr__ = describe
+
+
+def _closure(fn) -> dict:
+    """A closure's free variables by name."""
+    cells = fn.__closure__ or ()
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells)))
+
+
+def _codes():
+    """The code objects of ``transformers``' mask pieces, to recognize their closures."""
+    from transformers import masking_utils as mu
+    t = torch.zeros(1, 1)
+    return {
+        mu.causal_mask_function.__code__: "causal",
+        mu.bidirectional_mask_function.__code__: "full",
+        mu.and_masks(mu.causal_mask_function).__code__: "and",
+        mu.or_masks(mu.causal_mask_function).__code__: "or",
+        mu.sliding_window_overlay(1).__code__: "overlay",
+        mu.padding_mask_function(t).__code__: "padding",
+        mu.packed_sequence_mask_function(t).__code__: "packed",
+        mu.remap_positions_for_packed_sequence(mu.causal_mask_function, t).__code__: "remap",
+    }
+
+
+_CODES: dict | None = None
+
+
+class _Unknown(Exception):
+    """A piece of the mask function we do not read as structure."""
+
+
+def _read(fn, packed: bool = False):
+    """The structure of an HF mask function: None (all), a Window, an overlay, or a Mask.
+
+    Windows here are on absolute positions; the caller aligns them. ``packed`` is True
+    inside a packed-sequence ``and``, where positions restart per document: a band mask
+    (causal, window) depends only on distances, which are the same within a document.
+    """
+    global _CODES
+    if _CODES is None:
+        _CODES = _codes()
+    kind = _CODES.get(getattr(fn, "__code__", None))
+    if kind == "causal":
+        return M.causal()
+    if kind == "full":
+        return None
+    if kind == "overlay":
+        return ("overlay", int(_closure(fn)["sliding_window"]))
+    if kind == "padding":
+        return M.padding(_closure(fn)["padding_mask"].bool())
+    if kind == "packed":
+        return M.document(_closure(fn)["packed_sequence_mask"])
+    if kind == "remap" and packed:
+        inner = _read(_closure(fn)["mask_function"])
+        if inner is None or isinstance(inner, M.Window):
+            return inner
+        raise _Unknown("a packed-sequence remap of a mask that is not a band")
+    if kind in ("and", "or"):
+        parts = _closure(fn)["mask_functions"]
+        is_packed = kind == "and" and any(_CODES.get(p.__code__) == "packed" for p in parts)
+        return _combine(kind, [_read(p, packed=is_packed) for p in parts])
+    raise _Unknown(getattr(fn, "__qualname__", repr(fn)))
+
+
+def _combine(kind: str, parts: list):
+    """``and``/``or`` of read pieces; a window overlay must meet a causal mask in an ``and``."""
+    overlays = [p for p in parts if isinstance(p, _Overlay)]
+    rest = [p for p in parts if not isinstance(p, _Overlay)]
+    if overlays:
+        causal = [p for p in rest if isinstance(p, M.Window) and p.size is None]
+        if kind != "and" or len(overlays) != 1 or not causal:
+            raise _Unknown("a sliding-window overlay without a causal mask")
+        rest.remove(causal[0])
+        rest.append(M.sliding_window(overlays[0][1]))
+    if kind == "and":
+        rest = [p for p in rest if p is not None]
+        out = None
+        for p in rest:
+            out = p if out is None else out & p
+        return out
+    if any(p is None for p in rest):
+        return None
+    out = rest[0]
+    for p in rest[1:]:
+        out = out | p
+    return out
+
+
+def _windows(mask) -> list:
+    """The band masks (causal, windows) in a mask or in its ``&``/``|`` parts."""
+    if isinstance(mask, M.Window):
+        return [mask]
+    if isinstance(mask, (M.And, M.Or)):
+        return _windows(mask.a) + _windows(mask.b)
+    return []
+
+
+def _realign(mask, d: int, keys: int, q_length: int):
+    """Our windows align lower-right (offset ``keys - q_length``); HF's are at offset d."""
+    if keys - q_length == d:
+        return mask
+    if d == 0:
+        return _rebuild(mask, "upper_left")
+    raise _Unknown(f"a band mask at offset {d} over {keys} keys")
+
+
+def _rebuild(mask, align: str):
+    if isinstance(mask, M.Window):
+        return M.Window(mask.size, align)
+    if isinstance(mask, (M.And, M.Or)):
+        return type(mask)(_rebuild(mask.a, align), _rebuild(mask.b, align))
+    return mask
+
+
+def _padding(attention_mask, kv_offset: int, keys: int):
+    """Key padding over the keys used: ``attention_mask[:, kv_offset:]`` padded with False."""
+    pm = attention_mask[:, kv_offset:kv_offset + keys].bool()           # (B, <= keys)
+    if pm.shape[1] < keys:
+        pm = torch.nn.functional.pad(pm, (0, keys - pm.shape[1]))       # (B, keys)
+    if pm.device.type == "cpu":
+        lengths = pm.sum(1)                                             # (B,)
+        if bool(pm.all()):
+            return None
+        if torch.equal(pm, torch.arange(keys) < lengths[:, None]):      # right padding
+            return M.padding(lengths)
+    return M.padding(pm)
+
+
+def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+               mask_function=None, attention_mask=None, **kwargs) -> HFMask:
+    """The ``AttentionMaskInterface`` entry: an :class:`HFMask` instead of a 4-D tensor.
+
+    Called by ``transformers``' ``create_causal_mask`` and friends with the arguments it
+    gives every mask builder (``kwargs`` holds the ones we do not need: dtype, config, ...).
+    """
+    if isinstance(attention_mask, HFMask):          # prepared ahead by generate()
+        return attention_mask
+    q_offset, kv_offset = int(q_offset), int(kv_offset)
+    shape = (batch_size, 1, q_length, kv_length)
+    try:
+        mask = _read(mask_function) if mask_function is not None else None
+        keys = kv_length
+        if _windows(mask):                          # no key after the last query is visible
+            d = q_offset - kv_offset
+            keys = min(kv_length, max(q_length + d, 0))
+            mask = _realign(mask, d, keys, q_length)
+        if attention_mask is not None and attention_mask.dim() == 2:
+            pad = _padding(attention_mask, kv_offset, keys)
+            if pad is not None:
+                mask = pad if mask is None else mask & pad
+        return HFMask(mask, keys, shape)
+    except _Unknown:
+        from transformers.masking_utils import sdpa_mask
+        kwargs.pop("allow_is_causal_skip", None)
+        kwargs.pop("allow_is_bidirectional_skip", None)
+        kwargs["use_vmap"] = True
+        allowed = sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                            attention_mask, allow_is_causal_skip=False,
+                            allow_is_bidirectional_skip=False, **kwargs)    # (B, 1, Sq, Sk)
+        return HFMask(None if allowed is None else M.dense(allowed), kv_length, shape, True)

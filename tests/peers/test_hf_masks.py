@@ -1,0 +1,112 @@
+"""Our reading of ``transformers``' mask functions equals ``transformers``' own dense masks.
+
+For every mask function ``transformers`` 5.x composes (causal, bidirectional, sliding
+window, packed sequences, padding, offsets of a cache) and for ones we do not read as
+structure (a blockwise overlay, chunked attention), the :class:`HFMask` our builder returns,
+materialized, must equal the 4-D bool mask of Hugging Face's ``sdpa_mask`` with the same
+arguments, and must not be dense where it has structure.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+mu = pytest.importorskip("transformers.masking_utils")
+
+import multihead.interop.hf  # noqa: E402,F401 (registers "multihead")
+from multihead.interop.hf_masks import HFMask, build_mask  # noqa: E402
+
+
+def _ours(m: HFMask, B: int, Sq: int, Sk: int) -> torch.Tensor:
+    """The allowed pairs ``(B, 1, Sq, Sk)`` of an HFMask; keys past ``m.keys`` are never seen."""
+    out = torch.zeros(B, 1, Sq, Sk, dtype=torch.bool)
+    if m.mask is None:
+        out[..., :m.keys] = True
+    else:
+        out[..., :m.keys] = m.mask.materialize(Sq, m.keys).expand(B, 1, Sq, m.keys)
+    return out
+
+
+def _theirs(B, Sq, Sk, q_off, kv_off, fn, am):
+    got = mu.sdpa_mask(B, Sq, Sk, q_off, kv_off, fn, am, allow_is_causal_skip=False,
+                       allow_is_bidirectional_skip=False, use_vmap=True)
+    return torch.ones(B, 1, Sq, Sk, dtype=torch.bool) if got is None else got.expand(B, 1, Sq, Sk)
+
+
+def _packed(lengths):
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]           # (1, S)
+    return pos, mu.find_packed_sequence_indices(pos)
+
+
+def _pad(B, L, left: bool, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = torch.randint(1, L + 1, (B,), generator=g)
+    n[0] = L                                                          # one full row
+    ar = torch.arange(L)
+    return (ar >= L - n[:, None]) if left else (ar < n[:, None])      # (B, L) True = real
+
+
+CASES = {
+    # name: (mask function, structured?)
+    "causal": (mu.causal_mask_function, "causal"),
+    "bidirectional": (mu.bidirectional_mask_function, None),
+    "sliding 3": (mu.sliding_window_causal_mask_function(3), "sliding_window(3"),
+    "sliding 1": (mu.sliding_window_causal_mask_function(1), "sliding_window(1"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("padding", [None, "right", "left"])
+@pytest.mark.parametrize("sizes", [(7, 7, 0, 0, 7), (1, 9, 8, 0, 9), (3, 10, 7, 0, 10),
+                                   (2, 16, 5, 0, 7), (1, 4, 9, 6, 10), (4, 12, 0, 0, 12)],
+                         ids=["prefill", "decode", "chunk", "static", "sliding-cache", "cross"])
+def test_structured_masks_equal_transformers_dense_masks(name, padding, sizes):
+    fn, expect = CASES[name]
+    Sq, Sk, q_off, kv_off, seen = sizes         # seen: tokens the 2-D padding mask covers
+    B = 3
+    am = None if padding is None else _pad(B, seen, padding == "left")
+    ours = build_mask(B, Sq, Sk, q_off, kv_off, fn, am)
+    assert not ours.dense
+    assert _ours(ours, B, Sq, Sk).equal(_theirs(B, Sq, Sk, q_off, kv_off, fn, am)), ours
+    if expect is not None:
+        assert expect in ours.describe()
+
+
+@pytest.mark.parametrize("base", [mu.causal_mask_function, mu.sliding_window_causal_mask_function(3),
+                                  mu.bidirectional_mask_function], ids=["causal", "sliding", "bidir"])
+def test_packed_sequences_become_a_document_mask(base):
+    lengths = [5, 1, 7, 3]
+    pos, seq = _packed(lengths)
+    S = pos.shape[1]
+    fn = mu.packed_sequence_compatibility_function(base, pos, seq)
+    ours = build_mask(1, S, S, 0, 0, fn, None)
+    assert not ours.dense and "document" in ours.describe()
+    assert _ours(ours, 1, S, S).equal(_theirs(1, S, S, 0, 0, fn, None))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: mu.or_masks(mu.causal_mask_function,
+                        mu.blockwise_overlay(torch.tensor([[0, 0, 1, 1, 1, -1, 2, 2]]))),
+    lambda: mu.chunked_causal_mask_function(3, torch.zeros(1, dtype=torch.long)),
+    lambda: (lambda b, h, q, kv: (q + kv) % 3 != 0),
+], ids=["blockwise", "chunked", "custom"])
+def test_pieces_we_do_not_read_fall_back_to_transformers_own_dense_mask(make):
+    fn = make()
+    am = torch.tensor([[True] * 8])
+    ours = build_mask(1, 8, 8, 0, 0, fn, am)
+    assert ours.dense
+    assert _ours(ours, 1, 8, 8).equal(_theirs(1, 8, 8, 0, 0, fn, am))
+
+
+def test_a_mask_prepared_by_generate_passes_through_unchanged():
+    m = build_mask(2, 1, 6, 5, 0, mu.causal_mask_function, None)
+    assert build_mask(2, 1, 6, 5, 0, mu.causal_mask_function, m) is m
+    assert m.contiguous() is m and m.ndim == 4 and m.shape == (2, 1, 1, 6)
+
+
+def test_right_padding_becomes_lengths_and_no_padding_becomes_no_mask():
+    am = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    m = build_mask(2, 4, 4, 0, 0, mu.bidirectional_mask_function, am)
+    assert "lengths=[3, 4]" in m.describe()
+    assert build_mask(2, 4, 4, 0, 0, mu.bidirectional_mask_function,
+                      torch.ones(2, 4, dtype=torch.long)).mask is None
