@@ -135,6 +135,18 @@ def test_repr_draws_the_mask():
     assert "1 1 1 . . . . ." in r            # the last row: 3 real keys
 
 
+@pytest.mark.parametrize("make", [
+    lambda: M.causal() & M.padding(torch.ones(2, 5, dtype=torch.bool)),
+    lambda: M.padding(torch.ones(1, 5, dtype=torch.bool), side="query") | M.sliding_window(9),
+    lambda: ~M.dense(torch.ones(1, 1, 5, 5, dtype=torch.bool)) & M.causal(),
+    lambda: M.bias(torch.zeros(1, 1, 1, 5)) & M.causal(),
+    lambda: M.document(torch.tensor([0, 0, 1, 1, 1])) & M.sliding_window(12),
+], ids=["padding", "query-padding", "dense", "bias", "document"])
+def test_repr_of_a_composition_fits_the_tensors_of_its_parts(make):
+    r = repr(make())
+    assert "unavailable" not in r and "Sq=5, Sk=5" in r, r
+
+
 def test_masks_move_between_devices_and_check_them():
     m = M.padding(torch.tensor([3, 4]))
     assert m.to("cpu")._tensors()[0].device.type == "cpu"

@@ -437,6 +437,10 @@ class Mask:
     def _preview_size(self) -> tuple[int, int]:
         return 8, 8
 
+    def _preview_cap(self) -> tuple[int | None, int | None]:
+        """The largest (Sq, Sk) a tensor of the mask covers (None: any size)."""
+        return None, None
+
     def describe(self) -> str:
         """One-line description, e.g. ``causal(align='lower_right')``."""
         return type(self).__name__
@@ -517,7 +521,14 @@ class _Binary(Mask):
 
     def _preview_size(self):
         (a0, a1), (b0, b1) = self.a._preview_size(), self.b._preview_size()
-        return max(a0, b0), max(a1, b1)
+        cq, ck = self._preview_cap()
+        cq, ck = cq or ck, ck or cq                   # one capped side: keep the preview square
+        return min(max(a0, b0), cq or 16), min(max(a1, b1), ck or 16)
+
+    def _preview_cap(self):
+        (a0, a1), (b0, b1) = self.a._preview_cap(), self.b._preview_cap()
+        smaller = lambda x, y: y if x is None else x if y is None else min(x, y)
+        return smaller(a0, b0), smaller(a1, b1)
 
     def describe(self) -> str:
         return f"({self.a.describe()} {self.op} {self.b.describe()})"
@@ -623,6 +634,9 @@ class Not(Mask):
 
     def _preview_size(self):
         return self.m._preview_size()
+
+    def _preview_cap(self):
+        return self.m._preview_cap()
 
     def describe(self):
         return f"~{self.m.describe()}"

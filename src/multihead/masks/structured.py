@@ -210,6 +210,11 @@ class Padding(Mask):
         n = min(n, 16)
         return n, n
 
+    def _preview_cap(self):
+        if self.real is None:
+            return None, None
+        return (None, self.real.shape[1]) if self.side == "key" else (self.real.shape[1], None)
+
     def _check(self, batch, heads, sq, sk):
         super()._check(batch, heads, sq, sk)
         s, what = (sk, "Sk") if self.side == "key" else (sq, "Sq")
@@ -371,6 +376,10 @@ class Document(Mask):
     def _preview_size(self):
         n = min(self.ids.shape[1], 16)
         return n, (n if self.kv_ids is None else min(self.kv_ids.shape[1], 16))
+
+    def _preview_cap(self):
+        kv = self.ids if self.kv_ids is None else self.kv_ids
+        return self.ids.shape[1], kv.shape[1]
 
     def _check(self, batch, heads, sq, sk):
         super()._check(batch, heads, sq, sk)

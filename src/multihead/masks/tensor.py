@@ -83,6 +83,9 @@ class Dense(Mask):
     def _preview_size(self):
         return min(self.t.shape[2], 16), min(self.t.shape[3], 16)
 
+    def _preview_cap(self):
+        return _cap(self.t)
+
     def _check(self, batch, heads, sq, sk):
         _check_broadcast(self, self.t, batch, heads, sq, sk)
 
@@ -91,6 +94,11 @@ class Dense(Mask):
 
     def _tile_bounds(self, tx: TileIndex):
         return _tile_reduce(self.t.to(tx.q0.device), tx.tile_q, tx.tile_k)
+
+
+def _cap(t: torch.Tensor) -> tuple[int | None, int | None]:
+    """A 4-D tensor's (Sq, Sk) where it does not broadcast."""
+    return tuple(n if n > 1 else None for n in t.shape[2:])
 
 
 def dense(allowed: torch.Tensor) -> Dense:
@@ -157,6 +165,9 @@ class Bias(Mask):
 
     def _preview_size(self):
         return min(self.raw.shape[2], 16), min(self.raw.shape[3], 16)
+
+    def _preview_cap(self):
+        return _cap(self.raw)
 
     def _check(self, batch, heads, sq, sk):
         _check_broadcast(self, self.raw, batch, heads, sq, sk)
