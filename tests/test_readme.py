@@ -27,10 +27,23 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert _setup_commands()[1] in ci
 
 
-def test_readme_python_examples_run():
+def _tiny_llama(path: pathlib.Path) -> str:
+    """A local Llama-style checkpoint directory, for the README's Hugging Face example."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def test_readme_python_examples_run(tmp_path):
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     assert len(blocks) >= 3
     namespace = {}
     for code in blocks:          # later blocks use names (torch, mh, x) from earlier ones
+        if "path/to/llama" in code:
+            code = code.replace("path/to/llama", _tiny_llama(tmp_path / "llama"))
+            code += "\nassert model.config._attn_implementation == 'multihead'\n"
+            code += "model(torch.tensor([[1, 2, 3]]))\n"
         exec(compile(code, "README.md", "exec"), namespace)

@@ -54,20 +54,23 @@ def register(name: str = NAME) -> str:
     return name
 
 
-def _refuse(module, what: str, option: str):
-    model = type(getattr(module, "config", None)).__name__
-    raise ValueError(f"attn_implementation='multihead' does not support {what} ({model}.{option} "
-                     f"is set): load this model with attn_implementation='eager' instead")
+def _refuse(what: str, where: str):
+    raise ValueError(f"attn_implementation='multihead' does not support {what} ({where}): load "
+                     f"this model with attn_implementation='eager' instead")
 
 
 def _check_options(module, kwargs):
     """Options of some models that our attention does not run: refused, never ignored."""
+    config = type(getattr(module, "config", None)).__name__
+    config = "the model's config" if config == "NoneType" else config
+    layer = type(module).__name__
     if kwargs.get("softcap") is not None:
-        _refuse(module, "attention logit softcapping", "attn_logit_softcapping")
+        _refuse("attention logit softcapping",
+                f"{config}.attn_logit_softcapping is {kwargs['softcap']}")
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-        _refuse(module, "attention sinks", "sinks")
+        _refuse("attention sinks", f"{layer}.sinks, the learned sink logits of each head")
     if kwargs.get("position_bias") is not None:
-        _refuse(module, "a per-layer position bias", "relative_attention_num_buckets")
+        _refuse("a per-layer position bias", f"{layer} passes position_bias")
     cache = kwargs.get("cache")
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
         raise ValueError("attn_implementation='multihead' does not run transformers' continuous "
@@ -92,6 +95,19 @@ def _mask_for(module, attention_mask, q_len: int, k_len: int, is_causal):
                     f"{type(attention_mask).__name__} of shape "
                     f"{tuple(getattr(attention_mask, 'shape', ()))}; pass a 2-D padding mask "
                     f"(B, S) to the model, or a 4-D bool/additive mask (B, 1, Sq, Sk)")
+
+
+def _wants_weights(kwargs) -> bool:
+    """``output_attentions=True``, passed down (most models) or only to transformers'
+    output collector (GPT-2 keeps the flag from its attention function)."""
+    if kwargs.get("output_attentions"):
+        return True
+    try:
+        from transformers.utils.output_capturing import _active_collector
+        wanted = _active_collector.get() or {}
+    except (ImportError, AttributeError, LookupError):
+        return False
+    return any(k.endswith("attentions") for k in wanted)
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -120,7 +136,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     mask, keys = _mask_for(module, attention_mask, q_len, k_len, is_causal)
     if keys < k_len:                                   # never-visible keys are skipped
         key, value = key[:, :, :keys], value[:, :, :keys]              # (B, Hkv, keys, D)
-    want = bool(kwargs.get("output_attentions", False))
+    want = _wants_weights(kwargs)
     res = attention(query, key, value, mask=mask, scale=scaling, dropout_p=float(dropout),
                     return_weights=want)
     out, weights = res if want else (res, None)

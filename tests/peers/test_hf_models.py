@@ -1,0 +1,341 @@
+"""``attn_implementation="multihead"`` equals Hugging Face's own attention across architectures.
+
+Tiny random models (2 layers, hidden 32-64, vocab 100), built in the test from configs (no
+downloads), one instance per attention implementation with identical weights:
+
+* BERT (``BertModel``), a BERT decoder with cross-attention (``BertLMHeadModel``), GPT-2,
+  Llama (GQA 4:2), Mistral (sliding window 4, sequences of 10), Qwen2 (GQA) and Qwen2 with
+  its last layer sliding (``layer_types``), BART (encoder-decoder, cross-attention).
+* Forward outputs equal transformers' ``sdpa`` and ``eager`` at real positions, right- and
+  left-padded batches; parameter gradients equal ``sdpa``'s.
+* Greedy ``generate()`` (left-padded prompts, dynamic and static KV caches) gives the same
+  tokens as ``sdpa``.
+* Packed rows (``position_ids`` restarting at 0, no attention mask, no cache) equal the
+  sequences run one by one.
+* ``output_attentions=True`` weights (self, and BART's encoder/decoder/cross) equal ``eager``'s.
+* bf16 under the error rule against an fp64 run of the same bf16 weights.
+* Every mask reaching our attention is structured (padding, causal, sliding window,
+  document), never a dense 4-D tensor; the other implementations never call ours.
+* Options we do not run (Gemma2's logit softcapping, GPT-OSS's attention sinks) raise a
+  ValueError naming them.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import multihead.interop.hf as hf  # noqa: E402  (registers "multihead")
+from multihead.interop.hf_masks import HFMask  # noqa: E402
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+VOCAB, PAD, S, S_ENC, WINDOW = 100, 0, 10, 8, 4
+#: padding per row: none, several tokens, one, and so much that a sliding window still
+#: sees padding while decoding
+CUTS = [0, 4, 1, 8]
+ENC_CUTS = [0, 3, 1, 5]            # the encoder's (of S_ENC tokens)
+ATOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Arch:
+    cls: str                 # transformers class name
+    config: str              # config class name
+    kwargs: dict
+    kind: str                # "encoder", "decoder" (causal LM), "cross" (BERT decoder), "seq2seq"
+    calls: int               # attention calls per forward (self + cross, every layer)
+    expect: tuple = ()       # words the masks of a padded forward must show
+
+
+_SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+              pad_token_id=PAD, initializer_range=0.2)
+_BERT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=64, pad_token_id=PAD,
+             initializer_range=0.2)
+
+ARCHS = {
+    "bert": Arch("BertModel", "BertConfig", _BERT, "encoder", 2, ("padding",)),
+    "bert_cross": Arch("BertLMHeadModel", "BertConfig",
+                       dict(_BERT, is_decoder=True, add_cross_attention=True), "cross", 4,
+                       ("causal", "padding")),
+    "gpt2": Arch("GPT2LMHeadModel", "GPT2Config",
+                 dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                      pad_token_id=PAD, bos_token_id=1, eos_token_id=2, initializer_range=0.2),
+                 "decoder", 2, ("causal", "padding")),
+    "llama": Arch("LlamaForCausalLM", "LlamaConfig", _SMALL, "decoder", 2, ("causal", "padding")),
+    "mistral": Arch("MistralForCausalLM", "MistralConfig", dict(_SMALL, sliding_window=WINDOW),
+                    "decoder", 2, (f"sliding_window({WINDOW}", "padding")),
+    "qwen2": Arch("Qwen2ForCausalLM", "Qwen2Config", _SMALL, "decoder", 2, ("causal", "padding")),
+    "qwen2_swa": Arch("Qwen2ForCausalLM", "Qwen2Config",
+                      dict(_SMALL, use_sliding_window=True, sliding_window=WINDOW,
+                           max_window_layers=1), "decoder", 2,
+                      ("causal", f"sliding_window({WINDOW}", "padding")),
+    "bart": Arch("BartForConditionalGeneration", "BartConfig",
+                 dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                      decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=PAD,
+                      bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
+                      forced_eos_token_id=None, init_std=0.2), "seq2seq", 6,
+                 ("causal", "padding")),
+}
+DECODERS = [n for n, a in ARCHS.items() if a.kind == "decoder"]
+#: models with an attention option we do not run: (model, the option the error must name)
+REFUSED = {
+    "gemma2": (Arch("Gemma2ForCausalLM", "Gemma2Config",
+                    dict(_SMALL, head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=30.0),
+                    "decoder", 2), "softcapping.*attn_logit_softcapping"),
+    "gpt_oss": (Arch("GptOssForCausalLM", "GptOssConfig",
+                     dict(_SMALL, head_dim=8, sliding_window=WINDOW, num_local_experts=2,
+                          num_experts_per_tok=1), "decoder", 2), "attention sinks"),
+}
+IMPLS = ["multihead", "sdpa", "eager"]
+
+
+@functools.lru_cache(maxsize=None)
+def model(name: str, impl: str, dtype: torch.dtype = torch.float32):
+    """The model of ``name`` on ``impl``; every call with the same name has the same weights.
+
+    Each model gets a config of its own: the constructor and ``_from_config`` keep the config
+    object they are given, and the implementation is read from it at every forward, so two
+    models sharing one config would both run the implementation set last.
+    """
+    arch = ARCHS[name] if name in ARCHS else REFUSED[name][0]
+    cfg = getattr(transformers, arch.config)(**arch.kwargs)
+    cfg._attn_implementation = impl
+    with torch.inference_mode(False):              # normal tensors: the gradient test needs them
+        torch.manual_seed(0)
+        m = getattr(transformers, arch.cls)(cfg).eval().to(dtype)
+    assert m.config._attn_implementation == impl
+    return m
+
+
+def _pad_mask(lengths, width: int, side: str) -> torch.Tensor:
+    """(B, width) bool, True = real token, the real tokens on the left or right."""
+    pos = torch.arange(width)[None, :]                               # (1, width)
+    n = torch.tensor(lengths)[:, None]                               # (B, 1)
+    return pos < n if side == "right" else pos >= width - n
+
+
+def batch(name: str, side: str, seed: int = 1):
+    """Model inputs for a padded batch and the (B, S) real positions of its output."""
+    g = torch.Generator().manual_seed(seed)
+    real = _pad_mask([S - c for c in CUTS], S, side)                 # (B, S)
+    ids = torch.randint(3, VOCAB, real.shape, generator=g).masked_fill(~real, PAD)
+    kind = ARCHS[name].kind
+    if kind == "seq2seq":                                            # encoder padded too
+        enc = _pad_mask([S_ENC - c for c in ENC_CUTS], S_ENC, side)  # (B, S_ENC)
+        enc_ids = torch.randint(3, VOCAB, enc.shape, generator=g).masked_fill(~enc, PAD)
+        return dict(input_ids=enc_ids, attention_mask=enc.long(), decoder_input_ids=ids,
+                    decoder_attention_mask=real.long()), real
+    inputs = dict(input_ids=ids, attention_mask=real.long())
+    if kind == "cross":
+        enc = _pad_mask([S_ENC - c for c in ENC_CUTS], S_ENC, side)  # (B, S_ENC)
+        inputs.update(encoder_hidden_states=torch.randn(len(CUTS), S_ENC, 32, generator=g),
+                      encoder_attention_mask=enc.long())
+    return inputs, real
+
+
+def output(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def assert_close_at(got, want, real, atol=ATOL, what="outputs"):
+    """``got`` equals ``want`` (B, S, ...) at the real positions ``real`` (B, S)."""
+    torch.testing.assert_close(got[real], want[real], atol=atol, rtol=1e-5,
+                               msg=lambda m: f"{what}: {m}")
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Records every mask our attention receives and every HFMask our mask builder returns."""
+    seen = {"masks": [], "built": []}
+    inner_attention = hf.attention                    # the name attention_forward calls
+    inner_builder = ALL_MASK_ATTENTION_FUNCTIONS["multihead"]
+
+    def attention(*args, **kwargs):
+        seen["masks"].append(kwargs.get("mask"))
+        return inner_attention(*args, **kwargs)
+
+    def builder(*args, **kwargs):
+        out = inner_builder(*args, **kwargs)
+        seen["built"].append(out)
+        return out
+
+    monkeypatch.setattr(hf, "attention", attention)
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._local_mapping, "multihead", builder)
+    return seen
+
+
+def _structured(seen, expect=()):
+    """No dense 4-D mask reached our attention, and the masks show every word of ``expect``."""
+    assert seen["built"], "our mask builder was never called"
+    for b in seen["built"]:
+        assert isinstance(b, HFMask) and not b.dense, f"dense mask built: {b.describe()}"
+    text = " | ".join("all keys" if m is None else m.describe() for m in seen["masks"])
+    assert "dense(" not in text and "bias(" not in text, text
+    for word in expect:
+        assert word in text, f"{word!r} not in the masks our attention got: {text}"
+
+
+# --- forward equal to sdpa and eager at real positions; only structured masks reach us ----
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("name", list(ARCHS))
+@torch.inference_mode()
+def test_forward_equals_sdpa_and_eager(name, side, spy):
+    inputs, real = batch(name, side)
+    got = output(model(name, "multihead")(**inputs))
+    seen = spy["masks"]
+    assert len(seen) == ARCHS[name].calls, "not every attention layer ran on multihead"
+    _structured(spy, ARCHS[name].expect)
+    for impl in ("sdpa", "eager"):
+        seen.clear()
+        want = output(model(name, impl)(**inputs))
+        assert not seen, f"the {impl} model called our attention"
+        # padded positions are not compared: transformers gives them arbitrary values
+        # (fully masked query rows), and they never reach a real position
+        assert_close_at(got, want, real, what=f"{name} {side}-padded vs {impl}")
+
+
+# --- greedy generation equals sdpa's --------------------------------------------------------
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", DECODERS + ["bart"])
+@torch.inference_mode()
+def test_greedy_generate_equals_sdpa(name, cache, spy):
+    """Left-padded prompts longer than Mistral's window; decoding with a sliding-window cache
+    (transformers keeps window - 1 old keys) or a static cache (unused slots skipped)."""
+    inputs, _ = batch(name, "left", seed=2)
+    inputs = {k: v for k, v in inputs.items() if not k.startswith("decoder_")}
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=PAD, eos_token_id=None,
+              cache_implementation=cache)
+    got = model(name, "multihead").generate(**inputs, **kw)
+    want = model(name, "sdpa").generate(**inputs, **kw)
+    assert spy["masks"], "generate did not run on multihead"
+    _structured(spy)
+    assert got.shape == want.shape and torch.equal(got, want), f"{got}\n!=\n{want}"
+
+
+# --- packed sequences equal the sequences run one by one ------------------------------------
+
+PACKS = [[5, 3, 6], [9, 5]]           # lengths per row: two rows of 14 tokens each
+
+
+@pytest.mark.parametrize("name", DECODERS)
+@torch.inference_mode()
+def test_packed_rows_equal_sequences_one_by_one(name, spy):
+    g = torch.Generator().manual_seed(3)
+    width = sum(PACKS[0])
+    ids = torch.randint(3, VOCAB, (len(PACKS), width), generator=g)              # (B, W)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in PACKS])  # (B, W)
+    # no attention mask and no cache: transformers reads packing from position_ids only then
+    got = model(name, "multihead")(input_ids=ids, position_ids=pos, use_cache=False).logits
+    _structured(spy, ("document",) + tuple(w for w in ARCHS[name].expect if w != "padding"))
+    ref = model(name, "sdpa")
+    for b, row in enumerate(PACKS):
+        start = 0
+        for n in row:
+            want = ref(input_ids=ids[b:b + 1, start:start + n]).logits[0]          # (n, V)
+            torch.testing.assert_close(got[b, start:start + n], want, atol=ATOL, rtol=1e-5,
+                                       msg=lambda m: f"{name} row {b} doc at {start}: {m}")
+            start += n
+
+
+# --- attention weights equal eager's; gradients equal sdpa's --------------------------------
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "bart"])
+@torch.inference_mode()
+def test_output_attentions_equal_eager(name, side):
+    inputs, real = batch(name, side)
+    got = model(name, "multihead")(**inputs, output_attentions=True)
+    want = model(name, "eager")(**inputs, output_attentions=True)
+    enc_real = inputs["attention_mask"].bool()
+    kinds = {"attentions": real} if name != "bart" else {
+        "encoder_attentions": enc_real, "decoder_attentions": real, "cross_attentions": real}
+    for kind, rows in kinds.items():
+        g, w = getattr(got, kind), getattr(want, kind)
+        assert len(g) == len(w) == 2 and all(t is not None for t in g), kind
+        for layer, (a, b) in enumerate(zip(g, w)):                # (B, H, Sq, Sk)
+            assert a.shape == b.shape, (kind, a.shape, b.shape)
+            # real query rows, every key: padded keys weigh exactly 0 in both
+            assert_close_at(a.transpose(1, 2), b.transpose(1, 2), rows,
+                            what=f"{name} {kind} layer {layer}")
+
+
+def test_models_share_weights():
+    for name in ARCHS:
+        sds = [model(name, impl).state_dict() for impl in IMPLS]
+        for k, v in sds[0].items():
+            assert all(torch.equal(v, sd[k]) for sd in sds[1:]), f"{name}: {k} differs"
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_gradients_equal_sdpa(name):
+    """Parameter gradients of a loss over the real positions of a left-padded batch."""
+    inputs, real = batch(name, "left")
+    grads = []
+    for impl in ("multihead", "sdpa"):
+        m = model(name, impl)
+        m.zero_grad(set_to_none=True)
+        output(m(**inputs))[real].square().mean().backward()
+        grads.append({k: p.grad for k, p in m.named_parameters() if p.grad is not None})
+        m.zero_grad(set_to_none=True)
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for k in grads[1]:
+        torch.testing.assert_close(grads[0][k], grads[1][k], atol=ATOL, rtol=1e-4,
+                                   msg=lambda m: f"{name} grad of {k}: {m}")
+
+
+# --- bf16 under the error rule --------------------------------------------------------------
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@torch.inference_mode()
+def test_bf16_error_within_twice_sdpa(side, spy):
+    """The error rule: with ``ref`` the same bf16 weights run in fp64 (transformers' sdpa),
+    ``max|multihead_bf16 - ref| <= 2 * max|sdpa_bf16 - ref| + 1e-3`` over real positions.
+
+    The reference upcasts the bf16 weights, so both errors are arithmetic only (weight rounding
+    would add the same error to both and hide ours). Not fp64 eager: transformers' eager in
+    fp64 turns left padding's fully masked query rows into NaN, and the next layer spreads
+    them to every position (0 * NaN)."""
+    inputs, real = batch("llama", side)
+    ref = output(copy.deepcopy(model("llama", "sdpa", torch.bfloat16)).double()(**inputs))
+    err = {}
+    for impl in ("multihead", "sdpa"):
+        out = output(model("llama", impl, torch.bfloat16)(**inputs)).double()
+        err[impl] = (out - ref)[real].abs().max().item()
+    assert spy["masks"], "the bf16 model did not run on multihead"
+    assert err["sdpa"] > 0, "bf16 model ran in a wider dtype"
+    assert err["multihead"] <= 2 * err["sdpa"] + 1e-3, err
+
+
+# --- options we refuse ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(REFUSED))
+@torch.inference_mode()
+def test_models_with_options_we_do_not_run_are_refused(name):
+    """Gemma2's logit softcapping, GPT-OSS's attention sinks: an error, never ignored."""
+    with pytest.raises(ValueError, match=REFUSED[name][1]):
+        model(name, "multihead")(input_ids=torch.randint(3, VOCAB, (1, 6)))
+    model(name, "eager")(input_ids=torch.randint(3, VOCAB, (1, 6)))   # the config runs
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(softcap=30.0), "softcapping.*attn_logit_softcapping"),
+    (dict(s_aux=torch.zeros(4)), "attention sinks"),
+])
+def test_attention_forward_refuses(kwargs, words):
+    q = torch.randn(1, 4, 3, 8)                                      # (B, H, S, D)
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match=words):
+        hf.attention_forward(module, q, q, q, None, **kwargs)
