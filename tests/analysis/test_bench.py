@@ -254,6 +254,10 @@ STANDARD_CPU = [
     ("MiniLM sentence embedding, 256 texts of 8-128 tokens", "fwd"),
     ("per-call overhead, dense, B=1 H=8 S=128 D=64", "fwd"),
     ("per-call overhead, causal, B=1 H=8 S=128 D=64", "fwd"),
+    ("Llama-like 8x512 (GQA 8/2), 32 texts of 16-512 tokens, ours packed", "fwd"),
+    ("Llama-like 8x512 (GQA 8/2), 32 texts of 16-512 tokens, ours padded", "fwd"),
+    ("Llama-like 8x512 (GQA 8/2), 32 texts of 16-512 tokens, attention weights, ours padded",
+     "fwd"),
 ]
 FULL_CPU = (STANDARD_CPU[:3]                        # standard's rows, with longer sequences
             + [("dense, B=1 H=12 S=8192 D=64", "fwd"), ("dense, B=1 H=12 S=16384 D=64", "fwd")]
@@ -270,7 +274,8 @@ FULL_CPU = (STANDARD_CPU[:3]                        # standard's rows, with long
                                             ("full", FULL_CPU)])
 def test_cpu_suites_are_frozen(suite, expected):
     """CPU runs before and after a change are compared row by row: names and sizes are pinned
-    (the per-call overhead rows are new, at the end of standard and full)."""
+    (new rows come at the end of standard and full: the per-call overhead, then the
+    Hugging Face model rows)."""
     assert [(c.name, c.mode) for c in suite_cases(suite, "cpu")] == expected
     assert [(c.name, c.mode) for c in suite_cases(suite)] == expected      # cpu is the default
 
@@ -281,7 +286,8 @@ def test_cuda_suites_are_gpu_sized():
     for kind in ("dense", "causal"):
         assert [c.seq for c in full if c.family == kind and c.mode == "fwd"] == \
             [1024, 2048, 4096, 8192, 16384, 32768]
-    attention = [c for c in full if c.family not in ("decode", "mha", "minilm", "overhead")]
+    attention = [c for c in full
+                 if c.family not in ("decode", "mha", "minilm", "overhead", "hf model")]
     assert all("D=128" in c.name and ("H=16 " in c.name or "H=32 " in c.name) for c in attention)
     assert "causal, B=1 H=32 S=8192 D=128" in names
     decode = ["GQA decode step, H=32 Hkv=8 D=128, cache 4096",
