@@ -86,3 +86,29 @@ def minilm_tokens():
     from multihead.models import load
     model = load()
     return model, model.tokenize("The animal didn't cross the street because it was too tired.").tokens
+
+
+def test_causal_known_answers():
+    """A decoder's rows see keys 0..i: uniform over them is entropy 1; row 0 (itself only) is
+    not counted; `next` is n/a rather than 0, and so is `cls`/`sep` without such tokens."""
+    toks = ["The", "cat", ",", "it", "sat", "."]
+    n = len(toks)
+    causal = torch.tril(torch.ones(n, n))
+    prev = torch.zeros(n, n)
+    prev[0, 0] = 1                                                  # row 0 can only see itself
+    prev[torch.arange(1, n), torch.arange(n - 1)] = 1
+    w = torch.stack([causal / causal.sum(-1, keepdim=True),          # uniform over the past
+                     prev, torch.eye(n)])[None]                     # (1, 3, n, n)
+    assert torch.allclose(w.sum(-1), torch.ones(1, 3, n))
+    m = HeadMetrics.of(w, toks, causal=True)
+    t = m.table()
+    assert t["entropy"][0, 0] == pytest.approx(1.0)                 # not log(i + 1) / log(n)
+    assert t["confidence"][0, 2] == 1.0 and t["self"][0, 2] == 1.0
+    assert t["prev"][0, 1] == 1.0 and t["self"][0, 1] == 0.0        # row 0 is not counted
+    assert set(m.not_applicable()) == {"next", "cls", "sep"}
+    assert [r for r, _ in m.roles()[0]] == ["broad", "previous token", "self"]
+    looks = strongest_looks(w, toks, 3, causal=True)                # from "it": earlier only
+    assert all(k.target < 3 for k in looks)
+    assert strongest_looks(w, toks, 0, causal=True) == []           # the first token: nothing
+    enc = HeadMetrics.of(w, ["[CLS]", *toks[1:-1], "[SEP]"])
+    assert enc.not_applicable() == {}                               # an encoder's: all measured

@@ -67,7 +67,7 @@ def test_corrupt_file(tmp_path):
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(model_type="gpt2"), "model_type is 'gpt2'"),
+    (dict(model_type="t5"), "model_type is 't5'"),
     (dict(position_embedding_type="relative_key"), "position_embedding_type"),
     (dict(hidden_act="swish"), "hidden_act 'swish'"),
     (dict(num_attention_heads=5), "not divisible"),

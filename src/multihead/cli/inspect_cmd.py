@@ -1,9 +1,10 @@
 """``multihead inspect``: what each head of a real model does, for any text.
 
-Loads the model (default: the embedded all-MiniLM-L6-v2), captures every head's attention
-for the text, prints a table of head roles with the scores behind them and the heads that
-attend most from the query token ("L3H1: it → animal 0.68"), and with ``--out`` writes an
-offline HTML report, PNG/SVG heatmaps and the raw data as JSON.
+Loads the model (default: the embedded all-MiniLM-L6-v2; ``--model`` takes a BERT-family
+encoder or a GPT-2/Llama/Mistral/Qwen2 decoder), captures every head's attention for the
+text, prints a table of head roles with the scores behind them and the heads that attend
+most from the query token ("L3H1: it → animal 0.68"; a decoder's only to earlier tokens),
+and with ``--out`` writes an offline HTML report, PNG/SVG heatmaps and the raw data as JSON.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ def add_parser(sub) -> None:
     p.add_argument("text", nargs="?", help=f"the text (default: {DEFAULT_TEXT!r})")
     p.add_argument("--file", type=Path, help="texts, one per line: head metrics are averaged over "
                    "all of them (the first, or TEXT, is shown in detail)")
-    p.add_argument("--model", type=Path, help="a BERT-family model directory (config.json, "
-                   "model.safetensors, tokenizer.json); default: the embedded all-MiniLM-L6-v2")
+    p.add_argument("--model", type=Path, help="a model directory (config.json, model.safetensors, "
+                   "tokenizer.json): a BERT-family encoder, or a GPT-2, Llama, Mistral or Qwen2 "
+                   "decoder (needs transformers: pip install 'multihead[hf]'); default: the "
+                   "embedded all-MiniLM-L6-v2")
     p.add_argument("--query-token", help="the word whose attention is followed "
                    "(default: the first pronoun)")
     p.add_argument("--layer", type=int,
@@ -124,15 +127,16 @@ def run(args) -> int:
     if cap.truncated:
         err.print(f"[yellow]warning:[/] the text has {cap.original_length} tokens; keeping the first "
                   f"{len(cap.tokens)} (the model's positions). Pass --no-truncate to refuse instead.")
-    metrics = HeadMetrics.of(cap.weights, cap.tokens)
+    metrics = HeadMetrics.of(cap.weights, cap.tokens, causal=cap.causal)
     for text in track(rest, len(rest) > 20, len(rest), "inspecting"):
         c = capture(model, text, truncate=True)
         metrics.add(c.weights, c.tokens)
     query = find_query(model, cap.tokens, args.query_token)
-    looks = strongest_looks(cap.weights, cap.tokens, query, top=args.top)
+    looks = strongest_looks(cap.weights, cap.tokens, query, top=args.top, causal=cap.causal)
     L, H = cap.weights.shape[:2]
     selected = _select(args, looks, query, cap.tokens, L, H)
-    result = Inspection(model.name, cap, metrics, query, looks, selected)
+    result = Inspection(model.name, cap, metrics, query, looks, selected,
+                        attention=getattr(model, "attention_note", ""))
 
     from .inspect_view import show
     show(result, console(), full=args.metrics)

@@ -22,10 +22,13 @@ def show(result, console, full: bool = False) -> None:
     """Print the query token's strongest heads and a table of every head's role and metrics."""
     c, toks = result.capture, result.capture.tokens
     console.print(f"[bold]{escape(result.model)}[/]: {escape(result.summary())}")
+    if result.attention:
+        console.print(escape(result.attention), style="bold" if c.causal else None)
     console.print("text: " + escape(c.text), soft_wrap=True)
 
+    back = ", to earlier tokens only" if c.causal else ""
     q = Table(title=f"Heads attending most from {escape(repr(toks[result.query]))} "
-                    f"(token {result.query})", title_justify="left")
+                    f"(token {result.query}{back})", title_justify="left")
     for col in ("head", "from → to", "weight", "distance"):
         q.add_column(col, justify="left" if col in ("head", "from → to") else "right")
     for k in result.looks:
@@ -36,6 +39,7 @@ def show(result, console, full: bool = False) -> None:
     console.print(q)
 
     table, roles = result.metrics.table(), result.metrics.roles()
+    na = result.metrics.not_applicable()
     L, H = table["prev"].shape
     avg = f", averaged over {result.metrics.texts} texts" if result.metrics.texts > 1 else ""
     if full:
@@ -46,7 +50,7 @@ def show(result, console, full: bool = False) -> None:
             for h in range(H):
                 role, score = roles[l][h]
                 t.add_row(f"L{l}H{h}", escape(role), f"{score:.2f}",
-                          *(f"{float(table[n][l, h]):.2f}" for n in METRICS),
+                          *("n/a" if n in na else f"{float(table[n][l, h]):.2f}" for n in METRICS),
                           style="bold" if (l, h) == tuple(result.selected) else None,
                           end_section=h == H - 1)
     else:
@@ -59,8 +63,14 @@ def show(result, console, full: bool = False) -> None:
             t.add_row(f"L{l}", *(_cell(*roles[l][h], (l, h) == tuple(result.selected))
                                  for h in range(H)))
     console.print(t)
-    console.print(escape(thresholds_text()), style="dim")
+    console.print(escape(thresholds_text(skip=na)), style="dim")
     console.print("metrics: cls/sep/punct = weight on [CLS]/[SEP]/punctuation, prev/next/self = "
                   "weight on the neighbouring/own token, entropy = normalized row entropy "
                   "(1 = uniform), confidence = mean max weight (Clark et al. 2019; Voita et al. "
                   "2019). Bold: the head shown large in the report.", style="dim")
+    if na:
+        console.print(escape("n/a (not measured, not 0): " + "; ".join(
+            f"{name}: {why}" for name, why in na.items())), style="dim")
+    if c.causal:
+        console.print("decoder: the first token sees only itself, so its row is not counted; "
+                      "entropy is normalized by the number of tokens each row can see.", style="dim")

@@ -1,15 +1,20 @@
 """Capture every head's attention weights for a text, and find where a query token looks.
 
+Any model that answers :class:`Inspectable` can be inspected: a BERT-family encoder
+(:class:`multihead.models.Pretrained`) or a causal decoder (:class:`multihead.models.Decoder`).
+A decoder looks only backwards: its query token's looks are to earlier tokens only.
+
 Notation used for tensor shapes: L layers, H heads, S tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from .metrics import SPECIAL, all_finite
+from .metrics import all_finite, is_special
 
 PRONOUNS = ("it", "he", "she", "they", "him", "her", "them", "its", "his", "their", "this",
             "that", "who", "which", "we", "you", "i")
@@ -23,20 +28,47 @@ class NonFiniteError(InspectError):
     """The model produced NaN or infinite values: its weights are probably corrupt."""
 
 
+class Inspectable(Protocol):
+    """What :func:`capture` and :func:`find_query` ask of a model.
+
+    Attributes:
+        name, directory: where it came from (named in errors).
+        config: has ``max_position_embeddings``.
+        causal: True for a decoder (each token sees only itself and earlier tokens).
+        attention_note: one line saying so, for reports.
+    """
+
+    name: str
+    causal: bool
+    attention_note: str
+
+    def tokenize(self, text: str):
+        """A :class:`multihead.models.Tokens`: ids (S,), shown tokens, truncated, original_length."""
+
+    def query_pieces(self, word: str) -> list[list[str]]:
+        """The ways ``word`` appears among the shown tokens."""
+
+    def attention_weights(self, ids: torch.Tensor):
+        """``.hidden`` (1, S, E) and ``.weights``: one (1, H, S, S) per layer, for ids (1, S)."""
+
+
 @dataclass
 class Capture:
-    """A text's tokens and all attention weights ``(L, H, S, S)`` (float32, rows sum to 1)."""
+    """A text's tokens and all attention weights ``(L, H, S, S)`` (float32, rows sum to 1);
+    ``causal``: a decoder's (every weight above the diagonal is 0)."""
 
     text: str
     tokens: list[str]
     weights: torch.Tensor
     truncated: bool
     original_length: int
+    causal: bool = False
 
 
 @torch.inference_mode()
-def capture(model, text: str, *, truncate: bool = True) -> Capture:
-    """Run ``model`` (a :class:`multihead.models.Pretrained`) on ``text`` and keep the weights.
+def capture(model: Inspectable, text: str, *, truncate: bool = True) -> Capture:
+    """Run ``model`` (an encoder or a decoder: :class:`Inspectable`) on ``text`` and keep the
+    weights.
 
     Example:
         >>> from multihead.models import load
@@ -52,10 +84,11 @@ def capture(model, text: str, *, truncate: bool = True) -> Capture:
     if tok.truncated and not truncate:
         raise InspectError(f"the text has {tok.original_length} tokens but the model has {limit} "
                            f"positions: shorten it, or drop --no-truncate to keep the first {limit}")
-    out = model.encoder(tok.ids[None], return_weights=True)
-    w = torch.stack([x[0] for x in out.weights]).float()                     # (L, H, S, S)
+    out = model.attention_weights(tok.ids[None])
+    w = torch.stack([x[0] for x in out.weights]).float().cpu()               # (L, H, S, S)
     check_finite(w, out.hidden, tok.tokens, getattr(model, "directory", None))
-    return Capture(text, tok.tokens, w, tok.truncated, tok.original_length)
+    return Capture(text, tok.tokens, w, tok.truncated, tok.original_length,
+                   bool(getattr(model, "causal", False)))
 
 
 def check_utf8(text: str, what: str) -> None:
@@ -124,8 +157,11 @@ def _ranges(xs: list[int]) -> str:
     return ", ".join(out)
 
 
-def find_query(model, tokens: list[str], word: str | None) -> int:
+def find_query(model: Inspectable, tokens: list[str], word: str | None) -> int:
     """Position of ``word``'s first word piece in ``tokens`` (default: the first pronoun).
+
+    For a decoder the default is the first pronoun with a word before it (a decoder's token
+    sees only earlier tokens), else the last word, which sees the whole text.
 
     Example:
         >>> from multihead.models import load
@@ -134,20 +170,24 @@ def find_query(model, tokens: list[str], word: str | None) -> int:
         >>> toks[find_query(model, toks, None)], find_query(model, toks, "dog")
         ('it', 2)
     """
-    content = [(i, t) for i, t in enumerate(tokens) if t not in SPECIAL]
+    content = [(i, t) for i, t in enumerate(tokens) if not is_special(t)]
+    causal = bool(getattr(model, "causal", False))
     if word is None:
-        for i, t in content:
-            if t in PRONOUNS:
+        for n, (i, t) in enumerate(content):
+            if t.lower() in PRONOUNS and (n > 0 or not causal):
                 return i
-        return content[0][0] if content else 0
-    pieces = model.tokenizer.encode(word, add_special_tokens=False).tokens
-    if not pieces:
+        if not content:
+            return 0
+        return content[-1][0] if causal else content[0][0]
+    found = model.query_pieces(word)
+    if not found or not any(found):
         raise InspectError(f"--query-token {word!r} has no tokens: pass a word from the text")
-    for i in range(len(tokens) - len(pieces) + 1):
-        if tokens[i:i + len(pieces)] == pieces:
-            return i
+    for i in range(len(tokens)):
+        for pieces in found:
+            if tokens[i:i + len(pieces)] == pieces:
+                return i
     shown = " ".join(t for _, t in content[:60]) + (" ..." if len(content) > 60 else "")
-    raise InspectError(f"--query-token {word!r} (tokens {pieces}) is not in the text; its tokens "
+    raise InspectError(f"--query-token {word!r} (tokens {found[0]}) is not in the text; its tokens "
                        f"are: {shown}")
 
 
@@ -181,14 +221,15 @@ def headline(looks: list[Look], query: int, tokens: list[str] | None = None) -> 
         'L2H5: it → dog 0.70'
     """
     far = [k for k in looks if k.distance(query) > 1]
-    if tokens is not None and tokens[query] in PRONOUNS:
+    if tokens is not None and tokens[query].lower() in PRONOUNS:
         far = [k for k in far if k.target < query] or far
     return far[0] if far else (looks[0] if looks else None)
 
 
-def strongest_looks(weights: torch.Tensor, tokens: list[str], query: int, top: int = 8) -> list[Look]:
+def strongest_looks(weights: torch.Tensor, tokens: list[str], query: int, top: int = 8, *,
+                    causal: bool = False) -> list[Look]:
     """The heads whose largest weight from ``query`` to another content token (not itself,
-    not [CLS]/[SEP]) is highest, best first.
+    not [CLS]/[SEP]; for a decoder, ``causal``, an earlier one) is highest, best first.
 
     Example:
         >>> import torch
@@ -197,7 +238,8 @@ def strongest_looks(weights: torch.Tensor, tokens: list[str], query: int, top: i
         >>> strongest_looks(w, ["[CLS]", "dog", "it"], 2, top=1)[0].label(["[CLS]", "dog", "it"], 2)
         'L0H1: it → dog 0.70'
     """
-    keep = torch.tensor([t not in SPECIAL and j != query for j, t in enumerate(tokens)])
+    keep = torch.tensor([not is_special(t) and (j < query if causal else j != query)
+                         for j, t in enumerate(tokens)])
     if not bool(keep.any()):
         return []
     row = weights[:, :, query, :].masked_fill(~keep, -1.0)                 # (L, H, S)

@@ -16,6 +16,13 @@ number per row of a head's attention matrix ``w`` (rows sum to 1):
 
 Roles are assigned by the thresholds in :data:`ROLE_RULES` (shown in every report).
 
+Decoders (``causal=True``) look only backwards, so some numbers mean nothing there and are
+marked not applicable (:meth:`HeadMetrics.not_applicable`), never shown as a 0: ``next``
+(no token sees the next one, so no "next token" role either), and ``cls``/``sep`` when no
+text has such a token (GPT-2 adds none). The first token of a decoder sees only itself, so
+its row (weight 1 on itself) is not counted, and ``entropy`` divides by the log of the
+number of keys the row can see (``i + 1`` for query ``i``), not of the whole text.
+
 Notation used for tensor shapes: L layers, H heads, S tokens.
 """
 
@@ -40,6 +47,25 @@ ROLE_RULES = (("previous token", "prev", 0.5), ("next token", "next", 0.5),
 BROAD, FOCUSED = 0.8, 0.5
 
 SPECIAL = {"[CLS]", "[SEP]", "[PAD]", "[MASK]", "<s>", "</s>"}
+#: tokens that open a text (the ``cls`` metric) and close one (``sep``)
+OPENERS = {"[CLS]", "<s>", "<|begin_of_text|>"}
+CLOSERS = {"[SEP]", "</s>", "<|end_of_text|>", "<|endoftext|>"}
+#: why a metric can have no rows to measure
+NOT_APPLICABLE = {
+    "next": "a decoder's tokens never see the next token",
+    "cls": "no [CLS] or <s> token in the text",
+    "sep": "no [SEP] or </s> token in the text",
+}
+
+
+def is_special(token: str) -> bool:
+    """A tokenizer's marker rather than text: [CLS], <s>, ... and ``<|...|>`` tokens.
+
+    Example:
+        >>> [is_special(t) for t in ["[SEP]", "<|endoftext|>", "it", "<"]]
+        [True, True, False, False]
+    """
+    return token in SPECIAL or (len(token) > 4 and token.startswith("<|") and token.endswith("|>"))
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -61,27 +87,33 @@ def is_punct(token: str) -> bool:
         [True, True, False, True, False]
     """
     t = token[2:] if token.startswith("##") else token
-    return bool(t) and token not in SPECIAL and all(c in string.punctuation for c in t)
+    return bool(t) and not is_special(token) and all(c in string.punctuation for c in t)
 
 
-def _row_metrics(w: torch.Tensor, tokens: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _row_metrics(w: torch.Tensor, tokens: list[str],
+                 causal: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per-row values ``(L, H, S)`` and which rows count ``(S,)`` for each metric."""
     S = w.shape[-1]
     if len(tokens) != S:
         raise ValueError(f"weights cover {S} tokens but {len(tokens)} tokens were given")
     w = w.double()
     keys = lambda pred: torch.tensor([pred(t) for t in tokens], dtype=torch.double)  # (S,)
-    every = torch.ones(S, dtype=torch.bool)
     i = torch.arange(S)
+    every = i >= 1 if causal else torch.ones(S, dtype=torch.bool)   # a decoder's row 0: itself
     below = F.pad(w.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))        # (L, H, S): w[i, i-1]
     above = F.pad(w.diagonal(offset=1, dim1=-2, dim2=-1), (0, 1))         # (L, H, S): w[i, i+1]
-    entropy = -(w * torch.log(w.clamp_min(1e-30))).sum(-1) / (math.log(S) if S > 1 else 1.0)
+    if causal:                                  # row i sees keys 0..i: uniform is log(i + 1)
+        norm = torch.log((i + 1).double()).clamp_min(1e-30)                  # (S,)
+    else:
+        norm = torch.full((S,), math.log(S) if S > 1 else 1.0, dtype=torch.double)
+    entropy = -(w * torch.log(w.clamp_min(1e-30))).sum(-1) / norm
+    opens, closes = keys(lambda t: t in OPENERS), keys(lambda t: t in CLOSERS)
     return {
-        "cls": (w @ keys(lambda t: t in ("[CLS]", "<s>")), every),
-        "sep": (w @ keys(lambda t: t in ("[SEP]", "</s>")), every),
+        "cls": (w @ opens, every & bool(opens.any())),
+        "sep": (w @ closes, every & bool(closes.any())),
         "punct": (w @ keys(is_punct), every),
         "prev": (below, i >= 1),
-        "next": (above, i <= S - 2),
+        "next": (above, (i <= S - 2) & (not causal)),
         "self": (w.diagonal(dim1=-2, dim2=-1), every),
         "entropy": (entropy, every),
         "confidence": (w.amax(-1), every),
@@ -99,16 +131,21 @@ class HeadMetrics:
         >>> m = HeadMetrics.of(w[None, None], ["[CLS]", "a", "b", "[SEP]"])
         >>> round(m.value("prev")[0, 0].item(), 3), m.roles()[0][0]
         (1.0, ('previous token', 1.0))
+        >>> d = HeadMetrics.of(w[None, None], ["The", "dog", "ran", "."], causal=True)
+        >>> sorted(d.not_applicable()), d.roles()[0][0]
+        (['cls', 'next', 'sep'], ('previous token', 1.0))
     """
 
     sums: dict = field(default_factory=dict)
     counts: dict = field(default_factory=dict)
     texts: int = 0
+    #: the weights are a decoder's: each token sees only itself and earlier tokens
+    causal: bool = False
 
     @classmethod
-    def of(cls, weights: torch.Tensor, tokens: list[str]) -> "HeadMetrics":
-        """The metrics of one text's weights ``(L, H, S, S)``."""
-        m = cls()
+    def of(cls, weights: torch.Tensor, tokens: list[str], *, causal: bool = False) -> "HeadMetrics":
+        """The metrics of one text's weights ``(L, H, S, S)`` (a decoder's: ``causal=True``)."""
+        m = cls(causal=causal)
         m.add(weights, tokens)
         return m
 
@@ -121,7 +158,7 @@ class HeadMetrics:
                              "corrupt (multihead.inspect.capture.check_finite names the layer)")
         sums, counts = {name: [] for name in METRICS}, {}
         for layer in weights.split(1):                   # (1, H, S, S): bounds the fp64 copies
-            for name, (vals, rows) in _row_metrics(layer, tokens).items():
+            for name, (vals, rows) in _row_metrics(layer, tokens, self.causal).items():
                 sums[name].append(vals[..., rows].sum(-1))                    # (1, H)
                 counts[name] = int(rows.sum())
         for name in METRICS:
@@ -130,12 +167,20 @@ class HeadMetrics:
         self.texts += 1
 
     def value(self, name: str) -> torch.Tensor:
-        """The average of metric ``name`` per head, ``(L, H)`` (NaN-free: 0 with no rows)."""
+        """The average of metric ``name`` per head, ``(L, H)`` (NaN-free: 0 with no rows;
+        :meth:`not_applicable` says which metrics had none)."""
         if name not in METRICS:
             raise ValueError(f"unknown metric {name!r}: choose one of {METRICS}")
         if not self.texts:
             raise ValueError("no text added yet: call add(weights, tokens) first")
         return self.sums[name] / max(self.counts[name], 1)
+
+    def not_applicable(self) -> dict[str, str]:
+        """``{metric: why}`` for the metrics with no row to measure in any text added (for a
+        decoder, ``next`` always; ``cls``/``sep`` when no text has such a token)."""
+        return {name: NOT_APPLICABLE.get(name, "no query row to measure (a decoder's first "
+                                                "token sees only itself)")
+                for name in METRICS if self.texts and not self.counts.get(name)}
 
     def table(self) -> dict[str, torch.Tensor]:
         """Every metric's per-head average, ``{name: (L, H)}``."""
@@ -145,11 +190,13 @@ class HeadMetrics:
         """``[layer][head] -> (role, score)`` by :data:`ROLE_RULES`, then BROAD / FOCUSED."""
         t = self.table()
         L, H = t["prev"].shape
+        na = self.not_applicable()
+        rules = [(role, m, thr) for role, m, thr in ROLE_RULES if m not in na]
         out = []
         for l in range(L):
             row = []
             for h in range(H):
-                hits = [(float(t[m][l, h]), role) for role, m, thr in ROLE_RULES
+                hits = [(float(t[m][l, h]), role) for role, m, thr in rules
                         if float(t[m][l, h]) >= thr]
                 if hits:
                     score, role = max(hits)
@@ -164,8 +211,14 @@ class HeadMetrics:
         return out
 
 
-def thresholds_text() -> str:
-    """The role rules, in one line, for reports."""
-    rules = ", ".join(f"{role} if {m} >= {thr}" for role, m, thr in ROLE_RULES)
+def thresholds_text(skip=()) -> str:
+    """The role rules, in one line, for reports; rules on the metrics in ``skip`` (those not
+    applicable) are left out.
+
+    Example:
+        >>> thresholds_text(skip={"next", "cls", "sep"})[:60]
+        'roles: previous token if prev >= 0.5, self if self >= 0.5, p'
+    """
+    rules = ", ".join(f"{role} if {m} >= {thr}" for role, m, thr in ROLE_RULES if m not in skip)
     return (f"roles: {rules} (largest wins); otherwise broad if entropy >= {BROAD}, "
             f"focused if confidence >= {FOCUSED}, else mixed")

@@ -79,7 +79,8 @@ def _grid(plt, inspection, w: torch.Tensor):
             ax.text(h * (s + gx) + s / 2, l * (s + gy) + gy * 0.9, f"L{l}H{h}\n{roles[l][h][0]}",
                     ha="center", va="bottom", fontsize=6)
     pooled_note = "" if s == S else "; long text: max over blocks of tokens"
-    fig.suptitle(f"{inspection.model}: attention of every head ({S} tokens{pooled_note})",
+    causal = "\ndecoder (causal): nothing above the diagonal" if inspection.capture.causal else ""
+    fig.suptitle(f"{inspection.model}: attention of every head ({S} tokens{pooled_note}){causal}",
                  fontsize=9)
     return fig
 

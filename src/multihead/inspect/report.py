@@ -37,23 +37,29 @@ class Inspection:
     query: int                  # position of the query token in capture.tokens
     looks: list[Look]           # strongest heads from the query token, best first
     selected: tuple[int, int]   # (layer, head) shown large
+    attention: str = ""         # which tokens each token sees (the model's attention_note)
 
     def to_dict(self, digits: int = 4, *, curve: str = "sqrt") -> dict:
         """JSON-ready: tokens, weights (L, H, S, S) packed with ``curve``
-        (:func:`multihead.inspect.packing.unpack_weights` reads them), metrics [L][H], roles,
-        query looks."""
+        (:func:`multihead.inspect.packing.unpack_weights` reads them), metrics [L][H] (null
+        where not applicable, with the reason in ``not_applicable``), roles, query looks;
+        ``causal`` and ``attention`` say whether tokens see only earlier tokens (a decoder)."""
         c, toks = self.capture, self.capture.tokens
         rnd = lambda t: torch.round(t.double(), decimals=digits).tolist()
         L, H = c.weights.shape[:2]
         roles = self.metrics.roles()
+        na = self.metrics.not_applicable()
         return {
             "model": self.model, "text": c.text, "tokens": toks, "layers": L, "heads": H,
+            "causal": c.causal, "attention": self.attention,
             "truncated": c.truncated, "original_length": c.original_length,
             "texts_averaged": self.metrics.texts,
             "weights": pack_weights(c.weights, curve=curve),
-            "metrics": {name: rnd(self.metrics.value(name)) for name in METRICS},
+            "metrics": {name: None if name in na else rnd(self.metrics.value(name))
+                        for name in METRICS},
+            "not_applicable": na,
             "roles": [[[r, round(s, digits)] for r, s in row] for row in roles],
-            "thresholds": thresholds_text(),
+            "thresholds": thresholds_text(skip=na),
             "query": {"position": self.query, "token": toks[self.query],
                       "heads": [{"layer": k.layer, "head": k.head, "target": k.target,
                                  "target_token": toks[k.target], "weight": round(k.weight, digits),
@@ -70,7 +76,13 @@ class Inspection:
              + f"; metrics averaged over {self.metrics.texts} text(s)")
         best = headline(self.looks, self.query, c.tokens)
         if best is not None:
-            s += "; strongest long-range head from the query token: " + best.label(c.tokens, self.query)
+            back = " (looking back)" if c.causal else ""
+            s += (f"; strongest long-range head from the query token{back}: "
+                  + best.label(c.tokens, self.query))
+        elif c.causal:
+            s += (f"; the query token {c.tokens[self.query]!r} has no word before it, and a "
+                  f"decoder's token sees only itself and earlier tokens: pick a later word "
+                  f"with --query-token")
         return s
 
 

@@ -1,4 +1,5 @@
-"""Pretrained models on multihead attention: a BERT-family encoder (all-MiniLM-L6-v2 embedded).
+"""Pretrained models on multihead attention: a BERT-family encoder (all-MiniLM-L6-v2 embedded),
+and GPT-2/Llama/Mistral/Qwen2 decoders on ``transformers`` with our attention.
 
 Example:
     >>> from multihead.models import load
@@ -8,8 +9,10 @@ Example:
 """
 
 from .bert import BertConfig, BertEncoder, EncoderOutput, UnsupportedModel
+from .hf_decoder import DECODER_TYPES, Decoder, DecoderConfig
 from .loading import ModelLoadError, default_model_dir, expected_tensors, load
 from .pretrained import Pretrained, Tokens
 
 __all__ = ["BertConfig", "BertEncoder", "EncoderOutput", "UnsupportedModel", "ModelLoadError",
-           "default_model_dir", "expected_tensors", "load", "Pretrained", "Tokens"]
+           "default_model_dir", "expected_tensors", "load", "Pretrained", "Tokens",
+           "DECODER_TYPES", "Decoder", "DecoderConfig"]

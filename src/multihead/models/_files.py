@@ -116,3 +116,37 @@ def is_real(value) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     return isinstance(value, int) or math.isfinite(value)   # math.isfinite overflows on huge ints
+
+
+#: other tokenizer files, and how to turn them into the tokenizer.json that is read instead
+_TOKENIZER_HINTS = {"vocab.txt": "vocab.txt", "vocab.json": "vocab.json/merges.txt",
+                    "tokenizer.model": "a SentencePiece tokenizer.model"}
+
+
+def check_model_dir(d: Path, weights: tuple[str, ...] = ("model.safetensors",)) -> None:
+    """That the directory ``d`` holds ``config.json``, ``tokenizer.json`` and one of the
+    safetensors files ``weights``; a missing one raises :class:`ModelLoadError` saying what
+    to do (a pickled ``pytorch_model.bin`` is never loaded: convert it).
+
+    Example:
+        >>> check_model_dir(Path("/nonexistent"))
+        Traceback (most recent call last):
+        ...
+        multihead.models._files.ModelLoadError: model directory '/nonexistent' does not exist or is not a directory
+    """
+    if not d.is_dir():
+        raise ModelLoadError(f"model directory {str(d)!r} does not exist or is not a directory")
+    for f in ("config.json", "tokenizer.json"):
+        if not (d / f).is_file():
+            hint = ""
+            other = next((h for n, h in _TOKENIZER_HINTS.items() if (d / n).exists()), None)
+            if f == "tokenizer.json" and other:
+                hint = (f": only tokenizer.json is read, not {other}; write one with transformers' "
+                        f"AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
+            raise ModelLoadError(f"{d} has no {f}{hint}")
+    if not any((d / w).is_file() for w in weights):
+        hint = ""
+        if any(d.glob("pytorch_model*.bin")):
+            hint = (": weights are read only from safetensors (a pickled pytorch_model.bin is "
+                    "never loaded); convert it with safetensors.torch.save_file")
+        raise ModelLoadError(f"{d} has no {' or '.join(weights)}{hint}")

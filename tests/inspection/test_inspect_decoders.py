@@ -1,0 +1,261 @@
+"""`multihead inspect --model DIR` on decoders: a tiny GPT-2 and a tiny Llama with GQA, built
+here at random (no download) with a tokenizer trained here. The weights are transformers'
+eager weights, nothing lies above the diagonal, the headline look points backwards, the
+terminal and the reports say the model is causal, and what is meaningless for a decoder is
+n/a. Directories with only a pickle, an unknown model type, or no transformers are refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from multihead.cli.main import main
+from multihead.inspect.capture import capture, find_query, headline, strongest_looks
+from multihead.inspect.packing import unpack_weights
+from multihead.models import ModelLoadError, load
+
+transformers = pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from tiny import tiny_checkpoint  # noqa: E402
+
+TEXT = "The animal didn't cross the street because it was too tired."
+CORPUS = [TEXT, "The dog chased the cat because it was hungry.", "She said he left."] * 4
+NOTE = "decoder (causal): each token attends only to itself and earlier tokens"
+
+
+def _gpt2_tokenizer():
+    """Byte-level BPE as GPT-2's: tokens like 'Ġanimal', no special token added."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+def _llama_tokenizer():
+    """SentencePiece-style BPE as Llama 2's: tokens like '▁animal', and '<s>' first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    return tok
+
+
+def _checkpoint(path: Path, kind: str) -> Path:
+    """A random 2-layer checkpoint saved as transformers saves one (safetensors)."""
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=400, n_embd=32, n_layer=2, n_head=4,
+                                         n_positions=64, initializer_range=0.3,
+                                         bos_token_id=0, eos_token_id=0)
+        model, tok = transformers.GPT2LMHeadModel(config), _gpt2_tokenizer()
+    elif kind == "llama":
+        config = transformers.LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, max_position_embeddings=64,
+                                          initializer_range=0.3)
+        model, tok = transformers.LlamaForCausalLM(config), _llama_tokenizer()
+    else:                                                  # MQA and a sliding window of 4
+        config = transformers.MistralConfig(vocab_size=200, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4,
+                                            num_key_value_heads=1, max_position_embeddings=64,
+                                            sliding_window=4, initializer_range=0.3)
+        model, tok = transformers.MistralForCausalLM(config), _llama_tokenizer()
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decoders")
+    return {kind: _checkpoint(root / kind, kind) for kind in ("gpt2", "llama", "mistral")}
+
+
+def _copy(dirs, kind: str, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(dirs[kind], tmp_path / kind))
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_inspect_decoder_end_to_end(dirs, kind, tmp_path, capsys, monkeypatch):
+    def refuse(*a, **k):
+        raise RuntimeError("network access attempted")
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    out = tmp_path / "o"
+    assert main(["inspect", TEXT, "--model", str(dirs[kind]), "--out", str(out),
+                 "--format", "json,html", "--metrics"]) == 0
+    text = " ".join(capsys.readouterr().out.split())      # rich wraps lines
+    assert NOTE in text and "to earlier tokens only" in text
+    assert "n/a (not measured, not 0):" in text and "| n/a |" not in text
+    assert "next: a decoder's tokens never see the next token" in text
+    assert "next token if" not in text                   # no next-token role rule for a decoder
+
+    d = json.loads((out / "inspect.json").read_text())
+    assert d["causal"] is True and d["attention"] == NOTE and d["model"] == kind
+    toks = d["tokens"]
+    assert "animal" in toks and "street" in toks and not any("Ġ" in t or "▁" in t for t in toks)
+    assert (toks[0] == "<s>") == (kind == "llama")       # Llama's tokenizer adds a BOS token
+    L, H, S = d["layers"], d["heads"], len(toks)
+    assert (L, H) == (2, 4)                               # Llama: 4 query heads on 2 K/V heads
+    w = unpack_weights(d["weights"])                      # (L, H, S, S)
+    assert not bool(torch.triu(w, diagonal=1).any())      # nothing above the diagonal
+    assert torch.allclose(w.sum(-1), torch.ones(L, H, S), atol=0.02)
+
+    na = d["not_applicable"]
+    assert d["metrics"]["next"] is None and "next" in na
+    assert ("cls" in na) == (kind == "gpt2") and "sep" in na   # GPT-2 adds no [CLS]/<s>
+    assert all(d["metrics"][m] is not None for m in ("prev", "self", "entropy", "confidence"))
+    assert all(role != "next token" for row in d["roles"] for role, _ in row)
+    assert "next token" not in d["thresholds"]
+
+    q = d["query"]
+    assert q["token"] == "it" and toks[q["position"]] == "it"
+    assert q["heads"] and all(h["target"] < q["position"] for h in q["heads"])   # backwards
+    assert "looking back" in d["summary"]
+
+    html = (out / "report.html").read_text()
+    assert 'id="attention"' in html and '"causal": true' in html and NOTE in html
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral"])
+def test_weights_are_transformers_eager_weights_from_our_attention(dirs, kind, monkeypatch):
+    from multihead.interop import hf
+    calls = []
+    real = hf.attention_forward
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        calls.append(out[1] is not None)                      # our call gave the weights
+        return out
+    monkeypatch.setattr(hf, "attention_forward", spy)
+    model = load(dirs[kind])
+    cap = capture(model, TEXT)
+    assert calls == [True, True]                          # every layer ran our attention
+    eager = transformers.AutoModel.from_pretrained(str(dirs[kind]), attn_implementation="eager",
+                                                   use_safetensors=True)
+    with torch.inference_mode():
+        ref = eager(model.tokenize(TEXT).ids[None], output_attentions=True).attentions
+    ref = torch.stack([a[0] for a in ref])                # (L, H, S, S)
+    assert cap.causal and cap.weights.shape == ref.shape
+    torch.testing.assert_close(cap.weights, ref, atol=1e-5, rtol=0)
+    assert bool((torch.triu(cap.weights, diagonal=1) == 0).all())
+    if kind == "mistral":                                 # nothing beyond the window either
+        assert bool((torch.tril(cap.weights, diagonal=-4) == 0).all())
+        assert model.attention_note == NOTE + " (sliding window in every layer: only the last 4 tokens)"
+
+
+def test_headline_looks_back(dirs):
+    model = load(dirs["gpt2"])
+    cap = capture(model, TEXT)
+    toks = cap.tokens
+    query = find_query(model, toks, None)
+    assert toks[query] == "it"
+    looks = strongest_looks(cap.weights, toks, query, top=100, causal=True)
+    assert len(looks) == 8 and all(k.target < query for k in looks)   # every head, backwards
+    assert headline(looks, query, toks).target < query
+    assert toks[find_query(model, toks, "animal")] == "animal"
+    # a pronoun with nothing before it is skipped; with no such pronoun, the last word
+    first = model.tokenize("He left because it rained.").tokens
+    assert first[find_query(model, first, None)] == "it"
+    assert find_query(model, ["The", "dog", "."], None) == 2
+
+
+def test_first_token_query_says_why_it_looks_nowhere(dirs, capsys):
+    assert main(["inspect", "It was tired.", "--model", str(dirs["gpt2"]),
+                 "--query-token", "It"]) == 0
+    assert "has no word before it" in " ".join(capsys.readouterr().out.split())
+
+
+def test_pickled_weights_are_refused_without_unpickling(dirs, tmp_path, monkeypatch, capsys):
+    d = _copy(dirs, "gpt2", tmp_path)
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x04 not even a real pickle")
+
+    def no_unpickling(*a, **k):
+        raise AssertionError("something tried to unpickle")
+    monkeypatch.setattr(torch, "load", no_unpickling)
+    with pytest.raises(ModelLoadError, match="never loaded"):
+        load(d)
+    assert main(["inspect", "--model", str(d)]) == 2
+    err = _one_line_error(capsys)
+    assert "has no model.safetensors or model.safetensors.index.json" in err
+
+
+def test_unsupported_model_type_names_file_field_and_types(dirs, tmp_path, capsys):
+    d = _copy(dirs, "llama", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "t5"}))
+    assert main(["inspect", "--model", str(d)]) == 2
+    err = _one_line_error(capsys)
+    assert str(d / "config.json") in err and "model_type is 't5'" in err
+    assert "'bert'" in err and "'gpt2', 'llama', 'mistral', 'qwen2'" in err
+
+
+def test_missing_transformers_says_how_to_install(dirs, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)     # `import transformers` fails
+    with pytest.raises(ModelLoadError, match=r"pip install 'multihead\[hf\]'"):
+        load(dirs["llama"])
+    assert main(["inspect", "--model", str(dirs["gpt2"])]) == 2
+    assert "pip install 'multihead[hf]'" in _one_line_error(capsys)
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    d = tiny_checkpoint(tmp_path / "bert")                     # BERT tensors, called GPT-2
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: \d+ missing tensor\(s\) .*"
+                                             r"is model_type right"):
+        load(d)
+
+
+def test_nan_weights_are_refused(dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+    d = _copy(dirs, "llama", tmp_path)
+    w = load_file(str(d / "model.safetensors"))
+    w["model.layers.1.self_attn.k_proj.weight"][0, 0] = float("nan")
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"layers\.1\.self_attn\.k_proj\.weight holds NaN"):
+        load(d)
+
+
+def test_report_in_a_browser_says_causal_and_na(dirs, tmp_path):
+    playwright = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    if not Path(chromium).exists():
+        pytest.skip("chromium is not installed")
+    assert main(["inspect", TEXT, "--model", str(dirs["gpt2"]), "--out", str(tmp_path),
+                 "--format", "html"]) == 0
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto((tmp_path / "report.html").as_uri())
+            page.wait_for_selector(".cell")
+            assert page.inner_text("#attention") == NOTE
+            rows = dict(zip(page.locator("#head-metrics th").all_inner_texts(),
+                            page.locator("#head-metrics td").all_inner_texts()))
+            assert rows["next"] == "n/a" and rows["cls"] == "n/a" and rows["prev"] != "n/a"
+            assert errors == []
+        finally:
+            browser.close()
