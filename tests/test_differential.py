@@ -146,3 +146,28 @@ def test_gradients_equal_the_fp64_oracle_on_random_calls(backend):
         for a, b in zip(ins, refs):
             torch.testing.assert_close(a.grad, b.grad, atol=1e-9, rtol=1e-8,
                                        msg=lambda m: f"case {i}, mask {mask}: {m}")
+
+
+WEIGHT_BACKENDS = [b for b in ALL_BACKENDS if mh.functional.registry.get(b).capabilities.weights]
+
+
+@pytest.mark.parametrize("backend", [b for b in WEIGHT_BACKENDS if b != "reference"])
+def test_weights_and_lse_equal_the_oracle_on_random_calls(backend):
+    """A backend that returns weights (``rows`` crops each sequence to its live keys) gives
+    the oracle's output, weights (zeros where masked and on empty rows) and lse."""
+    _runs_on_this_device(backend)
+    ran = 0
+    for i in range(CASES):
+        q, k, v, mask = _case(i)
+        if not _runs(backend, q, k, v, mask):
+            continue
+        ran += 1
+        got = mh.attention(q, k, v, mask=mask, backend=backend, return_weights=True,
+                           return_lse=True)
+        want = mh.attention(q, k, v, mask=mask, backend="reference", return_weights=True,
+                            return_lse=True)
+        for name, a, b in zip(("out", "weights", "lse"), got, want):
+            assert a.shape == b.shape and not a.isnan().any(), (i, name)
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9,
+                                       msg=lambda m: f"case {i} {name}, mask {mask}: {m}")
+    assert ran >= CASES // 2, ran

@@ -21,7 +21,7 @@ CASES = [
     # (name, kwargs builder, expected backend)
     ("no mask", lambda: dict(), "sdpa"),
     ("causal", lambda: dict(mask=M.causal()), "sdpa"),
-    ("weights", lambda: dict(mask=M.causal(), return_weights=True), "reference"),
+    ("weights", lambda: dict(mask=M.causal(), return_weights=True), "rows"),
     ("lse", lambda: dict(return_lse=True), "blocksparse"),
     ("sparse window", lambda: dict(mask=M.sliding_window(64), S=2048), "blocksparse"),
     ("packed documents", lambda: dict(mask=M.document(torch.arange(2048) // 128), S=2048), "varlen"),
@@ -31,6 +31,14 @@ CASES = [
     ("window + dropout", lambda: dict(mask=M.sliding_window(64), S=2048, dropout_p=0.1), "sdpa"),
     ("decode step, causal", lambda: dict(mask=M.causal(), Sq=1), "sdpa"),
 ]
+
+
+def test_weights_with_gradients_go_to_the_reference_and_padding_crops_rows():
+    q, k, v = (t.requires_grad_() for t in _qkv(B=2))
+    assert mh.explain(q, k, v, mask=M.causal(), return_weights=True).chosen == "reference"
+    q, k, v = _qkv(B=2, S=512)
+    e = mh.explain(q, k, v, mask=M.padding(torch.tensor([128, 512])), return_weights=True)
+    assert e.chosen == "rows" and "62.5% of the keys" in str(e)
 
 
 @pytest.mark.parametrize("name,build,expected", CASES, ids=[c[0] for c in CASES])
@@ -81,10 +89,10 @@ def test_explain_report_lists_every_backend_with_a_reason():
     q, k, v = _qkv()
     rep = mh.explain(q, k, v, mask=M.causal(), return_weights=True)
     text = str(rep)
-    assert "backend: reference" in text
+    assert "backend: rows" in text and "reference    est." in text
     assert "sdpa" in text and "cannot run: does not return attention weights" in text
-    assert "blocksparse" in text
-    assert text.count("does not return attention weights") == len(mh.backends()) - 1
+    assert "blocksparse" in text and "reads the device back" not in text
+    assert text.count("does not return attention weights") == len(mh.backends()) - 2
     rep = mh.explain(*_qkv(S=2048), mask=M.sliding_window(64))
     assert "computes" in str(rep) and "of the tiles" in str(rep)
     assert "est." in str(rep) and "device profile: cpu" in str(rep)
@@ -104,7 +112,7 @@ def test_open_mask_is_dropped():
 
 def test_backends_listing():
     extra = {"triton"} if importlib.util.find_spec("triton") else set()
-    assert set(mh.backends()) == {"reference", "sdpa", "blocksparse", "varlen"} | extra
+    assert set(mh.backends()) == {"reference", "rows", "sdpa", "blocksparse", "varlen"} | extra
 
 
 # -- decisions are cached, keyed by what fully determines them ----------------------------

@@ -1,0 +1,110 @@
+"""The rows backend: materialized scores one sequence at a time, cropped to its live keys.
+
+The quick way to get the attention weights on a CPU. Like ``reference`` it materializes
+scores and returns weights and lse, but for each batch row it computes only the span of
+keys the mask leaves that row (a padded batch's real keys), runs GQA on the K/V heads in
+place (the group's query heads share one matmul, no ``repeat_interleave``), and works in
+place on one row's scores at a time. Forward only: a call that needs gradients goes to
+``reference``. It reads the mask back once per call to find the spans, so on a GPU it
+prices itself out.
+
+Notation used for tensor shapes: B batch, H heads, Hkv K/V heads, G = H / Hkv, Sq queries,
+Sk keys, L a row's live keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..capabilities import Capabilities
+from ..cost import Work
+from ..registry import Backend, Plan, register
+from . import _tiles
+from ._common import mask_launches, mask_terms
+
+#: fp32 passes over one row's scores (matmul out, scale, bias, mask, softmax, copy out)
+SCORE_PASSES = 8
+#: torch ops per batch row
+ROW_OPS = 10
+
+
+def _spans(allowed: torch.Tensor | None, B: int, Sk: int) -> list[tuple[int, int]]:
+    """Each batch row's ``[first, last + 1)`` of keys any query may attend (one host read)."""
+    if allowed is None:
+        return [(0, Sk)] * B
+    live = allowed.any(2).any(1).expand(B, Sk).cpu()             # (B, Sk)
+    idx = torch.arange(Sk)
+    first = torch.where(live, idx, Sk).amin(1).tolist()
+    last = torch.where(live, idx, -1).amax(1).tolist()
+    return [(f, l + 1) if l >= 0 else (0, 0) for f, l in zip(first, last)]
+
+
+def _live_fraction(call) -> float:
+    """Share of the keys the crop keeps, from the host tile map (1.0 where unknown)."""
+    if call.effective_mask is None or not _tiles.on_host(call) or call.Sk == 0:
+        return 1.0
+    tq, tk = _tiles.tile_sizes(call)
+    nq, nk = -(-call.Sq // tq), -(-call.Sk // tk)
+    nonempty, _ = _tiles._classify(call, tq, tk, nq, nk, "cpu")       # (Bm, nQ, nK)
+    live = nonempty.any(1)                                             # (Bm, nK)
+    idx = torch.arange(nk)
+    span = torch.where(live, idx, -1).amax(1) - torch.where(live, idx, nk).amin(1) + 1
+    return float(span.clamp(min=0).float().mean()) / nk
+
+
+def _row(x: torch.Tensor | None, b: int, lo: int, hi: int):
+    """Batch row ``b`` of a broadcastable ``(B', H', Sq, Sk)`` mask term, keys ``lo:hi``."""
+    return None if x is None else x[b if x.shape[0] > 1 else 0, :, :, lo:hi]
+
+
+class Rows(Backend):
+    name = "rows"
+    summary = "materialized scores one sequence at a time, cropped to its live keys; weights"
+    capabilities = Capabilities(weights=True, lse=True, backward=False)
+
+    def plan(self, call, profile):
+        size = torch.empty((), dtype=call.compute_dtype).element_size()
+        frac = _live_fraction(call)
+        pairs = call.pairs * frac
+        work = Work(flops=2.0 * pairs * (call.D + call.Dv), kernel="matmul",
+                    dtype=call.compute_dtype,
+                    bytes=SCORE_PASSES * size * pairs + call.io_bytes()
+                    + (size * call.pairs if call.return_weights else 0),    # zeroed weights
+                    launches=4 + ROW_OPS * call.B + mask_launches(call),
+                    syncs=0 if call.effective_mask is None or call.q.device.type == "cpu" else 1,
+                    memory=3 * size * pairs / max(call.B, 1))
+        return Plan(work, f"computes {frac:.1%} of the keys, one sequence at a time")
+
+    def run(self, call, plan):
+        B, H, Hkv, Sq, Sk, G = call.B, call.H, call.Hkv, call.Sq, call.Sk, call.group
+        work = call.compute_dtype
+        q, k, v = call.q.to(work), call.k.to(work), call.v.to(work)
+        allowed, bias = mask_terms(call, q.device)
+        out = q.new_zeros(B, H, Sq, call.Dv)
+        weights = q.new_zeros(B, H, Sq, Sk) if call.return_weights else None
+        lse = q.new_full((B, H, Sq), float("-inf")) if call.return_lse else None
+        for b, (lo, hi) in enumerate(_spans(allowed, B, Sk)):
+            if hi == lo:
+                continue                                               # a row sees nothing
+            qb = q[b].reshape(Hkv, G * Sq, call.D)                     # (Hkv, G·Sq, D)
+            s = torch.bmm(qb, k[b, :, lo:hi].transpose(1, 2))          # (Hkv, G·Sq, L)
+            s = s.view(H, Sq, hi - lo).mul_(call.scale)                # (H, Sq, L)
+            bb, ab = _row(bias, b, lo, hi), _row(allowed, b, lo, hi)
+            if bb is not None:
+                s += bb.to(work)
+            if ab is not None:
+                s.masked_fill_(~ab, float("-inf"))
+            if lse is not None:
+                lse[b] = torch.logsumexp(s, -1)
+            w = torch.softmax(s, -1)                                   # (H, Sq, L)
+            if ab is not None:                                         # empty rows: zeros
+                w.masked_fill_(~ab.any(-1, keepdim=True), 0.0)
+            ob = torch.bmm(w.view(Hkv, G * Sq, hi - lo), v[b, :, lo:hi])  # (Hkv, G·Sq, Dv)
+            out[b] = ob.view(H, Sq, call.Dv)
+            if weights is not None:
+                weights[b, :, :, lo:hi] = w
+        dt = call.q.dtype
+        return (out.to(dt), None if weights is None else weights.to(dt), lse)
+
+
+register(Rows())
