@@ -110,3 +110,49 @@ def test_right_padding_becomes_lengths_and_no_padding_becomes_no_mask():
     assert "lengths=[3, 4]" in m.describe()
     assert build_mask(2, 4, 4, 0, 0, mu.bidirectional_mask_function,
                       torch.ones(2, 4, dtype=torch.long)).mask is None
+
+
+def test_offsets_with_tensor_pieces_and_callable_objects_fall_back_exactly():
+    import functools
+    g = torch.tensor([[True, False, True, True, False, True]])
+    cases = [  # (fn, q_offset): a user's or_mask_function, a functools.partial piece
+        (mu.or_masks(mu.causal_mask_function, mu.padding_mask_function(g)), 2),
+        (mu.and_masks(mu.causal_mask_function,
+                      functools.partial(lambda b, h, q, kv, w: kv > q - w, w=2)), 0),
+    ]
+    for fn, q_off in cases:
+        ours = build_mask(1, 4 - q_off, 6, q_off, 0, fn, None)
+        assert ours.dense
+        assert _ours(ours, 1, 4 - q_off, 6).equal(_theirs(1, 4 - q_off, 6, q_off, 0, fn, None))
+
+
+def test_masks_of_other_ranks_are_refused_not_ignored():
+    with pytest.raises(TypeError, match=r"2-D padding mask \(B, S\).*shape \(2, 4, 4\)"):
+        build_mask(2, 4, 4, 0, 0, mu.causal_mask_function, torch.ones(2, 4, 4, dtype=torch.bool))
+
+
+def test_a_model_using_the_mask_as_a_tensor_gets_a_clear_error():
+    m = build_mask(2, 4, 4, 0, 0, mu.causal_mask_function, None)
+    with pytest.raises(TypeError, match="outside transformers' AttentionInterface"):
+        torch.zeros(4) + m
+    with pytest.raises(TypeError, match="attn_implementation='sdpa'"):
+        m[:, :, :2]
+    with pytest.raises(AttributeError, match="no 'dtype'.*AttentionInterface"):
+        m.dtype
+    assert not hasattr(m, "device") and m.to("cpu").mask is not None
+
+
+def test_attention_forward_refuses_what_it_would_otherwise_drop():
+    from multihead.interop.hf import attention_forward
+    q = torch.randn(1, 2, 4, 8)
+    m = build_mask(1, 4, 4, 0, 0, mu.causal_mask_function, None)
+    with pytest.raises(ValueError, match=r"indices.*Module passes indices=tensor of shape \(4,\)"):
+        attention_forward(torch.nn.Module(), q, q, q, m, indices=torch.arange(4))
+    with pytest.raises(ValueError, match="sinks"):
+        attention_forward(torch.nn.Module(), q, q, q, m, sinks=torch.zeros(2))
+    with pytest.raises(ValueError, match="built for 4 queries and 4 keys but the layer has 4 and 6"):
+        k = torch.randn(1, 2, 6, 8)
+        attention_forward(torch.nn.Module(), q, k, k, m)
+    out, w = attention_forward(torch.nn.Module(), q, q, q, m, position_ids=torch.arange(4),
+                               use_cache=False, output_attentions=True)
+    assert out.shape == (1, 4, 2, 8) and w.shape == (1, 2, 4, 4)

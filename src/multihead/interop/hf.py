@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` on multihead: ``attn_implementation="multihead"``.
 
-Importing this module registers ``"multihead"`` with ``transformers`` (5.x) twice: as an
+Importing this module registers ``"multihead"`` in two registries of ``transformers`` (5.x): as an
 attention function (``AttentionInterface``) that runs every attention layer through
 :func:`multihead.attention`, and as a mask builder (``AttentionMaskInterface``) that hands
 it our structured masks (causal, padding, sliding window, packed documents from
@@ -42,13 +42,15 @@ def register(name: str = NAME) -> str:
         >>> "multihead" in AttentionInterface._global_mapping
         True
     """
+    hint = "multihead.interop.hf needs transformers 5.x: pip install 'transformers>=5'"
     try:
+        import transformers
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as e:
-        raise ImportError("multihead.interop.hf needs transformers 5.x (AttentionInterface and "
-                          "masking_utils.AttentionMaskInterface): pip install 'transformers>=5'"
-                          ) from e
+        raise ImportError(hint) from e
+    if int(transformers.__version__.split(".")[0]) < 5:     # 4.x calls mask builders differently
+        raise ImportError(f"{hint} (found {transformers.__version__})")
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, build_mask)
     return name
@@ -59,18 +61,35 @@ def _refuse(what: str, where: str):
                      f"this model with attn_implementation='eager' instead")
 
 
+#: arguments models pass to every attention function that do not change what it computes
+#: (the mask builder already folded sliding windows and packing into the mask)
+HARMLESS = frozenset({
+    "position_ids", "output_attentions", "output_hidden_states", "use_cache", "return_dict",
+    "sliding_window", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+    "deterministic", "cache_position", "past_key_values", "layer_idx", "token_type_ids",
+    "cache", "position_embeddings", "encoder_hidden_states", "logits_to_keep"})
+
+
 def _check_options(module, kwargs):
     """Options of some models that our attention does not run: refused, never ignored."""
-    config = type(getattr(module, "config", None)).__name__
-    config = "the model's config" if config == "NoneType" else config
+    config = getattr(module, "config", None)
+    config = type(config).__name__ if config is not None else "the model's config"
     layer = type(module).__name__
     if kwargs.get("softcap") is not None:
         _refuse("attention logit softcapping",
                 f"{config}.attn_logit_softcapping is {kwargs['softcap']}")
-    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+    sinks = next((kwargs[n] for n in ("s_aux", "sinks") if kwargs.get(n) is not None),
+                 getattr(module, "sinks", None))
+    if sinks is not None:
         _refuse("attention sinks", f"{layer}.sinks, the learned sink logits of each head")
     if kwargs.get("position_bias") is not None:
         _refuse("a per-layer position bias", f"{layer} passes position_bias")
+    other = sorted(n for n, x in kwargs.items()
+                   if x is not None and x is not False and n not in HARMLESS
+                   and n not in ("softcap", "s_aux", "sinks", "position_bias"))
+    if other:                  # e.g. sparse attention's indices: never silently dropped
+        _refuse(f"the argument(s) {', '.join(other)} its attention layer passes",
+                f"{layer} passes {other[0]}={_show(kwargs[other[0]])}")
     cache = kwargs.get("cache")
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
         raise ValueError("attn_implementation='multihead' does not run transformers' continuous "
@@ -78,11 +97,20 @@ def _check_options(module, kwargs):
                          "cache, or attn_implementation='sdpa' for generate_batch()")
 
 
+def _show(x) -> str:
+    return f"tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)[:60]
+
+
 def _mask_for(module, attention_mask, q_len: int, k_len: int, is_causal):
     """Our mask and the number of keys used, from whatever the model passed."""
     if isinstance(attention_mask, HFMask):
+        if tuple(attention_mask.shape[2:]) != (q_len, k_len):
+            raise ValueError(f"attn_implementation='multihead': the mask was built for "
+                             f"{attention_mask.shape[2]} queries and {attention_mask.shape[3]} "
+                             f"keys but the layer has {q_len} and {k_len}: build the mask "
+                             f"from this call's inputs and cache")
         return attention_mask.mask, attention_mask.keys
-    if attention_mask is None:
+    if attention_mask is None:       # (a layer without is_causal: not causal, as eager does)
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
         if causal and q_len > 1:                      # as transformers' sdpa: query i sees 0..i
             return M.causal(align="upper_left"), k_len
@@ -147,5 +175,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
 
 try:                                                   # import-time registration
     register()
-except ImportError:                                    # without transformers: register() says why
-    pass
+except ImportError:
+    import importlib.util
+    if importlib.util.find_spec("transformers") is not None:
+        raise                                          # installed but too old: say so now
+    # not installed: importing this module is harmless, register() says what is missing

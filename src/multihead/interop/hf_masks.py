@@ -13,11 +13,17 @@ says when that happened.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .. import masks as M
 
-_Overlay = tuple          # ("overlay", w): keys after q - w, only meaningful with causal
+
+class _Overlay(NamedTuple):
+    """HF's sliding-window overlay: keys after ``q - size``; a window only with causal."""
+
+    size: int
 
 
 class HFMask:
@@ -40,6 +46,24 @@ class HFMask:
 
     def contiguous(self):
         return self
+
+    def to(self, device=None, *args, **kwargs):
+        """The mask on ``device`` (accelerate moves a layer's arguments to its device)."""
+        if isinstance(device, (str, torch.device)) and self.mask is not None:
+            return HFMask(self.mask.to(device), self.keys, self.shape, self.dense)
+        return self
+
+    MISUSE = ("this model uses its attention mask as a tensor outside transformers' "
+              "AttentionInterface, so attn_implementation='multihead' cannot run it: load it "
+              "with attn_implementation='sdpa' or 'eager'")
+
+    def _misuse(self, *args, **kwargs):
+        raise TypeError(self.MISUSE)
+
+    __getitem__ = __add__ = __radd__ = __mul__ = __and__ = __invert__ = _misuse
+
+    def __getattr__(self, name):            # only for names HFMask does not have
+        raise AttributeError(f"HFMask has no {name!r}: {self.MISUSE}")
 
     def describe(self) -> str:
         what = "all keys" if self.mask is None else self.mask.describe()
@@ -77,10 +101,12 @@ class _Unknown(Exception):
     """A piece of the mask function we do not read as structure."""
 
 
-def _read(fn, packed: bool = False):
-    """The structure of an HF mask function: None (all), a Window, an overlay, or a Mask.
+def _read(fn, offsets: bool = False, packed: bool = False):
+    """The structure of an HF mask function: None (all), an overlay, or a Mask.
 
-    Windows here are on absolute positions; the caller aligns them. ``packed`` is True
+    Windows here are on absolute positions; the caller aligns them. Tensors read from the
+    closures (padding, packed ids) index positions from 0, so they are read only when the
+    call has no offsets (``offsets``); otherwise the function is not read. ``packed`` is True
     inside a packed-sequence ``and``, where positions restart per document: a band mask
     (causal, window) depends only on distances, which are the same within a document.
     """
@@ -93,20 +119,23 @@ def _read(fn, packed: bool = False):
     if kind == "full":
         return None
     if kind == "overlay":
-        return ("overlay", int(_closure(fn)["sliding_window"]))
+        return _Overlay(int(_closure(fn)["sliding_window"]))
+    if kind in ("padding", "packed") and offsets:
+        raise _Unknown(f"a {kind} tensor in the mask function of a call with offsets")
     if kind == "padding":
         return M.padding(_closure(fn)["padding_mask"].bool())
     if kind == "packed":
         return M.document(_closure(fn)["packed_sequence_mask"])
     if kind == "remap" and packed:
-        inner = _read(_closure(fn)["mask_function"])
+        inner = _read(_closure(fn)["mask_function"], offsets)
         if inner is None or isinstance(inner, M.Window):
             return inner
         raise _Unknown("a packed-sequence remap of a mask that is not a band")
     if kind in ("and", "or"):
         parts = _closure(fn)["mask_functions"]
-        is_packed = kind == "and" and any(_CODES.get(p.__code__) == "packed" for p in parts)
-        return _combine(kind, [_read(p, packed=is_packed) for p in parts])
+        is_packed = kind == "and" and any(
+            _CODES.get(getattr(p, "__code__", None)) == "packed" for p in parts)
+        return _combine(kind, [_read(p, offsets, is_packed) for p in parts])
     raise _Unknown(getattr(fn, "__qualname__", repr(fn)))
 
 
@@ -119,7 +148,7 @@ def _combine(kind: str, parts: list):
         if kind != "and" or len(overlays) != 1 or not causal:
             raise _Unknown("a sliding-window overlay without a causal mask")
         rest.remove(causal[0])
-        rest.append(M.sliding_window(overlays[0][1]))
+        rest.append(M.sliding_window(overlays[0].size))
     if kind == "and":
         rest = [p for p in rest if p is not None]
         out = None
@@ -134,13 +163,16 @@ def _combine(kind: str, parts: list):
     return out
 
 
-def _windows(mask) -> list:
-    """The band masks (causal, windows) in a mask or in its ``&``/``|`` parts."""
+def _bounded_by_band(mask) -> bool:
+    """Whether a band (causal, window) rules out every key after the last query's position:
+    a band, an ``&`` with one, or an ``|`` of such."""
     if isinstance(mask, M.Window):
-        return [mask]
-    if isinstance(mask, (M.And, M.Or)):
-        return _windows(mask.a) + _windows(mask.b)
-    return []
+        return True
+    if isinstance(mask, M.And):
+        return _bounded_by_band(mask.a) or _bounded_by_band(mask.b)
+    if isinstance(mask, M.Or):
+        return _bounded_by_band(mask.a) and _bounded_by_band(mask.b)
+    return False
 
 
 def _realign(mask, d: int, keys: int, q_length: int):
@@ -183,16 +215,23 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     """
     if isinstance(attention_mask, HFMask):          # prepared ahead by generate()
         return attention_mask
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or attention_mask.dim() != 2):
+        raise TypeError(f"attn_implementation='multihead' reads a 2-D padding mask (B, S) "
+                        f"here, got {type(attention_mask).__name__} of shape "
+                        f"{tuple(getattr(attention_mask, 'shape', ()))}: pass attention_mask "
+                        f"as (B, S) with 1 = real token, or a 4-D (B, 1, Sq, Sk) mask")
     q_offset, kv_offset = int(q_offset), int(kv_offset)
     shape = (batch_size, 1, q_length, kv_length)
     try:
-        mask = _read(mask_function) if mask_function is not None else None
+        offsets = bool(q_offset or kv_offset)
+        mask = _read(mask_function, offsets) if mask_function is not None else None
         keys = kv_length
-        if _windows(mask):                          # no key after the last query is visible
+        if _bounded_by_band(mask):                  # no key after the last query is visible
             d = q_offset - kv_offset
             keys = min(kv_length, max(q_length + d, 0))
             mask = _realign(mask, d, keys, q_length)
-        if attention_mask is not None and attention_mask.dim() == 2:
+        if attention_mask is not None:
             pad = _padding(attention_mask, kv_offset, keys)
             if pad is not None:
                 mask = pad if mask is None else mask & pad
