@@ -171,3 +171,15 @@ def test_weights_and_lse_equal_the_oracle_on_random_calls(backend):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9,
                                        msg=lambda m: f"case {i} {name}, mask {mask}: {m}")
     assert ran >= CASES // 2, ran
+
+
+@pytest.mark.parametrize("backend", WEIGHT_BACKENDS)
+def test_a_row_a_bias_rules_out_entirely_gives_zeros_on_weight_backends(backend):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 3, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    b = torch.zeros(2, 1, 3, 3, dtype=torch.float64)
+    b[1, :, 1] = float("-inf")                                      # batch 1, query 1: nothing
+    out, w, lse = mh.attention(q, k, v, mask=M.bias(b), backend=backend, return_weights=True,
+                               return_lse=True)
+    assert out[1, :, 1].eq(0).all() and w[1, :, 1].eq(0).all() and lse[1, :, 1].eq(-torch.inf).all()
+    assert not out.isnan().any() and w[0].sum(-1).allclose(torch.ones(2, 3, dtype=torch.float64))

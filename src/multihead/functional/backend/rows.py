@@ -69,7 +69,7 @@ class Rows(Backend):
         work = Work(flops=2.0 * pairs * (call.D + call.Dv), kernel="matmul",
                     dtype=call.compute_dtype,
                     bytes=SCORE_PASSES * size * pairs + call.io_bytes()
-                    + (size * call.pairs if call.return_weights else 0),    # zeroed weights
+                    + (size * call.pairs if call.return_weights else 0),    # weights written
                     launches=4 + ROW_OPS * call.B + mask_launches(call),
                     syncs=0 if call.effective_mask is None or call.q.device.type == "cpu" else 1,
                     memory=3 * size * pairs / max(call.B, 1))
@@ -81,9 +81,12 @@ class Rows(Backend):
         q, k, v = call.q.to(work), call.k.to(work), call.v.to(work)
         allowed, bias = mask_terms(call, q.device)
         out = q.new_zeros(B, H, Sq, call.Dv)
-        weights = q.new_zeros(B, H, Sq, Sk) if call.return_weights else None
+        weights = q.new_empty(B, H, Sq, Sk) if call.return_weights else None    # each byte once
         lse = q.new_full((B, H, Sq), float("-inf")) if call.return_lse else None
         for b, (lo, hi) in enumerate(_spans(allowed, B, Sk)):
+            if weights is not None:                                    # zeros outside the span
+                weights[b, :, :, :lo].zero_()
+                weights[b, :, :, hi:].zero_()
             if hi == lo:
                 continue                                               # a row sees nothing
             qb = q[b].reshape(Hkv, G * Sq, call.D)                     # (Hkv, G·Sq, D)
@@ -97,8 +100,8 @@ class Rows(Backend):
             if lse is not None:
                 lse[b] = torch.logsumexp(s, -1)
             w = torch.softmax(s, -1)                                   # (H, Sq, L)
-            if ab is not None:                                         # empty rows: zeros
-                w.masked_fill_(~ab.any(-1, keepdim=True), 0.0)
+            if ab is not None or bb is not None:     # empty rows (all -inf): zeros, not NaN
+                w.masked_fill_(s.amax(-1, keepdim=True) == float("-inf"), 0.0)
             ob = torch.bmm(w.view(Hkv, G * Sq, hi - lo), v[b, :, lo:hi])  # (Hkv, G·Sq, Dv)
             out[b] = ob.view(H, Sq, call.Dv)
             if weights is not None:
