@@ -22,23 +22,32 @@ MASK_KINDS = (("dense", 0), ("causal", 0), ("window", 256), ("window", 2048), ("
 QUICK_MASK_KINDS = (("window", 256), ("documents", 0), ("causal&padding", 0), ("alibi", 0))
 
 
-def suite_cases(suite: str, device: str | torch.device = "cpu") -> list[Case]:
-    """The cases of ``quick`` (< 1 min on 2 CPU cores), ``standard`` or ``full`` on ``device``.
+def suite_cases(suite: str, device: str | torch.device = "cpu", families=None) -> list[Case]:
+    """The cases of ``quick`` (< 1 min on 2 CPU cores), ``standard`` or ``full`` on ``device``,
+    only those of ``families`` when given.
 
     Example:
         >>> [c.name for c in suite_cases("quick")][:2]
         ['dense, B=1 H=8 S=256 D=64', 'dense, B=1 H=8 S=512 D=64']
+        >>> [c.name for c in suite_cases("standard", families=["hf model"])][0][:40]
+        'Llama-like 8x512 (GQA 8/2), 32 texts of '
         >>> [c.name for c in suite_cases("quick", "cuda") if c.family == "decode"]
         ['GQA decode step, H=32 Hkv=8 D=128, cache 4096', 'GQA decode step, B=8 H=32 Hkv=8 D=128, cache 4096']
     """
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}: choose one of {', '.join(SUITES)}")
     kind = getattr(device, "type", device)
-    if kind == "cpu":
-        return _cpu(suite)
-    if kind == "cuda":
-        return _cuda(suite)
-    raise ValueError(f"unknown device {device!r}: choose cpu or cuda")
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}: choose cpu or cuda")
+    cases = _cpu(suite) if kind == "cpu" else _cuda(suite)
+    if families:
+        known = sorted({c.family for c in cases})
+        unknown = [f for f in families if f not in known]
+        if unknown:
+            raise ValueError(f"--family {unknown[0]!r} is not in the {suite} suite on {kind}: "
+                             f"choose from {', '.join(known)}")
+        cases = [c for c in cases if c.family in families]
+    return cases
 
 
 def _overhead() -> list[Case]:

@@ -165,11 +165,12 @@ def run_case(case: Case, device, dtype, limits: Limits, reps: int, *,
 
 
 def run_suite(suite: str = "quick", device: str = "cpu", dtype: str = "fp32",
-              on_row=None, progress=None, cold_l2: bool = False) -> Run:
-    """Measure the limits, then every case of ``suite`` sized for ``device``; Ctrl-C keeps
-    what was measured. ``cold_l2`` (CUDA): flush the L2 cache before every timed call."""
+              on_row=None, progress=None, cold_l2: bool = False, families=None) -> Run:
+    """Measure the limits, then every case of ``suite`` sized for ``device`` (only those of
+    ``families`` when given); Ctrl-C keeps what was measured. ``cold_l2`` (CUDA): flush the
+    L2 cache before every timed call."""
     dev, dt = check_target(device, dtype, cold_l2)
-    cases = suite_cases(suite, dev)
+    cases = suite_cases(suite, dev, families)
     start = time.perf_counter()
     run = Run(suite, device, dtype, describe(dev), machine_limits(dev, dt, quick=suite == "quick"),
               cold_l2=cold_l2, timing=describe_timing(dev, cold_l2))

@@ -31,6 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--cold-l2", action="store_true", help="cuda: flush the L2 cache before every "
                    "timed call and time calls singly (default: batches of back-to-back calls, "
                    "warm caches)")
+    p.add_argument("--family", action="append", help="run only the suite's cases of this family "
+                   "(e.g. 'hf model', 'decode'; repeatable)")
     p.add_argument("--out", type=Path, help="directory for results.json, results.md, results.png")
 
 
@@ -39,7 +41,7 @@ def run(args) -> int:
     from ..bench.report import FILES
     from ..bench.suite import check_target, run_suite
     check_target(args.device, args.dtype, args.cold_l2)
-    cases = suite_cases(args.suite, args.device)
+    cases = suite_cases(args.suite, args.device, args.family)
     prepare_out(args.out, FILES)
 
     from rich.console import Console
@@ -51,6 +53,7 @@ def run(args) -> int:
                       TimeElapsedColumn(), console=err, transient=True) as bar:
             task = bar.add_task("measuring the machine's limits", total=len(cases))
             result = run_suite(args.suite, args.device, args.dtype, cold_l2=args.cold_l2,
+                               families=args.family,
                                progress=lambda c: bar.update(task, description=c.name[:60]),
                                on_row=lambda r: bar.advance(task))
     except KeyboardInterrupt:       # (while measuring the machine's limits, before any case)
