@@ -98,22 +98,23 @@ def _err(x, ref):
     return (x.double() - ref).abs().max().item() if x.numel() else 0.0
 
 
+def _cases_for(backend: str) -> list:
+    """The random cases ``backend`` runs on this device: ``(i, q, k, v, mask)``."""
+    _runs_on_this_device(backend)
+    return [(i, *c) for i, c in ((i, _case(i)) for i in range(CASES)) if _runs(backend, *c)]
+
+
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_every_backend_equals_the_fp64_oracle_on_random_calls(backend):
-    _runs_on_this_device(backend)
-    ran = 0
-    for i in range(CASES):
-        q, k, v, mask = _case(i)
-        if not _runs(backend, q, k, v, mask):
-            continue
-        ran += 1
+    cases = _cases_for(backend)
+    for i, q, k, v, mask in cases:
         out = mh.attention(q, k, v, mask=mask, backend=backend)
         ref = oracle(q, k, v, mask)
         assert out.shape == ref.shape
         assert not out.isnan().any(), f"case {i}: NaN from {backend} ({mask})"
         torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-9,
                                    msg=lambda m: f"case {i}, mask {mask}: {m}")
-    assert ran >= (CASES // 12 if backend == "varlen" else CASES // 2), ran
+    assert len(cases) >= (CASES // 12 if backend == "varlen" else CASES // 2), len(cases)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -155,13 +156,8 @@ WEIGHT_BACKENDS = [b for b in ALL_BACKENDS if mh.functional.registry.get(b).capa
 def test_weights_and_lse_equal_the_oracle_on_random_calls(backend):
     """A backend that returns weights (``rows`` crops each sequence to its live keys) gives
     the oracle's output, weights (zeros where masked and on empty rows) and lse."""
-    _runs_on_this_device(backend)
-    ran = 0
-    for i in range(CASES):
-        q, k, v, mask = _case(i)
-        if not _runs(backend, q, k, v, mask):
-            continue
-        ran += 1
+    cases = _cases_for(backend)
+    for i, q, k, v, mask in cases:
         got = mh.attention(q, k, v, mask=mask, backend=backend, return_weights=True,
                            return_lse=True)
         want = mh.attention(q, k, v, mask=mask, backend="reference", return_weights=True,
@@ -170,7 +166,7 @@ def test_weights_and_lse_equal_the_oracle_on_random_calls(backend):
             assert a.shape == b.shape and not a.isnan().any(), (i, name)
             torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9,
                                        msg=lambda m: f"case {i} {name}, mask {mask}: {m}")
-    assert ran >= CASES // 2, ran
+    assert len(cases) >= CASES // 2, len(cases)
 
 
 @pytest.mark.parametrize("backend", WEIGHT_BACKENDS)
