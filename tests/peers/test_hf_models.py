@@ -339,3 +339,24 @@ def test_attention_forward_refuses(kwargs, words):
     module = torch.nn.Module()
     with pytest.raises(ValueError, match=words):
         hf.attention_forward(module, q, q, q, None, **kwargs)
+
+
+def test_training_applies_attention_dropout_and_evaluation_does_not():
+    """``attention_dropout`` reaches our attention in training (two calls differ, gradients
+    flow) and is off in evaluation (two calls are equal and match sdpa's)."""
+    inputs, real = batch("llama", "right")
+    m = model("llama", "multihead")
+    m.config.attention_dropout = 0.5
+    for layer in m.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    m.train()
+    a, b = output(m(**inputs)), output(m(**inputs))
+    assert not torch.equal(a[real], b[real])
+    a[real].square().mean().backward()
+    assert m.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    m.eval()
+    with torch.no_grad():
+        e = output(m(**inputs))
+        assert torch.equal(e, output(m(**inputs)))
+        torch.testing.assert_close(e[real], output(model("llama", "sdpa")(**inputs))[real],
+                                   atol=1e-5, rtol=0)
