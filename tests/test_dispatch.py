@@ -398,3 +398,12 @@ def test_a_decoding_loop_plans_only_the_backend_auto_chose():
         assert first >= 3 and calls[first:] == ["sdpa"] * 55
     finally:
         mock.patch.stopall()
+
+
+def test_masked_gqa_folds_query_heads_only_when_decoding():
+    """Folding copies a materialized mask once per query head of a group: worth it for a
+    few queries (decoding), not for a prefill, where enable_gqa reads the mask as it is."""
+    q, k, v = _qkv(S=256, H=8, Hkv=2, B=2)
+    mask = M.padding(torch.tensor([100, 256])) & M.causal()
+    assert "enable_gqa" in str(mh.explain(q, k, v, mask=mask, backend="sdpa"))
+    assert "folded" in str(mh.explain(q[:, :, -1:], k, v, mask=mask, backend="sdpa"))

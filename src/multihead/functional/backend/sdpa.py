@@ -29,6 +29,9 @@ from ..cost import Work
 from ..registry import Backend, Plan, register
 from ._common import FUSED_ROWS, KEY_SPLIT, mask_launches, mask_terms
 
+#: the most queries for which a masked GQA call folds its query heads (decoding, verifying)
+FOLD_MASKED_MAX_SQ = 16
+
 class Detail(NamedTuple):
     mode: str        # "plain", "causal" (is_causal=True) or "masked"
     fold: bool       # fold the query heads of a K/V head into the query axis
@@ -104,7 +107,10 @@ class SDPA(Backend):
         dtype = torch.float32 if upcast else call.q.dtype
         head_free = mode != "masked" or not m.num_heads or m.num_heads == 1
         native = "sdpa_native_gqa" in profile.features
-        fold = G > 1 and head_free and mode != "causal" and not native
+        # folding a materialized mask copies it G times and runs slower than enable_gqa
+        # (on a CPU: 0.14 s vs 0.09 s for a padded batch of 32 x 511); it pays for decoding
+        fold = G > 1 and head_free and mode != "causal" and not native and \
+            (mode != "masked" or Sq <= FOLD_MASKED_MAX_SQ)
         kv_reads = G if G > 1 and not (fold or native) else 1
         pairs = B * H * _causal_pairs(Sq, Sk) if mode == "causal" else call.pairs
         heads, rows = (B * Hkv, G * Sq) if fold else (B * H, Sq)
