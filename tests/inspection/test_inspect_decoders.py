@@ -2,7 +2,9 @@
 here at random (no download) with a tokenizer trained here. The weights are transformers'
 eager weights, nothing lies above the diagonal, the headline look points backwards, the
 terminal and the reports say the model is causal, and what is meaningless for a decoder is
-n/a. Directories with only a pickle, an unknown model type, or no transformers are refused."""
+n/a. A tiny BART (an encoder-decoder) shows its encoder's bidirectional self-attention, and
+says so. Directories with only a pickle, an unknown model type, or no transformers are
+refused."""
 
 from __future__ import annotations
 
@@ -27,17 +29,25 @@ from tiny import tiny_checkpoint  # noqa: E402
 TEXT = "The animal didn't cross the street because it was too tired."
 CORPUS = [TEXT, "The dog chased the cat because it was hungry.", "She said he left."] * 4
 NOTE = "decoder (causal): each token attends only to itself and earlier tokens"
+BART_NOTE = ("encoder-decoder (BART): showing the encoder's self-attention (bidirectional: each "
+             "token attends to every token)")
+#: BART's special tokens, at the ids BartConfig expects (bos 0, pad 1, eos 2)
+BART_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 
 
-def _gpt2_tokenizer():
-    """Byte-level BPE as GPT-2's: tokens like 'Ġanimal', no special token added."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _gpt2_tokenizer(specials=("<|endoftext|>",)):
+    """Byte-level BPE as GPT-2's: tokens like 'Ġanimal', no special token added; with
+    BART_SPECIALS, BART's: '<s>' ... '</s>' around the text (RoBERTa's post-processor)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
+        vocab_size=400, special_tokens=list(specials), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if "<s>" in specials:
+        tok.post_processor = processors.RobertaProcessing(
+            ("</s>", tok.token_to_id("</s>")), ("<s>", tok.token_to_id("<s>")))
     return tok
 
 
@@ -68,6 +78,14 @@ def _checkpoint(path: Path, kind: str) -> Path:
                                           num_key_value_heads=2, max_position_embeddings=64,
                                           initializer_range=0.3)
         model, tok = transformers.LlamaForCausalLM(config), _llama_tokenizer()
+    elif kind == "bart":                                   # a smaller decoder: never shown
+        config = transformers.BartConfig(vocab_size=400, d_model=32, encoder_layers=2,
+                                         encoder_attention_heads=4, encoder_ffn_dim=64,
+                                         decoder_layers=1, decoder_attention_heads=2,
+                                         decoder_ffn_dim=64, max_position_embeddings=64,
+                                         init_std=0.3)
+        model = transformers.BartForConditionalGeneration(config)
+        tok = _gpt2_tokenizer(BART_SPECIALS)
     else:                                                  # MQA and a sliding window of 4
         config = transformers.MistralConfig(vocab_size=200, hidden_size=32, intermediate_size=64,
                                             num_hidden_layers=2, num_attention_heads=4,
@@ -82,7 +100,7 @@ def _checkpoint(path: Path, kind: str) -> Path:
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("decoders")
-    return {kind: _checkpoint(root / kind, kind) for kind in ("gpt2", "llama", "mistral")}
+    return {kind: _checkpoint(root / kind, kind) for kind in ("gpt2", "llama", "mistral", "bart")}
 
 
 def _copy(dirs, kind: str, tmp_path: Path) -> Path:
@@ -136,8 +154,10 @@ def test_inspect_decoder_end_to_end(dirs, kind, tmp_path, capsys, monkeypatch):
     assert 'id="attention"' in html and '"causal": true' in html and NOTE in html
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral"])
-def test_weights_are_transformers_eager_weights_from_our_attention(dirs, kind, monkeypatch):
+@pytest.fixture
+def our_calls(monkeypatch):
+    """One entry per call of our attention in a model loaded after this: whether that call
+    gave the weights."""
     from multihead.interop import hf
     calls = []
     real = hf.attention_forward
@@ -146,10 +166,15 @@ def test_weights_are_transformers_eager_weights_from_our_attention(dirs, kind, m
         out = real(*a, **k)
         calls.append(out[1] is not None)                      # our call gave the weights
         return out
-    monkeypatch.setattr(hf, "attention_forward", spy)
+    monkeypatch.setattr(hf, "attention_forward", spy)     # load() registers it
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral"])
+def test_weights_are_transformers_eager_weights_from_our_attention(dirs, kind, our_calls):
     model = load(dirs[kind])
     cap = capture(model, TEXT)
-    assert calls == [True, True]                          # every layer ran our attention
+    assert our_calls == [True, True]                      # every layer ran our attention
     eager = transformers.AutoModel.from_pretrained(str(dirs[kind]), attn_implementation="eager",
                                                    use_safetensors=True)
     with torch.inference_mode():
@@ -161,6 +186,43 @@ def test_weights_are_transformers_eager_weights_from_our_attention(dirs, kind, m
     if kind == "mistral":                                 # nothing beyond the window either
         assert bool((torch.tril(cap.weights, diagonal=-4) == 0).all())
         assert model.attention_note == NOTE + " (sliding window in every layer: only the last 4 tokens)"
+
+
+def test_inspect_bart_shows_the_encoder_end_to_end(dirs, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert main(["inspect", TEXT, "--model", str(dirs["bart"]), "--out", str(out),
+                 "--format", "json,html", "--metrics"]) == 0
+    text = " ".join(capsys.readouterr().out.split())      # rich wraps lines
+    assert BART_NOTE in text and "earlier tokens only" not in text and "n/a" not in text
+
+    d = json.loads((out / "inspect.json").read_text())
+    assert d["causal"] is False and d["attention"] == BART_NOTE and d["model"] == "bart"
+    toks = d["tokens"]
+    assert toks[0] == "<s>" and toks[-1] == "</s>" and "animal" in toks
+    assert not any("Ġ" in t for t in toks)
+    w = unpack_weights(d["weights"])                      # (L, H, S, S): the encoder's
+    assert (d["layers"], d["heads"]) == (2, 4)            # not the decoder's 1 layer of 2 heads
+    assert bool((torch.triu(w, diagonal=1) > 0).any())    # tokens see later tokens too
+    assert d["not_applicable"] == {}                      # <s>/</s> count as [CLS]/[SEP]
+    assert all(d["metrics"][m] is not None for m in ("cls", "sep", "next", "prev"))
+    assert "looking back" not in d["summary"]
+    html = (out / "report.html").read_text()
+    assert '"causal": false' in html and BART_NOTE in html
+
+
+def test_bart_weights_are_eager_encoder_weights_from_our_attention(dirs, our_calls):
+    model = load(dirs["bart"])
+    cap = capture(model, TEXT)
+    assert our_calls == [True, True]          # both encoder layers (the decoder is not run)
+    assert not cap.causal and model.attention_note == BART_NOTE
+    eager = transformers.AutoModel.from_pretrained(str(dirs["bart"]), attn_implementation="eager",
+                                                   use_safetensors=True)
+    with torch.inference_mode():   # BartModel makes decoder_input_ids by shifting input_ids
+        ref = eager(input_ids=model.tokenize(TEXT).ids[None],
+                    output_attentions=True).encoder_attentions
+    ref = torch.stack([a[0] for a in ref])                # (L, H, S, S)
+    torch.testing.assert_close(cap.weights, ref, atol=1e-5, rtol=0)
+    assert bool((torch.triu(cap.weights, diagonal=1) > 0).any())   # bidirectional
 
 
 def test_headline_looks_back(dirs):
@@ -185,8 +247,9 @@ def test_first_token_query_says_why_it_looks_nowhere(dirs, capsys):
     assert "has no word before it" in " ".join(capsys.readouterr().out.split())
 
 
-def test_pickled_weights_are_refused_without_unpickling(dirs, tmp_path, monkeypatch, capsys):
-    d = _copy(dirs, "gpt2", tmp_path)
+@pytest.mark.parametrize("kind", ["gpt2", "bart"])
+def test_pickled_weights_are_refused_without_unpickling(dirs, kind, tmp_path, monkeypatch, capsys):
+    d = _copy(dirs, kind, tmp_path)
     (d / "model.safetensors").unlink()
     (d / "pytorch_model.bin").write_bytes(b"\x80\x04 not even a real pickle")
 
@@ -208,6 +271,7 @@ def test_unsupported_model_type_names_file_field_and_types(dirs, tmp_path, capsy
     err = _one_line_error(capsys)
     assert str(d / "config.json") in err and "model_type is 't5'" in err
     assert "'bert'" in err and "'gpt2', 'llama', 'mistral', 'qwen2'" in err
+    assert "encoder-decoder 'bart'" in err
 
 
 def test_missing_transformers_says_how_to_install(dirs, monkeypatch, capsys):

@@ -1,10 +1,11 @@
 """``multihead inspect``: what each head of a real model does, for any text.
 
 Loads the model (default: the embedded all-MiniLM-L6-v2; ``--model`` takes a BERT-family
-encoder or a GPT-2/Llama/Mistral/Qwen2 decoder), captures every head's attention for the
-text, prints a table of head roles with the scores behind them and the heads that attend
-most from the query token ("L3H1: it → animal 0.68"; a decoder's only to earlier tokens),
-and with ``--out`` writes an offline HTML report, PNG/SVG heatmaps and the raw data as JSON.
+encoder, a GPT-2/Llama/Mistral/Qwen2 decoder, or BART, whose encoder is shown), captures
+every head's attention for the text, prints a table of head roles with the scores behind
+them and the heads that attend most from the query token ("L3H1: it → animal 0.68"; a
+decoder's only to earlier tokens), and with ``--out`` writes an offline HTML report,
+PNG/SVG heatmaps and the raw data as JSON.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("--file", type=Path, help="texts, one per line: head metrics are averaged over "
                    "all of them (the first, or TEXT, is shown in detail)")
     p.add_argument("--model", type=Path, help="a model directory (config.json, model.safetensors, "
-                   "tokenizer.json): a BERT-family encoder, or a GPT-2, Llama, Mistral or Qwen2 "
-                   "decoder (needs transformers: pip install 'multihead[hf]'); default: the "
+                   "tokenizer.json): a BERT-family encoder, a GPT-2, Llama, Mistral or Qwen2 "
+                   "decoder, or a BART encoder-decoder (its encoder's attention is shown); all "
+                   "but BERT need transformers: pip install 'multihead[hf]'; default: the "
                    "embedded all-MiniLM-L6-v2")
     p.add_argument("--query-token", help="the word whose attention is followed "
                    "(default: the first pronoun)")

@@ -1,8 +1,10 @@
 """Capture every head's attention weights for a text, and find where a query token looks.
 
 Any model that answers :class:`Inspectable` can be inspected: a BERT-family encoder
-(:class:`multihead.models.Pretrained`) or a causal decoder (:class:`multihead.models.Decoder`).
-A decoder looks only backwards: its query token's looks are to earlier tokens only.
+(:class:`multihead.models.Pretrained`), a causal decoder (:class:`multihead.models.Decoder`)
+or an encoder-decoder (:class:`multihead.models.EncoderDecoder`: its encoder's attention,
+bidirectional). A decoder looks only backwards: its query token's looks are to earlier
+tokens only.
 
 Notation used for tensor shapes: L layers, H heads, S tokens.
 """

@@ -1,8 +1,8 @@
 """Load a model directory, safely and all-or-nothing: BERT-family encoders onto :class:`BertEncoder`.
 
 :func:`load` dispatches on ``config.json``'s ``model_type``: ``"bert"`` is loaded here; the
-decoders (GPT-2, Llama, Mistral, Qwen2) by :mod:`.hf_decoder`; anything else is refused in
-one line naming the file, the field and the types multihead runs.
+decoders (GPT-2, Llama, Mistral, Qwen2) and the encoder-decoder BART by :mod:`.hf_models`;
+anything else is refused in one line naming the file, the field and the types multihead runs.
 
 A BERT model directory holds ``config.json``, ``model.safetensors`` and ``tokenizer.json`` (the
 layout of a Hugging Face / sentence-transformers checkpoint), and optionally
@@ -28,7 +28,7 @@ from .._init import skip_init
 from ._files import ModelLoadError, check_model_dir, read_json, show
 from .bert import BertConfig, BertEncoder, UnsupportedModel
 from .checkpoint import check_header, expected_tensors, read_header, read_weights, to_ours
-from .hf_decoder import DECODER_TYPES
+from .hf_models import DECODER_TYPES, ENCODER_DECODER_TYPES, HF_TYPES
 from .sentence import SentenceConfig, sentence_config
 from .tokenizer import load_tokenizer
 
@@ -57,9 +57,10 @@ def load(model_dir: str | Path | None = None, *, dtype: torch.dtype = torch.floa
     """Load a model directory (default: the embedded all-MiniLM-L6-v2).
 
     ``config.json``'s ``model_type`` says what it is: ``"bert"`` runs on our
-    :class:`BertEncoder`; the decoders ``"gpt2"``, ``"llama"``, ``"mistral"`` and ``"qwen2"``
-    run on ``transformers`` (``pip install 'multihead[hf]'``) with every attention layer
-    through :func:`multihead.attention` (see :mod:`.hf_decoder`).
+    :class:`BertEncoder`; the decoders ``"gpt2"``, ``"llama"``, ``"mistral"`` and ``"qwen2"``,
+    and the encoder-decoder ``"bart"``, run on ``transformers`` (``pip install
+    'multihead[hf]'``) with every attention layer through :func:`multihead.attention` (see
+    :mod:`.hf_models`).
 
     Args:
         model_dir: a directory with config.json, model.safetensors and tokenizer.json.
@@ -67,7 +68,8 @@ def load(model_dir: str | Path | None = None, *, dtype: torch.dtype = torch.floa
 
     Returns:
         A :class:`multihead.models.Pretrained` (BERT family: encoder in eval mode, tokenizer,
-        configs), or a :class:`multihead.models.Decoder` (a causal decoder).
+        configs), a :class:`multihead.models.Decoder` (a causal decoder), or a
+        :class:`multihead.models.EncoderDecoder` (BART: its encoder's attention is shown).
 
     Raises:
         ModelLoadError: a missing, unreadable or corrupt file; a config.json value that is
@@ -96,16 +98,16 @@ def load(model_dir: str | Path | None = None, *, dtype: torch.dtype = torch.floa
     d = default_model_dir() if model_dir is None else Path(model_dir)
     name = DEFAULT_NAME if model_dir is None else d.name
     kind = model_type(d)
-    if kind in DECODER_TYPES:
-        from .hf_decoder import load_decoder
-        return load_decoder(d, dtype=dtype, device=device)
+    if kind in HF_TYPES:
+        from .hf_models import load_hf
+        return load_hf(d, dtype=dtype, device=device)
     return _load_bert(d, name, dtype, device)
 
 
 def model_type(d: Path) -> str | None:
-    """``config.json``'s ``model_type`` in the model directory ``d``: ``"bert"``, a decoder
-    type (:data:`multihead.models.hf_decoder.DECODER_TYPES`), or None when the file is not a
-    JSON object (the BERT loader then says what is wrong with it).
+    """``config.json``'s ``model_type`` in the model directory ``d``: ``"bert"``, a type run on
+    ``transformers`` (:data:`multihead.models.hf_models.HF_TYPES`), or None when the file is
+    not a JSON object (the BERT loader then says what is wrong with it).
 
     Raises:
         ModelLoadError: ``d`` or its config.json is missing or unreadable, or the model type
@@ -117,13 +119,15 @@ def model_type(d: Path) -> str | None:
     if not isinstance(config, dict):
         return None
     kind = config.get("model_type")
-    if kind != "bert" and kind not in DECODER_TYPES:
+    if kind != "bert" and kind not in HF_TYPES:
         archs = config.get("architectures") or []
-        supported = ", ".join(repr(t) for t in DECODER_TYPES)
+        decoders = ", ".join(repr(t) for t in DECODER_TYPES)
+        encoder_decoders = ", ".join(repr(t) for t in ENCODER_DECODER_TYPES)
         raise ModelLoadError(
             f"{d / 'config.json'}: model_type is {show(kind)} (architectures {show(archs)}); "
-            f"multihead runs model_type 'bert' (BERT-family encoders) and the decoders "
-            f"{supported}")
+            f"multihead runs model_type 'bert' (BERT-family encoders), the decoders "
+            f"{decoders} and the encoder-decoder {encoder_decoders}: use a checkpoint of one "
+            f"of these")
     return kind
 
 

@@ -1,19 +1,23 @@
-"""Decoder checkpoints (GPT-2, Llama, Mistral, Qwen2) on ``transformers``, every attention
-layer through :func:`multihead.attention`.
+"""Checkpoints built by ``transformers``, every attention layer through
+:func:`multihead.attention`: decoders (GPT-2, Llama, Mistral, Qwen2) and an encoder-decoder
+(BART).
 
-A decoder directory holds ``config.json`` (``model_type`` one of :data:`DECODER_TYPES`),
+Such a directory holds ``config.json`` (``model_type`` one of :data:`HF_TYPES`),
 ``model.safetensors`` (or a sharded ``model.safetensors.index.json``) and ``tokenizer.json``.
 The network is built by ``transformers`` (``pip install 'multihead[hf]'``) from safetensors
 only (``use_safetensors=True``: a ``pytorch_model.bin`` is never unpickled), from local
 files only, without remote code, and with ``attn_implementation`` set to our attention
-(:mod:`multihead.interop.hf`): the causal mask is our structured ``causal()`` (a sliding
-window for Mistral) and the weights :meth:`Decoder.attention_weights` returns come from the
-same :func:`multihead.attention` call that computes the output.
+(:mod:`multihead.interop.hf`): a decoder's causal mask is our structured ``causal()`` (a
+sliding window for Mistral), and the weights ``attention_weights`` returns come from the same
+:func:`multihead.attention` call that computes the output.
 
-Only the base network is built (``AutoModel``: ``GPT2Model``, ``LlamaModel``, ...): the
-inspector needs attention, not next-token logits, so the vocabulary projection is skipped.
-A checkpoint whose tensors do not cover the network (the wrong ``model_type``, a truncated
-file) is refused rather than run with randomly initialized layers, and so are NaN/inf weights.
+Only the base network is built (``AutoModel``: ``GPT2Model``, ``LlamaModel``, ``BartModel``,
+...): the inspector needs attention, not next-token logits, so the vocabulary projection is
+skipped. A decoder (:class:`Decoder`) shows its causal self-attention; an encoder-decoder
+(:class:`EncoderDecoder`) shows its encoder's self-attention, which is bidirectional as
+BERT's (the decoder, which needs a target text, is not run). A checkpoint whose tensors do
+not cover the network (the wrong ``model_type``, a truncated file) is refused rather than
+run with randomly initialized layers, and so are NaN/inf weights.
 
 Notation used for tensor shapes: S tokens, E hidden size, H heads, L layers.
 """
@@ -32,11 +36,16 @@ from .bert import EncoderOutput
 from .pretrained import Tokens, check_texts
 from .tokenizer import display, load_tokenizer
 
-__all__ = ["DECODER_TYPES", "Decoder", "DecoderConfig", "load_decoder"]
+__all__ = ["DECODER_TYPES", "ENCODER_DECODER_TYPES", "HF_TYPES", "Decoder", "EncoderDecoder",
+           "HFConfig", "HFModel", "load_hf"]
 
-#: config.json model_type values loaded here
+#: config.json model_type values of the decoders loaded here
 DECODER_TYPES = ("gpt2", "llama", "mistral", "qwen2")
-#: safetensors files a decoder's weights may come in (one file, or shards and their index)
+#: ... and of the encoder-decoders (their encoder is shown)
+ENCODER_DECODER_TYPES = ("bart",)
+#: every model_type loaded here
+HF_TYPES = DECODER_TYPES + ENCODER_DECODER_TYPES
+#: safetensors files a model's weights may come in (one file, or shards and their index)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 #: the attention implementation the network runs on (registered by multihead.interop.hf)
 IMPLEMENTATION = "multihead"
@@ -44,8 +53,9 @@ HINT = "pip install 'multihead[hf]'"
 
 
 @dataclass(frozen=True)
-class DecoderConfig:
-    """The facts about a decoder the inspector shows, read from its ``transformers`` config.
+class HFConfig:
+    """The facts about a model the inspector shows, read from its ``transformers`` config
+    (for an encoder-decoder, its encoder's: BART's ``num_hidden_layers`` is ``encoder_layers``).
 
     Attributes:
         window: the sliding-window size (Mistral, Qwen2 with ``use_sliding_window``), or None.
@@ -53,7 +63,7 @@ class DecoderConfig:
 
     Example:
         >>> from transformers import GPT2Config
-        >>> c = DecoderConfig.from_hf(GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64))
+        >>> c = HFConfig.from_hf(GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64))
         >>> c.model_type, c.num_key_value_heads, c.max_position_embeddings
         ('gpt2', 4, 64)
     """
@@ -69,7 +79,7 @@ class DecoderConfig:
     window_layers: tuple[int, ...] = ()
 
     @classmethod
-    def from_hf(cls, c, *, source: str = "config.json") -> "DecoderConfig":
+    def from_hf(cls, c, *, source: str = "config.json") -> "HFConfig":
         """From a ``transformers`` config (GPT-2's ``n_positions`` etc. through its aliases)."""
         values = {name: getattr(c, name, None) for name in (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -91,44 +101,33 @@ class DecoderConfig:
 
 
 @dataclass
-class Decoder:
-    """A causal decoder on ``transformers`` with our attention; build it with
-    :func:`multihead.models.load` (or :func:`load_decoder`).
+class HFModel:
+    """A model built by ``transformers`` with our attention: a :class:`Decoder` or an
+    :class:`EncoderDecoder`; build one with :func:`multihead.models.load` (or :func:`load_hf`).
 
     It answers what :func:`multihead.inspect.capture.capture` asks of a model (see
     :class:`multihead.inspect.capture.Inspectable`), as :class:`Pretrained` does.
 
     Attributes:
-        network: the ``transformers`` base model (``GPT2Model``, ``LlamaModel``, ...), eval mode.
+        network: the ``transformers`` base model (``GPT2Model``, ``BartModel``, ...), eval mode.
         tokenizer: a ``tokenizers.Tokenizer`` (no padding, no truncation: we do both).
-        config: the :class:`DecoderConfig`.
+        config: the :class:`HFConfig`.
         directory, name: where it came from.
     """
 
     network: torch.nn.Module
     tokenizer: object
-    config: DecoderConfig
+    config: HFConfig
     directory: Path
     name: str
-    #: each token attends only to itself and earlier tokens
-    causal: ClassVar[bool] = True
-
-    @property
-    def attention_note(self) -> str:
-        """One line on which tokens each token can attend to."""
-        note = "decoder (causal): each token attends only to itself and earlier tokens"
-        c = self.config
-        if c.window:
-            where = ("every layer" if len(c.window_layers) == c.num_hidden_layers
-                     else f"{len(c.window_layers)} of {c.num_hidden_layers} layers")
-            note += f" (sliding window in {where}: only the last {c.window} tokens)"
-        return note
+    #: whether each token attends only to itself and earlier tokens
+    causal: ClassVar[bool]
 
     def tokenize(self, text: str, *, max_length: int | None = None) -> Tokens:
-        """Tokenize one text as the model was trained (a BOS token where its tokenizer adds
-        one), tokens shown readably (``"Ġanimal"`` -> ``"animal"``); longer than
-        ``max_length`` (default: the model's positions) keeps the first tokens, and says so in
-        ``truncated``."""
+        """Tokenize one text as the model was trained (a BOS token, or BART's ``<s>`` ...
+        ``</s>``, where its tokenizer adds them), tokens shown readably (``"Ġanimal"`` ->
+        ``"animal"``); longer than ``max_length`` (default: the model's positions) keeps the
+        first tokens (and a closing special token), and says so in ``truncated``."""
         return self.tokenize_batch([text], max_length=max_length)[0]
 
     def tokenize_batch(self, texts: Sequence[str], *, max_length: int | None = None) -> list[Tokens]:
@@ -159,18 +158,69 @@ class Decoder:
                 found.append(pieces)
         return found
 
+    def _run(self, module: torch.nn.Module, ids: torch.Tensor, **kwargs) -> EncoderOutput:
+        """``module`` (the network, or its encoder) on ``ids`` ``(1, S)``: the last hidden
+        states ``(1, S, E)`` and every layer's attention weights, each ``(1, H, S, S)``."""
+        device = next(module.parameters()).device
+        out = module(input_ids=ids.to(device), output_attentions=True, **kwargs)
+        weights = list(out.attentions or ())
+        if len(weights) != self.config.num_hidden_layers or any(w is None for w in weights):
+            raise RuntimeError(f"{type(module).__name__} returned {len(weights)} attention "
+                               f"weights for {self.config.num_hidden_layers} layers: this "
+                               f"transformers version records them differently")
+        return EncoderOutput(out.last_hidden_state, weights)
+
+
+@dataclass
+class Decoder(HFModel):
+    """A causal decoder (GPT-2, Llama, Mistral, Qwen2): its self-attention is shown."""
+
+    #: each token attends only to itself and earlier tokens
+    causal: ClassVar[bool] = True
+
+    @property
+    def attention_note(self) -> str:
+        """One line on which tokens each token can attend to."""
+        note = "decoder (causal): each token attends only to itself and earlier tokens"
+        c = self.config
+        if c.window:
+            where = ("every layer" if len(c.window_layers) == c.num_hidden_layers
+                     else f"{len(c.window_layers)} of {c.num_hidden_layers} layers")
+            note += f" (sliding window in {where}: only the last {c.window} tokens)"
+        return note
+
     @torch.inference_mode()
     def attention_weights(self, ids: torch.Tensor) -> EncoderOutput:
         """Run the network on ``ids`` ``(1, S)``; returns the last hidden states ``(1, S, E)``
         and every layer's attention weights, each ``(1, H, S, S)``, zero above the diagonal."""
-        device = next(self.network.parameters()).device
-        out = self.network(input_ids=ids.to(device), output_attentions=True, use_cache=False)
-        weights = list(out.attentions or ())
-        if len(weights) != self.config.num_hidden_layers or any(w is None for w in weights):
-            raise RuntimeError(f"{type(self.network).__name__} returned {len(weights)} attention "
-                               f"weights for {self.config.num_hidden_layers} layers: this "
-                               f"transformers version records them differently")
-        return EncoderOutput(out.last_hidden_state, weights)
+        return self._run(self.network, ids, use_cache=False)
+
+
+@dataclass
+class EncoderDecoder(HFModel):
+    """An encoder-decoder (BART): its encoder's self-attention is shown, bidirectional as
+    BERT's; ``config`` holds the encoder's layers and heads."""
+
+    #: the encoder's tokens attend to every token
+    causal: ClassVar[bool] = False
+
+    @property
+    def attention_note(self) -> str:
+        """One line on which tokens each token can attend to."""
+        return (f"encoder-decoder ({self.config.model_type.upper()}): showing the encoder's "
+                f"self-attention (bidirectional: each token attends to every token)")
+
+    @torch.inference_mode()
+    def attention_weights(self, ids: torch.Tensor) -> EncoderOutput:
+        """Run the encoder on ``ids`` ``(1, S)``; returns its last hidden states ``(1, S, E)``
+        and every encoder layer's attention weights, each ``(1, H, S, S)``.
+
+        Only the encoder runs: its output does not depend on the decoder, so no
+        ``decoder_input_ids`` are needed (``BartModel`` would otherwise make them by shifting
+        ``ids`` right) and the decoder's self- and cross-attention are not computed. The
+        weights equal ``BartModel(input_ids=ids, output_attentions=True).encoder_attentions``.
+        """
+        return self._run(self.network.get_encoder(), ids)
 
 
 def _transformers(d: Path, kind: str):
@@ -200,9 +250,10 @@ def _quiet(transformers):
             log.enable_progress_bar()
 
 
-def load_decoder(d: Path, *, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> Decoder:
-    """Load a GPT-2, Llama, Mistral or Qwen2 directory; see :func:`multihead.models.load`.
+def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
+            device: str | torch.device = "cpu") -> HFModel:
+    """Load a GPT-2, Llama, Mistral, Qwen2 (a :class:`Decoder`) or BART (an
+    :class:`EncoderDecoder`) directory; see :func:`multihead.models.load`.
 
     Raises:
         ModelLoadError: a missing or unusable file, ``transformers`` not installed (the message
@@ -213,9 +264,9 @@ def load_decoder(d: Path, *, dtype: torch.dtype = torch.float32,
     check_model_dir(d, WEIGHT_FILES)
     config_file = d / "config.json"
     kind = read_object(config_file, hint="copy config.json from the original model").get("model_type")
-    if kind not in DECODER_TYPES:
-        raise ModelLoadError(f"{config_file}: model_type is {show(kind)}, not a decoder multihead "
-                             f"loads ({', '.join(map(repr, DECODER_TYPES))})")
+    if kind not in HF_TYPES:
+        raise ModelLoadError(f"{config_file}: model_type is {show(kind)}, not one multihead "
+                             f"runs on transformers ({', '.join(map(repr, HF_TYPES))})")
     transformers = _transformers(d, kind)
     with _quiet(transformers):
         try:
@@ -226,7 +277,7 @@ def load_decoder(d: Path, *, dtype: torch.dtype = torch.float32,
                 raise
             raise ModelLoadError(f"{config_file} is not a usable {kind} config.json "
                                  f"({first_line(e)})") from None
-        config = DecoderConfig.from_hf(hf_config, source=str(config_file))
+        config = HFConfig.from_hf(hf_config, source=str(config_file))
         tokenizer = load_tokenizer(d / "tokenizer.json", config.vocab_size)
         weights = next(d / w for w in WEIGHT_FILES if (d / w).is_file())
         try:
@@ -250,4 +301,5 @@ def load_decoder(d: Path, *, dtype: torch.dtype = torch.float32,
         if not bool(torch.isfinite(p).all()):
             raise ModelLoadError(f"{weights}: tensor {name} holds NaN or inf values: the "
                                  f"checkpoint is corrupt; re-export it")
-    return Decoder(network.to(device).eval(), tokenizer, config, d, d.name)
+    model = Decoder if kind in DECODER_TYPES else EncoderDecoder
+    return model(network.to(device).eval(), tokenizer, config, d, d.name)
