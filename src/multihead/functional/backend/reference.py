@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from .._call import AttentionCall
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
