@@ -113,3 +113,86 @@ def test_the_backend_through_attention_on_cuda(name):
         plain = mh.attention(q.float(), k.float(), v.float(), mask=mask, backend="sdpa")
         base = (plain.to(torch.bfloat16).double() - ref).abs().max()
         assert (out.double() - ref).abs().max() <= 2 * base + 1e-2
+
+
+# -- the split-K decode kernel -------------------------------------------------------------
+
+from multihead.kernels.decode import decode_forward, num_splits  # noqa: E402
+
+DECODE = [  # B, H, Hkv, Sq, Sk, D, mask, splits
+    (2, 8, 2, 1, 200, 32, "causal", 3),                   # GQA decode step, 3 splits
+    (1, 4, 1, 3, 130, 16, "window 20", 2),                # MQA, a 3-token draft to verify
+    (3, 4, 4, 2, 64, 16, "none", 5),                      # MHA, more splits than key blocks
+    (3, 6, 2, 5, 150, 32, "causal & padding", 4),         # a cache with one empty sequence
+    (2, 4, 2, 16, 90, 64, "window 7 & padding", None),    # the most queries it takes
+]
+
+
+def _decode_mask(name: str, B: int, Sk: int):
+    band = None if name.startswith("none") else M.causal() if name.startswith("causal") \
+        else M.sliding_window(int(name.split()[1]))
+    if "padding" not in name:
+        return band
+    pad = M.padding(torch.tensor([Sk, 0, Sk - 17][:B]))
+    return pad if band is None else band & pad
+
+
+def _band_of(q, k, v, mask):
+    return mh.functional.backend.triton._band(
+        mh.functional._call.make_call(q, k, v, mask=mask, scale=None, dropout_p=0.0,
+                                      return_weights=False, return_lse=False))
+
+
+def _check_decode(q, k, v, mask, splits=None):
+    band = _band_of(q, k, v, mask)
+    B = q.shape[0]
+    lens = band.padding.lengths.expand(B).contiguous() if band.padding is not None else None
+    out, lse = decode_forward(q, k, v, scale=q.shape[-1] ** -0.5, causal=band.causal,
+                              window=band.window, offset=band.offset, kv_lengths=lens,
+                              splits=splits)
+    ref, ref_lse = mh.attention(q.double(), k.double(), v.double(), mask=mask,
+                                backend="reference", return_lse=True)
+    plain = mh.attention(q.float(), k.float(), v.float(), mask=mask, backend="reference")
+    err = (out.double() - ref).abs().max()
+    base = (plain.to(q.dtype).double() - ref).abs().max()
+    assert err <= 2 * base + 2 * torch.finfo(q.dtype).eps, (err, base)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))          # empty rows: -inf
+    fin = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[fin].double(), ref_lse[fin], atol=1e-4, rtol=1e-4)
+    assert (out[~fin] == 0).all()                                       # ... and zeros
+
+
+@pytest.mark.parametrize("case", DECODE, ids=[f"{c[6]}-{c[3]}x{c[4]}-H{c[1]}kv{c[2]}"
+                                              for c in DECODE])
+def test_split_k_decode_equals_the_fp64_oracle(case):
+    B, H, Hkv, Sq, Sk, D, name, splits = case
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, D, torch.float16)
+    mask = _decode_mask(name, B, Sk)
+    _check_decode(q, k, v, mask.to(DEV) if mask is not None else None, splits)
+
+
+def test_split_k_decode_reads_a_kv_cache_in_place():
+    """The kernel takes the cache's own strided buffers (max_len slots, lengths filled)."""
+    cache = mh.KVCache(2, 256, 2, 32, dtype=torch.float16, device=DEV)
+    g = torch.Generator().manual_seed(3)
+    for n in (100, 1, 1):
+        kv = [torch.randn(2, 2, n, 32, generator=g).to(DEV, torch.float16) for _ in range(2)]
+        k, v, _ = cache.update(*kv)                   # views of the cache's buffers
+    assert k.data_ptr() == cache.k.data_ptr() and not k.is_contiguous()
+    q = torch.randn(2, 8, 1, 32, generator=g).to(DEV, torch.float16)
+    _check_decode(q, k, v, M.causal())
+
+
+def test_num_splits_fills_the_device_with_whole_key_blocks():
+    assert num_splits(1, 8, 32768) == 33            # 264 programs over 8 K/V heads
+    assert num_splits(8, 8, 32768) == 5
+    assert num_splits(1, 8, 100) == 2               # never more splits than key blocks
+    assert num_splits(64, 8, 4096) == 1
+
+
+def test_decoding_calls_plan_the_split_k_kernel_and_auto_keeps_sdpa_until_measured():
+    q = torch.empty(1, 32, 1, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 8, 32768, 128, dtype=torch.bfloat16, device="meta")
+    e = mh.explain(q, k, k, mask=M.causal(), profile="h100", backend="triton")
+    assert "split-K decode: 33 splits" in str(e) and "4 query head(s)" in str(e)
+    assert mh.explain(q, k, k, mask=M.causal(), profile="h100").chosen == "sdpa"

@@ -25,6 +25,45 @@ import triton.language as tl
 
 
 @triton.jit
+def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, scale, offset,
+                  window, skn, skd, svn, svd, D: tl.constexpr, DV: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
+    # One step of the online softmax: the keys [start, start + BLOCK_N) (below hi) for rows
+    # whose query positions are qpos (rows not row_ok see nothing); returns (acc, m, l).
+    dq = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
+    k = tl.load(k_base + cols[None, :] * skn + dq[:, None] * skd,
+                mask=(cols[None, :] < hi) & (dq[:, None] < D), other=0.0)  # (BLOCK_D, BLOCK_N)
+    s = tl.dot(q, k) * scale                                                # (rows, BLOCK_N)
+    ok = (cols[None, :] < hi) & row_ok[:, None]
+    if CAUSAL:
+        ok = ok & (cols[None, :] <= qpos[:, None] + offset)
+    if WINDOWED:
+        ok = ok & (cols[None, :] > qpos[:, None] + offset - window)
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)                   # a row seeing nothing
+    p = tl.exp(s - shift[:, None])
+    alpha = tl.exp(m_i - shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + cols[:, None] * svn + dv[None, :] * svd,
+                mask=(cols[:, None] < hi) & (dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _finish(acc, m_i, l_i):
+    # The normalized output rows and their log-sum-exp; empty rows: zeros and -inf.
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    return out, lse
+
+
+@triton.jit
 def _forward(Q, K, V, O, LSE, LENS, scale,
              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
              sob, soh, som, sod,
@@ -59,29 +98,10 @@ def _forward(Q, K, V, O, LSE, LENS, scale,
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     for start in range(lo, hi, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)                                # (BLOCK_N,)
-        k = tl.load(k_base + cols[None, :] * skn + dq[:, None] * skd,
-                    mask=(cols[None, :] < hi) & (dq[:, None] < D), other=0.0)  # (BLOCK_D, BLOCK_N)
-        s = tl.dot(q, k) * scale                                            # (BLOCK_M, BLOCK_N)
-        ok = cols[None, :] < hi
-        if CAUSAL:
-            ok = ok & (cols[None, :] <= rows[:, None] + offset)
-        if WINDOWED:
-            ok = ok & (cols[None, :] > rows[:, None] + offset - window)
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)               # a row seeing nothing
-        p = tl.exp(s - shift[:, None])
-        alpha = tl.exp(m_i - shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * svn + dv[None, :] * svd,
-                    mask=(cols[:, None] < hi) & (dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
+                                      rows < Sq, scale, offset, window, skn, skd, svn, svd,
+                                      D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED)
+    out, lse = _finish(acc, m_i, l_i)
     tl.store(O + b * sob + h * soh + rows[:, None] * som + dv[None, :] * sod,
              out.to(O.dtype.element_ty), mask=(rows[:, None] < Sq) & (dv[None, :] < DV))
     tl.store(LSE + bh * Sq + rows, lse, mask=rows < Sq)

@@ -2,8 +2,11 @@
 
 It runs band masks (causal, sliding windows, either alignment) and key padding from
 lengths, alone or combined with ``&``, computing only the key blocks the band reaches; GQA
-and MQA read each K/V head in place. Forward only, for now: a call that needs gradients
-goes to another backend. Registered only where Triton is installed.
+and MQA read each K/V head in place. A call of at most 16 queries (a decoding step, a
+draft to verify) runs the split-K decode kernel instead (:mod:`multihead.kernels.decode`),
+which reads each K/V byte once for the whole group of query heads. Forward only, for now:
+a call that needs gradients goes to another backend. Registered only where Triton is
+installed.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from ..registry import Backend, Plan, register
 #: its FLOP rate against the vendor's fused kernel on the same device (priced as slower,
 #: so it is chosen for the work it skips, not for work both would do)
 EFFICIENCY = 0.8
+#: the decode kernel's bandwidth against SDPA's, until measured on hardware (priced as
+#: slower, so auto keeps SDPA for decoding and backend="triton" opts in)
+DECODE_EFFICIENCY = 0.8
 
 
 class Band(NamedTuple):
@@ -86,8 +92,11 @@ class TritonFlash(Backend):
         return band if isinstance(band, str) else None
 
     def plan(self, call, profile):
-        from ...kernels.flash_fwd import block_sizes
+        from ...kernels.decode import MAX_QUERIES
         band = _band(call)
+        if call.Sq <= MAX_QUERIES:
+            return self._decode_plan(call, band)
+        from ...kernels.flash_fwd import block_sizes
         bm, bn = block_sizes(call.D, call.Dv)
         pairs = _pairs(call, band, bm, bn)
         work = Work(flops=2.0 * pairs * (call.D + call.Dv) / EFFICIENCY, kernel="fused",
@@ -99,14 +108,27 @@ class TritonFlash(Backend):
                f"{pairs / max(1, call.pairs):.1%} of the pairs computed"
         return Plan(work, note, band)
 
+    def _decode_plan(self, call, band):
+        from ...kernels.decode import num_splits
+        splits = num_splits(call.B, call.Hkv, call.Sk)
+        pairs = _pairs(call, band, call.Sq, 64)
+        work = Work(flops=2.0 * pairs * (call.D + call.Dv), kernel="fused",
+                    dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=1) / DECODE_EFFICIENCY,
+                    launches=2, parallel=call.B * call.Hkv * splits)
+        note = f"split-K decode: {splits} splits of the keys, each K/V byte read once for " \
+               f"the {call.group} query head(s) of a group"
+        return Plan(work, note, band)
+
     def run(self, call, plan):
+        from ...kernels.decode import MAX_QUERIES, decode_forward
         from ...kernels.flash_fwd import flash_forward
         band = plan.detail
         lens = None
         if band.padding is not None:            # one length per row of the batch, on device
             lens = band.padding.lengths.expand(call.B).contiguous()
-        out, lse = flash_forward(call.q, call.k, call.v, scale=call.scale, causal=band.causal,
-                                 window=band.window, offset=band.offset, kv_lengths=lens)
+        kernel = decode_forward if call.Sq <= MAX_QUERIES else flash_forward
+        out, lse = kernel(call.q, call.k, call.v, scale=call.scale, causal=band.causal,
+                          window=band.window, offset=band.offset, kv_lengths=lens)
         return out, None, lse if call.return_lse else None
 
 

@@ -1,0 +1,163 @@
+"""Split-K attention for a few queries (decoding, speculative verification) in Triton.
+
+A decoding step has one query per head (a few when verifying drafts) over a long cache:
+too few rows to fill a GPU with one program per query block. So the keys are split:
+
+1. ``_partial``: one program per (split of the keys, batch, K/V head) streams its keys
+   once for **all G query heads of the group and all Sq queries** (a tile of ``G * Sq``
+   rows: each K/V byte is read once, not G times) and writes its unnormalized partial
+   output and the log-sum-exp of its scores, in fp32.
+2. ``_merge``: one program per (batch, query head) combines the splits:
+   ``lse = log Σ exp(lse_s)``, ``out = Σ exp(lse_s - lse) · out_s``.
+
+Masks are those of :mod:`.flash_fwd`, from indices: causal with an ``offset``, a sliding
+``window``, and key padding from ``kv_lengths``; a split whose keys the mask rules out
+for every row loads nothing. A row with nothing to attend to gets zeros and lse ``-inf``.
+
+Notation: B batch, H query heads, Hkv K/V heads, G = H / Hkv, Sq queries, Sk keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .flash_fwd import _attend_block, _finish, _pow2
+
+#: the most queries per head the kernel takes (decoding and draft verification)
+MAX_QUERIES = 16
+#: keys per block inside a split
+BLOCK_N = 64
+
+
+@triton.jit
+def _partial(Q, K, V, PO, PL, LENS, scale,
+             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+             B, Hkv, G, Sq, Sk, offset, window, chunk,
+             CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_LENS: tl.constexpr,
+             D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+             BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    split = tl.program_id(0)
+    bk = tl.program_id(1)
+    b = bk // Hkv
+    hk = bk % Hkv
+    r = tl.arange(0, BLOCK_R)                          # rows: (query head in group, query)
+    g = r // Sq
+    i = r % Sq                                         # the row's query index
+    live = r < G * Sq
+    h = hk * G + g                                     # the row's query head
+    dq = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqm + dq[None, :] * sqd,
+                mask=live[:, None] & (dq[None, :] < D), other=0.0)    # (BLOCK_R, BLOCK_D)
+
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, Sk)
+    if HAS_LENS:
+        hi = tl.minimum(hi, tl.load(LENS + b))
+    if CAUSAL:
+        hi = tl.minimum(hi, Sq + offset)               # the last query's last key, plus one
+    if WINDOWED:
+        lo = tl.maximum(lo, (offset - window + 1) // BLOCK_N * BLOCK_N)
+
+    m_i = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_R,), tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    for start in range(lo, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, i, live,
+                                      scale, offset, window, skn, skd, svn, svd,
+                                      D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED)
+    out, lse = _finish(acc, m_i, l_i)
+    # scratch layout: PO (splits, B, H, Sq, DV), PL (splits, B, H, Sq), contiguous
+    row = ((split * B + b) * (Hkv * G) + h) * Sq + i                      # (BLOCK_R,)
+    tl.store(PO + row[:, None] * DV + dv[None, :], out, mask=live[:, None] & (dv[None, :] < DV))
+    tl.store(PL + row, lse, mask=live)
+
+
+@triton.jit
+def _merge(PO, PL, O, LSE, splits, BH, Sq,
+           sob, soh, som, sod, H,
+           DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+    pid = tl.program_id(0)                             # one (batch, head, query) row
+    bh = pid // Sq
+    i = pid % Sq
+    b = bh // H
+    h = bh % H
+    s = tl.arange(0, BLOCK_S)
+    dv = tl.arange(0, BLOCK_DV)
+    lse_s = tl.load(PL + (s * BH + bh) * Sq + i, mask=s < splits, other=float("-inf"))
+    top = tl.max(lse_s, 0)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp(lse_s - shift)                          # (BLOCK_S,), 0 for empty splits
+    total = tl.sum(w, 0)
+    parts = tl.load(PO + ((s[:, None] * BH + bh) * Sq + i) * DV + dv[None, :],
+                    mask=(s[:, None] < splits) & (dv[None, :] < DV), other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    lse = tl.where(total == 0.0, float("-inf"), shift + tl.log(tl.where(total == 0.0, 1.0, total)))
+    tl.store(O + b * sob + h * soh + i * som + dv * sod, out.to(O.dtype.element_ty), mask=dv < DV)
+    tl.store(LSE + bh * Sq + i, lse)
+
+
+def num_splits(B: int, Hkv: int, Sk: int, programs: int = 264) -> int:
+    """Splits of the keys so that ``B * Hkv * splits`` programs fill the device (about two
+    per SM of an H100 by default), with at least one key block per split."""
+    want = -(-programs // max(1, B * Hkv))
+    return max(1, min(want, -(-Sk // BLOCK_N), 128))
+
+
+def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                   causal: bool = False, window: int | None = None, offset: int = 0,
+                   kv_lengths: torch.Tensor | None = None, splits: int | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a few queries ``q (B, H, Sq <= 16, D)`` over ``k (B, Hkv, Sk, D)``,
+    ``v (B, Hkv, Sk, Dv)`` (a KV cache's buffers, any strides), split over the keys.
+
+    Args:
+        scale: multiplier of the scores.
+        causal: query ``i`` sees keys ``j <= i + offset``.
+        window: with ``causal``, also ``j > i + offset - window``.
+        offset: the band's alignment (``Sk - Sq``: lower-right).
+        kv_lengths: ``(B,)`` int tensor on q's device; keys ``j >= kv_lengths[b]`` are unused
+            (a cache's filled lengths).
+        splits: how many parts the keys are split into (default: :func:`num_splits`).
+
+    Returns:
+        ``(out (B, H, Sq, Dv) in q's dtype, lse (B, H, Sq) fp32)``.
+
+    Example:
+        >>> import torch
+        >>> q = torch.randn(2, 8, 1, 64, device="cuda", dtype=torch.bfloat16)   # doctest: +SKIP
+        >>> kv = torch.randn(2, 2, 4096, 64, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+        >>> out, lse = decode_forward(q, kv, kv, scale=0.125, causal=True, offset=4095)  # doctest: +SKIP
+    """
+    B, H, Sq, D = q.shape
+    _, Hkv, Sk, Dv = v.shape
+    if Sq > MAX_QUERIES:
+        raise ValueError(f"decode_forward: Sq = {Sq} queries, at most {MAX_QUERIES}: use "
+                         f"multihead.kernels.flash_fwd.flash_forward for longer query blocks")
+    G = H // Hkv
+    out = torch.empty(B, H, Sq, Dv, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
+    if B * H * Sq == 0:
+        return out, lse
+    n = splits or num_splits(B, Hkv, Sk)
+    chunk = -(-max(Sk, 1) // n)
+    chunk = -(-chunk // BLOCK_N) * BLOCK_N                   # whole key blocks per split
+    n = max(1, -(-max(Sk, 1) // chunk))
+    part_o = torch.empty(n, B, H, Sq, Dv, device=q.device, dtype=torch.float32)
+    part_l = torch.empty(n, B, H, Sq, device=q.device, dtype=torch.float32)
+    lens = kv_lengths if kv_lengths is not None else lse     # unused when HAS_LENS is off
+    _partial[(n, B * Hkv)](
+        q, k, v, part_o, part_l, lens, scale,
+        *q.stride(), *k.stride(), *v.stride(),
+        B, Hkv, G, Sq, Sk, offset, window if window is not None else 0, chunk,
+        CAUSAL=causal or window is not None, WINDOWED=window is not None,
+        HAS_LENS=kv_lengths is not None, D=D, DV=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
+        BLOCK_R=_pow2(G * Sq), BLOCK_N=BLOCK_N)
+    _merge[(B * H * Sq,)](
+        part_o, part_l, out, lse, n, B * H, Sq, *out.stride(), H,
+        DV=Dv, BLOCK_DV=_pow2(Dv), BLOCK_S=max(2, 1 << (n - 1).bit_length()))
+    return out, lse
