@@ -153,6 +153,8 @@ def test_attention_forward_refuses_what_it_would_otherwise_drop():
     with pytest.raises(ValueError, match="built for 4 queries and 4 keys but the layer has 4 and 6"):
         k = torch.randn(1, 2, 6, 8)
         attention_forward(torch.nn.Module(), q, k, k, m)
+    with pytest.raises(TypeError, match=r"got Tensor of shape \(1, 4, 4\).*as \(B, S\)"):
+        attention_forward(torch.nn.Module(), q, q, q, torch.ones(1, 4, 4, dtype=torch.bool))
     out, w = attention_forward(torch.nn.Module(), q, q, q, m, position_ids=torch.arange(4),
                                use_cache=False, output_attentions=True)
     assert out.shape == (1, 4, 2, 8) and w.shape == (1, 2, 4, 4)

@@ -21,7 +21,7 @@ import torch
 
 from .. import masks as M
 from ..functional import attention
-from .hf_masks import HFMask, build_mask
+from .hf_masks import HFMask, build_mask, unreadable_mask
 
 NAME = "multihead"
 
@@ -119,10 +119,7 @@ def _mask_for(module, attention_mask, q_len: int, k_len: int, is_causal):
         if attention_mask.dtype == torch.bool:        # a model's own 4-D mask, True = attend
             return M.dense(attention_mask[..., :k_len]), k_len
         return M.bias(attention_mask[..., :k_len]), k_len     # additive, as eager adds it
-    raise TypeError(f"attn_implementation='multihead' got an attention_mask it cannot read: "
-                    f"{type(attention_mask).__name__} of shape "
-                    f"{tuple(getattr(attention_mask, 'shape', ()))}; pass a 2-D padding mask "
-                    f"(B, S) to the model, or a 4-D bool/additive mask (B, 1, Sq, Sk)")
+    raise unreadable_mask(attention_mask, "its own masks, None or a 4-D mask in attention")
 
 
 def _wants_weights(kwargs) -> bool:

@@ -13,6 +13,8 @@ says when that happened.
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import NamedTuple
 
 import torch
@@ -70,6 +72,15 @@ class HFMask:
         return f"{what} over the first {self.keys} keys" + (" (dense)" if self.dense else "")
 
     __repr__ = describe
+
+
+def unreadable_mask(attention_mask, expected: str) -> TypeError:
+    """The error for an ``attention_mask`` we cannot read, showing its type and shape."""
+    return TypeError(f"attn_implementation='multihead' reads {expected}, got "
+                     f"{type(attention_mask).__name__} of shape "
+                     f"{tuple(getattr(attention_mask, 'shape', ()))}: pass attention_mask to the "
+                     f"model as (B, S) with 1 = real token, or as a 4-D (B, 1, Sq, Sk) bool or "
+                     f"additive mask")
 
 
 def _closure(fn) -> dict:
@@ -149,18 +160,12 @@ def _combine(kind: str, parts: list):
             raise _Unknown("a sliding-window overlay without a causal mask")
         rest.remove(causal[0])
         rest.append(M.sliding_window(overlays[0].size))
-    if kind == "and":
+    if kind == "and":                               # None (everything) is the unit of &
         rest = [p for p in rest if p is not None]
-        out = None
-        for p in rest:
-            out = p if out is None else out & p
-        return out
-    if any(p is None for p in rest):
+        return functools.reduce(operator.and_, rest) if rest else None
+    if any(p is None for p in rest):                # ... and absorbs |
         return None
-    out = rest[0]
-    for p in rest[1:]:
-        out = out | p
-    return out
+    return functools.reduce(operator.or_, rest)
 
 
 def _bounded_by_band(mask) -> bool:
@@ -217,10 +222,7 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         return attention_mask
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
                                        or attention_mask.dim() != 2):
-        raise TypeError(f"attn_implementation='multihead' reads a 2-D padding mask (B, S) "
-                        f"here, got {type(attention_mask).__name__} of shape "
-                        f"{tuple(getattr(attention_mask, 'shape', ()))}: pass attention_mask "
-                        f"as (B, S) with 1 = real token, or a 4-D (B, 1, Sq, Sk) mask")
+        raise unreadable_mask(attention_mask, "a 2-D padding mask (B, S) here")
     q_offset, kv_offset = int(q_offset), int(kv_offset)
     shape = (batch_size, 1, q_length, kv_length)
     try:

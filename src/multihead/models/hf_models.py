@@ -33,6 +33,7 @@ import torch
 
 from ._files import ModelLoadError, check_model_dir, first_line, is_library_error, read_object, show
 from .bert import EncoderOutput
+from .checkpoint import _check_finite
 from .pretrained import Tokens, check_texts
 from .tokenizer import display, load_tokenizer
 
@@ -47,8 +48,6 @@ ENCODER_DECODER_TYPES = ("bart",)
 HF_TYPES = DECODER_TYPES + ENCODER_DECODER_TYPES
 #: safetensors files a model's weights may come in (one file, or shards and their index)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-#: the attention implementation the network runs on (registered by multihead.interop.hf)
-IMPLEMENTATION = "multihead"
 HINT = "pip install 'multihead[hf]'"
 
 
@@ -224,15 +223,14 @@ class EncoderDecoder(HFModel):
 
 
 def _transformers(d: Path, kind: str):
-    """``transformers``, with ``attn_implementation="multihead"`` registered."""
+    """``transformers`` and the name our attention is registered under with it."""
     try:
         import transformers
         from ..interop import hf
-        hf.register()
+        return transformers, hf.register()
     except ImportError as e:
         raise ModelLoadError(f"{d}: model_type {kind!r} runs on Hugging Face transformers (5.x), "
                              f"which is not installed or too old ({first_line(e)}): {HINT}") from None
-    return transformers
 
 
 @contextlib.contextmanager
@@ -267,7 +265,7 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
     if kind not in HF_TYPES:
         raise ModelLoadError(f"{config_file}: model_type is {show(kind)}, not one multihead "
                              f"runs on transformers ({', '.join(map(repr, HF_TYPES))})")
-    transformers = _transformers(d, kind)
+    transformers, implementation = _transformers(d, kind)
     with _quiet(transformers):
         try:
             hf_config = transformers.AutoConfig.from_pretrained(
@@ -282,7 +280,7 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
         weights = next(d / w for w in WEIGHT_FILES if (d / w).is_file())
         try:
             network, info = transformers.AutoModel.from_pretrained(
-                str(d), config=hf_config, attn_implementation=IMPLEMENTATION, dtype=dtype,
+                str(d), config=hf_config, attn_implementation=implementation, dtype=dtype,
                 use_safetensors=True, local_files_only=True, trust_remote_code=False,
                 output_loading_info=True)
         except BaseException as e:
@@ -298,8 +296,6 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
                                  f"{kind} model, e.g. {show(bad[:3], 200)}: the checkpoint does "
                                  f"not match config.json (is model_type right?)")
     for name, p in network.named_parameters():
-        if not bool(torch.isfinite(p).all()):
-            raise ModelLoadError(f"{weights}: tensor {name} holds NaN or inf values: the "
-                                 f"checkpoint is corrupt; re-export it")
+        _check_finite(weights, name, p.detach(), "the checkpoint is corrupt; re-export it")
     model = Decoder if kind in DECODER_TYPES else EncoderDecoder
     return model(network.to(device).eval(), tokenizer, config, d, d.name)

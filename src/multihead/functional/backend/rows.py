@@ -28,15 +28,20 @@ SCORE_PASSES = 8
 ROW_OPS = 10
 
 
+def _bounds(live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``[first, end)`` of True columns of ``live`` ``(R, N)``; ``(0, 0)`` if none."""
+    idx = torch.arange(live.shape[1], device=live.device)
+    end = torch.where(live, idx, -1).amax(1) + 1                                   # (R,)
+    first = torch.where(live, idx, live.shape[1]).amin(1)                         # (R,)
+    return torch.where(end > 0, first, 0), end
+
+
 def _spans(allowed: torch.Tensor | None, B: int, Sk: int) -> list[tuple[int, int]]:
     """Each batch row's ``[first, last + 1)`` of keys any query may attend (one host read)."""
     if allowed is None:
         return [(0, Sk)] * B
-    live = allowed.any(2).any(1).expand(B, Sk).cpu()             # (B, Sk)
-    idx = torch.arange(Sk)
-    first = torch.where(live, idx, Sk).amin(1).tolist()
-    last = torch.where(live, idx, -1).amax(1).tolist()
-    return [(f, l + 1) if l >= 0 else (0, 0) for f, l in zip(first, last)]
+    first, end = _bounds(allowed.any(2).any(1).expand(B, Sk).cpu())              # (B,)
+    return list(zip(first.tolist(), end.tolist()))
 
 
 def _live_fraction(call) -> float:
@@ -46,10 +51,8 @@ def _live_fraction(call) -> float:
     tq, tk = _tiles.tile_sizes(call)
     nq, nk = -(-call.Sq // tq), -(-call.Sk // tk)
     nonempty, _ = _tiles._classify(call, tq, tk, nq, nk, "cpu")       # (Bm, nQ, nK)
-    live = nonempty.any(1)                                             # (Bm, nK)
-    idx = torch.arange(nk)
-    span = torch.where(live, idx, -1).amax(1) - torch.where(live, idx, nk).amin(1) + 1
-    return float(span.clamp(min=0).float().mean()) / nk
+    first, end = _bounds(nonempty.any(1))                              # (Bm,) key tiles
+    return float((end - first).float().mean()) / nk
 
 
 def _row(x: torch.Tensor | None, b: int, lo: int, hi: int):

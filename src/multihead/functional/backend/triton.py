@@ -109,9 +109,9 @@ class TritonFlash(Backend):
         return Plan(work, note, band)
 
     def _decode_plan(self, call, band):
-        from ...kernels.decode import num_splits
+        from ...kernels.decode import BLOCK_N, num_splits
         splits = num_splits(call.B, call.Hkv, call.Sk)
-        pairs = _pairs(call, band, call.Sq, 64)
+        pairs = _pairs(call, band, call.Sq, BLOCK_N)
         work = Work(flops=2.0 * pairs * (call.D + call.Dv), kernel="fused",
                     dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=1) / DECODE_EFFICIENCY,
                     launches=2, parallel=call.B * call.Hkv * splits)
