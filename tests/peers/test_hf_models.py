@@ -324,9 +324,13 @@ def test_bf16_error_within_twice_sdpa(side, spy):
 @pytest.mark.parametrize("name", list(REFUSED))
 @torch.inference_mode()
 def test_models_with_options_we_do_not_run_are_refused(name):
-    """Gemma2's logit softcapping, GPT-OSS's attention sinks: an error, never ignored."""
+    """Gemma2's logit softcapping, GPT-OSS's attention sinks: an error, never ignored, and
+    raised by the mask builder, before any layer has written to the cache."""
+    m = model(name, "multihead")
+    cache = transformers.DynamicCache(config=m.config)
     with pytest.raises(ValueError, match=REFUSED[name][1]):
-        model(name, "multihead")(input_ids=torch.randint(3, VOCAB, (1, 6)))
+        m(input_ids=torch.randint(3, VOCAB, (1, 6)), past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 0
     model(name, "eager")(input_ids=torch.randint(3, VOCAB, (1, 6)))   # the config runs
 
 

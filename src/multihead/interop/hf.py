@@ -155,6 +155,19 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     Returns:
         ``(out, weights)``: ``out`` ``(B, Sq, H, Dv)``; ``weights`` ``(B, H, Sq, Sk)`` with
         ``output_attentions=True``, else None.
+
+    Raises:
+        ValueError: an option we do not run (named), or a mask built for other sizes.
+        TypeError: an ``attention_mask`` we cannot read (its type and shape shown).
+
+    Example:
+        >>> import torch
+        >>> from transformers.masking_utils import causal_mask_function
+        >>> q, kv = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 5, 16)    # GQA: 8 heads, 2 K/V
+        >>> mask = build_mask(2, 5, 5, 0, 0, causal_mask_function)
+        >>> out, w = attention_forward(torch.nn.Module(), q, kv, kv, mask, output_attentions=True)
+        >>> out.shape, w.shape
+        (torch.Size([2, 5, 8, 16]), torch.Size([2, 8, 5, 5]))
     """
     _check_options(module, kwargs)
     q_len, k_len = query.shape[2], key.shape[2]

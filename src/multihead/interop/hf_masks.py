@@ -74,6 +74,25 @@ class HFMask:
     __repr__ = describe
 
 
+#: model types whose attention layers add learned sink logits (refused before any layer runs)
+SINK_MODELS = frozenset({"gpt_oss"})
+
+
+def check_config(config) -> None:
+    """Refuse, before any layer runs (and so before a cache is written), a model whose
+    attention we do not compute: logit softcapping, attention sinks."""
+    cap = getattr(config, "attn_logit_softcapping", None)
+    name = type(config).__name__
+    if cap is not None:
+        raise ValueError(f"attn_implementation='multihead' does not support attention logit "
+                         f"softcapping ({name}.attn_logit_softcapping is {cap}): load this "
+                         f"model with attn_implementation='eager' instead")
+    if getattr(config, "model_type", None) in SINK_MODELS:
+        raise ValueError(f"attn_implementation='multihead' does not support attention sinks "
+                         f"({name}: each attention layer's learned sinks): load this model "
+                         f"with attn_implementation='eager' instead")
+
+
 def unreadable_mask(attention_mask, expected: str) -> TypeError:
     """The error for an ``attention_mask`` we cannot read, showing its type and shape."""
     return TypeError(f"attn_implementation='multihead' reads {expected}, got "
@@ -216,8 +235,28 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     """The ``AttentionMaskInterface`` entry: an :class:`HFMask` instead of a 4-D tensor.
 
     Called by ``transformers``' ``create_causal_mask`` and friends with the arguments it
-    gives every mask builder (``kwargs`` holds the ones we do not need: dtype, config, ...).
+    gives every mask builder (``kwargs`` holds the ones we do not need: dtype, ...; the
+    ``config`` is checked for options we do not run, see :func:`check_config`).
+
+    Args:
+        batch_size, q_length, kv_length: the mask covers ``(B, 1, Sq, Sk)``.
+        q_offset, kv_offset: absolute positions of the first query and key (a cache's).
+        mask_function: transformers' ``f(b, h, q, kv) -> bool``, read back as structure.
+        attention_mask: the model's 2-D ``(B, S)`` padding mask (1 = real token) or None.
+
+    Raises:
+        TypeError: an ``attention_mask`` that is not 2-D (shape shown).
+        ValueError: a model option we do not run (softcapping, sinks), before any layer runs.
+
+    Example:
+        >>> import torch
+        >>> from transformers.masking_utils import causal_mask_function
+        >>> build_mask(2, 1, 6, 5, 0, causal_mask_function, torch.tensor([[1] * 6, [0] + [1] * 5]))
+        (causal(align='lower_right') & padding(mask of shape (2, 6))) over the first 6 keys
+        >>> build_mask(1, 3, 8, 2, 0, causal_mask_function)      # a static cache's 8 slots
+        causal(align='lower_right') over the first 5 keys
     """
+    check_config(kwargs.get("config"))
     if isinstance(attention_mask, HFMask):          # prepared ahead by generate()
         return attention_mask
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)

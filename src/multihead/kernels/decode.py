@@ -103,7 +103,12 @@ def _merge(PO, PL, O, LSE, splits, BH, Sq,
 
 def num_splits(B: int, Hkv: int, Sk: int, programs: int = 264) -> int:
     """Splits of the keys so that ``B * Hkv * splits`` programs fill the device (about two
-    per SM of an H100 by default), with at least one key block per split."""
+    per SM of an H100 by default), with at least one key block per split.
+
+    Example:
+        >>> num_splits(1, 8, 32768), num_splits(8, 8, 32768), num_splits(1, 8, 100)
+        (33, 5, 2)
+    """
     want = -(-programs // max(1, B * Hkv))
     return max(1, min(want, -(-Sk // BLOCK_N), 128))
 

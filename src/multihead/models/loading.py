@@ -112,6 +112,10 @@ def model_type(d: Path) -> str | None:
     Raises:
         ModelLoadError: ``d`` or its config.json is missing or unreadable, or the model type
             is not one multihead runs (naming the file, the field and the supported types).
+
+    Example:
+        >>> model_type(default_model_dir())
+        'bert'
     """
     if not d.is_dir() or not (d / "config.json").is_file():
         check_model_dir(d)                       # says which

@@ -29,7 +29,16 @@ class Tokens(NamedTuple):
 
 
 def check_texts(texts) -> list[str]:
-    """``texts`` as a list, after checking that it is a sequence of str (not one str)."""
+    """``texts`` as a list, after checking that it is a sequence of str (not one str).
+
+    Example:
+        >>> check_texts(("a", "b"))
+        ['a', 'b']
+        >>> check_texts("ab")
+        Traceback (most recent call last):
+        ...
+        TypeError: texts must be a list of str, got str
+    """
     if isinstance(texts, str) or not isinstance(texts, Sequence) or not all(
             isinstance(t, str) for t in texts):
         raise TypeError(f"texts must be a list of str, got {type(texts).__name__}")

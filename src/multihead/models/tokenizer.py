@@ -26,6 +26,16 @@ def load_tokenizer(path: Path, vocab_size: int):
 
     Raises:
         ModelLoadError: naming ``path`` and what is wrong with it.
+
+    Example:
+        >>> from multihead.models import default_model_dir
+        >>> tok = load_tokenizer(default_model_dir() / "tokenizer.json", 30522)
+        >>> tok.encode("it rains").tokens
+        ['[CLS]', 'it', 'rains', '[SEP]']
+        >>> load_tokenizer(default_model_dir() / "tokenizer.json", 1000)
+        Traceback (most recent call last):
+        ...
+        multihead.models._files.ModelLoadError: ... has token ids up to ... but config.json's vocab_size is 1000: the tokenizer belongs to another model
     """
     from tokenizers import Tokenizer
     size = path.stat().st_size
