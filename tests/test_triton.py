@@ -25,6 +25,9 @@ CASES = [  # B, H, Hkv, Sq, Sk, D, Dv, mask
     (2, 4, 2, 20, 40, 16, 16, "causal & padding"),
     (2, 2, 2, 20, 40, 16, 48, "padding"),                      # a sequence of length 0
     (3, 2, 1, 1, 50, 32, 32, "window 7 & padding"),            # a decoding step
+    (1, 2, 2, 45, 70, 16, 16, "causal"),                       # offset 25: mid-block edges
+    (1, 2, 1, 100, 120, 16, 16, "window 40"),                  # interior blocks in the band
+    (2, 2, 2, 96, 96, 32, 32, "window 40 & padding"),
 ]
 
 
@@ -49,10 +52,16 @@ def _inputs(B, H, Hkv, Sq, Sk, D, Dv, dtype, seed=0):
     return mk(B, H, Sq, D), mk(B, Hkv, Sk, D), mk(B, Hkv, Sk, Dv)
 
 
+#: launch configs: the table's default, and 16x16 tiles so that small shapes cross many
+#: blocks (edge blocks that evaluate the mask and interior blocks that do not)
+CONFIGS = [None, (16, 16, 4, 1)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["default", "tiles16"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[7]}-{c[3]}x{c[4]}-H{c[1]}kv{c[2]}"
                                              for c in CASES])
-def test_forward_and_lse_equal_the_fp64_oracle_within_the_error_rule(case, dtype):
+def test_forward_and_lse_equal_the_fp64_oracle_within_the_error_rule(case, dtype, config):
     if dtype == torch.bfloat16 and DEV == "cpu":
         pytest.skip("Triton's interpreter gives wrong bf16 results (numpy has no bf16); "
                     "bf16 runs in the cuda tests")
@@ -65,7 +74,7 @@ def test_forward_and_lse_equal_the_fp64_oracle_within_the_error_rule(case, dtype
                                       return_weights=False, return_lse=False))
     lens = band.padding.lengths.expand(B).contiguous() if band.padding is not None else None
     out, lse = flash_forward(q, k, v, scale=D ** -0.5, causal=band.causal, window=band.window,
-                             offset=band.offset, kv_lengths=lens)
+                             offset=band.offset, kv_lengths=lens, config=config)
     ref, ref_lse = mh.attention(q.double(), k.double(), v.double(), mask=m,
                                 backend="reference", return_lse=True)
     plain = mh.attention(q.float(), k.float(), v.float(), mask=m, backend="reference").to(dtype)
@@ -82,10 +91,12 @@ def test_the_backend_declines_what_it_cannot_run_and_says_why():
     e = mh.explain(q, q, q, mask=M.sliding_window(4) & M.alibi(2), profile="h100")
     row = next(r for r in e.rows if r.name == "triton")
     assert row.plan is None and any("alibi" in r or "band" in r for r in row.reasons)
-    g = q.clone().requires_grad_()
-    e = mh.explain(g, q, q, mask=M.sliding_window(4), profile="h100")
+    e = mh.explain(q, q, q, mask=M.sliding_window(4), dropout_p=0.1, profile="h100")
     row = next(r for r in e.rows if r.name == "triton")
-    assert "has no backward (gradients are needed)" in row.reasons
+    assert "does not implement dropout" in row.reasons
+    g = q.clone().requires_grad_()                      # gradients: the training kernels
+    e = mh.explain(g, q, q, mask=M.sliding_window(4), profile="h100", backend="triton")
+    assert "split-K" not in str(e)
 
 
 def test_auto_prices_the_band_it_skips_on_an_h100():
@@ -125,6 +136,7 @@ DECODE = [  # B, H, Hkv, Sq, Sk, D, mask, splits
     (3, 4, 4, 2, 64, 16, "none", 5),                      # MHA, more splits than key blocks
     (3, 6, 2, 5, 150, 32, "causal & padding", 4),         # a cache with one empty sequence
     (2, 4, 2, 16, 90, 64, "window 7 & padding", None),    # the most queries it takes
+    (1, 2, 1, 1, 2600, 16, "causal", 40),                 # the merge reads splits in chunks
 ]
 
 
@@ -184,8 +196,8 @@ def test_split_k_decode_reads_a_kv_cache_in_place():
 
 
 def test_num_splits_fills_the_device_with_whole_key_blocks():
-    assert num_splits(1, 8, 32768) == 33            # 264 programs over 8 K/V heads
-    assert num_splits(8, 8, 32768) == 5
+    assert num_splits(1, 8, 32768) == 16            # 132 programs (an H100's SMs) over 8 heads
+    assert num_splits(8, 8, 32768) == 2
     assert num_splits(1, 8, 100) == 2               # never more splits than key blocks
     assert num_splits(64, 8, 4096) == 1
 
@@ -194,5 +206,209 @@ def test_decoding_calls_plan_the_split_k_kernel_and_auto_keeps_sdpa_until_measur
     q = torch.empty(1, 32, 1, 128, dtype=torch.bfloat16, device="meta")
     k = torch.empty(1, 8, 32768, 128, dtype=torch.bfloat16, device="meta")
     e = mh.explain(q, k, k, mask=M.causal(), profile="h100", backend="triton")
-    assert "split-K decode: 33 splits" in str(e) and "4 query head(s)" in str(e)
+    assert "split-K decode: 16 splits" in str(e) and "4 query head(s)" in str(e)
     assert mh.explain(q, k, k, mask=M.causal(), profile="h100").chosen == "sdpa"
+
+
+# -- the backward kernels --------------------------------------------------------------------
+
+from multihead.kernels import ops  # noqa: E402
+from multihead.kernels.flash_bwd import flash_backward  # noqa: E402
+
+
+def _grads(q, k, v, mask, fn, with_lse=False):
+    """Gradients of ``sum(out * w) (+ sum of the finite lse)`` through ``fn``."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = fn(*leaves)
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(out.shape, generator=g).to(out.device, out.dtype)
+    loss = (out * w).sum()
+    if with_lse:
+        loss = loss + torch.where(torch.isfinite(lse), lse, 0).sum()
+    loss.backward()
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("with_lse", [False, True], ids=["out", "out+lse"])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[7]}-{c[3]}x{c[4]}-H{c[1]}kv{c[2]}"
+                                             for c in CASES])
+def test_gradients_through_the_operator_equal_the_fp64_oracle(case, with_lse):
+    """dQ, dK, dV (GQA summed over the group) from the backward kernels, for every mask
+    kind of the backend, within the error rule against an fp32 run of the oracle."""
+    B, H, Hkv, Sq, Sk, D, Dv, name = case
+    dtype = torch.float16
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, Dv, dtype, seed=1)
+    mask = _mask(name, B, Sk)
+    m = mask.to(DEV) if mask is not None else None
+    band = _band_of(q, k, v, m)
+    lens = band.padding.lengths.expand(B).contiguous() if band.padding is not None else None
+
+    def ours(q, k, v):
+        return ops.flash_attention(q, k, v, D ** -0.5, band.causal, band.window or 0,
+                                   band.offset, lens)
+
+    def reference(q, k, v):
+        return mh.attention(q, k, v, mask=m, backend="reference", return_lse=True)
+    got = _grads(q, k, v, m, ours, with_lse)
+    ref = _grads(q.double(), k.double(), v.double(), m, reference, with_lse)
+    plain = _grads(q.float(), k.float(), v.float(), m, reference, with_lse)
+    for name_, a, r, p in zip("qkv", got, ref, plain):
+        err = (a.double() - r).abs().max()
+        base = (p.to(dtype).double() - r).abs().max()
+        assert torch.isfinite(a).all(), name_
+        assert err <= 2 * base + 4 * torch.finfo(dtype).eps * r.abs().max(), (name_, err, base)
+
+
+@pytest.mark.parametrize("name", ["causal", "window 40", "window 40 & padding",
+                                  "causal & padding"])
+def test_backward_with_small_tiles_crosses_edge_and_interior_blocks(name):
+    """16x16 tiles: the dK/dV loop visits edge and interior query blocks, dQ key blocks."""
+    case = next(c for c in CASES if c[7] == name)
+    B, H, Hkv, Sq, Sk, D, Dv, _ = case
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, Dv, torch.float16, seed=2)
+    m = _mask(name, B, Sk).to(DEV)
+    band = _band_of(q, k, v, m)
+    lens = band.padding.lengths.expand(B).contiguous() if band.padding is not None else None
+    kw = dict(scale=D ** -0.5, causal=band.causal, window=band.window, offset=band.offset,
+              kv_lengths=lens)
+    tiles = (16, 16, 4, 1)
+    out, lse = flash_forward(q, k, v, config=tiles, **kw)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(DEV, out.dtype)
+    got = flash_backward(dout, q, k, v, out, lse, config=(tiles, tiles), **kw)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = mh.attention(*leaves, mask=m, backend="reference")
+    ref.backward(dout.double())
+    for a, t in zip(got, leaves):
+        torch.testing.assert_close(a.double(), t.grad, atol=2e-2, rtol=2e-2)
+
+
+def test_the_backward_is_deterministic():
+    B, H, Hkv, Sq, Sk, D, Dv, name = CASES[5]
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, Dv, torch.float16, seed=4)
+    out, lse = flash_forward(q, k, v, scale=0.25, causal=True)
+    dout = torch.randn_like(out)
+    first = flash_backward(dout, q, k, v, out, lse, scale=0.25, causal=True)
+    again = flash_backward(dout, q, k, v, out, lse, scale=0.25, causal=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+# -- the operators: torch.compile, CUDA graphs, compilations, memory -------------------------
+
+def test_the_operators_pass_torch_library_opcheck():
+    """Schema, fake implementation (shapes without data) and autograd registration agree
+    with the real kernels (checked by torch's own op tester)."""
+    q, k, v = _inputs(1, 4, 2, 24, 40, 16, 16, torch.float16, seed=5)
+    lens = torch.tensor([30], device=DEV)
+    for t in (q, k, v):
+        t.requires_grad_()
+    torch.library.opcheck(ops.flash_attention, (q, k, v, 0.25, True, 8, 16, lens))
+    torch.library.opcheck(ops.flash_decode, (q[:, :, :2].detach(), k.detach(), v.detach(),
+                                             0.25, True, 0, 38, None))
+
+
+def test_fullgraph_compile_traces_the_operator_forward_and_backward():
+    q, k, v = _inputs(1, 4, 2, 24, 40, 16, 16, torch.float16, seed=6)
+
+    def loss(q, k, v):
+        out, lse = ops.flash_attention(q, k, v, 0.25, True, 0, 16, None)
+        return out.float().square().sum()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    compiled(*leaves).backward()
+    plain = [t.clone().requires_grad_() for t in (q, k, v)]
+    loss(*plain).backward()
+    for a, b in zip(leaves, plain):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.cuda
+def test_training_through_attention_on_cuda_matches_the_oracle():
+    """Gradients through ``mh.attention(backend="triton")`` at GPU sizes, bf16, GQA."""
+    g = torch.Generator().manual_seed(8)
+    for mask, Sq, Sk in [(M.causal(), 1000, 1000), (M.sliding_window(128), 1500, 1500),
+                         (M.causal() & M.padding(torch.tensor([700, 1200])), 900, 1200)]:
+        q = torch.randn(2, 8, Sq, 128, generator=g).to("cuda", torch.bfloat16)
+        k, v = (torch.randn(2, 2, Sk, 128, generator=g).to("cuda", torch.bfloat16)
+                for _ in range(2))
+        m = mask.to("cuda")
+        dout = torch.randn(2, 8, Sq, 128, generator=g).to("cuda", torch.bfloat16)
+        got = _grads_of(q, k, v, dout, lambda *t: mh.attention(*t, mask=m, backend="triton"))
+        ref = _grads_of(q.double(), k.double(), v.double(), dout.double(),
+                        lambda *t: oracle(*t, m))
+        plain = _grads_of(q.float(), k.float(), v.float(), dout.float(),
+                          lambda *t: mh.attention(*t, mask=m, backend="sdpa"))
+        for a, r, p in zip(got, ref, plain):
+            base = (p.to(torch.bfloat16).double() - r).abs().max()
+            assert (a.double() - r).abs().max() <= 2 * base + 1e-2
+
+
+def _grads_of(q, k, v, dout, fn):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    fn(*leaves).backward(dout)
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.cuda
+def test_changing_lengths_and_windows_never_recompiles_a_kernel():
+    """Triton compiles per constexpr (mask kind, head dim, tile); S, B, the window and the
+    offset are plain arguments, so a new length or window reuses the compiled kernel."""
+    from multihead.kernels import decode as dec, flash_bwd as bwd, flash_fwd as fwd
+
+    def compiled():
+        return sum(len(c) for kern in (fwd._forward, bwd._dkdv, bwd._dq, dec._partial,
+                                       dec._merge) for c in kern.device_caches.values()
+                   for c in c[:1])
+    g = torch.Generator().manual_seed(9)
+
+    def step(S, window, B):
+        q = torch.randn(B, 8, S, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+        kv = torch.randn(B, 2, S, 64, generator=g).to("cuda", torch.bfloat16)
+        mh.attention(q, kv, kv, mask=M.sliding_window(window), backend="triton").sum().backward()
+        with torch.no_grad():
+            mh.attention(q[:, :, -1:], kv, kv, mask=M.sliding_window(window), backend="triton")
+    step(1000, 100, 1)
+    before = compiled()
+    for S, window, B in [(1001, 100, 1), (3000, 37, 2), (4096, 512, 3), (777, 1, 1)]:
+        step(S, window, B)
+    assert compiled() == before
+
+
+@pytest.mark.cuda
+def test_s_32768_trains_in_memory_linear_in_s():
+    q = torch.randn(1, 4, 32768, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(1, 4, 32768, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = mh.attention(q, kv, kv, mask=M.sliding_window(256), backend="triton")
+    out.backward(torch.ones_like(out))
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < 16 * q.nbytes, peak          # a score matrix would be 2048x q.nbytes
+    assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
+
+
+@pytest.mark.cuda
+def test_fullgraph_compile_and_cuda_graph_capture_of_attention():
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(2, 8, 512, 64, generator=g).to("cuda", torch.bfloat16)
+    kv = torch.randn(2, 2, 512, 64, generator=g).to("cuda", torch.bfloat16)
+    mask = M.sliding_window(64)
+    eager = mh.attention(q, kv, kv, mask=mask, backend="triton")
+    fn = torch.compile(lambda q, k, v: mh.attention(q, k, v, mask=mask, backend="triton"),
+                       fullgraph=True)
+    torch.testing.assert_close(fn(q, kv, kv), eager)
+    step = q[:, :, -1:].clone()
+    run = lambda: mh.attention(step, kv, kv, mask=M.causal(), backend="triton")  # noqa: E731
+    want = run()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()                                           # warm up off the capture
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        captured = run()
+    step.copy_(torch.randn(step.shape, generator=g).to("cuda", torch.bfloat16))
+    graph.replay()
+    torch.testing.assert_close(captured, run())
+    assert not torch.equal(captured, want)

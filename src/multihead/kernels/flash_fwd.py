@@ -2,15 +2,18 @@
 padding, with GQA/MQA and ``Sq != Sk``.
 
 One program computes ``BLOCK_M`` query rows of one (batch, head): it streams the key blocks
-the mask can reach, keeping the running maximum and sum of the online softmax in fp32, and
-writes the output rows and their log-sum-exp. The key-block range comes from the indices:
+the mask can reach, keeping the running maximum and sum of the online softmax in fp32 (in
+base 2: the scale folds ``log2(e)`` in, so each score costs one ``exp2``), and writes the
+output rows and their log-sum-exp. The key-block range comes from the indices
+(:func:`._band.key_range`):
 
 - causal, aligned by ``offset`` (``Sk - Sq`` lower-right, 0 upper-left): query ``i`` sees
   keys ``j <= i + offset``, so the block stops after its last row's last key;
 - a sliding window of ``window`` keys also starts at its first row's first key;
 - key padding (``kv_lengths``, one per batch) stops every row at the sequence's length.
 
-Only the blocks on the band's edges evaluate the mask; no mask tensor exists. Query head
+Only the blocks on the band's edges evaluate the mask; the blocks every row of the program
+sees in full run without a comparison or a bounds check. No mask tensor exists. Query head
 ``h`` reads K/V head ``h // group`` in place (no copies). A row with nothing to attend to
 gets zeros and a log-sum-exp of ``-inf``.
 
@@ -23,48 +26,61 @@ import torch
 import triton
 import triton.language as tl
 
+from ._band import LOG2E, NARROW, key_range, launch_config, pow2
+
+#: arguments whose value changes per call but must not cause a compile (Triton would
+#: otherwise specialize on their divisibility by 16)
+DYNAMIC = ["Sq", "Sk", "offset", "window"]
+
 
 @triton.jit
-def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, scale, offset,
+def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_scale, offset,
                   window, skn, skd, svn, svd, D: tl.constexpr, DV: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
-    # One step of the online softmax: the keys [start, start + BLOCK_N) (below hi) for rows
-    # whose query positions are qpos (rows not row_ok see nothing); returns (acc, m, l).
+                  CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASKED: tl.constexpr):
+    # One step of the online softmax (base 2) over the keys [start, start + BLOCK_N) for
+    # rows at query positions qpos; MASKED evaluates the band, hi and row_ok, else every
+    # (row, key) of the block is known to be visible. Returns (acc, m, l).
     dq = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
-    k = tl.load(k_base + cols[None, :] * skn + dq[:, None] * skd,
-                mask=(cols[None, :] < hi) & (dq[:, None] < D), other=0.0)  # (BLOCK_D, BLOCK_N)
-    s = tl.dot(q, k) * scale                                                # (rows, BLOCK_N)
-    ok = (cols[None, :] < hi) & row_ok[:, None]
-    if CAUSAL:
-        ok = ok & (cols[None, :] <= qpos[:, None] + offset)
-    if WINDOWED:
-        ok = ok & (cols[None, :] > qpos[:, None] + offset - window)
-    s = tl.where(ok, s, float("-inf"))
+    kmask = dq[None, :] < D
+    vmask = dv[None, :] < DV
+    if MASKED:
+        kmask = kmask & (cols[:, None] < hi)
+        vmask = vmask & (cols[:, None] < hi)
+    k = tl.load(k_base + cols[:, None] * skn + dq[None, :] * skd, mask=kmask, other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale                                  # (rows, BLOCK_N)
+    if MASKED:
+        ok = (cols[None, :] < hi) & row_ok[:, None]
+        if CAUSAL:
+            ok = ok & (cols[None, :] <= qpos[:, None] + offset)
+        if WINDOWED:
+            ok = ok & (cols[None, :] > qpos[:, None] + offset - window)
+        s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)                   # a row seeing nothing
-    p = tl.exp(s - shift[:, None])
-    alpha = tl.exp(m_i - shift)
+    p = tl.math.exp2(s - shift[:, None])
+    alpha = tl.math.exp2(m_i - shift)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + cols[:, None] * svn + dv[None, :] * svd,
-                mask=(cols[:, None] < hi) & (dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    v = tl.load(v_base + cols[:, None] * svn + dv[None, :] * svd, mask=vmask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)                  # (rows, BLOCK_DV)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _finish(acc, m_i, l_i):
-    # The normalized output rows and their log-sum-exp; empty rows: zeros and -inf.
+    # The normalized output rows and their natural log-sum-exp from base-2 statistics;
+    # empty rows: zeros and -inf.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    lse = tl.where(empty, float("-inf"),
+                   (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     return out, lse
 
 
-@triton.jit
-def _forward(Q, K, V, O, LSE, LENS, scale,
+@triton.jit(do_not_specialize=DYNAMIC)
+def _forward(Q, K, V, O, LSE, LENS, qk_scale,
              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
              sob, soh, som, sod,
              H, G, Sq, Sk, offset, window,
@@ -76,50 +92,47 @@ def _forward(Q, K, V, O, LSE, LENS, scale,
     b = bh // H
     h = bh % H
     hk = h // G                                        # the K/V head of this query head
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)     # (BLOCK_M,)
+    m0 = pid_m * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)                  # (BLOCK_M,)
     dq = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dq[None, :] * sqd,
                 mask=(rows[:, None] < Sq) & (dq[None, :] < D), other=0.0)   # (BLOCK_M, BLOCK_D)
-
-    hi = Sk                                            # keys [lo, hi) can be reached
+    klen = Sk
     if HAS_LENS:
-        hi = tl.minimum(hi, tl.load(LENS + b))
-    if CAUSAL:
-        hi = tl.minimum(hi, (pid_m + 1) * BLOCK_M + offset)
-    lo = 0
-    if WINDOWED:
-        lo = tl.maximum(pid_m * BLOCK_M + offset - window + 1, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
+        klen = tl.minimum(Sk, tl.load(LENS + b))
+    lo, full_lo, full_hi, hi = key_range(m0, klen, offset, window, CAUSAL, WINDOWED,
+                                         BLOCK_M, BLOCK_N)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    for start in range(lo, hi, BLOCK_N):
+    row_ok = rows < Sq
+    for start in range(lo, full_lo, BLOCK_N):          # the band's leading edge
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
-                                      rows < Sq, scale, offset, window, skn, skd, svn, svd,
-                                      D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED)
+                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd,
+                                      D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True)
+    for start in range(full_lo, full_hi, BLOCK_N):     # blocks every row sees in full
+        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
+                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd,
+                                      D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, False)
+    for start in range(full_hi, hi, BLOCK_N):          # the trailing edge and the last keys
+        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
+                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd,
+                                      D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True)
     out, lse = _finish(acc, m_i, l_i)
     tl.store(O + b * sob + h * soh + rows[:, None] * som + dv[None, :] * sod,
-             out.to(O.dtype.element_ty), mask=(rows[:, None] < Sq) & (dv[None, :] < DV))
-    tl.store(LSE + bh * Sq + rows, lse, mask=rows < Sq)
-
-
-def _pow2(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
-
-
-def block_sizes(D: int, Dv: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) for these head dims: smaller tiles for wider heads (registers)."""
-    width = max(_pow2(D), _pow2(Dv))
-    return (64, 64) if width <= 64 else (64, 32) if width <= 128 else (32, 32)
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+    tl.store(LSE + bh * Sq + rows, lse, mask=row_ok)
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                   causal: bool = False, window: int | None = None, offset: int = 0,
-                  kv_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  kv_lengths: torch.Tensor | None = None,
+                  config: tuple[int, int, int, int] | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q (B, H, Sq, D)`` over ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)``.
 
     Args:
@@ -130,6 +143,8 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         offset: the alignment of the band (``Sk - Sq``: lower-right; 0: upper-left).
         kv_lengths: ``(B,)`` int tensor on q's device; keys ``j >= kv_lengths[b]`` are
             padding.
+        config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; default: the measured table
+            of :func:`._band.launch_config` for this head dim.
 
     Returns:
         ``(out (B, H, Sq, Dv) in q's dtype, lse (B, H, Sq) fp32)``; rows with nothing to
@@ -146,14 +161,15 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     lse = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
     if B * H * Sq == 0:
         return out, lse
-    bm, bn = block_sizes(D, Dv)
+    narrow = window is not None and window <= NARROW
+    bm, bn, warps, stages = config or launch_config("fwd_narrow" if narrow else "fwd", D, Dv)
     lens = kv_lengths if kv_lengths is not None else lse      # unused when HAS_LENS is off
     grid = (triton.cdiv(Sq, bm), B * H)                       # static: no host read
     _forward[grid](
-        q, k, v, out, lse, lens, scale,
+        q, k, v, out, lse, lens, scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         H, H // Hkv, Sq, Sk, offset, window if window is not None else 0,
         CAUSAL=causal or window is not None, WINDOWED=window is not None,
-        HAS_LENS=kv_lengths is not None, D=D, DV=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
-        BLOCK_M=bm, BLOCK_N=bn)
+        HAS_LENS=kv_lengths is not None, D=D, DV=Dv, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv),
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     return out, lse

@@ -1,12 +1,14 @@
-"""The triton backend: our FlashAttention-2 forward kernel (``multihead.kernels``) on GPUs.
+"""The triton backend: our FlashAttention-2 kernels (``multihead.kernels``) on GPUs.
 
 It runs band masks (causal, sliding windows, either alignment) and key padding from
 lengths, alone or combined with ``&``, computing only the key blocks the band reaches; GQA
-and MQA read each K/V head in place. A call of at most 16 queries (a decoding step, a
-draft to verify) runs the split-K decode kernel instead (:mod:`multihead.kernels.decode`),
-which reads each K/V byte once for the whole group of query heads. Forward only, for now:
-a call that needs gradients goes to another backend. Registered only where Triton is
-installed.
+and MQA read each K/V head in place, forward and backward (the K/V gradients are summed
+over the group in registers; deterministic). A call of at most 16 queries without
+gradients (a decoding step, a draft to verify) runs the split-K decode kernel instead
+(:mod:`multihead.kernels.decode`), which reads each K/V byte once for the whole group of
+query heads. Calls go through ``torch.ops.multihead`` operators
+(:mod:`multihead.kernels.ops`), so ``torch.compile(fullgraph=True)`` traces them.
+Registered only where Triton is installed.
 """
 
 from __future__ import annotations
@@ -81,11 +83,12 @@ def _pairs(call: AttentionCall, band: Band, block_m: int, block_n: int) -> int:
 
 class TritonFlash(Backend):
     name = "triton"
-    summary = "our FlashAttention-2 forward in Triton: band masks and key padding, GQA in place"
+    summary = ("our FlashAttention-2 in Triton (forward, backward, split-K decode): band masks "
+               "and key padding, GQA in place")
     capabilities = Capabilities(devices=frozenset({"cuda"}),
                                 dtypes=frozenset({torch.float16, torch.bfloat16}),
                                 max_head_dim=256, masks=frozenset({"causal", "window", "padding"}),
-                                lse=True, traceable=False, backward=False)
+                                lse=True)
 
     def check(self, call):
         band = _band(call)
@@ -94,10 +97,10 @@ class TritonFlash(Backend):
     def plan(self, call, profile):
         from ...kernels.decode import MAX_QUERIES
         band = _band(call)
-        if call.Sq <= MAX_QUERIES:
+        if call.Sq <= MAX_QUERIES and not call.requires_grad:
             return self._decode_plan(call, band)
-        from ...kernels.flash_fwd import block_sizes
-        bm, bn = block_sizes(call.D, call.Dv)
+        from ...kernels._band import launch_config
+        bm, bn, _, _ = launch_config("fwd", call.D, call.Dv)
         pairs = _pairs(call, band, bm, bn)
         work = Work(flops=2.0 * pairs * (call.D + call.Dv) / EFFICIENCY, kernel="fused",
                     dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=call.group), launches=1,
@@ -106,7 +109,7 @@ class TritonFlash(Backend):
                 else "no band")
         note = f"{kind}{' & key padding' if band.padding is not None else ''}: " \
                f"{pairs / max(1, call.pairs):.1%} of the pairs computed"
-        return Plan(work, note, band)
+        return Plan(work, note, (band, "flash_attention"))
 
     def _decode_plan(self, call, band):
         from ...kernels.decode import BLOCK_N, num_splits
@@ -117,18 +120,16 @@ class TritonFlash(Backend):
                     launches=2, parallel=call.B * call.Hkv * splits)
         note = f"split-K decode: {splits} splits of the keys, each K/V byte read once for " \
                f"the {call.group} query head(s) of a group"
-        return Plan(work, note, band)
+        return Plan(work, note, (band, "flash_decode"))
 
     def run(self, call, plan):
-        from ...kernels.decode import MAX_QUERIES, decode_forward
-        from ...kernels.flash_fwd import flash_forward
-        band = plan.detail
+        from ...kernels import ops
+        band, name = plan.detail                # which torch.ops.multihead operator
         lens = None
         if band.padding is not None:            # one length per row of the batch, on device
             lens = band.padding.lengths.expand(call.B).contiguous()
-        kernel = decode_forward if call.Sq <= MAX_QUERIES else flash_forward
-        out, lse = kernel(call.q, call.k, call.v, scale=call.scale, causal=band.causal,
-                          window=band.window, offset=band.offset, kv_lengths=lens)
+        out, lse = getattr(ops, name)(call.q, call.k, call.v, call.scale, band.causal,
+                                      band.window or 0, band.offset, lens)
         return out, None, lse if call.return_lse else None
 
 

@@ -1,0 +1,202 @@
+"""Sweep the launch configurations of our Triton kernels on a GPU (issue 12).
+
+Times each kernel directly (``triton.testing.do_bench``, median) over a list of
+``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for the forward and ``(BLOCK_N, num_warps,
+num_stages, splits)`` for decoding, at the issue's shapes, beside compiled FlexAttention and
+SDPA measured in the same run. Every config's output is checked against the first's (a
+config that disagrees is reported, never timed). The winners go into
+``multihead.kernels._band.LAUNCH`` and ``multihead.kernels.decode.CONFIG``.
+
+Run on a CUDA machine::
+
+    python -m benchmarks.triton_tune --out tune.json          # forward, backward and decode
+    python -m benchmarks.triton_tune --only decode
+
+Notation: B batch, H heads, Hkv K/V heads, S length, D head dim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 32, 4, 3),
+       (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4)]
+BWD = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2),
+       (64, 32, 4, 3), (128, 128, 8, 2), (64, 64, 8, 3)]
+DECODE = [(64, 4, 3, 1.0), (64, 4, 2, 1.0), (32, 4, 3, 1.0), (128, 4, 3, 1.0), (128, 8, 3, 1.0),
+          (64, 2, 3, 1.0), (64, 4, 3, 2.0), (64, 4, 3, 0.5), (128, 4, 2, 2.0), (32, 2, 3, 2.0)]
+
+
+def _bench(fn, graph: bool = False) -> float:
+    import triton.testing as tt
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        return tt.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3    # us
+    return tt.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def _band_kwargs(kind: str, B: int, S: int, device):
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(S // 4, S + 1, (B,), generator=g).to(device, torch.int32)
+    return {"window 256": dict(causal=True, window=256), "window 2048": dict(causal=True, window=2048),
+            "causal": dict(causal=True), "dense": dict(),
+            "padding": dict(kv_lengths=lens), "causal & padding": dict(causal=True, kv_lengths=lens),
+            }[kind], lens
+
+
+def _flex(kind: str, q, k, v, lens):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    S = q.shape[2]
+
+    def mod(b, h, i, j):
+        keep = j <= i if kind != "dense" and "padding" != kind else j >= 0
+        if kind.startswith("window"):
+            keep = keep & (j > i - int(kind.split()[1]))
+        if "padding" in kind:
+            keep = keep & (j < lens[b])
+        return keep
+    bm = create_block_mask(mod, q.shape[0], None, S, S, device=q.device)
+    fx = torch.compile(flex_attention)
+    return lambda: fx(q, k, v, block_mask=bm)
+
+
+def forward(rows: list, *, S=16384, B=2, H=16, D=128, dtype=torch.bfloat16):
+    from multihead.kernels.flash_fwd import flash_forward
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, generator=g).to(dev, dtype) for _ in range(3))
+    for kind in ["window 256", "window 2048", "causal", "dense", "padding", "causal & padding"]:
+        kw, lens = _band_kwargs(kind, B, S, dev)
+        first = None
+        for cfg in FWD:
+            try:
+                out, _ = flash_forward(q, k, v, scale=D ** -0.5, config=cfg, **kw)
+                if first is None:
+                    first = out
+                err = (out.float() - first.float()).abs().max().item()
+                if err > 2e-2:
+                    rows.append(dict(part="fwd", case=kind, config=cfg, error=err))
+                    continue
+                us = _bench(lambda: flash_forward(q, k, v, scale=D ** -0.5, config=cfg, **kw))
+                rows.append(dict(part="fwd", case=kind, D=D, config=cfg, us=us))
+            except Exception as e:                               # noqa: BLE001 (a row, not a stop)
+                rows.append(dict(part="fwd", case=kind, config=cfg, failed=repr(e)[:200]))
+            print(rows[-1], flush=True)
+        try:
+            fx = _flex(kind, q, k, v, lens)
+            rows.append(dict(part="fwd", case=kind, D=D, peer="flex", us=_bench(fx)))
+        except Exception as e:                                   # noqa: BLE001
+            rows.append(dict(part="fwd", case=kind, peer="flex", failed=repr(e)[:200]))
+        if kind in ("dense", "causal"):
+            rows.append(dict(part="fwd", case=kind, D=D, peer="sdpa", us=_bench(
+                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=kind == "causal"))))
+        print(rows[-1], flush=True)
+
+
+def backward(rows: list, *, S=16384, B=2, H=16, D=128, dtype=torch.bfloat16):
+    from multihead.kernels import flash_bwd
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, S, D, generator=g).to(dev, dtype) for _ in range(4))
+    from multihead.kernels.flash_fwd import flash_forward
+    for kind in ["window 256", "window 2048", "causal"]:
+        kw, lens = _band_kwargs(kind, B, S, dev)
+        out, lse = flash_forward(q, k, v, scale=D ** -0.5, **kw)
+        first = None
+        for cfg in BWD:
+            try:
+                run = lambda: flash_bwd.flash_backward(                     # noqa: E731
+                    do, q, k, v, out, lse, scale=D ** -0.5, config=(cfg, cfg), **kw)
+                grads = run()
+                if first is None:
+                    first = grads
+                err = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, first))
+                if err > 5e-2:
+                    rows.append(dict(part="bwd", case=kind, config=cfg, error=err))
+                    continue
+                rows.append(dict(part="bwd", case=kind, D=D, config=cfg, us=_bench(run)))
+            except Exception as e:                               # noqa: BLE001
+                rows.append(dict(part="bwd", case=kind, config=cfg, failed=repr(e)[:200]))
+            print(rows[-1], flush=True)
+
+
+def decode(rows: list, *, H=32, Hkv=8, D=128, dtype=torch.bfloat16):
+    from multihead.kernels.decode import decode_forward, num_splits
+    dev = torch.device("cuda")
+    for B, L in [(1, 4096), (1, 32768), (8, 32768)]:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(B, H, 1, D, generator=g).to(dev, dtype)
+        k, v = (torch.randn(B, Hkv, L, D, generator=g).to(dev, dtype) for _ in range(2))
+        nbytes = k.nbytes + v.nbytes
+        ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        for graph in (False, True):
+            sd = _bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), graph)
+            rows.append(dict(part="decode", B=B, L=L, peer="sdpa enable_gqa", graph=graph, us=sd,
+                             TBps=nbytes / sd / 1e6))
+            print(rows[-1], flush=True)
+        for bn, warps, stages, mult in DECODE:
+            splits = max(1, int(num_splits(B, Hkv, L) * mult))
+            try:
+                run = lambda: decode_forward(q, k, v, scale=D ** -0.5, causal=True,  # noqa: E731
+                                             offset=L - 1, splits=splits,
+                                             config=(bn, warps, stages))
+                err = (run()[0].float() - ref.float()).abs().max().item()
+                if err > 2e-2:
+                    rows.append(dict(part="decode", B=B, L=L, config=(bn, warps, stages, splits),
+                                     error=err))
+                    continue
+                for graph in (False, True):
+                    us = _bench(run, graph)
+                    rows.append(dict(part="decode", B=B, L=L, config=(bn, warps, stages, splits),
+                                     graph=graph, us=us, TBps=nbytes / us / 1e6))
+            except Exception as e:                               # noqa: BLE001
+                rows.append(dict(part="decode", B=B, L=L, config=(bn, warps, stages, splits),
+                                 failed=repr(e)[:200]))
+            print(rows[-1], flush=True)
+
+
+def _best(rows: list) -> list[str]:
+    lines = []
+    keys = sorted({(r["part"], r.get("case"), r.get("B"), r.get("L"), r.get("graph"))
+                   for r in rows})
+    for key in keys:
+        mine = [r for r in rows if (r["part"], r.get("case"), r.get("B"), r.get("L"),
+                                    r.get("graph")) == key and "us" in r]
+        ours = [r for r in mine if "config" in r]
+        peers = [r for r in mine if "peer" in r]
+        if not ours:
+            continue
+        best = min(ours, key=lambda r: r["us"])
+        text = f"{key}: best {best['config']} {best['us']:.1f} us"
+        for p in peers:
+            text += f" | {p['peer']} {p['us']:.1f} us ({p['us'] / best['us']:.2f}x)"
+        lines.append(text)
+    return lines
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=["fwd", "bwd", "decode"], action="append")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    parts = a.only or ["fwd", "bwd", "decode"]
+    rows: list = []
+    for name, fn in (("fwd", forward), ("bwd", backward), ("decode", decode)):
+        if name in parts:
+            try:
+                fn(rows)
+            except Exception as e:                               # noqa: BLE001
+                rows.append(dict(part=name, failed=repr(e)[:300]))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    print("\n".join(_best(rows)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""What the kernels share: the block ranges a band mask reaches, and the launch table.
+
+A band mask (causal, a sliding window, either aligned by ``offset``) with key padding
+(``klen`` keys are real) lets a program know, from indices alone, which blocks it must visit
+and which of those every one of its rows sees in full. :func:`key_range` answers for a
+block of queries (the forward and dQ loops), :func:`query_range` for a block of keys (the
+dK/dV loop). Each returns four block-aligned bounds ``lo <= a <= b <= hi`` (``hi`` need not
+be aligned): ``[lo, a)`` and ``[b, hi)`` are edge blocks that evaluate the mask, ``[a, b)``
+runs unmasked.
+
+Query ``i`` sees key ``j`` when ``j < klen``, and with the band
+``i + offset - window < j <= i + offset``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: log2(e): scores scaled by ``scale * LOG2E`` run the softmax in base 2 (``exp2``)
+LOG2E = 1.4426950408889634
+
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and width of the head dim, measured
+#: on an H100 (bf16, S=16384, D=128; see ``benchmarks/triton_tune.py`` and
+#: docs/benchmarks.md); "fwd_narrow" is the forward under a window of at most
+#: :data:`NARROW` keys, where short loops favour smaller tiles
+LAUNCH = {
+    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+    "fwd_narrow": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
+    "bwd_kv": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 32, 4, 1)},
+    "bwd_q": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 32, 4, 1)},
+}
+
+
+#: a window of at most this many keys runs the "fwd_narrow" launch
+NARROW = 512
+
+
+def pow2(n: int) -> int:
+    """The tile width for a head dim: the next power of two, at least 16.
+
+    Example:
+        >>> pow2(8), pow2(64), pow2(80)
+        (16, 64, 128)
+    """
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def launch_config(kernel: str, D: int, Dv: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of ``kernel`` for these head dims, from
+    :data:`LAUNCH` by the wider tile (one bucket per width: S, B, H and the window never
+    change it, so they never cause a compile).
+
+    Example:
+        >>> launch_config("fwd", 128, 128)
+        (128, 64, 8, 3)
+    """
+    width = max(pow2(D), pow2(Dv))
+    table = LAUNCH[kernel]
+    return table[min((w for w in table if w >= width), default=max(table))]
+
+
+@triton.jit
+def _order(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
+    # Clamp the four bounds into lo <= a <= b <= hi_up, all but hi multiples of BLOCK.
+    hi = tl.maximum(hi, 0)
+    hi_up = (hi + BLOCK - 1) // BLOCK * BLOCK
+    lo = tl.minimum(lo, hi_up)
+    a = tl.minimum(tl.maximum(full_lo, lo), hi_up)
+    b = tl.maximum(full_hi, a)
+    return lo, a, b, hi
+
+
+@triton.jit
+def key_range(m0, klen, offset, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key bounds ``(lo, a, b, hi)`` for the queries ``[m0, m0 + BLOCK_M)``."""
+    hi = klen
+    full_hi = klen
+    if CAUSAL:
+        hi = tl.minimum(hi, m0 + BLOCK_M + offset)              # the last row's last key + 1
+        full_hi = tl.minimum(full_hi, m0 + offset + 1)          # the first row's
+    full_hi = tl.maximum(full_hi, 0) // BLOCK_N * BLOCK_N
+    lo = 0
+    full_lo = 0
+    if WINDOWED:
+        lo = tl.maximum(m0 + offset - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_lo = ((tl.maximum(m0 + BLOCK_M + offset - window, 0) + BLOCK_N - 1)
+                   // BLOCK_N * BLOCK_N)                        # the last row's first key
+    return _order(lo, full_lo, full_hi, hi, BLOCK_N)
+
+
+@triton.jit
+def query_range(n0, Sq, klen, offset, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query bounds ``(lo, a, b, hi)`` for the keys ``[n0, n0 + BLOCK_N)``."""
+    lo = 0
+    full_lo = 0
+    if CAUSAL:
+        lo = tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M   # the first key's first query
+        full_lo = ((tl.maximum(n0 + BLOCK_N - 1 - offset, 0) + BLOCK_M - 1)
+                   // BLOCK_M * BLOCK_M)                       # the last key's
+    hi = Sq
+    full_hi = Sq
+    if WINDOWED:
+        hi = tl.minimum(hi, n0 + BLOCK_N - 1 - offset + window)   # the last key's last query + 1
+        full_hi = tl.minimum(full_hi, n0 - offset + window)       # the first key's
+    hi = tl.where(n0 >= klen, 0, hi)                  # padding: no query sees these keys
+    full_hi = tl.where(n0 + BLOCK_N > klen, 0, full_hi)    # partly padding: all edge blocks
+    full_hi = tl.maximum(full_hi, 0) // BLOCK_M * BLOCK_M
+    return _order(lo, full_lo, full_hi, hi, BLOCK_M)

@@ -1,0 +1,253 @@
+"""FlashAttention-2's backward in Triton, for the masks of :mod:`.flash_fwd`.
+
+Given the forward's output ``O`` and log-sum-exp, with ``P = exp(S - lse)`` recomputed block
+by block and ``delta = rowsum(dO * O)`` (minus the gradient of the lse, when it has one):
+
+- ``_dkdv``: one program per (key block, batch, **K/V head**) holds its keys and values and
+  walks the query blocks that see them (:func:`._band.query_range`, the forward's band
+  transposed) for **every query head of its group** in turn, accumulating
+  ``dV += Pᵀ dO`` and ``dK += scale · dSᵀ Q`` with ``dS = P ∘ (dO Vᵀ - delta)``. The GQA
+  sum over the group happens in registers: no copies of K/V and no atomics.
+- ``_dq``: one program per (query block, batch, query head) walks the forward's key blocks
+  (:func:`._band.key_range`): ``dQ += scale · dS K``.
+
+No program adds into memory another program writes, so the gradients are deterministic
+(bitwise the same from run to run) without a separate mode. Edge blocks evaluate the mask;
+interior blocks run unmasked, as in the forward. Rows with nothing to attend to (lse
+``-inf``) contribute nothing.
+
+Notation: B batch, H query heads, Hkv K/V heads, G = H / Hkv, Sq/Sk lengths, D/Dv head dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._band import LOG2E, key_range, launch_config, pow2, query_range
+from .flash_fwd import DYNAMIC
+
+
+@triton.jit
+def _probs(q, k, lse2, qpos, cols, klen, row_ok, qk_scale, offset, window,
+           CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASKED: tl.constexpr):
+    # P (rows, keys) = exp2(q kᵀ · qk_scale - lse2), zero where the mask rules a pair out.
+    s = tl.dot(q, tl.trans(k)) * qk_scale                                   # (rows, keys)
+    if MASKED:
+        ok = (cols[None, :] < klen) & row_ok[:, None]
+        if CAUSAL:
+            ok = ok & (cols[None, :] <= qpos[:, None] + offset)
+        if WINDOWED:
+            ok = ok & (cols[None, :] > qpos[:, None] + offset - window)
+        return tl.where(ok, tl.math.exp2(tl.where(ok, s, 0.0) - lse2[:, None]), 0.0)
+    return tl.math.exp2(s - lse2[:, None])
+
+
+@triton.jit
+def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, cols, klen,
+                qk_scale, offset, window, sqm, sqd, sdm, sdd,
+                D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+                WINDOWED: tl.constexpr, MASKED: tl.constexpr):
+    # The queries [start, start + BLOCK_M) of one head, against this program's keys.
+    rows = start + tl.arange(0, BLOCK_M)                                    # (BLOCK_M,)
+    dq_ = tl.arange(0, BLOCK_D)
+    dv_ = tl.arange(0, BLOCK_DV)
+    row_ok = rows < Sq
+    qmask = dq_[None, :] < D
+    omask = dv_[None, :] < DV
+    if MASKED:
+        qmask = qmask & row_ok[:, None]
+        omask = omask & row_ok[:, None]
+    q = tl.load(q_base + rows[:, None] * sqm + dq_[None, :] * sqd, mask=qmask, other=0.0)
+    do = tl.load(do_base + rows[:, None] * sdm + dv_[None, :] * sdd, mask=omask, other=0.0)
+    lse2 = tl.load(lse_base + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(dl_base + rows, mask=row_ok, other=0.0)
+    p = _probs(q, k, lse2, rows, cols, klen, row_ok, qk_scale, offset, window,
+               CAUSAL, WINDOWED, MASKED)                                    # (BLOCK_M, BLOCK_N)
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do)                             # (BLOCK_N, BLOCK_DV)
+    dp = tl.dot(do, tl.trans(v))                                            # (BLOCK_M, BLOCK_N)
+    ds = p * (dp - delta[:, None])
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q)                              # (BLOCK_N, BLOCK_D)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=DYNAMIC)
+def _dkdv(Q, K, V, DO, LSE, DELTA, GK, GV, LENS, scale, qk_scale,
+          sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+          sdb, sdh, sdm, sdd, H, G, Sq, Sk, offset, window,
+          CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_LENS: tl.constexpr,
+          D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    bk = tl.program_id(1)
+    Hkv = H // G
+    b = bk // Hkv
+    hk = bk % Hkv
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)                                       # (BLOCK_N,)
+    dq_ = tl.arange(0, BLOCK_D)
+    dv_ = tl.arange(0, BLOCK_DV)
+    col_ok = cols < Sk
+    k = tl.load(K + b * skb + hk * skh + cols[:, None] * skn + dq_[None, :] * skd,
+                mask=col_ok[:, None] & (dq_[None, :] < D), other=0.0)       # (BLOCK_N, BLOCK_D)
+    v = tl.load(V + b * svb + hk * svh + cols[:, None] * svn + dv_[None, :] * svd,
+                mask=col_ok[:, None] & (dv_[None, :] < DV), other=0.0)      # (BLOCK_N, BLOCK_DV)
+    klen = Sk
+    if HAS_LENS:
+        klen = tl.minimum(Sk, tl.load(LENS + b))
+    lo, a, c, hi = query_range(n0, Sq, klen, offset, window, CAUSAL, WINDOWED,
+                               BLOCK_M, BLOCK_N)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+    for g in range(G):                                 # the group's query heads, in registers
+        h = hk * G + g
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdb + h * sdh
+        lse_base = LSE + (b * H + h) * Sq
+        dl_base = DELTA + (b * H + h) * Sq
+        for start in range(lo, a, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq,
+                                 cols, klen, qk_scale, offset, window, sqm, sqd, sdm, sdd,
+                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL, WINDOWED, True)
+        for start in range(a, c, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq,
+                                 cols, klen, qk_scale, offset, window, sqm, sqd, sdm, sdd,
+                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL, WINDOWED, False)
+        for start in range(c, hi, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq,
+                                 cols, klen, qk_scale, offset, window, sqm, sqd, sdm, sdd,
+                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL, WINDOWED, True)
+    # GK, GV (the gradients): contiguous (B, Hkv, Sk, D) and (B, Hkv, Sk, DV)
+    tl.store(GK + (bk * Sk + cols[:, None]) * D + dq_[None, :],
+             (dk * scale).to(GK.dtype.element_ty), mask=col_ok[:, None] & (dq_[None, :] < D))
+    tl.store(GV + (bk * Sk + cols[:, None]) * DV + dv_[None, :], dv.to(GV.dtype.element_ty),
+             mask=col_ok[:, None] & (dv_[None, :] < DV))
+
+
+@triton.jit
+def _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen, qk_scale,
+              offset, window, skn, skd, svn, svd, D: tl.constexpr, DV: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASKED: tl.constexpr):
+    # The keys [start, start + BLOCK_N) against this program's queries.
+    cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
+    dq_ = tl.arange(0, BLOCK_D)
+    dv_ = tl.arange(0, BLOCK_DV)
+    kmask = dq_[None, :] < D
+    vmask = dv_[None, :] < DV
+    if MASKED:
+        kmask = kmask & (cols[:, None] < klen)
+        vmask = vmask & (cols[:, None] < klen)
+    k = tl.load(k_base + cols[:, None] * skn + dq_[None, :] * skd, mask=kmask, other=0.0)
+    v = tl.load(v_base + cols[:, None] * svn + dv_[None, :] * svd, mask=vmask, other=0.0)
+    p = _probs(q, k, lse2, rows, cols, klen, row_ok, qk_scale, offset, window,
+               CAUSAL, WINDOWED, MASKED)                                    # (BLOCK_M, BLOCK_N)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k)                                   # (BLOCK_M, BLOCK_D)
+
+
+@triton.jit(do_not_specialize=DYNAMIC)
+def _dq(Q, K, V, DO, LSE, DELTA, GQ, LENS, scale, qk_scale,
+        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+        sdb, sdh, sdm, sdd, H, G, Sq, Sk, offset, window,
+        CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_LENS: tl.constexpr,
+        D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    m0 = pid_m * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)                                       # (BLOCK_M,)
+    dq_ = tl.arange(0, BLOCK_D)
+    dv_ = tl.arange(0, BLOCK_DV)
+    row_ok = rows < Sq
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dq_[None, :] * sqd,
+                mask=row_ok[:, None] & (dq_[None, :] < D), other=0.0)       # (BLOCK_M, BLOCK_D)
+    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdm + dv_[None, :] * sdd,
+                 mask=row_ok[:, None] & (dv_[None, :] < DV), other=0.0)     # (BLOCK_M, BLOCK_DV)
+    lse2 = tl.load(LSE + bh * Sq + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + bh * Sq + rows, mask=row_ok, other=0.0)
+    klen = Sk
+    if HAS_LENS:
+        klen = tl.minimum(Sk, tl.load(LENS + b))
+    lo, a, c, hi = key_range(m0, klen, offset, window, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    for start in range(lo, a, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
+                       qk_scale, offset, window, skn, skd, svn, svd, D, DV, BLOCK_D, BLOCK_DV,
+                       BLOCK_N, CAUSAL, WINDOWED, True)
+    for start in range(a, c, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
+                       qk_scale, offset, window, skn, skd, svn, svd, D, DV, BLOCK_D, BLOCK_DV,
+                       BLOCK_N, CAUSAL, WINDOWED, False)
+    for start in range(c, hi, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
+                       qk_scale, offset, window, skn, skd, svn, svd, D, DV, BLOCK_D, BLOCK_DV,
+                       BLOCK_N, CAUSAL, WINDOWED, True)
+    # GQ (the gradient): contiguous (B, H, Sq, D)
+    tl.store(GQ + (bh * Sq + rows[:, None]) * D + dq_[None, :],
+             (dq * scale).to(GQ.dtype.element_ty), mask=row_ok[:, None] & (dq_[None, :] < D))
+
+
+def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, *, scale: float, causal: bool = False,
+                   window: int | None = None, offset: int = 0,
+                   kv_lengths: torch.Tensor | None = None, dlse: torch.Tensor | None = None,
+                   config: tuple | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv)`` of :func:`.flash_forward`'s call with these arguments.
+
+    Args:
+        dout: ``(B, H, Sq, Dv)``, the gradient of the output.
+        out, lse: what the forward returned.
+        scale, causal, window, offset, kv_lengths: the forward's arguments.
+        dlse: ``(B, H, Sq)`` gradient of the log-sum-exp, when it was used.
+        config: ``(dkdv, dq)`` launch tuples ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``;
+            default: the measured table (:func:`._band.launch_config`).
+
+    Returns:
+        ``dq (B, H, Sq, D)``, ``dk (B, Hkv, Sk, D)``, ``dv (B, Hkv, Sk, Dv)`` in the inputs'
+        dtypes, each K/V gradient summed over its group of query heads.
+
+    Example:
+        >>> import torch
+        >>> q = k = v = torch.randn(1, 2, 8, 16, device="cuda", dtype=torch.float16)  # doctest: +SKIP
+        >>> out, lse = flash_forward(q, k, v, scale=0.25, causal=True)             # doctest: +SKIP
+        >>> dq, dk, dv = flash_backward(torch.ones_like(out), q, k, v, out, lse,
+        ...                             scale=0.25, causal=True)                   # doctest: +SKIP
+    """
+    B, H, Sq, D = q.shape
+    _, Hkv, Sk, Dv = v.shape
+    dq = torch.empty(B, H, Sq, D, device=q.device, dtype=q.dtype)
+    dk = torch.empty(B, Hkv, Sk, D, device=k.device, dtype=k.dtype)
+    dv = torch.empty(B, Hkv, Sk, Dv, device=v.device, dtype=v.dtype)
+    if B * H * Sq * Sk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    delta = (dout.float() * out.float()).sum(-1)                            # (B, H, Sq)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    delta = delta.contiguous()
+    lse = lse.contiguous()
+    kv_cfg, q_cfg = config or (launch_config("bwd_kv", D, Dv), launch_config("bwd_q", D, Dv))
+    lens = kv_lengths if kv_lengths is not None else delta    # unused when HAS_LENS is off
+    common = dict(CAUSAL=causal or window is not None, WINDOWED=window is not None,
+                  HAS_LENS=kv_lengths is not None, D=D, DV=Dv, BLOCK_D=pow2(D),
+                  BLOCK_DV=pow2(Dv))
+    args = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(),
+            H, H // Hkv, Sq, Sk, offset, window if window is not None else 0)
+    bm, bn, warps, stages = kv_cfg
+    _dkdv[(triton.cdiv(Sk, bn), B * Hkv)](
+        q, k, v, dout, lse, delta, dk, dv, lens, scale, scale * LOG2E, *args, **common,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    bm, bn, warps, stages = q_cfg
+    _dq[(triton.cdiv(Sq, bm), B * H)](
+        q, k, v, dout, lse, delta, dq, lens, scale, scale * LOG2E, *args, **common,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    return dq, dk, dv
