@@ -25,8 +25,11 @@ import torch.nn.functional as F
 
 FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 32, 4, 3),
        (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4)]
-BWD = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2),
-       (64, 32, 4, 3), (128, 128, 8, 2), (64, 64, 8, 3)]
+#: dK/dV: BLOCK_M queries per step against BLOCK_N keys held; dQ: the other way round
+BWD_KV = [(64, 64, 4, 2), (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (16, 128, 4, 3),
+          (32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 2)]
+BWD_Q = [(64, 64, 4, 2), (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3),
+         (128, 64, 8, 3), (64, 64, 4, 3)]
 DECODE = [(64, 4, 3, 1.0), (64, 4, 2, 1.0), (32, 4, 3, 1.0), (128, 4, 3, 1.0), (128, 8, 3, 1.0),
           (64, 2, 3, 1.0), (64, 4, 3, 2.0), (64, 4, 3, 0.5), (128, 4, 2, 2.0), (32, 2, 3, 2.0)]
 
@@ -98,31 +101,37 @@ def forward(rows: list, *, S=16384, B=2, H=16, D=128, dtype=torch.bfloat16):
         print(rows[-1], flush=True)
 
 
-def backward(rows: list, *, S=16384, B=2, H=16, D=128, dtype=torch.bfloat16):
+def backward(rows: list, *, S=16384, B=1, H=16, D=128, dtype=torch.bfloat16):
+    """Each dK/dV config with the table's dQ config, then each dQ config likewise."""
     from multihead.kernels import flash_bwd
+    from multihead.kernels._band import launch_config
+    from multihead.kernels.flash_fwd import flash_forward
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(B, H, S, D, generator=g).to(dev, dtype) for _ in range(4))
-    from multihead.kernels.flash_fwd import flash_forward
+    default = (launch_config("bwd_kv", D, D), launch_config("bwd_q", D, D))
     for kind in ["window 256", "window 2048", "causal"]:
         kw, lens = _band_kwargs(kind, B, S, dev)
         out, lse = flash_forward(q, k, v, scale=D ** -0.5, **kw)
         first = None
-        for cfg in BWD:
-            try:
-                run = lambda: flash_bwd.flash_backward(                     # noqa: E731
-                    do, q, k, v, out, lse, scale=D ** -0.5, config=(cfg, cfg), **kw)
-                grads = run()
-                if first is None:
-                    first = grads
-                err = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, first))
-                if err > 5e-2:
-                    rows.append(dict(part="bwd", case=kind, config=cfg, error=err))
-                    continue
-                rows.append(dict(part="bwd", case=kind, D=D, config=cfg, us=_bench(run)))
-            except Exception as e:                               # noqa: BLE001
-                rows.append(dict(part="bwd", case=kind, config=cfg, failed=repr(e)[:200]))
-            print(rows[-1], flush=True)
+        for part, configs in (("bwd_kv", BWD_KV), ("bwd_q", BWD_Q)):
+            for cfg in configs:
+                pair = (cfg, default[1]) if part == "bwd_kv" else (default[0], cfg)
+                try:
+                    run = lambda: flash_bwd.flash_backward(                 # noqa: E731
+                        do, q, k, v, out, lse, scale=D ** -0.5, config=pair, **kw)
+                    grads = run()
+                    if first is None:
+                        first = grads
+                    err = max((a.float() - b.float()).abs().max().item()
+                              for a, b in zip(grads, first))
+                    if err > 5e-2:
+                        rows.append(dict(part=part, case=kind, config=cfg, error=err))
+                        continue
+                    rows.append(dict(part=part, case=kind, D=D, config=cfg, us=_bench(run)))
+                except Exception as e:                           # noqa: BLE001
+                    rows.append(dict(part=part, case=kind, config=cfg, failed=repr(e)[:200]))
+                print(rows[-1], flush=True)
 
 
 def decode(rows: list, *, H=32, Hkv=8, D=128, dtype=torch.bfloat16):
@@ -160,6 +169,30 @@ def decode(rows: list, *, H=32, Hkv=8, D=128, dtype=torch.bfloat16):
             print(rows[-1], flush=True)
 
 
+def overhead(rows: list, *, B=1, H=32, Hkv=8, D=128, L=4096, dtype=torch.bfloat16):
+    """A decoding step through ``mh.attention`` (auto, sdpa, triton) against the kernels
+    called directly: what dispatch adds per call."""
+    import multihead as mh
+    from multihead.kernels import ops
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, 1, D, generator=g).to(dev, dtype)
+    k, v = (torch.randn(B, Hkv, L, D, generator=g).to(dev, dtype) for _ in range(2))
+    causal = mh.masks.causal()
+    calls = {"mh auto": lambda: mh.attention(q, k, v, mask=causal),
+             "mh sdpa": lambda: mh.attention(q, k, v, mask=causal, backend="sdpa"),
+             "mh triton": lambda: mh.attention(q, k, v, mask=causal, backend="triton"),
+             "F.sdpa enable_gqa": lambda: F.scaled_dot_product_attention(q, k, v,
+                                                                          enable_gqa=True),
+             "ops.flash_decode (custom_op)": lambda: ops.flash_decode(
+                 q, k, v, D ** -0.5, True, 0, L - 1, None),
+             "ops.decode": lambda: ops.decode(q, k, v, D ** -0.5, True, 0, L - 1, None)}
+    print(mh.explain(q, k, v, mask=causal), flush=True)
+    for name, fn in calls.items():
+        rows.append(dict(part="overhead", case=f"decode B={B} L={L}", peer=name, us=_bench(fn)))
+        print(rows[-1], flush=True)
+
+
 def _best(rows: list) -> list[str]:
     lines = []
     keys = sorted({(r["part"], r.get("case"), r.get("B"), r.get("L"), r.get("graph"))
@@ -179,14 +212,38 @@ def _best(rows: list) -> list[str]:
     return lines
 
 
+def winners(rows: list, D: int = 128) -> dict:
+    """The launch table entries these rows measured: per kernel, the config with the least
+    total time over the cases where every config ran (``fwd_narrow``: the 256 window)."""
+    import math
+    table = {}
+    for kernel, part, cases in (("fwd", "fwd", None), ("fwd_narrow", "fwd", {"window 256"}),
+                                ("bwd_kv", "bwd_kv", None), ("bwd_q", "bwd_q", None)):
+        mine = [r for r in rows if r["part"] == part and "us" in r and "config" in r
+                and (cases is None or r["case"] in cases)]
+        by = {}
+        for r in mine:
+            by.setdefault(tuple(r["config"]), {})[r["case"]] = r["us"]
+        every = set.intersection(*(set(c) for c in by.values())) if by else set()
+        if every:
+            best = min(by, key=lambda c: sum(math.log(by[c][k]) for k in every))
+            table[kernel] = {str(D): list(best)}
+    return table
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["fwd", "bwd", "decode"], action="append")
+    ap.add_argument("--only", choices=["fwd", "bwd", "decode", "overhead"], action="append")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--merge", default=None, help="rows of an earlier run to count too")
+    ap.add_argument("--write", default=None, help="write the winners as a launch table "
+                    "(for MULTIHEAD_TRITON_LAUNCH)")
     a = ap.parse_args(argv)
     parts = a.only or ["fwd", "bwd", "decode"]
     rows: list = []
-    for name, fn in (("fwd", forward), ("bwd", backward), ("decode", decode)):
+    rows.extend(json.load(open(a.merge)) if a.merge else [])
+    for name, fn in (("fwd", forward), ("bwd", backward), ("decode", decode),
+                     ("overhead", overhead)):
         if name in parts:
             try:
                 fn(rows)
@@ -196,6 +253,10 @@ def main(argv=None) -> None:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
     print("\n".join(_best(rows)))
+    if a.write:
+        with open(a.write, "w") as f:
+            json.dump(winners(rows), f, indent=1)
+        print(f"wrote {a.write}: {winners(rows)}")
 
 
 if __name__ == "__main__":

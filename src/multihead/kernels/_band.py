@@ -14,6 +14,9 @@ Query ``i`` sees key ``j`` when ``j < klen``, and with the band
 
 from __future__ import annotations
 
+import json
+import os
+
 import triton
 import triton.language as tl
 
@@ -51,13 +54,44 @@ def launch_config(kernel: str, D: int, Dv: int) -> tuple[int, int, int, int]:
     :data:`LAUNCH` by the wider tile (one bucket per width: S, B, H and the window never
     change it, so they never cause a compile).
 
+    A GPU other than the H100 may prefer other tiles: ``python -m benchmarks.triton_tune
+    --write FILE`` measures them on it, and ``MULTIHEAD_TRITON_LAUNCH=FILE`` makes them the
+    table (its entries replace :data:`LAUNCH`'s, read once per process).
+
     Example:
         >>> launch_config("fwd", 128, 128)
         (128, 64, 8, 3)
     """
     width = max(pow2(D), pow2(Dv))
-    table = LAUNCH[kernel]
-    return table[min((w for w in table if w >= width), default=max(table))]
+    table = _table()[kernel]
+    fits = [w for w in table if w >= width]
+    return table[min(fits) if fits else max(table)]
+
+
+_LOADED: dict = {}
+
+
+def _table() -> dict:
+    path = os.environ.get("MULTIHEAD_TRITON_LAUNCH")
+    if not path:
+        return LAUNCH
+    if path not in _LOADED:
+        _LOADED[path] = _load(path)
+    return _LOADED[path]
+
+
+def _load(path: str) -> dict:
+    try:
+        with open(path) as f:
+            measured = json.load(f)
+        merged = {k: dict(v) for k, v in LAUNCH.items()}
+        for kernel, widths in measured.items():
+            merged[kernel].update({int(w): tuple(int(x) for x in c) for w, c in widths.items()})
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"MULTIHEAD_TRITON_LAUNCH={path!r}: not a launch table ({e}); write "
+                         f"one with python -m benchmarks.triton_tune --write FILE, or unset "
+                         f"the variable") from e
+    return merged
 
 
 @triton.jit
@@ -69,6 +103,18 @@ def _order(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
     a = tl.minimum(tl.maximum(full_lo, lo), hi_up)
     b = tl.maximum(full_hi, a)
     return lo, a, b, hi
+
+
+@triton.jit
+def visible(qpos, cols, klen, row_ok, offset, window, CAUSAL: tl.constexpr,
+            WINDOWED: tl.constexpr):
+    """The (rows, keys) pairs the mask leaves: key below ``klen``, a live row, in the band."""
+    ok = (cols[None, :] < klen) & row_ok[:, None]
+    if CAUSAL:
+        ok = ok & (cols[None, :] <= qpos[:, None] + offset)
+    if WINDOWED:
+        ok = ok & (cols[None, :] > qpos[:, None] + offset - window)
+    return ok
 
 
 @triton.jit

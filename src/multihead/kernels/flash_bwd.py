@@ -25,8 +25,26 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import LOG2E, key_range, launch_config, pow2, query_range
+from ._band import LOG2E, key_range, launch_config, pow2, query_range, visible
 from .flash_fwd import DYNAMIC
+
+
+@triton.jit
+def _delta(O, DO, DLSE, DELTA, soh, som, sod, sdh, sdm, sdd, Sq,
+           HAS_DLSE: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+           BLOCK_M: tl.constexpr):
+    # delta (B*H, Sq) = rowsum(dO * O) - dlse, in fp32: one read of each, nothing else.
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)                              # O, DO viewed as (B*H, Sq, DV)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dv = tl.arange(0, BLOCK_DV)
+    ok = (rows[:, None] < Sq) & (dv[None, :] < DV)
+    o = tl.load(O + bh * soh + rows[:, None] * som + dv[None, :] * sod, mask=ok, other=0.0)
+    do = tl.load(DO + bh * sdh + rows[:, None] * sdm + dv[None, :] * sdd, mask=ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + bh * Sq + rows, mask=rows < Sq, other=0.0)
+    tl.store(DELTA + bh * Sq + rows, delta, mask=rows < Sq)
 
 
 @triton.jit
@@ -35,11 +53,7 @@ def _probs(q, k, lse2, qpos, cols, klen, row_ok, qk_scale, offset, window,
     # P (rows, keys) = exp2(q kᵀ · qk_scale - lse2), zero where the mask rules a pair out.
     s = tl.dot(q, tl.trans(k)) * qk_scale                                   # (rows, keys)
     if MASKED:
-        ok = (cols[None, :] < klen) & row_ok[:, None]
-        if CAUSAL:
-            ok = ok & (cols[None, :] <= qpos[:, None] + offset)
-        if WINDOWED:
-            ok = ok & (cols[None, :] > qpos[:, None] + offset - window)
+        ok = visible(qpos, cols, klen, row_ok, offset, window, CAUSAL, WINDOWED)
         return tl.where(ok, tl.math.exp2(tl.where(ok, s, 0.0) - lse2[:, None]), 0.0)
     return tl.math.exp2(s - lse2[:, None])
 
@@ -230,10 +244,13 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dv = torch.empty(B, Hkv, Sk, Dv, device=v.device, dtype=v.dtype)
     if B * H * Sq * Sk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    delta = (dout.float() * out.float()).sum(-1)                            # (B, H, Sq)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    delta = delta.contiguous()
+    o3 = out.reshape(B * H, Sq, Dv)                     # (B*H, Sq, Dv): views, as allocated
+    d3 = dout.reshape(B * H, Sq, Dv)
+    delta = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
+    dl = dlse.float().contiguous() if dlse is not None else delta
+    _delta[(triton.cdiv(Sq, 64), B * H)](o3, d3, dl, delta, *o3.stride(), *d3.stride(), Sq,
+                                         HAS_DLSE=dlse is not None, DV=Dv, BLOCK_DV=pow2(Dv),
+                                         BLOCK_M=64)
     lse = lse.contiguous()
     kv_cfg, q_cfg = config or (launch_config("bwd_kv", D, Dv), launch_config("bwd_q", D, Dv))
     lens = kv_lengths if kv_lengths is not None else delta    # unused when HAS_LENS is off

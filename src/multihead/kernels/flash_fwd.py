@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import LOG2E, NARROW, key_range, launch_config, pow2
+from ._band import LOG2E, NARROW, key_range, launch_config, pow2, visible
 
 #: arguments whose value changes per call but must not cause a compile (Triton would
 #: otherwise specialize on their divisibility by 16)
@@ -52,12 +52,8 @@ def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_
     k = tl.load(k_base + cols[:, None] * skn + dq[None, :] * skd, mask=kmask, other=0.0)
     s = tl.dot(q, tl.trans(k)) * qk_scale                                  # (rows, BLOCK_N)
     if MASKED:
-        ok = (cols[None, :] < hi) & row_ok[:, None]
-        if CAUSAL:
-            ok = ok & (cols[None, :] <= qpos[:, None] + offset)
-        if WINDOWED:
-            ok = ok & (cols[None, :] > qpos[:, None] + offset - window)
-        s = tl.where(ok, s, float("-inf"))
+        s = tl.where(visible(qpos, cols, hi, row_ok, offset, window, CAUSAL, WINDOWED), s,
+                     float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)                   # a row seeing nothing
     p = tl.math.exp2(s - shift[:, None])

@@ -63,7 +63,7 @@ def _row(x: torch.Tensor | None, b: int, lo: int, hi: int):
 class Rows(Backend):
     name = "rows"
     summary = "materialized scores one sequence at a time, cropped to its live keys; weights"
-    capabilities = Capabilities(weights=True, lse=True, backward=False)
+    capabilities = Capabilities(weights=True, lse=True, backward=False, traceable=False)
 
     def plan(self, call, profile):
         size = torch.empty((), dtype=call.compute_dtype).element_size()

@@ -28,6 +28,10 @@ from ..registry import Backend, Plan, register
 #: its FLOP rate against the vendor's fused kernel on the same device (priced as slower,
 #: so it is chosen for the work it skips, not for work both would do)
 EFFICIENCY = 0.8
+#: the backward kernels' FLOP rate against the vendor's fused backward (H100, bf16: causal
+#: S=16384 fwd+bwd ran in 9.9 ms against SDPA's 6.4 ms), so that training prices
+#: ``1 + 2.5 * EFFICIENCY / BACKWARD_EFFICIENCY`` forwards where SDPA prices 3.5
+BACKWARD_EFFICIENCY = 0.6
 #: the decode kernel's bandwidth against SDPA's, until measured on hardware (priced as
 #: slower, so auto keeps SDPA for decoding and backend="triton" opts in)
 DECODE_EFFICIENCY = 0.8
@@ -105,11 +109,14 @@ class TritonFlash(Backend):
         work = Work(flops=2.0 * pairs * (call.D + call.Dv) / EFFICIENCY, kernel="fused",
                     dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=call.group), launches=1,
                     parallel=call.B * call.H * -(-call.Sq // bm))   # no split over keys (yet)
+        if call.requires_grad:
+            work = work.times(flops=1 + 2.5 * EFFICIENCY / BACKWARD_EFFICIENCY, bytes=3.0,
+                              launches=4.0)
         kind = ("sliding window" if band.window is not None else "causal" if band.causal
                 else "no band")
         note = f"{kind}{' & key padding' if band.padding is not None else ''}: " \
                f"{pairs / max(1, call.pairs):.1%} of the pairs computed"
-        return Plan(work, note, (band, "flash_attention"))
+        return Plan(work, note, (band, "attention"))
 
     def _decode_plan(self, call, band):
         from ...kernels.decode import BLOCK_N, num_splits
@@ -120,11 +127,11 @@ class TritonFlash(Backend):
                     launches=2, parallel=call.B * call.Hkv * splits)
         note = f"split-K decode: {splits} splits of the keys, each K/V byte read once for " \
                f"the {call.group} query head(s) of a group"
-        return Plan(work, note, (band, "flash_decode"))
+        return Plan(work, note, (band, "decode"))
 
     def run(self, call, plan):
         from ...kernels import ops
-        band, name = plan.detail                # which torch.ops.multihead operator
+        band, name = plan.detail                # ops.attention or ops.decode
         lens = None
         if band.padding is not None:            # one length per row of the batch, on device
             lens = band.padding.lengths.expand(call.B).contiguous()
