@@ -53,17 +53,17 @@ def _band_kwargs(kind: str, B: int, S: int, device):
 
 
 def _flex(kind: str, q, k, v, lens):
+    """Compiled flex_attention for the case, its mask from the bench's own definitions."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    S = q.shape[2]
 
-    def mod(b, h, i, j):
-        keep = j <= i if kind != "dense" and "padding" != kind else j >= 0
-        if kind.startswith("window"):
-            keep = keep & (j > i - int(kind.split()[1]))
-        if "padding" in kind:
-            keep = keep & (j < lens[b])
-        return keep
-    bm = create_block_mask(mod, q.shape[0], None, S, S, device=q.device)
+    from multihead.bench.flex import mods
+    S = q.shape[2]
+    name = {"causal & padding": "causal&padding"}.get(kind, kind.split()[0])
+    window = int(kind.split()[1]) if kind.startswith("window") else 0
+    mask_mod, _, _ = mods(name, heads=q.shape[1], device=q.device, window=window,
+                          key_lengths=lens)
+    bm = (create_block_mask(mask_mod, q.shape[0], None, S, S, device=q.device)
+          if mask_mod is not None else None)
     fx = torch.compile(flex_attention)
     return lambda: fx(q, k, v, block_mask=bm)
 
@@ -254,9 +254,10 @@ def main(argv=None) -> None:
             json.dump(rows, f, indent=1)
     print("\n".join(_best(rows)))
     if a.write:
+        table = winners(rows)
         with open(a.write, "w") as f:
-            json.dump(winners(rows), f, indent=1)
-        print(f"wrote {a.write}: {winners(rows)}")
+            json.dump(table, f, indent=1)
+        print(f"wrote {a.write}: {table}")
 
 
 if __name__ == "__main__":

@@ -124,3 +124,13 @@ def test_explain_an_empty_call():
         assert "backend: none (B, Sq or Sk is 0: the output is empty or zeros" in text
     with pytest.raises(ValueError, match="backend='varlen' cannot run this call"):
         mh.explain(q, k, k, backend="varlen", mask=mh.masks.causal())
+
+
+def test_a_report_that_fails_on_its_second_file_leaves_the_first_as_it_was(tmp_path):
+    from multihead.inspect.files import write_all
+    (tmp_path / "a.json").write_text("old")
+    (tmp_path / "b.html").mkdir()                        # in the way of the second file
+    with pytest.raises(ValueError, match="--out: cannot write .*b.html"):
+        write_all(tmp_path, {"a.json": b"new", "b.html": b"<p>"})
+    assert (tmp_path / "a.json").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.html"]   # no temporaries

@@ -426,3 +426,59 @@ def test_auto_trains_windows_on_the_kernel_and_keeps_sdpa_for_causal_training():
     assert chosen(M.causal()) == "sdpa"
     assert chosen(M.sliding_window(256)) == "triton"
     assert chosen(M.sliding_window(2048)) == "triton"
+
+
+# -- bad input: a clear error naming the argument, nothing launched ---------------------------
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(q=(1, 3, 8, 16)), "q has 3 heads, not a multiple of k's 2 K/V heads"),
+    (dict(v=(1, 2, 9, 16)), "must share B"),
+    (dict(q=(3, 8, 16)), "q must be 4-D"),
+    (dict(dtype=torch.float32), "the kernels take float16 or bfloat16"),
+    (dict(lens=torch.tensor([1.5])), "kv_lengths must be an integer tensor of shape"),
+    (dict(lens=torch.tensor([3, 4])), "kv_lengths must be an integer tensor of shape"),
+])
+def test_the_kernels_refuse_bad_input_by_name(bad, match):
+    shapes = dict(q=(1, 4, 8, 16), k=(1, 2, 8, 16), v=(1, 2, 8, 16))
+    dtype = bad.get("dtype", torch.float16)
+    q, k, v = (torch.randn(bad.get(n, shapes[n])).to(DEV, dtype if n == "q" else torch.float16)
+               for n in ("q", "k", "v"))
+    lens = bad["lens"].to(DEV) if "lens" in bad else None
+    for fn in (flash_forward, decode_forward):
+        with pytest.raises(ValueError, match=match):
+            fn(q[:, :, :4] if fn is decode_forward and q.dim() == 4 else q, k, v, scale=0.25,
+               kv_lengths=lens)
+    good_q, good_k, good_v = _inputs(1, 4, 2, 8, 8, 16, 16, torch.float16)
+    out, lse = flash_forward(good_q, good_k, good_v, scale=0.25)
+    with pytest.raises(ValueError, match="flash_backward: dout must have shape"):
+        flash_backward(out[:, :, :4], good_q, good_k, good_v, out, lse, scale=0.25)
+
+
+def test_a_bad_launch_table_file_is_named_in_the_error(tmp_path, monkeypatch):
+    from multihead.kernels._band import launch_config
+    for i, text in enumerate(['{"fwd": {"128": [128, 64]}}', '{"nonsense": {}}', '{"fwd": [']):
+        bad = tmp_path / f"launch{i}.json"
+        bad.write_text(text)
+        monkeypatch.setenv("MULTIHEAD_TRITON_LAUNCH", str(bad))
+        with pytest.raises(ValueError, match="MULTIHEAD_TRITON_LAUNCH=.*not a launch table"):
+            launch_config("fwd", 128, 128)
+    good = tmp_path / "good.json"
+    good.write_text('{"bwd_q": {"128": [32, 32, 2, 1]}}')
+    monkeypatch.setenv("MULTIHEAD_TRITON_LAUNCH", str(good))
+    assert launch_config("bwd_q", 128, 128) == (32, 32, 2, 1)
+    assert launch_config("fwd", 128, 128) == (128, 64, 8, 3)      # the rest: the built-in table
+
+
+def test_a_strided_output_gradient_gives_the_same_gradients():
+    """dO as autograd hands it over from a transposed use of the output (not contiguous)."""
+    q, k, v = _inputs(2, 4, 2, 40, 40, 16, 16, torch.float16, seed=11)
+    w = torch.randn(2, 40, 4, 16, generator=torch.Generator().manual_seed(12)).to(DEV, q.dtype)
+
+    def grads(transposed):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, _ = ops.attention(*leaves, 0.25, True, 0, 0, None)
+        loss = (out.transpose(1, 2) * w).sum() if transposed else (out * w.transpose(1, 2)).sum()
+        loss.backward()
+        return [t.grad for t in leaves]
+    for a, b in zip(grads(True), grads(False)):
+        torch.testing.assert_close(a, b)

@@ -35,7 +35,49 @@ def atomic_write(path: Path, data: str | bytes) -> Path:
         >>> atomic_write(d / "a.txt", "hello").read_text()
         'hello'
     """
-    path = Path(path)
+    return atomic_write_all({Path(path): data})[0]
+
+
+def atomic_write_all(files: dict[Path, str | bytes]) -> list[Path]:
+    """Write several files so that an error leaves every one of them as it was: each is
+    staged in a temporary file first, and only when all are staged are they renamed over
+    their targets.
+
+    Raises:
+        IsADirectoryError: a target is a directory (checked before anything is replaced).
+        OSError: a file could not be staged; the error's ``filename`` names its target.
+
+    Example:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp())
+        >>> [p.name for p in atomic_write_all({d / "a.txt": "1", d / "b.txt": b"2"})]
+        ['a.txt', 'b.txt']
+    """
+    staged = []
+    try:
+        for path, data in files.items():
+            path = Path(path)
+            if path.is_dir():
+                raise IsADirectoryError(21, "Is a directory", str(path))
+            try:
+                staged.append((_stage(path, data), path))
+            except OSError as e:
+                e.filename = str(path)
+                raise
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    except BaseException:          # (Ctrl-C included: the old files stay, the temporaries go)
+        for tmp, _ in staged:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        raise
+    return [path for _, path in staged]
+
+
+def _stage(path: Path, data: str | bytes) -> Path:
+    # data, synced, in a fresh temporary file beside path; removed again on any error
     raw = data.encode("utf-8") if isinstance(data, str) else data
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     # O_EXCL: a fresh file, never an existing one or a symlink; mode 0o666 minus the umask
@@ -45,14 +87,13 @@ def atomic_write(path: Path, data: str | bytes) -> Path:
             f.write(raw)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:          # (Ctrl-C included: the old file stays, the temporary goes)
+    except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass
         raise
-    return path
+    return tmp
 
 
 def probe_writable(directory: Path) -> None:

@@ -91,10 +91,9 @@ def _cuda(suite: str) -> list[Case]:
     cases += [decode_case(L, B=B) for B in (1, 8) for L in ((4096,) if quick else (4096, 32768))]
     cases += [mha_case(8, 2048, 1024, 16)] + ([] if quick else [mha_case(8, 2048, 1024, 16,
                                                                           train=True)])
-    if full:                                 # issue 12's band targets: B=1, fwd and fwd+bwd
+    if full:       # issue 12's band targets (B=1, fwd and fwd+bwd); a 7B-class layer's shape
         cases += [attention_case("window", 16384, window=w, train=t, family="window, S=16384",
                                  **gpu) for w in (256, 2048) for t in (False, True)]
-    if full:                                 # a 7B-class layer's shape: 32 heads of 128
         cases += [attention_case("causal", 8192, H=32, D=128, train=t, family="causal, H=32")
                   for t in (False, True)]
     if not quick:

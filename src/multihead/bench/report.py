@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from .._files import atomic_write
+from .._files import atomic_write_all
 from .units import duration, si
 
 
@@ -82,22 +82,22 @@ FILES = ("results.json", "results.md", "results.png")
 
 
 def write(run, out: Path, *, plot: bool = True) -> list[Path]:
-    """Write results.json, results.md and (with ``plot``) results.png into ``out``, each
-    atomically (a reader never sees half a file; a symlink there is replaced, not followed);
-    returns their paths."""
+    """Write results.json, results.md and (with ``plot``) results.png into ``out``, all or
+    none (every content is rendered and staged before any file is replaced; a reader never
+    sees half a file; a symlink there is replaced, not followed); returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
     data = {"suite": run.suite, "device": run.device, "dtype": run.dtype, "machine": run.machine,
             "limits": asdict(run.limits), "cold_l2": run.cold_l2, "timing": run.timing,
             "interrupted": run.interrupted, "seconds": run.seconds, "notes": NOTES,
             "rows": run.rows}
-    paths = [atomic_write(out / "results.json", json.dumps(data, indent=2))]
     body = ["| " + " | ".join(HEADER) + " |", "|" + " --- |" * len(HEADER)]
     body += ["| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |" for cells in lines(run)]
-    paths.append(atomic_write(out / "results.md", f"# Benchmark results\n\n{header_text(run)}\n\n"
-                              + "\n".join(body) + f"\n\n{NOTES}\n"))
+    files = {out / "results.json": json.dumps(data, indent=2),
+             out / "results.md": f"# Benchmark results\n\n{header_text(run)}\n\n"
+                                 + "\n".join(body) + f"\n\n{NOTES}\n"}
     if plot:
-        paths.append(atomic_write(out / "results.png", _plot(run)))
-    return paths
+        files[out / "results.png"] = _plot(run)
+    return atomic_write_all(files)
 
 
 def _plot(run) -> bytes:

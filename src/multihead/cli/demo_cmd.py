@@ -11,7 +11,7 @@ import io
 import json
 from pathlib import Path
 
-from .._files import atomic_write
+from .._files import atomic_write_all
 from ._common import console, int_in, prepare_out
 
 #: seeds are 32-bit (the experiment derives seed + 1 and seed + 2 from it)
@@ -99,8 +99,8 @@ def _heads(args) -> int:
     data = {"setup": setup.__dict__, "prediction": hx.PREDICTION, "finding": text,
             "results": [r.__dict__ for r in results]}
     if args.out is not None:
-        atomic_write(args.out / "heads.json", json.dumps(data, indent=2))
-        _plot(results, args.out / "heads.png")
+        atomic_write_all({args.out / "heads.json": json.dumps(data, indent=2),
+                          args.out / "heads.png": _plot(results)})
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -119,7 +119,7 @@ def _heads(args) -> int:
     return 0
 
 
-def _plot(results, path: Path) -> None:
+def _plot(results) -> bytes:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -136,4 +136,4 @@ def _plot(results, path: Path) -> None:
         fig.savefig(png, format="png", dpi=150, bbox_inches="tight")
     finally:
         plt.close(fig)
-    atomic_write(path, png.getvalue())
+    return png.getvalue()

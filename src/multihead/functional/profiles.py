@@ -105,12 +105,12 @@ def _cuda_profile(device: torch.device) -> DeviceProfile:
         units=props.multi_processor_count, memory=float(props.total_memory))
 
 
-def _device_key(device, what: str = "device") -> str:
+def _device_key(device) -> str:
     """``"cpu"`` (CPU tensors carry no index), ``"cuda"``, ``"cuda:1"``...; a clear error."""
     try:
         device = torch.device(device)
     except (TypeError, RuntimeError, ValueError):
-        raise ValueError(f"{what} must name a device such as 'cpu', 'cuda' or 'cuda:1', got "
+        raise ValueError(f"device must name a device such as 'cpu', 'cuda' or 'cuda:1', got "
                          f"{device!r}") from None
     return "cpu" if device.type == "cpu" else str(device)
 
@@ -122,8 +122,8 @@ def profile_for(device) -> DeviceProfile:
         >>> profile_for("cpu").device_type
         'cpu'
     """
-    device = torch.device(device)
-    key = "cpu" if device.type == "cpu" else str(device)
+    key = _device_key(device)
+    device = torch.device(key)
     found = _OVERRIDES.get(key) or _OVERRIDES.get(device.type) or _RESOLVED.get(key)
     if found is None and torch.compiler.is_compiling():
         # tracing: take the figures as they are (no thread-count or device query in a graph)

@@ -5,22 +5,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .._files import atomic_write
+from .._files import atomic_write_all
 
 
 def write_all(out: Path, files: dict[str, bytes]) -> list[Path]:
-    """Write every ``{name: content}`` into the directory ``out``; returns the paths written.
+    """Write every ``{name: content}`` into the directory ``out``, all or none (an error
+    leaves every earlier file as it was); returns the paths written.
 
     Raises:
         ValueError: naming the file that could not be written, and why.
+
+    Example:
+        >>> import tempfile
+        >>> out = Path(tempfile.mkdtemp())
+        >>> [p.name for p in write_all(out, {"a.json": b"{}", "b.html": b"<p>"})]
+        ['a.json', 'b.html']
     """
-    paths = []
-    for name, data in files.items():
-        p = out / name
-        try:
-            atomic_write(p, data)
-        except OSError as e:
-            raise ValueError(f"--out: cannot write {str(p)!r} ({e.strerror or e}): remove what "
-                             f"is in the way or choose another directory") from None
-        paths.append(p)
-    return paths
+    try:
+        return atomic_write_all({out / name: data for name, data in files.items()})
+    except OSError as e:
+        raise ValueError(f"--out: cannot write {e.filename!r} ({e.strerror or e}): remove what "
+                         f"is in the way or choose another directory") from None

@@ -17,16 +17,18 @@ from __future__ import annotations
 import json
 import os
 
+import torch
 import triton
 import triton.language as tl
 
 #: log2(e): scores scaled by ``scale * LOG2E`` run the softmax in base 2 (``exp2``)
 LOG2E = 1.4426950408889634
 
-#: (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and width of the head dim, measured
-#: on an H100 (bf16, S=16384, D=128; see ``benchmarks/triton_tune.py`` and
-#: docs/benchmarks.md); "fwd_narrow" is the forward under a window of at most
-#: :data:`NARROW` keys, where short loops favour smaller tiles
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and width of the head dim. The
+#: 128 column was measured on an H100 (bf16, S=16384; ``benchmarks/triton_tune.py``,
+#: docs/benchmarks.md); the 64 and 256 columns are estimates from it (fewer registers per
+#: row at 64, half the tile at 256), not yet measured. "fwd_narrow" is the forward under a
+#: window of at most :data:`NARROW` keys, where short loops favour smaller tiles
 LAUNCH = {
     "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     "fwd_narrow": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
@@ -49,19 +51,66 @@ def pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def launch_config(kernel: str, D: int, Dv: int) -> tuple[int, int, int, int]:
+#: the dtypes the kernels take (fp32 would run its dots in tf32, outside the error rule)
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_inputs(fn: str, q, k, v, kv_lengths=None) -> None:
+    """Raise a ValueError naming ``fn``'s bad argument unless ``q (B, H, Sq, D)``,
+    ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` and ``kv_lengths (B,)`` fit the kernels.
+
+    Example:
+        >>> import torch
+        >>> q = torch.zeros(1, 3, 4, 16, dtype=torch.float16)
+        >>> k = torch.zeros(1, 2, 4, 16, dtype=torch.float16)
+        >>> check_inputs("flash_forward", q, k, k)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: flash_forward: q has 3 heads, not a multiple of k's 2 K/V heads: ...
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{fn}: {name} must be 4-D (B, heads, length, head_dim), got "
+                             f"shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES or t.dtype != q.dtype:
+            raise ValueError(f"{fn}: {name} is {t.dtype}; the kernels take float16 or bfloat16, "
+                             f"the same for q, k and v: cast with .to(torch.bfloat16)")
+        if t.device != q.device:
+            raise ValueError(f"{fn}: {name} is on {t.device}, q on {q.device}: move them to "
+                             f"one device")
+    B, H, _, D = q.shape
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != B or k.shape[-1] != D:
+        raise ValueError(f"{fn}: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} "
+                         f"must share B, k and v their heads and length, q and k their head dim")
+    if H % k.shape[1]:
+        raise ValueError(f"{fn}: q has {H} heads, not a multiple of k's {k.shape[1]} K/V "
+                         f"heads: repeat K/V or pass matching head counts")
+    if max(D, v.shape[-1]) > 256:
+        raise ValueError(f"{fn}: head dims up to 256, got D={D}, Dv={v.shape[-1]}")
+    if kv_lengths is not None and (tuple(kv_lengths.shape) != (B,) or kv_lengths.is_floating_point()
+                                   or kv_lengths.device != q.device):
+        raise ValueError(f"{fn}: kv_lengths must be an integer tensor of shape ({B},) on "
+                         f"{q.device}, got {kv_lengths.dtype} {tuple(kv_lengths.shape)} on "
+                         f"{kv_lengths.device}")
+
+
+def launch_config(kernel: str, D: int, Dv: int,
+                  window: int | None = None) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of ``kernel`` for these head dims, from
-    :data:`LAUNCH` by the wider tile (one bucket per width: S, B, H and the window never
-    change it, so they never cause a compile).
+    :data:`LAUNCH` by the wider tile (one bucket per width: S, B, H and the window within
+    its bucket never change it, so they never cause a compile). The forward under a window
+    of at most :data:`NARROW` keys takes the "fwd_narrow" row.
 
     A GPU other than the H100 may prefer other tiles: ``python -m benchmarks.triton_tune
     --write FILE`` measures them on it, and ``MULTIHEAD_TRITON_LAUNCH=FILE`` makes them the
     table (its entries replace :data:`LAUNCH`'s, read once per process).
 
     Example:
-        >>> launch_config("fwd", 128, 128)
-        (128, 64, 8, 3)
+        >>> launch_config("fwd", 128, 128), launch_config("fwd", 128, 128, window=256)
+        ((128, 64, 8, 3), (64, 64, 4, 3))
     """
+    if kernel == "fwd" and window is not None and window <= NARROW:
+        kernel = "fwd_narrow"
     width = max(pow2(D), pow2(Dv))
     table = _table()[kernel]
     fits = [w for w in table if w >= width]
@@ -87,6 +136,8 @@ def _load(path: str) -> dict:
         merged = {k: dict(v) for k, v in LAUNCH.items()}
         for kernel, widths in measured.items():
             merged[kernel].update({int(w): tuple(int(x) for x in c) for w, c in widths.items()})
+            if any(len(c) != 4 for c in merged[kernel].values()):
+                raise ValueError(f"{kernel}: each entry is [BLOCK_M, BLOCK_N, warps, stages]")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"MULTIHEAD_TRITON_LAUNCH={path!r}: not a launch table ({e}); write "
                          f"one with python -m benchmarks.triton_tune --write FILE, or unset "

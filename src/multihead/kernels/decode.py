@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import LOG2E, pow2
+from ._band import LOG2E, check_inputs, pow2
 from .flash_fwd import DYNAMIC, _attend_block, _finish
 
 #: the most queries per head the kernel takes (decoding and draft verification)
@@ -158,6 +158,7 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         >>> kv = torch.randn(2, 2, 4096, 64, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
         >>> out, lse = decode_forward(q, kv, kv, scale=0.125, causal=True, offset=4095)  # doctest: +SKIP
     """
+    check_inputs("decode_forward", q, k, v, kv_lengths)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
     if Sq > MAX_QUERIES:

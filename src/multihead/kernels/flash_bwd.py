@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import LOG2E, key_range, launch_config, pow2, query_range, visible
+from ._band import LOG2E, check_inputs, key_range, launch_config, pow2, query_range, visible
 from .flash_fwd import DYNAMIC
 
 
@@ -237,8 +237,14 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         >>> dq, dk, dv = flash_backward(torch.ones_like(out), q, k, v, out, lse,
         ...                             scale=0.25, causal=True)                   # doctest: +SKIP
     """
+    check_inputs("flash_backward", q, k, v, kv_lengths)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
+    for name, t, shape in (("dout", dout, (B, H, Sq, Dv)), ("out", out, (B, H, Sq, Dv)),
+                           ("lse", lse, (B, H, Sq))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"flash_backward: {name} must have shape {shape} (from q and v), "
+                             f"got {tuple(t.shape)}: pass the forward's own output and lse")
     dq = torch.empty(B, H, Sq, D, device=q.device, dtype=q.dtype)
     dk = torch.empty(B, Hkv, Sk, D, device=k.device, dtype=k.dtype)
     dv = torch.empty(B, Hkv, Sk, Dv, device=v.device, dtype=v.dtype)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import LOG2E, NARROW, key_range, launch_config, pow2, visible
+from ._band import LOG2E, check_inputs, key_range, launch_config, pow2, visible
 
 #: arguments whose value changes per call but must not cause a compile (Triton would
 #: otherwise specialize on their divisibility by 16)
@@ -151,14 +151,14 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         >>> q = k = v = torch.randn(1, 2, 8, 16, device="cuda", dtype=torch.float16)  # doctest: +SKIP
         >>> out, lse = flash_forward(q, k, v, scale=0.25, causal=True)             # doctest: +SKIP
     """
+    check_inputs("flash_forward", q, k, v, kv_lengths)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
     out = torch.empty(B, H, Sq, Dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
     if B * H * Sq == 0:
         return out, lse
-    narrow = window is not None and window <= NARROW
-    bm, bn, warps, stages = config or launch_config("fwd_narrow" if narrow else "fwd", D, Dv)
+    bm, bn, warps, stages = config or launch_config("fwd", D, Dv, window)
     lens = kv_lengths if kv_lengths is not None else lse      # unused when HAS_LENS is off
     grid = (triton.cdiv(Sq, bm), B * H)                       # static: no host read
     _forward[grid](

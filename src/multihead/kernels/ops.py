@@ -80,7 +80,7 @@ def _setup(ctx, inputs, output):
 
 def _gradients(ctx, dout, dlse, backward=flash_attention_backward):
     q, k, v, out, lse, kv_lengths = ctx.saved_tensors
-    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    dout = torch.zeros_like(out) if dout is None else dout      # the kernels take any strides
     dq, dk, dv = backward(dout, dlse, q, k, v, out, lse, *ctx.args, kv_lengths)
     return dq, dk, dv, None, None, None, None, None
 

@@ -37,6 +37,8 @@ class _CacheBase:
     num_kv_heads: int
     head_dim: int
     value_dim: int
+    #: undo steps of the call in progress (between ``begin`` and its end); None outside one
+    _journal: list | None = None
     dtype: torch.dtype
     device: torch.device
 
@@ -86,7 +88,7 @@ class _CacheBase:
             >>> cache.rollback(); cache.seen, cache.lengths.tolist()
             (0, [0])
         """
-        for undo in reversed(getattr(self, "_journal", None) or []):
+        for undo in reversed(self._journal or []):
             undo()
         self._journal = None
 
@@ -104,7 +106,7 @@ class _CacheBase:
         self._journal = None
 
     def _record(self, undo) -> None:
-        if getattr(self, "_journal", None) is not None:
+        if self._journal is not None:
             self._journal.append(undo)
 
     def _check_valid(self, valid, n: int):

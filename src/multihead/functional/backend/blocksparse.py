@@ -300,7 +300,7 @@ STEP_OPS, MASKED_STEP_OPS, CHUNK_OPS = 22, 16, 12
 def _work(call: AttentionCall, est: _tiles.Estimate) -> Work:
     """The kernel's work, from the counts of its plan."""
     D, Dv = call.D, call.Dv
-    size = torch.empty((), dtype=call.compute_dtype).element_size()
+    size = call.compute_dtype.itemsize
     m = call.effective_mask
     bias = m is not None and m.has_bias                  # the bias is evaluated on every step
     masked, evaluated = (est.pairs, est.steps) if bias else (est.masked_pairs, est.masked_steps)

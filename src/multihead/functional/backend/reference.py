@@ -41,7 +41,7 @@ class Reference(Backend):
     capabilities = Capabilities(weights=True, lse=True, dropout=True, bias_grad=True)
 
     def plan(self, call, profile):
-        size = torch.empty((), dtype=call.compute_dtype).element_size()
+        size = call.compute_dtype.itemsize
         repeats = 0 if call.group == 1 else 2 * call.group       # K/V repeated for the heads
         work = Work(flops=2.0 * call.pairs * (call.D + call.Dv), kernel="matmul",
                     dtype=call.compute_dtype,

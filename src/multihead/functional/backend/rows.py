@@ -21,6 +21,7 @@ from ..cost import Work
 from ..registry import Backend, Plan, register
 from . import _tiles
 from ._common import mask_launches, mask_terms
+from .reference import safe_softmax
 
 #: fp32 passes over one row's scores (matmul out, scale, bias, mask, softmax, copy out)
 SCORE_PASSES = 8
@@ -66,7 +67,7 @@ class Rows(Backend):
     capabilities = Capabilities(weights=True, lse=True, backward=False, traceable=False)
 
     def plan(self, call, profile):
-        size = torch.empty((), dtype=call.compute_dtype).element_size()
+        size = call.compute_dtype.itemsize
         frac = _live_fraction(call)
         pairs = call.pairs * frac
         work = Work(flops=2.0 * pairs * (call.D + call.Dv), kernel="matmul",
@@ -84,7 +85,8 @@ class Rows(Backend):
         q, k, v = call.q.to(work), call.k.to(work), call.v.to(work)
         allowed, bias = mask_terms(call, q.device)
         out = q.new_zeros(B, H, Sq, call.Dv)
-        weights = q.new_empty(B, H, Sq, Sk) if call.return_weights else None    # each byte once
+        weights = (call.q.new_empty(B, H, Sq, Sk) if call.return_weights    # each byte once,
+                   else None)                                            # in the inputs' dtype
         lse = q.new_full((B, H, Sq), float("-inf")) if call.return_lse else None
         for b, (lo, hi) in enumerate(_spans(allowed, B, Sk)):
             if weights is not None:                                    # zeros outside the span
@@ -100,17 +102,14 @@ class Rows(Backend):
                 s += bb.to(work)
             if ab is not None:
                 s.masked_fill_(~ab, float("-inf"))
+            w, lse_b = safe_softmax(s)                 # (H, Sq, L); empty rows: zeros, -inf
             if lse is not None:
-                lse[b] = torch.logsumexp(s, -1)
-            w = torch.softmax(s, -1)                                   # (H, Sq, L)
-            if ab is not None or bb is not None:     # empty rows (all -inf): zeros, not NaN
-                w.masked_fill_(s.amax(-1, keepdim=True) == float("-inf"), 0.0)
+                lse[b] = lse_b
             ob = torch.bmm(w.view(Hkv, G * Sq, hi - lo), v[b, :, lo:hi])  # (Hkv, G·Sq, Dv)
             out[b] = ob.view(H, Sq, call.Dv)
             if weights is not None:
                 weights[b, :, :, lo:hi] = w
-        dt = call.q.dtype
-        return (out.to(dt), None if weights is None else weights.to(dt), lse)
+        return out.to(call.q.dtype), weights, lse
 
 
 register(Rows())

@@ -32,8 +32,9 @@ EFFICIENCY = 0.8
 #: S=16384 fwd+bwd ran in 9.9 ms against SDPA's 6.4 ms), so that training prices
 #: ``1 + 2.5 * EFFICIENCY / BACKWARD_EFFICIENCY`` forwards where SDPA prices 3.5
 BACKWARD_EFFICIENCY = 0.6
-#: the decode kernel's bandwidth against SDPA's, until measured on hardware (priced as
-#: slower, so auto keeps SDPA for decoding and backend="triton" opts in)
+#: the decode kernel against SDPA's: on an H100 its bandwidth is at parity (1.0-1.12x in a
+#: CUDA graph), but an eager call spends more host time launching two Triton kernels than
+#: SDPA's one, so it is priced as slower: auto keeps SDPA and backend="triton" opts in
 DECODE_EFFICIENCY = 0.8
 
 
@@ -104,7 +105,7 @@ class TritonFlash(Backend):
         if call.Sq <= MAX_QUERIES and not call.requires_grad:
             return self._decode_plan(call, band)
         from ...kernels._band import launch_config
-        bm, bn, _, _ = launch_config("fwd", call.D, call.Dv)
+        bm, bn, _, _ = launch_config("fwd", call.D, call.Dv, band.window)
         pairs = _pairs(call, band, bm, bn)
         work = Work(flops=2.0 * pairs * (call.D + call.Dv) / EFFICIENCY, kernel="fused",
                     dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=call.group), launches=1,
