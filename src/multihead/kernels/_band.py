@@ -206,3 +206,26 @@ def query_range(n0, Sq, klen, offset, window, CAUSAL: tl.constexpr, WINDOWED: tl
     full_hi = tl.where(n0 + BLOCK_N > klen, 0, full_hi)    # partly padding: all edge blocks
     full_hi = tl.maximum(full_hi, 0) // BLOCK_M * BLOCK_M
     return _order(lo, full_lo, full_hi, hi, BLOCK_M)
+
+
+@triton.jit
+def masked_scores(s, b, h, qpos, cols, Sq, klen, row_ok, offset, window, T, I,
+                  CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASKED: tl.constexpr,
+                  MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Scores ``s`` (base 2) of a block with the mask's bias added, and where MASKED, which
+    pairs the mask leaves: the band's (:func:`visible`), or a mask program's (``MASK_FN``,
+    :mod:`.mask_program`) within bounds. Returns ``(s, ok)``; ``ok`` is True where not
+    MASKED."""
+    ok = True
+    if HAS_BIAS:
+        allowed, bias = MASK_FN(b, h, qpos, cols, Sq, klen, T, I)
+        s = s + bias * 1.4426950408889634
+        if MASKED:
+            ok = allowed & (cols[None, :] < klen) & row_ok[:, None]
+    elif MASKED:
+        if MASK_FN is not None:
+            allowed, _ = MASK_FN(b, h, qpos, cols, Sq, klen, T, I)
+            ok = allowed & (cols[None, :] < klen) & row_ok[:, None]
+        else:
+            ok = visible(qpos, cols, klen, row_ok, offset, window, CAUSAL, WINDOWED)
+    return s, ok

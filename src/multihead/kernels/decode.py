@@ -73,8 +73,9 @@ def _partial(Q, K, V, PO, PL, LENS, qk_scale,
     v_base = V + b * svb + hk * svh
     for start in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, i, live,
-                                      qk_scale, offset, window, skn, skd, svn, svd,
-                                      D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True)
+                                      qk_scale, offset, window, skn, skd, svn, svd, b, h, Sq,
+                                      None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL,
+                                      WINDOWED, True, None, False)
     out, lse = _finish(acc, m_i, l_i)
     # scratch layout: PO (splits, B, H, Sq, DV), PL (splits, B, H, Sq), contiguous
     row = ((split * B + b) * (Hkv * G) + h) * Sq + i                      # (BLOCK_R,)

@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import LOG2E, check_inputs, key_range, launch_config, pow2, query_range, visible
+from ._band import (LOG2E, check_inputs, key_range, launch_config, masked_scores, pow2,
+                    query_range)
 from .flash_fwd import DYNAMIC
 
 
@@ -48,22 +49,26 @@ def _delta(O, DO, DLSE, DELTA, soh, som, sod, sdh, sdm, sdd, Sq,
 
 
 @triton.jit
-def _probs(q, k, lse2, qpos, cols, klen, row_ok, qk_scale, offset, window,
-           CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASKED: tl.constexpr):
-    # P (rows, keys) = exp2(q kᵀ · qk_scale - lse2), zero where the mask rules a pair out.
+def _probs(q, k, lse2, qpos, cols, klen, row_ok, qk_scale, offset, window, b, h, Sq, T, I,
+           CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASKED: tl.constexpr,
+           MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # P (rows, keys) = exp2(q kᵀ · qk_scale + bias - lse2), zero where the mask rules a pair
+    # out (the band, or the mask program MASK_FN: see _band.masked_scores).
     s = tl.dot(q, tl.trans(k)) * qk_scale                                   # (rows, keys)
+    s, ok = masked_scores(s, b, h, qpos, cols, Sq, klen, row_ok, offset, window, T, I,
+                          CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS)
     if MASKED:
-        ok = visible(qpos, cols, klen, row_ok, offset, window, CAUSAL, WINDOWED)
         return tl.where(ok, tl.math.exp2(tl.where(ok, s, 0.0) - lse2[:, None]), 0.0)
     return tl.math.exp2(s - lse2[:, None])
 
 
 @triton.jit
 def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, cols, klen,
-                qk_scale, offset, window, sqm, sqd, sdm, sdd,
+                qk_scale, offset, window, sqm, sqd, sdm, sdd, b, h, T, I,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-                WINDOWED: tl.constexpr, MASKED: tl.constexpr):
+                WINDOWED: tl.constexpr, MASKED: tl.constexpr, MASK_FN: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
     # The queries [start, start + BLOCK_M) of one head, against this program's keys.
     rows = start + tl.arange(0, BLOCK_M)                                    # (BLOCK_M,)
     dq_ = tl.arange(0, BLOCK_D)
@@ -78,8 +83,8 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
     do = tl.load(do_base + rows[:, None] * sdm + dv_[None, :] * sdd, mask=omask, other=0.0)
     lse2 = tl.load(lse_base + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(dl_base + rows, mask=row_ok, other=0.0)
-    p = _probs(q, k, lse2, rows, cols, klen, row_ok, qk_scale, offset, window,
-               CAUSAL, WINDOWED, MASKED)                                    # (BLOCK_M, BLOCK_N)
+    p = _probs(q, k, lse2, rows, cols, klen, row_ok, qk_scale, offset, window, b, h, Sq, T, I,
+               CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS)                 # (BLOCK_M, BLOCK_N)
     dv += tl.dot(tl.trans(p.to(do.dtype)), do)                             # (BLOCK_N, BLOCK_DV)
     dp = tl.dot(do, tl.trans(v))                                            # (BLOCK_M, BLOCK_N)
     ds = p * (dp - delta[:, None])
@@ -124,15 +129,18 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, GK, GV, LENS, scale, qk_scale,
         for start in range(lo, a, BLOCK_M):
             dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq,
                                  cols, klen, qk_scale, offset, window, sqm, sqd, sdm, sdd,
-                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL, WINDOWED, True)
+                                 b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL,
+                                 WINDOWED, True, None, False)
         for start in range(a, c, BLOCK_M):
             dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq,
                                  cols, klen, qk_scale, offset, window, sqm, sqd, sdm, sdd,
-                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL, WINDOWED, False)
+                                 b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL,
+                                 WINDOWED, False, None, False)
         for start in range(c, hi, BLOCK_M):
             dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq,
                                  cols, klen, qk_scale, offset, window, sqm, sqd, sdm, sdd,
-                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL, WINDOWED, True)
+                                 b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL,
+                                 WINDOWED, True, None, False)
     # GK, GV (the gradients): contiguous (B, Hkv, Sk, D) and (B, Hkv, Sk, DV)
     tl.store(GK + (bk * Sk + cols[:, None]) * D + dq_[None, :],
              (dk * scale).to(GK.dtype.element_ty), mask=col_ok[:, None] & (dq_[None, :] < D))
@@ -142,9 +150,10 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, GK, GV, LENS, scale, qk_scale,
 
 @triton.jit
 def _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen, qk_scale,
-              offset, window, skn, skd, svn, svd, D: tl.constexpr, DV: tl.constexpr,
-              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASKED: tl.constexpr):
+              offset, window, skn, skd, svn, svd, b, h, Sq, T, I, D: tl.constexpr,
+              DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+              MASKED: tl.constexpr, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr):
     # The keys [start, start + BLOCK_N) against this program's queries.
     cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
     dq_ = tl.arange(0, BLOCK_D)
@@ -156,8 +165,8 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
         vmask = vmask & (cols[:, None] < klen)
     k = tl.load(k_base + cols[:, None] * skn + dq_[None, :] * skd, mask=kmask, other=0.0)
     v = tl.load(v_base + cols[:, None] * svn + dv_[None, :] * svd, mask=vmask, other=0.0)
-    p = _probs(q, k, lse2, rows, cols, klen, row_ok, qk_scale, offset, window,
-               CAUSAL, WINDOWED, MASKED)                                    # (BLOCK_M, BLOCK_N)
+    p = _probs(q, k, lse2, rows, cols, klen, row_ok, qk_scale, offset, window, b, h, Sq, T, I,
+               CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS)                 # (BLOCK_M, BLOCK_N)
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
     return dq + tl.dot(ds.to(k.dtype), k)                                   # (BLOCK_M, BLOCK_D)
@@ -195,19 +204,46 @@ def _dq(Q, K, V, DO, LSE, DELTA, GQ, LENS, scale, qk_scale,
     v_base = V + b * svb + hk * svh
     for start in range(lo, a, BLOCK_N):
         dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
-                       qk_scale, offset, window, skn, skd, svn, svd, D, DV, BLOCK_D, BLOCK_DV,
-                       BLOCK_N, CAUSAL, WINDOWED, True)
+                       qk_scale, offset, window, skn, skd, svn, svd, b, h, Sq, None, None, D,
+                       DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True, None, False)
     for start in range(a, c, BLOCK_N):
         dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
-                       qk_scale, offset, window, skn, skd, svn, svd, D, DV, BLOCK_D, BLOCK_DV,
-                       BLOCK_N, CAUSAL, WINDOWED, False)
+                       qk_scale, offset, window, skn, skd, svn, svd, b, h, Sq, None, None, D,
+                       DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, False, None, False)
     for start in range(c, hi, BLOCK_N):
         dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
-                       qk_scale, offset, window, skn, skd, svn, svd, D, DV, BLOCK_D, BLOCK_DV,
-                       BLOCK_N, CAUSAL, WINDOWED, True)
+                       qk_scale, offset, window, skn, skd, svn, svd, b, h, Sq, None, None, D,
+                       DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True, None, False)
     # GQ (the gradient): contiguous (B, H, Sq, D)
     tl.store(GQ + (bh * Sq + rows[:, None]) * D + dq_[None, :],
              (dq * scale).to(GQ.dtype.element_ty), mask=row_ok[:, None] & (dq_[None, :] < D))
+
+
+def row_deltas(dout: torch.Tensor, out: torch.Tensor,
+               dlse: torch.Tensor | None = None) -> torch.Tensor:
+    """``delta (B, H, Sq) = rowsum(dout * out) - dlse`` in fp32, by one small kernel (the
+    backward's per-row term; ``out`` and ``dout`` are ``(B, H, Sq, Dv)``)."""
+    B, H, Sq, Dv = out.shape
+    o3 = out.reshape(B * H, Sq, Dv)                     # (B*H, Sq, Dv): views, as allocated
+    d3 = dout.reshape(B * H, Sq, Dv)
+    delta = torch.empty(B, H, Sq, device=out.device, dtype=torch.float32)
+    dl = dlse.float().contiguous() if dlse is not None else delta
+    _delta[(triton.cdiv(Sq, 64), B * H)](o3, d3, dl, delta, *o3.stride(), *d3.stride(), Sq,
+                                         HAS_DLSE=dlse is not None, DV=Dv, BLOCK_DV=pow2(Dv),
+                                         BLOCK_M=64)
+    return delta
+
+
+def check_backward(fn: str, dout, q, v, out, lse) -> None:
+    """Raise a ValueError naming ``fn``'s argument unless ``dout``, ``out`` and ``lse`` have
+    the shapes the forward of ``q (B, H, Sq, D)``, ``v (B, Hkv, Sk, Dv)`` gave."""
+    B, H, Sq, _ = q.shape
+    Dv = v.shape[-1]
+    for name, t, shape in (("dout", dout, (B, H, Sq, Dv)), ("out", out, (B, H, Sq, Dv)),
+                           ("lse", lse, (B, H, Sq))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{fn}: {name} must have shape {shape} (from q and v), "
+                             f"got {tuple(t.shape)}: pass the forward's own output and lse")
 
 
 def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -238,25 +274,15 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         ...                             scale=0.25, causal=True)                   # doctest: +SKIP
     """
     check_inputs("flash_backward", q, k, v, kv_lengths)
+    check_backward("flash_backward", dout, q, v, out, lse)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
-    for name, t, shape in (("dout", dout, (B, H, Sq, Dv)), ("out", out, (B, H, Sq, Dv)),
-                           ("lse", lse, (B, H, Sq))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"flash_backward: {name} must have shape {shape} (from q and v), "
-                             f"got {tuple(t.shape)}: pass the forward's own output and lse")
     dq = torch.empty(B, H, Sq, D, device=q.device, dtype=q.dtype)
     dk = torch.empty(B, Hkv, Sk, D, device=k.device, dtype=k.dtype)
     dv = torch.empty(B, Hkv, Sk, Dv, device=v.device, dtype=v.dtype)
     if B * H * Sq * Sk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    o3 = out.reshape(B * H, Sq, Dv)                     # (B*H, Sq, Dv): views, as allocated
-    d3 = dout.reshape(B * H, Sq, Dv)
-    delta = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
-    dl = dlse.float().contiguous() if dlse is not None else delta
-    _delta[(triton.cdiv(Sq, 64), B * H)](o3, d3, dl, delta, *o3.stride(), *d3.stride(), Sq,
-                                         HAS_DLSE=dlse is not None, DV=Dv, BLOCK_DV=pow2(Dv),
-                                         BLOCK_M=64)
+    delta = row_deltas(dout, out, dlse)
     lse = lse.contiguous()
     kv_cfg, q_cfg = config or (launch_config("bwd_kv", D, Dv), launch_config("bwd_q", D, Dv))
     lens = kv_lengths if kv_lengths is not None else delta    # unused when HAS_LENS is off

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import LOG2E, check_inputs, key_range, launch_config, pow2, visible
+from ._band import LOG2E, check_inputs, key_range, launch_config, masked_scores, pow2
 
 #: arguments whose value changes per call but must not cause a compile (Triton would
 #: otherwise specialize on their divisibility by 16)
@@ -35,12 +35,15 @@ DYNAMIC = ["Sq", "Sk", "offset", "window"]
 
 @triton.jit
 def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_scale, offset,
-                  window, skn, skd, svn, svd, D: tl.constexpr, DV: tl.constexpr,
+                  window, skn, skd, svn, svd, b, h, Sq, T, I, D: tl.constexpr, DV: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASKED: tl.constexpr):
+                  CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASKED: tl.constexpr,
+                  MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr):
     # One step of the online softmax (base 2) over the keys [start, start + BLOCK_N) for
-    # rows at query positions qpos; MASKED evaluates the band, hi and row_ok, else every
-    # (row, key) of the block is known to be visible. Returns (acc, m, l).
+    # rows at query positions qpos; MASKED evaluates the mask, hi and row_ok, else every
+    # (row, key) of the block is known to be visible. The mask is the band, or MASK_FN(b, h,
+    # ..., T, I) when given (a generated mask program; HAS_BIAS: it adds a bias to every
+    # block). Returns (acc, m, l).
     dq = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
@@ -51,9 +54,10 @@ def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_
         vmask = vmask & (cols[:, None] < hi)
     k = tl.load(k_base + cols[:, None] * skn + dq[None, :] * skd, mask=kmask, other=0.0)
     s = tl.dot(q, tl.trans(k)) * qk_scale                                  # (rows, BLOCK_N)
+    s, ok = masked_scores(s, b, h, qpos, cols, Sq, hi, row_ok, offset, window, T, I, CAUSAL,
+                          WINDOWED, MASKED, MASK_FN, HAS_BIAS)
     if MASKED:
-        s = tl.where(visible(qpos, cols, hi, row_ok, offset, window, CAUSAL, WINDOWED), s,
-                     float("-inf"))
+        s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)                   # a row seeing nothing
     p = tl.math.exp2(s - shift[:, None])
@@ -108,16 +112,19 @@ def _forward(Q, K, V, O, LSE, LENS, qk_scale,
     row_ok = rows < Sq
     for start in range(lo, full_lo, BLOCK_N):          # the band's leading edge
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
-                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd,
-                                      D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True)
+                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b, h, Sq,
+                                      None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL,
+                                      WINDOWED, True, None, False)
     for start in range(full_lo, full_hi, BLOCK_N):     # blocks every row sees in full
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
-                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd,
-                                      D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, False)
+                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b, h, Sq,
+                                      None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL,
+                                      WINDOWED, False, None, False)
     for start in range(full_hi, hi, BLOCK_N):          # the trailing edge and the last keys
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
-                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd,
-                                      D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True)
+                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b, h, Sq,
+                                      None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL,
+                                      WINDOWED, True, None, False)
     out, lse = _finish(acc, m_i, l_i)
     tl.store(O + b * sob + h * soh + rows[:, None] * som + dv[None, :] * sod,
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))

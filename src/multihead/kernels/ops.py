@@ -25,6 +25,7 @@ import torch
 from .decode import decode_forward
 from .flash_bwd import flash_backward
 from .flash_fwd import flash_forward
+from .flash_sparse import sparse_backward, sparse_forward
 
 
 def _kw(scale, causal, window, offset, kv_lengths) -> dict:
@@ -119,6 +120,41 @@ def attention(q, k, v, scale: float, causal: bool, window: int, offset: int,
     if torch.compiler.is_compiling():
         return flash_attention(q, k, v, scale, causal, window, offset, kv_lengths)
     return _Flash.apply(q, k, v, scale, causal, window, offset, kv_lengths)
+
+
+class _Sparse(torch.autograd.Function):
+    """The block-sparse kernels (:mod:`.flash_sparse`) with their backward."""
+
+    @staticmethod
+    def forward(q, k, v, mask, scale):
+        return sparse_forward(q, k, v, mask, scale=scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, mask, scale = inputs
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, *output)
+        ctx.mask, ctx.scale = mask, scale
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq, dk, dv = sparse_backward(dout, q, k, v, out, lse, ctx.mask, scale=ctx.scale,
+                                     dlse=dlse)
+        return dq, dk, dv, None, None
+
+
+def sparse(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of :func:`.flash_sparse.sparse_forward` with gradients (eager only:
+    a mask is not an operator argument).
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> q = torch.randn(1, 2, 32, 16, device="cuda", dtype=torch.float16)   # doctest: +SKIP
+        >>> out, lse = sparse(q, q, q, mh.masks.alibi(2), 0.25)                  # doctest: +SKIP
+    """
+    return _Sparse.apply(q, k, v, mask, scale)
 
 
 @torch.library.custom_op("multihead::flash_decode", mutates_args=())

@@ -1,14 +1,18 @@
 """The triton backend: our FlashAttention-2 kernels (``multihead.kernels``) on GPUs.
 
-It runs band masks (causal, sliding windows, either alignment) and key padding from
-lengths, alone or combined with ``&``, computing only the key blocks the band reaches; GQA
-and MQA read each K/V head in place, forward and backward (the K/V gradients are summed
-over the group in registers; deterministic). A call of at most 16 queries without
+Band masks (causal, sliding windows, either alignment) and key padding from lengths, alone
+or combined with ``&``, run the band kernels, which compute only the key blocks the band
+reaches from indices; every other mask of our model (documents, dense, bias, ALiBi, padding
+rows, ``&``/``|``/``~`` compositions) runs the block-sparse kernels
+(:mod:`multihead.kernels.flash_sparse`), which visit the blocks in per-block lists built on
+the device and evaluate the mask as generated Triton code on the blocks it cuts. GQA and
+MQA read each K/V head in place, forward and backward (the K/V gradients are summed over
+the group in registers; deterministic). A band call of at most 16 queries without
 gradients (a decoding step, a draft to verify) runs the split-K decode kernel instead
 (:mod:`multihead.kernels.decode`), which reads each K/V byte once for the whole group of
-query heads. Calls go through ``torch.ops.multihead`` operators
-(:mod:`multihead.kernels.ops`), so ``torch.compile(fullgraph=True)`` traces them.
-Registered only where Triton is installed.
+query heads. Band calls go through ``torch.ops.multihead`` operators
+(:mod:`multihead.kernels.ops`), so ``torch.compile(fullgraph=True)`` traces them; the
+block-sparse path runs eagerly only. Registered only where Triton is installed.
 """
 
 from __future__ import annotations
@@ -45,9 +49,28 @@ class Band(NamedTuple):
     padding: M.Padding | None
 
 
-def _band(call: AttentionCall) -> Band | str:
-    """The call's mask as a band and key padding, or why it is not one (once per call)."""
-    return call.memo("triton_band", lambda: _find_band(call))
+class Sparse(NamedTuple):
+    mask: M.Mask
+
+
+def _band(call: AttentionCall) -> Band | Sparse | str:
+    """The call's mask as a band and key padding, else as a mask for the block-sparse
+    kernels, or why neither runs it (once per call)."""
+    return call.memo("triton_band", lambda: _route(call))
+
+
+def _route(call: AttentionCall) -> Band | Sparse | str:
+    band = _find_band(call)
+    if not isinstance(band, str):
+        return band
+    from ...kernels.mask_program import supported
+    why = supported(call.effective_mask)
+    if why is not None:
+        return why
+    if torch.compiler.is_compiling():
+        return ("runs masks other than band and key padding eagerly only (not under "
+                "torch.compile)")
+    return Sparse(call.effective_mask)
 
 
 def _find_band(call: AttentionCall) -> Band | str:
@@ -86,14 +109,26 @@ def _pairs(call: AttentionCall, band: Band, block_m: int, block_n: int) -> int:
     return total * call.H
 
 
+def _work(call: AttentionCall, pairs: int, block_m: int) -> Work:
+    """The forward's (and with gradients, the backward's) work over ``pairs`` computed."""
+    work = Work(flops=2.0 * pairs * (call.D + call.Dv) / EFFICIENCY, kernel="fused",
+                dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=call.group), launches=1,
+                parallel=call.B * call.H * -(-call.Sq // block_m))  # no split over keys (yet)
+    if call.requires_grad:
+        work = work.times(flops=1 + 2.5 * EFFICIENCY / BACKWARD_EFFICIENCY, bytes=3.0,
+                          launches=4.0)
+    return work
+
+
 class TritonFlash(Backend):
     name = "triton"
     summary = ("our FlashAttention-2 in Triton (forward, backward, split-K decode): band masks "
                "and key padding, GQA in place")
     capabilities = Capabilities(devices=frozenset({"cuda"}),
                                 dtypes=frozenset({torch.float16, torch.bfloat16}),
-                                max_head_dim=256, masks=frozenset({"causal", "window", "padding"}),
-                                lse=True)
+                                max_head_dim=256, lse=True,
+                                masks=frozenset({"causal", "window", "padding", "document",
+                                                 "dense", "bias", "alibi"}))
 
     def check(self, call):
         band = _band(call)
@@ -101,23 +136,31 @@ class TritonFlash(Backend):
 
     def plan(self, call, profile):
         from ...kernels.decode import MAX_QUERIES
+        from ...kernels._band import launch_config
         band = _band(call)
+        if isinstance(band, Sparse):
+            return self._sparse_plan(call, band, *launch_config("fwd", call.D, call.Dv)[:2])
         if call.Sq <= MAX_QUERIES and not call.requires_grad:
             return self._decode_plan(call, band)
-        from ...kernels._band import launch_config
         bm, bn, _, _ = launch_config("fwd", call.D, call.Dv, band.window)
         pairs = _pairs(call, band, bm, bn)
-        work = Work(flops=2.0 * pairs * (call.D + call.Dv) / EFFICIENCY, kernel="fused",
-                    dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=call.group), launches=1,
-                    parallel=call.B * call.H * -(-call.Sq // bm))   # no split over keys (yet)
-        if call.requires_grad:
-            work = work.times(flops=1 + 2.5 * EFFICIENCY / BACKWARD_EFFICIENCY, bytes=3.0,
-                              launches=4.0)
         kind = ("sliding window" if band.window is not None else "causal" if band.causal
                 else "no band")
         note = f"{kind}{' & key padding' if band.padding is not None else ''}: " \
                f"{pairs / max(1, call.pairs):.1%} of the pairs computed"
-        return Plan(work, note, (band, "attention"))
+        return Plan(_work(call, pairs, bm), note, (band, "attention"))
+
+    def _sparse_plan(self, call, sparse, bm, bn):
+        mask = sparse.mask
+        if mask.has_predicate and not mask.on_host:     # counting its tiles would sync
+            pairs = call.pairs
+            note = (f"block lists built on {call.q.device}, EMPTY blocks skipped; priced as if "
+                    f"every block were visited (counting them would read the device)")
+        else:
+            state = mask.tiles(call.Sq, call.Sk, tile_q=bm, tile_k=bn, device="cpu").state
+            pairs = int(float((state != M.EMPTY).float().mean()) * call.pairs)
+            note = f"block lists: {pairs / max(1, call.pairs):.1%} of the pairs visited"
+        return Plan(_work(call, pairs, bm), note, (sparse, "sparse"))
 
     def _decode_plan(self, call, band):
         from ...kernels.decode import BLOCK_N, num_splits
@@ -132,7 +175,10 @@ class TritonFlash(Backend):
 
     def run(self, call, plan):
         from ...kernels import ops
-        band, name = plan.detail                # ops.attention or ops.decode
+        band, name = plan.detail                # ops.attention, ops.decode or ops.sparse
+        if name == "sparse":
+            out, lse = ops.sparse(call.q, call.k, call.v, band.mask, call.scale)
+            return out, None, lse if call.return_lse else None
         lens = None
         if band.padding is not None:            # one length per row of the batch, on device
             lens = band.padding.lengths.expand(call.B).contiguous()

@@ -1,0 +1,328 @@
+"""FlashAttention-2 over any mask of our model, visiting only the blocks it allows.
+
+For masks that are not a band (documents from ids, dense bool, additive bias, ALiBi,
+padding from a bool row, ``&``/``|``/``~`` compositions), each program reads its **block
+list**: the key blocks its query block must visit, FULL ones first (every pair allowed: run
+unmasked) then PARTIAL ones (the mask is evaluated in the kernel by the generated
+:mod:`.mask_program`). EMPTY blocks are never visited. The lists are built on the device
+from :meth:`multihead.masks.Mask.tiles` (as FlexAttention's ``BlockMask``), with no host
+sync, and cached on the mask while its tensors are unmodified. The backward's dK/dV loop
+reads the transposed lists (per key block, the query blocks that see it).
+
+A block on the edge of the sequences (the last, short query or key block) is always
+PARTIAL, so FULL blocks need no bounds checks. A mask with a bias (ALiBi, ``bias``) calls
+the program on every block to add it. GQA/MQA, empty rows (zeros, lse ``-inf``) and the
+deterministic backward are as in :mod:`.flash_fwd` and :mod:`.flash_bwd`, whose block steps
+this file reuses.
+
+Notation: B batch, H query heads, Hkv K/V heads, G = H / Hkv, Sq/Sk lengths, D/Dv head dims,
+B'/H' the mask's own batch and head sizes (1 where it broadcasts), nQ/nK blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..masks import base as MB
+from ._band import LOG2E, check_inputs, launch_config, pow2
+from .flash_bwd import _dkdv_block, _dq_block, check_backward, row_deltas
+from .flash_fwd import _attend_block, _finish
+from .mask_program import MaskProgram, mask_program
+
+#: per-call values that must not cause a compile (lengths, list sizes and strides)
+DYNAMIC = ["Sq", "Sk", "NL", "slb", "slh", "sib", "sih"]
+
+
+def block_lists(mask: MB.Mask, sq: int, sk: int, block_m: int, block_n: int, device, *,
+                by_key: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per query block (``by_key``: per key block) the blocks of the other axis to visit.
+
+    Returns:
+        ``(n_full (B', H', R), n_partial (B', H', R), index (B', H', R, C))`` int32 on
+        ``device``: row ``r`` visits ``index[..., r, :n_full]`` unmasked, then
+        ``index[..., r, n_full:n_full + n_partial]`` masked. R, C are the query and key
+        block counts (swapped ``by_key``).
+
+    Example:
+        >>> import multihead as mh
+        >>> nf, npart, idx = block_lists(mh.masks.causal(), 5, 5, 2, 2, "cpu")
+        >>> nf[0, 0].tolist(), npart[0, 0].tolist(), idx[0, 0, 2].tolist()
+        ([0, 1, 0], [1, 1, 3], [0, 1, 2])
+    """
+    device = torch.device(device)
+
+    def build():
+        state = mask.tiles(sq, sk, tile_q=block_m, tile_k=block_n, device=device).state
+        state = state.clone()                                       # (B', H', nQ, nK) int8
+        if sq % block_m:                                            # short blocks: bounds
+            state[..., -1, :] = state[..., -1, :].clamp(max=MB.PARTIAL)
+        if sk % block_n:
+            state[..., -1] = state[..., -1].clamp(max=MB.PARTIAL)
+        if by_key:
+            state = state.transpose(-1, -2)                         # (B', H', nK, nQ)
+        rank = MB.FULL - state                                      # FULL 0, PARTIAL 1, EMPTY 2
+        index = torch.argsort(rank, dim=-1, stable=True).to(torch.int32).contiguous()
+        n_full = (state == MB.FULL).sum(-1, dtype=torch.int32)      # (B', H', R)
+        n_part = (state == MB.PARTIAL).sum(-1, dtype=torch.int32)
+        return n_full, n_part, index
+
+    return mask.cached("triton_lists", (sq, sk, block_m, block_n, str(device), by_key), build)
+
+
+def program(mask: MB.Mask, sq: int, sk: int, device) -> MaskProgram:
+    """The mask's :func:`.mask_program` for these lengths, cached on the mask."""
+    return mask.cached("triton_program", (sq, sk, str(device)),
+                       lambda: mask_program(mask, sq, sk, device))
+
+
+def _list_strides(n_full: torch.Tensor, index: torch.Tensor) -> tuple[int, int, int, int]:
+    # (batch, head) strides of the counts and the index, 0 where the mask broadcasts
+    return tuple(0 if t.shape[d] == 1 else t.stride(d) for t in (n_full, index) for d in (0, 1))
+
+
+@triton.jit(do_not_specialize=DYNAMIC)
+def _forward_sparse(Q, K, V, O, LSE, NF, NP, IDX, qk_scale,
+                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+                    sob, soh, som, sod, slb, slh, sib, sih, NL,
+                    H, G, Sq, Sk, T, I, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                          # (BLOCK_M,)
+    dq = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    row_ok = rows < Sq
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dq[None, :] * sqd,
+                mask=row_ok[:, None] & (dq[None, :] < D), other=0.0)       # (BLOCK_M, BLOCK_D)
+    at = b * slb + h * slh + pid_m                     # this block's entry in the lists
+    n_full = tl.load(NF + at)
+    n_all = n_full + tl.load(NP + at)
+    blocks = IDX + b * sib + h * sih + pid_m * NL
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    for j in range(0, n_full):                         # blocks every pair of which is allowed
+        start = tl.load(blocks + j) * BLOCK_N
+        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, Sk, rows,
+                                      row_ok, qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq, T,
+                                      I, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, False, False,
+                                      MASK_FN, HAS_BIAS)
+    for j in range(n_full, n_all):                     # blocks the mask program evaluates
+        start = tl.load(blocks + j) * BLOCK_N
+        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, Sk, rows,
+                                      row_ok, qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq, T,
+                                      I, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, False, True,
+                                      MASK_FN, HAS_BIAS)
+    out, lse = _finish(acc, m_i, l_i)
+    tl.store(O + b * sob + h * soh + rows[:, None] * som + dv[None, :] * sod,
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+    tl.store(LSE + bh * Sq + rows, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=DYNAMIC)
+def _dkdv_sparse(Q, K, V, DO, LSE, DELTA, GK, GV, NF, NP, IDX, scale, qk_scale,
+                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+                 sdb, sdh, sdm, sdd, slb, slh, sib, sih, NL,
+                 H, G, Sq, Sk, T, I, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    bk = tl.program_id(1)
+    Hkv = H // G
+    b = bk // Hkv
+    hk = bk % Hkv
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                          # (BLOCK_N,)
+    dq_ = tl.arange(0, BLOCK_D)
+    dv_ = tl.arange(0, BLOCK_DV)
+    col_ok = cols < Sk
+    k = tl.load(K + b * skb + hk * skh + cols[:, None] * skn + dq_[None, :] * skd,
+                mask=col_ok[:, None] & (dq_[None, :] < D), other=0.0)       # (BLOCK_N, BLOCK_D)
+    v = tl.load(V + b * svb + hk * svh + cols[:, None] * svn + dv_[None, :] * svd,
+                mask=col_ok[:, None] & (dv_[None, :] < DV), other=0.0)      # (BLOCK_N, BLOCK_DV)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+    for g in range(G):                                 # the group's query heads, in registers
+        h = hk * G + g
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdb + h * sdh
+        lse_base = LSE + (b * H + h) * Sq
+        dl_base = DELTA + (b * H + h) * Sq
+        at = b * slb + h * slh + pid_n                 # this key block's transposed lists
+        n_full = tl.load(NF + at)
+        n_all = n_full + tl.load(NP + at)
+        blocks = IDX + b * sib + h * sih + pid_n * NL
+        for j in range(0, n_full):
+            start = tl.load(blocks + j) * BLOCK_M
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq,
+                                 cols, Sk, qk_scale, 0, 0, sqm, sqd, sdm, sdd, b, h, T, I,
+                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, False, False,
+                                 MASK_FN, HAS_BIAS)
+        for j in range(n_full, n_all):
+            start = tl.load(blocks + j) * BLOCK_M
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq,
+                                 cols, Sk, qk_scale, 0, 0, sqm, sqd, sdm, sdd, b, h, T, I,
+                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, False, True,
+                                 MASK_FN, HAS_BIAS)
+    # GK, GV (the gradients): contiguous (B, Hkv, Sk, D) and (B, Hkv, Sk, DV)
+    tl.store(GK + (bk * Sk + cols[:, None]) * D + dq_[None, :],
+             (dk * scale).to(GK.dtype.element_ty), mask=col_ok[:, None] & (dq_[None, :] < D))
+    tl.store(GV + (bk * Sk + cols[:, None]) * DV + dv_[None, :], dv.to(GV.dtype.element_ty),
+             mask=col_ok[:, None] & (dv_[None, :] < DV))
+
+
+@triton.jit(do_not_specialize=DYNAMIC)
+def _dq_sparse(Q, K, V, DO, LSE, DELTA, GQ, NF, NP, IDX, scale, qk_scale,
+               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+               sdb, sdh, sdm, sdd, slb, slh, sib, sih, NL,
+               H, G, Sq, Sk, T, I, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
+               D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                          # (BLOCK_M,)
+    dq_ = tl.arange(0, BLOCK_D)
+    dv_ = tl.arange(0, BLOCK_DV)
+    row_ok = rows < Sq
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dq_[None, :] * sqd,
+                mask=row_ok[:, None] & (dq_[None, :] < D), other=0.0)       # (BLOCK_M, BLOCK_D)
+    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdm + dv_[None, :] * sdd,
+                 mask=row_ok[:, None] & (dv_[None, :] < DV), other=0.0)     # (BLOCK_M, BLOCK_DV)
+    lse2 = tl.load(LSE + bh * Sq + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + bh * Sq + rows, mask=row_ok, other=0.0)
+    at = b * slb + h * slh + pid_m
+    n_full = tl.load(NF + at)
+    n_all = n_full + tl.load(NP + at)
+    blocks = IDX + b * sib + h * sih + pid_m * NL
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    for j in range(0, n_full):
+        start = tl.load(blocks + j) * BLOCK_N
+        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, Sk,
+                       qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq, T, I, D, DV, BLOCK_D,
+                       BLOCK_DV, BLOCK_N, False, False, False, MASK_FN, HAS_BIAS)
+    for j in range(n_full, n_all):
+        start = tl.load(blocks + j) * BLOCK_N
+        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, Sk,
+                       qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq, T, I, D, DV, BLOCK_D,
+                       BLOCK_DV, BLOCK_N, False, False, True, MASK_FN, HAS_BIAS)
+    # GQ (the gradient): contiguous (B, H, Sq, D)
+    tl.store(GQ + (bh * Sq + rows[:, None]) * D + dq_[None, :],
+             (dq * scale).to(GQ.dtype.element_ty), mask=row_ok[:, None] & (dq_[None, :] < D))
+
+
+def _check_mask(fn: str, mask: MB.Mask, q, k) -> None:
+    B, H, Sq, _ = q.shape
+    try:
+        mask.check(B, H, Sq, k.shape[2], q.device)
+    except ValueError as e:
+        raise ValueError(f"{fn}: {e}") from None
+
+
+def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MB.Mask, *,
+                   scale: float, config: tuple[int, int, int, int] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q (B, H, Sq, D)`` over ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)``
+    under any ``mask`` of our model (except a user's subclass), skipping EMPTY blocks.
+
+    Args:
+        mask: a :class:`multihead.masks.Mask` whose tensors are on q's device.
+        scale: multiplier of the scores.
+        config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (default: the measured table).
+
+    Returns:
+        ``(out (B, H, Sq, Dv) in q's dtype, lse (B, H, Sq) fp32)``; rows with nothing to
+        attend to give zeros and ``-inf``.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> q = torch.randn(1, 2, 64, 16, device="cuda", dtype=torch.float16)   # doctest: +SKIP
+        >>> ids = torch.arange(64, device="cuda") // 20                          # doctest: +SKIP
+        >>> out, lse = sparse_forward(q, q, q, mh.masks.document(ids), scale=0.25)  # doctest: +SKIP
+    """
+    check_inputs("sparse_forward", q, k, v)
+    _check_mask("sparse_forward", mask, q, k)
+    B, H, Sq, D = q.shape
+    _, Hkv, Sk, Dv = v.shape
+    out = torch.empty(B, H, Sq, Dv, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
+    if B * H * Sq == 0:
+        return out, lse
+    if Sk == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    bm, bn, warps, stages = config or launch_config("fwd", D, Dv)
+    prog = program(mask, Sq, Sk, q.device)
+    n_full, n_part, index = block_lists(mask, Sq, Sk, bm, bn, q.device)
+    _forward_sparse[(triton.cdiv(Sq, bm), B * H)](
+        q, k, v, out, lse, n_full, n_part, index, scale * LOG2E,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        *_list_strides(n_full, index), index.shape[-1], H, H // Hkv, Sq, Sk,
+        prog.tensors, prog.ints, MASK_FN=prog.fn, HAS_BIAS=prog.has_bias, D=D, DV=Dv,
+        BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+        num_stages=stages)
+    return out, lse
+
+
+def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, mask: MB.Mask, *, scale: float,
+                    dlse: torch.Tensor | None = None, config: tuple | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv)`` of :func:`sparse_forward`'s call (deterministic; the K/V
+    gradients summed over each group of query heads in registers). No gradient reaches a
+    bias tensor.
+
+    Args:
+        dout: ``(B, H, Sq, Dv)``; out, lse: what the forward returned; dlse: the gradient
+            of the lse, when it was used; config: ``(dkdv, dq)`` launch tuples.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> q = torch.randn(1, 2, 64, 16, device="cuda", dtype=torch.float16)   # doctest: +SKIP
+        >>> m = mh.masks.document(torch.arange(64, device="cuda") // 20)         # doctest: +SKIP
+        >>> out, lse = sparse_forward(q, q, q, m, scale=0.25)                    # doctest: +SKIP
+        >>> dq, dk, dv = sparse_backward(torch.ones_like(out), q, q, q, out, lse, m,
+        ...                              scale=0.25)                             # doctest: +SKIP
+    """
+    check_inputs("sparse_backward", q, k, v)
+    check_backward("sparse_backward", dout, q, v, out, lse)
+    _check_mask("sparse_backward", mask, q, k)
+    B, H, Sq, D = q.shape
+    _, Hkv, Sk, Dv = v.shape
+    dq = torch.empty(B, H, Sq, D, device=q.device, dtype=q.dtype)
+    dk = torch.empty(B, Hkv, Sk, D, device=k.device, dtype=k.dtype)
+    dv = torch.empty(B, Hkv, Sk, Dv, device=v.device, dtype=v.dtype)
+    if B * H * Sq * Sk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    delta = row_deltas(dout, out, dlse)
+    lse = lse.contiguous()
+    prog = program(mask, Sq, Sk, q.device)
+    kv_cfg, q_cfg = config or (launch_config("bwd_kv", D, Dv), launch_config("bwd_q", D, Dv))
+    common = dict(MASK_FN=prog.fn, HAS_BIAS=prog.has_bias, D=D, DV=Dv, BLOCK_D=pow2(D),
+                  BLOCK_DV=pow2(Dv))
+    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
+    bm, bn, warps, stages = kv_cfg
+    n_full, n_part, index = block_lists(mask, Sq, Sk, bm, bn, q.device, by_key=True)
+    _dkdv_sparse[(triton.cdiv(Sk, bn), B * Hkv)](
+        q, k, v, dout, lse, delta, dk, dv, n_full, n_part, index, scale, scale * LOG2E,
+        *strides, *_list_strides(n_full, index), index.shape[-1], H, H // Hkv, Sq, Sk,
+        prog.tensors, prog.ints, **common, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+        num_stages=stages)
+    bm, bn, warps, stages = q_cfg
+    n_full, n_part, index = block_lists(mask, Sq, Sk, bm, bn, q.device)
+    _dq_sparse[(triton.cdiv(Sq, bm), B * H)](
+        q, k, v, dout, lse, delta, dq, n_full, n_part, index, scale, scale * LOG2E,
+        *strides, *_list_strides(n_full, index), index.shape[-1], H, H // Hkv, Sq, Sk,
+        prog.tensors, prog.ints, **common, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+        num_stages=stages)
+    return dq, dk, dv

@@ -1,0 +1,231 @@
+"""A mask as Triton code: the predicate (and bias) of a :class:`multihead.masks.Mask`,
+compiled into a ``@triton.jit`` function the kernels call on the blocks they must mask.
+
+:func:`mask_program` walks the mask's tree once and writes a small function
+
+.. code-block:: python
+
+    @triton.jit
+    def mask_fn(b, h, rows, cols, Sq, Sk, T, I):   # -> (allowed (M, N) bool, bias (M, N) fp32)
+
+where ``b`` is the batch, ``h`` the query head, ``rows (M,)`` and ``cols (N,)`` the query and
+key positions of a block, ``T`` a tuple of the mask's tensors and ``I`` a tuple of ints
+(offsets, window sizes, strides). Each leaf reads only what it needs:
+
+- ``causal``/``sliding_window``: the distance ``rows + offset - cols``, from indices;
+- ``padding``: per-sequence lengths, or a ``(B, S)`` bool row;
+- ``document``: the ids of the block's queries and keys, compared;
+- ``dense``: the block's bool tile; ``bias``: its float tile (``-inf`` masks), added;
+- ``alibi``: ``-slope[h] * |rows + offset - cols|`` from the per-head slopes;
+- ``&``, ``|``, ``~`` of these (biases add under ``&``).
+
+Only the *structure* is in the code (which leaves, how composed, which dims broadcast);
+sizes, offsets and pointers are arguments, so one compiled kernel serves every length,
+window size and batch of a structure. The source is registered with ``linecache`` (no file
+is written) so Triton can read it, and is the cache key of the compiled kernel.
+
+Positions outside ``[0, Sq) x [0, Sk)`` are never read (loads are bounded); the kernels mask
+them separately. User subclasses of a mask (kind ``"custom"``) have no Triton form.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import linecache
+from typing import NamedTuple
+
+import torch
+
+from .._device import to_device
+from ..masks import base as MB
+from ..masks import structured as MS
+
+#: the leaf kinds a program can express (compositions "and", "or", "not" of them)
+KINDS = frozenset({"causal", "window", "padding", "document", "dense", "bias", "alibi"})
+
+
+class MaskProgram(NamedTuple):
+    """A compiled mask: ``fn`` (a Triton function), its arguments ``tensors`` and ``ints``,
+    and whether it adds a bias (``has_bias``: the kernels then call it on every block,
+    not only on the blocks they must mask)."""
+
+    fn: object
+    tensors: tuple
+    ints: tuple
+    has_bias: bool
+
+
+def supported(mask: MB.Mask | None) -> str | None:
+    """Why ``mask`` has no Triton form, or None when it has one.
+
+    Example:
+        >>> import multihead as mh
+        >>> supported(mh.masks.causal() & mh.masks.alibi(4)) is None
+        True
+    """
+    if mask is None:
+        return None
+    kinds = {leaf.kind for leaf in mask.leaves()} - KINDS
+    if kinds:
+        return f"has no Triton form for {', '.join(sorted(kinds))} masks (a user's subclass)"
+    return None
+
+
+class _Writer:
+    """Collects the generated lines and the arguments they index."""
+
+    def __init__(self, device):
+        self.lines: list[str] = []
+        self.tensors: list[torch.Tensor] = []
+        self.ints: list[int] = []
+        self.device = device
+        self.n = 0
+
+    def tensor(self, t: torch.Tensor) -> str:
+        self.tensors.append(t)
+        return f"T[{len(self.tensors) - 1}]"
+
+    def int(self, v: int) -> str:
+        self.ints.append(int(v))
+        return f"I[{len(self.ints) - 1}]"
+
+    def var(self, expr: str) -> str:
+        self.n += 1
+        name = f"x{self.n}"
+        self.lines.append(f"    {name} = {expr}")
+        return name
+
+    def strides(self, t: torch.Tensor) -> list[str]:
+        """An int argument per dim: the stride, 0 where the dim broadcasts (size 1)."""
+        return [self.int(0 if n == 1 else s) for n, s in zip(t.shape, t.stride())]
+
+
+_ROW = "rows[:, None].to(tl.int64)"         # (M, 1)
+_COL = "cols[None, :].to(tl.int64)"         # (1, N)
+_IN = "(rows[:, None] < Sq) & (cols[None, :] < Sk)"
+
+
+def _distance(w: _Writer, align: str, sq: int, sk: int) -> str:
+    off = w.int(MS._offset(align, sq, sk))
+    return w.var(f"rows[:, None] + {off} - cols[None, :]")          # (M, N)
+
+
+def _leaf(w: _Writer, m: MB.Mask, sq: int, sk: int) -> tuple[str | None, str | None]:
+    """(allowed, bias) variable names of one leaf (None: nothing of that kind)."""
+    if m.kind in ("causal", "window"):
+        d = _distance(w, m.align, sq, sk)
+        ok = f"{d} >= 0" if m.size is None else f"({d} >= 0) & ({d} < {w.int(m.size)})"
+        return w.var(ok), None
+    if m.kind == "padding":
+        pos, bound = ((_COL, "cols[None, :] < Sk") if m.side == "key"
+                      else (_ROW, "rows[:, None] < Sq"))
+        if m.real is None:
+            lens = m.lengths.to(w.device)                                       # (B',)
+            (sb,) = w.strides(lens)
+            n = f"tl.load({w.tensor(lens)} + b.to(tl.int64) * {sb})"
+            return w.var(f"{pos} < {n}"), None
+        real = m.real.to(w.device).view(torch.uint8)                            # (B', S)
+        sb, ss = w.strides(real)
+        ptr = f"{w.tensor(real)} + b.to(tl.int64) * {sb} + {pos} * {ss}"
+        return w.var(f"tl.load({ptr}, mask={bound}, other=0) != 0"), None
+    if m.kind == "document":
+        qid, kid = m._q_k_ids(sq, sk, w.device)                    # (B', Sq), (B', Sk)
+        qb, qs = w.strides(qid)
+        kb, ks = w.strides(kid)
+        qi = w.var(f"tl.load({w.tensor(qid)} + b.to(tl.int64) * {qb} + {_ROW} * {qs}, "
+                   f"mask=rows[:, None] < Sq, other=-1)")                      # (M, 1)
+        ki = w.var(f"tl.load({w.tensor(kid)} + b.to(tl.int64) * {kb} + {_COL} * {ks}, "
+                   f"mask=cols[None, :] < Sk, other=-2)")                      # (1, N)
+        return w.var(f"{qi} == {ki}"), None
+    if m.kind in ("dense", "bias"):
+        t = m.t.view(torch.uint8) if m.kind == "dense" else m.raw               # (B', H', Sq', Sk')
+        t = t.to(w.device)
+        sb, sh, sm, sn = w.strides(t)
+        tile = w.var(f"tl.load({w.tensor(t)} + b.to(tl.int64) * {sb} + h.to(tl.int64) * {sh} "
+                     f"+ {_ROW} * {sm} + {_COL} * {sn}, mask={_IN}, other=0)")  # (M, N)
+        if m.kind == "dense":
+            return w.var(f"{tile} != 0"), None
+        x = w.var(f"{tile}.to(tl.float32)")
+        ok = w.var(f"{x} != float('-inf')")
+        return ok, w.var(f"tl.where({ok}, {x}, 0.0)")
+    if m.kind == "alibi":
+        slopes = m.cached("slopes", (str(w.device),),
+                          lambda: to_device(m.slopes, w.device))          # (H',), no wait
+        (sh,) = w.strides(slopes)
+        d = _distance(w, m.align, sq, sk)
+        s = f"tl.load({w.tensor(slopes)} + h.to(tl.int64) * {sh})"
+        return None, w.var(f"-{s} * tl.abs({d}).to(tl.float32)")
+    raise ValueError(f"mask_program: no Triton form for {m.describe()}")
+
+
+def _emit(w: _Writer, m: MB.Mask, sq: int, sk: int) -> tuple[str | None, str | None]:
+    if m.kind == "not":
+        ok, _ = _emit(w, m.m, sq, sk)
+        return w.var(f"~{ok}"), None
+    if m.kind in ("and", "or"):
+        oka, ba = _emit(w, m.a, sq, sk)
+        okb, bb = _emit(w, m.b, sq, sk)
+        op = "&" if m.kind == "and" else "|"
+        ok = oka if okb is None else okb if oka is None else w.var(f"{oka} {op} {okb}")
+        bias = ba if bb is None else bb if ba is None else w.var(f"{ba} + {bb}")
+        return ok, bias
+    return _leaf(w, m, sq, sk)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compile(source: str):
+    """The Triton function defined by ``source`` (one per distinct source, per process)."""
+    if source not in _COMPILED:
+        import triton
+        import triton.language as tl
+        name = f"<multihead-mask-{hashlib.sha1(source.encode()).hexdigest()[:16]}>"
+        linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+        scope = {"triton": triton, "tl": tl}
+        exec(compile(source, name, "exec"), scope)
+        _COMPILED[source] = scope["mask_fn"]
+    return _COMPILED[source]
+
+
+def source_of(mask: MB.Mask, sq: int, sk: int, device=None) -> str:
+    """The Triton source :func:`mask_program` compiles for ``mask`` (to read it).
+
+    Example:
+        >>> import multihead as mh
+        >>> print(source_of(mh.masks.sliding_window(4), 8, 8).splitlines()[-1])
+            return x2, 0.0
+    """
+    return _build(mask, sq, sk, device)[0]
+
+
+def _build(mask, sq, sk, device):
+    w = _Writer(torch.device(device) if device is not None else mask._device())
+    ok, bias = _emit(w, mask, sq, sk)
+    if ok is None:                      # a pure bias: every pair allowed
+        ok = w.var("(rows[:, None] >= 0) & (cols[None, :] >= 0)")
+    body = "\n".join(w.lines)
+    source = (f"@triton.jit\ndef mask_fn(b, h, rows, cols, Sq, Sk, T, I):\n{body}\n"
+              f"    return {ok}, {bias if bias is not None else '0.0'}\n")
+    return source, w, bias is not None
+
+
+def mask_program(mask: MB.Mask, sq: int, sk: int, device) -> MaskProgram:
+    """Compile ``mask`` for calls of ``sq`` queries and ``sk`` keys on ``device``.
+
+    Raises:
+        ValueError: for a mask :func:`supported` refuses.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> p = mask_program(mh.masks.causal() & mh.masks.padding(torch.tensor([5, 7])), 8, 8, "cpu")
+        >>> len(p.tensors), p.ints, p.has_bias
+        (1, (0, 1), False)
+    """
+    why = supported(mask)
+    if why is not None:
+        raise ValueError(f"mask_program: {mask.describe()} {why}")
+    source, w, has_bias = _build(mask, sq, sk, device)
+    return MaskProgram(_compile(source), tuple(w.tensors), tuple(w.ints) or (0,), has_bias)
+
+

@@ -1,0 +1,232 @@
+"""The block-sparse Triton kernels (every mask of our model) against the fp64 oracle, under
+Triton's interpreter on the CPU (compiled on a GPU): forward, lse and gradients for every
+mask kind and composition of ``conftest.make_masks``, MHA/GQA/MQA, ``Sq != Sk`` both ways,
+empty rows; the block lists against the materialized mask; the generated mask programs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import multihead as mh
+from conftest import MASK_NAMES, make_masks
+
+triton = pytest.importorskip("triton")
+from multihead.functional._call import make_call  # noqa: E402
+from multihead.functional.backend import triton as tb  # noqa: E402
+from multihead.kernels import ops  # noqa: E402
+from multihead.kernels.flash_sparse import block_lists, sparse_backward, sparse_forward  # noqa: E402
+from multihead.kernels.mask_program import mask_program, source_of  # noqa: E402
+
+M = mh.masks
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [  # B, H, Hkv, Sq, Sk, D
+    (2, 4, 2, 40, 48, 16),         # GQA, Sq < Sk
+    (2, 2, 1, 45, 30, 32),         # MQA, Sq > Sk: early rows of a lower-right band see nothing
+    (1, 2, 2, 37, 37, 16),         # MHA
+]
+TILES = (16, 16, 4, 1)             # many blocks at these sizes: FULL, PARTIAL and EMPTY ones
+KINDS = [n for n in MASK_NAMES if n != "none"]
+
+
+def _inputs(B, H, Hkv, Sq, Sk, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(DEV, torch.float16)  # noqa: E731
+    return mk(B, H, Sq, D), mk(B, Hkv, Sk, D), mk(B, Hkv, Sk, D)
+
+
+def _mask(name, B, H, Sq, Sk):
+    return make_masks(B, H, Sq, Sk)[name].to(DEV)
+
+
+def _reference(q, k, v, m):
+    return mh.attention(q, k, v, mask=m, backend="reference", return_lse=True)
+
+
+@pytest.mark.parametrize("config", [None, TILES], ids=["default", "tiles16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{s[3]}x{s[4]}-H{s[1]}kv{s[2]}" for s in SHAPES])
+@pytest.mark.parametrize("name", KINDS)
+def test_forward_and_lse_equal_the_fp64_oracle_for_every_mask(name, shape, config):
+    B, H, Hkv, Sq, Sk, D = shape
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D)
+    m = _mask(name, B, H, Sq, Sk)
+    out, lse = sparse_forward(q, k, v, m, scale=D ** -0.5, config=config)
+    ref, ref_lse = _reference(q.double(), k.double(), v.double(), m)
+    plain = mh.attention(q.float(), k.float(), v.float(), mask=m, backend="reference")
+    err = (out.double() - ref).abs().max()
+    base = (plain.to(q.dtype).double() - ref).abs().max()
+    assert err <= 2 * base + 2 * torch.finfo(q.dtype).eps, (err, base)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))          # empty rows: -inf
+    fin = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[fin].double(), ref_lse[fin], atol=1e-4, rtol=1e-4)
+    assert (out[~fin] == 0).all()                                       # ... and zeros
+
+
+def _grads(q, k, v, fn):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = fn(*leaves)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device, out.dtype)
+    (out * w).sum().add(torch.where(torch.isfinite(lse), lse, 0).sum()).backward()
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=["GQA", "MQA"])
+@pytest.mark.parametrize("name", KINDS)
+def test_gradients_equal_the_fp64_oracle_for_every_mask(name, shape):
+    """dQ, dK, dV (summed over each GQA group) and the lse's gradient, with small tiles so
+    the dK/dV loop walks transposed lists of FULL and PARTIAL query blocks."""
+    B, H, Hkv, Sq, Sk, D = shape
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, seed=1)
+    m = _mask(name, B, H, Sq, Sk)
+    scale = D ** -0.5
+
+    class Small(torch.autograd.Function):          # ops.sparse with 16x16 tiles
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = sparse_forward(q, k, v, m, scale=scale, config=TILES)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, dlse):
+            q, k, v, out, lse = ctx.saved_tensors
+            return sparse_backward(dout, q, k, v, out, lse, m, scale=scale, dlse=dlse,
+                                   config=(TILES, TILES))
+
+    got = _grads(q, k, v, Small.apply)
+    ref = _grads(q.double(), k.double(), v.double(), lambda *t: _reference(*t, m))
+    plain = _grads(q.float(), k.float(), v.float(), lambda *t: _reference(*t, m))
+    for which, a, r, p in zip("qkv", got, ref, plain):
+        err = (a.double() - r).abs().max()
+        base = (p.to(q.dtype).double() - r).abs().max()
+        assert torch.isfinite(a).all(), which
+        assert err <= 2 * base + 4 * torch.finfo(q.dtype).eps * r.abs().max(), (which, err, base)
+
+
+def test_the_operator_gives_gradients_with_the_default_tiles():
+    B, H, Hkv, Sq, Sk, D = SHAPES[0]
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, seed=2)
+    m = _mask("window&document", B, H, Sq, Sk)
+    got = _grads(q, k, v, lambda *t: ops.sparse(*t, m, D ** -0.5))
+    ref = _grads(q.double(), k.double(), v.double(), lambda *t: _reference(*t, m))
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a.double(), r, atol=2e-2, rtol=2e-2)
+
+
+def test_the_sparse_backward_is_deterministic():
+    B, H, Hkv, Sq, Sk, D = SHAPES[0]
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, seed=3)
+    m = _mask("causal|dense", B, H, Sq, Sk)
+    out, lse = sparse_forward(q, k, v, m, scale=0.25, config=TILES)
+    dout = torch.randn_like(out)
+    runs = [sparse_backward(dout, q, k, v, out, lse, m, scale=0.25, config=(TILES, TILES))
+            for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("by_key", [False, True], ids=["per query block", "per key block"])
+@pytest.mark.parametrize("name", KINDS)
+def test_block_lists_cover_every_allowed_pair_and_full_blocks_are_full(name, by_key):
+    """Every allowed pair lies in a listed block; a FULL block has only allowed pairs and
+    lies inside both sequences; no block is listed twice."""
+    B, H, Sq, Sk, bm, bn = 2, 4, 37, 45, 8, 16
+    m = _mask(name, B, H, Sq, Sk)
+    allowed = m.materialize(Sq, Sk).expand(B, H, Sq, Sk).cpu()              # (B, H, Sq, Sk)
+    n_full, n_part, index = (t.cpu() for t in block_lists(m, Sq, Sk, bm, bn, DEV, by_key=by_key))
+    rows, cols = (bn, bm) if by_key else (bm, bn)
+    a = allowed.transpose(-1, -2) if by_key else allowed              # (B, H, rows, cols)
+    R, C = -(-a.shape[2] // rows), -(-a.shape[3] // cols)
+    for b in range(B):
+        for h in range(H):
+            bl, hl = min(b, n_full.shape[0] - 1), min(h, n_full.shape[1] - 1)
+            for r in range(R):
+                nf, np_ = int(n_full[bl, hl, r]), int(n_part[bl, hl, r])
+                listed = index[bl, hl, r, :nf + np_].tolist()
+                assert len(set(listed)) == len(listed)
+                tile = a[b, h, r * rows:(r + 1) * rows]                 # (rows, all cols)
+                for c in range(C):
+                    blk = tile[:, c * cols:(c + 1) * cols]
+                    if blk.any():
+                        assert c in listed, (b, h, r, c)
+                for c in listed[:nf]:
+                    blk = tile[:, c * cols:(c + 1) * cols]
+                    assert blk.shape == (rows, cols) and blk.all(), (b, h, r, c)
+
+
+def test_block_lists_are_built_once_per_mask_and_lengths():
+    m = M.document(torch.arange(64) // 10) & M.causal()
+    first = block_lists(m, 64, 64, 16, 16, "cpu")
+    assert block_lists(m, 64, 64, 16, 16, "cpu") is first
+    assert block_lists(m, 64, 64, 16, 32, "cpu") is not first
+
+
+def test_a_mask_program_reads_only_the_structure_and_refuses_a_user_subclass():
+    """Window sizes are arguments, not code: one compiled kernel for every size."""
+    assert source_of(M.sliding_window(4), 8, 8) == source_of(M.sliding_window(9), 30, 30)
+    src = source_of(M.document(torch.arange(8) // 3) & M.alibi(2), 8, 8)
+    assert "==" in src and "tl.abs" in src
+
+    class Mine(M.Window):
+        pass
+
+    with pytest.raises(ValueError, match="custom"):
+        mask_program(Mine(3), 8, 8, "cpu")
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float16)
+    e = mh.explain(q, q, q, mask=Mine(3), profile="h100")
+    row = next(r for r in e.rows if r.name == "triton")
+    assert row.plan is None and any("custom" in r for r in row.reasons)
+
+
+def test_the_backend_routes_non_band_masks_to_the_block_lists_and_says_so():
+    q = torch.empty(2, 16, 4096, 128, dtype=torch.bfloat16)
+    ids = torch.arange(4096) // 512                       # 8 documents on the host
+    e = mh.explain(q, q, q, mask=M.document(ids) & M.causal(), profile="h100", backend="triton")
+    # 8 causal documents of 512 in 128x64 blocks: 20 of each document's 4 x 8 blocks of
+    # 256 in all: 160 / 2048 = 7.8%
+    assert "block lists: 7.8% of the pairs visited" in str(e), str(e)
+    band = tb._band(make_call(q, q, q, mask=M.causal(), scale=None, dropout_p=0.0,
+                              return_weights=False, return_lse=False))
+    assert isinstance(band, tb.Band)                      # bands keep the band kernels
+
+
+def test_the_sparse_kernels_refuse_bad_input_by_name():
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="sparse_forward: mask: .*batch size 3"):
+        sparse_forward(q, q, q, M.padding(torch.tensor([1, 2, 3])), scale=1.0)
+    with pytest.raises(ValueError, match="sparse_forward: q is torch.float32"):
+        sparse_forward(q.float(), q, q, M.alibi(2), scale=1.0)
+    out, lse = sparse_forward(q, q, q, M.alibi(2), scale=1.0)
+    with pytest.raises(ValueError, match="sparse_backward: lse must have shape"):
+        sparse_backward(out, q, q, q, out, lse[:, :1], M.alibi(2), scale=1.0)
+
+
+@pytest.mark.cuda
+def test_a_device_mask_runs_without_a_host_sync_on_cuda():
+    """Block lists of a mask whose tensors are on the GPU are built there: no sync."""
+    B, H, S = 2, 4, 512
+    q = torch.randn(B, H, S, 64, device="cuda", dtype=torch.bfloat16)
+    ids = torch.sort(torch.randint(0, 6, (B, S), device="cuda"), dim=1).values
+    m = M.document(ids) & M.causal()
+    ref = mh.attention(q.float(), q.float(), q.float(), mask=m, backend="reference")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = mh.attention(q, q, q, mask=m, backend="triton")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["document", "dense", "bias", "padding_left_bool",
+                                  "window&document", "causal|dense", "~dense&alibi"])
+def test_block_lists_and_mask_programs_of_device_masks_never_read_the_device(name):
+    """On the ``meta`` device (a stand-in GPU) under NoReadBack, which fails on any read of
+    device data: the tile map, the sorted lists and the program's arguments stay there."""
+    from nosync import NoReadBack
+    m = make_masks(2, 4, 64, 64)[name].to("meta")
+    with NoReadBack():
+        n_full, n_part, index = block_lists(m, 64, 64, 16, 16, "meta")
+        block_lists(m, 64, 64, 16, 16, "meta", by_key=True)
+        prog = mask_program(m, 64, 64, "meta")
+    assert index.device.type == "meta" and index.shape[-2:] == (4, 4)
+    assert all(t.device.type == "meta" for t in prog.tensors)
