@@ -306,6 +306,10 @@ def test_the_operators_pass_torch_library_opcheck():
     for t in (q, k, v):
         t.requires_grad_()
     torch.library.opcheck(ops.flash_attention, (q, k, v, 0.25, True, 8, 16, lens))
+    docs = torch.tensor([[0, 0, 9], [0, 9, 15]])             # packed documents (host table)
+    torch.library.opcheck(ops.flash_attention, (q, q.detach().clone().requires_grad_(),
+                                                q.detach().clone().requires_grad_(), 0.25,
+                                                True, 0, 0, None, docs))
     torch.library.opcheck(ops.flash_decode, (q[:, :, :2].detach(), k.detach(), v.detach(),
                                              0.25, True, 0, 38, None))
 

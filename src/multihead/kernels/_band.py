@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._device import to_device
+
 #: log2(e): scores scaled by ``scale * LOG2E`` run the softmax in base 2 (``exp2``)
 LOG2E = 1.4426950408889634
 
@@ -55,7 +57,7 @@ def pow2(n: int) -> int:
 DTYPES = (torch.float16, torch.bfloat16)
 
 
-def check_inputs(fn: str, q, k, v, kv_lengths=None) -> None:
+def check_inputs(fn: str, q, k, v, kv_lengths=None, documents=None, offset=0) -> None:
     """Raise a ValueError naming ``fn``'s bad argument unless ``q (B, H, Sq, D)``,
     ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` and ``kv_lengths (B,)`` fit the kernels.
 
@@ -92,6 +94,39 @@ def check_inputs(fn: str, q, k, v, kv_lengths=None) -> None:
         raise ValueError(f"{fn}: kv_lengths must be an integer tensor of shape ({B},) on "
                          f"{q.device}, got {kv_lengths.dtype} {tuple(kv_lengths.shape)} on "
                          f"{kv_lengths.device}")
+    if documents is not None:
+        _check_documents(fn, documents, B, q.shape[2], k.shape[2], offset)
+
+
+def _check_documents(fn, docs, B, Sq, Sk, offset) -> None:
+    if (docs.device.type != "cpu" or docs.dim() != 2 or docs.shape[1] != 3
+            or docs.is_floating_point()):
+        raise ValueError(f"{fn}: documents must be a host (CPU) integer tensor of rows (b, "
+                         f"first, length), got {docs.dtype} {tuple(docs.shape)} on {docs.device}")
+    if Sq != Sk or offset:
+        raise ValueError(f"{fn}: packed documents attend within themselves: Sq == Sk and "
+                         f"offset 0, got Sq={Sq}, Sk={Sk}, offset={offset}")
+    b, first, n = docs.long().unbind(1)
+    covered = torch.zeros(B, Sq + 1, dtype=torch.long)
+    ok = bool(((b >= 0) & (b < B) & (first >= 0) & (n >= 0) & (first + n <= Sq)).all())
+    if ok:
+        covered.index_put_((b, first), torch.ones_like(b), accumulate=True)
+        covered.index_put_((b, first + n), -torch.ones_like(b), accumulate=True)
+        ok = bool((covered.cumsum(1)[:, :Sq] == 1).all())
+    if not ok:
+        raise ValueError(f"{fn}: documents must cover each of the {B} sequences of {Sq} "
+                         f"tokens exactly once with rows (b, first, length), got "
+                         f"{docs.tolist()[:8]}")
+
+
+def schedule(documents, block: int, programs: int, S: int, heads: int, device):
+    """``(table, grid)`` of a launch: plain (no ``documents``), a dummy table and the grid
+    ``(cdiv(S, block), programs)``; packed documents, the :func:`document_blocks` table on
+    ``device`` (one non-blocking copy) and the grid ``(entries, heads)``."""
+    if documents is None:
+        return torch.empty(1, dtype=torch.int32, device=device), (triton.cdiv(S, block), programs)
+    table = document_blocks(documents, block)
+    return to_device(table, device), (len(table), heads)
 
 
 def launch_config(kernel: str, D: int, Dv: int,
@@ -229,3 +264,44 @@ def masked_scores(s, b, h, qpos, cols, Sq, klen, row_ok, offset, window, T, I,
         else:
             ok = visible(qpos, cols, klen, row_ok, offset, window, CAUSAL, WINDOWED)
     return s, ok
+
+
+@triton.jit
+def program_block(pid, heads, SEGS, S, VARLEN: tl.constexpr, BLOCK: tl.constexpr):
+    """``(b, head, first, n, start)`` of this program: its batch and head (one of ``heads``
+    per batch), the first token of its sequence, the sequence's length and the first
+    position of its block in it. Plain: grid ``(blocks, B * heads)`` over sequences of
+    length ``S``. VARLEN: grid ``(entries, heads)`` where entry ``pid`` of ``SEGS`` (int32
+    rows ``b, first, n, start``) is one block of one packed document."""
+    if VARLEN:
+        row = SEGS + pid * 4
+        b = tl.load(row)
+        first = tl.load(row + 1)
+        n = tl.load(row + 2)
+        start = tl.load(row + 3)
+        head = tl.program_id(1)
+    else:
+        bh = tl.program_id(1)
+        b = bh // heads
+        head = bh % heads
+        first = 0
+        n = S
+        start = pid * BLOCK
+    return b, head, first, n, start
+
+
+def document_blocks(docs: torch.Tensor, block: int) -> torch.Tensor:
+    """The VARLEN schedule of :func:`program_block`: for ``docs (n, 3)`` host rows
+    ``(b, first, length)``, one int32 row ``(b, first, length, start)`` per block of
+    ``block`` positions of each document (a document of length 0 has none).
+
+    Example:
+        >>> document_blocks(torch.tensor([[0, 0, 3], [0, 3, 5]]), 4).tolist()
+        [[0, 0, 3, 0], [0, 3, 5, 0], [0, 3, 5, 4]]
+    """
+    docs = docs.to(torch.int64)
+    count = (docs[:, 2] + block - 1) // block                            # (n,) blocks each
+    rows = docs.repeat_interleave(count, dim=0)                          # (E, 3)
+    before = torch.cumsum(count, 0) - count                              # (n,) first entry
+    local = torch.arange(len(rows)) - before.repeat_interleave(count)   # (E,) block in doc
+    return torch.cat([rows, (local * block)[:, None]], 1).to(torch.int32)

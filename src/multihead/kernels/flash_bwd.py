@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ._band import (LOG2E, check_inputs, key_range, launch_config, masked_scores, pow2,
-                    query_range)
+                    program_block, query_range, schedule)
 from .flash_fwd import DYNAMIC
 
 
@@ -93,58 +93,57 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
-def _dkdv(Q, K, V, DO, LSE, DELTA, GK, GV, LENS, scale, qk_scale,
+def _dkdv(Q, K, V, DO, LSE, DELTA, GK, GV, LENS, SEGS, scale, qk_scale,
           sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
           sdb, sdh, sdm, sdd, H, G, Sq, Sk, offset, window,
           CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_LENS: tl.constexpr,
-          D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_n = tl.program_id(0)
-    bk = tl.program_id(1)
+          VARLEN: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+          BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     Hkv = H // G
-    b = bk // Hkv
-    hk = bk % Hkv
-    n0 = pid_n * BLOCK_N
-    cols = n0 + tl.arange(0, BLOCK_N)                                       # (BLOCK_N,)
+    b, hk, first, n_k, n0 = program_block(tl.program_id(0), Hkv, SEGS, Sk, VARLEN, BLOCK_N)
+    n_q = n_k if VARLEN else Sq                        # a document attends within itself
+    bk = b * Hkv + hk
+    cols = n0 + tl.arange(0, BLOCK_N)                  # (BLOCK_N,) positions in the sequence
     dq_ = tl.arange(0, BLOCK_D)
     dv_ = tl.arange(0, BLOCK_DV)
-    col_ok = cols < Sk
-    k = tl.load(K + b * skb + hk * skh + cols[:, None] * skn + dq_[None, :] * skd,
+    col_ok = cols < n_k
+    k = tl.load(K + b * skb + hk * skh + (first + cols[:, None]) * skn + dq_[None, :] * skd,
                 mask=col_ok[:, None] & (dq_[None, :] < D), other=0.0)       # (BLOCK_N, BLOCK_D)
-    v = tl.load(V + b * svb + hk * svh + cols[:, None] * svn + dv_[None, :] * svd,
+    v = tl.load(V + b * svb + hk * svh + (first + cols[:, None]) * svn + dv_[None, :] * svd,
                 mask=col_ok[:, None] & (dv_[None, :] < DV), other=0.0)      # (BLOCK_N, BLOCK_DV)
-    klen = Sk
+    klen = n_k
     if HAS_LENS:
-        klen = tl.minimum(Sk, tl.load(LENS + b))
-    lo, a, c, hi = query_range(n0, Sq, klen, offset, window, CAUSAL, WINDOWED,
+        klen = tl.minimum(n_k, tl.load(LENS + b))
+    lo, a, c, hi = query_range(n0, n_q, klen, offset, window, CAUSAL, WINDOWED,
                                BLOCK_M, BLOCK_N)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     for g in range(G):                                 # the group's query heads, in registers
         h = hk * G + g
-        q_base = Q + b * sqb + h * sqh
-        do_base = DO + b * sdb + h * sdh
-        lse_base = LSE + (b * H + h) * Sq
-        dl_base = DELTA + (b * H + h) * Sq
+        q_base = Q + b * sqb + h * sqh + first * sqm
+        do_base = DO + b * sdb + h * sdh + first * sdm
+        lse_base = LSE + (b * H + h) * Sq + first
+        dl_base = DELTA + (b * H + h) * Sq + first
         for start in range(lo, a, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq,
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, n_q,
                                  cols, klen, qk_scale, offset, window, sqm, sqd, sdm, sdd,
                                  b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL,
                                  WINDOWED, True, None, False)
         for start in range(a, c, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq,
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, n_q,
                                  cols, klen, qk_scale, offset, window, sqm, sqd, sdm, sdd,
                                  b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL,
                                  WINDOWED, False, None, False)
         for start in range(c, hi, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq,
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, n_q,
                                  cols, klen, qk_scale, offset, window, sqm, sqd, sdm, sdd,
                                  b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL,
                                  WINDOWED, True, None, False)
     # GK, GV (the gradients): contiguous (B, Hkv, Sk, D) and (B, Hkv, Sk, DV)
-    tl.store(GK + (bk * Sk + cols[:, None]) * D + dq_[None, :],
-             (dk * scale).to(GK.dtype.element_ty), mask=col_ok[:, None] & (dq_[None, :] < D))
-    tl.store(GV + (bk * Sk + cols[:, None]) * DV + dv_[None, :], dv.to(GV.dtype.element_ty),
+    at = bk * Sk + first + cols[:, None]                                    # (BLOCK_N, 1)
+    tl.store(GK + at * D + dq_[None, :], (dk * scale).to(GK.dtype.element_ty),
+             mask=col_ok[:, None] & (dq_[None, :] < D))
+    tl.store(GV + at * DV + dv_[None, :], dv.to(GV.dtype.element_ty),
              mask=col_ok[:, None] & (dv_[None, :] < DV))
 
 
@@ -173,49 +172,47 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
-def _dq(Q, K, V, DO, LSE, DELTA, GQ, LENS, scale, qk_scale,
+def _dq(Q, K, V, DO, LSE, DELTA, GQ, LENS, SEGS, scale, qk_scale,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
         sdb, sdh, sdm, sdd, H, G, Sq, Sk, offset, window,
         CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_LENS: tl.constexpr,
-        D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+        VARLEN: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    b, h, first, n_q, m0 = program_block(tl.program_id(0), H, SEGS, Sq, VARLEN, BLOCK_M)
+    n_k = n_q if VARLEN else Sk                        # a document attends within itself
+    bh = b * H + h
     hk = h // G
-    m0 = pid_m * BLOCK_M
-    rows = m0 + tl.arange(0, BLOCK_M)                                       # (BLOCK_M,)
+    rows = m0 + tl.arange(0, BLOCK_M)                  # (BLOCK_M,) positions in the sequence
     dq_ = tl.arange(0, BLOCK_D)
     dv_ = tl.arange(0, BLOCK_DV)
-    row_ok = rows < Sq
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dq_[None, :] * sqd,
+    row_ok = rows < n_q
+    q = tl.load(Q + b * sqb + h * sqh + (first + rows[:, None]) * sqm + dq_[None, :] * sqd,
                 mask=row_ok[:, None] & (dq_[None, :] < D), other=0.0)       # (BLOCK_M, BLOCK_D)
-    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdm + dv_[None, :] * sdd,
+    do = tl.load(DO + b * sdb + h * sdh + (first + rows[:, None]) * sdm + dv_[None, :] * sdd,
                  mask=row_ok[:, None] & (dv_[None, :] < DV), other=0.0)     # (BLOCK_M, BLOCK_DV)
-    lse2 = tl.load(LSE + bh * Sq + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + bh * Sq + rows, mask=row_ok, other=0.0)
-    klen = Sk
+    lse2 = tl.load(LSE + bh * Sq + first + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + bh * Sq + first + rows, mask=row_ok, other=0.0)
+    klen = n_k
     if HAS_LENS:
-        klen = tl.minimum(Sk, tl.load(LENS + b))
+        klen = tl.minimum(n_k, tl.load(LENS + b))
     lo, a, c, hi = key_range(m0, klen, offset, window, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
+    k_base = K + b * skb + hk * skh + first * skn
+    v_base = V + b * svb + hk * svh + first * svn
     for start in range(lo, a, BLOCK_N):
         dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
-                       qk_scale, offset, window, skn, skd, svn, svd, b, h, Sq, None, None, D,
+                       qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, None, None, D,
                        DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True, None, False)
     for start in range(a, c, BLOCK_N):
         dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
-                       qk_scale, offset, window, skn, skd, svn, svd, b, h, Sq, None, None, D,
+                       qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, None, None, D,
                        DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, False, None, False)
     for start in range(c, hi, BLOCK_N):
         dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
-                       qk_scale, offset, window, skn, skd, svn, svd, b, h, Sq, None, None, D,
+                       qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, None, None, D,
                        DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True, None, False)
     # GQ (the gradient): contiguous (B, H, Sq, D)
-    tl.store(GQ + (bh * Sq + rows[:, None]) * D + dq_[None, :],
+    tl.store(GQ + (bh * Sq + first + rows[:, None]) * D + dq_[None, :],
              (dq * scale).to(GQ.dtype.element_ty), mask=row_ok[:, None] & (dq_[None, :] < D))
 
 
@@ -249,7 +246,8 @@ def check_backward(fn: str, dout, q, v, out, lse) -> None:
 def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, *, scale: float, causal: bool = False,
                    window: int | None = None, offset: int = 0,
-                   kv_lengths: torch.Tensor | None = None, dlse: torch.Tensor | None = None,
+                   kv_lengths: torch.Tensor | None = None,
+                   documents: torch.Tensor | None = None, dlse: torch.Tensor | None = None,
                    config: tuple | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`.flash_forward`'s call with these arguments.
@@ -257,7 +255,8 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     Args:
         dout: ``(B, H, Sq, Dv)``, the gradient of the output.
         out, lse: what the forward returned.
-        scale, causal, window, offset, kv_lengths: the forward's arguments.
+        scale, causal, window, offset, kv_lengths, documents: the forward's arguments
+            (with documents, dK/dV programs too are scheduled per document).
         dlse: ``(B, H, Sq)`` gradient of the log-sum-exp, when it was used.
         config: ``(dkdv, dq)`` launch tuples ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``;
             default: the measured table (:func:`._band.launch_config`).
@@ -273,7 +272,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         >>> dq, dk, dv = flash_backward(torch.ones_like(out), q, k, v, out, lse,
         ...                             scale=0.25, causal=True)                   # doctest: +SKIP
     """
-    check_inputs("flash_backward", q, k, v, kv_lengths)
+    check_inputs("flash_backward", q, k, v, kv_lengths, documents, offset)
     check_backward("flash_backward", dout, q, v, out, lse)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
@@ -287,16 +286,16 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     kv_cfg, q_cfg = config or (launch_config("bwd_kv", D, Dv), launch_config("bwd_q", D, Dv))
     lens = kv_lengths if kv_lengths is not None else delta    # unused when HAS_LENS is off
     common = dict(CAUSAL=causal or window is not None, WINDOWED=window is not None,
-                  HAS_LENS=kv_lengths is not None, D=D, DV=Dv, BLOCK_D=pow2(D),
-                  BLOCK_DV=pow2(Dv))
+                  HAS_LENS=kv_lengths is not None, VARLEN=documents is not None, D=D, DV=Dv,
+                  BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv))
     args = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(),
             H, H // Hkv, Sq, Sk, offset, window if window is not None else 0)
     bm, bn, warps, stages = kv_cfg
-    _dkdv[(triton.cdiv(Sk, bn), B * Hkv)](
-        q, k, v, dout, lse, delta, dk, dv, lens, scale, scale * LOG2E, *args, **common,
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    segs, grid = schedule(documents, bn, B * Hkv, Sk, Hkv, q.device)
+    _dkdv[grid](q, k, v, dout, lse, delta, dk, dv, lens, segs, scale, scale * LOG2E, *args,
+                **common, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     bm, bn, warps, stages = q_cfg
-    _dq[(triton.cdiv(Sq, bm), B * H)](
-        q, k, v, dout, lse, delta, dq, lens, scale, scale * LOG2E, *args, **common,
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    segs, grid = schedule(documents, bm, B * H, Sq, H, q.device)
+    _dq[grid](q, k, v, dout, lse, delta, dq, lens, segs, scale, scale * LOG2E, *args,
+              **common, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     return dq, dk, dv

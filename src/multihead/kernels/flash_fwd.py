@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import LOG2E, check_inputs, key_range, launch_config, masked_scores, pow2
+from ._band import (LOG2E, check_inputs, key_range, launch_config, masked_scores, pow2,
+                    program_block, schedule)
 
 #: arguments whose value changes per call but must not cause a compile (Triton would
 #: otherwise specialize on their divisibility by 16)
@@ -80,60 +81,60 @@ def _finish(acc, m_i, l_i):
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
-def _forward(Q, K, V, O, LSE, LENS, qk_scale,
+def _forward(Q, K, V, O, LSE, LENS, SEGS, qk_scale,
              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
              sob, soh, som, sod,
              H, G, Sq, Sk, offset, window,
              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_LENS: tl.constexpr,
-             D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+             VARLEN: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    b, h, first, n_q, m0 = program_block(tl.program_id(0), H, SEGS, Sq, VARLEN, BLOCK_M)
+    n_k = n_q if VARLEN else Sk                        # a document attends within itself
+    bh = b * H + h
     hk = h // G                                        # the K/V head of this query head
-    m0 = pid_m * BLOCK_M
-    rows = m0 + tl.arange(0, BLOCK_M)                  # (BLOCK_M,)
+    rows = m0 + tl.arange(0, BLOCK_M)                  # (BLOCK_M,) positions in the sequence
     dq = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dq[None, :] * sqd,
-                mask=(rows[:, None] < Sq) & (dq[None, :] < D), other=0.0)   # (BLOCK_M, BLOCK_D)
-    klen = Sk
+    Q += b * sqb + h * sqh + first * sqm
+    q = tl.load(Q + rows[:, None] * sqm + dq[None, :] * sqd,
+                mask=(rows[:, None] < n_q) & (dq[None, :] < D), other=0.0)  # (BLOCK_M, BLOCK_D)
+    klen = n_k
     if HAS_LENS:
-        klen = tl.minimum(Sk, tl.load(LENS + b))
+        klen = tl.minimum(n_k, tl.load(LENS + b))
     lo, full_lo, full_hi, hi = key_range(m0, klen, offset, window, CAUSAL, WINDOWED,
                                          BLOCK_M, BLOCK_N)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
-    row_ok = rows < Sq
+    k_base = K + b * skb + hk * skh + first * skn
+    v_base = V + b * svb + hk * svh + first * svn
+    row_ok = rows < n_q
     for start in range(lo, full_lo, BLOCK_N):          # the band's leading edge
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
-                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b, h, Sq,
+                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q,
                                       None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL,
                                       WINDOWED, True, None, False)
     for start in range(full_lo, full_hi, BLOCK_N):     # blocks every row sees in full
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
-                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b, h, Sq,
+                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q,
                                       None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL,
                                       WINDOWED, False, None, False)
     for start in range(full_hi, hi, BLOCK_N):          # the trailing edge and the last keys
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
-                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b, h, Sq,
+                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q,
                                       None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL,
                                       WINDOWED, True, None, False)
     out, lse = _finish(acc, m_i, l_i)
-    tl.store(O + b * sob + h * soh + rows[:, None] * som + dv[None, :] * sod,
+    tl.store(O + b * sob + h * soh + (first + rows[:, None]) * som + dv[None, :] * sod,
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
-    tl.store(LSE + bh * Sq + rows, lse, mask=row_ok)
+    tl.store(LSE + bh * Sq + first + rows, lse, mask=row_ok)
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                   causal: bool = False, window: int | None = None, offset: int = 0,
                   kv_lengths: torch.Tensor | None = None,
+                  documents: torch.Tensor | None = None,
                   config: tuple[int, int, int, int] | None = None,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q (B, H, Sq, D)`` over ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)``.
@@ -146,6 +147,11 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         offset: the alignment of the band (``Sk - Sq``: lower-right; 0: upper-left).
         kv_lengths: ``(B,)`` int tensor on q's device; keys ``j >= kv_lengths[b]`` are
             padding.
+        documents: packed documents (needs ``Sq == Sk`` and ``offset = 0``): a host
+            ``(n, 3)`` int tensor of rows ``(b, first token, length)`` covering every
+            sequence; each document attends within itself (and the band, counted from its
+            own first token). Programs are scheduled per (document, query block)
+            (:func:`._band.document_blocks`), so none visits another document's keys.
         config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; default: the measured table
             of :func:`._band.launch_config` for this head dim.
 
@@ -158,7 +164,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         >>> q = k = v = torch.randn(1, 2, 8, 16, device="cuda", dtype=torch.float16)  # doctest: +SKIP
         >>> out, lse = flash_forward(q, k, v, scale=0.25, causal=True)             # doctest: +SKIP
     """
-    check_inputs("flash_forward", q, k, v, kv_lengths)
+    check_inputs("flash_forward", q, k, v, kv_lengths, documents, offset)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
     out = torch.empty(B, H, Sq, Dv, device=q.device, dtype=q.dtype)
@@ -167,12 +173,13 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         return out, lse
     bm, bn, warps, stages = config or launch_config("fwd", D, Dv, window)
     lens = kv_lengths if kv_lengths is not None else lse      # unused when HAS_LENS is off
-    grid = (triton.cdiv(Sq, bm), B * H)                       # static: no host read
+    segs, grid = schedule(documents, bm, B * H, Sq, H, q.device)
     _forward[grid](
-        q, k, v, out, lse, lens, scale * LOG2E,
+        q, k, v, out, lse, lens, segs, scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         H, H // Hkv, Sq, Sk, offset, window if window is not None else 0,
         CAUSAL=causal or window is not None, WINDOWED=window is not None,
-        HAS_LENS=kv_lengths is not None, D=D, DV=Dv, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv),
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        HAS_LENS=kv_lengths is not None, VARLEN=documents is not None, D=D, DV=Dv,
+        BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+        num_stages=stages)
     return out, lse

@@ -28,27 +28,31 @@ from .flash_fwd import flash_forward
 from .flash_sparse import sparse_backward, sparse_forward
 
 
-def _kw(scale, causal, window, offset, kv_lengths) -> dict:
-    return dict(scale=scale, causal=causal, window=window or None, offset=offset,
-                kv_lengths=kv_lengths)
+def _kw(scale, causal, window, offset, kv_lengths, documents=None) -> dict:
+    kw = dict(scale=scale, causal=causal, window=window or None, offset=offset,
+              kv_lengths=kv_lengths)
+    if documents is not None:             # the decode kernel takes no documents
+        kw["documents"] = documents
+    return kw
 
 
 @torch.library.custom_op("multihead::flash_attention", mutates_args=())
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    causal: bool, window: int, offset: int,
-                    kv_lengths: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of :func:`.flash_forward` (``window=0``: no window).
+                    causal: bool, window: int, offset: int, kv_lengths: torch.Tensor | None,
+                    documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of :func:`.flash_forward` (``window=0``: no window; ``documents``: the
+    host table of packed documents).
 
     Example:
         >>> import torch
         >>> q = torch.randn(1, 2, 32, 16, device="cuda", dtype=torch.float16)   # doctest: +SKIP
         >>> out, lse = torch.ops.multihead.flash_attention(q, q, q, 0.25, True, 0, 0, None)  # doctest: +SKIP
     """
-    return flash_forward(q, k, v, **_kw(scale, causal, window, offset, kv_lengths))
+    return flash_forward(q, k, v, **_kw(scale, causal, window, offset, kv_lengths, documents))
 
 
 @flash_attention.register_fake
-def _(q, k, v, scale, causal, window, offset, kv_lengths):
+def _(q, k, v, scale, causal, window, offset, kv_lengths, documents=None):
     B, H, Sq, _ = q.shape
     return q.new_empty(B, H, Sq, v.shape[-1]), q.new_empty(B, H, Sq, dtype=torch.float32)
 
@@ -58,32 +62,36 @@ def flash_attention_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: t
                              k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                              lse: torch.Tensor, scale: float, causal: bool, window: int,
                              offset: int, kv_lengths: torch.Tensor | None,
+                             documents: torch.Tensor | None = None,
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`.flash_backward`."""
-    return _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, offset, kv_lengths)
+    return _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, offset, kv_lengths,
+                     documents)
 
 
-def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, offset, kv_lengths):
+def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, offset, kv_lengths,
+              documents=None):
     return flash_backward(dout, q, k, v, out, lse, dlse=dlse,
-                          **_kw(scale, causal, window, offset, kv_lengths))
+                          **_kw(scale, causal, window, offset, kv_lengths, documents))
 
 
 @flash_attention_backward.register_fake
-def _(dout, dlse, q, k, v, out, lse, scale, causal, window, offset, kv_lengths):
+def _(dout, dlse, q, k, v, out, lse, scale, causal, window, offset, kv_lengths, documents=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, scale, causal, window, offset, kv_lengths = inputs
+    q, k, v, scale, causal, window, offset, kv_lengths, documents = (*inputs, None)[:9]
     ctx.save_for_backward(q, k, v, *output, kv_lengths)
     ctx.args = (scale, causal, window, offset)
+    ctx.documents = documents                  # a host table: kept, not saved for autograd
 
 
 def _gradients(ctx, dout, dlse, backward=flash_attention_backward):
     q, k, v, out, lse, kv_lengths = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout      # the kernels take any strides
-    dq, dk, dv = backward(dout, dlse, q, k, v, out, lse, *ctx.args, kv_lengths)
-    return dq, dk, dv, None, None, None, None, None
+    dq, dk, dv = backward(dout, dlse, q, k, v, out, lse, *ctx.args, kv_lengths, ctx.documents)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 flash_attention.register_autograd(_gradients, setup_context=_setup)
@@ -94,8 +102,9 @@ class _Flash(torch.autograd.Function):
     dispatch."""
 
     @staticmethod
-    def forward(q, k, v, scale, causal, window, offset, kv_lengths):
-        return flash_forward(q, k, v, **_kw(scale, causal, window, offset, kv_lengths))
+    def forward(q, k, v, scale, causal, window, offset, kv_lengths, documents):
+        return flash_forward(q, k, v, **_kw(scale, causal, window, offset, kv_lengths,
+                                            documents))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -108,7 +117,8 @@ class _Flash(torch.autograd.Function):
 
 
 def attention(q, k, v, scale: float, causal: bool, window: int, offset: int,
-              kv_lengths: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+              kv_lengths: torch.Tensor | None,
+              documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` with gradients: :func:`flash_attention` while ``torch.compile``
     traces, the kernels directly otherwise.
 
@@ -118,8 +128,8 @@ def attention(q, k, v, scale: float, causal: bool, window: int, offset: int,
         >>> out, lse = attention(q, q, q, 0.25, True, 0, 0, None)              # doctest: +SKIP
     """
     if torch.compiler.is_compiling():
-        return flash_attention(q, k, v, scale, causal, window, offset, kv_lengths)
-    return _Flash.apply(q, k, v, scale, causal, window, offset, kv_lengths)
+        return flash_attention(q, k, v, scale, causal, window, offset, kv_lengths, documents)
+    return _Flash.apply(q, k, v, scale, causal, window, offset, kv_lengths, documents)
 
 
 class _Sparse(torch.autograd.Function):

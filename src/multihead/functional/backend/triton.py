@@ -2,7 +2,9 @@
 
 Band masks (causal, sliding windows, either alignment) and key padding from lengths, alone
 or combined with ``&``, run the band kernels, which compute only the key blocks the band
-reaches from indices; every other mask of our model (documents, dense, bias, ALiBi, padding
+reaches from indices; packed documents (contiguous runs known on the host), alone or with a
+band, run them scheduled per (document, query block), so no program visits another
+document's keys; every other mask of our model (documents, dense, bias, ALiBi, padding
 rows, ``&``/``|``/``~`` compositions) runs the block-sparse kernels
 (:mod:`multihead.kernels.flash_sparse`), which visit the blocks in per-block lists built on
 the device and evaluate the mask as generated Triton code on the blocks it cuts. GQA and
@@ -47,6 +49,7 @@ class Band(NamedTuple):
     window: int | None
     offset: int
     padding: M.Padding | None
+    documents: torch.Tensor | None = None     # host rows (b, first, length): packed documents
 
 
 class Sparse(NamedTuple):
@@ -76,7 +79,7 @@ def _route(call: AttentionCall) -> Band | Sparse | str:
 def _find_band(call: AttentionCall) -> Band | str:
     m = call.effective_mask
     leaves = [m] if m is None or m.kind != "and" else [m.a, m.b]
-    window = padding = None
+    window = padding = document = None
     for leaf in leaves:
         if leaf is None:
             continue
@@ -85,27 +88,56 @@ def _find_band(call: AttentionCall) -> Band | str:
         elif (type(leaf) is M.Padding and padding is None and leaf.side == "key"
               and leaf.real is None):
             padding = leaf
+        elif type(leaf) is M.Document and document is None:
+            document = leaf
         else:
             return ("runs masks of the form band (causal or sliding window), key padding from "
                     "lengths, or band & padding")
+    docs = None
+    if document is not None:
+        docs = _documents(call, document) if padding is None else None
+        if docs is None:
+            return ("runs documents as packed sequences (ids known on the host in contiguous "
+                    "runs, self-attention, no padding)")
     if window is None:
-        return Band(False, None, 0, padding)
-    return Band(True, window.size, _offset(window.align, call.Sq, call.Sk), padding)
+        return Band(False, None, 0, padding, docs)
+    offset = 0 if docs is not None else _offset(window.align, call.Sq, call.Sk)
+    return Band(True, window.size, offset, padding, docs)
+
+
+def _documents(call: AttentionCall, document: M.Document) -> torch.Tensor | None:
+    """Rows ``(b, first, length)`` of the packed documents (host), or None unless the
+    documents are contiguous runs known on the host of a self-attention call."""
+    if document.kv_ids is not None or call.Sq != call.Sk or not document.runs_known:
+        return None
+    runs = document.runs()
+    if not runs.contiguous:
+        return None
+    rows = []
+    for b in range(call.B):                       # one row of runs shared, or one per batch
+        r = b if len(runs.starts) > 1 else 0
+        n = len(runs.starts[r])
+        rows.append(torch.stack([torch.full((n,), b), runs.starts[r], runs.lengths[r]], 1))
+    return torch.cat(rows).to(torch.int32)        # (documents, 3)
 
 
 def _pairs(call: AttentionCall, band: Band, block_m: int, block_n: int) -> int:
     """(query, key) pairs of the key blocks the kernel visits, over all rows and heads."""
-    hi_keys = [call.Sk] * call.B
-    if band.padding is not None and band.padding._host_lengths is not None:
-        host = [min(call.Sk, int(n)) for n in band.padding._host_lengths.tolist()]
-        hi_keys = host * call.B if len(host) == 1 else host
+    if band.documents is not None:                # each document a sequence of its own
+        seqs = [(n, n) for n in band.documents[:, 2].tolist()]
+    else:
+        hi_keys = [call.Sk] * call.B
+        if band.padding is not None and band.padding._host_lengths is not None:
+            host = [min(call.Sk, int(n)) for n in band.padding._host_lengths.tolist()]
+            hi_keys = host * call.B if len(host) == 1 else host
+        seqs = [(call.Sq, hi) for hi in hi_keys]
     total = 0
-    for hi in hi_keys:
-        for m0 in range(0, call.Sq, block_m):
+    for sq, hi in seqs:
+        for m0 in range(0, sq, block_m):
             top = min(hi, m0 + block_m + band.offset) if band.causal else hi
             lo = max(0, m0 + band.offset - band.window + 1) // block_n * block_n \
                 if band.window is not None else 0
-            total += max(0, top - lo) * min(block_m, call.Sq - m0)
+            total += max(0, top - lo) * min(block_m, sq - m0)
     return total * call.H
 
 
@@ -122,8 +154,8 @@ def _work(call: AttentionCall, pairs: int, block_m: int) -> Work:
 
 class TritonFlash(Backend):
     name = "triton"
-    summary = ("our FlashAttention-2 in Triton (forward, backward, split-K decode): band masks "
-               "and key padding, GQA in place")
+    summary = ("our FlashAttention-2 in Triton (forward, backward, split-K decode): bands and "
+               "packed documents from indices, any other mask by block lists, GQA in place")
     capabilities = Capabilities(devices=frozenset({"cuda"}),
                                 dtypes=frozenset({torch.float16, torch.bfloat16}),
                                 max_head_dim=256, lse=True,
@@ -140,12 +172,15 @@ class TritonFlash(Backend):
         band = _band(call)
         if isinstance(band, Sparse):
             return self._sparse_plan(call, band, *launch_config("fwd", call.D, call.Dv)[:2])
-        if call.Sq <= MAX_QUERIES and not call.requires_grad:
+        if call.Sq <= MAX_QUERIES and not call.requires_grad and band.documents is None:
             return self._decode_plan(call, band)
         bm, bn, _, _ = launch_config("fwd", call.D, call.Dv, band.window)
         pairs = _pairs(call, band, bm, bn)
         kind = ("sliding window" if band.window is not None else "causal" if band.causal
                 else "no band")
+        if band.documents is not None:
+            kind = (f"{len(band.documents)} packed documents, one program per (document, "
+                    f"query block){'' if kind == 'no band' else ' & ' + kind}")
         note = f"{kind}{' & key padding' if band.padding is not None else ''}: " \
                f"{pairs / max(1, call.pairs):.1%} of the pairs computed"
         return Plan(_work(call, pairs, bm), note, (band, "attention"))
@@ -182,8 +217,10 @@ class TritonFlash(Backend):
         lens = None
         if band.padding is not None:            # one length per row of the batch, on device
             lens = band.padding.lengths.expand(call.B).contiguous()
-        out, lse = getattr(ops, name)(call.q, call.k, call.v, call.scale, band.causal,
-                                      band.window or 0, band.offset, lens)
+        args = (call.q, call.k, call.v, call.scale, band.causal, band.window or 0, band.offset,
+                lens)
+        out, lse = (ops.decode(*args) if name == "decode" else
+                    ops.attention(*args, band.documents))
         return out, None, lse if call.return_lse else None
 
 
