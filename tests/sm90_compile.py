@@ -16,18 +16,15 @@ import sys
 
 import torch
 
-if os.environ.get("TRITON_INTERPRET"):
-    sys.exit("sm90_compile.py: unset TRITON_INTERPRET (the interpreter does not compile)")
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime import driver  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
-
-import multihead as mh  # noqa: E402
-from multihead.kernels.decode import decode_forward  # noqa: E402
-from multihead.kernels.flash_bwd import flash_backward  # noqa: E402
-from multihead.kernels.flash_fwd import flash_forward  # noqa: E402
-from multihead.kernels.flash_sparse import sparse_backward, sparse_forward  # noqa: E402
+import multihead as mh
+from multihead.kernels.decode import decode_forward, paged_decode_forward
+from multihead.kernels.flash_bwd import flash_backward
+from multihead.kernels.flash_fwd import flash_forward
+from multihead.kernels.flash_sparse import sparse_backward, sparse_forward
 
 
 class _Target:
@@ -90,6 +87,9 @@ def launches():
         o, lse = flash_forward(q, k, k, **kw)
         flash_backward(o, q, k, k, o, lse, **kw)
         decode_forward(q[:, :, :1], k, k, scale=0.1, causal=True, offset=255, kv_lengths=lens)
+        pool = torch.zeros(8 * 64, 2, D, **bf)                    # a paged pool, slot-major
+        paged_decode_forward(q[:, :, :1], pool, pool, torch.zeros(2, 4, dtype=torch.long), lens,
+                             max_len=256, page_size=64, scale=0.1, causal=True)
     q = torch.zeros(2, 4, 256, 128, **bf)
     k = torch.zeros(2, 2, 256, 128, **bf)
     ids = torch.arange(256) // 50
@@ -104,6 +104,8 @@ def launches():
 
 
 if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET"):
+        sys.exit("sm90_compile.py: unset TRITON_INTERPRET (the interpreter does not compile)")
     with compile_only() as done:
         launches()
     for name, kernel in done:

@@ -36,11 +36,12 @@ MAX_SPLITS = 128
 CONFIG = (BLOCK_N, 4, 3)
 
 
-@triton.jit(do_not_specialize=DYNAMIC + ["B", "chunk"])
-def _partial(Q, K, V, PO, PL, LENS, qk_scale,
+@triton.jit(do_not_specialize=DYNAMIC + ["B", "chunk", "stb"])
+def _partial(Q, K, V, PO, PL, LENS, TBL, qk_scale,
              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-             B, Hkv, G, Sq, Sk, offset, window, chunk,
+             B, Hkv, G, Sq, Sk, offset, window, chunk, stb,
              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_LENS: tl.constexpr,
+             PAGED: tl.constexpr, PAGE: tl.constexpr,
              D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
              BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     split = tl.program_id(0)
@@ -60,7 +61,10 @@ def _partial(Q, K, V, PO, PL, LENS, qk_scale,
     lo = split * chunk
     hi = tl.minimum(lo + chunk, Sk)
     if HAS_LENS:
-        hi = tl.minimum(hi, tl.load(LENS + b))
+        n = tl.load(LENS + b)
+        hi = tl.minimum(hi, n)
+        if PAGED:                                      # positions count from each sequence's
+            offset = offset + n - Sk                   # first key: shift the band by its length
     if CAUSAL:
         hi = tl.minimum(hi, Sq + offset)               # the last query's last key, plus one
     if WINDOWED:
@@ -72,7 +76,14 @@ def _partial(Q, K, V, PO, PL, LENS, qk_scale,
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     for start in range(lo, hi, BLOCK_N):
-        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, i, live,
+        kb = k_base
+        vb = v_base
+        if PAGED:                                      # the block lies in one page: rebase
+            page = tl.load(TBL + b * stb + start // PAGE).to(tl.int64)
+            rebase = page * PAGE - start // PAGE * PAGE     # slot of position start, minus start
+            kb = k_base + rebase * skn
+            vb = v_base + rebase * svn
+        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, kb, vb, start, hi, i, live,
                                       qk_scale, offset, window, skn, skd, svn, svd, b, h, Sq,
                                       None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL,
                                       WINDOWED, True, None, False)
@@ -132,10 +143,69 @@ def num_splits(B: int, Hkv: int, Sk: int, programs: int = 132) -> int:
     return max(1, min(want, -(-Sk // BLOCK_N), MAX_SPLITS))
 
 
+def _check_paged(q, table, lengths, page_size, block_n) -> None:
+    B = q.shape[0]
+    if lengths is None:
+        raise ValueError("decode_forward: a block_table needs kv_lengths (each sequence's "
+                         "number of keys)")
+    if (table.dim() != 2 or table.shape[0] != B or table.is_floating_point()
+            or table.device != q.device):
+        raise ValueError(f"decode_forward: block_table must be an integer tensor (B={B}, "
+                         f"pages) on {q.device}, got {table.dtype} {tuple(table.shape)} on "
+                         f"{table.device}")
+    if page_size < block_n or page_size % block_n:
+        raise ValueError(f"decode_forward: page_size {page_size} must be a multiple of the "
+                         f"key block {block_n} (a block never crosses a page): use pages of "
+                         f"64 or 128 tokens, or config=(16, 4, 3) for pages of 16")
+
+
+def paged_decode_forward(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         block_table: torch.Tensor, lengths: torch.Tensor, *, max_len: int,
+                         page_size: int, scale: float, causal: bool = False,
+                         window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_forward` over a paged KV pool, read through its block table (no
+    gather): sequence ``b``'s key ``j`` is pool slot
+    ``block_table[b, j // page_size] * page_size + j % page_size``. The band is aligned
+    lower-right per sequence (its last query sees its last key).
+
+    Args:
+        q: ``(B, H, Sq <= 16, D)``.
+        k_pool, v_pool: ``(slots, Hkv, D)`` and ``(slots, Hkv, Dv)``, slot-major (what
+            :class:`multihead.PagedKVCache` holds).
+        block_table: ``(B, pages)`` integer page ids of each sequence, on q's device.
+        lengths: ``(B,)`` keys of each sequence, on q's device.
+        max_len: the longest sequence (a host int; sizes the splits, reads nothing).
+        page_size: slots per page, a multiple of the kernel's key block (64; 16 with
+            ``config=(16, 4, 3)`` in :func:`decode_forward`).
+
+    Example:
+        >>> import torch
+        >>> pool = torch.randn(8 * 64, 2, 64, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+        >>> q = torch.randn(1, 8, 1, 64, device="cuda", dtype=torch.bfloat16)      # doctest: +SKIP
+        >>> table = torch.tensor([[3, 5]], device="cuda")                          # doctest: +SKIP
+        >>> n = torch.tensor([100], device="cuda")                                 # doctest: +SKIP
+        >>> out, lse = paged_decode_forward(q, pool, pool, table, n, max_len=100,
+        ...                                 page_size=64, scale=0.125, causal=True)  # doctest: +SKIP
+    """
+    B, H, Sq, _ = q.shape
+    k = k_pool.permute(1, 0, 2).unsqueeze(0).expand(B, -1, -1, -1)   # (B, Hkv, slots, D) view
+    v = v_pool.permute(1, 0, 2).unsqueeze(0).expand(B, -1, -1, -1)
+    if max_len > k.shape[2]:
+        raise ValueError(f"paged_decode_forward: max_len {max_len} exceeds the pool's "
+                         f"{k.shape[2]} slots")
+    k, v = k[:, :, :max_len], v[:, :, :max_len]        # views: Sk = the longest sequence
+    block = 16 if page_size % 64 else 64
+    return decode_forward(q, k, v, scale=scale, causal=causal, window=window,
+                          offset=max_len - Sq, kv_lengths=lengths, block_table=block_table,
+                          page_size=page_size, config=(block, 4, 3))
+
+
 def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                    causal: bool = False, window: int | None = None, offset: int = 0,
                    kv_lengths: torch.Tensor | None = None, splits: int | None = None,
-                   config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   config: tuple[int, int, int] | None = None,
+                   block_table: torch.Tensor | None = None,
+                   page_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few queries ``q (B, H, Sq <= 16, D)`` over ``k (B, Hkv, Sk, D)``,
     ``v (B, Hkv, Sk, Dv)`` (a KV cache's buffers, any strides), split over the keys.
 
@@ -162,6 +232,8 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     check_inputs("decode_forward", q, k, v, kv_lengths)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
+    if block_table is not None:
+        _check_paged(q, block_table, kv_lengths, page_size, (config or CONFIG)[0])
     if Sq > MAX_QUERIES:
         raise ValueError(f"decode_forward: Sq = {Sq} queries, at most {MAX_QUERIES}: use "
                          f"multihead.kernels.flash_fwd.flash_forward for longer query blocks")
@@ -177,13 +249,17 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     n = max(1, -(-max(Sk, 1) // chunk))
     part_o = torch.empty(n, B, H, Sq, Dv, device=q.device, dtype=torch.float32)
     part_l = torch.empty(n, B, H, Sq, device=q.device, dtype=torch.float32)
-    lens = kv_lengths if kv_lengths is not None else lse     # unused when HAS_LENS is off
+    lens = kv_lengths.contiguous() if kv_lengths is not None else lse  # unused: HAS_LENS off
+    table = lens if block_table is None else (
+        block_table if block_table.stride(1) == 1 else block_table.contiguous())
     _partial[(n, B * Hkv)](
-        q, k, v, part_o, part_l, lens, scale * LOG2E,
+        q, k, v, part_o, part_l, lens, table, scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(),
         B, Hkv, G, Sq, Sk, offset, window if window is not None else 0, chunk,
+        table.stride(0) if block_table is not None else 0,
         CAUSAL=causal or window is not None, WINDOWED=window is not None,
-        HAS_LENS=kv_lengths is not None, D=D, DV=Dv, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv),
+        HAS_LENS=kv_lengths is not None, PAGED=block_table is not None, PAGE=page_size,
+        D=D, DV=Dv, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv),
         BLOCK_R=pow2(G * Sq), BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     _merge[(B * H * Sq,)](
         part_o, part_l, out, lse, n, B * H, Sq, *out.stride(), H,

@@ -284,7 +284,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     delta = row_deltas(dout, out, dlse)
     lse = lse.contiguous()
     kv_cfg, q_cfg = config or (launch_config("bwd_kv", D, Dv), launch_config("bwd_q", D, Dv))
-    lens = kv_lengths if kv_lengths is not None else delta    # unused when HAS_LENS is off
+    lens = kv_lengths.contiguous() if kv_lengths is not None else delta  # unused: HAS_LENS off
     common = dict(CAUSAL=causal or window is not None, WINDOWED=window is not None,
                   HAS_LENS=kv_lengths is not None, VARLEN=documents is not None, D=D, DV=Dv,
                   BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv))

@@ -172,7 +172,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     if B * H * Sq == 0:
         return out, lse
     bm, bn, warps, stages = config or launch_config("fwd", D, Dv, window)
-    lens = kv_lengths if kv_lengths is not None else lse      # unused when HAS_LENS is off
+    lens = kv_lengths.contiguous() if kv_lengths is not None else lse  # unused: HAS_LENS off
     segs, grid = schedule(documents, bm, B * H, Sq, H, q.device)
     _forward[grid](
         q, k, v, out, lse, lens, segs, scale * LOG2E,

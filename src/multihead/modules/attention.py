@@ -21,6 +21,7 @@ from .. import masks
 from .._device import to_device
 from ..functional import attention
 from .kv_cache import KVCache
+from .paged_cache import PagedBatch, PagedView
 from .rope import RotaryEmbedding
 
 
@@ -263,9 +264,13 @@ class MultiHeadAttention(nn.Module):
             self._check_cache(cache)
             cache.begin()                # what this forward writes, rollback() undoes
             try:
-                q, k, v, mask = self._cached(x, context, cache, mask, valid, positions)
-                res = attention(q, k, v, mask=mask, dropout_p=p, backend=self.backend,
-                                return_weights=return_weights)
+                q, k, v, mask = self._cached(x, context, cache, mask, valid, positions,
+                                             in_place=not return_weights and p == 0.0)
+                if isinstance(k, PagedView):   # a decoding step reading pages in place
+                    res = _paged_decode(q, k, mask)
+                else:
+                    res = attention(q, k, v, mask=mask, dropout_p=p, backend=self.backend,
+                                    return_weights=return_weights)
             except BaseException:        # a failed call leaves the cache as it found it
                 cache.rollback()
                 raise
@@ -296,8 +301,9 @@ class MultiHeadAttention(nn.Module):
         p = self.out_proj.weight
         cache.check_compatible(self.num_kv_heads, self.head_dim, self.head_dim, p.dtype, p.device)
 
-    def _cached(self, x, context, cache, mask, valid, positions):
-        """q and the cached k/v (new tokens appended), and the mask with cached padding."""
+    def _cached(self, x, context, cache, mask, valid, positions, in_place=False):
+        """q and the cached k/v (new tokens appended), and the mask with cached padding;
+        ``in_place``: for a step :func:`_reads_pages` accepts, a :class:`PagedView` as k."""
         if positions is not None:
             raise ValueError("positions come from the cache when cache= is given (each "
                              "sequence continues from its length): drop positions=")
@@ -326,6 +332,8 @@ class MultiHeadAttention(nn.Module):
         if self.rope is not None:
             pos = cache.positions(q.shape[2], valid)                   # (B, Sq)
             q, k = self.rope(q, pos), self.rope(k, pos)
+        if in_place and _reads_pages(cache, q, mask, valid, self.backend):
+            return q, cache.update_in_place(k, v), None, mask
         k, v, key_valid = cache.update(k, v, valid)
         if key_valid is not None:
             pad = masks.padding(key_valid)
@@ -363,3 +371,34 @@ class MultiHeadAttention(nn.Module):
         """The equivalent ``torch.nn.MultiheadAttention`` (``batch_first=True``)."""
         from ..interop.torch_mha import to_torch
         return to_torch(self)
+
+
+def _reads_pages(cache, q: torch.Tensor, mask, valid, backend) -> bool:
+    """True when a step reads a :class:`PagedKVCache` batch through its block table (the
+    Triton split-K decode kernel, :func:`multihead.kernels.decode.paged_decode_forward`)
+    instead of gathering its pages into contiguous K/V: at most 16 queries, on a GPU, in
+    float16/bfloat16, without gradients, every token real (no ``valid`` now or before), the
+    mask None or a lower-right ``causal``/``sliding_window``, the backend ``auto`` or
+    ``triton``, pages a multiple of 16 tokens and Triton installed."""
+    from .. import kernels
+    if not isinstance(cache, PagedBatch) or valid is not None or cache.padded:
+        return False
+    if backend not in (None, "auto", "triton") or cache.pool.page_size % 16:
+        return False
+    if (q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)
+            or q.shape[2] > 16 or (torch.is_grad_enabled() and q.requires_grad)):
+        return False
+    if mask is not None and not (type(mask) is masks.Window and mask.align == "lower_right"):
+        return False
+    return kernels.available()
+
+
+def _paged_decode(q: torch.Tensor, view: PagedView, mask) -> torch.Tensor:
+    """Attention of ``q (B, H, Sq, Dh)`` over the pages of ``view``: ``(B, H, Sq, Dh)``."""
+    from ..functional._call import default_scale
+    from ..kernels.decode import paged_decode_forward
+    out, _ = paged_decode_forward(q, view.k, view.v, view.table, view.lengths,
+                                  max_len=view.max_len, page_size=view.page_size,
+                                  scale=default_scale(q.shape[-1]), causal=mask is not None,
+                                  window=mask.size if mask is not None else None)
+    return out

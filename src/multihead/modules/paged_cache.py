@@ -20,6 +20,7 @@ Notation used for tensor shapes:
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import torch
 
@@ -135,6 +136,20 @@ class PagedKVCache(_CacheBase):
         return dev[:, 0], dev[:, 1:]
 
 
+class PagedView(NamedTuple):
+    """A batch's keys and values where they lie: the pool, each sequence's block table
+    ``(B, pages)`` and length ``(B,)`` on the device, the longest length (host) and the
+    page size. Sequence ``b``'s key ``j`` is slot ``table[b, j // page_size] * page_size +
+    j % page_size`` of ``k`` ``(P*p, Hkv, D)`` and ``v`` ``(P*p, Hkv, Dv)``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    table: torch.Tensor
+    lengths: torch.Tensor
+    max_len: int
+    page_size: int
+
+
 class PagedBatch(_CacheBase):
     """A batch of live sequences of a :class:`PagedKVCache`, used as ``cache=`` by a module."""
 
@@ -167,6 +182,32 @@ class PagedBatch(_CacheBase):
         """Append ``n`` tokens to every sequence of the batch; returns right-aligned
         ``(k_all (B, Hkv, L, D), v_all, key_valid (B, L) or None)``. Checks the pool has room
         first (a refused write changes nothing)."""
+        return self._gather(*self._write(k, v, valid))
+
+    def update_in_place(self, k: torch.Tensor, v: torch.Tensor) -> "PagedView":
+        """Append ``n`` tokens to every sequence (no ``valid``: all real), and return the
+        :class:`PagedView` kernels read the pages through, instead of gathering them.
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> pool = mh.PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4)
+            >>> batch = pool.batch([pool.add_sequence()])
+            >>> view = batch.update_in_place(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4))
+            >>> view.max_len, view.lengths.tolist(), view.table.shape
+            (3, [3], torch.Size([1, 2]))
+        """
+        lengths, table = self._write(k, v, None)
+        pool = self.pool
+        return PagedView(pool.k, pool.v, table, lengths, max(pool._written[s] for s in self.ids),
+                         pool.page_size)
+
+    @property
+    def padded(self) -> bool:
+        """True when a sequence of the batch holds padding (written with ``valid``)."""
+        return bool(self.pool._padded.intersection(self.ids))
+
+    def _write(self, k, v, valid):
+        """Write the new tokens; returns the device lengths ``(B,)`` and block table."""
         pool, p = self.pool, self.pool.page_size
         valid = self._check_new(k, v, valid)
         n = k.shape[2]
@@ -207,7 +248,7 @@ class PagedBatch(_CacheBase):
         for b, sid in enumerate(self.ids):
             pool._written[sid] += n
             pool._real[sid] = counts[b]                  # a view: nothing copied or read back
-        return self._gather(before + n, table)
+        return before + n, table
 
     def _gather(self, lens: torch.Tensor, table: torch.Tensor):
         """Each sequence's keys/values, right-aligned to the longest: ``(B, Hkv, L, D)``, and

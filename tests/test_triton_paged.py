@@ -1,0 +1,137 @@
+"""Decoding over a PagedKVCache through its block table (no gather), under Triton's
+interpreter on the CPU (compiled on a GPU): the kernel against the fp64 oracle, and a
+module's decoding steps reading pages in place against the same steps gathering them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import multihead as mh
+
+pytest.importorskip("triton")
+from multihead.kernels.decode import decode_forward, paged_decode_forward  # noqa: E402
+from multihead.modules import attention as attention_module  # noqa: E402
+
+M = mh.masks
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pool(page_size, lengths, Hkv=2, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pool = mh.PagedKVCache(num_pages=40, page_size=page_size, num_kv_heads=Hkv, head_dim=D,
+                           dtype=torch.float16, device=DEV)
+    ids = [pool.add_sequence() for _ in lengths]
+    for sid, n in zip(ids, lengths):        # written one sequence at a time: pages interleave
+        k, v = (torch.randn(1, Hkv, n, D, generator=g).to(DEV, torch.float16) for _ in "kv")
+        batch = pool.batch([sid])
+        batch.begin()
+        batch.update(k, v)
+        batch.commit()
+    return pool, ids
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("band", ["causal", "window 20", "none"])
+def test_paged_decoding_equals_the_fp64_oracle_on_each_sequence(band, page_size):
+    lengths = [150, 37, 64]                 # the longest, one mid-page, one page-aligned
+    pool, ids = _pool(page_size, lengths)
+    lens, table = pool._device_tables(ids)
+    q = torch.randn(3, 4, 2, 16, generator=torch.Generator().manual_seed(1)).to(DEV, torch.float16)
+    window = int(band.split()[1]) if band.startswith("window") else None
+    out, lse = paged_decode_forward(q, pool.k, pool.v, table, lens, max_len=max(lengths),
+                                    page_size=page_size, scale=0.25, causal=band != "none",
+                                    window=window)
+    mask = {"causal": M.causal(), "none": None}.get(band, M.sliding_window(window or 1))
+    for b, sid in enumerate(ids):
+        k, v, _ = pool.batch([sid])._gather(lens[b:b + 1], table[b:b + 1])    # (1, Hkv, n, D)
+        ref, ref_lse = mh.attention(q[b:b + 1].double(), k.double(), v.double(), mask=mask,
+                                    scale=0.25, backend="reference", return_lse=True)
+        torch.testing.assert_close(out[b:b + 1].double(), ref, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(lse[b:b + 1].double(), ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def _decode_steps(in_place, monkeypatch, mask):
+    """Prefill two sequences of different lengths, then three decoding steps; returns the
+    step outputs and the pool's lengths."""
+    torch.manual_seed(0)
+    attn = mh.MultiHeadAttention(64, 8, num_kv_heads=2).to(DEV, torch.float16).eval()
+    pool = mh.PagedKVCache(num_pages=16, page_size=16, num_kv_heads=2, head_dim=8,
+                           dtype=torch.float16, device=DEV)
+    a, b = pool.add_sequence(), pool.add_sequence()
+    g = torch.Generator().manual_seed(2)
+    x = lambda n: torch.randn(1, n, 64, generator=g).to(DEV, torch.float16)  # noqa: E731
+    steps = []
+    calls = []
+    real = attention_module._paged_decode
+    monkeypatch.setattr(attention_module, "_reads_pages",       # the rule as on a GPU:
+                        lambda cache, q, *rest: in_place and q.shape[2] <= 16)  # steps only
+    monkeypatch.setattr(attention_module, "_paged_decode",
+                        lambda *args: calls.append(1) or real(*args))
+    with torch.no_grad():
+        attn(x(21), cache=pool.batch([a]), mask=mask)
+        attn(x(40), cache=pool.batch([b]), mask=mask)
+        for _ in range(3):
+            steps.append(attn(torch.cat([x(1), x(1)]), cache=pool.batch([a, b]), mask=mask))
+    return steps, (pool.length(a), pool.length(b)), len(calls)
+
+
+@pytest.mark.parametrize("mask", [M.causal(), M.sliding_window(9), None],
+                         ids=["causal", "window", "none"])
+def test_a_module_decodes_a_paged_batch_in_place_as_it_does_by_gathering(mask, monkeypatch):
+    got, lengths, calls = _decode_steps(True, monkeypatch, mask)
+    want, lengths_gathered, none = _decode_steps(False, monkeypatch, mask)
+    assert calls == 3 and none == 0 and lengths == lengths_gathered == (24, 43)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-3, rtol=2e-3)
+
+
+def test_steps_that_must_gather_are_named_by_the_rule():
+    pool = mh.PagedKVCache(num_pages=4, page_size=16, num_kv_heads=1, head_dim=8,
+                           dtype=torch.float16)
+    batch = pool.batch([pool.add_sequence()])
+    q = torch.empty(1, 2, 1, 8, dtype=torch.float16)
+    rule = attention_module._reads_pages
+    assert not rule(batch, q, M.causal(), None, "auto")                  # CPU: gather
+    assert not rule(mh.KVCache(1, 8, 1, 8), q, None, None, "auto")       # not paged
+    q = q.to("meta")                                                     # still not cuda
+    assert not rule(batch, q, M.causal(), None, "auto")
+    odd = mh.PagedKVCache(num_pages=4, page_size=8, num_kv_heads=1, head_dim=8)
+    assert not rule(odd.batch([odd.add_sequence()]), q, None, None, "auto")
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(page_size=48), "multiple of the key block 64"),
+    (dict(block_table=torch.zeros(2, 3, dtype=torch.long)), r"block_table must be .*B=1"),
+    (dict(kv_lengths=None), "needs kv_lengths"),
+])
+def test_decode_refuses_a_bad_block_table_by_name(kw, match):
+    q = torch.randn(1, 2, 1, 16, dtype=torch.float16)
+    k = torch.randn(1, 1, 128, 16, dtype=torch.float16)
+    args = dict(scale=1.0, kv_lengths=torch.tensor([100]),
+                block_table=torch.zeros(1, 2, dtype=torch.long), page_size=64)
+    args.update(kw)
+    with pytest.raises(ValueError, match=f"decode_forward: .*{match}"):
+        decode_forward(q, k, k, **args)
+
+
+@pytest.mark.cuda
+def test_a_paged_batch_decodes_in_place_on_cuda_as_a_static_cache_does():
+    """The same prompts through a KVCache and a PagedKVCache (pages of 64: the fast path),
+    then greedy-free decoding steps: outputs agree, and the paged steps never gather."""
+    torch.manual_seed(0)
+    attn = mh.MultiHeadAttention(256, 16, num_kv_heads=4).to("cuda", torch.bfloat16).eval()
+    pool = mh.PagedKVCache(num_pages=64, page_size=64, num_kv_heads=4, head_dim=16,
+                           dtype=torch.bfloat16, device="cuda")
+    seqs = [pool.add_sequence() for _ in range(2)]
+    static = attn.make_cache(batch_size=2, max_len=1024)
+    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        attn(x, cache=static, mask=M.causal())
+        for i, s in enumerate(seqs):
+            attn(x[i:i + 1], cache=pool.batch([s]), mask=M.causal())
+        for _ in range(4):
+            step = torch.randn(2, 1, 256, device="cuda", dtype=torch.bfloat16)
+            want = attn(step, cache=static, mask=M.causal())
+            got = attn(step, cache=pool.batch(seqs), mask=M.causal())
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
