@@ -46,10 +46,10 @@ class Case:
     build: Callable[[torch.device, torch.dtype], Built]
 
 
-def _doc_lengths(S: int, seed: int = 0) -> list[int]:
+def _doc_lengths(S: int, seed: int = 0, longest: int = 512) -> list[int]:
     rng, out = random.Random(seed), []
     while sum(out) < S:
-        out.append(min(rng.randint(64, 512), S - sum(out)))
+        out.append(min(rng.randint(64, longest), S - sum(out)))
     return out
 
 
@@ -73,14 +73,14 @@ def _with_backward(fn, inputs, train: bool):
 
 
 LABELS = {"dense": "dense", "causal": "causal", "window": "sliding window {window}",
-          "documents": "packed documents 64-512", "padding": "key padding, random lengths",
+          "documents": "packed documents 64-{longest}", "padding": "key padding, random lengths",
           "causal&padding": "causal & key padding, random lengths", "alibi": "ALiBi bias"}
 
 
-def _mask(kind: str, S: int, B: int, H: int, window: int):
-    """The case's mask (None for dense), its document lengths and its key lengths (random,
-    seeded, between S/4 and S: one per sequence)."""
-    docs = _doc_lengths(S) if kind == "documents" else []
+def _mask(kind: str, S: int, B: int, H: int, window: int, longest: int = 512):
+    """The case's mask (None for dense), its document lengths (64 to ``longest``) and its
+    key lengths (random, seeded, between S/4 and S: one per sequence)."""
+    docs = _doc_lengths(S, longest=longest) if kind == "documents" else []
     rng = random.Random(0)
     keys = torch.tensor([rng.randint(S // 4, S) for _ in range(B)]) if "padding" in kind else None
     M = mh.masks
@@ -94,20 +94,20 @@ def _mask(kind: str, S: int, B: int, H: int, window: int):
 
 
 def attention_case(kind: str, S: int, *, B=1, H=12, D=64, window=256, train=False,
-                   flex=False, family: str | None = None) -> Case:
+                   flex=False, family: str | None = None, longest: int = 512) -> Case:
     """Attention at length S under one mask kind (a key of :data:`LABELS`), against SDPA
     (plain, ``is_causal``, or with the mask materialized), the seeds' tutorial, and compiled
     flex_attention (with ``flex``, and on CUDA for every masked kind)."""
     if kind not in LABELS:
         raise ValueError(f"unknown mask kind {kind!r}: choose one of {', '.join(LABELS)}")
     mode = "fwd+bwd" if train else "fwd"
-    label = LABELS[kind].format(window=window)
+    label = LABELS[kind].format(window=window, longest=longest)
 
     def build(device, dtype) -> Built:
         g = torch.Generator(device="cpu").manual_seed(0)
         q, k, v = (torch.randn(B, H, S, D, generator=g).to(device, dtype).requires_grad_(train)
                    for _ in range(3))
-        mask, docs, keys = _mask(kind, S, B, H, window)
+        mask, docs, keys = _mask(kind, S, B, H, window, longest)
         mask = mask.to(device) if mask is not None else None
         allowed = (mask.materialize(S, S, device)                               # (B', 1, S, S)
                    if mask is not None and mask.has_predicate else None)
@@ -158,6 +158,39 @@ def _add_gpu_sdpa(b: Built, peer, q, k, v, causal: bool) -> None:
             with sdpa_kernel(kind):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         b.peers[f"sdpa ({label} backend)"] = peer(run)
+
+
+def paged_decode_case(L: int, *, B=1, H=32, Hkv=8, D=128, page_size=64) -> Case:
+    """One GQA decode step of B sequences of L tokens read from a PagedKVCache through its
+    block table (the Triton kernel; pages written in turn, so they interleave), against our
+    kernel on a static KVCache of the same tokens and SDPA on it (CUDA with Triton only)."""
+    def build(device, dtype) -> Built:
+        from ..kernels.decode import paged_decode_forward
+        g = torch.Generator(device="cpu").manual_seed(0)
+        pool = mh.PagedKVCache(B * -(-L // page_size), page_size, Hkv, D, dtype=dtype,
+                               device=device)
+        ids = [pool.add_sequence() for _ in range(B)]
+        k, v = (torch.randn(B, Hkv, L, D, generator=g).to(device, dtype) for _ in "kv")
+        for start in range(0, L, page_size):          # one page of every sequence in turn
+            for b, sid in enumerate(ids):
+                pool.batch([sid]).update(k[b:b + 1, :, start:start + page_size],
+                                         v[b:b + 1, :, start:start + page_size])
+        view = pool.batch(ids).update_in_place(k[:, :, :0], v[:, :, :0])    # no new tokens
+        q = torch.randn(B, H, 1, D, generator=g).to(device, dtype)
+        causal = mh.masks.causal()
+        nograd = lambda f: _with_backward(f, (), False)
+        scale = D ** -0.5
+        return Built(nograd(lambda: paged_decode_forward(
+                         q, view.k, view.v, view.table, view.lengths, max_len=L,
+                         page_size=page_size, scale=scale, causal=True)[0]),
+                     {"ours, static cache": nograd(lambda: mh.attention(
+                         q, k, v, mask=causal, backend="triton")),
+                      "sdpa enable_gqa": nograd(lambda: F.scaled_dot_product_attention(
+                          q, k, v, enable_gqa=True))},
+                     bytes=k.nbytes + v.nbytes, unit="B/s")
+    batch = f"B={B} " if B > 1 else ""
+    return Case("paged decode", f"GQA decode step from pages of {page_size}, {batch}H={H} "
+                f"Hkv={Hkv} D={D}, cache {L}", L, "fwd", build)
 
 
 def decode_case(L: int, *, B=1, H=32, Hkv=8, D=128) -> Case:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .cases import Case, attention_case, decode_case, mha_case, minilm_case, overhead_case
+from .. import kernels
+from .cases import (Case, attention_case, decode_case, mha_case, minilm_case, overhead_case,
+                    paged_decode_case)
 from .hf_cases import hf_model_cases
 
 SUITES = ("quick", "standard", "full")
@@ -96,6 +98,10 @@ def _cuda(suite: str) -> list[Case]:
                                  **gpu) for w in (256, 2048) for t in (False, True)]
         cases += [attention_case("causal", 8192, H=32, D=128, train=t, family="causal, H=32")
                   for t in (False, True)]
+        cases += [attention_case("documents", 16384, longest=2048, train=t, flex=True,
+                                 family="documents, S=16384", **gpu) for t in (False, True)]
+        if kernels.available():
+            cases += [paged_decode_case(32768, B=B) for B in (1, 8)]
     if not quick:
         cases += [minilm_case(), *hf_model_cases()]
     return cases + _overhead()
