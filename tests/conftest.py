@@ -72,6 +72,23 @@ def oracle(q, k, v, mask=None, scale=None):
                         backend="reference")
 
 
+def assert_kernel_matches_oracle(out, lse, q, k, v, mask=None, scale=None):
+    """A kernel's ``(out, lse)`` against the fp64 oracle: the output within the error rule
+    (twice the error of an fp32 run rounded to the inputs' dtype, plus 2 ulp), the lse to
+    1e-4, and rows with nothing to attend to exactly zero with an lse of ``-inf``."""
+    ref, ref_lse = mh.attention(q.double(), k.double(), v.double(), mask=mask, scale=scale,
+                                backend="reference", return_lse=True)
+    plain = mh.attention(q.float(), k.float(), v.float(), mask=mask, scale=scale,
+                         backend="reference")
+    err = (out.double() - ref).abs().max()
+    base = (plain.to(q.dtype).double() - ref).abs().max()
+    assert err <= 2 * base + 2 * torch.finfo(q.dtype).eps, (err, base)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))          # empty rows: -inf
+    fin = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[fin].double(), ref_lse[fin], atol=1e-4, rtol=1e-4)
+    assert (out[~fin] == 0).all()                                       # ... and zeros
+
+
 def plain_torch(q, k, v, mask=None):
     """Attention written the plain way, every op in the inputs' dtype (the error-rule baseline)."""
     sq, sk, g = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]

@@ -129,6 +129,18 @@ def schedule(documents, block: int, programs: int, S: int, heads: int, device):
     return to_device(table, device), (len(table), heads)
 
 
+def empty_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized ``out (B, H, Sq, Dv)`` in q's dtype and ``lse (B, H, Sq)`` fp32."""
+    B, H, Sq, _ = q.shape
+    return (q.new_empty(B, H, Sq, v.shape[-1]),
+            torch.empty(B, H, Sq, device=q.device, dtype=torch.float32))
+
+
+def empty_like_all(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Uninitialized contiguous tensors shaped as ``tensors`` (the gradients' buffers)."""
+    return tuple(torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in tensors)
+
+
 def launch_config(kernel: str, D: int, Dv: int,
                   window: int | None = None) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of ``kernel`` for these head dims, from

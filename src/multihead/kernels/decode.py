@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import LOG2E, check_inputs, pow2
+from ._band import LOG2E, check_inputs, empty_outputs, pow2
 from .flash_fwd import DYNAMIC, _attend_block, _finish
 
 #: the most queries per head the kernel takes (decoding and draft verification)
@@ -238,8 +238,7 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         raise ValueError(f"decode_forward: Sq = {Sq} queries, at most {MAX_QUERIES}: use "
                          f"multihead.kernels.flash_fwd.flash_forward for longer query blocks")
     G = H // Hkv
-    out = torch.empty(B, H, Sq, Dv, device=q.device, dtype=q.dtype)
-    lse = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
+    out, lse = empty_outputs(q, v)
     if B * H * Sq == 0:
         return out, lse
     block_n, warps, stages = config or CONFIG

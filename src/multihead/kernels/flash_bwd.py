@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import (LOG2E, check_inputs, key_range, launch_config, masked_scores, pow2,
-                    program_block, query_range, schedule)
+from ._band import (LOG2E, check_inputs, empty_like_all, key_range, launch_config,
+                    masked_scores, pow2, program_block, query_range, schedule)
 from .flash_fwd import DYNAMIC
 
 
@@ -276,9 +276,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     check_backward("flash_backward", dout, q, v, out, lse)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
-    dq = torch.empty(B, H, Sq, D, device=q.device, dtype=q.dtype)
-    dk = torch.empty(B, Hkv, Sk, D, device=k.device, dtype=k.dtype)
-    dv = torch.empty(B, Hkv, Sk, Dv, device=v.device, dtype=v.dtype)
+    dq, dk, dv = empty_like_all(q, k, v)
     if B * H * Sq * Sk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = row_deltas(dout, out, dlse)

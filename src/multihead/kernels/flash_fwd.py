@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import (LOG2E, check_inputs, key_range, launch_config, masked_scores, pow2,
-                    program_block, schedule)
+from ._band import (LOG2E, check_inputs, empty_outputs, key_range, launch_config,
+                    masked_scores, pow2, program_block, schedule)
 
 #: arguments whose value changes per call but must not cause a compile (Triton would
 #: otherwise specialize on their divisibility by 16)
@@ -167,8 +167,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     check_inputs("flash_forward", q, k, v, kv_lengths, documents, offset)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
-    out = torch.empty(B, H, Sq, Dv, device=q.device, dtype=q.dtype)
-    lse = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
+    out, lse = empty_outputs(q, v)
     if B * H * Sq == 0:
         return out, lse
     bm, bn, warps, stages = config or launch_config("fwd", D, Dv, window)

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from ..masks import base as MB
-from ._band import LOG2E, check_inputs, launch_config, pow2
+from ._band import (LOG2E, check_inputs, empty_like_all, empty_outputs, launch_config,
+                    pow2)
 from .flash_bwd import _dkdv_block, _dq_block, check_backward, row_deltas
 from .flash_fwd import _attend_block, _finish
 from .mask_program import MaskProgram, mask_program
@@ -82,6 +83,14 @@ def _list_strides(n_full: torch.Tensor, index: torch.Tensor) -> tuple[int, int, 
     return tuple(0 if t.shape[d] == 1 else t.stride(d) for t in (n_full, index) for d in (0, 1))
 
 
+@triton.jit
+def _entry(NF, NP, IDX, b, h, r, slb, slh, sib, sih, NL):
+    # Row r of the (batch b, head h) lists: (FULL count, FULL + PARTIAL count, its blocks).
+    at = b * slb + h * slh + r
+    n_full = tl.load(NF + at)
+    return n_full, n_full + tl.load(NP + at), IDX + b * sib + h * sih + r * NL
+
+
 @triton.jit(do_not_specialize=DYNAMIC)
 def _forward_sparse(Q, K, V, O, LSE, NF, NP, IDX, qk_scale,
                     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
@@ -100,10 +109,7 @@ def _forward_sparse(Q, K, V, O, LSE, NF, NP, IDX, qk_scale,
     row_ok = rows < Sq
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dq[None, :] * sqd,
                 mask=row_ok[:, None] & (dq[None, :] < D), other=0.0)       # (BLOCK_M, BLOCK_D)
-    at = b * slb + h * slh + pid_m                     # this block's entry in the lists
-    n_full = tl.load(NF + at)
-    n_all = n_full + tl.load(NP + at)
-    blocks = IDX + b * sib + h * sih + pid_m * NL
+    n_full, n_all, blocks = _entry(NF, NP, IDX, b, h, pid_m, slb, slh, sib, sih, NL)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
@@ -155,10 +161,8 @@ def _dkdv_sparse(Q, K, V, DO, LSE, DELTA, GK, GV, NF, NP, IDX, scale, qk_scale,
         do_base = DO + b * sdb + h * sdh
         lse_base = LSE + (b * H + h) * Sq
         dl_base = DELTA + (b * H + h) * Sq
-        at = b * slb + h * slh + pid_n                 # this key block's transposed lists
-        n_full = tl.load(NF + at)
-        n_all = n_full + tl.load(NP + at)
-        blocks = IDX + b * sib + h * sih + pid_n * NL
+        n_full, n_all, blocks = _entry(NF, NP, IDX, b, h, pid_n, slb, slh, sib, sih,
+                                       NL)             # this key block's transposed lists
         for j in range(0, n_full):
             start = tl.load(blocks + j) * BLOCK_M
             dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq,
@@ -200,10 +204,7 @@ def _dq_sparse(Q, K, V, DO, LSE, DELTA, GQ, NF, NP, IDX, scale, qk_scale,
                  mask=row_ok[:, None] & (dv_[None, :] < DV), other=0.0)     # (BLOCK_M, BLOCK_DV)
     lse2 = tl.load(LSE + bh * Sq + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + bh * Sq + rows, mask=row_ok, other=0.0)
-    at = b * slb + h * slh + pid_m
-    n_full = tl.load(NF + at)
-    n_all = n_full + tl.load(NP + at)
-    blocks = IDX + b * sib + h * sih + pid_m * NL
+    n_full, n_all, blocks = _entry(NF, NP, IDX, b, h, pid_m, slb, slh, sib, sih, NL)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
@@ -255,8 +256,7 @@ def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MB.M
     _check_mask("sparse_forward", mask, q, k)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
-    out = torch.empty(B, H, Sq, Dv, device=q.device, dtype=q.dtype)
-    lse = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
+    out, lse = empty_outputs(q, v)
     if B * H * Sq == 0:
         return out, lse
     if Sk == 0:
@@ -299,9 +299,7 @@ def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     _check_mask("sparse_backward", mask, q, k)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
-    dq = torch.empty(B, H, Sq, D, device=q.device, dtype=q.dtype)
-    dk = torch.empty(B, Hkv, Sk, D, device=k.device, dtype=k.dtype)
-    dv = torch.empty(B, Hkv, Sk, Dv, device=v.device, dtype=v.dtype)
+    dq, dk, dv = empty_like_all(q, k, v)
     if B * H * Sq * Sk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = row_deltas(dout, out, dlse)
