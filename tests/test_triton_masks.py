@@ -15,7 +15,8 @@ triton = pytest.importorskip("triton")
 from multihead.functional._call import make_call  # noqa: E402
 from multihead.functional.backend import triton as tb  # noqa: E402
 from multihead.kernels import ops  # noqa: E402
-from multihead.kernels.flash_sparse import block_lists, sparse_backward, sparse_forward  # noqa: E402
+from multihead.kernels.flash_sparse import (block_lists, sparse_backward,  # noqa: E402
+                                            sparse_forward)
 from multihead.kernels.mask_program import mask_program, source_of  # noqa: E402
 
 M = mh.masks
@@ -161,12 +162,40 @@ def test_a_mask_program_reads_only_the_structure_and_refuses_a_user_subclass():
     class Mine(M.Window):
         pass
 
-    with pytest.raises(ValueError, match="custom"):
+    class Stronger(M.ALiBi):                  # keeps the kind "alibi", redefines the bias
+        def _bias(self, ix):
+            return 2 * super()._bias(ix)
+
+    with pytest.raises(ValueError, match="no Triton form for Mine"):
         mask_program(Mine(3), 8, 8, "cpu")
     q = torch.randn(1, 2, 8, 16, dtype=torch.float16)
-    e = mh.explain(q, q, q, mask=Mine(3), profile="h100")
-    row = next(r for r in e.rows if r.name == "triton")
-    assert row.plan is None and any("custom" in r for r in row.reasons)
+    for m in (Mine(3), M.causal() & Stronger(2)):
+        e = mh.explain(q, q, q, mask=m, profile="h100")
+        row = next(r for r in e.rows if r.name == "triton")
+        assert row.plan is None and any("custom" in r or "no Triton form" in r
+                                        for r in row.reasons), row.reasons
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")   # the interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_bias_of_finfo_min_is_a_number_not_a_mask(dtype):
+    """HF-style "masked" values (finfo.min) are finite: a row of them averages its values,
+    as the oracle does, and the gradients stay finite (base 2 would overflow to -inf)."""
+    q, k, v = _inputs(1, 4, 4, 32, 32, 16, seed=8)
+    b = torch.zeros(1, 1, 32, 32, dtype=dtype)
+    b[0, 0, 3] = torch.finfo(dtype).min                       # a whole row
+    b[0, 0, 5, :7] = torch.finfo(dtype).min                   # part of one
+    m = M.bias(b.to(DEV))
+    out, lse = sparse_forward(q, k, v, m, scale=0.25, config=TILES)
+    ref, ref_lse = mh.attention(q.double(), k.double(), v.double(), mask=m, scale=0.25,
+                                backend="reference", return_lse=True)
+    torch.testing.assert_close(out.double(), ref, atol=4e-3, rtol=4e-3)
+    huge = ref_lse < -1e37             # every score ~finfo.min: clamped in base 2, finite
+    torch.testing.assert_close(lse[~huge].double(), ref_lse[~huge], atol=1e-4, rtol=1e-4)
+    assert huge.sum() == 4 and (lse[huge] < -1e38).all()     # row 3 of each head
+    grads = sparse_backward(torch.randn_like(out), q, k, v, out, lse, m, scale=0.25,
+                            config=(TILES, TILES))
+    assert all(torch.isfinite(g).all() for g in grads)
 
 
 def test_the_backend_routes_non_band_masks_to_the_block_lists_and_says_so():
@@ -300,3 +329,6 @@ def test_a_bad_document_table_is_refused_by_name(docs, match):
     with pytest.raises(ValueError, match="Sq == Sk"):
         flash_forward(q, q[:, :, :32], q[:, :, :32], scale=1.0,
                       documents=torch.tensor([[0, 0, 64]]))
+    with pytest.raises(ValueError, match="documents or kv_lengths, not both"):
+        flash_forward(q, q, q, scale=1.0, documents=torch.tensor([[0, 0, 64]]),
+                      kv_lengths=torch.tensor([50]))

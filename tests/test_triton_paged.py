@@ -98,12 +98,15 @@ def test_steps_that_must_gather_are_named_by_the_rule():
     assert not rule(batch, q, M.causal(), None, "auto")
     odd = mh.PagedKVCache(num_pages=4, page_size=8, num_kv_heads=1, head_dim=8)
     assert not rule(odd.batch([odd.add_sequence()]), q, None, None, "auto")
+    wide = mh.PagedKVCache(num_pages=4, page_size=16, num_kv_heads=1, head_dim=288)
+    assert not rule(wide.batch([wide.add_sequence()]), q, None, None, "auto")  # D > 256
 
 
 @pytest.mark.parametrize("kw, match", [
     (dict(page_size=48), "multiple of the key block 64"),
     (dict(block_table=torch.zeros(2, 3, dtype=torch.long)), r"block_table must be .*B=1"),
     (dict(kv_lengths=None), "needs kv_lengths"),
+    (dict(block_table=torch.zeros(1, 1, dtype=torch.long)), "fewer than the 128 keys"),
 ])
 def test_decode_refuses_a_bad_block_table_by_name(kw, match):
     q = torch.randn(1, 2, 1, 16, dtype=torch.float16)
@@ -135,3 +138,11 @@ def test_a_paged_batch_decodes_in_place_on_cuda_as_a_static_cache_does():
             want = attn(step, cache=static, mask=M.causal())
             got = attn(step, cache=pool.batch(seqs), mask=M.causal())
             torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_paged_decoding_refuses_pages_that_are_not_a_multiple_of_16():
+    q = torch.randn(1, 2, 1, 16, dtype=torch.float16)
+    pool = torch.randn(64, 1, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="page_size must be a multiple of 16, got 8"):
+        paged_decode_forward(q, pool, pool, torch.zeros(1, 8, dtype=torch.long),
+                             torch.tensor([40]), max_len=40, page_size=8, scale=1.0)

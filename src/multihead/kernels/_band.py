@@ -53,6 +53,9 @@ def pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+#: the largest head dim (D and Dv) the kernels take
+MAX_HEAD_DIM = 256
+
 #: the dtypes the kernels take (fp32 would run its dots in tf32, outside the error rule)
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -87,14 +90,17 @@ def check_inputs(fn: str, q, k, v, kv_lengths=None, documents=None, offset=0) ->
     if H % k.shape[1]:
         raise ValueError(f"{fn}: q has {H} heads, not a multiple of k's {k.shape[1]} K/V "
                          f"heads: repeat K/V or pass matching head counts")
-    if max(D, v.shape[-1]) > 256:
-        raise ValueError(f"{fn}: head dims up to 256, got D={D}, Dv={v.shape[-1]}")
+    if max(D, v.shape[-1]) > MAX_HEAD_DIM:
+        raise ValueError(f"{fn}: head dims up to {MAX_HEAD_DIM}, got D={D}, Dv={v.shape[-1]}")
     if kv_lengths is not None and (tuple(kv_lengths.shape) != (B,) or kv_lengths.is_floating_point()
                                    or kv_lengths.device != q.device):
         raise ValueError(f"{fn}: kv_lengths must be an integer tensor of shape ({B},) on "
                          f"{q.device}, got {kv_lengths.dtype} {tuple(kv_lengths.shape)} on "
                          f"{kv_lengths.device}")
     if documents is not None:
+        if kv_lengths is not None:
+            raise ValueError(f"{fn}: pass documents or kv_lengths, not both (padding inside "
+                             f"packed documents: give the padding its own document)")
         _check_documents(fn, documents, B, q.shape[2], k.shape[2], offset)
 
 
@@ -266,7 +272,8 @@ def masked_scores(s, b, h, qpos, cols, Sq, klen, row_ok, offset, window, T, I,
     ok = True
     if HAS_BIAS:
         allowed, bias = MASK_FN(b, h, qpos, cols, Sq, klen, T, I)
-        s = s + bias * 1.4426950408889634
+        # a finite bias stays finite in base 2 (finfo.min * log2(e) would overflow to -inf)
+        s = s + tl.maximum(bias * 1.4426950408889634, -3.0e38)
         if MASKED:
             ok = allowed & (cols[None, :] < klen) & row_ok[:, None]
     elif MASKED:
@@ -282,19 +289,21 @@ def masked_scores(s, b, h, qpos, cols, Sq, klen, row_ok, offset, window, T, I,
 def program_block(pid, heads, SEGS, S, VARLEN: tl.constexpr, BLOCK: tl.constexpr):
     """``(b, head, first, n, start)`` of this program: its batch and head (one of ``heads``
     per batch), the first token of its sequence, the sequence's length and the first
-    position of its block in it. Plain: grid ``(blocks, B * heads)`` over sequences of
-    length ``S``. VARLEN: grid ``(entries, heads)`` where entry ``pid`` of ``SEGS`` (int32
-    rows ``b, first, n, start``) is one block of one packed document."""
+    position of its block in it (``b`` and ``first`` int64, for pointer offsets).
+
+    Plain: grid ``(blocks, B * heads)`` over sequences of length ``S``. VARLEN: grid
+    ``(entries, heads)`` where entry ``pid`` of ``SEGS`` (int32 rows ``b, first, n,
+    start``) is one block of one packed document."""
     if VARLEN:
         row = SEGS + pid * 4
-        b = tl.load(row)
-        first = tl.load(row + 1)
+        b = tl.load(row).to(tl.int64)
+        first = tl.load(row + 1).to(tl.int64)
         n = tl.load(row + 2)
         start = tl.load(row + 3)
         head = tl.program_id(1)
     else:
         bh = tl.program_id(1)
-        b = bh // heads
+        b = (bh // heads).to(tl.int64)                # offsets past 2^31 elements stay exact
         head = bh % heads
         first = 0
         n = S

@@ -143,7 +143,7 @@ def num_splits(B: int, Hkv: int, Sk: int, programs: int = 132) -> int:
     return max(1, min(want, -(-Sk // BLOCK_N), MAX_SPLITS))
 
 
-def _check_paged(q, table, lengths, page_size, block_n) -> None:
+def _check_paged(q, table, lengths, page_size, block_n, max_len) -> None:
     B = q.shape[0]
     if lengths is None:
         raise ValueError("decode_forward: a block_table needs kv_lengths (each sequence's "
@@ -155,8 +155,12 @@ def _check_paged(q, table, lengths, page_size, block_n) -> None:
                          f"{table.device}")
     if page_size < block_n or page_size % block_n:
         raise ValueError(f"decode_forward: page_size {page_size} must be a multiple of the "
-                         f"key block {block_n} (a block never crosses a page): use pages of "
-                         f"64 or 128 tokens, or config=(16, 4, 3) for pages of 16")
+                         f"key block {block_n} (a block never crosses a page); "
+                         f"paged_decode_forward takes any multiple of 16")
+    if table.shape[1] * page_size < max_len:
+        raise ValueError(f"decode_forward: block_table has {table.shape[1]} pages of "
+                         f"{page_size} per sequence, fewer than the {max_len} keys of the "
+                         f"longest: pass each sequence's full table (padded with any page)")
 
 
 def paged_decode_forward(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -175,8 +179,8 @@ def paged_decode_forward(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
         block_table: ``(B, pages)`` integer page ids of each sequence, on q's device.
         lengths: ``(B,)`` keys of each sequence, on q's device.
         max_len: the longest sequence (a host int; sizes the splits, reads nothing).
-        page_size: slots per page, a multiple of the kernel's key block (64; 16 with
-            ``config=(16, 4, 3)`` in :func:`decode_forward`).
+        page_size: slots per page, a multiple of 16 (pages of a multiple of 64 run
+            64-key blocks, others 16-key blocks: a block never crosses a page).
 
     Example:
         >>> import torch
@@ -188,6 +192,9 @@ def paged_decode_forward(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
         ...                                 page_size=64, scale=0.125, causal=True)  # doctest: +SKIP
     """
     B, H, Sq, _ = q.shape
+    if page_size < 16 or page_size % 16:
+        raise ValueError(f"paged_decode_forward: page_size must be a multiple of 16, got "
+                         f"{page_size}")
     k = k_pool.permute(1, 0, 2).unsqueeze(0).expand(B, -1, -1, -1)   # (B, Hkv, slots, D) view
     v = v_pool.permute(1, 0, 2).unsqueeze(0).expand(B, -1, -1, -1)
     if max_len > k.shape[2]:
@@ -233,7 +240,7 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
     if block_table is not None:
-        _check_paged(q, block_table, kv_lengths, page_size, (config or CONFIG)[0])
+        _check_paged(q, block_table, kv_lengths, page_size, (config or CONFIG)[0], Sk)
     if Sq > MAX_QUERIES:
         raise ValueError(f"decode_forward: Sq = {Sq} queries, at most {MAX_QUERIES}: use "
                          f"multihead.kernels.flash_fwd.flash_forward for longer query blocks")

@@ -36,7 +36,7 @@ def _delta(O, DO, DLSE, DELTA, soh, som, sod, sdh, sdm, sdd, Sq,
            BLOCK_M: tl.constexpr):
     # delta (B*H, Sq) = rowsum(dO * O) - dlse, in fp32: one read of each, nothing else.
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)                              # O, DO viewed as (B*H, Sq, DV)
+    bh = tl.program_id(1).to(tl.int64)                 # O, DO viewed as (B*H, Sq, DV)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dv = tl.arange(0, BLOCK_DV)
     ok = (rows[:, None] < Sq) & (dv[None, :] < DV)

@@ -112,19 +112,19 @@ def _forward(Q, K, V, O, LSE, LENS, SEGS, qk_scale,
     row_ok = rows < n_q
     for start in range(lo, full_lo, BLOCK_N):          # the band's leading edge
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
-                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q,
-                                      None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL,
-                                      WINDOWED, True, None, False)
+                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b,
+                                      h, n_q, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                                      CAUSAL, WINDOWED, True, None, False)
     for start in range(full_lo, full_hi, BLOCK_N):     # blocks every row sees in full
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
-                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q,
-                                      None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL,
-                                      WINDOWED, False, None, False)
+                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b,
+                                      h, n_q, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                                      CAUSAL, WINDOWED, False, None, False)
     for start in range(full_hi, hi, BLOCK_N):          # the trailing edge and the last keys
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
-                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q,
-                                      None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL,
-                                      WINDOWED, True, None, False)
+                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b,
+                                      h, n_q, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
+                                      CAUSAL, WINDOWED, True, None, False)
     out, lse = _finish(acc, m_i, l_i)
     tl.store(O + b * sob + h * soh + (first + rows[:, None]) * som + dv[None, :] * sod,
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))

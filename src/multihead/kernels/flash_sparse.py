@@ -11,8 +11,10 @@ reads the transposed lists (per key block, the query blocks that see it).
 
 A block on the edge of the sequences (the last, short query or key block) is always
 PARTIAL, so FULL blocks need no bounds checks. A mask with a bias (ALiBi, ``bias``) calls
-the program on every block to add it. GQA/MQA, empty rows (zeros, lse ``-inf``) and the
-deterministic backward are as in :mod:`.flash_fwd` and :mod:`.flash_bwd`, whose block steps
+the program on every block to add it; finite biases stay finite (``finfo.min`` averages,
+as in the oracle), but a row whose every score is below about ``-2.3e38`` reports a
+clamped log-sum-exp (near ``-2.1e38``) since base 2 cannot hold it in fp32. GQA/MQA,
+empty rows (zeros, lse ``-inf``) and the deterministic backward are as in :mod:`.flash_fwd` and :mod:`.flash_bwd`, whose block steps
 this file reuses.
 
 Notation: B batch, H query heads, Hkv K/V heads, G = H / Hkv, Sq/Sk lengths, D/Dv head dims,
@@ -99,7 +101,7 @@ def _forward_sparse(Q, K, V, O, LSE, NF, NP, IDX, qk_scale,
                     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)                # int64: offsets past 2^31 elements
     b = bh // H
     h = bh % H
     hk = h // G
@@ -141,7 +143,7 @@ def _dkdv_sparse(Q, K, V, DO, LSE, DELTA, GK, GV, NF, NP, IDX, scale, qk_scale,
                  D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)
-    bk = tl.program_id(1)
+    bk = tl.program_id(1).to(tl.int64)
     Hkv = H // G
     b = bk // Hkv
     hk = bk % Hkv
@@ -190,7 +192,7 @@ def _dq_sparse(Q, K, V, DO, LSE, DELTA, GQ, NF, NP, IDX, scale, qk_scale,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)                # int64: offsets past 2^31 elements
     b = bh // H
     h = bh % H
     hk = h // G

@@ -20,12 +20,14 @@ key positions of a block, ``T`` a tuple of the mask's tensors and ``I`` a tuple 
 - ``&``, ``|``, ``~`` of these (biases add under ``&``).
 
 Only the *structure* is in the code (which leaves, how composed, which dims broadcast);
-sizes, offsets and pointers are arguments, so one compiled kernel serves every length,
-window size and batch of a structure. The source is registered with ``linecache`` (no file
-is written) so Triton can read it, and is the cache key of the compiled kernel.
+sizes, offsets and pointers are arguments. The source is registered with ``linecache`` (no
+file is written) so Triton can read it, and is the cache key of the compiled kernel. Triton
+specializes the int arguments on being 1 or a multiple of 16, so a structure compiles at
+most once per such class of its sizes (windows of 15 and 17 share a kernel, 16 has its own).
 
 Positions outside ``[0, Sq) x [0, Sk)`` are never read (loads are bounded); the kernels mask
-them separately. User subclasses of a mask (kind ``"custom"``) have no Triton form.
+them separately. Only our own mask classes compile (exactly: a user's class, or a subclass
+of ours that may redefine its predicate, has no Triton form).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 from .._device import to_device
 from ..masks import base as MB
 from ..masks import structured as MS
+from ..masks import tensor as MT
 
 #: the leaf kinds a program can express (compositions "and", "or", "not" of them)
 KINDS = frozenset({"causal", "window", "padding", "document", "dense", "bias", "alibi"})
@@ -65,10 +68,26 @@ def supported(mask: MB.Mask | None) -> str | None:
     """
     if mask is None:
         return None
-    kinds = {leaf.kind for leaf in mask.leaves()} - KINDS
-    if kinds:
-        return f"has no Triton form for {', '.join(sorted(kinds))} masks (a user's subclass)"
+    foreign = sorted({type(m).__name__ for m in _nodes(mask) if type(m) not in _OURS})
+    if foreign:
+        return (f"has no Triton form for {', '.join(foreign)} (a user's mask class, or a "
+                f"subclass of ours: its own predicate is not ours to compile)")
     return None
+
+
+#: the classes a program compiles: exactly these (a subclass may override what they mean)
+_OURS = (MS.Window, MS.Padding, MS.Document, MT.Dense, MT.Bias, MT.ALiBi, MB.And, MB.Or,
+         MB.Not)
+
+
+def _nodes(m: MB.Mask):
+    """Every node of a mask's tree, compositions included."""
+    yield m
+    if type(m) in (MB.And, MB.Or):
+        yield from _nodes(m.a)
+        yield from _nodes(m.b)
+    elif type(m) is MB.Not:
+        yield from _nodes(m.m)
 
 
 class _Writer:

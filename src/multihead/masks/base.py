@@ -123,7 +123,9 @@ class Mask:
     #: True when the mask rules some pairs out (False for a pure bias such as ALiBi)
     has_predicate: bool = True
     #: the structure backends read ("causal", "window", "padding", "document", "dense",
-    #: "bias", "alibi"; "and"/"or"/"not" for compositions; "custom" for user subclasses)
+    #: "bias", "alibi"; "and"/"or"/"not" for compositions; "custom" for a user's own class.
+    #: A subclass of one of ours keeps its parent's kind: code that compiles a mask checks
+    #: the exact class, since a subclass may redefine the predicate)
     kind: str = "custom"
     #: set to True in the body of each of our own mask classes: they never change after
     #: construction (or, for tensors they share with the caller, are version-tracked), so

@@ -379,9 +379,12 @@ def _reads_pages(cache, q: torch.Tensor, mask, valid, backend) -> bool:
     instead of gathering its pages into contiguous K/V: at most 16 queries, on a GPU, in
     float16/bfloat16, without gradients, every token real (no ``valid`` now or before), the
     mask None or a lower-right ``causal``/``sliding_window``, the backend ``auto`` or
-    ``triton``, pages a multiple of 16 tokens and Triton installed."""
+    ``triton``, head dims the kernels take (up to 256), pages a multiple of 16 tokens and
+    Triton installed."""
     from .. import kernels
     if not isinstance(cache, PagedBatch) or valid is not None or cache.padded:
+        return False
+    if max(q.shape[-1], cache.value_dim) > 256:       # kernels._band.MAX_HEAD_DIM
         return False
     if backend not in (None, "auto", "triton") or cache.pool.page_size % 16:
         return False
