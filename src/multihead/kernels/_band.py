@@ -326,3 +326,15 @@ def document_blocks(docs: torch.Tensor, block: int) -> torch.Tensor:
     before = torch.cumsum(count, 0) - count                              # (n,) first entry
     local = torch.arange(len(rows)) - before.repeat_interleave(count)   # (E,) block in doc
     return torch.cat([rows, (local * block)[:, None]], 1).to(torch.int32)
+
+
+@triton.jit
+def load_tile(base, idx, n, s_idx, s_col, C: tl.constexpr, BLOCK_C: tl.constexpr,
+              BOUNDED: tl.constexpr):
+    """The tile ``base[idx, :C]`` as ``(len(idx), BLOCK_C)``, zero past column ``C`` and,
+    when BOUNDED, at positions ``idx >= n`` (rows of q/dO, or keys/values of K/V)."""
+    cols = tl.arange(0, BLOCK_C)
+    ok = cols[None, :] < C
+    if BOUNDED:
+        ok = ok & (idx[:, None] < n)
+    return tl.load(base + idx[:, None] * s_idx + cols[None, :] * s_col, mask=ok, other=0.0)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import (LOG2E, check_inputs, empty_like_all, key_range, launch_config,
+from ._band import (LOG2E, check_inputs, empty_like_all, key_range, launch_config, load_tile,
                     masked_scores, pow2, program_block, query_range, schedule)
 from .flash_fwd import DYNAMIC
 
@@ -71,16 +71,9 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
                 HAS_BIAS: tl.constexpr):
     # The queries [start, start + BLOCK_M) of one head, against this program's keys.
     rows = start + tl.arange(0, BLOCK_M)                                    # (BLOCK_M,)
-    dq_ = tl.arange(0, BLOCK_D)
-    dv_ = tl.arange(0, BLOCK_DV)
     row_ok = rows < Sq
-    qmask = dq_[None, :] < D
-    omask = dv_[None, :] < DV
-    if MASKED:
-        qmask = qmask & row_ok[:, None]
-        omask = omask & row_ok[:, None]
-    q = tl.load(q_base + rows[:, None] * sqm + dq_[None, :] * sqd, mask=qmask, other=0.0)
-    do = tl.load(do_base + rows[:, None] * sdm + dv_[None, :] * sdd, mask=omask, other=0.0)
+    q = load_tile(q_base, rows, Sq, sqm, sqd, D, BLOCK_D, MASKED)         # (BLOCK_M, BLOCK_D)
+    do = load_tile(do_base, rows, Sq, sdm, sdd, DV, BLOCK_DV, MASKED)     # (BLOCK_M, BLOCK_DV)
     lse2 = tl.load(lse_base + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(dl_base + rows, mask=row_ok, other=0.0)
     p = _probs(q, k, lse2, rows, cols, klen, row_ok, qk_scale, offset, window, b, h, Sq, T, I,
@@ -107,10 +100,10 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, GK, GV, LENS, SEGS, scale, qk_scale,
     dq_ = tl.arange(0, BLOCK_D)
     dv_ = tl.arange(0, BLOCK_DV)
     col_ok = cols < n_k
-    k = tl.load(K + b * skb + hk * skh + (first + cols[:, None]) * skn + dq_[None, :] * skd,
-                mask=col_ok[:, None] & (dq_[None, :] < D), other=0.0)       # (BLOCK_N, BLOCK_D)
-    v = tl.load(V + b * svb + hk * svh + (first + cols[:, None]) * svn + dv_[None, :] * svd,
-                mask=col_ok[:, None] & (dv_[None, :] < DV), other=0.0)      # (BLOCK_N, BLOCK_DV)
+    k = load_tile(K + b * skb + hk * skh + first * skn, cols, n_k, skn, skd, D, BLOCK_D,
+                  True)                                                     # (BLOCK_N, BLOCK_D)
+    v = load_tile(V + b * svb + hk * svh + first * svn, cols, n_k, svn, svd, DV, BLOCK_DV,
+                  True)                                                     # (BLOCK_N, BLOCK_DV)
     klen = n_k
     if HAS_LENS:
         klen = tl.minimum(n_k, tl.load(LENS + b))
@@ -155,15 +148,8 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
               MASKED: tl.constexpr, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr):
     # The keys [start, start + BLOCK_N) against this program's queries.
     cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
-    dq_ = tl.arange(0, BLOCK_D)
-    dv_ = tl.arange(0, BLOCK_DV)
-    kmask = dq_[None, :] < D
-    vmask = dv_[None, :] < DV
-    if MASKED:
-        kmask = kmask & (cols[:, None] < klen)
-        vmask = vmask & (cols[:, None] < klen)
-    k = tl.load(k_base + cols[:, None] * skn + dq_[None, :] * skd, mask=kmask, other=0.0)
-    v = tl.load(v_base + cols[:, None] * svn + dv_[None, :] * svd, mask=vmask, other=0.0)
+    k = load_tile(k_base, cols, klen, skn, skd, D, BLOCK_D, MASKED)       # (BLOCK_N, BLOCK_D)
+    v = load_tile(v_base, cols, klen, svn, svd, DV, BLOCK_DV, MASKED)     # (BLOCK_N, BLOCK_DV)
     p = _probs(q, k, lse2, rows, cols, klen, row_ok, qk_scale, offset, window, b, h, Sq, T, I,
                CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS)                 # (BLOCK_M, BLOCK_N)
     dp = tl.dot(do, tl.trans(v))
@@ -184,12 +170,11 @@ def _dq(Q, K, V, DO, LSE, DELTA, GQ, LENS, SEGS, scale, qk_scale,
     hk = h // G
     rows = m0 + tl.arange(0, BLOCK_M)                  # (BLOCK_M,) positions in the sequence
     dq_ = tl.arange(0, BLOCK_D)
-    dv_ = tl.arange(0, BLOCK_DV)
     row_ok = rows < n_q
-    q = tl.load(Q + b * sqb + h * sqh + (first + rows[:, None]) * sqm + dq_[None, :] * sqd,
-                mask=row_ok[:, None] & (dq_[None, :] < D), other=0.0)       # (BLOCK_M, BLOCK_D)
-    do = tl.load(DO + b * sdb + h * sdh + (first + rows[:, None]) * sdm + dv_[None, :] * sdd,
-                 mask=row_ok[:, None] & (dv_[None, :] < DV), other=0.0)     # (BLOCK_M, BLOCK_DV)
+    q = load_tile(Q + b * sqb + h * sqh + first * sqm, rows, n_q, sqm, sqd, D, BLOCK_D,
+                  True)                                                     # (BLOCK_M, BLOCK_D)
+    do = load_tile(DO + b * sdb + h * sdh + first * sdm, rows, n_q, sdm, sdd, DV, BLOCK_DV,
+                   True)                                                    # (BLOCK_M, BLOCK_DV)
     lse2 = tl.load(LSE + bh * Sq + first + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + bh * Sq + first + rows, mask=row_ok, other=0.0)
     klen = n_k

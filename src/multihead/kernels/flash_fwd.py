@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import (LOG2E, check_inputs, empty_outputs, key_range, launch_config,
+from ._band import (LOG2E, check_inputs, empty_outputs, key_range, launch_config, load_tile,
                     masked_scores, pow2, program_block, schedule)
 
 #: arguments whose value changes per call but must not cause a compile (Triton would
@@ -45,15 +45,8 @@ def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_
     # (row, key) of the block is known to be visible. The mask is the band, or MASK_FN(b, h,
     # ..., T, I) when given (a generated mask program; HAS_BIAS: it adds a bias to every
     # block). Returns (acc, m, l).
-    dq = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
     cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
-    kmask = dq[None, :] < D
-    vmask = dv[None, :] < DV
-    if MASKED:
-        kmask = kmask & (cols[:, None] < hi)
-        vmask = vmask & (cols[:, None] < hi)
-    k = tl.load(k_base + cols[:, None] * skn + dq[None, :] * skd, mask=kmask, other=0.0)
+    k = load_tile(k_base, cols, hi, skn, skd, D, BLOCK_D, MASKED)         # (BLOCK_N, BLOCK_D)
     s = tl.dot(q, tl.trans(k)) * qk_scale                                  # (rows, BLOCK_N)
     s, ok = masked_scores(s, b, h, qpos, cols, Sq, hi, row_ok, offset, window, T, I, CAUSAL,
                           WINDOWED, MASKED, MASK_FN, HAS_BIAS)
@@ -64,7 +57,7 @@ def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_
     p = tl.math.exp2(s - shift[:, None])
     alpha = tl.math.exp2(m_i - shift)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + cols[:, None] * svn + dv[None, :] * svd, mask=vmask, other=0.0)
+    v = load_tile(v_base, cols, hi, svn, svd, DV, BLOCK_DV, MASKED)      # (BLOCK_N, BLOCK_DV)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)                  # (rows, BLOCK_DV)
     return acc, m_new, l_i
 
@@ -93,11 +86,9 @@ def _forward(Q, K, V, O, LSE, LENS, SEGS, qk_scale,
     bh = b * H + h
     hk = h // G                                        # the K/V head of this query head
     rows = m0 + tl.arange(0, BLOCK_M)                  # (BLOCK_M,) positions in the sequence
-    dq = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     Q += b * sqb + h * sqh + first * sqm
-    q = tl.load(Q + rows[:, None] * sqm + dq[None, :] * sqd,
-                mask=(rows[:, None] < n_q) & (dq[None, :] < D), other=0.0)  # (BLOCK_M, BLOCK_D)
+    q = load_tile(Q, rows, n_q, sqm, sqd, D, BLOCK_D, True)                # (BLOCK_M, BLOCK_D)
     klen = n_k
     if HAS_LENS:
         klen = tl.minimum(n_k, tl.load(LENS + b))

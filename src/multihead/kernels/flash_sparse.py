@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ..masks import base as MB
 from ._band import (LOG2E, check_inputs, empty_like_all, empty_outputs, launch_config,
-                    pow2)
+                    load_tile, pow2)
 from .flash_bwd import _dkdv_block, _dq_block, check_backward, row_deltas
 from .flash_fwd import _attend_block, _finish
 from .mask_program import MaskProgram, mask_program
@@ -106,11 +106,9 @@ def _forward_sparse(Q, K, V, O, LSE, NF, NP, IDX, qk_scale,
     h = bh % H
     hk = h // G
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                          # (BLOCK_M,)
-    dq = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     row_ok = rows < Sq
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dq[None, :] * sqd,
-                mask=row_ok[:, None] & (dq[None, :] < D), other=0.0)       # (BLOCK_M, BLOCK_D)
+    q = load_tile(Q + b * sqb + h * sqh, rows, Sq, sqm, sqd, D, BLOCK_D, True)  # (BLOCK_M, BLOCK_D)
     n_full, n_all, blocks = _entry(NF, NP, IDX, b, h, pid_m, slb, slh, sib, sih, NL)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -151,10 +149,8 @@ def _dkdv_sparse(Q, K, V, DO, LSE, DELTA, GK, GV, NF, NP, IDX, scale, qk_scale,
     dq_ = tl.arange(0, BLOCK_D)
     dv_ = tl.arange(0, BLOCK_DV)
     col_ok = cols < Sk
-    k = tl.load(K + b * skb + hk * skh + cols[:, None] * skn + dq_[None, :] * skd,
-                mask=col_ok[:, None] & (dq_[None, :] < D), other=0.0)       # (BLOCK_N, BLOCK_D)
-    v = tl.load(V + b * svb + hk * svh + cols[:, None] * svn + dv_[None, :] * svd,
-                mask=col_ok[:, None] & (dv_[None, :] < DV), other=0.0)      # (BLOCK_N, BLOCK_DV)
+    k = load_tile(K + b * skb + hk * skh, cols, Sk, skn, skd, D, BLOCK_D, True)
+    v = load_tile(V + b * svb + hk * svh, cols, Sk, svn, svd, DV, BLOCK_DV, True)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     for g in range(G):                                 # the group's query heads, in registers
@@ -198,12 +194,9 @@ def _dq_sparse(Q, K, V, DO, LSE, DELTA, GQ, NF, NP, IDX, scale, qk_scale,
     hk = h // G
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                          # (BLOCK_M,)
     dq_ = tl.arange(0, BLOCK_D)
-    dv_ = tl.arange(0, BLOCK_DV)
     row_ok = rows < Sq
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dq_[None, :] * sqd,
-                mask=row_ok[:, None] & (dq_[None, :] < D), other=0.0)       # (BLOCK_M, BLOCK_D)
-    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdm + dv_[None, :] * sdd,
-                 mask=row_ok[:, None] & (dv_[None, :] < DV), other=0.0)     # (BLOCK_M, BLOCK_DV)
+    q = load_tile(Q + b * sqb + h * sqh, rows, Sq, sqm, sqd, D, BLOCK_D, True)
+    do = load_tile(DO + b * sdb + h * sdh, rows, Sq, sdm, sdd, DV, BLOCK_DV, True)
     lse2 = tl.load(LSE + bh * Sq + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + bh * Sq + rows, mask=row_ok, other=0.0)
     n_full, n_all, blocks = _entry(NF, NP, IDX, b, h, pid_m, slb, slh, sib, sih, NL)
