@@ -216,6 +216,18 @@ def row_deltas(dout: torch.Tensor, out: torch.Tensor,
     return delta
 
 
+def backward_setup(dout, q, k, v, out, lse, dlse, config):
+    """What both backward wrappers start from: ``((dq, dk, dv) buffers, delta, lse
+    contiguous, (dkdv, dq) launch configs)``; for a call with nothing to compute the
+    buffers are zeros and ``delta`` is None."""
+    grads = empty_like_all(q, k, v)
+    if q.numel() == 0 or k.shape[2] == 0:
+        return tuple(g.zero_() for g in grads), None, lse, (None, None)
+    D, Dv = q.shape[-1], v.shape[-1]
+    return (grads, row_deltas(dout, out, dlse), lse.contiguous(),
+            config or (launch_config("bwd_kv", D, Dv), launch_config("bwd_q", D, Dv)))
+
+
 def check_backward(fn: str, dout, q, v, out, lse) -> None:
     """Raise a ValueError naming ``fn``'s argument unless ``dout``, ``out`` and ``lse`` have
     the shapes the forward of ``q (B, H, Sq, D)``, ``v (B, Hkv, Sk, Dv)`` gave."""
@@ -261,12 +273,10 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     check_backward("flash_backward", dout, q, v, out, lse)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
-    dq, dk, dv = empty_like_all(q, k, v)
-    if B * H * Sq * Sk == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    delta = row_deltas(dout, out, dlse)
-    lse = lse.contiguous()
-    kv_cfg, q_cfg = config or (launch_config("bwd_kv", D, Dv), launch_config("bwd_q", D, Dv))
+    (dq, dk, dv), delta, lse, (kv_cfg, q_cfg) = backward_setup(dout, q, k, v, out, lse, dlse,
+                                                               config)
+    if delta is None:                                  # nothing to compute: zeros
+        return dq, dk, dv
     lens = kv_lengths.contiguous() if kv_lengths is not None else delta  # unused: HAS_LENS off
     common = dict(CAUSAL=causal or window is not None, WINDOWED=window is not None,
                   HAS_LENS=kv_lengths is not None, VARLEN=documents is not None, D=D, DV=Dv,

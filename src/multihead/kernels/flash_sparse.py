@@ -14,8 +14,8 @@ PARTIAL, so FULL blocks need no bounds checks. A mask with a bias (ALiBi, ``bias
 the program on every block to add it; finite biases stay finite (``finfo.min`` averages,
 as in the oracle), but a row whose every score is below about ``-2.3e38`` reports a
 clamped log-sum-exp (near ``-2.1e38``) since base 2 cannot hold it in fp32. GQA/MQA,
-empty rows (zeros, lse ``-inf``) and the deterministic backward are as in :mod:`.flash_fwd` and :mod:`.flash_bwd`, whose block steps
-this file reuses.
+empty rows (zeros, lse ``-inf``) and the deterministic backward are as in
+:mod:`.flash_fwd` and :mod:`.flash_bwd`, whose block steps this file reuses.
 
 Notation: B batch, H query heads, Hkv K/V heads, G = H / Hkv, Sq/Sk lengths, D/Dv head dims,
 B'/H' the mask's own batch and head sizes (1 where it broadcasts), nQ/nK blocks.
@@ -28,9 +28,8 @@ import triton
 import triton.language as tl
 
 from ..masks import base as MB
-from ._band import (LOG2E, check_inputs, empty_like_all, empty_outputs, launch_config,
-                    load_tile, pow2)
-from .flash_bwd import _dkdv_block, _dq_block, check_backward, row_deltas
+from ._band import LOG2E, check_inputs, empty_outputs, launch_config, load_tile, pow2
+from .flash_bwd import _dkdv_block, _dq_block, backward_setup, check_backward
 from .flash_fwd import _attend_block, _finish
 from .mask_program import MaskProgram, mask_program
 
@@ -294,13 +293,11 @@ def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     _check_mask("sparse_backward", mask, q, k)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
-    dq, dk, dv = empty_like_all(q, k, v)
-    if B * H * Sq * Sk == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    delta = row_deltas(dout, out, dlse)
-    lse = lse.contiguous()
+    (dq, dk, dv), delta, lse, (kv_cfg, q_cfg) = backward_setup(dout, q, k, v, out, lse, dlse,
+                                                               config)
+    if delta is None:                                  # nothing to compute: zeros
+        return dq, dk, dv
     prog = program(mask, Sq, Sk, q.device)
-    kv_cfg, q_cfg = config or (launch_config("bwd_kv", D, Dv), launch_config("bwd_q", D, Dv))
     common = dict(MASK_FN=prog.fn, HAS_BIAS=prog.has_bias, D=D, DV=Dv, BLOCK_D=pow2(D),
                   BLOCK_DV=pow2(Dv))
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
