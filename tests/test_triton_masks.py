@@ -332,3 +332,24 @@ def test_a_bad_document_table_is_refused_by_name(docs, match):
     with pytest.raises(ValueError, match="documents or kv_lengths, not both"):
         flash_forward(q, q, q, scale=1.0, documents=torch.tensor([[0, 0, 64]]),
                       kv_lengths=torch.tensor([50]))
+
+
+def test_a_document_table_is_checked_and_scheduled_once_until_it_changes():
+    """The backend hands the kernels the same table each step (cached on the mask); its
+    check and device schedule are derived once, and again after an in-place change."""
+    from multihead.kernels._band import schedule
+    q = torch.randn(1, 2, 64, 16, dtype=torch.float16)
+    m = M.document(torch.arange(64) // 20)
+    call = make_call(q, q, q, mask=m, scale=None, dropout_p=0.0, return_weights=False,
+                     return_lse=False)
+    docs = tb._band(call).documents
+    again = make_call(q, q, q, mask=m, scale=None, dropout_p=0.0, return_weights=False,
+                      return_lse=False)
+    assert tb._band(again).documents is docs
+    first, grid = schedule(docs, 16, 2, 64, 2, "cpu")
+    assert schedule(docs, 16, 2, 64, 2, "cpu")[0] is first
+    assert grid == (7, 2)                               # blocks of 16: 2 + 2 + 2 + 1
+    flash_forward(q, q, q, scale=1.0, documents=docs)
+    docs[0, 2] = 30                                     # now overlaps the next document
+    with pytest.raises(ValueError, match="exactly once"):
+        flash_forward(q, q, q, scale=1.0, documents=docs)

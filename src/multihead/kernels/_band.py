@@ -18,6 +18,7 @@ import json
 import os
 
 import torch
+import torch.utils.weak
 import triton
 import triton.language as tl
 
@@ -112,6 +113,15 @@ def _check_documents(fn, docs, B, Sq, Sk, offset) -> None:
     if Sq != Sk or offset:
         raise ValueError(f"{fn}: packed documents attend within themselves: Sq == Sk and "
                          f"offset 0, got Sq={Sq}, Sk={Sk}, offset={offset}")
+    if _derived(docs, ("covers", B, Sq), lambda: _covers(docs, B, Sq)):
+        return
+    raise ValueError(f"{fn}: documents must cover each of the {B} sequences of {Sq} "
+                     f"tokens exactly once with rows (b, first, length), got "
+                     f"{docs.tolist()[:8]}")
+
+
+def _covers(docs, B, Sq) -> bool:
+    """Whether the rows (b, first, length) tile each of B sequences of Sq tokens once."""
     b, first, n = docs.long().unbind(1)
     covered = torch.zeros(B, Sq + 1, dtype=torch.long)
     ok = bool(((b >= 0) & (b < B) & (first >= 0) & (n >= 0) & (first + n <= Sq)).all())
@@ -119,10 +129,22 @@ def _check_documents(fn, docs, B, Sq, Sk, offset) -> None:
         covered.index_put_((b, first), torch.ones_like(b), accumulate=True)
         covered.index_put_((b, first + n), -torch.ones_like(b), accumulate=True)
         ok = bool((covered.cumsum(1)[:, :Sq] == 1).all())
-    if not ok:
-        raise ValueError(f"{fn}: documents must cover each of the {B} sequences of {Sq} "
-                         f"tokens exactly once with rows (b, first, length), got "
-                         f"{docs.tolist()[:8]}")
+    return ok
+
+
+#: facts derived from a documents table (its check, its device schedules), per table object
+#: while it lives and is unmodified: a caller passing the same table each step (the backend
+#: caches it on the mask) pays for them once
+_DERIVED = torch.utils.weak.WeakTensorKeyDictionary()
+
+
+def _derived(docs: torch.Tensor, key, compute):
+    memo = _DERIVED.get(docs)
+    if memo is None or memo[0] != docs._version:
+        memo = _DERIVED[docs] = (docs._version, {})
+    if key not in memo[1]:
+        memo[1][key] = compute()
+    return memo[1][key]
 
 
 def schedule(documents, block: int, programs: int, S: int, heads: int, device):
@@ -131,8 +153,9 @@ def schedule(documents, block: int, programs: int, S: int, heads: int, device):
     ``device`` (one non-blocking copy) and the grid ``(entries, heads)``."""
     if documents is None:
         return torch.empty(1, dtype=torch.int32, device=device), (triton.cdiv(S, block), programs)
-    table = document_blocks(documents, block)
-    return to_device(table, device), (len(table), heads)
+    table = _derived(documents, ("blocks", block, str(device)),
+                     lambda: to_device(document_blocks(documents, block), device))
+    return table, (len(table), heads)
 
 
 def empty_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
