@@ -4,6 +4,8 @@ module's decoding steps reading pages in place against the same steps gathering 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -98,8 +100,19 @@ def test_steps_that_must_gather_are_named_by_the_rule():
     assert not rule(batch, q, M.causal(), None, "auto")
     odd = mh.PagedKVCache(num_pages=4, page_size=8, num_kv_heads=1, head_dim=8)
     assert not rule(odd.batch([odd.add_sequence()]), q, None, None, "auto")
+
+    def on_cuda(D, dtype=torch.float16, n=1):          # what the rule reads of a GPU query
+        return SimpleNamespace(device=torch.device("cuda"), dtype=dtype, shape=(1, 2, n, D),
+                               requires_grad=False)
+    assert rule(batch, on_cuda(8), M.causal(), None, "auto")                 # the fast path
+    assert rule(batch, on_cuda(8), M.sliding_window(4), None, "triton")
+    assert not rule(batch, on_cuda(8), M.causal(align="upper_left"), None, "auto")
+    assert not rule(batch, on_cuda(8), M.causal(), None, "sdpa")
+    assert not rule(batch, on_cuda(8, torch.float32), M.causal(), None, "auto")
+    assert not rule(batch, on_cuda(8, n=17), M.causal(), None, "auto")      # not a step
+    assert not rule(batch, on_cuda(8), M.causal(), torch.ones(1, 1, dtype=torch.bool), "auto")
     wide = mh.PagedKVCache(num_pages=4, page_size=16, num_kv_heads=1, head_dim=288)
-    assert not rule(wide.batch([wide.add_sequence()]), q, None, None, "auto")  # D > 256
+    assert not rule(wide.batch([wide.add_sequence()]), on_cuda(288), None, None, "auto")
 
 
 @pytest.mark.parametrize("kw, match", [

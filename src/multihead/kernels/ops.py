@@ -81,7 +81,7 @@ def _(dout, dlse, q, k, v, out, lse, scale, causal, window, offset, kv_lengths, 
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, scale, causal, window, offset, kv_lengths, documents = (*inputs, None)[:9]
+    q, k, v, scale, causal, window, offset, kv_lengths, documents = inputs
     ctx.save_for_backward(q, k, v, *output, kv_lengths)
     ctx.args = (scale, causal, window, offset)
     ctx.documents = documents                  # a host table: kept, not saved for autograd

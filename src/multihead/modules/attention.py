@@ -379,21 +379,22 @@ def _reads_pages(cache, q: torch.Tensor, mask, valid, backend) -> bool:
     instead of gathering its pages into contiguous K/V: at most 16 queries, on a GPU, in
     float16/bfloat16, without gradients, every token real (no ``valid`` now or before), the
     mask None or a lower-right ``causal``/``sliding_window``, the backend ``auto`` or
-    ``triton``, head dims the kernels take (up to 256), pages a multiple of 16 tokens and
-    Triton installed."""
+    ``triton``, dtypes and head dims the kernels take (up to 256), pages a multiple of 16
+    tokens and Triton installed."""
     from .. import kernels
     if not isinstance(cache, PagedBatch) or valid is not None or cache.padded:
         return False
-    if max(q.shape[-1], cache.value_dim) > 256:       # kernels._band.MAX_HEAD_DIM
-        return False
     if backend not in (None, "auto", "triton") or cache.pool.page_size % 16:
         return False
-    if (q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16)
-            or q.shape[2] > 16 or (torch.is_grad_enabled() and q.requires_grad)):
+    if (q.device.type != "cuda" or q.shape[2] > 16
+            or (torch.is_grad_enabled() and q.requires_grad)):
         return False
     if mask is not None and not (type(mask) is masks.Window and mask.align == "lower_right"):
         return False
-    return kernels.available()
+    if not kernels.available():
+        return False
+    from ..kernels._band import DTYPES, MAX_HEAD_DIM
+    return q.dtype in DTYPES and max(q.shape[-1], cache.value_dim) <= MAX_HEAD_DIM
 
 
 def _paged_decode(q: torch.Tensor, view: PagedView, mask) -> torch.Tensor:
