@@ -172,9 +172,9 @@ def paged_decode_case(L: int, *, B=1, H=32, Hkv=8, D=128, page_size=64) -> Case:
         ids = [pool.add_sequence() for _ in range(B)]
         k, v = (torch.randn(B, Hkv, L, D, generator=g).to(device, dtype) for _ in "kv")
         for start in range(0, L, page_size):          # one page of every sequence in turn
-            for b, sid in enumerate(ids):
-                pool.batch([sid]).update(k[b:b + 1, :, start:start + page_size],
-                                         v[b:b + 1, :, start:start + page_size])
+            for b, sid in enumerate(ids):                 # (written in place: no gather)
+                pool.batch([sid]).update_in_place(k[b:b + 1, :, start:start + page_size],
+                                                  v[b:b + 1, :, start:start + page_size])
         view = pool.batch(ids).update_in_place(k[:, :, :0], v[:, :, :0])    # no new tokens
         q = torch.randn(B, H, 1, D, generator=g).to(device, dtype)
         causal = mh.masks.causal()

@@ -356,6 +356,30 @@ class Document(Mask):
             self._runs = _find_runs(self.ids.cpu())
         return self._runs
 
+    def segments(self, batch: int) -> torch.Tensor | None:
+        """Where each of ``batch`` sequences' documents lie: host rows ``(b, first,
+        length)`` of shape ``(documents, 3)``, int64, a shared row of ids repeated for every
+        sequence; None when an id occurs in two separate runs (not packing). Built from
+        :meth:`runs` (free for host ids), once per batch size.
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> mh.masks.document(torch.tensor([0, 0, 1])).segments(2).tolist()
+            [[0, 0, 2], [0, 2, 1], [1, 0, 2], [1, 2, 1]]
+        """
+        return self.cached("segments", (batch,), lambda: self._segments(batch))
+
+    def _segments(self, batch: int) -> torch.Tensor | None:
+        runs = self.runs()
+        if not runs.contiguous:
+            return None
+        rows = [torch.zeros(0, 3, dtype=torch.long)]
+        for b in range(batch):                    # runs of one row (shared) or of B rows
+            r = b if len(runs.starts) > 1 else 0
+            n = len(runs.starts[r])
+            rows.append(torch.stack([torch.full((n,), b), runs.starts[r], runs.lengths[r]], 1))
+        return torch.cat(rows)                                        # (documents, 3)
+
     def may_have_empty_rows(self, sq: int, sk: int) -> bool:
         return self.kv_ids is not None            # without kv_ids every query sees itself
 

@@ -107,23 +107,11 @@ def _find_band(call: AttentionCall) -> Band | str:
 
 def _documents(call: AttentionCall, document: M.Document) -> torch.Tensor | None:
     """Rows ``(b, first, length)`` of the packed documents (host), or None unless the
-    documents are contiguous runs known on the host of a self-attention call. Built once
-    per mask and batch size (the kernels then check and schedule it once too)."""
+    documents are contiguous runs known on the host of a self-attention call. The same
+    table object each call (the kernels then check and schedule it once)."""
     if document.kv_ids is not None or call.Sq != call.Sk or not document.runs_known:
         return None
-    return document.cached("triton_documents", (call.B,), lambda: _table(document, call.B))
-
-
-def _table(document: M.Document, B: int) -> torch.Tensor | None:
-    runs = document.runs()
-    if not runs.contiguous:
-        return None
-    rows = []
-    for b in range(B):                            # one row of runs shared, or one per batch
-        r = b if len(runs.starts) > 1 else 0
-        n = len(runs.starts[r])
-        rows.append(torch.stack([torch.full((n,), b), runs.starts[r], runs.lengths[r]], 1))
-    return torch.cat(rows).to(torch.int32)        # (documents, 3)
+    return document.segments(call.B)              # (documents, 3), cached on the mask
 
 
 def _pairs(call: AttentionCall, band: Band, block_m: int, block_n: int) -> int:

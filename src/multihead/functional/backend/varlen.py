@@ -40,16 +40,11 @@ def _segments(call: AttentionCall):
 
 
 def _find_segments(call: AttentionCall):
-    runs = call.effective_mask.runs()
-    if not runs.contiguous:
+    seg = call.effective_mask.segments(call.B)                       # (documents, 3) host
+    if seg is None:
         return "document ids are not contiguous runs (an id occurs in two separate places)"
-    S = call.Sk
-    starts, lengths = [torch.zeros(0, dtype=torch.long)], [torch.zeros(0, dtype=torch.long)]
-    for b in range(call.B):                          # runs of 1 row (shared) or B rows
-        r = b if len(runs.starts) > 1 else 0
-        starts.append(runs.starts[r] + b * S)
-        lengths.append(runs.lengths[r])
-    return torch.cat(starts), torch.cat(lengths)
+    b, first, length = seg.unbind(1)
+    return b * call.Sk + first, length
 
 
 class Bucket(NamedTuple):
