@@ -159,3 +159,25 @@ def test_paged_decoding_refuses_pages_that_are_not_a_multiple_of_16():
     with pytest.raises(ValueError, match="page_size must be a multiple of 16, got 8"):
         paged_decode_forward(q, pool, pool, torch.zeros(1, 8, dtype=torch.long),
                              torch.tensor([40]), max_len=40, page_size=8, scale=1.0)
+
+
+def test_a_failing_in_place_step_leaves_the_pool_as_it_was(monkeypatch):
+    """The step's tokens are written before the kernel runs; if it raises, the module's
+    rollback returns the pages and lengths exactly as they were."""
+    attn = mh.MultiHeadAttention(64, 8, num_kv_heads=2).to(DEV, torch.float16).eval()
+    pool = mh.PagedKVCache(num_pages=8, page_size=16, num_kv_heads=2, head_dim=8,
+                           dtype=torch.float16, device=DEV)
+    a = pool.add_sequence()
+    x = torch.randn(1, 16, 64).to(DEV, torch.float16)
+    with torch.no_grad():
+        attn(x, cache=pool.batch([a]), mask=M.causal())        # fills exactly one page
+    before = (pool.length(a), pool.pages_used, pool.k.clone(), pool.valid.clone())
+
+    def fail(*args):
+        raise RuntimeError("kernel failed")
+    monkeypatch.setattr(attention_module, "_reads_pages", lambda cache, q, *rest: True)
+    monkeypatch.setattr(attention_module, "_paged_decode", fail)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="kernel failed"):
+        attn(x[:, :1], cache=pool.batch([a]), mask=M.causal())   # would take a new page
+    assert (pool.length(a), pool.pages_used) == before[:2]
+    assert torch.equal(pool.k, before[2]) and torch.equal(pool.valid, before[3])

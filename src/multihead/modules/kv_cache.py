@@ -109,6 +109,13 @@ class _CacheBase:
         if self._journal is not None:
             self._journal.append(undo)
 
+    def _kept(self, take, buffers):
+        """``take(t)`` of each buffer (the slots a write is about to replace) while a
+        journal is open, so that its undo restores their bytes; else None."""
+        if self._journal is None:
+            return None
+        return tuple(take(t) for t in buffers)
+
     def _check_valid(self, valid, n: int):
         """``valid`` (B, n) bool on the cache's device, or None; a clear error otherwise."""
         if valid is None:
@@ -212,6 +219,8 @@ class KVCache(_CacheBase):
                              f"slots and {n} more were appended; nothing was written. Build it "
                              f"with a larger max_len, or reset() it")
         s = slice(self.seen, self.seen + n)
+        old = self._kept(lambda t: t[:, :, s].clone() if t.dim() == 4 else t[:, s].clone(),
+                         (self.k, self.v, self.valid))
         self.k[:, :, s] = k
         self.v[:, :, s] = v
         added = n if valid is None else valid.sum(1)                           # (B,) or n
@@ -219,9 +228,9 @@ class KVCache(_CacheBase):
         self.lengths += added
         before = (self.seen, self.padded)
 
-        def undo():
+        def undo():                    # counts, and the slots' bytes, as they were
             self.lengths -= added
-            self.valid[:, s] = False
+            self.k[:, :, s], self.v[:, :, s], self.valid[:, s] = old   # recorded: journaled
             self.seen, self.padded = before
         self._record(undo)
         self.padded = self.padded or valid is not None

@@ -218,8 +218,12 @@ class PagedBatch(_CacheBase):
                              f"written. Free finished sequences, or build a larger pool")
         taken = {}                     # the pages this write takes, per sequence
         saved = {s: (pool._written[s], pool._real[s], s in pool._padded) for s in self.ids}
+        overwritten = []               # (slots, their k, v and valid bytes) once known
 
-        def undo():                    # exactly these pages back to the pool, counts as they were
+        def undo():                    # exactly these pages back to the pool, counts and bytes
+            for slots, old in overwritten:          # as they were
+                for t, o in zip((pool.k, pool.v, pool.valid), old):
+                    t.index_copy_(0, slots, o)
             for sid, pages in taken.items():
                 if sid in pool._tables:
                     del pool._tables[sid][len(pool._tables[sid]) - len(pages):]
@@ -236,6 +240,9 @@ class PagedBatch(_CacheBase):
         B, Hkv = len(self.ids), self.num_kv_heads
         pos = before[:, None] + torch.arange(n, device=self.device)            # (B, n)
         slots = _slot(table, pos, p).flatten()                                 # (B*n,)
+        old = self._kept(lambda t: t.index_select(0, slots), (pool.k, pool.v, pool.valid))
+        if old is not None:
+            overwritten.append((slots, old))
         pool.k.index_copy_(0, slots, k.transpose(1, 2).reshape(B * n, Hkv, self.head_dim))
         pool.v.index_copy_(0, slots, v.transpose(1, 2).reshape(B * n, Hkv, self.value_dim))
         if valid is None:
