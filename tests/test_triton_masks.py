@@ -15,8 +15,8 @@ triton = pytest.importorskip("triton")
 from multihead.functional._call import make_call  # noqa: E402
 from multihead.functional.backend import triton as tb  # noqa: E402
 from multihead.kernels import ops  # noqa: E402
-from multihead.kernels.flash_sparse import (block_lists, sparse_backward,  # noqa: E402
-                                            sparse_forward)
+from multihead.kernels.flash_sparse import (KERNELS, block_lists, flatten, plan,  # noqa: E402
+                                            sparse_backward, sparse_forward)
 from multihead.kernels.mask_program import mask_program, source_of  # noqa: E402
 
 M = mh.masks
@@ -104,6 +104,100 @@ def test_the_operator_gives_gradients_with_the_default_tiles():
     ref = _grads(q.double(), k.double(), v.double(), lambda *t: _reference(*t, m))
     for a, r in zip(got, ref):
         torch.testing.assert_close(a.double(), r, atol=2e-2, rtol=2e-2)
+
+
+def test_the_sparse_operator_passes_torch_library_opcheck():
+    """Schema, fake implementation, autograd registration (lists of tensors included) and
+    the traced (AOT) forms agree with the kernels, checked by torch's op tester."""
+    B, H, Hkv, Sq, Sk, D = SHAPES[0]
+    q, k, v = (t.requires_grad_() for t in _inputs(B, H, Hkv, Sq, Sk, D, seed=4))
+    m = _mask("~dense&alibi", B, H, Sq, Sk)
+    prog, launches = plan(m, q, k, v, kernels=tuple(KERNELS))
+    torch.library.opcheck(ops.flash_sparse, (q, k, v, 0.25, *flatten(prog, launches)))
+
+
+def _counting_backend():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    return backend, graphs
+
+
+@pytest.mark.parametrize("structure", ["document&alibi", "dense|causal", "bias&padding"])
+def test_fullgraph_compile_traces_block_lists_and_kernels_and_a_new_mask_reuses_the_graph(
+        structure):
+    """Under ``torch.compile(fullgraph=True)`` the mask's plan (program, block lists) is
+    traced into the graph and the kernels run as ``multihead::flash_sparse``: gradients
+    equal the eager call's, and a second mask of the same structure with other values
+    reuses the compiled graph."""
+    B, H, Hkv, Sq, Sk, D = SHAPES[0]
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, seed=5)
+    g = torch.Generator().manual_seed(5)
+
+    def mask():
+        if structure == "document&alibi":
+            ids = torch.sort(torch.randint(0, 4, (B, Sk), generator=g), dim=1).values
+            return M.document(ids) & M.alibi(H)
+        if structure == "dense|causal":
+            return M.dense(torch.rand(B, 1, Sq, Sk, generator=g) > 0.7) | M.causal()
+        return (M.bias(torch.randn(1, H, Sq, Sk, generator=g))
+                & M.padding(torch.rand(B, Sk, generator=g) > 0.2))
+
+    def loss(q, k, v, m):
+        out, lse = ops.sparse(q, k, v, m, D ** -0.5)
+        return out.float().square().sum() + torch.where(torch.isfinite(lse), lse, 0).sum()
+    backend, graphs = _counting_backend()
+    compiled = torch.compile(loss, fullgraph=True, backend=backend)
+    results = []
+    for _ in range(2):
+        m = mask().to(DEV)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        compiled(*leaves, m).backward()
+        plain = [t.clone().requires_grad_() for t in (q, k, v)]
+        loss(*plain, m).backward()
+        for a, b in zip(leaves, plain):
+            torch.testing.assert_close(a.grad, b.grad)
+        results.append(leaves[0].grad)
+    assert len(graphs) == 1
+    assert "flash_sparse" in graphs[0].code
+    assert not torch.equal(*results)                  # the second mask did change the result
+    with torch.no_grad():                             # without gradients: the forward's lists
+        out, lse = torch.compile(lambda *a: ops.sparse(*a, D ** -0.5), fullgraph=True,
+                                 backend="aot_eager")(q, k, v, m)
+    want, want_lse = ops.sparse(q, k, v, m, D ** -0.5)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("name", ["causal", "window&padding", "packed documents",
+                                  "document&alibi"])
+def test_every_route_of_the_backend_traces_whole_under_fullgraph_compile(name, monkeypatch):
+    """``mh.attention(backend="triton")`` inside ``torch.compile(fullgraph=True)``, here on
+    the CPU (the backend let onto it, the kernels interpreted): bands run the band operator,
+    packed documents (whose host table a graph cannot read) and other masks the block lists
+    traced into the graph; forward and gradients equal the eager call's."""
+    import dataclasses
+    from multihead.functional import registry
+    be = registry.get("triton")
+    monkeypatch.setattr(be, "capabilities", dataclasses.replace(
+        be.capabilities, devices=frozenset({"cpu", "cuda"})))
+    B, H, Hkv, S, D = 2, 4, 2, 40, 16
+    q, k, v = _inputs(B, H, Hkv, S, S, D, seed=6)
+    g = torch.Generator().manual_seed(6)
+    m = {"causal": M.causal(),
+         "window&padding": M.sliding_window(7) & M.padding(torch.tensor([33, 18])),
+         "packed documents": M.document(torch.arange(S) // 9),
+         "document&alibi": M.document(torch.sort(torch.randint(0, 4, (B, S), generator=g),
+                                                 dim=1).values) & M.alibi(H)}[name].to(DEV)
+    fn = lambda *t: mh.attention(*t, mask=m, backend="triton", return_lse=True)  # noqa: E731
+    backend, graphs = _counting_backend()
+    got = _grads(q, k, v, torch.compile(fn, fullgraph=True, backend=backend))
+    want = _grads(q, k, v, fn)
+    op = "flash_attention" if name in ("causal", "window&padding") else "flash_sparse"
+    assert len(graphs) == 1 and f"multihead.{op}" in graphs[0].code
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
 
 
 def test_the_sparse_backward_is_deterministic():
@@ -237,6 +331,23 @@ def test_a_device_mask_runs_without_a_host_sync_on_cuda():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+def test_attention_under_fullgraph_compile_runs_any_mask_on_the_kernels_on_cuda():
+    """``mh.attention(backend="triton")`` traced whole: a device-id document mask with
+    ALiBi trains through ``multihead::flash_sparse`` as it does eagerly."""
+    B, H, S = 2, 4, 600
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(B, H, S, 64, generator=g).to("cuda", torch.bfloat16)
+               for _ in range(3))
+    ids = torch.sort(torch.randint(0, 5, (B, S), generator=g), dim=1).values.to("cuda")
+    m = M.document(ids) & M.alibi(H)
+    fn = lambda *t: mh.attention(*t, mask=m, backend="triton", return_lse=True)  # noqa: E731
+    got = _grads(q, k, v, torch.compile(fn, fullgraph=True))
+    want = _grads(q, k, v, fn)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("name", ["document", "dense", "bias", "padding_left_bool",

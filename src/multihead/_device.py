@@ -22,7 +22,7 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     device = torch.device(device)
     if t.device == device or (device.index is None and t.device.type == device.type):
         return t
-    if t.device.type != "cpu":
+    if t.device.type != "cpu" or torch.compiler.is_compiling():   # traced: the graph's copy
         return t.to(device)
     if device.type == "cuda":
         # a private pinned copy: the copy runs later, so the caller may reuse its buffer

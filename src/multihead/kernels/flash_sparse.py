@@ -23,6 +23,8 @@ B'/H' the mask's own batch and head sizes (1 where it broadcasts), nQ/nK blocks.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -225,6 +227,114 @@ def _check_mask(fn: str, mask: MB.Mask, q, k) -> None:
         raise ValueError(f"{fn}: {e}") from None
 
 
+class Launch(NamedTuple):
+    """One kernel's launch: ``config`` ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` and the
+    block ``lists`` ``(n_full, n_part, index)`` for those blocks (:func:`block_lists`)."""
+
+    config: tuple
+    lists: tuple
+
+
+#: the kernels of a call, each with whether its lists go by key: the forward, then the
+#: backward's dK/dV (per key block, the query blocks that see it) and dQ
+KERNELS = {"fwd": False, "bwd_kv": True, "bwd_q": False}
+
+
+def plan(mask: MB.Mask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+         kernels: tuple[str, ...], configs: tuple | None = None,
+         ) -> tuple[MaskProgram, tuple[Launch, ...]]:
+    """The mask program and one :class:`Launch` per named kernel (of :data:`KERNELS`), for
+    a call of these inputs. Plain Python and tensor operations (cached on the mask): while
+    ``torch.compile`` traces, they are traced (nothing is compiled or cached).
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> q = torch.zeros(1, 2, 100, 16, dtype=torch.float16)
+        >>> prog, (fwd,) = plan(mh.masks.alibi(2), q, q, q, kernels=("fwd",))
+        >>> fwd.config, fwd.lists[2].shape
+        ((128, 64, 4, 3), torch.Size([1, 1, 1, 2]))
+    """
+    _check_mask("sparse attention", mask, q, k)
+    Sq, D, Sk, Dv = q.shape[2], q.shape[3], k.shape[2], v.shape[3]
+    out = []
+    for i, name in enumerate(kernels):
+        cfg = tuple(configs[i]) if configs is not None else launch_config(name, D, Dv)
+        out.append(Launch(cfg, block_lists(mask, Sq, Sk, cfg[0], cfg[1], q.device,
+                                           by_key=KERNELS[name])))
+    return program(mask, Sq, Sk, q.device), tuple(out)
+
+
+def flatten(prog: MaskProgram, launches: tuple[Launch, ...]) -> tuple:
+    """``(source, has_bias, tensors, ints, lists, configs)``: a :func:`plan` as operator
+    arguments (lists of tensors and of ints; :func:`unflatten` inverts it)."""
+    return (prog.source, prog.has_bias, list(prog.tensors), list(prog.ints),
+            [t for launch in launches for t in launch.lists],
+            [n for launch in launches for n in launch.config])
+
+
+def unflatten(source: str, has_bias: bool, tensors, ints, lists, configs,
+              ) -> tuple[MaskProgram, tuple[Launch, ...]]:
+    """The :func:`plan` that :func:`flatten` gave these operator arguments."""
+    if len(lists) % 3 or len(configs) != 4 * (len(lists) // 3):
+        raise ValueError(f"flash_sparse: lists and configs must come from one plan "
+                         f"(3 tensors and 4 ints per kernel), got {len(lists)} tensors and "
+                         f"{len(configs)} ints")
+    launches = tuple(Launch(tuple(configs[4 * i:4 * i + 4]), tuple(lists[3 * i:3 * i + 3]))
+                     for i in range(len(lists) // 3))
+    return MaskProgram(source, tuple(tensors), tuple(ints), has_bias), launches
+
+
+def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                prog: MaskProgram, fwd: Launch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel of a :func:`plan` (inputs checked by the caller)."""
+    B, H, Sq, D = q.shape
+    _, Hkv, Sk, Dv = v.shape
+    out, lse = empty_outputs(q, v)
+    if B * H * Sq == 0:
+        return out, lse
+    if Sk == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    bm, bn, warps, stages = fwd.config
+    n_full, n_part, index = fwd.lists
+    _forward_sparse[(triton.cdiv(Sq, bm), B * H)](
+        q, k, v, out, lse, n_full, n_part, index, scale * LOG2E,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        *_list_strides(n_full, index), index.shape[-1], H, H // Hkv, Sq, Sk,
+        prog.tensors, prog.ints, MASK_FN=prog.fn, HAS_BIAS=prog.has_bias, D=D, DV=Dv,
+        BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+        num_stages=stages)
+    return out, lse
+
+
+def run_backward(dout, q, k, v, out, lse, dlse, scale: float, prog: MaskProgram,
+                 kv: Launch, dq_: Launch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two backward kernels of a :func:`plan` (inputs checked by the caller)."""
+    B, H, Sq, D = q.shape
+    _, Hkv, Sk, Dv = v.shape
+    (dq, dk, dv), delta, lse, _ = backward_setup(dout, q, k, v, out, lse, dlse,
+                                                 (kv.config, dq_.config))
+    if delta is None:                                  # nothing to compute: zeros
+        return dq, dk, dv
+    common = dict(MASK_FN=prog.fn, HAS_BIAS=prog.has_bias, D=D, DV=Dv, BLOCK_D=pow2(D),
+                  BLOCK_DV=pow2(Dv))
+    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
+    bm, bn, warps, stages = kv.config
+    n_full, n_part, index = kv.lists
+    _dkdv_sparse[(triton.cdiv(Sk, bn), B * Hkv)](
+        q, k, v, dout, lse, delta, dk, dv, n_full, n_part, index, scale, scale * LOG2E,
+        *strides, *_list_strides(n_full, index), index.shape[-1], H, H // Hkv, Sq, Sk,
+        prog.tensors, prog.ints, **common, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+        num_stages=stages)
+    bm, bn, warps, stages = dq_.config
+    n_full, n_part, index = dq_.lists
+    _dq_sparse[(triton.cdiv(Sq, bm), B * H)](
+        q, k, v, dout, lse, delta, dq, n_full, n_part, index, scale, scale * LOG2E,
+        *strides, *_list_strides(n_full, index), index.shape[-1], H, H // Hkv, Sq, Sk,
+        prog.tensors, prog.ints, **common, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+        num_stages=stages)
+    return dq, dk, dv
+
+
 def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MB.Mask, *,
                    scale: float, config: tuple[int, int, int, int] | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,24 +358,9 @@ def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MB.M
     """
     check_inputs("sparse_forward", q, k, v)
     _check_mask("sparse_forward", mask, q, k)
-    B, H, Sq, D = q.shape
-    _, Hkv, Sk, Dv = v.shape
-    out, lse = empty_outputs(q, v)
-    if B * H * Sq == 0:
-        return out, lse
-    if Sk == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
-    bm, bn, warps, stages = config or launch_config("fwd", D, Dv)
-    prog = program(mask, Sq, Sk, q.device)
-    n_full, n_part, index = block_lists(mask, Sq, Sk, bm, bn, q.device)
-    _forward_sparse[(triton.cdiv(Sq, bm), B * H)](
-        q, k, v, out, lse, n_full, n_part, index, scale * LOG2E,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        *_list_strides(n_full, index), index.shape[-1], H, H // Hkv, Sq, Sk,
-        prog.tensors, prog.ints, MASK_FN=prog.fn, HAS_BIAS=prog.has_bias, D=D, DV=Dv,
-        BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-        num_stages=stages)
-    return out, lse
+    prog, (fwd,) = plan(mask, q, k, v, kernels=("fwd",),
+                        configs=None if config is None else (config,))
+    return run_forward(q, k, v, scale, prog, fwd)
 
 
 def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -291,28 +386,5 @@ def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     check_inputs("sparse_backward", q, k, v)
     check_backward("sparse_backward", dout, q, v, out, lse)
     _check_mask("sparse_backward", mask, q, k)
-    B, H, Sq, D = q.shape
-    _, Hkv, Sk, Dv = v.shape
-    (dq, dk, dv), delta, lse, (kv_cfg, q_cfg) = backward_setup(dout, q, k, v, out, lse, dlse,
-                                                               config)
-    if delta is None:                                  # nothing to compute: zeros
-        return dq, dk, dv
-    prog = program(mask, Sq, Sk, q.device)
-    common = dict(MASK_FN=prog.fn, HAS_BIAS=prog.has_bias, D=D, DV=Dv, BLOCK_D=pow2(D),
-                  BLOCK_DV=pow2(Dv))
-    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
-    bm, bn, warps, stages = kv_cfg
-    n_full, n_part, index = block_lists(mask, Sq, Sk, bm, bn, q.device, by_key=True)
-    _dkdv_sparse[(triton.cdiv(Sk, bn), B * Hkv)](
-        q, k, v, dout, lse, delta, dk, dv, n_full, n_part, index, scale, scale * LOG2E,
-        *strides, *_list_strides(n_full, index), index.shape[-1], H, H // Hkv, Sq, Sk,
-        prog.tensors, prog.ints, **common, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-        num_stages=stages)
-    bm, bn, warps, stages = q_cfg
-    n_full, n_part, index = block_lists(mask, Sq, Sk, bm, bn, q.device)
-    _dq_sparse[(triton.cdiv(Sq, bm), B * H)](
-        q, k, v, dout, lse, delta, dq, n_full, n_part, index, scale, scale * LOG2E,
-        *strides, *_list_strides(n_full, index), index.shape[-1], H, H // Hkv, Sq, Sk,
-        prog.tensors, prog.ints, **common, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-        num_stages=stages)
-    return dq, dk, dv
+    prog, (kv, dq) = plan(mask, q, k, v, kernels=("bwd_kv", "bwd_q"), configs=config)
+    return run_backward(dout, q, k, v, out, lse, dlse, scale, prog, kv, dq)

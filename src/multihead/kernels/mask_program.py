@@ -48,14 +48,23 @@ KINDS = frozenset({"causal", "window", "padding", "document", "dense", "bias", "
 
 
 class MaskProgram(NamedTuple):
-    """A compiled mask: ``fn`` (a Triton function), its arguments ``tensors`` and ``ints``,
-    and whether it adds a bias (``has_bias``: the kernels then call it on every block,
-    not only on the blocks they must mask)."""
+    """A mask as Triton code: its ``source``, the arguments ``tensors`` and ``ints`` it
+    indexes, and whether it adds a bias (``has_bias``: the kernels then call it on every
+    block, not only on the blocks they must mask). ``fn`` is the compiled function.
 
-    fn: object
+    Building one is plain Python over the mask's tree, so ``torch.compile`` traces it (the
+    source is a string argument of the operator, the tensors tensor arguments); only
+    ``fn`` runs ``exec``, inside the operator."""
+
+    source: str
     tensors: tuple
     ints: tuple
     has_bias: bool
+
+    @property
+    def fn(self):
+        """The ``@triton.jit`` function ``mask_fn`` (compiled once per distinct source)."""
+        return _compile(self.source)
 
 
 def supported(mask: MB.Mask | None) -> str | None:
@@ -230,7 +239,7 @@ def _build(mask, sq, sk, device):
 
 
 def mask_program(mask: MB.Mask, sq: int, sk: int, device) -> MaskProgram:
-    """Compile ``mask`` for calls of ``sq`` queries and ``sk`` keys on ``device``.
+    """``mask`` as Triton code for calls of ``sq`` queries and ``sk`` keys on ``device``.
 
     Raises:
         ValueError: for a mask :func:`supported` refuses.
@@ -245,6 +254,6 @@ def mask_program(mask: MB.Mask, sq: int, sk: int, device) -> MaskProgram:
     if why is not None:
         raise ValueError(f"mask_program: {mask.describe()} {why}")
     source, w, has_bias = _build(mask, sq, sk, device)
-    return MaskProgram(_compile(source), tuple(w.tensors), tuple(w.ints) or (0,), has_bias)
+    return MaskProgram(source, tuple(w.tensors), tuple(w.ints) or (0,), has_bias)
 
 

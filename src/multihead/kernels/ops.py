@@ -1,5 +1,6 @@
-"""Our kernels as PyTorch operators: ``torch.ops.multihead.flash_attention`` (forward and
-backward) and ``torch.ops.multihead.flash_decode`` (forward only).
+"""Our kernels as PyTorch operators: ``torch.ops.multihead.flash_attention`` (band masks
+and packed documents) and ``flash_sparse`` (any other mask, by block lists), each with its
+backward, and ``flash_decode`` (forward only).
 
 Each is a ``torch.library.custom_op`` with a fake implementation (output shapes from input
 shapes, no data read), so ``torch.compile(fullgraph=True)`` traces a call as one opaque node
@@ -7,8 +8,13 @@ instead of breaking the graph on Triton's Python launcher; the forward's autogra
 the backward kernels of :mod:`.flash_bwd`. The grids depend on shapes only and nothing reads
 a device value back to the host, so CUDA graphs can capture a call.
 
-Eager calls skip the operator wrappers: :func:`attention` and :func:`decode` call the
-kernels directly (through a ``torch.autograd.Function`` for gradients) unless
+A mask is not an operator argument: ``flash_sparse`` takes what :func:`.flash_sparse.plan`
+derives from it (the mask program's source, its tensors and ints; the block lists and
+launch configs), so under ``torch.compile`` the plan is traced into the graph, and a new
+mask of the same structure reuses the compiled graph and kernels.
+
+Eager calls skip the operator wrappers: :func:`attention`, :func:`sparse` and :func:`decode`
+call the kernels directly (through a ``torch.autograd.Function`` for gradients) unless
 ``torch.compile`` is tracing, because a ``custom_op``'s eager dispatch cost about 100 us of
 host time per call on an H100 machine, five times a decoding step's kernels.
 
@@ -25,7 +31,9 @@ import torch
 from .decode import decode_forward
 from .flash_bwd import flash_backward
 from .flash_fwd import flash_forward
-from .flash_sparse import sparse_backward, sparse_forward
+from ._band import check_inputs
+from .flash_sparse import (KERNELS, flatten, plan, run_backward, run_forward,
+                           sparse_backward, sparse_forward, unflatten)
 
 
 def _kw(scale, causal, window, offset, kv_lengths, documents=None) -> dict:
@@ -132,8 +140,70 @@ def attention(q, k, v, scale: float, causal: bool, window: int, offset: int,
     return _Flash.apply(q, k, v, scale, causal, window, offset, kv_lengths, documents)
 
 
+@torch.library.custom_op("multihead::flash_sparse", mutates_args=())
+def flash_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, source: str,
+                 has_bias: bool, tensors: list[torch.Tensor], ints: list[int],
+                 lists: list[torch.Tensor],
+                 configs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of the block-sparse forward: the arguments after ``scale`` are a
+    :func:`.flash_sparse.plan` flattened by :func:`.flash_sparse.flatten` (the mask program's
+    source and arguments; per kernel, its block lists and launch config). The lists of the
+    backward kernels ride along when gradients are wanted."""
+    check_inputs("flash_sparse", q, k, v)
+    prog, launches = unflatten(source, has_bias, tensors, ints, lists, configs)
+    return run_forward(q, k, v, scale, prog, launches[0])
+
+
+@flash_sparse.register_fake
+def _(q, k, v, scale, source, has_bias, tensors, ints, lists, configs):
+    check_inputs("flash_sparse", q, k, v)
+    B, H, Sq, _ = q.shape
+    return q.new_empty(B, H, Sq, v.shape[-1]), q.new_empty(B, H, Sq, dtype=torch.float32)
+
+
+@torch.library.custom_op("multihead::flash_sparse_backward", mutates_args=())
+def flash_sparse_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor,
+                          k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, scale: float, source: str, has_bias: bool,
+                          tensors: list[torch.Tensor], ints: list[int],
+                          lists: list[torch.Tensor], configs: list[int],
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`flash_sparse`'s call (its plan of three kernels)."""
+    prog, launches = unflatten(source, has_bias, tensors, ints, lists, configs)
+    if len(launches) != 3:
+        raise ValueError(f"flash_sparse_backward: the plan must hold the forward's and both "
+                         f"backward kernels' lists (3 kernels), got {len(launches)}: plan "
+                         f"with kernels=('fwd', 'bwd_kv', 'bwd_q')")
+    return run_backward(dout, q, k, v, out, lse, dlse, scale, prog, *launches[1:])
+
+
+@flash_sparse_backward.register_fake
+def _(dout, dlse, q, k, v, out, lse, scale, source, has_bias, tensors, ints, lists, configs):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _sparse_setup(ctx, inputs, output):
+    q, k, v, scale, source, has_bias, tensors, ints, lists, configs = inputs
+    ctx.save_for_backward(q, k, v, *output, *tensors, *lists)
+    ctx.args = (scale, source, has_bias, len(tensors), ints, configs, len(lists))
+
+
+def _sparse_gradients(ctx, dout, dlse):
+    q, k, v, out, lse, *rest = ctx.saved_tensors
+    scale, source, has_bias, n, ints, configs, n_lists = ctx.args
+    dout = torch.zeros_like(out) if dout is None else dout
+    dq, dk, dv = flash_sparse_backward(dout, dlse, q, k, v, out, lse, scale, source, has_bias,
+                                       rest[:n], ints, rest[n:], configs)
+    # no gradient for the rest (a list of tensors gets a list of Nones)
+    return dq, dk, dv, None, None, None, [None] * n, None, [None] * n_lists, None
+
+
+flash_sparse.register_autograd(_sparse_gradients, setup_context=_sparse_setup)
+
+
 class _Sparse(torch.autograd.Function):
-    """The block-sparse kernels (:mod:`.flash_sparse`) with their backward."""
+    """The eager path of :func:`sparse`: the kernels with their plans cached on the mask
+    (the backward's lists are built only when a backward runs)."""
 
     @staticmethod
     def forward(q, k, v, mask, scale):
@@ -156,14 +226,19 @@ class _Sparse(torch.autograd.Function):
 
 
 def sparse(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of :func:`.flash_sparse.sparse_forward` with gradients (eager only:
-    a mask is not an operator argument).
+    """``(out, lse)`` under any supported mask, with gradients: :func:`flash_sparse` while
+    ``torch.compile`` traces (the mask's plan is traced with it, so its tensors are graph
+    inputs), the kernels directly otherwise.
 
     Example:
         >>> import torch, multihead as mh
         >>> q = torch.randn(1, 2, 32, 16, device="cuda", dtype=torch.float16)   # doctest: +SKIP
         >>> out, lse = sparse(q, q, q, mh.masks.alibi(2), 0.25)                  # doctest: +SKIP
     """
+    if torch.compiler.is_compiling():
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        prog, launches = plan(mask, q, k, v, kernels=tuple(KERNELS) if grad else ("fwd",))
+        return flash_sparse(q, k, v, scale, *flatten(prog, launches))
     return _Sparse.apply(q, k, v, mask, scale)
 
 

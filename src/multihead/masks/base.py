@@ -209,6 +209,8 @@ class Mask:
             >>> m.cached("n", (), lambda: 3)
             3
         """
+        if torch.compiler.is_compiling():  # traced: the graph recomputes it on each call
+            return compute()
         key = self.cache_key()
         if key is not None:
             full = (key, what, args)

@@ -12,9 +12,9 @@ MQA read each K/V head in place, forward and backward (the K/V gradients are sum
 the group in registers; deterministic). A band call of at most 16 queries without
 gradients (a decoding step, a draft to verify) runs the split-K decode kernel instead
 (:mod:`multihead.kernels.decode`), which reads each K/V byte once for the whole group of
-query heads. Band calls go through ``torch.ops.multihead`` operators
-(:mod:`multihead.kernels.ops`), so ``torch.compile(fullgraph=True)`` traces them; the
-block-sparse path runs eagerly only. Registered only where Triton is installed.
+query heads. Every path goes through ``torch.ops.multihead`` operators under ``torch.compile``
+(:mod:`multihead.kernels.ops`), so ``fullgraph=True`` traces them, block lists included.
+Registered only where Triton is installed.
 """
 
 from __future__ import annotations
@@ -70,9 +70,6 @@ def _route(call: AttentionCall) -> Band | Sparse | str:
     why = supported(call.effective_mask)
     if why is not None:
         return why
-    if torch.compiler.is_compiling():
-        return ("runs masks other than band and key padding eagerly only (not under "
-                "torch.compile)")
     return Sparse(call.effective_mask)
 
 
@@ -108,8 +105,11 @@ def _find_band(call: AttentionCall) -> Band | str:
 def _documents(call: AttentionCall, document: M.Document) -> torch.Tensor | None:
     """Rows ``(b, first, length)`` of the packed documents (host), or None unless the
     documents are contiguous runs known on the host of a self-attention call. The same
-    table object each call (the kernels then check and schedule it once)."""
-    if document.kv_ids is not None or call.Sq != call.Sk or not document.runs_known:
+    table object each call (the kernels then check and schedule it once). None while
+    ``torch.compile`` traces: the table is data the graph cannot read, so the documents
+    go to the block lists (built in the graph)."""
+    if (document.kv_ids is not None or call.Sq != call.Sk or not document.runs_known
+            or torch.compiler.is_compiling()):
         return None
     return document.segments(call.B)              # (documents, 3), cached on the mask
 
@@ -120,7 +120,8 @@ def _pairs(call: AttentionCall, band: Band, block_m: int, block_n: int) -> int:
         seqs = [(n, n) for n in band.documents[:, 2].tolist()]
     else:
         hi_keys = [call.Sk] * call.B
-        if band.padding is not None and band.padding._host_lengths is not None:
+        if (band.padding is not None and band.padding._host_lengths is not None
+                and not torch.compiler.is_compiling()):       # traced: no values to read
             host = [min(call.Sk, int(n)) for n in band.padding._host_lengths.tolist()]
             hi_keys = host * call.B if len(host) == 1 else host
         seqs = [(call.Sq, hi) for hi in hi_keys]
@@ -180,8 +181,8 @@ class TritonFlash(Backend):
 
     def _sparse_plan(self, call, sparse, bm, bn):
         mask = sparse.mask
-        if mask.has_predicate and not mask.on_host:     # counting its tiles would sync
-            pairs = call.pairs
+        if mask.has_predicate and not mask.on_host or torch.compiler.is_compiling():
+            pairs = call.pairs                          # counting its tiles would sync
             note = (f"block lists built on {call.q.device}, EMPTY blocks skipped; priced as if "
                     f"every block were visited (counting them would read the device)")
         else:
