@@ -200,6 +200,55 @@ def test_every_route_of_the_backend_traces_whole_under_fullgraph_compile(name, m
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
 
 
+def _sparse_grads(q, k, v, m, dout, config=TILES):
+    """(out, dq, dk, dv) of the block-sparse kernels with small tiles."""
+    out, lse = sparse_forward(q, k, v, m, scale=0.25, config=config)
+    return (out, *sparse_backward(dout, q, k, v, out, lse, m, scale=0.25,
+                                  config=(config, config)))
+
+
+@pytest.mark.parametrize("side", ["key", "query"])
+def test_hidden_nan_and_inf_never_reach_a_row_or_a_gradient(side):
+    """The rule of ``multihead.functional.nonfinite`` kept by the kernels themselves (on a
+    GPU nothing scans the inputs): padded positions full of NaN and inf, hidden by a bool
+    padding mask, change no output and no gradient; the result equals the kernels' own on
+    the same inputs with those positions zeroed."""
+    B, H, Hkv, S, D = 2, 4, 2, 40, 16
+    q, k, v = _inputs(B, H, Hkv, S, S, D, seed=8)
+    real = torch.arange(S).expand(B, S) < torch.tensor([[29], [35]])      # (B, S)
+    m = M.padding(real.to(DEV), side=side)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(8)).to(q)
+    garbage = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=q.dtype)
+    hidden = ~real[:, None, :, None]                                        # (B, 1, S, 1)
+
+    def poisoned(t):
+        fill = garbage[torch.arange(t.numel()) % 3].view(t.shape).to(t.device)
+        return torch.where(hidden.to(t.device), fill, t)
+    padded = (1, 2) if side == "key" else (0,)          # which of q, k, v the mask pads
+    clean = [torch.where(hidden.to(t.device), 0, t) if i in padded else t
+             for i, t in enumerate((q, k, v))]
+    dirty = [poisoned(t) if i in padded else t for i, t in enumerate(clean)]
+    got = _sparse_grads(*dirty, m, dout)
+    want = _sparse_grads(*clean, m, dout)
+    for name, a, b in zip(["out", "dq", "dk", "dv"], got, want):   # hidden: exactly 0 in both
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_a_row_that_sees_a_nan_value_is_nan_and_its_neighbours_are_not():
+    """A NaN in a value some rows of a block see and others do not: the rows that see it
+    are NaN, the others exact (0 * NaN inside the block's product would poison them)."""
+    B, H, Hkv, S, D = 1, 2, 2, 32, 16
+    q, k, v = _inputs(B, H, Hkv, S, S, D, seed=9)
+    m = M.dense(torch.ones(S, S, dtype=torch.bool).tril().to(DEV))        # causal, as lists
+    bad = v.clone()
+    bad[:, :, 20] = float("nan")                                  # key 20: rows 20.. see it
+    out, _ = sparse_forward(q, k, bad, m, scale=0.25, config=TILES)
+    want, _ = sparse_forward(q, k, v, m, scale=0.25, config=TILES)
+    assert out[:, :, 20:].isnan().all()
+    assert torch.equal(out[:, :, :20], want[:, :, :20])
+
+
 def test_the_sparse_backward_is_deterministic():
     B, H, Hkv, Sq, Sk, D = SHAPES[0]
     q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, seed=3)

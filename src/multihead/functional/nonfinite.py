@@ -15,7 +15,11 @@ over the output: a non-finite input a row may see, or a hidden one that leaked t
 kernel, leaves a non-finite output; only then are the inputs scanned, the call run again
 on cleaned inputs and the rows that see non-finite values set to NaN. On devices where a
 read-back stalls the queue (GPUs) nothing is inspected, and the fused kernels' own NaN
-handling applies.
+handling applies. Our Triton kernels keep the rule themselves where hidden positions may
+hold anything: the block-sparse kernels zero non-finite values on the blocks they mask and
+make NaN the rows that see one (forward and backward), and the band kernels never read the
+keys past a padding length; within a band's edge block, a non-finite value of a key some
+rows see reaches the block's other rows too (it is real data, not padding).
 """
 
 from __future__ import annotations

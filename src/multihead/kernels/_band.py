@@ -361,3 +361,12 @@ def load_tile(base, idx, n, s_idx, s_col, C: tl.constexpr, BLOCK_C: tl.constexpr
     if BOUNDED:
         ok = ok & (idx[:, None] < n)
     return tl.load(base + idx[:, None] * s_idx + cols[None, :] * s_col, mask=ok, other=0.0)
+
+
+@triton.jit
+def finite_or_zero(x):
+    """``x (n, C)`` with NaN and ±inf replaced by 0, and ``(n,)`` whether each row of ``x``
+    held one: so that a value the mask hides (weighted by 0, and ``0 * NaN`` is NaN) never
+    reaches a row, while a row that sees one is made NaN by the caller."""
+    finite = tl.abs(x) < float("inf")                         # False for NaN and ±inf
+    return tl.where(finite, x, 0.0), tl.max(tl.where(finite, 0, 1), 1) > 0

@@ -25,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import (LOG2E, check_inputs, empty_like_all, key_range, launch_config, load_tile,
-                    masked_scores, pow2, program_block, query_range, schedule)
+from ._band import (LOG2E, check_inputs, empty_like_all, finite_or_zero, key_range,
+                    launch_config, load_tile, masked_scores, pow2, program_block, query_range,
+                    schedule)
 from .flash_fwd import DYNAMIC
 
 
@@ -52,14 +53,24 @@ def _delta(O, DO, DLSE, DELTA, soh, som, sod, sdh, sdm, sdd, Sq,
 def _probs(q, k, lse2, qpos, cols, klen, row_ok, qk_scale, offset, window, b, h, Sq, T, I,
            CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASKED: tl.constexpr,
            MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # P (rows, keys) = exp2(q kᵀ · qk_scale + bias - lse2), zero where the mask rules a pair
-    # out (the band, or the mask program MASK_FN: see _band.masked_scores).
+    # (P, ok): P (rows, keys) = exp2(q kᵀ · qk_scale + bias - lse2), zero where the mask
+    # rules a pair out (the band, or the mask program MASK_FN: see _band.masked_scores).
     s = tl.dot(q, tl.trans(k)) * qk_scale                                   # (rows, keys)
     s, ok = masked_scores(s, b, h, qpos, cols, Sq, klen, row_ok, offset, window, T, I,
                           CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS)
     if MASKED:
-        return tl.where(ok, tl.math.exp2(tl.where(ok, s, 0.0) - lse2[:, None]), 0.0)
-    return tl.math.exp2(s - lse2[:, None])
+        return tl.where(ok, tl.math.exp2(tl.where(ok, s, 0.0) - lse2[:, None]), 0.0), ok
+    return tl.math.exp2(s - lse2[:, None]), ok
+
+
+@triton.jit
+def _dscores(p, ok, dp, delta, MASKED: tl.constexpr):
+    # dS = P ∘ (dP - delta), exactly 0 on the pairs the mask hides (where a hidden
+    # non-finite value made dP NaN, 0 * NaN would not be).
+    ds = p * (dp - delta[:, None])
+    if MASKED:
+        ds = tl.where(ok, ds, 0.0)
+    return ds
 
 
 @triton.jit
@@ -76,11 +87,13 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
     do = load_tile(do_base, rows, Sq, sdm, sdd, DV, BLOCK_DV, MASKED)     # (BLOCK_M, BLOCK_DV)
     lse2 = tl.load(lse_base + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(dl_base + rows, mask=row_ok, other=0.0)
-    p = _probs(q, k, lse2, rows, cols, klen, row_ok, qk_scale, offset, window, b, h, Sq, T, I,
-               CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS)                 # (BLOCK_M, BLOCK_N)
+    p, ok = _probs(q, k, lse2, rows, cols, klen, row_ok, qk_scale, offset, window, b, h, Sq,
+                   T, I, CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS)       # (BLOCK_M, BLOCK_N)
     dv += tl.dot(tl.trans(p.to(do.dtype)), do)                             # (BLOCK_N, BLOCK_DV)
     dp = tl.dot(do, tl.trans(v))                                            # (BLOCK_M, BLOCK_N)
-    ds = p * (dp - delta[:, None])
+    ds = _dscores(p, ok, dp, delta, MASKED)
+    if MASKED and MASK_FN is not None:          # hidden queries may hold anything (padding)
+        q, _ = finite_or_zero(q)
     dk += tl.dot(tl.trans(ds.to(q.dtype)), q)                              # (BLOCK_N, BLOCK_D)
     return dk, dv
 
@@ -150,10 +163,12 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
     cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
     k = load_tile(k_base, cols, klen, skn, skd, D, BLOCK_D, MASKED)       # (BLOCK_N, BLOCK_D)
     v = load_tile(v_base, cols, klen, svn, svd, DV, BLOCK_DV, MASKED)     # (BLOCK_N, BLOCK_DV)
-    p = _probs(q, k, lse2, rows, cols, klen, row_ok, qk_scale, offset, window, b, h, Sq, T, I,
-               CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS)                 # (BLOCK_M, BLOCK_N)
+    p, ok = _probs(q, k, lse2, rows, cols, klen, row_ok, qk_scale, offset, window, b, h, Sq,
+                   T, I, CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS)       # (BLOCK_M, BLOCK_N)
     dp = tl.dot(do, tl.trans(v))
-    ds = p * (dp - delta[:, None])
+    ds = _dscores(p, ok, dp, delta, MASKED)
+    if MASKED and MASK_FN is not None:          # hidden keys may hold anything (padding)
+        k, _ = finite_or_zero(k)
     return dq + tl.dot(ds.to(k.dtype), k)                                   # (BLOCK_M, BLOCK_D)
 
 

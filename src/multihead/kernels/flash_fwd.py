@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import (LOG2E, check_inputs, empty_outputs, key_range, launch_config, load_tile,
-                    masked_scores, pow2, program_block, schedule)
+from ._band import (LOG2E, check_inputs, empty_outputs, finite_or_zero, key_range,
+                    launch_config, load_tile, masked_scores, pow2, program_block, schedule)
 
 #: arguments whose value changes per call but must not cause a compile (Triton would
 #: otherwise specialize on their divisibility by 16)
@@ -58,6 +58,10 @@ def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_
     alpha = tl.math.exp2(m_i - shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_tile(v_base, cols, hi, svn, svd, DV, BLOCK_DV, MASKED)      # (BLOCK_N, BLOCK_DV)
+    if MASKED and MASK_FN is not None:          # hidden keys may hold anything (padding)
+        v, bad = finite_or_zero(v)                                          # bad (BLOCK_N,)
+        seen = tl.max(tl.where(ok & bad[None, :], 1, 0), 1) > 0            # (rows,)
+        acc = tl.where(seen[:, None], float("nan"), acc)     # a row that sees one: NaN
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)                  # (rows, BLOCK_DV)
     return acc, m_new, l_i
 

@@ -17,6 +17,11 @@ clamped log-sum-exp (near ``-2.1e38``) since base 2 cannot hold it in fp32. GQA/
 empty rows (zeros, lse ``-inf``) and the deterministic backward are as in
 :mod:`.flash_fwd` and :mod:`.flash_bwd`, whose block steps this file reuses.
 
+Positions the mask hides may hold anything (padding): on a PARTIAL block a NaN or inf in a
+hidden query, key or value never reaches a row or a gradient (the tiles are cleaned before
+their products, where ``0 * NaN`` would be NaN), while a row that sees one is NaN, as in
+:mod:`multihead.functional.nonfinite`.
+
 Notation: B batch, H query heads, Hkv K/V heads, G = H / Hkv, Sq/Sk lengths, D/Dv head dims,
 B'/H' the mask's own batch and head sizes (1 where it broadcasts), nQ/nK blocks.
 """
