@@ -113,7 +113,43 @@ def test_the_sparse_operator_passes_torch_library_opcheck():
     q, k, v = (t.requires_grad_() for t in _inputs(B, H, Hkv, Sq, Sk, D, seed=4))
     m = _mask("~dense&alibi", B, H, Sq, Sk)
     prog, launches = plan(m, q, k, v, kernels=tuple(KERNELS))
-    torch.library.opcheck(ops.flash_sparse, (q, k, v, 0.25, *flatten(prog, launches)))
+    torch.library.opcheck(ops.flash_sparse, (q, k, v, 0.25, *flatten(prog, launches, Sq, Sk)))
+
+
+def test_the_sparse_operators_refuse_a_plan_that_does_not_fit_the_call():
+    """The operators take a plan as plain lists: one built for other lengths, blocks or a
+    forward only would read out of bounds or give wrong numbers, so each is refused by name,
+    as are backward inputs the forward did not give."""
+    B, H, Hkv, Sq, Sk, D = SHAPES[0]
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, seed=4)
+    m = _mask("~dense&alibi", B, H, Sq, Sk)
+    prog, launches = plan(m, q, k, v, kernels=tuple(KERNELS))
+    source, tensors, ints, lists, configs = flatten(prog, launches, Sq, Sk)
+    out, lse = ops.flash_sparse(q, k, v, 0.25, source, tensors, ints, lists, configs)
+    bad = {"lengths": dict(configs=[Sq + 1] + configs[1:]),
+           "blocks": dict(configs=configs[:2] + [16, 16] + configs[4:]),
+           "block size": dict(configs=configs[:2] + [24] + configs[3:]),
+           "lists": dict(lists=lists[:2]),
+           "list dtype": dict(lists=[lists[0].long()] + lists[1:]),
+           "no ints": dict(ints=[])}
+    base = dict(source=source, tensors=tensors, ints=ints, lists=lists, configs=configs)
+    for name, change in bad.items():
+        with pytest.raises(ValueError, match="flash_sparse: .*(plan|launch config|block lists)"):
+            ops.flash_sparse(q, k, v, 0.25, **{**base, **change})
+    forward_only = flatten(prog, launches[:1], Sq, Sk)
+    args = (q, k, v, out, lse, 0.25)
+    with pytest.raises(ValueError, match="flash_sparse_backward: the plan must hold"):
+        ops.flash_sparse_backward(torch.ones_like(out), None, *args, *forward_only)
+    with pytest.raises(ValueError, match="flash_sparse_backward: dout is torch.float32"):
+        ops.flash_sparse_backward(torch.ones_like(out).float(), None, *args, source, tensors,
+                                  ints, lists, configs)
+    with pytest.raises(ValueError, match="flash_sparse_backward: dlse must have shape"):
+        ops.flash_sparse_backward(torch.ones_like(out), lse[:, :1], *args, source, tensors,
+                                  ints, lists, configs)
+    with pytest.raises(ValueError, match="flash_sparse_backward: q has 4 heads, not a mult"):
+        ops.flash_sparse_backward(torch.ones_like(out), None, q, k[:, :1].expand(-1, 3, -1, -1),
+                                  v[:, :1].expand(-1, 3, -1, -1), out, lse, 0.25, source,
+                                  tensors, ints, lists, configs)
 
 
 def _counting_backend():
@@ -236,17 +272,22 @@ def test_hidden_nan_and_inf_never_reach_a_row_or_a_gradient(side):
 
 
 def test_a_row_that_sees_a_nan_value_is_nan_and_its_neighbours_are_not():
-    """A NaN in a value some rows of a block see and others do not: the rows that see it
-    are NaN, the others exact (0 * NaN inside the block's product would poison them)."""
+    """A NaN (head 0) or inf (head 1) in a value some rows of a block see and others do
+    not: the rows that see it are NaN, output and lse, as the reference makes them; the
+    others exact (0 * NaN inside the block's product would poison them)."""
     B, H, Hkv, S, D = 1, 2, 2, 32, 16
     q, k, v = _inputs(B, H, Hkv, S, S, D, seed=9)
     m = M.dense(torch.ones(S, S, dtype=torch.bool).tril().to(DEV))        # causal, as lists
     bad = v.clone()
-    bad[:, :, 20] = float("nan")                                  # key 20: rows 20.. see it
-    out, _ = sparse_forward(q, k, bad, m, scale=0.25, config=TILES)
-    want, _ = sparse_forward(q, k, v, m, scale=0.25, config=TILES)
-    assert out[:, :, 20:].isnan().all()
+    bad[:, 0, 20], bad[:, 1, 20] = float("nan"), float("inf")     # key 20: rows 20.. see it
+    out, lse = sparse_forward(q, k, bad, m, scale=0.25, config=TILES)
+    want, want_lse = sparse_forward(q, k, v, m, scale=0.25, config=TILES)
+    ref, ref_lse = mh.attention(q.float(), k.float(), bad.float(), mask=m, scale=0.25,
+                                backend="reference", return_lse=True)
+    assert out[:, :, 20:].isnan().all() and lse[:, :, 20:].isnan().all()
+    assert ref[:, :, 20:].isnan().all() and ref_lse[:, :, 20:].isnan().all()
     assert torch.equal(out[:, :, :20], want[:, :, :20])
+    assert torch.equal(lse[:, :, :20], want_lse[:, :, :20])
 
 
 def test_the_sparse_backward_is_deterministic():

@@ -24,6 +24,17 @@ def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 
 
+def shown(n) -> str:
+    """A size for a message: its digits, or ``"a traced size"`` while ``torch.compile``
+    traces (where it may be symbolic, and formatting it would specialize the graph to it).
+
+    Example:
+        >>> shown(128)
+        '128'
+    """
+    return "a traced size" if torch.compiler.is_compiling() else str(n)
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """The calls a backend can run.
@@ -87,7 +98,7 @@ class Capabilities:
         if call.dropout_p > 0 and not self.dropout:
             out.append("does not implement dropout")
         if call.Sq != call.Sk and not self.cross_attention:
-            out.append(f"needs Sq == Sk (got Sq={call.Sq}, Sk={call.Sk})")
+            out.append(f"needs Sq == Sk (got Sq={shown(call.Sq)}, Sk={shown(call.Sk)})")
         m = call.effective_mask
         if m is not None:
             if m.kind in ("and", "or", "not") and not self.compositions:

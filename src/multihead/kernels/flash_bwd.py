@@ -243,16 +243,36 @@ def backward_setup(dout, q, k, v, out, lse, dlse, config):
             config or (launch_config("bwd_kv", D, Dv), launch_config("bwd_q", D, Dv)))
 
 
-def check_backward(fn: str, dout, q, v, out, lse) -> None:
-    """Raise a ValueError naming ``fn``'s argument unless ``dout``, ``out`` and ``lse`` have
-    the shapes the forward of ``q (B, H, Sq, D)``, ``v (B, Hkv, Sk, Dv)`` gave."""
+def check_backward(fn: str, dout, q, v, out, lse, dlse=None) -> None:
+    """Raise a ValueError naming ``fn``'s argument unless ``dout``, ``out``, ``lse`` (and
+    ``dlse``) have the shapes, dtypes and device the forward of ``q (B, H, Sq, D)``,
+    ``v (B, Hkv, Sk, Dv)`` gave.
+
+    Example:
+        >>> import torch
+        >>> q = torch.zeros(1, 2, 4, 16, dtype=torch.float16)
+        >>> lse = torch.zeros(1, 2, 4)
+        >>> check_backward("flash_backward", q.float(), q, q, q, lse)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: flash_backward: dout is torch.float32 on cpu, must be torch.float16 on cpu...
+    """
     B, H, Sq, _ = q.shape
     Dv = v.shape[-1]
-    for name, t, shape in (("dout", dout, (B, H, Sq, Dv)), ("out", out, (B, H, Sq, Dv)),
-                           ("lse", lse, (B, H, Sq))):
+    for name, t, shape, dtype in (("dout", dout, (B, H, Sq, Dv), q.dtype),
+                                  ("out", out, (B, H, Sq, Dv), q.dtype),
+                                  ("lse", lse, (B, H, Sq), torch.float32),
+                                  ("dlse", dlse, (B, H, Sq), None)):    # any float
+        if t is None:
+            continue
         if tuple(t.shape) != shape:
             raise ValueError(f"{fn}: {name} must have shape {shape} (from q and v), "
                              f"got {tuple(t.shape)}: pass the forward's own output and lse")
+        dtype = dtype or (t.dtype if t.is_floating_point() else torch.float32)
+        if t.dtype != dtype or t.device != q.device:
+            raise ValueError(f"{fn}: {name} is {t.dtype} on {t.device}, must be {dtype} on "
+                             f"{q.device} (as the forward gave it): convert with "
+                             f".to({q.device.type!r}, {dtype})")
 
 
 def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -285,7 +305,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         ...                             scale=0.25, causal=True)                   # doctest: +SKIP
     """
     check_inputs("flash_backward", q, k, v, kv_lengths, documents, offset)
-    check_backward("flash_backward", dout, q, v, out, lse)
+    check_backward("flash_backward", dout, q, v, out, lse, dlse)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
     (dq, dk, dv), delta, lse, (kv_cfg, q_cfg) = backward_setup(dout, q, k, v, out, lse, dlse,

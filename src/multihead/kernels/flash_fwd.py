@@ -61,7 +61,7 @@ def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_
     if MASKED and MASK_FN is not None:          # hidden keys may hold anything (padding)
         v, bad = finite_or_zero(v)                                          # bad (BLOCK_N,)
         seen = tl.max(tl.where(ok & bad[None, :], 1, 0), 1) > 0            # (rows,)
-        acc = tl.where(seen[:, None], float("nan"), acc)     # a row that sees one: NaN
+        l_i = tl.where(seen, float("nan"), l_i)     # a row that sees one: NaN out and lse
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)                  # (rows, BLOCK_DV)
     return acc, m_new, l_i
 

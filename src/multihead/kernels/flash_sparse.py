@@ -65,9 +65,12 @@ def block_lists(mask: MB.Mask, sq: int, sk: int, block_m: int, block_n: int, dev
     def build():
         state = mask.tiles(sq, sk, tile_q=block_m, tile_k=block_n, device=device).state
         state = state.clone()                                       # (B', H', nQ, nK) int8
-        if sq % block_m:                                            # short blocks: bounds
+        # short last blocks: bounds. While tracing, always (a branch on a symbolic length
+        # would compile the graph once per remainder class)
+        traced = torch.compiler.is_compiling()
+        if traced or sq % block_m:
             state[..., -1, :] = state[..., -1, :].clamp(max=MB.PARTIAL)
-        if sk % block_n:
+        if traced or sk % block_n:
             state[..., -1] = state[..., -1].clamp(max=MB.PARTIAL)
         if by_key:
             state = state.transpose(-1, -2)                         # (B', H', nK, nQ)
@@ -269,24 +272,56 @@ def plan(mask: MB.Mask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return program(mask, Sq, Sk, q.device), tuple(out)
 
 
-def flatten(prog: MaskProgram, launches: tuple[Launch, ...]) -> tuple:
-    """``(source, has_bias, tensors, ints, lists, configs)``: a :func:`plan` as operator
-    arguments (lists of tensors and of ints; :func:`unflatten` inverts it)."""
-    return (prog.source, prog.has_bias, list(prog.tensors), list(prog.ints),
+def flatten(prog: MaskProgram, launches: tuple[Launch, ...], sq: int, sk: int) -> tuple:
+    """``(source, tensors, ints, lists, configs)``: a :func:`plan` for ``sq`` queries and
+    ``sk`` keys as operator arguments (lists of tensors and of ints; ``configs`` starts
+    with ``sq, sk``, then 4 ints per kernel). :func:`unflatten` checks and inverts it."""
+    return (prog.source, list(prog.tensors), list(prog.ints),
             [t for launch in launches for t in launch.lists],
-            [n for launch in launches for n in launch.config])
+            [sq, sk] + [n for launch in launches for n in launch.config])
 
 
-def unflatten(source: str, has_bias: bool, tensors, ints, lists, configs,
-              ) -> tuple[MaskProgram, tuple[Launch, ...]]:
-    """The :func:`plan` that :func:`flatten` gave these operator arguments."""
-    if len(lists) % 3 or len(configs) != 4 * (len(lists) // 3):
-        raise ValueError(f"flash_sparse: lists and configs must come from one plan "
-                         f"(3 tensors and 4 ints per kernel), got {len(lists)} tensors and "
-                         f"{len(configs)} ints")
-    launches = tuple(Launch(tuple(configs[4 * i:4 * i + 4]), tuple(lists[3 * i:3 * i + 3]))
-                     for i in range(len(lists) // 3))
-    return MaskProgram(source, tuple(tensors), tuple(ints), has_bias), launches
+def unflatten(fn: str, q: torch.Tensor, k: torch.Tensor, source: str, tensors, ints, lists,
+              configs) -> tuple[MaskProgram, tuple[Launch, ...]]:
+    """The :func:`plan` that :func:`flatten` gave these operator arguments, checked against
+    the call's ``q`` and ``k``: a plan of other lengths, blocks or devices would read out
+    of bounds, so it is refused by name."""
+    n = len(lists) // 3
+    if len(lists) % 3 or n not in (1, 3) or len(configs) != 2 + 4 * n or not ints:
+        raise ValueError(f"{fn}: lists, ints and configs must come from one plan of 1 or 3 "
+                         f"kernels (3 tensors and 4 ints each, after sq and sk), got "
+                         f"{len(lists)} tensors, {len(configs)} config ints and {len(ints)} "
+                         f"ints: build them with flash_sparse.plan and flatten")
+    B, H, Sq, _ = q.shape
+    Sk = k.shape[2]
+    if tuple(configs[:2]) != (Sq, Sk):
+        raise ValueError(f"{fn}: the plan was built for {configs[0]} queries and {configs[1]} "
+                         f"keys, the call has {Sq} and {Sk}: plan again for these lengths")
+    launches = []
+    for i, by_key in enumerate(list(KERNELS.values())[:n]):
+        cfg = tuple(configs[2 + 4 * i:6 + 4 * i])
+        bm, bn, warps, stages = cfg
+        if min(bm, bn) < 16 or pow2(bm) != bm or pow2(bn) != bn or warps not in (1, 2, 4, 8, 16) \
+                or stages < 1:
+            raise ValueError(f"{fn}: launch config {cfg} of kernel {i} must be (BLOCK_M, "
+                             f"BLOCK_N, num_warps, num_stages) with power-of-2 blocks >= 16")
+        rows, cols = (triton.cdiv(Sk, bn), triton.cdiv(Sq, bm)) if by_key else \
+            (triton.cdiv(Sq, bm), triton.cdiv(Sk, bn))
+        n_full, n_part, index = lists[3 * i:3 * i + 3]
+        fits = (index.dim() == 4 and index.shape[0] in (1, B) and index.shape[1] in (1, H)
+                and tuple(index.shape[2:]) == (rows, cols)
+                and n_full.shape == n_part.shape == index.shape[:3])
+        if not fits or any(t.dtype != torch.int32 for t in (n_full, n_part, index)):
+            raise ValueError(f"{fn}: the block lists of kernel {i} must be int32 counts of "
+                             f"shape (1 or {B}, 1 or {H}, {rows}) and an index of shape "
+                             f"(..., {rows}, {cols}) for blocks {bm}x{bn}, got "
+                             f"{[(tuple(t.shape), t.dtype) for t in (n_full, n_part, index)]}")
+        launches.append(Launch(cfg, (n_full, n_part, index)))
+    for t in (*tensors, *lists):
+        if t.device != q.device:
+            raise ValueError(f"{fn}: the plan's tensors must be on q's device {q.device}, "
+                             f"one is on {t.device}: plan on q's device")
+    return MaskProgram(source, tuple(tensors), tuple(ints)), tuple(launches)
 
 
 def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -389,7 +424,7 @@ def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         ...                              scale=0.25)                             # doctest: +SKIP
     """
     check_inputs("sparse_backward", q, k, v)
-    check_backward("sparse_backward", dout, q, v, out, lse)
+    check_backward("sparse_backward", dout, q, v, out, lse, dlse)
     _check_mask("sparse_backward", mask, q, k)
     prog, (kv, dq) = plan(mask, q, k, v, kernels=("bwd_kv", "bwd_q"), configs=config)
     return run_backward(dout, q, k, v, out, lse, dlse, scale, prog, kv, dq)

@@ -48,9 +48,9 @@ KINDS = frozenset({"causal", "window", "padding", "document", "dense", "bias", "
 
 
 class MaskProgram(NamedTuple):
-    """A mask as Triton code: its ``source``, the arguments ``tensors`` and ``ints`` it
-    indexes, and whether it adds a bias (``has_bias``: the kernels then call it on every
-    block, not only on the blocks they must mask). ``fn`` is the compiled function.
+    """A mask as Triton code: its ``source`` and the arguments ``tensors`` and ``ints`` it
+    indexes. ``fn`` is the compiled function; ``has_bias`` whether it adds a bias (the
+    kernels then call it on every block, not only on the blocks they must mask).
 
     Building one is plain Python over the mask's tree, so ``torch.compile`` traces it (the
     source is a string argument of the operator, the tensors tensor arguments); only
@@ -59,7 +59,11 @@ class MaskProgram(NamedTuple):
     source: str
     tensors: tuple
     ints: tuple
-    has_bias: bool
+
+    @property
+    def has_bias(self) -> bool:
+        """True when the function returns a bias (its last line returns one: see _build)."""
+        return not self.source.rstrip().endswith(f", {_NO_BIAS}")
 
     @property
     def fn(self):
@@ -200,6 +204,9 @@ def _emit(w: _Writer, m: MB.Mask, sq: int, sk: int) -> tuple[str | None, str | N
     return _leaf(w, m, sq, sk)
 
 
+#: what the function returns in place of a bias when the mask has none
+_NO_BIAS = "0.0"
+
 _COMPILED: dict[str, object] = {}
 
 
@@ -234,8 +241,8 @@ def _build(mask, sq, sk, device):
         ok = w.var("(rows[:, None] >= 0) & (cols[None, :] >= 0)")
     body = "\n".join(w.lines)
     source = (f"@triton.jit\ndef mask_fn(b, h, rows, cols, Sq, Sk, T, I):\n{body}\n"
-              f"    return {ok}, {bias if bias is not None else '0.0'}\n")
-    return source, w, bias is not None
+              f"    return {ok}, {bias if bias is not None else _NO_BIAS}\n")
+    return source, w
 
 
 def mask_program(mask: MB.Mask, sq: int, sk: int, device) -> MaskProgram:
@@ -253,7 +260,7 @@ def mask_program(mask: MB.Mask, sq: int, sk: int, device) -> MaskProgram:
     why = supported(mask)
     if why is not None:
         raise ValueError(f"mask_program: {mask.describe()} {why}")
-    source, w, has_bias = _build(mask, sq, sk, device)
-    return MaskProgram(source, tuple(w.tensors), tuple(w.ints) or (0,), has_bias)
+    source, w = _build(mask, sq, sk, device)
+    return MaskProgram(source, tuple(w.tensors), tuple(w.ints) or (0,))
 
 

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import torch
 
+from ._band import check_inputs, empty_outputs
 from .decode import decode_forward
-from .flash_bwd import flash_backward
+from .flash_bwd import check_backward, flash_backward
 from .flash_fwd import flash_forward
-from ._band import check_inputs
 from .flash_sparse import (KERNELS, flatten, plan, run_backward, run_forward,
                            sparse_backward, sparse_forward, unflatten)
 
@@ -61,8 +61,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 @flash_attention.register_fake
 def _(q, k, v, scale, causal, window, offset, kv_lengths, documents=None):
-    B, H, Sq, _ = q.shape
-    return q.new_empty(B, H, Sq, v.shape[-1]), q.new_empty(B, H, Sq, dtype=torch.float32)
+    return empty_outputs(q, v)
 
 
 @torch.library.custom_op("multihead::flash_attention_backward", mutates_args=())
@@ -142,60 +141,61 @@ def attention(q, k, v, scale: float, causal: bool, window: int, offset: int,
 
 @torch.library.custom_op("multihead::flash_sparse", mutates_args=())
 def flash_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, source: str,
-                 has_bias: bool, tensors: list[torch.Tensor], ints: list[int],
-                 lists: list[torch.Tensor],
+                 tensors: list[torch.Tensor], ints: list[int], lists: list[torch.Tensor],
                  configs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of the block-sparse forward: the arguments after ``scale`` are a
     :func:`.flash_sparse.plan` flattened by :func:`.flash_sparse.flatten` (the mask program's
-    source and arguments; per kernel, its block lists and launch config). The lists of the
-    backward kernels ride along when gradients are wanted."""
+    source and arguments; the lengths, and per kernel its block lists and launch config).
+    The lists of the backward kernels ride along when gradients are wanted."""
     check_inputs("flash_sparse", q, k, v)
-    prog, launches = unflatten(source, has_bias, tensors, ints, lists, configs)
+    prog, launches = unflatten("flash_sparse", q, k, source, tensors, ints, lists, configs)
     return run_forward(q, k, v, scale, prog, launches[0])
 
 
 @flash_sparse.register_fake
-def _(q, k, v, scale, source, has_bias, tensors, ints, lists, configs):
+def _(q, k, v, scale, source, tensors, ints, lists, configs):
     check_inputs("flash_sparse", q, k, v)
-    B, H, Sq, _ = q.shape
-    return q.new_empty(B, H, Sq, v.shape[-1]), q.new_empty(B, H, Sq, dtype=torch.float32)
+    return empty_outputs(q, v)
 
 
 @torch.library.custom_op("multihead::flash_sparse_backward", mutates_args=())
 def flash_sparse_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor,
                           k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          lse: torch.Tensor, scale: float, source: str, has_bias: bool,
+                          lse: torch.Tensor, scale: float, source: str,
                           tensors: list[torch.Tensor], ints: list[int],
                           lists: list[torch.Tensor], configs: list[int],
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`flash_sparse`'s call (its plan of three kernels)."""
-    prog, launches = unflatten(source, has_bias, tensors, ints, lists, configs)
+    fn = "flash_sparse_backward"
+    check_inputs(fn, q, k, v)
+    check_backward(fn, dout, q, v, out, lse, dlse)
+    prog, launches = unflatten(fn, q, k, source, tensors, ints, lists, configs)
     if len(launches) != 3:
-        raise ValueError(f"flash_sparse_backward: the plan must hold the forward's and both "
-                         f"backward kernels' lists (3 kernels), got {len(launches)}: plan "
-                         f"with kernels=('fwd', 'bwd_kv', 'bwd_q')")
+        raise ValueError(f"{fn}: the plan must hold the forward's and both backward kernels' "
+                         f"lists (3 kernels), got {len(launches)}: plan with "
+                         f"kernels=('fwd', 'bwd_kv', 'bwd_q')")
     return run_backward(dout, q, k, v, out, lse, dlse, scale, prog, *launches[1:])
 
 
 @flash_sparse_backward.register_fake
-def _(dout, dlse, q, k, v, out, lse, scale, source, has_bias, tensors, ints, lists, configs):
+def _(dout, dlse, q, k, v, out, lse, scale, source, tensors, ints, lists, configs):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _sparse_setup(ctx, inputs, output):
-    q, k, v, scale, source, has_bias, tensors, ints, lists, configs = inputs
+    q, k, v, scale, source, tensors, ints, lists, configs = inputs
     ctx.save_for_backward(q, k, v, *output, *tensors, *lists)
-    ctx.args = (scale, source, has_bias, len(tensors), ints, configs, len(lists))
+    ctx.args = (scale, source, len(tensors), ints, configs, len(lists))
 
 
 def _sparse_gradients(ctx, dout, dlse):
     q, k, v, out, lse, *rest = ctx.saved_tensors
-    scale, source, has_bias, n, ints, configs, n_lists = ctx.args
+    scale, source, n, ints, configs, n_lists = ctx.args
     dout = torch.zeros_like(out) if dout is None else dout
-    dq, dk, dv = flash_sparse_backward(dout, dlse, q, k, v, out, lse, scale, source, has_bias,
+    dq, dk, dv = flash_sparse_backward(dout, dlse, q, k, v, out, lse, scale, source,
                                        rest[:n], ints, rest[n:], configs)
     # no gradient for the rest (a list of tensors gets a list of Nones)
-    return dq, dk, dv, None, None, None, [None] * n, None, [None] * n_lists, None
+    return dq, dk, dv, None, None, [None] * n, None, [None] * n_lists, None
 
 
 flash_sparse.register_autograd(_sparse_gradients, setup_context=_sparse_setup)
@@ -238,7 +238,7 @@ def sparse(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     if torch.compiler.is_compiling():
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         prog, launches = plan(mask, q, k, v, kernels=tuple(KERNELS) if grad else ("fwd",))
-        return flash_sparse(q, k, v, scale, *flatten(prog, launches))
+        return flash_sparse(q, k, v, scale, *flatten(prog, launches, q.shape[2], k.shape[2]))
     return _Sparse.apply(q, k, v, mask, scale)
 
 
@@ -252,8 +252,7 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 @flash_decode.register_fake
 def _(q, k, v, scale, causal, window, offset, kv_lengths):
-    B, H, Sq, _ = q.shape
-    return q.new_empty(B, H, Sq, v.shape[-1]), q.new_empty(B, H, Sq, dtype=torch.float32)
+    return empty_outputs(q, v)
 
 
 def decode(q, k, v, scale: float, causal: bool, window: int, offset: int,

@@ -27,7 +27,7 @@ from ... import kernels
 from ... import masks as M
 from ...masks.structured import _offset
 from .._call import AttentionCall
-from ..capabilities import Capabilities
+from ..capabilities import Capabilities, shown
 from ..cost import Work
 from ..registry import Backend, Plan, register
 
@@ -115,7 +115,13 @@ def _documents(call: AttentionCall, document: M.Document) -> torch.Tensor | None
 
 
 def _pairs(call: AttentionCall, band: Band, block_m: int, block_n: int) -> int:
-    """(query, key) pairs of the key blocks the kernel visits, over all rows and heads."""
+    """(query, key) pairs of the key blocks the kernel visits, over all rows and heads
+    (while ``torch.compile`` traces, where sizes may be symbolic: a bound without a loop
+    over blocks, so that no size is specialized)."""
+    if torch.compiler.is_compiling():
+        keys = call.Sk if band.window is None else torch.sym_min(call.Sk,
+                                                                 band.window + block_n)
+        return call.B * call.H * call.Sq * keys
     if band.documents is not None:                # each document a sequence of its own
         seqs = [(n, n) for n in band.documents[:, 2].tolist()]
     else:
@@ -133,6 +139,13 @@ def _pairs(call: AttentionCall, band: Band, block_m: int, block_n: int) -> int:
                 if band.window is not None else 0
             total += max(0, top - lo) * min(block_m, sq - m0)
     return total * call.H
+
+
+def _share(pairs, total) -> str:
+    """``"12.5% of the pairs"``; while tracing (sizes may be symbolic), no figure."""
+    if torch.compiler.is_compiling():
+        return "the pairs (not counted while tracing)"
+    return f"{pairs / max(1, total):.1%} of the pairs"
 
 
 def _work(call: AttentionCall, pairs: int, block_m: int) -> Work:
@@ -176,7 +189,7 @@ class TritonFlash(Backend):
             kind = (f"{len(band.documents)} packed documents, one program per (document, "
                     f"query block){'' if kind == 'no band' else ' & ' + kind}")
         note = f"{kind}{' & key padding' if band.padding is not None else ''}: " \
-               f"{pairs / max(1, call.pairs):.1%} of the pairs computed"
+               f"{_share(pairs, call.pairs)} computed"
         return Plan(_work(call, pairs, bm), note, (band, "attention"))
 
     def _sparse_plan(self, call, sparse, bm, bn):
@@ -188,7 +201,7 @@ class TritonFlash(Backend):
         else:
             state = mask.tiles(call.Sq, call.Sk, tile_q=bm, tile_k=bn, device="cpu").state
             pairs = int(float((state != M.EMPTY).float().mean()) * call.pairs)
-            note = f"block lists: {pairs / max(1, call.pairs):.1%} of the pairs visited"
+            note = f"block lists: {_share(pairs, call.pairs)} visited"
         return Plan(_work(call, pairs, bm), note, (sparse, "sparse"))
 
     def _decode_plan(self, call, band):
@@ -198,7 +211,7 @@ class TritonFlash(Backend):
         work = Work(flops=2.0 * pairs * (call.D + call.Dv), kernel="fused",
                     dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=1) / DECODE_EFFICIENCY,
                     launches=2, parallel=call.B * call.Hkv * splits)
-        note = f"split-K decode: {splits} splits of the keys, each K/V byte read once for " \
+        note = f"split-K decode: {shown(splits)} splits of the keys, each K/V byte read once for " \
                f"the {call.group} query head(s) of a group"
         return Plan(work, note, (band, "decode"))
 
