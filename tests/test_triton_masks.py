@@ -184,6 +184,7 @@ def test_fullgraph_compile_traces_block_lists_and_kernels_and_a_new_mask_reuses_
     def loss(q, k, v, m):
         out, lse = ops.sparse(q, k, v, m, D ** -0.5)
         return out.float().square().sum() + torch.where(torch.isfinite(lse), lse, 0).sum()
+    torch._dynamo.reset()                 # count this case's graphs only
     backend, graphs = _counting_backend()
     compiled = torch.compile(loss, fullgraph=True, backend=backend)
     results = []
@@ -206,18 +207,24 @@ def test_fullgraph_compile_traces_block_lists_and_kernels_and_a_new_mask_reuses_
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
-@pytest.mark.parametrize("name", ["causal", "window&padding", "packed documents",
-                                  "document&alibi"])
-def test_every_route_of_the_backend_traces_whole_under_fullgraph_compile(name, monkeypatch):
-    """``mh.attention(backend="triton")`` inside ``torch.compile(fullgraph=True)``, here on
-    the CPU (the backend let onto it, the kernels interpreted): bands run the band operator,
-    packed documents (whose host table a graph cannot read) and other masks the block lists
-    traced into the graph; forward and gradients equal the eager call's."""
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    """The triton backend let onto the CPU (its kernels interpreted), for tests of its
+    whole path through ``mh.attention``."""
     import dataclasses
     from multihead.functional import registry
     be = registry.get("triton")
     monkeypatch.setattr(be, "capabilities", dataclasses.replace(
         be.capabilities, devices=frozenset({"cpu", "cuda"})))
+
+
+@pytest.mark.parametrize("name", ["causal", "window&padding", "packed documents",
+                                  "document&alibi"])
+def test_every_route_of_the_backend_traces_whole_under_fullgraph_compile(name, triton_on_cpu):
+    """``mh.attention(backend="triton")`` inside ``torch.compile(fullgraph=True)``, here on
+    the CPU (the backend let onto it, the kernels interpreted): bands run the band operator,
+    packed documents (whose host table a graph cannot read) and other masks the block lists
+    traced into the graph; forward and gradients equal the eager call's."""
     B, H, Hkv, S, D = 2, 4, 2, 40, 16
     q, k, v = _inputs(B, H, Hkv, S, S, D, seed=6)
     g = torch.Generator().manual_seed(6)
@@ -227,6 +234,7 @@ def test_every_route_of_the_backend_traces_whole_under_fullgraph_compile(name, m
          "document&alibi": M.document(torch.sort(torch.randint(0, 4, (B, S), generator=g),
                                                  dim=1).values) & M.alibi(H)}[name].to(DEV)
     fn = lambda *t: mh.attention(*t, mask=m, backend="triton", return_lse=True)  # noqa: E731
+    torch._dynamo.reset()
     backend, graphs = _counting_backend()
     got = _grads(q, k, v, torch.compile(fn, fullgraph=True, backend=backend))
     want = _grads(q, k, v, fn)
@@ -234,6 +242,27 @@ def test_every_route_of_the_backend_traces_whole_under_fullgraph_compile(name, m
     assert len(graphs) == 1 and f"multihead.{op}" in graphs[0].code
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("case", ["causal", "document&alibi", "decode"])
+def test_changing_lengths_under_compile_trace_once_more_not_once_per_length(case,
+                                                                            triton_on_cpu):
+    """With ``torch.compile``'s automatic dynamic shapes, a second length retraces with
+    symbolic sizes, and that graph serves every later length: planning and messages read
+    no traced size (formatting one failed, or specialized the graph to it)."""
+    torch._dynamo.reset()                 # no sizes remembered from another case's frames
+    backend, graphs = _counting_backend()
+    mask = {"causal": lambda S: M.causal(),
+            "document&alibi": lambda S: M.document(torch.arange(S) // 7) & M.alibi(4),
+            "decode": lambda S: M.causal()}[case]
+    fn = lambda q, k, v, m: mh.attention(q, k, v, mask=m, backend="triton")  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        for S in (32, 48, 61, 40):
+            q, k, v = _inputs(2, 4, 2, 1 if case == "decode" else S, S, 16, seed=S)
+            m = mask(S).to(DEV)
+            torch.testing.assert_close(compiled(q, k, v, m), fn(q, k, v, m))
+    assert len(graphs) == 2
 
 
 def _sparse_grads(q, k, v, m, dout, config=TILES):
