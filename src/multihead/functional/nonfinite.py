@@ -15,11 +15,13 @@ over the output: a non-finite input a row may see, or a hidden one that leaked t
 kernel, leaves a non-finite output; only then are the inputs scanned, the call run again
 on cleaned inputs and the rows that see non-finite values set to NaN. On devices where a
 read-back stalls the queue (GPUs) nothing is inspected, and the fused kernels' own NaN
-handling applies. Our Triton kernels keep the rule themselves where hidden positions may
-hold anything: the block-sparse kernels zero non-finite values on the blocks they mask and
-make NaN the rows that see one (forward and backward), and the band kernels never read the
-keys past a padding length; within a band's edge block, a non-finite value of a key some
-rows see reaches the block's other rows too (it is real data, not padding).
+handling applies. Our Triton kernels keep the first part of the rule themselves where
+hidden positions may hold anything: the block-sparse kernels zero non-finite values on the
+blocks they mask and make NaN (output and lse) the rows that see a non-finite value, and the
+band kernels never read the keys past a padding length; within a band's edge block, a
+non-finite value some rows see reaches the block's other rows too (it is real data, not
+padding). A visible non-finite *key* follows IEEE arithmetic there: a NaN makes its rows NaN,
+an infinite score may instead drop the key (``-inf``) from a row.
 """
 
 from __future__ import annotations
