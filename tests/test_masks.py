@@ -213,3 +213,25 @@ def test_cache_keys_name_everything_that_determines_a_mask():
         def _allowed(self, ix):
             return ix.q >= ix.k
     assert Mine().cache_key() is None and not Mine().memoizable    # a user's class: not shared
+
+
+@pytest.mark.parametrize("build", ["alibi", "causal & alibi", "window & padding",
+                                   "padding rows", "document"])
+def test_masks_built_inside_a_fullgraph_compiled_function_trace(build):
+    """Building a mask is part of the traced program: no construction reads a tensor back
+    (ALiBi's slopes and padding's lengths once did, failing ``fullgraph=True`` with every
+    backend)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 24, 8, generator=g) for _ in range(3))
+    lengths, ids = torch.tensor([20, 9]), torch.arange(24) // 5
+
+    def fn(q, k, v, lengths, ids):
+        m = {"alibi": lambda: mh.masks.alibi(4),
+             "causal & alibi": lambda: mh.masks.causal() & mh.masks.alibi(4),
+             "window & padding": lambda: mh.masks.sliding_window(5) & mh.masks.padding(lengths),
+             "padding rows": lambda: mh.masks.padding(torch.arange(24) < lengths[:, None]),
+             "document": lambda: mh.masks.document(ids)}[build]()
+        return mh.attention(q, k, v, mask=m)
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, lengths, ids)
+    torch.testing.assert_close(got, fn(q, k, v, lengths, ids))

@@ -165,7 +165,8 @@ class Padding(Mask):
             if t.dim() != 2:
                 raise ValueError(f"padding: a bool mask must be (B, S) with True = real token, "
                                  f"got shape {tuple(t.shape)}")
-            if t.device.type == "cpu":     # a private copy: the facts below stay true
+            if t.device.type == "cpu" and not torch.compiler.is_compiling():
+                # a private copy: the facts below stay true (unknown while tracing)
                 t = t.clone()
                 self._min_count = int(t.sum(1).min()) if t.numel() else 0
             self.lengths, self.real = None, t
@@ -174,10 +175,14 @@ class Padding(Mask):
                 raise TypeError(f"padding: lengths must be a 1-D integer tensor (B,) or a (B, S) "
                                 f"bool tensor, got dtype {t.dtype} and shape {tuple(t.shape)}")
             t = t.long().clone()              # a private copy: the facts below stay true
+            self._max_len = None           # the longest length, when known
+            self.lengths, self.real, self.batch_size = t, None, len(t)
+            if torch.compiler.is_compiling():  # built while tracing: the values are unknown
+                return
             host = t.cpu()                                          # reads device lengths once
             if host.numel() and int(host.min()) < 0:
                 raise ValueError(f"padding: lengths must be >= 0, got {host.tolist()}")
-            self.lengths, self.real, self._host_lengths = t, None, host
+            self._host_lengths = host
             self._max_len = int(host.max()) if host.numel() else 0
             self._min_count = int(host.min()) if host.numel() else 0
         self.batch_size = len(t)
@@ -201,12 +206,14 @@ class Padding(Mask):
         side = "" if self.side == "key" else ", side='query'"
         if self.real is not None:
             return f"padding(mask of shape {tuple(self.real.shape)}{side})"
+        if self._host_lengths is None:
+            return f"padding(lengths of shape ({self.batch_size},){side})"
         vals = self._host_lengths.tolist()
         shown = ", ".join(map(str, vals[:6])) + (", ..." if len(vals) > 6 else "")
         return f"padding(lengths=[{shown}]{side})"
 
     def _preview_size(self):
-        n = self.real.shape[1] if self.real is not None else max(self._max_len, 1)
+        n = self.real.shape[1] if self.real is not None else max(self._max_len or 0, 1)
         n = min(n, 16)
         return n, n
 
@@ -221,7 +228,7 @@ class Padding(Mask):
         if self.real is not None and self.real.shape[1] != s:
             raise ValueError(f"mask: {self.describe()} covers {self.real.shape[1]} positions but "
                              f"{what} = {s}: the (B, S) mask must have S == {what}")
-        if self.real is None and self._max_len > s:
+        if self.real is None and self._max_len is not None and self._max_len > s:
             raise ValueError(f"mask: {self.describe()} has a length {self._max_len} > {what} = {s}: "
                              f"lengths count real tokens and cannot exceed the sequence")
 

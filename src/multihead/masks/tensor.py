@@ -206,16 +206,20 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
         >>> mh.masks.alibi_slopes(4).tolist()
         [0.25, 0.0625, 0.015625, 0.00390625]
     """
+    return torch.tensor(_slope_values(num_heads), dtype=torch.float32)
+
+
+def _slope_values(num_heads: int) -> list[float]:
+    # Python floats (powers of two, exact in fp32): no tensor, so that a mask built while
+    # torch.compile traces needs no read of one
     def pow2(n: int) -> list[float]:
         start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
         return [start * start ** i for i in range(n)]
 
     if math.log2(num_heads).is_integer():
-        slopes = pow2(num_heads)
-    else:
-        closest = 2 ** math.floor(math.log2(num_heads))
-        slopes = pow2(closest) + pow2(2 * closest)[0::2][: num_heads - closest]
-    return torch.tensor(slopes, dtype=torch.float32)
+        return pow2(num_heads)
+    closest = 2 ** math.floor(math.log2(num_heads))
+    return pow2(closest) + pow2(2 * closest)[0::2][: num_heads - closest]
 
 
 class ALiBi(Mask):
@@ -231,7 +235,7 @@ class ALiBi(Mask):
             raise ValueError(f"alibi: num_heads must be a positive int, got {num_heads!r}")
         from .structured import _check_align
         self._heads, self._align = num_heads, _check_align(align)
-        self._slopes = tuple(alibi_slopes(num_heads).tolist())
+        self._slopes = tuple(_slope_values(num_heads))
 
     @property
     def num_heads(self) -> int:
