@@ -309,6 +309,15 @@ def masked_scores(s, b, h, qpos, cols, Sq, klen, row_ok, offset, window, T, I,
 
 
 @triton.jit
+def key_length(LENS, b, n, HAS_LENS: tl.constexpr):
+    """The keys the rows of sequence ``b`` may see: its ``n``, or fewer where ``LENS``
+    (per-sequence key lengths) pads it."""
+    if HAS_LENS:
+        n = tl.minimum(n, tl.load(LENS + b))
+    return n
+
+
+@triton.jit
 def program_block(pid, heads, SEGS, S, VARLEN: tl.constexpr, BLOCK: tl.constexpr):
     """``(b, head, first, n, start)`` of this program: its batch and head (one of ``heads``
     per batch), the first token of its sequence, the sequence's length and the first

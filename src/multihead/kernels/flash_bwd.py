@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import (LOG2E, check_inputs, empty_like_all, finite_or_zero, key_range,
-                    launch_config, load_tile, masked_scores, pow2, program_block, query_range,
-                    schedule)
+from ._band import (LOG2E, check_inputs, empty_like_all, finite_or_zero, key_length,
+                    key_range, launch_config, load_tile, masked_scores, pow2, program_block,
+                    query_range, schedule)
 from .flash_fwd import DYNAMIC
 
 
@@ -117,9 +117,7 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, GK, GV, LENS, SEGS, scale, qk_scale,
                   True)                                                     # (BLOCK_N, BLOCK_D)
     v = load_tile(V + b * svb + hk * svh + first * svn, cols, n_k, svn, svd, DV, BLOCK_DV,
                   True)                                                     # (BLOCK_N, BLOCK_DV)
-    klen = n_k
-    if HAS_LENS:
-        klen = tl.minimum(n_k, tl.load(LENS + b))
+    klen = key_length(LENS, b, n_k, HAS_LENS)
     lo, a, c, hi = query_range(n0, n_q, klen, offset, window, CAUSAL, WINDOWED,
                                BLOCK_M, BLOCK_N)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
@@ -192,9 +190,7 @@ def _dq(Q, K, V, DO, LSE, DELTA, GQ, LENS, SEGS, scale, qk_scale,
                    True)                                                    # (BLOCK_M, BLOCK_DV)
     lse2 = tl.load(LSE + bh * Sq + first + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + bh * Sq + first + rows, mask=row_ok, other=0.0)
-    klen = n_k
-    if HAS_LENS:
-        klen = tl.minimum(n_k, tl.load(LENS + b))
+    klen = key_length(LENS, b, n_k, HAS_LENS)
     lo, a, c, hi = key_range(m0, klen, offset, window, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     k_base = K + b * skb + hk * skh + first * skn

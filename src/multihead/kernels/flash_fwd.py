@@ -26,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import (LOG2E, check_inputs, empty_outputs, finite_or_zero, key_range,
-                    launch_config, load_tile, masked_scores, pow2, program_block, schedule)
+from ._band import (LOG2E, check_inputs, empty_outputs, finite_or_zero, key_length,
+                    key_range, launch_config, load_tile, masked_scores, pow2, program_block,
+                    schedule)
 
 #: arguments whose value changes per call but must not cause a compile (Triton would
 #: otherwise specialize on their divisibility by 16)
@@ -93,9 +94,7 @@ def _forward(Q, K, V, O, LSE, LENS, SEGS, qk_scale,
     dv = tl.arange(0, BLOCK_DV)
     Q += b * sqb + h * sqh + first * sqm
     q = load_tile(Q, rows, n_q, sqm, sqd, D, BLOCK_D, True)                # (BLOCK_M, BLOCK_D)
-    klen = n_k
-    if HAS_LENS:
-        klen = tl.minimum(n_k, tl.load(LENS + b))
+    klen = key_length(LENS, b, n_k, HAS_LENS)
     lo, full_lo, full_hi, hi = key_range(m0, klen, offset, window, CAUSAL, WINDOWED,
                                          BLOCK_M, BLOCK_N)
 

@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from ..masks import base as MB
-from ._band import LOG2E, check_inputs, empty_outputs, launch_config, load_tile, pow2
+from ._band import (LOG2E, check_inputs, empty_outputs, launch_config, load_tile, pow2,
+                    program_block)
 from .flash_bwd import _dkdv_block, _dq_block, backward_setup, check_backward
 from .flash_fwd import _attend_block, _finish
 from .mask_program import MaskProgram, mask_program
@@ -110,11 +111,10 @@ def _forward_sparse(Q, K, V, O, LSE, NF, NP, IDX, qk_scale,
                     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)                # int64: offsets past 2^31 elements
-    b = bh // H
-    h = bh % H
+    b, h, _, _, m0 = program_block(pid_m, H, IDX, Sq, False, BLOCK_M)     # b int64
+    bh = b * H + h
     hk = h // G
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                          # (BLOCK_M,)
+    rows = m0 + tl.arange(0, BLOCK_M)                                       # (BLOCK_M,)
     dv = tl.arange(0, BLOCK_DV)
     row_ok = rows < Sq
     q = load_tile(Q + b * sqb + h * sqh, rows, Sq, sqm, sqd, D, BLOCK_D, True)  # (BLOCK_M, BLOCK_D)
@@ -150,11 +150,10 @@ def _dkdv_sparse(Q, K, V, DO, LSE, DELTA, GK, GV, NF, NP, IDX, scale, qk_scale,
                  D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)
-    bk = tl.program_id(1).to(tl.int64)
     Hkv = H // G
-    b = bk // Hkv
-    hk = bk % Hkv
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                          # (BLOCK_N,)
+    b, hk, _, _, n0 = program_block(pid_n, Hkv, IDX, Sk, False, BLOCK_N)   # b int64
+    bk = b * Hkv + hk
+    cols = n0 + tl.arange(0, BLOCK_N)                                       # (BLOCK_N,)
     dq_ = tl.arange(0, BLOCK_D)
     dv_ = tl.arange(0, BLOCK_DV)
     col_ok = cols < Sk
@@ -197,11 +196,10 @@ def _dq_sparse(Q, K, V, DO, LSE, DELTA, GQ, NF, NP, IDX, scale, qk_scale,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)                # int64: offsets past 2^31 elements
-    b = bh // H
-    h = bh % H
+    b, h, _, _, m0 = program_block(pid_m, H, IDX, Sq, False, BLOCK_M)     # b int64
+    bh = b * H + h
     hk = h // G
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                          # (BLOCK_M,)
+    rows = m0 + tl.arange(0, BLOCK_M)                                       # (BLOCK_M,)
     dq_ = tl.arange(0, BLOCK_D)
     row_ok = rows < Sq
     q = load_tile(Q + b * sqb + h * sqh, rows, Sq, sqm, sqd, D, BLOCK_D, True)
