@@ -247,11 +247,22 @@ KERNELS = {"fwd": False, "bwd_kv": True, "bwd_q": False}
 
 
 def plan(mask: MB.Mask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-         kernels: tuple[str, ...], configs: tuple | None = None,
+         kernels: tuple[str, ...], configs: tuple | None = None, fn: str = "plan",
          ) -> tuple[MaskProgram, tuple[Launch, ...]]:
     """The mask program and one :class:`Launch` per named kernel (of :data:`KERNELS`), for
     a call of these inputs. Plain Python and tensor operations (cached on the mask): while
     ``torch.compile`` traces, they are traced (nothing is compiled or cached).
+
+    Args:
+        mask: the call's mask (its tensors on q's device).
+        q, k, v: ``(B, H, Sq, D)``, ``(B, Hkv, Sk, D)``, ``(B, Hkv, Sk, Dv)``.
+        kernels: names from :data:`KERNELS`, in launch order.
+        configs: one ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` per kernel (default:
+            the measured table).
+        fn: the name errors are reported under.
+
+    Raises:
+        ValueError: when the mask does not fit the call (batch, heads, lengths).
 
     Example:
         >>> import torch, multihead as mh
@@ -260,7 +271,7 @@ def plan(mask: MB.Mask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         >>> fwd.config, fwd.lists[2].shape
         ((128, 64, 4, 3), torch.Size([1, 1, 1, 2]))
     """
-    _check_mask("sparse attention", mask, q, k)
+    _check_mask(fn, mask, q, k)
     Sq, D, Sk, Dv = q.shape[2], q.shape[3], k.shape[2], v.shape[3]
     out = []
     for i, name in enumerate(kernels):
@@ -273,7 +284,16 @@ def plan(mask: MB.Mask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 def flatten(prog: MaskProgram, launches: tuple[Launch, ...], sq: int, sk: int) -> tuple:
     """``(source, tensors, ints, lists, configs)``: a :func:`plan` for ``sq`` queries and
     ``sk`` keys as operator arguments (lists of tensors and of ints; ``configs`` starts
-    with ``sq, sk``, then 4 ints per kernel). :func:`unflatten` checks and inverts it."""
+    with ``sq, sk``, then 4 ints per kernel). :func:`unflatten` checks and inverts it.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> q = torch.zeros(1, 2, 100, 16, dtype=torch.float16)
+        >>> source, tensors, ints, lists, configs = flatten(
+        ...     *plan(mh.masks.alibi(2), q, q, q, kernels=("fwd",)), 100, 100)
+        >>> len(lists), configs
+        (3, [100, 100, 128, 64, 4, 3])
+    """
     return (prog.source, list(prog.tensors), list(prog.ints),
             [t for launch in launches for t in launch.lists],
             [sq, sk] + [n for launch in launches for n in launch.config])
@@ -282,8 +302,20 @@ def flatten(prog: MaskProgram, launches: tuple[Launch, ...], sq: int, sk: int) -
 def unflatten(fn: str, q: torch.Tensor, k: torch.Tensor, source: str, tensors, ints, lists,
               configs) -> tuple[MaskProgram, tuple[Launch, ...]]:
     """The :func:`plan` that :func:`flatten` gave these operator arguments, checked against
-    the call's ``q`` and ``k``: a plan of other lengths, blocks or devices would read out
-    of bounds, so it is refused by name."""
+    the call's ``q (B, H, Sq, D)`` and ``k (B, Hkv, Sk, D)``: a plan of other lengths,
+    blocks or devices would read out of bounds, so it is refused by name (``fn``'s).
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> q = torch.zeros(1, 2, 100, 16, dtype=torch.float16)
+        >>> args = flatten(*plan(mh.masks.alibi(2), q, q, q, kernels=("fwd",)), 100, 100)
+        >>> unflatten("op", q, q, *args)[1][0].config
+        (128, 64, 4, 3)
+        >>> unflatten("op", q[:, :, :50], q, *args)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: op: the plan was built for 100 queries and 100 keys, the call has 50 and 100...
+    """
     n = len(lists) // 3
     if len(lists) % 3 or n not in (1, 3) or len(configs) != 2 + 4 * n or not ints:
         raise ValueError(f"{fn}: lists, ints and configs must come from one plan of 1 or 3 "
@@ -324,7 +356,15 @@ def unflatten(fn: str, q: torch.Tensor, k: torch.Tensor, source: str, tensors, i
 
 def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 prog: MaskProgram, fwd: Launch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward kernel of a :func:`plan` (inputs checked by the caller)."""
+    """The forward kernel of a :func:`plan` (inputs checked by the caller): ``(out
+    (B, H, Sq, Dv), lse (B, H, Sq) fp32)`` of ``q (B, H, Sq, D)`` over ``k``, ``v``.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> q = torch.randn(1, 2, 64, 16, device="cuda", dtype=torch.float16)   # doctest: +SKIP
+        >>> prog, (fwd,) = plan(mh.masks.alibi(2), q, q, q, kernels=("fwd",))    # doctest: +SKIP
+        >>> out, lse = run_forward(q, q, q, 0.25, prog, fwd)                     # doctest: +SKIP
+    """
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
     out, lse = empty_outputs(q, v)
@@ -346,7 +386,19 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 def run_backward(dout, q, k, v, out, lse, dlse, scale: float, prog: MaskProgram,
                  kv: Launch, dq_: Launch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The two backward kernels of a :func:`plan` (inputs checked by the caller)."""
+    """The two backward kernels of a :func:`plan` (inputs checked by the caller):
+    ``(dq, dk, dv)`` shaped as ``q``, ``k``, ``v``, from ``dout (B, H, Sq, Dv)``, the
+    forward's ``out`` and ``lse`` and, when it was used, the lse's gradient ``dlse``.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> q = torch.randn(1, 2, 64, 16, device="cuda", dtype=torch.float16)   # doctest: +SKIP
+        >>> prog, (fwd, kv, dq) = plan(mh.masks.alibi(2), q, q, q,
+        ...                            kernels=tuple(KERNELS))                   # doctest: +SKIP
+        >>> out, lse = run_forward(q, q, q, 0.25, prog, fwd)                     # doctest: +SKIP
+        >>> grads = run_backward(torch.ones_like(out), q, q, q, out, lse, None, 0.25, prog,
+        ...                      kv, dq)                                         # doctest: +SKIP
+    """
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
     (dq, dk, dv), delta, lse, _ = backward_setup(dout, q, k, v, out, lse, dlse,
@@ -395,9 +447,8 @@ def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MB.M
         >>> out, lse = sparse_forward(q, q, q, mh.masks.document(ids), scale=0.25)  # doctest: +SKIP
     """
     check_inputs("sparse_forward", q, k, v)
-    _check_mask("sparse_forward", mask, q, k)
     prog, (fwd,) = plan(mask, q, k, v, kernels=("fwd",),
-                        configs=None if config is None else (config,))
+                        configs=None if config is None else (config,), fn="sparse_forward")
     return run_forward(q, k, v, scale, prog, fwd)
 
 
@@ -423,6 +474,6 @@ def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     """
     check_inputs("sparse_backward", q, k, v)
     check_backward("sparse_backward", dout, q, v, out, lse, dlse)
-    _check_mask("sparse_backward", mask, q, k)
-    prog, (kv, dq) = plan(mask, q, k, v, kernels=("bwd_kv", "bwd_q"), configs=config)
+    prog, (kv, dq) = plan(mask, q, k, v, kernels=("bwd_kv", "bwd_q"), configs=config,
+                          fn="sparse_backward")
     return run_backward(dout, q, k, v, out, lse, dlse, scale, prog, kv, dq)

@@ -146,7 +146,17 @@ def flash_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     """``(out, lse)`` of the block-sparse forward: the arguments after ``scale`` are a
     :func:`.flash_sparse.plan` flattened by :func:`.flash_sparse.flatten` (the mask program's
     source and arguments; the lengths, and per kernel its block lists and launch config).
-    The lists of the backward kernels ride along when gradients are wanted."""
+    The lists of the backward kernels ride along when gradients are wanted. ``q (B, H, Sq,
+    D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)``; returns ``out (B, H, Sq, Dv)`` and
+    ``lse (B, H, Sq)`` fp32.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> from multihead.kernels.flash_sparse import flatten, plan
+        >>> q = torch.randn(1, 2, 32, 16, device="cuda", dtype=torch.float16)   # doctest: +SKIP
+        >>> args = flatten(*plan(mh.masks.alibi(2), q, q, q, kernels=("fwd",)), 32, 32)  # doctest: +SKIP
+        >>> out, lse = torch.ops.multihead.flash_sparse(q, q, q, 0.25, *args)   # doctest: +SKIP
+    """
     check_inputs("flash_sparse", q, k, v)
     prog, launches = unflatten("flash_sparse", q, k, source, tensors, ints, lists, configs)
     return run_forward(q, k, v, scale, prog, launches[0])
@@ -165,7 +175,9 @@ def flash_sparse_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torc
                           tensors: list[torch.Tensor], ints: list[int],
                           lists: list[torch.Tensor], configs: list[int],
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`flash_sparse`'s call (its plan of three kernels)."""
+    """``(dq, dk, dv)``, shaped as ``q``, ``k``, ``v``, of :func:`flash_sparse`'s call,
+    whose plan must hold all three kernels (``kernels=tuple(KERNELS)``); ``dout (B, H, Sq,
+    Dv)``, ``dlse (B, H, Sq)`` or None."""
     fn = "flash_sparse_backward"
     check_inputs(fn, q, k, v)
     check_backward(fn, dout, q, v, out, lse, dlse)

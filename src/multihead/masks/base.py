@@ -294,8 +294,12 @@ class Mask:
     @property
     def on_host(self) -> bool:
         """True when the mask can be analysed without reading a device tensor: it holds no
-        tensor, or only tensors on the CPU."""
-        return all(t.device.type == "cpu" for t in self._tensors())
+        tensor, or only tensors on the CPU. False while ``torch.compile`` traces a mask that
+        holds tensors (a graph's tensors have no values to read)."""
+        tensors = self._tensors()
+        if tensors and torch.compiler.is_compiling():
+            return False
+        return all(t.device.type == "cpu" for t in tensors)
 
     def index(self, sq: int, sk: int, device=None) -> Index:
         """The (B', H', Sq, Sk) index grid this mask is materialized on."""

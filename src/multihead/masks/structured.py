@@ -344,7 +344,10 @@ class Document(Mask):
 
     @property
     def runs_known(self) -> bool:
-        """True when :meth:`runs` needs no read of a device tensor."""
+        """True when :meth:`runs` needs no read of a device tensor (never while
+        ``torch.compile`` traces: a graph's tensors have no values to read)."""
+        if torch.compiler.is_compiling():
+            return False
         return self._runs is not None or self.ids.device.type == "cpu"
 
     def runs(self) -> DocumentRuns:

@@ -104,12 +104,10 @@ def _find_band(call: AttentionCall) -> Band | str:
 
 def _documents(call: AttentionCall, document: M.Document) -> torch.Tensor | None:
     """Rows ``(b, first, length)`` of the packed documents (host), or None unless the
-    documents are contiguous runs known on the host of a self-attention call. The same
-    table object each call (the kernels then check and schedule it once). None while
-    ``torch.compile`` traces: the table is data the graph cannot read, so the documents
-    go to the block lists (built in the graph)."""
-    if (document.kv_ids is not None or call.Sq != call.Sk or not document.runs_known
-            or torch.compiler.is_compiling()):
+    documents are contiguous runs known on the host of a self-attention call (never while
+    ``torch.compile`` traces: the documents then go to the block lists, built in the
+    graph). The same table object each call (the kernels then check and schedule it once)."""
+    if document.kv_ids is not None or call.Sq != call.Sk or not document.runs_known:
         return None
     return document.segments(call.B)              # (documents, 3), cached on the mask
 
@@ -126,8 +124,7 @@ def _pairs(call: AttentionCall, band: Band, block_m: int, block_n: int) -> int:
         seqs = [(n, n) for n in band.documents[:, 2].tolist()]
     else:
         hi_keys = [call.Sk] * call.B
-        if (band.padding is not None and band.padding._host_lengths is not None
-                and not torch.compiler.is_compiling()):       # traced: no values to read
+        if band.padding is not None and band.padding._host_lengths is not None:
             host = [min(call.Sk, int(n)) for n in band.padding._host_lengths.tolist()]
             hi_keys = host * call.B if len(host) == 1 else host
         seqs = [(call.Sq, hi) for hi in hi_keys]
@@ -194,13 +191,14 @@ class TritonFlash(Backend):
 
     def _sparse_plan(self, call, sparse, bm, bn):
         mask = sparse.mask
-        if mask.has_predicate and not mask.on_host or torch.compiler.is_compiling():
-            pairs = call.pairs                          # counting its tiles would sync
+        pairs = call.pairs                              # a bias only: every block is FULL
+        if mask.has_predicate and not mask.on_host:     # counting its tiles would sync
             note = (f"block lists built on {call.q.device}, EMPTY blocks skipped; priced as if "
                     f"every block were visited (counting them would read the device)")
         else:
-            state = mask.tiles(call.Sq, call.Sk, tile_q=bm, tile_k=bn, device="cpu").state
-            pairs = int(float((state != M.EMPTY).float().mean()) * call.pairs)
+            if mask.has_predicate:
+                state = mask.tiles(call.Sq, call.Sk, tile_q=bm, tile_k=bn, device="cpu").state
+                pairs = int(float((state != M.EMPTY).float().mean()) * call.pairs)
             note = f"block lists: {_share(pairs, call.pairs)} visited"
         return Plan(_work(call, pairs, bm), note, (sparse, "sparse"))
 
