@@ -26,6 +26,8 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from tiny import tiny_checkpoint  # noqa: E402
 
+from headless import chromium  # noqa: E402
+
 TEXT = "The animal didn't cross the street because it was too tired."
 CORPUS = [TEXT, "The dog chased the cat because it was hungry.", "She said he left."] * 4
 NOTE = "decoder (causal): each token attends only to itself and earlier tokens"
@@ -304,13 +306,11 @@ def test_nan_weights_are_refused(dirs, tmp_path):
 
 def test_report_in_a_browser_says_causal_and_na(dirs, tmp_path):
     playwright = pytest.importorskip("playwright.sync_api")
-    chromium = shutil.which("chromium") or "/usr/bin/chromium"
-    if not Path(chromium).exists():
-        pytest.skip("chromium is not installed")
+    browser_path = chromium()
     assert main(["inspect", TEXT, "--model", str(dirs["gpt2"]), "--out", str(tmp_path),
                  "--format", "html"]) == 0
     with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        browser = p.chromium.launch(executable_path=browser_path, args=["--no-sandbox"])
         try:
             page = browser.new_page()
             errors = []

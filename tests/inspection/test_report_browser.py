@@ -3,19 +3,16 @@ clicking a head changes the heatmap, hovering a token draws lines, and texts are
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
+from headless import chromium
 from multihead.cli.main import main
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 playwright = pytest.importorskip("playwright.sync_api")
-if not Path(CHROMIUM).exists():
-    pytest.fail("chromium is not installed (apt-get install chromium): the README's test command "
-                "installs it", pytrace=False)
+CHROMIUM = chromium()
 
 
 @pytest.fixture(scope="module")
