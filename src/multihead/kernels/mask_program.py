@@ -224,14 +224,14 @@ def _compile(source: str):
 
 
 def source_of(mask: MB.Mask, sq: int, sk: int, device=None) -> str:
-    """The Triton source :func:`mask_program` compiles for ``mask`` (to read it).
+    """The Triton source of ``mask``'s :func:`mask_program` (to read it).
 
     Example:
         >>> import multihead as mh
         >>> print(source_of(mh.masks.sliding_window(4), 8, 8).splitlines()[-1])
             return x2, 0.0
     """
-    return _build(mask, sq, sk, device)[0]
+    return mask_program(mask, sq, sk, device).source
 
 
 def _build(mask, sq, sk, device):
@@ -245,8 +245,9 @@ def _build(mask, sq, sk, device):
     return source, w
 
 
-def mask_program(mask: MB.Mask, sq: int, sk: int, device) -> MaskProgram:
-    """``mask`` as Triton code for calls of ``sq`` queries and ``sk`` keys on ``device``.
+def mask_program(mask: MB.Mask, sq: int, sk: int, device=None) -> MaskProgram:
+    """``mask`` as Triton code for calls of ``sq`` queries and ``sk`` keys on ``device``
+    (default: the mask's).
 
     Raises:
         ValueError: for a mask :func:`supported` refuses.
