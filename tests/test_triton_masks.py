@@ -311,12 +311,41 @@ def test_a_row_that_sees_a_nan_value_is_nan_and_its_neighbours_are_not():
     bad[:, 0, 20], bad[:, 1, 20] = float("nan"), float("inf")     # key 20: rows 20.. see it
     out, lse = sparse_forward(q, k, bad, m, scale=0.25, config=TILES)
     want, want_lse = sparse_forward(q, k, v, m, scale=0.25, config=TILES)
-    ref, ref_lse = mh.attention(q.float(), k.float(), bad.float(), mask=m, scale=0.25,
-                                backend="reference", return_lse=True)
+    # the rule as the CPU applies it (on a GPU nothing scans the reference's inputs)
+    ref, ref_lse = mh.attention(q.float().cpu(), k.float().cpu(), bad.float().cpu(),
+                                mask=m.to("cpu"), scale=0.25, backend="reference",
+                                return_lse=True)
     assert out[:, :, 20:].isnan().all() and lse[:, :, 20:].isnan().all()
     assert ref[:, :, 20:].isnan().all() and ref_lse[:, :, 20:].isnan().all()
     assert torch.equal(out[:, :, :20], want[:, :, :20])
     assert torch.equal(lse[:, :, :20], want_lse[:, :, :20])
+
+
+@pytest.mark.parametrize("path", ["sparse", "band"])
+def test_a_broadcast_output_gradient_gives_the_same_gradients_as_a_dense_one(path):
+    """``out.sum().backward()`` hands the backward a ``dout`` (and ``dlse``) of stride 0:
+    the gradients equal those of the same values laid out densely (compiled on an H100,
+    the block-sparse dK kernel once read such a tile wrongly)."""
+    B, H, Hkv, Sq, Sk, D = SHAPES[0]
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, seed=4)
+    if path == "sparse":
+        m = _mask("~dense&alibi", B, H, Sq, Sk)
+        out, lse = sparse_forward(q, k, v, m, scale=0.25)
+        grads = lambda do, dl: sparse_backward(do, q, k, v, out, lse, m, scale=0.25,  # noqa: E731
+                                               dlse=dl)
+    else:
+        from multihead.kernels.flash_bwd import flash_backward
+        from multihead.kernels.flash_fwd import flash_forward
+        kw = dict(scale=0.25, causal=True, window=9)
+        out, lse = flash_forward(q, k, v, **kw)
+        grads = lambda do, dl: flash_backward(do, q, k, v, out, lse, dlse=dl, **kw)  # noqa: E731
+    dout = torch.full((), 1.5, device=DEV, dtype=q.dtype).expand(out.shape)
+    dlse = torch.full((), -1.0, device=DEV).expand(lse.shape)
+    got = grads(dout, dlse)
+    want = grads(dout.contiguous(), dlse.contiguous())
+    for name, a, b in zip(["dq", "dk", "dv"], got, want):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), name
 
 
 def test_the_sparse_backward_is_deterministic():
@@ -425,7 +454,7 @@ def test_the_backend_routes_non_band_masks_to_the_block_lists_and_says_so():
 
 
 def test_the_sparse_kernels_refuse_bad_input_by_name():
-    q = torch.randn(1, 2, 8, 16, dtype=torch.float16)
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float16, device=DEV)
     with pytest.raises(ValueError, match="sparse_forward: mask: .*batch size 3"):
         sparse_forward(q, q, q, M.padding(torch.tensor([1, 2, 3])), scale=1.0)
     with pytest.raises(ValueError, match="sparse_forward: q is torch.float32"):
@@ -568,16 +597,16 @@ def test_a_document_table_is_checked_and_scheduled_once_until_it_changes():
     """The backend hands the kernels the same table each step (cached on the mask); its
     check and device schedule are derived once, and again after an in-place change."""
     from multihead.kernels._band import schedule
-    q = torch.randn(1, 2, 64, 16, dtype=torch.float16)
-    m = M.document(torch.arange(64) // 20)
+    q = torch.randn(1, 2, 64, 16, dtype=torch.float16, device=DEV)
+    m = M.document(cu_seqlens=torch.tensor([0, 20, 40, 60, 64])).to(DEV)  # runs on the host
     call = make_call(q, q, q, mask=m, scale=None, dropout_p=0.0, return_weights=False,
                      return_lse=False)
     docs = tb._band(call).documents
     again = make_call(q, q, q, mask=m, scale=None, dropout_p=0.0, return_weights=False,
                       return_lse=False)
     assert tb._band(again).documents is docs
-    first, grid = schedule(docs, 16, 2, 64, 2, "cpu")
-    assert schedule(docs, 16, 2, 64, 2, "cpu")[0] is first
+    first, grid = schedule(docs, 16, 2, 64, 2, DEV)
+    assert schedule(docs, 16, 2, 64, 2, DEV)[0] is first
     assert grid == (7, 2)                               # blocks of 16: 2 + 2 + 2 + 1
     flash_forward(q, q, q, scale=1.0, documents=docs)
     docs[0, 2] = 30                                     # now overlaps the next document

@@ -117,8 +117,7 @@ def _pairs(call: AttentionCall, band: Band, block_m: int, block_n: int) -> int:
     (while ``torch.compile`` traces, where sizes may be symbolic: a bound without a loop
     over blocks, so that no size is specialized)."""
     if torch.compiler.is_compiling():
-        keys = call.Sk if band.window is None else torch.sym_min(call.Sk,
-                                                                 band.window + block_n)
+        keys = call.Sk if band.window is None else min(call.Sk, band.window + block_n)
         return call.B * call.H * call.Sq * keys
     if band.documents is not None:                # each document a sequence of its own
         seqs = [(n, n) for n in band.documents[:, 2].tolist()]
