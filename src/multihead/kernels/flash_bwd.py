@@ -9,7 +9,9 @@ by block and ``delta = rowsum(dO * O)`` (minus the gradient of the lse, when it 
   ``dV += Pᵀ dO`` and ``dK += scale · dSᵀ Q`` with ``dS = P ∘ (dO Vᵀ - delta)``. The GQA
   sum over the group happens in registers: no copies of K/V and no atomics.
 - ``_dq``: one program per (query block, batch, query head) walks the forward's key blocks
-  (:func:`._band.key_range`): ``dQ += scale · dS K``.
+  (:func:`._band.key_range`): ``dQ += scale · dS K``. It runs first and also writes its rows'
+  ``delta`` (it holds their ``dO``, and reads their ``O`` once), so ``_dkdv`` needs no
+  separate pass over ``O`` and ``dO``.
 
 No program adds into memory another program writes, so the gradients are deterministic
 (bitwise the same from run to run) without a separate mode. Edge blocks evaluate the mask;
@@ -171,12 +173,15 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
-def _dq(Q, K, V, DO, LSE, DELTA, GQ, LENS, SEGS, scale, qk_scale,
+def _dq(Q, K, V, DO, O, LSE, DLSE, DELTA, GQ, LENS, SEGS, scale, qk_scale,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-        sdb, sdh, sdm, sdd, H, G, Sq, Sk, offset, window,
+        sdb, sdh, sdm, sdd, H, G, Sq, Sk, offset, window, sob, soh, som, sod,
         CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_LENS: tl.constexpr,
-        VARLEN: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr):
+    # Runs before _dkdv: each program also writes delta = rowsum(dO * O) - dlse of its own
+    # rows (it holds dO already), which _dkdv then reads.
     b, h, first, n_q, m0 = program_block(tl.program_id(0), H, SEGS, Sq, VARLEN, BLOCK_M)
     n_k = n_q if VARLEN else Sk                        # a document attends within itself
     bh = b * H + h
@@ -188,8 +193,13 @@ def _dq(Q, K, V, DO, LSE, DELTA, GQ, LENS, SEGS, scale, qk_scale,
                   True)                                                     # (BLOCK_M, BLOCK_D)
     do = load_tile(DO + b * sdb + h * sdh + first * sdm, rows, n_q, sdm, sdd, DV, BLOCK_DV,
                    True)                                                    # (BLOCK_M, BLOCK_DV)
+    o = load_tile(O + b * sob + h * soh + first * som, rows, n_q, som, sod, DV, BLOCK_DV,
+                  True)                                                     # (BLOCK_M, BLOCK_DV)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)                 # (BLOCK_M,)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + bh * Sq + first + rows, mask=row_ok, other=0.0)
+    tl.store(DELTA + bh * Sq + first + rows, delta, mask=row_ok)
     lse2 = tl.load(LSE + bh * Sq + first + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + bh * Sq + first + rows, mask=row_ok, other=0.0)
     klen = key_length(LENS, b, n_k, HAS_LENS)
     lo, a, c, hi = key_range(m0, klen, offset, window, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -227,15 +237,24 @@ def row_deltas(dout: torch.Tensor, out: torch.Tensor,
     return delta
 
 
-def backward_setup(dout, q, k, v, out, lse, dlse, config):
-    """What both backward wrappers start from: ``((dq, dk, dv) buffers, delta, lse
+def backward_setup(dout, q, k, v, out, lse, dlse, config, deltas: bool = True):
+    """What both backward wrappers start from: ``((dq, dk, dv) buffers, dout, delta, lse
     contiguous, (dkdv, dq) launch configs)``; for a call with nothing to compute the
-    buffers are zeros and ``delta`` is None."""
+    buffers are zeros and ``delta`` is None. With ``deltas=False``, ``delta (B, H, Sq)`` is
+    an unfilled buffer (the band's dQ kernel writes it).
+
+    A ``dout`` broadcast along a dimension (stride 0, as ``out.sum().backward()`` gives) is
+    copied out first: compiled for an H100 by Triton 3.6, the block-sparse dK kernel read
+    such a tile wrongly (dQ and dV were right), so no kernel is handed one."""
     grads = empty_like_all(q, k, v)
     if q.numel() == 0 or k.shape[2] == 0:
-        return tuple(g.zero_() for g in grads), None, lse, (None, None)
+        return tuple(g.zero_() for g in grads), dout, None, lse, (None, None)
+    if 0 in dout.stride():
+        dout = dout.contiguous()
     D, Dv = q.shape[-1], v.shape[-1]
-    return (grads, row_deltas(dout, out, dlse), lse.contiguous(),
+    delta = (row_deltas(dout, out, dlse) if deltas else
+             torch.empty(lse.shape, device=q.device, dtype=torch.float32))
+    return (grads, dout, delta, lse.contiguous(),
             config or (launch_config("bwd_kv", D, Dv), launch_config("bwd_q", D, Dv)))
 
 
@@ -304,22 +323,24 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     check_backward("flash_backward", dout, q, v, out, lse, dlse)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
-    (dq, dk, dv), delta, lse, (kv_cfg, q_cfg) = backward_setup(dout, q, k, v, out, lse, dlse,
-                                                               config)
+    (dq, dk, dv), dout, delta, lse, (kv_cfg, q_cfg) = backward_setup(
+        dout, q, k, v, out, lse, dlse, config, deltas=False)
     if delta is None:                                  # nothing to compute: zeros
         return dq, dk, dv
     lens = kv_lengths.contiguous() if kv_lengths is not None else delta  # unused: HAS_LENS off
+    dl = dlse.float().contiguous() if dlse is not None else delta       # unused: HAS_DLSE off
     common = dict(CAUSAL=causal or window is not None, WINDOWED=window is not None,
                   HAS_LENS=kv_lengths is not None, VARLEN=documents is not None, D=D, DV=Dv,
                   BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv))
     args = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(),
             H, H // Hkv, Sq, Sk, offset, window if window is not None else 0)
+    bm, bn, warps, stages = q_cfg                      # first: it writes delta for _dkdv
+    segs, grid = schedule(documents, bm, B * H, Sq, H, q.device)
+    _dq[grid](q, k, v, dout, out, lse, dl, delta, dq, lens, segs, scale, scale * LOG2E, *args,
+              *out.stride(), **common, HAS_DLSE=dlse is not None, BLOCK_M=bm, BLOCK_N=bn,
+              num_warps=warps, num_stages=stages)
     bm, bn, warps, stages = kv_cfg
     segs, grid = schedule(documents, bn, B * Hkv, Sk, Hkv, q.device)
     _dkdv[grid](q, k, v, dout, lse, delta, dk, dv, lens, segs, scale, scale * LOG2E, *args,
                 **common, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-    bm, bn, warps, stages = q_cfg
-    segs, grid = schedule(documents, bm, B * H, Sq, H, q.device)
-    _dq[grid](q, k, v, dout, lse, delta, dq, lens, segs, scale, scale * LOG2E, *args,
-              **common, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     return dq, dk, dv

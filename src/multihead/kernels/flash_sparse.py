@@ -401,7 +401,7 @@ def run_backward(dout, q, k, v, out, lse, dlse, scale: float, prog: MaskProgram,
     """
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
-    (dq, dk, dv), delta, lse, _ = backward_setup(dout, q, k, v, out, lse, dlse,
+    (dq, dk, dv), dout, delta, lse, _ = backward_setup(dout, q, k, v, out, lse, dlse,
                                                  (kv.config, dq_.config))
     if delta is None:                                  # nothing to compute: zeros
         return dq, dk, dv
