@@ -27,9 +27,14 @@ FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128
        (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4)]
 #: dK/dV: BLOCK_M queries per step against BLOCK_N keys held; dQ: the other way round
 BWD_KV = [(64, 64, 4, 2), (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (16, 128, 4, 3),
-          (32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 2)]
+          (32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3),
+          (32, 32, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (64, 128, 8, 3)]
 BWD_Q = [(64, 64, 4, 2), (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3),
-         (128, 64, 8, 3), (64, 64, 4, 3)]
+         (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2),
+         (32, 32, 4, 2), (128, 128, 8, 2)]
+#: the mask kinds each part measures (``--case`` picks some)
+KINDS = {"fwd": ["window 256", "window 2048", "causal", "dense", "padding", "causal & padding"],
+         "bwd": ["window 256", "window 2048", "causal"]}
 DECODE = [(64, 4, 3, 1.0), (64, 4, 2, 1.0), (32, 4, 3, 1.0), (128, 4, 3, 1.0), (128, 8, 3, 1.0),
           (64, 2, 3, 1.0), (64, 4, 3, 2.0), (64, 4, 3, 0.5), (128, 4, 2, 2.0), (32, 2, 3, 2.0)]
 
@@ -68,12 +73,12 @@ def _flex(kind: str, q, k, v, lens):
     return lambda: fx(q, k, v, block_mask=bm)
 
 
-def forward(rows: list, *, S=16384, B=2, H=16, D=128, dtype=torch.bfloat16):
+def forward(rows: list, *, S=16384, B=2, H=16, D=128, dtype=torch.bfloat16, kinds=None):
     from multihead.kernels.flash_fwd import flash_forward
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, H, S, D, generator=g).to(dev, dtype) for _ in range(3))
-    for kind in ["window 256", "window 2048", "causal", "dense", "padding", "causal & padding"]:
+    for kind in kinds or KINDS["fwd"]:
         kw, lens = _band_kwargs(kind, B, S, dev)
         first = None
         for cfg in FWD:
@@ -101,7 +106,7 @@ def forward(rows: list, *, S=16384, B=2, H=16, D=128, dtype=torch.bfloat16):
         print(rows[-1], flush=True)
 
 
-def backward(rows: list, *, S=16384, B=1, H=16, D=128, dtype=torch.bfloat16):
+def backward(rows: list, *, S=16384, B=1, H=16, D=128, dtype=torch.bfloat16, kinds=None):
     """Each dK/dV config with the table's dQ config, then each dQ config likewise."""
     from multihead.kernels import flash_bwd
     from multihead.kernels._band import launch_config
@@ -110,7 +115,7 @@ def backward(rows: list, *, S=16384, B=1, H=16, D=128, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(B, H, S, D, generator=g).to(dev, dtype) for _ in range(4))
     default = (launch_config("bwd_kv", D, D), launch_config("bwd_q", D, D))
-    for kind in ["window 256", "window 2048", "causal"]:
+    for kind in kinds or KINDS["bwd"]:
         kw, lens = _band_kwargs(kind, B, S, dev)
         out, lse = flash_forward(q, k, v, scale=D ** -0.5, **kw)
         first = None
@@ -234,6 +239,8 @@ def winners(rows: list, D: int = 128) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=["fwd", "bwd", "decode", "overhead"], action="append")
+    ap.add_argument("--case", action="append", help="only these mask kinds (fwd and bwd), "
+                    f"of {KINDS['fwd']}")
     ap.add_argument("--out", default=None)
     ap.add_argument("--merge", default=None, help="rows of an earlier run to count too")
     ap.add_argument("--write", default=None, help="write the winners as a launch table "
@@ -246,7 +253,7 @@ def main(argv=None) -> None:
                      ("overhead", overhead)):
         if name in parts:
             try:
-                fn(rows)
+                fn(rows, kinds=a.case) if name in ("fwd", "bwd") else fn(rows)
             except Exception as e:                               # noqa: BLE001
                 rows.append(dict(part=name, failed=repr(e)[:300]))
     if a.out:
