@@ -26,6 +26,8 @@ Notation: B batch, H query heads, Hkv K/V heads, Sq/Sk lengths, D/Dv head dims.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ._band import check_inputs, empty_outputs
@@ -104,6 +106,16 @@ def _gradients(ctx, dout, dlse, backward=flash_attention_backward):
 flash_attention.register_autograd(_gradients, setup_context=_setup)
 
 
+def _signed(cls):
+    """``cls`` (an autograd Function with ``setup_context``) with its forward's signature
+    stored on it: ``Function.apply`` binds the arguments through ``inspect.signature`` on
+    every call, which rebuilds the signature unless the function carries one (about 40 us
+    of a 100 us eager call on a 2-core Xeon)."""
+    cls.forward.__signature__ = inspect.signature(cls.forward)
+    return cls
+
+
+@_signed
 class _Flash(torch.autograd.Function):
     """The eager path of :func:`attention`: the same kernels without the operator's
     dispatch."""
@@ -213,6 +225,7 @@ def _sparse_gradients(ctx, dout, dlse):
 flash_sparse.register_autograd(_sparse_gradients, setup_context=_sparse_setup)
 
 
+@_signed
 class _Sparse(torch.autograd.Function):
     """The eager path of :func:`sparse`: the kernels with their plans cached on the mask
     (the backward's lists are built only when a backward runs)."""
