@@ -106,17 +106,26 @@ def _gradients(ctx, dout, dlse, backward=flash_attention_backward):
 flash_attention.register_autograd(_gradients, setup_context=_setup)
 
 
-def _signed(cls):
-    """``cls`` (an autograd Function with ``setup_context``) with its forward's signature
-    stored on it: ``Function.apply`` binds the arguments through ``inspect.signature`` on
-    every call, which rebuilds the signature unless the function carries one (about 40 us
-    of a 100 us eager call on a 2-core Xeon)."""
-    cls.forward.__signature__ = inspect.signature(cls.forward)
-    return cls
+class _Direct(torch.autograd.Function):
+    """An autograd Function whose ``apply`` skips torch's per-call argument binding when
+    every argument is passed positionally (binding then returns them unchanged; it rebuilt
+    the forward's signature each call: about 40 of a 100 us eager call on a 2-core Xeon).
+    Under functorch transforms, and for any other call, torch's own ``apply`` runs."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        signature = inspect.signature(cls.forward)
+        cls.forward.__signature__ = signature           # for torch's path, too
+        cls._arity = len(signature.parameters)
+
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        if kwargs or len(args) != cls._arity or torch._C._are_functorch_transforms_active():
+            return super().apply(*args, **kwargs)
+        return super(torch.autograd.Function, cls).apply(*args)
 
 
-@_signed
-class _Flash(torch.autograd.Function):
+class _Flash(_Direct):
     """The eager path of :func:`attention`: the same kernels without the operator's
     dispatch."""
 
@@ -225,8 +234,7 @@ def _sparse_gradients(ctx, dout, dlse):
 flash_sparse.register_autograd(_sparse_gradients, setup_context=_sparse_setup)
 
 
-@_signed
-class _Sparse(torch.autograd.Function):
+class _Sparse(_Direct):
     """The eager path of :func:`sparse`: the kernels with their plans cached on the mask
     (the backward's lists are built only when a backward runs)."""
 
