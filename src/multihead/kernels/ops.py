@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from torch._functorch.utils import unwrap_dead_wrappers
 
 from ._band import check_inputs, empty_outputs
 from .decode import decode_forward
@@ -122,7 +123,8 @@ class _Direct(torch.autograd.Function):
     def apply(cls, *args, **kwargs):
         if kwargs or len(args) != cls._arity or torch._C._are_functorch_transforms_active():
             return super().apply(*args, **kwargs)
-        return super(torch.autograd.Function, cls).apply(*args)
+        # as torch's apply does: tensors left over from a finished torch.func transform
+        return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
 
 
 class _Flash(_Direct):
