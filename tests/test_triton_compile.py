@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-KERNELS = {"_forward", "_delta", "_dkdv", "_dq", "_partial", "_merge", "_forward_sparse",
+KERNELS = {"_forward", "_dkdv", "_dq", "_partial", "_merge", "_forward_sparse",
            "_dkdv_sparse", "_dq_sparse"}
 
 

@@ -34,21 +34,16 @@ from .flash_fwd import DYNAMIC
 
 
 @triton.jit
-def _delta(O, DO, DLSE, DELTA, soh, som, sod, sdh, sdm, sdd, Sq,
-           HAS_DLSE: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-           BLOCK_M: tl.constexpr):
-    # delta (B*H, Sq) = rowsum(dO * O) - dlse, in fp32: one read of each, nothing else.
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)                 # O, DO viewed as (B*H, Sq, DV)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dv = tl.arange(0, BLOCK_DV)
-    ok = (rows[:, None] < Sq) & (dv[None, :] < DV)
-    o = tl.load(O + bh * soh + rows[:, None] * som + dv[None, :] * sod, mask=ok, other=0.0)
-    do = tl.load(DO + bh * sdh + rows[:, None] * sdm + dv[None, :] * sdd, mask=ok, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+def row_deltas(O, DO_TILE, DLSE, DELTA, at, rows, n, row_ok, som, sod, DV: tl.constexpr,
+               BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr):
+    # delta (rows,) = rowsum(dO * O) - dlse in fp32, of the rows a dQ program holds (their
+    # dO tile given, O read once here), stored at DELTA + at for the dK/dV kernel to read.
+    o = load_tile(O, rows, n, som, sod, DV, BLOCK_DV, True)               # (rows, BLOCK_DV)
+    delta = tl.sum(o.to(tl.float32) * DO_TILE.to(tl.float32), 1)
     if HAS_DLSE:
-        delta -= tl.load(DLSE + bh * Sq + rows, mask=rows < Sq, other=0.0)
-    tl.store(DELTA + bh * Sq + rows, delta, mask=rows < Sq)
+        delta -= tl.load(DLSE + at + rows, mask=row_ok, other=0.0)
+    tl.store(DELTA + at + rows, delta, mask=row_ok)
+    return delta
 
 
 @triton.jit
@@ -193,12 +188,8 @@ def _dq(Q, K, V, DO, O, LSE, DLSE, DELTA, GQ, LENS, SEGS, scale, qk_scale,
                   True)                                                     # (BLOCK_M, BLOCK_D)
     do = load_tile(DO + b * sdb + h * sdh + first * sdm, rows, n_q, sdm, sdd, DV, BLOCK_DV,
                    True)                                                    # (BLOCK_M, BLOCK_DV)
-    o = load_tile(O + b * sob + h * soh + first * som, rows, n_q, som, sod, DV, BLOCK_DV,
-                  True)                                                     # (BLOCK_M, BLOCK_DV)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)                 # (BLOCK_M,)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + bh * Sq + first + rows, mask=row_ok, other=0.0)
-    tl.store(DELTA + bh * Sq + first + rows, delta, mask=row_ok)
+    delta = row_deltas(O + b * sob + h * soh + first * som, do, DLSE, DELTA, bh * Sq + first,
+                       rows, n_q, row_ok, som, sod, DV, BLOCK_DV, HAS_DLSE)  # (BLOCK_M,)
     lse2 = tl.load(LSE + bh * Sq + first + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     klen = key_length(LENS, b, n_k, HAS_LENS)
     lo, a, c, hi = key_range(m0, klen, offset, window, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
@@ -222,39 +213,25 @@ def _dq(Q, K, V, DO, O, LSE, DLSE, DELTA, GQ, LENS, SEGS, scale, qk_scale,
              (dq * scale).to(GQ.dtype.element_ty), mask=row_ok[:, None] & (dq_[None, :] < D))
 
 
-def row_deltas(dout: torch.Tensor, out: torch.Tensor,
-               dlse: torch.Tensor | None = None) -> torch.Tensor:
-    """``delta (B, H, Sq) = rowsum(dout * out) - dlse`` in fp32, by one small kernel (the
-    backward's per-row term; ``out`` and ``dout`` are ``(B, H, Sq, Dv)``)."""
-    B, H, Sq, Dv = out.shape
-    o3 = out.reshape(B * H, Sq, Dv)                     # (B*H, Sq, Dv): views, as allocated
-    d3 = dout.reshape(B * H, Sq, Dv)
-    delta = torch.empty(B, H, Sq, device=out.device, dtype=torch.float32)
-    dl = dlse.float().contiguous() if dlse is not None else delta
-    _delta[(triton.cdiv(Sq, 64), B * H)](o3, d3, dl, delta, *o3.stride(), *d3.stride(), Sq,
-                                         HAS_DLSE=dlse is not None, DV=Dv, BLOCK_DV=pow2(Dv),
-                                         BLOCK_M=64)
-    return delta
-
-
-def backward_setup(dout, q, k, v, out, lse, dlse, config, deltas: bool = True):
-    """What both backward wrappers start from: ``((dq, dk, dv) buffers, dout, delta, lse
-    contiguous, (dkdv, dq) launch configs)``; for a call with nothing to compute the
-    buffers are zeros and ``delta`` is None. With ``deltas=False``, ``delta (B, H, Sq)`` is
-    an unfilled buffer (the band's dQ kernel writes it).
+def backward_setup(dout, q, k, v, out, lse, dlse, config):
+    """What both backward wrappers start from: ``((dq, dk, dv) buffers, dout, delta, dlse,
+    lse contiguous, (dkdv, dq) launch configs)``. ``delta (B, H, Sq)`` fp32 is unfilled: the
+    dQ kernel, launched first, writes it; ``dlse`` is fp32 (``delta`` itself, unused, when
+    there is none). For a call with nothing to compute the buffers are zeros and ``delta``
+    is None.
 
     A ``dout`` broadcast along a dimension (stride 0, as ``out.sum().backward()`` gives) is
     copied out first: compiled for an H100 by Triton 3.6, the block-sparse dK kernel read
     such a tile wrongly (dQ and dV were right), so no kernel is handed one."""
     grads = empty_like_all(q, k, v)
     if q.numel() == 0 or k.shape[2] == 0:
-        return tuple(g.zero_() for g in grads), dout, None, lse, (None, None)
+        return tuple(g.zero_() for g in grads), dout, None, dlse, lse, (None, None)
     if 0 in dout.stride():
         dout = dout.contiguous()
     D, Dv = q.shape[-1], v.shape[-1]
-    delta = (row_deltas(dout, out, dlse) if deltas else
-             torch.empty(lse.shape, device=q.device, dtype=torch.float32))
-    return (grads, dout, delta, lse.contiguous(),
+    delta = torch.empty(lse.shape, device=q.device, dtype=torch.float32)
+    dlse = dlse.float().contiguous() if dlse is not None else delta
+    return (grads, dout, delta, dlse, lse.contiguous(),
             config or (launch_config("bwd_kv", D, Dv), launch_config("bwd_q", D, Dv)))
 
 
@@ -323,12 +300,12 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     check_backward("flash_backward", dout, q, v, out, lse, dlse)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
-    (dq, dk, dv), dout, delta, lse, (kv_cfg, q_cfg) = backward_setup(
-        dout, q, k, v, out, lse, dlse, config, deltas=False)
+    has_dlse = dlse is not None
+    (dq, dk, dv), dout, delta, dlse, lse, (kv_cfg, q_cfg) = backward_setup(
+        dout, q, k, v, out, lse, dlse, config)
     if delta is None:                                  # nothing to compute: zeros
         return dq, dk, dv
     lens = kv_lengths.contiguous() if kv_lengths is not None else delta  # unused: HAS_LENS off
-    dl = dlse.float().contiguous() if dlse is not None else delta       # unused: HAS_DLSE off
     common = dict(CAUSAL=causal or window is not None, WINDOWED=window is not None,
                   HAS_LENS=kv_lengths is not None, VARLEN=documents is not None, D=D, DV=Dv,
                   BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv))
@@ -336,8 +313,8 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             H, H // Hkv, Sq, Sk, offset, window if window is not None else 0)
     bm, bn, warps, stages = q_cfg                      # first: it writes delta for _dkdv
     segs, grid = schedule(documents, bm, B * H, Sq, H, q.device)
-    _dq[grid](q, k, v, dout, out, lse, dl, delta, dq, lens, segs, scale, scale * LOG2E, *args,
-              *out.stride(), **common, HAS_DLSE=dlse is not None, BLOCK_M=bm, BLOCK_N=bn,
+    _dq[grid](q, k, v, dout, out, lse, dlse, delta, dq, lens, segs, scale, scale * LOG2E,
+              *args, *out.stride(), **common, HAS_DLSE=has_dlse, BLOCK_M=bm, BLOCK_N=bn,
               num_warps=warps, num_stages=stages)
     bm, bn, warps, stages = kv_cfg
     segs, grid = schedule(documents, bn, B * Hkv, Sk, Hkv, q.device)

@@ -37,7 +37,7 @@ import triton.language as tl
 from ..masks import base as MB
 from ._band import (LOG2E, check_inputs, empty_outputs, launch_config, load_tile, pow2,
                     program_block)
-from .flash_bwd import _dkdv_block, _dq_block, backward_setup, check_backward
+from .flash_bwd import _dkdv_block, _dq_block, backward_setup, check_backward, row_deltas
 from .flash_fwd import _attend_block, _finish
 from .mask_program import MaskProgram, mask_program
 
@@ -189,10 +189,11 @@ def _dkdv_sparse(Q, K, V, DO, LSE, DELTA, GK, GV, NF, NP, IDX, scale, qk_scale,
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
-def _dq_sparse(Q, K, V, DO, LSE, DELTA, GQ, NF, NP, IDX, scale, qk_scale,
+def _dq_sparse(Q, K, V, DO, O, LSE, DLSE, DELTA, GQ, NF, NP, IDX, scale, qk_scale,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                sdb, sdh, sdm, sdd, slb, slh, sib, sih, NL,
-               H, G, Sq, Sk, T, I, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
+               H, G, Sq, Sk, T, I, sob, soh, som, sod, HAS_DLSE: tl.constexpr,
+               MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -204,8 +205,10 @@ def _dq_sparse(Q, K, V, DO, LSE, DELTA, GQ, NF, NP, IDX, scale, qk_scale,
     row_ok = rows < Sq
     q = load_tile(Q + b * sqb + h * sqh, rows, Sq, sqm, sqd, D, BLOCK_D, True)
     do = load_tile(DO + b * sdb + h * sdh, rows, Sq, sdm, sdd, DV, BLOCK_DV, True)
+    # launched before _dkdv_sparse: it writes the delta of its rows, which that one reads
+    delta = row_deltas(O + b * sob + h * soh, do, DLSE, DELTA, bh * Sq, rows, Sq, row_ok, som,
+                       sod, DV, BLOCK_DV, HAS_DLSE)                          # (BLOCK_M,)
     lse2 = tl.load(LSE + bh * Sq + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + bh * Sq + rows, mask=row_ok, other=0.0)
     n_full, n_all, blocks = _entry(NF, NP, IDX, b, h, pid_m, slb, slh, sib, sih, NL)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     k_base = K + b * skb + hk * skh
@@ -354,6 +357,25 @@ def unflatten(fn: str, q: torch.Tensor, k: torch.Tensor, source: str, tensors, i
     return MaskProgram(source, tuple(tensors), tuple(ints)), tuple(launches)
 
 
+def _launch(kernel, launch: Launch, by_key: bool, q, v, prog: MaskProgram, pointers: tuple,
+            scales: tuple, strides: tuple, tail: tuple = (), **meta) -> None:
+    """Launch one block-sparse kernel over its lists: one program per (query block, batch
+    and query head), or per (key block, batch and K/V head) when the lists go ``by_key``.
+    The arguments follow the kernels' common order: ``pointers``, the lists, ``scales``,
+    the tensors' ``strides``, the lists' strides and sizes, the mask program's arguments,
+    then the kernel's own ``tail`` and ``meta`` (constexprs)."""
+    B, H, Sq, D = q.shape
+    _, Hkv, Sk, Dv = v.shape
+    bm, bn, warps, stages = launch.config
+    n_full, n_part, index = launch.lists
+    grid = (triton.cdiv(Sk, bn), B * Hkv) if by_key else (triton.cdiv(Sq, bm), B * H)
+    kernel[grid](*pointers, n_full, n_part, index, *scales, *strides,
+                 *_list_strides(n_full, index), index.shape[-1], H, H // Hkv, Sq, Sk,
+                 prog.tensors, prog.ints, *tail, MASK_FN=prog.fn, HAS_BIAS=prog.has_bias, D=D,
+                 DV=Dv, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), BLOCK_M=bm, BLOCK_N=bn,
+                 num_warps=warps, num_stages=stages, **meta)
+
+
 def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 prog: MaskProgram, fwd: Launch) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel of a :func:`plan` (inputs checked by the caller): ``(out
@@ -365,22 +387,15 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         >>> prog, (fwd,) = plan(mh.masks.alibi(2), q, q, q, kernels=("fwd",))    # doctest: +SKIP
         >>> out, lse = run_forward(q, q, q, 0.25, prog, fwd)                     # doctest: +SKIP
     """
-    B, H, Sq, D = q.shape
-    _, Hkv, Sk, Dv = v.shape
+    B, H, Sq, _ = q.shape
+    Sk = k.shape[2]
     out, lse = empty_outputs(q, v)
     if B * H * Sq == 0:
         return out, lse
     if Sk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    bm, bn, warps, stages = fwd.config
-    n_full, n_part, index = fwd.lists
-    _forward_sparse[(triton.cdiv(Sq, bm), B * H)](
-        q, k, v, out, lse, n_full, n_part, index, scale * LOG2E,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        *_list_strides(n_full, index), index.shape[-1], H, H // Hkv, Sq, Sk,
-        prog.tensors, prog.ints, MASK_FN=prog.fn, HAS_BIAS=prog.has_bias, D=D, DV=Dv,
-        BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-        num_stages=stages)
+    _launch(_forward_sparse, fwd, KERNELS["fwd"], q, v, prog, (q, k, v, out, lse),
+            (scale * LOG2E,), (*q.stride(), *k.stride(), *v.stride(), *out.stride()))
     return out, lse
 
 
@@ -399,29 +414,19 @@ def run_backward(dout, q, k, v, out, lse, dlse, scale: float, prog: MaskProgram,
         >>> grads = run_backward(torch.ones_like(out), q, q, q, out, lse, None, 0.25, prog,
         ...                      kv, dq)                                         # doctest: +SKIP
     """
-    B, H, Sq, D = q.shape
-    _, Hkv, Sk, Dv = v.shape
-    (dq, dk, dv), dout, delta, lse, _ = backward_setup(dout, q, k, v, out, lse, dlse,
-                                                 (kv.config, dq_.config))
+    has_dlse = dlse is not None
+    (dq, dk, dv), dout, delta, dlse, lse, _ = backward_setup(dout, q, k, v, out, lse, dlse,
+                                                             (kv.config, dq_.config))
     if delta is None:                                  # nothing to compute: zeros
         return dq, dk, dv
-    common = dict(MASK_FN=prog.fn, HAS_BIAS=prog.has_bias, D=D, DV=Dv, BLOCK_D=pow2(D),
-                  BLOCK_DV=pow2(Dv))
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
-    bm, bn, warps, stages = kv.config
-    n_full, n_part, index = kv.lists
-    _dkdv_sparse[(triton.cdiv(Sk, bn), B * Hkv)](
-        q, k, v, dout, lse, delta, dk, dv, n_full, n_part, index, scale, scale * LOG2E,
-        *strides, *_list_strides(n_full, index), index.shape[-1], H, H // Hkv, Sq, Sk,
-        prog.tensors, prog.ints, **common, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-        num_stages=stages)
-    bm, bn, warps, stages = dq_.config
-    n_full, n_part, index = dq_.lists
-    _dq_sparse[(triton.cdiv(Sq, bm), B * H)](
-        q, k, v, dout, lse, delta, dq, n_full, n_part, index, scale, scale * LOG2E,
-        *strides, *_list_strides(n_full, index), index.shape[-1], H, H // Hkv, Sq, Sk,
-        prog.tensors, prog.ints, **common, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-        num_stages=stages)
+    scales = (scale, scale * LOG2E)
+    # dQ first: it writes the delta of its rows, which dK/dV reads
+    _launch(_dq_sparse, dq_, KERNELS["bwd_q"], q, v, prog,
+            (q, k, v, dout, out, lse, dlse, delta, dq), scales, strides, out.stride(),
+            HAS_DLSE=has_dlse)
+    _launch(_dkdv_sparse, kv, KERNELS["bwd_kv"], q, v, prog,
+            (q, k, v, dout, lse, delta, dk, dv), scales, strides)
     return dq, dk, dv
 
 
