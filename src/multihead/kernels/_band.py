@@ -290,13 +290,12 @@ def masked_scores(s, b, h, qpos, cols, Sq, klen, row_ok, offset, window, T, I,
                   MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Scores ``s`` (base 2) of a block with the mask's bias added, and where MASKED, which
     pairs the mask leaves: the band's (:func:`visible`), or a mask program's (``MASK_FN``,
-    :mod:`.mask_program`) within bounds. Returns ``(s, ok)``; ``ok`` is True where not
-    MASKED."""
+    :mod:`.mask_program`, whose bias is in base 2 and finite) within bounds. Returns
+    ``(s, ok)``; ``ok`` is True where not MASKED."""
     ok = True
     if HAS_BIAS:
         allowed, bias = MASK_FN(b, h, qpos, cols, Sq, klen, T, I)
-        # a finite bias stays finite in base 2 (finfo.min * log2(e) would overflow to -inf)
-        s = s + tl.maximum(bias * 1.4426950408889634, -3.0e38)
+        s = s + bias
         if MASKED:
             ok = allowed & (cols[None, :] < klen) & row_ok[:, None]
     elif MASKED:

@@ -16,8 +16,13 @@ key positions of a block, ``T`` a tuple of the mask's tensors and ``I`` a tuple 
 - ``padding``: per-sequence lengths, or a ``(B, S)`` bool row;
 - ``document``: the ids of the block's queries and keys, compared;
 - ``dense``: the block's bool tile; ``bias``: its float tile (``-inf`` masks), added;
-- ``alibi``: ``-slope[h] * |rows + offset - cols|`` from the per-head slopes;
+- ``alibi``: ``-slope[h] * |rows + offset - cols|`` from the per-head slopes, the distance
+  taken in fp32 (exact below 2**24 positions: no per-score int-to-float conversion);
 - ``&``, ``|``, ``~`` of these (biases add under ``&``).
+
+The bias comes back in the kernels' base 2 (times ``log2(e)``, folded into ALiBi's slope),
+so a score costs one fused multiply-add for ALiBi; a program with a bias tile clamps the
+sum at ``-3e38`` (``finfo.min * log2(e)`` would overflow to ``-inf`` and mask the pair).
 
 Only the *structure* is in the code (which leaves, how composed, which dims broadcast);
 sizes, offsets and pointers are arguments. The source is registered with ``linecache`` (no
@@ -42,6 +47,9 @@ from .._device import to_device
 from ..masks import base as MB
 from ..masks import structured as MS
 from ..masks import tensor as MT
+
+#: log2(e): the bias is returned in base 2, the kernels' unit for scores
+LOG2E = 1.4426950408889634
 
 #: the leaf kinds a program can express (compositions "and", "or", "not" of them)
 KINDS = frozenset({"causal", "window", "padding", "document", "dense", "bias", "alibi"})
@@ -112,6 +120,7 @@ class _Writer:
         self.ints: list[int] = []
         self.device = device
         self.n = 0
+        self.clamp = False          # a bias tile may hold finfo.min: clamp the base-2 sum
 
     def tensor(self, t: torch.Tensor) -> str:
         self.tensors.append(t)
@@ -179,14 +188,17 @@ def _leaf(w: _Writer, m: MB.Mask, sq: int, sk: int) -> tuple[str | None, str | N
             return w.var(f"{tile} != 0"), None
         x = w.var(f"{tile}.to(tl.float32)")
         ok = w.var(f"{x} != float('-inf')")
-        return ok, w.var(f"tl.where({ok}, {x}, 0.0)")
+        w.clamp = True
+        return ok, w.var(f"tl.where({ok}, {x} * {LOG2E!r}, 0.0)")
     if m.kind == "alibi":
         slopes = m.cached("slopes", (str(w.device),),
                           lambda: to_device(m.slopes, w.device))          # (H',), no wait
         (sh,) = w.strides(slopes)
-        d = _distance(w, m.align, sq, sk)
-        s = f"tl.load({w.tensor(slopes)} + h.to(tl.int64) * {sh})"
-        return None, w.var(f"-{s} * tl.abs({d}).to(tl.float32)")
+        off = w.int(MS._offset(m.align, sq, sk))
+        at = w.var(f"(rows + {off}).to(tl.float32)")                           # (M,)
+        d = w.var(f"{at}[:, None] - cols.to(tl.float32)[None, :]")             # (M, N)
+        s = w.var(f"tl.load({w.tensor(slopes)} + h.to(tl.int64) * {sh}) * {-LOG2E!r}")
+        return None, w.var(f"tl.abs({d}) * {s}")
     raise ValueError(f"mask_program: no Triton form for {m.describe()}")
 
 
@@ -239,6 +251,8 @@ def _build(mask, sq, sk, device):
     ok, bias = _emit(w, mask, sq, sk)
     if ok is None:                      # a pure bias: every pair allowed
         ok = w.var("(rows[:, None] >= 0) & (cols[None, :] >= 0)")
+    if bias is not None and w.clamp:
+        bias = w.var(f"tl.maximum({bias}, -3.0e38)")
     body = "\n".join(w.lines)
     source = (f"@triton.jit\ndef mask_fn(b, h, rows, cols, Sq, Sk, T, I):\n{body}\n"
               f"    return {ok}, {bias if bias is not None else _NO_BIAS}\n")
