@@ -472,3 +472,45 @@ def test_a_strided_output_gradient_gives_the_same_gradients():
         return [t.grad for t in leaves]
     for a, b in zip(grads(True), grads(False)):
         torch.testing.assert_close(a, b)
+
+
+# -- torch.func: functorch's wrapped tensors expose no device memory --------------------------
+
+def test_under_a_torch_func_transform_auto_plans_another_backend():
+    """A plain call's choice (the kernels) is cached; under vmap the same call is decided
+    afresh and the triton row says why it declines."""
+    def explain(q):
+        return mh.explain(q, q, q, mask=M.sliding_window(256), profile="h100")
+    q = torch.empty(1, 16, 16384, 128, dtype=torch.bfloat16, device="meta")
+    assert explain(q).chosen == "triton"
+    seen = []
+    torch.func.vmap(lambda x: seen.append(explain(x)) or x)(q.unsqueeze(0))
+    assert seen[0].chosen != "triton"
+    assert "does not run under torch.func transforms" in str(seen[0])
+    assert explain(q).chosen == "triton"                   # and plain calls are unaffected
+
+
+def test_the_kernels_refuse_torch_func_transforms_by_name():
+    from multihead.kernels import ops
+    x = torch.randn(1, 2, 8, 16).to(DEV, torch.float16)
+    calls = {"attention": lambda t: ops.attention(t, t, t, 0.25, True, 0, 0, None)[0],
+             "sparse": lambda t: ops.sparse(t, t, t, M.alibi(2), 0.25)[0],
+             "decode": lambda t: ops.decode(t[:, :, :1], t, t, 0.25, True, 0, 7, None)[0]}
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match="do not run under torch.func transforms"):
+            torch.func.grad(lambda t: call(t).float().sum())(x)
+        with pytest.raises(RuntimeError, match="do not run under torch.func transforms"):
+            torch.func.vmap(call)(x.unsqueeze(0))
+        assert call(x).isfinite().all(), name              # outside a transform: they run
+
+
+@pytest.mark.cuda
+def test_torch_func_grad_through_auto_on_cuda_equals_autograd():
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 4, 2, 300, 300, 64, 64, torch.bfloat16))
+    mask = M.sliding_window(64)
+    mh.attention(q, k, v, mask=mask).float().sum().backward()    # the plain call: the kernels
+    assert mh.explain(q, k, v, mask=mask).chosen == "triton"
+    grads = torch.func.grad(lambda a, b, c: mh.attention(a, b, c, mask=mask).float().sum(),
+                            argnums=(0, 1, 2))(q.detach(), k.detach(), v.detach())
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

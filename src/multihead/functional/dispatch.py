@@ -162,6 +162,13 @@ def _choose(rows: list[Row], backend: str, profile: DeviceProfile) -> Row:
     return best
 
 
+def _uncached() -> bool:
+    """True while ``torch.compile`` traces or a ``torch.func`` transform (grad, vmap) runs:
+    decisions are then made afresh, not shared with plain calls (backends differ in what
+    they run under a transform)."""
+    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+
+
 def _bucket(n: int) -> int:
     return n if n <= 8 else 1 << (n - 1).bit_length()
 
@@ -189,7 +196,7 @@ def _decide(call: AttentionCall, backend: str, profile: DeviceProfile):
                     if not b.unsupported(call, device_type)]
             raise _cannot_run(backend, reasons, able)
         return None, _EMPTY
-    structure = None if backend != AUTO or torch.compiler.is_compiling() else _structure(call)
+    structure = None if backend != AUTO or _uncached() else _structure(call)
     chosen = _CHOICES.get(structure) if structure is not None else None
     if chosen is not None:
         b = registry.all_backends().get(chosen)
@@ -278,7 +285,7 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
         D query/key head dim, Dv value head dim.
     """
     key = None
-    if not (torch.compiler.is_compiling() or isinstance(scale, torch.Tensor)):
+    if not (_uncached() or isinstance(scale, torch.Tensor)):
         try:     # what determines the plan besides the mask (a miss validates all of it)
             shapes = (q.shape, k.shape, v.shape)
             key = (shapes, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, scale,

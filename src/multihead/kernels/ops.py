@@ -107,11 +107,23 @@ def _gradients(ctx, dout, dlse, backward=flash_attention_backward):
 flash_attention.register_autograd(_gradients, setup_context=_setup)
 
 
+def _refuse_transforms() -> None:
+    """Raise a RuntimeError under a ``torch.func`` transform (see :class:`_Direct`)."""
+    if torch._C._are_functorch_transforms_active():
+        raise RuntimeError(
+            "multihead's Triton kernels do not run under torch.func transforms (grad, vmap, "
+            "jacrev, ...): they read device memory, which functorch's wrapped tensors do not "
+            "expose. Call multihead.attention with backend='auto' (it picks a backend that "
+            "runs under the transform) or backend='sdpa'")
+
+
 class _Direct(torch.autograd.Function):
     """An autograd Function whose ``apply`` skips torch's per-call argument binding when
     every argument is passed positionally (binding then returns them unchanged; it rebuilt
     the forward's signature each call: about 40 of a 100 us eager call on a 2-core Xeon).
-    Under functorch transforms, and for any other call, torch's own ``apply`` runs."""
+    For any other call torch's own ``apply`` runs. Under a ``torch.func`` transform it
+    raises: the kernels cannot read functorch's wrapped tensors (the backward would fail
+    deep inside Triton's launcher)."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -121,7 +133,8 @@ class _Direct(torch.autograd.Function):
 
     @classmethod
     def apply(cls, *args, **kwargs):
-        if kwargs or len(args) != cls._arity or torch._C._are_functorch_transforms_active():
+        _refuse_transforms()
+        if kwargs or len(args) != cls._arity:
             return super().apply(*args, **kwargs)
         # as torch's apply does: tensors left over from a finished torch.func transform
         return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
@@ -296,4 +309,5 @@ def decode(q, k, v, scale: float, causal: bool, window: int, offset: int,
     ``torch.compile`` traces, :func:`.decode_forward` directly otherwise."""
     if torch.compiler.is_compiling():
         return flash_decode(q, k, v, scale, causal, window, offset, kv_lengths)
+    _refuse_transforms()
     return decode_forward(q, k, v, **_kw(scale, causal, window, offset, kv_lengths))
