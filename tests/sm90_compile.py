@@ -21,6 +21,7 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 import multihead as mh
+from multihead.kernels._band import launch_config
 from multihead.kernels.decode import decode_forward, paged_decode_forward
 from multihead.kernels.flash_bwd import flash_backward
 from multihead.kernels.flash_fwd import flash_forward
@@ -101,6 +102,13 @@ def launches():
               M.padding(torch.tensor([100, 256]), side="query")):
         o, lse = sparse_forward(q, k, k, m, scale=0.1)
         sparse_backward(o, q, k, k, o, lse, m, scale=0.1)
+    # dK/dV blocks computed transposed (fewer queries per step than keys: keys_left)
+    keys_left = ((32, 128, 8, 2), launch_config("bwd_q", 128, 128))
+    o, lse = flash_forward(q, k, k, scale=0.1, causal=True, window=64)
+    flash_backward(o, q, k, k, o, lse, scale=0.1, causal=True, window=64, config=keys_left)
+    m = M.document(ids) & M.alibi(4)
+    o, lse = sparse_forward(q, k, k, m, scale=0.1)
+    sparse_backward(o, q, k, k, o, lse, m, scale=0.1, config=keys_left)
 
 
 if __name__ == "__main__":

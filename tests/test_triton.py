@@ -246,10 +246,13 @@ def test_gradients_through_the_operator_equal_the_fp64_oracle(case, with_lse, op
         assert err <= 2 * base + 4 * torch.finfo(dtype).eps * r.abs().max(), (name_, err, base)
 
 
+@pytest.mark.parametrize("kv_tiles", [(16, 16, 4, 1), (16, 32, 4, 1)],
+                         ids=["queries-left", "keys-left"])
 @pytest.mark.parametrize("name", ["causal", "window 40", "window 40 & padding",
                                   "causal & padding"])
-def test_backward_with_small_tiles_crosses_edge_and_interior_blocks(name):
-    """16x16 tiles: the dK/dV loop visits edge and interior query blocks, dQ key blocks."""
+def test_backward_with_small_tiles_crosses_edge_and_interior_blocks(name, kv_tiles):
+    """16x16 tiles: the dK/dV loop visits edge and interior query blocks, dQ key blocks;
+    with 32 keys per dK/dV program it computes its blocks transposed (keys_left)."""
     case = next(c for c in CASES if c[7] == name)
     B, H, Hkv, Sq, Sk, D, Dv, _ = case
     q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, Dv, torch.float16, seed=2)
@@ -261,7 +264,7 @@ def test_backward_with_small_tiles_crosses_edge_and_interior_blocks(name):
     tiles = (16, 16, 4, 1)
     out, lse = flash_forward(q, k, v, config=tiles, **kw)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(DEV, out.dtype)
-    got = flash_backward(dout, q, k, v, out, lse, config=(tiles, tiles), **kw)
+    got = flash_backward(dout, q, k, v, out, lse, config=(kv_tiles, tiles), **kw)
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref = mh.attention(*leaves, mask=m, backend="reference")
     ref.backward(dout.double())

@@ -233,14 +233,15 @@ def _order(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def visible(qpos, cols, klen, row_ok, offset, window, CAUSAL: tl.constexpr,
+def visible(R, C, row_ok, klen, offset, window, CAUSAL: tl.constexpr,
             WINDOWED: tl.constexpr):
-    """The (rows, keys) pairs the mask leaves: key below ``klen``, a live row, in the band."""
-    ok = (cols[None, :] < klen) & row_ok[:, None]
+    """The (query, key) pairs the mask leaves: key below ``klen``, a live row, in the band.
+    ``R``, ``C`` and ``row_ok`` are broadcast grids (see :func:`masked_scores`)."""
+    ok = (C < klen) & row_ok
     if CAUSAL:
-        ok = ok & (cols[None, :] <= qpos[:, None] + offset)
+        ok = ok & (C <= R + offset)
     if WINDOWED:
-        ok = ok & (cols[None, :] > qpos[:, None] + offset - window)
+        ok = ok & (C > R + offset - window)
     return ok
 
 
@@ -285,25 +286,29 @@ def query_range(n0, Sq, klen, offset, window, CAUSAL: tl.constexpr, WINDOWED: tl
 
 
 @triton.jit
-def masked_scores(s, b, h, qpos, cols, Sq, klen, row_ok, offset, window, T, I,
+def masked_scores(s, b, h, R, C, row_ok, Sq, klen, offset, window, T, I,
                   CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASKED: tl.constexpr,
                   MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Scores ``s`` (base 2) of a block with the mask's bias added, and where MASKED, which
     pairs the mask leaves: the band's (:func:`visible`), or a mask program's (``MASK_FN``,
     :mod:`.mask_program`, whose bias is in base 2 and finite) within bounds. Returns
-    ``(s, ok)``; ``ok`` is True where not MASKED."""
+    ``(s, ok)``; ``ok`` is True where not MASKED.
+
+    The block may lie either way round: ``R`` (query positions) and ``row_ok`` (live
+    queries) are ``(M, 1)`` and ``C`` (key positions) ``(1, N)`` for ``s (M, N)``, or
+    ``(1, M)`` and ``(N, 1)`` for the transposed ``s (N, M)`` of the dK/dV loop."""
     ok = True
     if HAS_BIAS:
-        allowed, bias = MASK_FN(b, h, qpos, cols, Sq, klen, T, I)
+        allowed, bias = MASK_FN(b, h, R, C, Sq, klen, T, I)
         s = s + bias
         if MASKED:
-            ok = allowed & (cols[None, :] < klen) & row_ok[:, None]
+            ok = allowed & (C < klen) & row_ok
     elif MASKED:
         if MASK_FN is not None:
-            allowed, _ = MASK_FN(b, h, qpos, cols, Sq, klen, T, I)
-            ok = allowed & (cols[None, :] < klen) & row_ok[:, None]
+            allowed, _ = MASK_FN(b, h, R, C, Sq, klen, T, I)
+            ok = allowed & (C < klen) & row_ok
         else:
-            ok = visible(qpos, cols, klen, row_ok, offset, window, CAUSAL, WINDOWED)
+            ok = visible(R, C, row_ok, klen, offset, window, CAUSAL, WINDOWED)
     return s, ok
 
 

@@ -7,7 +7,10 @@ by block and ``delta = rowsum(dO * O)`` (minus the gradient of the lse, when it 
   walks the query blocks that see them (:func:`._band.query_range`, the forward's band
   transposed) for **every query head of its group** in turn, accumulating
   ``dV += Pᵀ dO`` and ``dK += scale · dSᵀ Q`` with ``dS = P ∘ (dO Vᵀ - delta)``. The GQA
-  sum over the group happens in registers: no copies of K/V and no atomics.
+  sum over the group happens in registers: no copies of K/V and no atomics. A step of
+  fewer queries than the program's keys computes its block transposed (:func:`keys_left`:
+  ``Sᵀ = K Qᵀ``, no transposes of P and dS through shared memory); the launch table
+  (measured) says which tiles, hence which orientation, run.
 - ``_dq``: one program per (query block, batch, query head) walks the forward's key blocks
   (:func:`._band.key_range`): ``dQ += scale · dS K``. It runs first and also writes its rows'
   ``delta`` (it holds their ``dO``, and reads their ``O`` once), so ``_dkdv`` needs no
@@ -47,24 +50,19 @@ def row_deltas(O, DO_TILE, DLSE, DELTA, at, rows, n, row_ok, som, sod, DV: tl.co
 
 
 @triton.jit
-def _probs(q, k, lse2, qpos, cols, klen, row_ok, qk_scale, offset, window, b, h, Sq, T, I,
-           CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASKED: tl.constexpr,
-           MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # (P, ok): P (rows, keys) = exp2(q kᵀ · qk_scale + bias - lse2), zero where the mask
-    # rules a pair out (the band, or the mask program MASK_FN: see _band.masked_scores).
-    s = tl.dot(q, tl.trans(k)) * qk_scale                                   # (rows, keys)
-    s, ok = masked_scores(s, b, h, qpos, cols, Sq, klen, row_ok, offset, window, T, I,
-                          CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS)
+def _probs(s, ok, lse2, MASKED: tl.constexpr):
+    # P = exp2(s - lse2) of scores s (base 2, bias added; lse2 broadcast to s), exactly 0
+    # where the mask rules a pair out (see _band.masked_scores).
     if MASKED:
-        return tl.where(ok, tl.math.exp2(tl.where(ok, s, 0.0) - lse2[:, None]), 0.0), ok
-    return tl.math.exp2(s - lse2[:, None]), ok
+        return tl.where(ok, tl.math.exp2(tl.where(ok, s, 0.0) - lse2), 0.0)
+    return tl.math.exp2(s - lse2)
 
 
 @triton.jit
 def _dscores(p, ok, dp, delta, MASKED: tl.constexpr):
-    # dS = P ∘ (dP - delta), exactly 0 on the pairs the mask hides (where a hidden
-    # non-finite value made dP NaN, 0 * NaN would not be).
-    ds = p * (dp - delta[:, None])
+    # dS = P ∘ (dP - delta) (delta broadcast to p), exactly 0 on the pairs the mask hides
+    # (where a hidden non-finite value made dP NaN, 0 * NaN would not be).
+    ds = p * (dp - delta)
     if MASKED:
         ds = tl.where(ok, ds, 0.0)
     return ds
@@ -76,23 +74,57 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
                 WINDOWED: tl.constexpr, MASKED: tl.constexpr, MASK_FN: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
+                HAS_BIAS: tl.constexpr, KEYS_LEFT: tl.constexpr):
     # The queries [start, start + BLOCK_M) of one head, against this program's keys.
+    # KEYS_LEFT computes the block transposed (Sᵀ = K Qᵀ, keys down): Pᵀ and dSᵀ then come
+    # out of their products as the left operands of dV += Pᵀ dO and dK += dSᵀ Q, with no
+    # transpose through shared memory, and the keys fill the 64-row left operand of a
+    # Hopper warpgroup MMA when fewer queries would not (see keys_left). Else the block
+    # is S = Q Kᵀ, as in the forward, and P, dS are transposed for those products.
     rows = start + tl.arange(0, BLOCK_M)                                    # (BLOCK_M,)
     row_ok = rows < Sq
     q = load_tile(q_base, rows, Sq, sqm, sqd, D, BLOCK_D, MASKED)         # (BLOCK_M, BLOCK_D)
     do = load_tile(do_base, rows, Sq, sdm, sdd, DV, BLOCK_DV, MASKED)     # (BLOCK_M, BLOCK_DV)
-    lse2 = tl.load(lse_base + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(dl_base + rows, mask=row_ok, other=0.0)
-    p, ok = _probs(q, k, lse2, rows, cols, klen, row_ok, qk_scale, offset, window, b, h, Sq,
-                   T, I, CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS)       # (BLOCK_M, BLOCK_N)
-    dv += tl.dot(tl.trans(p.to(do.dtype)), do)                             # (BLOCK_N, BLOCK_DV)
-    dp = tl.dot(do, tl.trans(v))                                            # (BLOCK_M, BLOCK_N)
-    ds = _dscores(p, ok, dp, delta, MASKED)
+    if MASKED:
+        lse2 = tl.load(lse_base + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+        delta = tl.load(dl_base + rows, mask=row_ok, other=0.0)
+    else:                                       # an interior block: every row is live
+        lse2 = tl.load(lse_base + rows) * 1.4426950408889634
+        delta = tl.load(dl_base + rows)
+    if KEYS_LEFT:
+        st = tl.dot(k, tl.trans(q)) * qk_scale                             # (BLOCK_N, BLOCK_M)
+        st, ok = masked_scores(st, b, h, rows[None, :], cols[:, None], row_ok[None, :], Sq,
+                               klen, offset, window, T, I, CAUSAL, WINDOWED, MASKED, MASK_FN,
+                               HAS_BIAS)
+        pt = _probs(st, ok, lse2[None, :], MASKED)
+        dv += tl.dot(pt.to(do.dtype), do)                                  # (BLOCK_N, BLOCK_DV)
+        dpt = tl.dot(v, tl.trans(do))                                      # (BLOCK_N, BLOCK_M)
+        dst = _dscores(pt, ok, dpt, delta[None, :], MASKED).to(q.dtype)
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale                              # (BLOCK_M, BLOCK_N)
+        s, ok = masked_scores(s, b, h, rows[:, None], cols[None, :], row_ok[:, None], Sq,
+                              klen, offset, window, T, I, CAUSAL, WINDOWED, MASKED, MASK_FN,
+                              HAS_BIAS)
+        p = _probs(s, ok, lse2[:, None], MASKED)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do)                         # (BLOCK_N, BLOCK_DV)
+        dp = tl.dot(do, tl.trans(v))                                       # (BLOCK_M, BLOCK_N)
+        dst = tl.trans(_dscores(p, ok, dp, delta[:, None], MASKED).to(q.dtype))
     if MASKED and MASK_FN is not None:          # hidden queries may hold anything (padding)
         q, _ = finite_or_zero(q)
-    dk += tl.dot(tl.trans(ds.to(q.dtype)), q)                              # (BLOCK_N, BLOCK_D)
+    dk += tl.dot(dst, q)                                                    # (BLOCK_N, BLOCK_D)
     return dk, dv
+
+
+def keys_left(block_m: int, block_n: int) -> bool:
+    """Whether the dK/dV kernels compute their blocks transposed (keys as the left operand):
+    when a step has fewer queries than the program has keys. A Hopper warpgroup MMA takes
+    64 rows on its left, so a step of 16 or 32 queries fills it only with the keys there.
+
+    Example:
+        >>> keys_left(64, 64), keys_left(32, 128)
+        (False, True)
+    """
+    return block_m < block_n
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
@@ -101,7 +133,8 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, GK, GV, LENS, SEGS, scale, qk_scale,
           sdb, sdh, sdm, sdd, H, G, Sq, Sk, offset, window,
           CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_LENS: tl.constexpr,
           VARLEN: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-          BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+          BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          KEYS_LEFT: tl.constexpr):
     Hkv = H // G
     b, hk, first, n_k, n0 = program_block(tl.program_id(0), Hkv, SEGS, Sk, VARLEN, BLOCK_N)
     n_q = n_k if VARLEN else Sq                        # a document attends within itself
@@ -129,17 +162,17 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, GK, GV, LENS, SEGS, scale, qk_scale,
             dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, n_q,
                                  cols, klen, qk_scale, offset, window, sqm, sqd, sdm, sdd,
                                  b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL,
-                                 WINDOWED, True, None, False)
+                                 WINDOWED, True, None, False, KEYS_LEFT)
         for start in range(a, c, BLOCK_M):
             dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, n_q,
                                  cols, klen, qk_scale, offset, window, sqm, sqd, sdm, sdd,
                                  b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL,
-                                 WINDOWED, False, None, False)
+                                 WINDOWED, False, None, False, KEYS_LEFT)
         for start in range(c, hi, BLOCK_M):
             dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, n_q,
                                  cols, klen, qk_scale, offset, window, sqm, sqd, sdm, sdd,
                                  b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL,
-                                 WINDOWED, True, None, False)
+                                 WINDOWED, True, None, False, KEYS_LEFT)
     # GK, GV (the gradients): contiguous (B, Hkv, Sk, D) and (B, Hkv, Sk, DV)
     at = bk * Sk + first + cols[:, None]                                    # (BLOCK_N, 1)
     tl.store(GK + at * D + dq_[None, :], (dk * scale).to(GK.dtype.element_ty),
@@ -158,10 +191,12 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
     cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
     k = load_tile(k_base, cols, klen, skn, skd, D, BLOCK_D, MASKED)       # (BLOCK_N, BLOCK_D)
     v = load_tile(v_base, cols, klen, svn, svd, DV, BLOCK_DV, MASKED)     # (BLOCK_N, BLOCK_DV)
-    p, ok = _probs(q, k, lse2, rows, cols, klen, row_ok, qk_scale, offset, window, b, h, Sq,
-                   T, I, CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS)       # (BLOCK_M, BLOCK_N)
-    dp = tl.dot(do, tl.trans(v))
-    ds = _dscores(p, ok, dp, delta, MASKED)
+    s = tl.dot(q, tl.trans(k)) * qk_scale                                   # (BLOCK_M, BLOCK_N)
+    s, ok = masked_scores(s, b, h, rows[:, None], cols[None, :], row_ok[:, None], Sq, klen,
+                          offset, window, T, I, CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS)
+    p = _probs(s, ok, lse2[:, None], MASKED)
+    dp = tl.dot(do, tl.trans(v))                                            # (BLOCK_M, BLOCK_N)
+    ds = _dscores(p, ok, dp, delta[:, None], MASKED)
     if MASKED and MASK_FN is not None:          # hidden keys may hold anything (padding)
         k, _ = finite_or_zero(k)
     return dq + tl.dot(ds.to(k.dtype), k)                                   # (BLOCK_M, BLOCK_D)
@@ -319,5 +354,6 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     bm, bn, warps, stages = kv_cfg
     segs, grid = schedule(documents, bn, B * Hkv, Sk, Hkv, q.device)
     _dkdv[grid](q, k, v, dout, lse, delta, dk, dv, lens, segs, scale, scale * LOG2E, *args,
-                **common, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+                **common, BLOCK_M=bm, BLOCK_N=bn, KEYS_LEFT=keys_left(bm, bn),
+                num_warps=warps, num_stages=stages)
     return dq, dk, dv

@@ -49,8 +49,8 @@ def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_
     cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
     k = load_tile(k_base, cols, hi, skn, skd, D, BLOCK_D, MASKED)         # (BLOCK_N, BLOCK_D)
     s = tl.dot(q, tl.trans(k)) * qk_scale                                  # (rows, BLOCK_N)
-    s, ok = masked_scores(s, b, h, qpos, cols, Sq, hi, row_ok, offset, window, T, I, CAUSAL,
-                          WINDOWED, MASKED, MASK_FN, HAS_BIAS)
+    s, ok = masked_scores(s, b, h, qpos[:, None], cols[None, :], row_ok[:, None], Sq, hi,
+                          offset, window, T, I, CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS)
     if MASKED:
         s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))

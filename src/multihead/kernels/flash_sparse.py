@@ -37,7 +37,8 @@ import triton.language as tl
 from ..masks import base as MB
 from ._band import (LOG2E, check_inputs, empty_outputs, launch_config, load_tile, pow2,
                     program_block)
-from .flash_bwd import _dkdv_block, _dq_block, backward_setup, check_backward, row_deltas
+from .flash_bwd import (_dkdv_block, _dq_block, backward_setup, check_backward, keys_left,
+                        row_deltas)
 from .flash_fwd import _attend_block, _finish
 from .mask_program import MaskProgram, mask_program
 
@@ -148,7 +149,8 @@ def _dkdv_sparse(Q, K, V, DO, LSE, DELTA, GK, GV, NF, NP, IDX, scale, qk_scale,
                  sdb, sdh, sdm, sdd, slb, slh, sib, sih, NL,
                  H, G, Sq, Sk, T, I, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
                  D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 KEYS_LEFT: tl.constexpr):
     pid_n = tl.program_id(0)
     Hkv = H // G
     b, hk, _, _, n0 = program_block(pid_n, Hkv, IDX, Sk, False, BLOCK_N)   # b int64
@@ -174,13 +176,13 @@ def _dkdv_sparse(Q, K, V, DO, LSE, DELTA, GK, GV, NF, NP, IDX, scale, qk_scale,
             dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq,
                                  cols, Sk, qk_scale, 0, 0, sqm, sqd, sdm, sdd, b, h, T, I,
                                  D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, False, False,
-                                 MASK_FN, HAS_BIAS)
+                                 MASK_FN, HAS_BIAS, KEYS_LEFT)
         for j in range(n_full, n_all):
             start = tl.load(blocks + j) * BLOCK_M
             dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq,
                                  cols, Sk, qk_scale, 0, 0, sqm, sqd, sdm, sdd, b, h, T, I,
                                  D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, False, True,
-                                 MASK_FN, HAS_BIAS)
+                                 MASK_FN, HAS_BIAS, KEYS_LEFT)
     # GK, GV (the gradients): contiguous (B, Hkv, Sk, D) and (B, Hkv, Sk, DV)
     tl.store(GK + (bk * Sk + cols[:, None]) * D + dq_[None, :],
              (dk * scale).to(GK.dtype.element_ty), mask=col_ok[:, None] & (dq_[None, :] < D))
@@ -426,7 +428,8 @@ def run_backward(dout, q, k, v, out, lse, dlse, scale: float, prog: MaskProgram,
             (q, k, v, dout, out, lse, dlse, delta, dq), scales, strides, out.stride(),
             HAS_DLSE=has_dlse)
     _launch(_dkdv_sparse, kv, KERNELS["bwd_kv"], q, v, prog,
-            (q, k, v, dout, lse, delta, dk, dv), scales, strides)
+            (q, k, v, dout, lse, delta, dk, dv), scales, strides,
+            KEYS_LEFT=keys_left(*kv.config[:2]))
     return dq, dk, dv
 
 

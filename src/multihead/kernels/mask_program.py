@@ -6,23 +6,27 @@ compiled into a ``@triton.jit`` function the kernels call on the blocks they mus
 .. code-block:: python
 
     @triton.jit
-    def mask_fn(b, h, rows, cols, Sq, Sk, T, I):   # -> (allowed (M, N) bool, bias (M, N) fp32)
+    def mask_fn(b, h, R, C, Sq, Sk, T, I):   # -> (allowed bool, bias fp32), shaped R ⊕ C
 
-where ``b`` is the batch, ``h`` the query head, ``rows (M,)`` and ``cols (N,)`` the query and
-key positions of a block, ``T`` a tuple of the mask's tensors and ``I`` a tuple of ints
-(offsets, window sizes, strides). Each leaf reads only what it needs:
+where ``b`` is the batch, ``h`` the query head, ``R`` and ``C`` the query and key positions
+of a block as broadcast grids (``(M, 1)`` and ``(1, N)``, or ``(1, M)`` and ``(N, 1)`` for
+the transposed block of the dK/dV loop: the code never assumes which), ``T`` a tuple of the
+mask's tensors and ``I`` a tuple of ints (offsets, window sizes, strides). Each leaf reads
+only what it needs:
 
-- ``causal``/``sliding_window``: the distance ``rows + offset - cols``, from indices;
+- ``causal``/``sliding_window``: the distance ``R + offset - C``, from indices;
 - ``padding``: per-sequence lengths, or a ``(B, S)`` bool row;
 - ``document``: the ids of the block's queries and keys, compared;
 - ``dense``: the block's bool tile; ``bias``: its float tile (``-inf`` masks), added;
-- ``alibi``: ``-slope[h] * |rows + offset - cols|`` from the per-head slopes, the distance
-  taken in fp32 (exact below 2**24 positions: no per-score int-to-float conversion);
+- ``alibi``: ``-slope[h] * |R + offset - C|`` from the per-head slopes, the distance
+  taken in fp32 (exact below 2**24 positions; converted per row and per column, not per
+  score);
 - ``&``, ``|``, ``~`` of these (biases add under ``&``).
 
 The bias comes back in the kernels' base 2 (times ``log2(e)``, folded into ALiBi's slope),
-so a score costs one fused multiply-add for ALiBi; a program with a bias tile clamps the
-sum at ``-3e38`` (``finfo.min * log2(e)`` would overflow to ``-inf`` and mask the pair).
+so ALiBi costs a subtraction and a multiply-add per score; a program with a bias tile
+clamps the sum at ``-3e38`` (``finfo.min * log2(e)`` would overflow to ``-inf`` and mask
+the pair).
 
 Only the *structure* is in the code (which leaves, how composed, which dims broadcast);
 sizes, offsets and pointers are arguments. The source is registered with ``linecache`` (no
@@ -141,14 +145,14 @@ class _Writer:
         return [self.int(0 if n == 1 else s) for n, s in zip(t.shape, t.stride())]
 
 
-_ROW = "rows[:, None].to(tl.int64)"         # (M, 1)
-_COL = "cols[None, :].to(tl.int64)"         # (1, N)
-_IN = "(rows[:, None] < Sq) & (cols[None, :] < Sk)"
+_ROW = "R.to(tl.int64)"
+_COL = "C.to(tl.int64)"
+_IN = "(R < Sq) & (C < Sk)"
 
 
 def _distance(w: _Writer, align: str, sq: int, sk: int) -> str:
     off = w.int(MS._offset(align, sq, sk))
-    return w.var(f"rows[:, None] + {off} - cols[None, :]")          # (M, N)
+    return w.var(f"R + {off} - C")
 
 
 def _leaf(w: _Writer, m: MB.Mask, sq: int, sk: int) -> tuple[str | None, str | None]:
@@ -158,8 +162,7 @@ def _leaf(w: _Writer, m: MB.Mask, sq: int, sk: int) -> tuple[str | None, str | N
         ok = f"{d} >= 0" if m.size is None else f"({d} >= 0) & ({d} < {w.int(m.size)})"
         return w.var(ok), None
     if m.kind == "padding":
-        pos, bound = ((_COL, "cols[None, :] < Sk") if m.side == "key"
-                      else (_ROW, "rows[:, None] < Sq"))
+        pos, bound = (_COL, "C < Sk") if m.side == "key" else (_ROW, "R < Sq")
         if m.real is None:
             lens = m.lengths.to(w.device)                                       # (B',)
             (sb,) = w.strides(lens)
@@ -174,16 +177,16 @@ def _leaf(w: _Writer, m: MB.Mask, sq: int, sk: int) -> tuple[str | None, str | N
         qb, qs = w.strides(qid)
         kb, ks = w.strides(kid)
         qi = w.var(f"tl.load({w.tensor(qid)} + b.to(tl.int64) * {qb} + {_ROW} * {qs}, "
-                   f"mask=rows[:, None] < Sq, other=-1)")                      # (M, 1)
+                   f"mask=R < Sq, other=-1)")                                  # as R
         ki = w.var(f"tl.load({w.tensor(kid)} + b.to(tl.int64) * {kb} + {_COL} * {ks}, "
-                   f"mask=cols[None, :] < Sk, other=-2)")                      # (1, N)
+                   f"mask=C < Sk, other=-2)")                                  # as C
         return w.var(f"{qi} == {ki}"), None
     if m.kind in ("dense", "bias"):
         t = m.t.view(torch.uint8) if m.kind == "dense" else m.raw               # (B', H', Sq', Sk')
         t = t.to(w.device)
         sb, sh, sm, sn = w.strides(t)
         tile = w.var(f"tl.load({w.tensor(t)} + b.to(tl.int64) * {sb} + h.to(tl.int64) * {sh} "
-                     f"+ {_ROW} * {sm} + {_COL} * {sn}, mask={_IN}, other=0)")  # (M, N)
+                     f"+ {_ROW} * {sm} + {_COL} * {sn}, mask={_IN}, other=0)")  # the block
         if m.kind == "dense":
             return w.var(f"{tile} != 0"), None
         x = w.var(f"{tile}.to(tl.float32)")
@@ -195,8 +198,7 @@ def _leaf(w: _Writer, m: MB.Mask, sq: int, sk: int) -> tuple[str | None, str | N
                           lambda: to_device(m.slopes, w.device))          # (H',), no wait
         (sh,) = w.strides(slopes)
         off = w.int(MS._offset(m.align, sq, sk))
-        at = w.var(f"(rows + {off}).to(tl.float32)")                           # (M,)
-        d = w.var(f"{at}[:, None] - cols.to(tl.float32)[None, :]")             # (M, N)
+        d = w.var(f"(R + {off}).to(tl.float32) - C.to(tl.float32)")            # the block
         s = w.var(f"tl.load({w.tensor(slopes)} + h.to(tl.int64) * {sh}) * {-LOG2E!r}")
         return None, w.var(f"tl.abs({d}) * {s}")
     raise ValueError(f"mask_program: no Triton form for {m.describe()}")
@@ -250,11 +252,11 @@ def _build(mask, sq, sk, device):
     w = _Writer(torch.device(device) if device is not None else mask._device())
     ok, bias = _emit(w, mask, sq, sk)
     if ok is None:                      # a pure bias: every pair allowed
-        ok = w.var("(rows[:, None] >= 0) & (cols[None, :] >= 0)")
+        ok = w.var("(R >= 0) & (C >= 0)")
     if bias is not None and w.clamp:
         bias = w.var(f"tl.maximum({bias}, -3.0e38)")
     body = "\n".join(w.lines)
-    source = (f"@triton.jit\ndef mask_fn(b, h, rows, cols, Sq, Sk, T, I):\n{body}\n"
+    source = (f"@triton.jit\ndef mask_fn(b, h, R, C, Sq, Sk, T, I):\n{body}\n"
               f"    return {ok}, {bias if bias is not None else _NO_BIAS}\n")
     return source, w
 
