@@ -10,6 +10,10 @@ Each case runs in a fresh Python process, so nothing from an earlier case is in 
 - **new shapes**: in the warm process, calls with other lengths and windows of the same
   bucket, which must compile nothing (the time of the first such call is reported).
 
+With ``--profile`` the warm process's first call runs under ``cProfile`` and the report
+lists where its time went (the functions with the most cumulative time: Triton's cache
+lookups and module loads, our dispatch, imports).
+
 Torch's import and CUDA's context start are outside every figure: each process first runs a
 plain matrix product on the GPU.
 
@@ -38,8 +42,9 @@ CASES = [
 ]
 
 
-def _child(name: str, expr: str, S: int, other: str) -> dict:
-    """Time one case in this process (run as ``--child``); returns seconds per stage."""
+def _child(name: str, expr: str, S: int, other: str, profile: bool = False) -> dict:
+    """Time one case in this process (run as ``--child``); returns seconds per stage (and
+    with ``profile``, the first call's profile as text)."""
     import torch
 
     import multihead as mh
@@ -66,17 +71,29 @@ def _child(name: str, expr: str, S: int, other: str) -> dict:
     t = time.perf_counter()
     import multihead.kernels.flash_bwd  # noqa: F401  (and Triton, imported by it)
     imports = time.perf_counter() - t
-    first = call(S, expr)
+    report = {}
+    if profile:
+        import cProfile
+        import io
+        import pstats
+        prof = cProfile.Profile()
+        first = prof.runcall(call, S, expr)
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+        report["profile"] = text.getvalue()
+    else:
+        first = call(S, expr)
     steady = call(S, expr)
     shapes = [call(S2, other) for S2 in (S - 64, S + 192, S // 2 + 64)]
     return {"case": name, "imports": imports, "first": first, "steady": steady,
-            "new_shapes_first": shapes[0], "new_shapes_max": max(shapes)}
+            "new_shapes_first": shapes[0], "new_shapes_max": max(shapes), **report}
 
 
-def run(case: tuple, cache: str) -> dict:
+def run(case: tuple, cache: str, profile: bool = False) -> dict:
     """Run ``case`` in a fresh process over the Triton cache folder ``cache``."""
     env = dict(os.environ, TRITON_CACHE_DIR=cache)
-    cmd = [sys.executable, "-m", "benchmarks.triton_compile", "--child", json.dumps(case)]
+    cmd = [sys.executable, "-m", "benchmarks.triton_compile", "--child",
+           json.dumps([*case, profile])]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         return {"case": case[0], "failed": p.stderr[-2000:]}
@@ -87,6 +104,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the warm process's first call and print where it went")
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(_child(*json.loads(a.child))))
@@ -94,7 +113,7 @@ def main(argv=None) -> None:
     rows = []
     for case in CASES:
         with tempfile.TemporaryDirectory() as cache:
-            cold, warm = run(case, cache), run(case, cache)
+            cold, warm = run(case, cache), run(case, cache, a.profile)
         rows.append({"case": case[0], "cold": cold, "warm": warm})
         if "failed" in cold or "failed" in warm:
             print(f"{case[0]}: failed\n{cold.get('failed', '')}{warm.get('failed', '')}")
@@ -103,6 +122,8 @@ def main(argv=None) -> None:
               f"(kernel modules' import before it: {warm['imports']:.2f} s), "
               f"steady {warm['steady'] * 1e3:.2f} ms, new shapes (warm) first "
               f"{warm['new_shapes_first'] * 1e3:.1f} ms, max {warm['new_shapes_max'] * 1e3:.1f} ms")
+        if "profile" in warm:
+            print(f"{case[0]}: the warm process's first call\n{warm['profile']}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
