@@ -235,3 +235,12 @@ def test_masks_built_inside_a_fullgraph_compiled_function_trace(build):
     torch._dynamo.reset()
     got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, lengths, ids)
     torch.testing.assert_close(got, fn(q, k, v, lengths, ids))
+
+
+def test_tiles_of_an_empty_side_are_empty():
+    """Zero queries (or a batch of 0) give a tile map with no tiles, as broadcasting says."""
+    m = M.padding(torch.tensor([5, 7]))
+    t = m.tiles(0, 64, tile_q=16, tile_k=16)
+    assert tuple(t.state.shape) == (2, 1, 0, 4)
+    both = (M.causal() & m).tiles(32, 32, tile_q=16, tile_k=16, batch=0)
+    assert both.state.shape[0] == 0 and both.state.numel() == 0

@@ -27,6 +27,7 @@ CASES = [  # B, H, Hkv, Sq, Sk, D, Dv, mask
     (3, 2, 1, 1, 50, 32, 32, "window 7 & padding"),            # a decoding step
     (1, 2, 2, 45, 70, 16, 16, "causal"),                       # offset 25: mid-block edges
     (1, 2, 1, 100, 120, 16, 16, "window 40"),                  # interior blocks in the band
+    (1, 2, 1, 100, 120, 16, 16, "window 80"),                  # interior for 16x32 tiles too
     (2, 2, 2, 96, 96, 32, 32, "window 40 & padding"),
 ]
 
@@ -248,11 +249,12 @@ def test_gradients_through_the_operator_equal_the_fp64_oracle(case, with_lse, op
 
 @pytest.mark.parametrize("kv_tiles", [(16, 16, 4, 1), (16, 32, 4, 1)],
                          ids=["queries-left", "keys-left"])
-@pytest.mark.parametrize("name", ["causal", "window 40", "window 40 & padding",
+@pytest.mark.parametrize("name", ["causal", "window 40", "window 80", "window 40 & padding",
                                   "causal & padding"])
 def test_backward_with_small_tiles_crosses_edge_and_interior_blocks(name, kv_tiles):
     """16x16 tiles: the dK/dV loop visits edge and interior query blocks, dQ key blocks;
-    with 32 keys per dK/dV program it computes its blocks transposed (keys_left)."""
+    with 32 keys per dK/dV program it computes its blocks transposed (keys_left), and
+    "causal" and "window 80" still have interior query blocks at that width."""
     case = next(c for c in CASES if c[7] == name)
     B, H, Hkv, Sq, Sk, D, Dv, _ = case
     q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, Dv, torch.float16, seed=2)
@@ -493,6 +495,34 @@ def test_under_a_torch_func_transform_auto_plans_another_backend():
     assert explain(q).chosen == "triton"                   # and plain calls are unaffected
 
 
+def test_under_a_torch_func_transform_no_decision_is_shared(monkeypatch):
+    """Decisions are cached by shapes, which a transform's wrapped tensors share with plain
+    ones: under vmap nothing is read from or written to the plan caches."""
+    from multihead.functional import dispatch
+    seen = []
+
+    class Spy:
+        def __init__(self, real):
+            self.real = real
+
+        def get(self, key):
+            seen.append(key)
+            return self.real.get(key)
+
+        def put(self, key, value):
+            seen.append(key)
+            self.real.put(key, value)
+    for name in ("_DECISIONS", "_CHOICES"):
+        monkeypatch.setattr(dispatch, name, Spy(getattr(dispatch, name)))
+    q = torch.randn(2, 1, 2, 8, 16)
+    torch.func.vmap(lambda x: mh.attention(x, x, x, mask=M.causal()))(q)
+    seen2 = []
+    torch.func.vmap(lambda x: seen2.append(mh.explain(x, x, x, mask=M.causal())) or x)(q)
+    assert seen == [] and seen2[0].reused is None
+    mh.attention(q[0], q[0], q[0], mask=M.causal())                       # a plain call: cached
+    assert seen
+
+
 def test_the_kernels_refuse_torch_func_transforms_by_name():
     from multihead.kernels import ops
     x = torch.randn(1, 2, 8, 16).to(DEV, torch.float16)
@@ -505,6 +535,13 @@ def test_the_kernels_refuse_torch_func_transforms_by_name():
         with pytest.raises(RuntimeError, match="do not run under torch.func transforms"):
             torch.func.vmap(call)(x.unsqueeze(0))
         assert call(x).isfinite().all(), name              # outside a transform: they run
+    # a plain forward whose backward then runs batched (vmap over the output gradients)
+    for name in ("attention", "sparse"):
+        leaf = x.clone().requires_grad_()
+        out = calls[name](leaf)
+        with pytest.raises(RuntimeError, match="batched gradients"):
+            torch.autograd.grad(out, leaf, torch.ones(2, *out.shape, dtype=out.dtype),
+                                is_grads_batched=True)
 
 
 @pytest.mark.cuda

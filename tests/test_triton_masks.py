@@ -443,6 +443,24 @@ def test_a_bias_of_finfo_min_is_a_number_not_a_mask(dtype):
     assert all(torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")   # the interpreter
+def test_opposite_extreme_biases_cancel_as_in_the_oracle():
+    """finfo.max in one bias tile and finfo.min in another add to 0, as in the oracle (in
+    base 2 each would overflow, to +inf and -inf, and their sum be NaN unclamped); a lone
+    finfo.max score takes its row's whole weight."""
+    q, k, v = _inputs(1, 2, 2, 32, 32, 16, seed=9)
+    top, bottom = torch.zeros(1, 1, 32, 32), torch.zeros(1, 1, 32, 32)
+    top[0, 0, 4:9], bottom[0, 0, 4:9] = torch.finfo(torch.float32).max, torch.finfo(torch.float32).min
+    alone = torch.zeros(1, 1, 32, 32)
+    alone[0, 0, 11, 6] = torch.finfo(torch.float32).max
+    for m in (M.bias(top.to(DEV)) & M.bias(bottom.to(DEV)), M.bias(alone.to(DEV))):
+        out, lse = sparse_forward(q, k, v, m, scale=0.25, config=TILES)
+        ref = mh.attention(q.double(), k.double(), v.double(), mask=m, scale=0.25,
+                           backend="reference")
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.double(), ref, atol=4e-3, rtol=4e-3)
+
+
 def test_the_backend_routes_non_band_masks_to_the_block_lists_and_says_so():
     q = torch.empty(2, 16, 4096, 128, dtype=torch.bfloat16)
     ids = torch.arange(4096) // 512                       # 8 documents on the host

@@ -376,7 +376,7 @@ def explain(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
     rows = _rows(call, profile, device_type)
     chosen = _choose(rows, backend, profile).name
     structure = _structure(call) if backend == AUTO and device_type == call.q.device.type \
-        and profile is profiles.profile_for(call.q.device) else None
+        and profile is profiles.profile_for(call.q.device) and not _uncached() else None
     reused = _CHOICES.get(structure) if structure is not None else None
     return Explanation(chosen, backend, tuple(rows), _describe(call), profile,
                        reused if reused not in (None, chosen) else None)

@@ -291,7 +291,8 @@ def masked_scores(s, b, h, R, C, row_ok, Sq, klen, offset, window, T, I,
                   MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Scores ``s`` (base 2) of a block with the mask's bias added, and where MASKED, which
     pairs the mask leaves: the band's (:func:`visible`), or a mask program's (``MASK_FN``,
-    :mod:`.mask_program`, whose bias is in base 2 and finite) within bounds. Returns
+    :mod:`.mask_program`, whose bias is in base 2, tiles clamped to ``±3e38``) within
+    bounds. Returns
     ``(s, ok)``; ``ok`` is True where not MASKED.
 
     The block may lie either way round: ``R`` (query positions) and ``row_ok`` (live

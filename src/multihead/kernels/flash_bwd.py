@@ -9,8 +9,9 @@ by block and ``delta = rowsum(dO * O)`` (minus the gradient of the lse, when it 
   ``dV += Pᵀ dO`` and ``dK += scale · dSᵀ Q`` with ``dS = P ∘ (dO Vᵀ - delta)``. The GQA
   sum over the group happens in registers: no copies of K/V and no atomics. A step of
   fewer queries than the program's keys computes its block transposed (:func:`keys_left`:
-  ``Sᵀ = K Qᵀ``, no transposes of P and dS through shared memory); the launch table
-  (measured) says which tiles, hence which orientation, run.
+  ``Sᵀ = K Qᵀ``, no transposes of P and dS through shared memory). The launch table's
+  tiles decide: its measured entries are square today, so the transposed form runs for the
+  tilings the tuner sweeps or a ``MULTIHEAD_TRITON_LAUNCH`` table names.
 - ``_dq``: one program per (query block, batch, query head) walks the forward's key blocks
   (:func:`._band.key_range`): ``dQ += scale · dS K``. It runs first and also writes its rows'
   ``delta`` (it holds their ``dO``, and reads their ``O`` once), so ``_dkdv`` needs no

@@ -107,14 +107,20 @@ def _gradients(ctx, dout, dlse, backward=flash_attention_backward):
 flash_attention.register_autograd(_gradients, setup_context=_setup)
 
 
-def _refuse_transforms() -> None:
-    """Raise a RuntimeError under a ``torch.func`` transform (see :class:`_Direct`)."""
-    if torch._C._are_functorch_transforms_active():
+def _refuse_transforms(*grads) -> None:
+    """Raise a RuntimeError under a ``torch.func`` transform (see :class:`_Direct`): in a
+    forward, or in a backward whose output ``grads`` come batched after a plain forward
+    (``autograd.grad(..., is_grads_batched=True)``, ``jacobian(..., vectorize=True)``: torch
+    batches them with its legacy vmap, which no transform flag reports)."""
+    legacy = torch._C._functorch.is_legacy_batchedtensor
+    if torch._C._are_functorch_transforms_active() or any(
+            g is not None and legacy(g) for g in grads):
         raise RuntimeError(
             "multihead's Triton kernels do not run under torch.func transforms (grad, vmap, "
-            "jacrev, ...): they read device memory, which functorch's wrapped tensors do not "
-            "expose. Call multihead.attention with backend='auto' (it picks a backend that "
-            "runs under the transform) or backend='sdpa'")
+            "jacrev, batched gradients such as autograd.grad(is_grads_batched=True), ...): "
+            "they read device memory, which functorch's wrapped tensors do not expose. Call "
+            "multihead.attention with backend='auto' inside the transform (it picks a backend "
+            "that runs there), or backend='sdpa' for a call whose gradients run batched")
 
 
 class _Direct(torch.autograd.Function):
@@ -156,6 +162,7 @@ class _Flash(_Direct):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        _refuse_transforms(dout, dlse)
         return _gradients(ctx, dout, dlse, backward=_backward)
 
 
@@ -266,6 +273,7 @@ class _Sparse(_Direct):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        _refuse_transforms(dout, dlse)
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
         dq, dk, dv = sparse_backward(dout, q, k, v, out, lse, ctx.mask, scale=ctx.scale,

@@ -392,8 +392,9 @@ class Mask:
             state = torch.full(shape, FULL, dtype=torch.int8, device=device)
         else:
             any_, all_ = self._tile_bounds(tx)
-            # both 4-D; torch.broadcast_shapes would import sympy (0.35 s on first use)
-            any_ = torch.broadcast_to(any_, [max(a, b) for a, b in zip(any_.shape, shape)])
+            # both 4-D, broadcast (a size 1 takes the other's, 0 included); torch's
+            # broadcast_shapes would import sympy on its first use (0.35 s)
+            any_ = torch.broadcast_to(any_, [b if a == 1 else a for a, b in zip(any_.shape, shape)])
             all_ = torch.broadcast_to(all_, any_.shape) & any_
             state = torch.where(all_, FULL, torch.where(any_, PARTIAL, EMPTY)).to(torch.int8)
         return TileMap(state=state, tile_q=tile_q, tile_k=tile_k, sq=sq, sk=sk)
