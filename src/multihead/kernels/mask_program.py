@@ -24,10 +24,10 @@ only what it needs:
 - ``&``, ``|``, ``~`` of these (biases add under ``&``).
 
 The bias comes back in the kernels' base 2 (times ``log2(e)``, folded into ALiBi's slope),
-so ALiBi costs a subtraction and a multiply-add per score. A bias tile's values, and the
-sum of a program's biases where it has a tile, are clamped to ``±3e38`` (``finfo.min *
-log2(e)`` would overflow to ``-inf`` and mask the pair; ``finfo.max`` and ``finfo.min``
-tiles would sum to NaN).
+so ALiBi costs a subtraction and a multiply-add per score. A bias tile's values are clamped
+to ``±3e38`` (``finfo.min * log2(e)`` would overflow to ``-inf`` and mask the pair), and so
+is the sum of a program's biases when it adds two tiles or more (``finfo.max`` and
+``finfo.min`` tiles would overflow to a NaN sum; ALiBi's bias is far from overflowing).
 
 Only the *structure* is in the code (which leaves, how composed, which dims broadcast);
 sizes, offsets and pointers are arguments. The source is registered with ``linecache`` (no
@@ -125,7 +125,7 @@ class _Writer:
         self.ints: list[int] = []
         self.device = device
         self.n = 0
-        self.clamp = False          # a bias tile may hold finfo.min: clamp the base-2 sum
+        self.tiles = 0              # bias tiles: two or more may overflow fp32 in sum
 
     def tensor(self, t: torch.Tensor) -> str:
         self.tensors.append(t)
@@ -192,7 +192,7 @@ def _leaf(w: _Writer, m: MB.Mask, sq: int, sk: int) -> tuple[str | None, str | N
             return w.var(f"{tile} != 0"), None
         x = w.var(f"{tile}.to(tl.float32)")
         ok = w.var(f"{x} != float('-inf')")
-        w.clamp = True
+        w.tiles += 1
         x2 = w.var(f"tl.minimum(tl.maximum({x} * {LOG2E!r}, -3.0e38), 3.0e38)")
         return ok, w.var(f"tl.where({ok}, {x2}, 0.0)")
     if m.kind == "alibi":
@@ -255,7 +255,7 @@ def _build(mask, sq, sk, device):
     ok, bias = _emit(w, mask, sq, sk)
     if ok is None:                      # a pure bias: every pair allowed
         ok = w.var("(R >= 0) & (C >= 0)")
-    if bias is not None and w.clamp:            # a sum of clamped tiles may overflow again
+    if w.tiles > 1:                             # a sum of clamped tiles may overflow again
         bias = w.var(f"tl.minimum(tl.maximum({bias}, -3.0e38), 3.0e38)")
     body = "\n".join(w.lines)
     source = (f"@triton.jit\ndef mask_fn(b, h, R, C, Sq, Sk, T, I):\n{body}\n"
