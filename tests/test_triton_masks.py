@@ -626,8 +626,8 @@ def test_a_document_table_is_checked_and_scheduled_once_until_it_changes():
     again = make_call(q, q, q, mask=m, scale=None, dropout_p=0.0, return_weights=False,
                       return_lse=False)
     assert tb._band(again).documents is docs
-    first, grid = schedule(docs, 16, 2, 64, 2, DEV)
-    assert schedule(docs, 16, 2, 64, 2, DEV)[0] is first
+    first, grid = schedule(docs, 16, 2, 64, 2, q)
+    assert schedule(docs, 16, 2, 64, 2, q)[0] is first
     assert grid == (7, 2)                               # blocks of 16: 2 + 2 + 2 + 1
     flash_forward(q, q, q, scale=1.0, documents=docs)
     docs[0, 2] = 30                                     # now overlaps the next document

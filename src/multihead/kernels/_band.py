@@ -147,12 +147,14 @@ def _derived(docs: torch.Tensor, key, compute):
     return memo[1][key]
 
 
-def schedule(documents, block: int, programs: int, S: int, heads: int, device):
-    """``(table, grid)`` of a launch: plain (no ``documents``), a dummy table and the grid
-    ``(cdiv(S, block), programs)``; packed documents, the :func:`document_blocks` table on
-    ``device`` (one non-blocking copy) and the grid ``(entries, heads)``."""
+def schedule(documents, block: int, programs: int, S: int, heads: int, unused: torch.Tensor):
+    """``(table, grid)`` of a launch: plain (no ``documents``), ``unused`` (any tensor on
+    the device, standing for a table the kernel never reads: no allocation per call) and
+    the grid ``(cdiv(S, block), programs)``; packed documents, the :func:`document_blocks`
+    table on ``unused``'s device (one non-blocking copy) and the grid ``(entries, heads)``."""
     if documents is None:
-        return torch.empty(1, dtype=torch.int32, device=device), (triton.cdiv(S, block), programs)
+        return unused, (triton.cdiv(S, block), programs)
+    device = unused.device
     table = _derived(documents, ("blocks", block, str(device)),
                      lambda: to_device(document_blocks(documents, block), device))
     return table, (len(table), heads)

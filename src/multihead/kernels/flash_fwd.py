@@ -166,7 +166,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         return out, lse
     bm, bn, warps, stages = config or launch_config("fwd", D, Dv, window)
     lens = kv_lengths.contiguous() if kv_lengths is not None else lse  # unused: HAS_LENS off
-    segs, grid = schedule(documents, bm, B * H, Sq, H, q.device)
+    segs, grid = schedule(documents, bm, B * H, Sq, H, lse)   # no documents: lse, unread
     _forward[grid](
         q, k, v, out, lse, lens, segs, scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
