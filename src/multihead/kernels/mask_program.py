@@ -255,7 +255,7 @@ def _build(mask, sq, sk, device):
     ok, bias = _emit(w, mask, sq, sk)
     if ok is None:                      # a pure bias: every pair allowed
         ok = w.var("(R >= 0) & (C >= 0)")
-    if w.tiles > 1:                             # a sum of clamped tiles may overflow again
+    if w.tiles > 1 and bias is not None:        # a sum of clamped tiles may overflow again
         bias = w.var(f"tl.minimum(tl.maximum({bias}, -3.0e38), 3.0e38)")
     body = "\n".join(w.lines)
     source = (f"@triton.jit\ndef mask_fn(b, h, R, C, Sq, Sk, T, I):\n{body}\n"
