@@ -23,9 +23,8 @@ import triton
 import triton.language as tl
 
 from .._device import to_device
+from .mask_program import LOG2E  # noqa: F401  (the kernels' one constant, shared with programs)
 
-#: log2(e): scores scaled by ``scale * LOG2E`` run the softmax in base 2 (``exp2``)
-LOG2E = 1.4426950408889634
 
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and width of the head dim. The
 #: 128 column was measured on an H100 (bf16, S=16384; ``benchmarks/triton_tune.py``,
@@ -151,7 +150,18 @@ def schedule(documents, block: int, programs: int, S: int, heads: int, unused: t
     """``(table, grid)`` of a launch: plain (no ``documents``), ``unused`` (any tensor on
     the device, standing for a table the kernel never reads: no allocation per call) and
     the grid ``(cdiv(S, block), programs)``; packed documents, the :func:`document_blocks`
-    table on ``unused``'s device (one non-blocking copy) and the grid ``(entries, heads)``."""
+    table on ``unused``'s device (one non-blocking copy) and the grid ``(entries, heads)``.
+
+    Example:
+        >>> import torch
+        >>> lse = torch.zeros(2, 4, 100)                       # (B, H, S): stands in
+        >>> schedule(None, 64, 2 * 4, 100, 4, lse)[1]
+        (2, 8)
+        >>> docs = torch.tensor([[0, 0, 70], [0, 70, 30], [1, 0, 100]])   # (b, first, length)
+        >>> table, grid = schedule(docs, 64, 2 * 4, 100, 4, lse)
+        >>> table.shape, grid                                   # a row per (document, block)
+        (torch.Size([5, 4]), (5, 4))
+    """
     if documents is None:
         return unused, (triton.cdiv(S, block), programs)
     device = unused.device
@@ -161,14 +171,32 @@ def schedule(documents, block: int, programs: int, S: int, heads: int, unused: t
 
 
 def empty_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialized ``out (B, H, Sq, Dv)`` in q's dtype and ``lse (B, H, Sq)`` fp32."""
+    """Uninitialized ``out (B, H, Sq, Dv)`` in q's dtype and ``lse (B, H, Sq)`` fp32, from
+    ``q (B, H, Sq, D)`` and ``v (B, Hkv, Sk, Dv)``.
+
+    Example:
+        >>> import torch
+        >>> out, lse = empty_outputs(torch.zeros(2, 4, 5, 16, dtype=torch.float16),
+        ...                          torch.zeros(2, 1, 9, 32, dtype=torch.float16))
+        >>> tuple(out.shape), out.dtype, tuple(lse.shape), lse.dtype
+        ((2, 4, 5, 32), torch.float16, (2, 4, 5), torch.float32)
+    """
     B, H, Sq, _ = q.shape
     return (q.new_empty(B, H, Sq, v.shape[-1]),
             torch.empty(B, H, Sq, device=q.device, dtype=torch.float32))
 
 
 def empty_like_all(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Uninitialized contiguous tensors shaped as ``tensors`` (the gradients' buffers)."""
+    """Uninitialized contiguous tensors shaped as ``tensors`` (the gradients' buffers),
+    with their dtypes and devices, whatever their strides.
+
+    Example:
+        >>> import torch
+        >>> q = torch.zeros(2, 5, 4, 16).transpose(1, 2)      # (B, H, S, D), strided
+        >>> (g,) = empty_like_all(q)
+        >>> tuple(g.shape), g.is_contiguous()
+        ((2, 4, 5, 16), True)
+    """
     return tuple(torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in tensors)
 
 
@@ -294,8 +322,7 @@ def masked_scores(s, b, h, R, C, row_ok, Sq, klen, offset, window, T, I,
     """Scores ``s`` (base 2) of a block with the mask's bias added, and where MASKED, which
     pairs the mask leaves: the band's (:func:`visible`), or a mask program's (``MASK_FN``,
     :mod:`.mask_program`, whose bias is in base 2, tiles clamped to ``±3e38``) within
-    bounds. Returns
-    ``(s, ok)``; ``ok`` is True where not MASKED.
+    bounds. Returns ``(s, ok)``; ``ok`` is True where not MASKED.
 
     The block may lie either way round: ``R`` (query positions) and ``row_ok`` (live
     queries) are ``(M, 1)`` and ``C`` (key positions) ``(1, N)`` for ``s (M, N)``, or

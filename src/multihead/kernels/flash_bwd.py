@@ -258,7 +258,18 @@ def backward_setup(dout, q, k, v, out, lse, dlse, config):
 
     A ``dout`` broadcast along a dimension (stride 0, as ``out.sum().backward()`` gives) is
     copied out first: compiled for an H100 by Triton 3.6, the block-sparse dK kernel read
-    such a tile wrongly (dQ and dV were right), so no kernel is handed one."""
+    such a tile wrongly (dQ and dV were right), so no kernel is handed one.
+
+    Example:
+        >>> import torch
+        >>> q = torch.zeros(1, 4, 8, 16, dtype=torch.float16)      # (B, H, Sq, D)
+        >>> kv = torch.zeros(1, 2, 8, 16, dtype=torch.float16)     # (B, Hkv, Sk, D)
+        >>> dout = torch.ones(1, 1, 1, 1, dtype=torch.float16).expand(1, 4, 8, 16)
+        >>> grads, dout, delta, dlse, lse, cfgs = backward_setup(
+        ...     dout, q, kv, kv, q, torch.zeros(1, 4, 8), None, None)
+        >>> [tuple(g.shape) for g in grads], dout.stride(), tuple(delta.shape), dlse is delta
+        ([(1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16)], (512, 128, 16, 1), (1, 4, 8), True)
+    """
     grads = empty_like_all(q, k, v)
     if q.numel() == 0 or k.shape[2] == 0:
         return tuple(g.zero_() for g in grads), dout, None, dlse, lse, (None, None)

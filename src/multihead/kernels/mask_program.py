@@ -53,7 +53,9 @@ from ..masks import base as MB
 from ..masks import structured as MS
 from ..masks import tensor as MT
 
-#: log2(e): the bias is returned in base 2, the kernels' unit for scores
+#: log2(e): scores scaled by ``scale * LOG2E`` run the kernels' softmax in base 2
+#: (``exp2``), and programs return their bias in that unit (defined here, where no Triton
+#: is imported, and shared by every kernel through ``_band``)
 LOG2E = 1.4426950408889634
 
 #: the leaf kinds a program can express (compositions "and", "or", "not" of them)
