@@ -115,6 +115,32 @@ def test_every_failing_cached_call_leaves_the_cache_unchanged(error, kind):
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_a_cached_call_refused_under_torch_func_leaves_the_cache_unchanged(kind, transform):
+    """Writing into a cache is an in-place change of a tensor the transform captured, which
+    torch.func refuses: the call fails, and the rollback (itself in-place) must not fail
+    too (a paged pool once kept the page the refused write had taken)."""
+    m, B = _module(), 2
+    g = torch.Generator().manual_seed(3)
+    seqs = torch.randn(B, 6, E, generator=g)
+    cache = _caches(m, B)[kind]
+    with torch.no_grad():
+        m(seqs[:, :3], cache=cache, mask=CAUSAL)
+    before = _state(cache)
+    step = seqs[:, 3:5]                                      # a second page on the paged pool
+    with pytest.raises(RuntimeError, match="in-place|inplace|not possible"):
+        if transform == "grad":
+            torch.func.grad(lambda x: m(x, cache=cache, mask=CAUSAL).sum())(step)
+        else:
+            torch.func.vmap(lambda x: m(x, cache=cache, mask=CAUSAL))(step[None])
+    assert _same(_state(cache), before)
+    with torch.no_grad():
+        got = torch.cat([m(seqs[:, t:t + 1], cache=cache, mask=CAUSAL) for t in (3, 4, 5)], 1)
+        want = m(seqs, mask=CAUSAL)[:, 3:]
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("error", ["mask of a wrong type", "mask of a wrong batch",
                                    "weights from a backend without them", "unknown backend",
                                    "interrupt during attention"])

@@ -218,13 +218,12 @@ class PagedBatch(_CacheBase):
                              f"written. Free finished sequences, or build a larger pool")
         taken = {}                     # the pages this write takes, per sequence
         saved = {s: (pool._written[s], pool._real[s], s in pool._padded) for s in self.ids}
-        overwritten = []               # (slots, their k, v and valid bytes) once known
+        writes = []                    # (buffer, slots, their old rows) of each write made
 
         def undo():                    # exactly these pages back to the pool, counts and bytes
-            for slots, old in overwritten:          # as they were
-                for t, o in zip((pool.k, pool.v, pool.valid), old):
-                    t.index_copy_(0, slots, o)
-            for sid, pages in taken.items():
+            for t, slots, rows in reversed(writes):           # as they were (only the writes
+                t.index_copy_(0, slots, rows)                 # that happened: a refused one,
+            for sid, pages in taken.items():                  # as under torch.func, changed none)
                 if sid in pool._tables:
                     del pool._tables[sid][len(pool._tables[sid]) - len(pages):]
                 pool._free.extend(reversed(pages))
@@ -241,15 +240,20 @@ class PagedBatch(_CacheBase):
         pos = before[:, None] + torch.arange(n, device=self.device)            # (B, n)
         slots = _slot(table, pos, p).flatten()                                 # (B*n,)
         old = self._kept(lambda t: t.index_select(0, slots), (pool.k, pool.v, pool.valid))
-        if old is not None:
-            overwritten.append((slots, old))
-        pool.k.index_copy_(0, slots, k.transpose(1, 2).reshape(B * n, Hkv, self.head_dim))
-        pool.v.index_copy_(0, slots, v.transpose(1, 2).reshape(B * n, Hkv, self.value_dim))
+
+        def write(i, t, change):       # change buffer t; then undo restores its old rows
+            change()
+            if old is not None:
+                writes.append((t, slots, old[i]))
+        write(0, pool.k, lambda: pool.k.index_copy_(
+            0, slots, k.transpose(1, 2).reshape(B * n, Hkv, self.head_dim)))  # (B*n, Hkv, D)
+        write(1, pool.v, lambda: pool.v.index_copy_(
+            0, slots, v.transpose(1, 2).reshape(B * n, Hkv, self.value_dim)))
         if valid is None:
-            pool.valid.index_fill_(0, slots, True)
+            write(2, pool.valid, lambda: pool.valid.index_fill_(0, slots, True))
             counts = self._real_counts() + n                                   # (B,)
         else:
-            pool.valid.index_copy_(0, slots, valid.reshape(B * n))
+            write(2, pool.valid, lambda: pool.valid.index_copy_(0, slots, valid.reshape(B * n)))
             counts = self._real_counts() + valid.sum(1)                        # (B,)
             pool._padded.update(self.ids)
         for b, sid in enumerate(self.ids):
