@@ -88,6 +88,8 @@ def launches():
         o, lse = flash_forward(q, k, k, **kw)
         flash_backward(o, q, k, k, o, lse, **kw)
         decode_forward(q[:, :, :1], k, k, scale=0.1, causal=True, offset=255, kv_lengths=lens)
+        if D == 128:                                    # one split: no merge, no tickets
+            decode_forward(q[:, :, :1], k, k, scale=0.1, causal=True, offset=255, splits=1)
         pool = torch.zeros(8 * 64, 2, D, **bf)                    # a paged pool, slot-major
         paged_decode_forward(q[:, :, :1], pool, pool, torch.zeros(2, 4, dtype=torch.long), lens,
                              max_len=256, page_size=64, scale=0.1, causal=True)

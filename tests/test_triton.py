@@ -133,6 +133,7 @@ DECODE = [  # B, H, Hkv, Sq, Sk, D, mask, splits
     (3, 6, 2, 5, 150, 32, "causal & padding", 4),         # a cache with one empty sequence
     (2, 4, 2, 16, 90, 64, "window 7 & padding", None),    # the most queries it takes
     (1, 2, 1, 1, 2600, 16, "causal", 40),                 # the merge reads splits in chunks
+    (2, 8, 2, 3, 100, 32, "causal & padding", 1),         # one split: writes the output itself
 ]
 
 
@@ -180,6 +181,20 @@ def test_split_k_decode_reads_a_kv_cache_in_place():
     assert k.data_ptr() == cache.k.data_ptr() and not k.is_contiguous()
     q = torch.randn(2, 8, 1, 32, generator=g).to(DEV, torch.float16)
     _check_decode(q, k, v, M.causal())
+
+
+def test_the_last_split_merges_and_leaves_every_ticket_at_zero():
+    """Each (batch, K/V head) merges once, in the program taking its last ticket, which
+    sets the ticket back to 0: the next launch on the same buffer starts clean (a ticket
+    left over would make a later step merge too early, or never)."""
+    from multihead.kernels import decode as dec
+    q, k, v = _inputs(3, 8, 2, 1, 300, 16, 16, torch.float16)
+    tickets = dec._tickets(q.device, 6)
+    tickets.fill_(0)
+    for splits in (5, 2, 5):                           # the same tickets, three launches
+        _check_decode(q, k, v, M.causal(), splits)
+        assert int(tickets.abs().sum()) == 0
+    assert dec._tickets(q.device, 6) is tickets          # one buffer per device and stream
 
 
 def test_num_splits_fills_the_device_with_whole_key_blocks():
@@ -351,8 +366,8 @@ def test_changing_lengths_and_windows_never_recompiles_a_kernel():
     from multihead.kernels import decode as dec, flash_bwd as bwd, flash_fwd as fwd
 
     def compiled():
-        return sum(len(c) for kern in (fwd._forward, bwd._dkdv, bwd._dq, dec._partial,
-                                       dec._merge) for c in kern.device_caches.values()
+        return sum(len(c) for kern in (fwd._forward, bwd._dkdv, bwd._dq, dec._partial)
+                   for c in kern.device_caches.values()
                    for c in c[:1])
     g = torch.Generator().manual_seed(9)
 

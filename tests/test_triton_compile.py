@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-KERNELS = {"_forward", "_dkdv", "_dq", "_partial", "_merge", "_forward_sparse",
-           "_dkdv_sparse", "_dq_sparse"}
+KERNELS = {"_forward", "_dkdv", "_dq", "_partial", "_forward_sparse", "_dkdv_sparse",
+           "_dq_sparse"}
 
 
 def test_every_kernel_compiles_to_an_sm90_cubin():

@@ -3,12 +3,18 @@
 A decoding step has one query per head (a few when verifying drafts) over a long cache:
 too few rows to fill a GPU with one program per query block. So the keys are split:
 
-1. ``_partial``: one program per (split of the keys, batch, K/V head) streams its keys
-   once for **all G query heads of the group and all Sq queries** (a tile of ``G * Sq``
-   rows: each K/V byte is read once, not G times) and writes its unnormalized partial
-   output and the log-sum-exp of its scores, in fp32.
-2. ``_merge``: one program per (batch, query head) combines the splits:
+One launch, one program per (split of the keys, batch, K/V head):
+
+1. each program streams its keys once for **all G query heads of the group and all Sq
+   queries** (a tile of ``G * Sq`` rows: each K/V byte is read once, not G times) and
+   writes its split's output and log-sum-exp of its scores, in fp32;
+2. then it takes a ticket (an atomic counter per (batch, K/V head)); the program that takes
+   the last one combines the splits of its rows and writes the output:
    ``lse = log Σ exp(lse_s)``, ``out = Σ exp(lse_s - lse) · out_s``.
+
+Merging in the last program saves the second launch (host time and a kernel boundary,
+which dominate a step over a short cache). With a single split the program writes the
+output directly.
 
 Masks are those of :mod:`.flash_fwd`, from indices: causal with an ``offset``, a sliding
 ``window``, and key padding from ``kv_lengths``; a split whose keys the mask rules out
@@ -34,16 +40,22 @@ BLOCK_N = 64
 MAX_SPLITS = 128
 #: (BLOCK_N, num_warps, num_stages) of the split kernel, measured on an H100 (bf16)
 CONFIG = (BLOCK_N, 4, 3)
+#: splits the merge combines per step (the usual counts, at most 16, in one step)
+MERGE_SPLITS = 16
+#: the most fp32 values a merge step holds: splits x rows x head-dim tile (64 per thread
+#: of 4 warps)
+MERGE_TILE = 8192
 
 
-@triton.jit(do_not_specialize=DYNAMIC + ["B", "chunk", "stb"])
-def _partial(Q, K, V, PO, PL, LENS, TBL, qk_scale,
-             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-             B, Hkv, G, Sq, Sk, offset, window, chunk, stb,
+@triton.jit(do_not_specialize=DYNAMIC + ["B", "chunk", "stb", "splits"])
+def _partial(Q, K, V, PO, PL, O, LSE, CNT, LENS, TBL, qk_scale,
+             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+             B, Hkv, G, Sq, Sk, offset, window, chunk, stb, splits,
              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_LENS: tl.constexpr,
              PAGED: tl.constexpr, PAGE: tl.constexpr,
              D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-             BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+             BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+             MERGE_ROWS: tl.constexpr, BLOCK_S: tl.constexpr):
     split = tl.program_id(0)
     bk = tl.program_id(1)
     b = bk // Hkv
@@ -88,45 +100,114 @@ def _partial(Q, K, V, PO, PL, LENS, TBL, qk_scale,
                                       None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL,
                                       WINDOWED, True, None, False)
     out, lse = _finish(acc, m_i, l_i)
-    # scratch layout: PO (splits, B, H, Sq, DV), PL (splits, B, H, Sq), contiguous
-    row = ((split * B + b) * (Hkv * G) + h) * Sq + i                      # (BLOCK_R,)
-    tl.store(PO + row[:, None] * DV + dv[None, :], out, mask=live[:, None] & (dv[None, :] < DV))
-    tl.store(PL + row, lse, mask=live)
+    if SPLIT:
+        # scratch layout: PO (splits, B, H, Sq, DV), PL (splits, B, H, Sq), contiguous; the
+        # rows of (b, hk) are the G * Sq consecutive (head, query) rows from hk * G * Sq
+        HSq = Hkv * G * Sq
+        first = (split * B + b) * HSq + hk * G * Sq                         # scalar
+        tl.store(PO + (first + r)[:, None] * DV + dv[None, :], out,
+                 mask=live[:, None] & (dv[None, :] < DV))
+        tl.store(PL + first + r, lse, mask=live)
+        # the last split of (b, hk) to finish merges them all: every thread's stores
+        # precede the ticket (barrier), which releases them to, and acquires theirs from,
+        # the other programs (GPU scope); the counter is left at 0 for the next launch
+        tl.debug_barrier()
+        ticket = tl.atomic_add(CNT + bk, 1, sem="acq_rel", scope="gpu")
+        if ticket == splits - 1:
+            _merge(PO, PL, O, LSE, b, hk, B, HSq, G, Sq, splits, sob, soh, som, sod,
+                   DV, BLOCK_DV, MERGE_ROWS, BLOCK_S)
+            tl.store(CNT + bk, 0)
+    else:
+        tl.store(O + b * sob + h[:, None] * soh + i[:, None] * som + dv[None, :] * sod,
+                 out.to(O.dtype.element_ty), mask=live[:, None] & (dv[None, :] < DV))
+        tl.store(LSE + (b * Hkv * G + h) * Sq + i, lse, mask=live)
 
 
-@triton.jit(do_not_specialize=["splits", "BH", "Sq"])
-def _merge(PO, PL, O, LSE, splits, BH, Sq,
-           sob, soh, som, sod, H,
-           DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
-    pid = tl.program_id(0)                             # one (batch, head, query) row
-    bh = pid // Sq
-    i = pid % Sq
-    b = bh // H
-    h = bh % H
-    s = tl.arange(0, BLOCK_S)
+@triton.jit
+def _merge(PO, PL, O, LSE, b, hk, B, HSq, G, Sq, splits, sob, soh, som, sod,
+           DV: tl.constexpr, BLOCK_DV: tl.constexpr, MERGE_ROWS: tl.constexpr,
+           BLOCK_S: tl.constexpr):
+    # The G * Sq rows of (b, hk) from every split's partial: lse = log sum exp(lse_s),
+    # out = sum exp(lse_s - lse) out_s, over BLOCK_S splits and MERGE_ROWS rows at a time
+    # (online: a running maximum rescales what is summed). Loads bypass L1 (.cg): the
+    # partials were written by other SMs.
     dv = tl.arange(0, BLOCK_DV)
-    top = tl.full((BLOCK_S,), float("-inf"), tl.float32)
-    for s0 in range(0, splits, BLOCK_S):               # the largest partial lse
-        lse_s = tl.load(PL + ((s0 + s) * BH + bh) * Sq + i, mask=s0 + s < splits,
-                        other=float("-inf"))
-        top = tl.maximum(top, lse_s)
-    top = tl.max(top, 0)
-    shift = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros((BLOCK_S,), tl.float32)
-    acc = tl.zeros((BLOCK_DV,), tl.float32)
-    for s0 in range(0, splits, BLOCK_S):               # BLOCK_S splits at a time
-        live = s0 + s < splits
-        lse_s = tl.load(PL + ((s0 + s) * BH + bh) * Sq + i, mask=live, other=float("-inf"))
-        w = tl.exp(lse_s - shift)                      # (BLOCK_S,), 0 for empty splits
-        total += w
-        parts = tl.load(PO + (((s0 + s)[:, None] * BH + bh) * Sq + i) * DV + dv[None, :],
-                        mask=live[:, None] & (dv[None, :] < DV), other=0.0)
-        acc += tl.sum(parts * w[:, None], 0)
-    total = tl.sum(total, 0)
-    out = acc / tl.where(total == 0.0, 1.0, total)
-    lse = tl.where(total == 0.0, float("-inf"), shift + tl.log(tl.where(total == 0.0, 1.0, total)))
-    tl.store(O + b * sob + h * soh + i * som + dv * sod, out.to(O.dtype.element_ty), mask=dv < DV)
-    tl.store(LSE + bh * Sq + i, lse)
+    base = hk * G * Sq
+    for r0 in range(0, G * Sq, MERGE_ROWS):
+        r = r0 + tl.arange(0, MERGE_ROWS)                                   # (R,)
+        row_ok = r < G * Sq
+        top = tl.full((MERGE_ROWS,), float("-inf"), tl.float32)
+        total = tl.zeros((MERGE_ROWS,), tl.float32)
+        acc = tl.zeros((MERGE_ROWS, BLOCK_DV), tl.float32)
+        for s0 in range(0, splits, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)                                  # (S,)
+            row = (s[:, None] * B + b) * HSq + base + r[None, :]            # (S, R)
+            ok = (s[:, None] < splits) & row_ok[None, :]
+            lse_s = tl.load(PL + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            new_top = tl.maximum(top, tl.max(lse_s, 0))                     # (R,)
+            shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+            w = tl.exp(lse_s - shift[None, :])                              # (S, R): 0 if empty
+            alpha = tl.exp(top - shift)                                     # (R,)
+            total = total * alpha + tl.sum(w, 0)
+            parts = tl.load(PO + row[:, :, None] * DV + dv[None, None, :],
+                            mask=ok[:, :, None] & (dv[None, None, :] < DV), other=0.0,
+                            cache_modifier=".cg")                           # (S, R, BLOCK_DV)
+            acc = acc * alpha[:, None] + tl.sum(parts * w[:, :, None], 0)
+            top = new_top
+        empty = total == 0.0
+        out = acc / tl.where(empty, 1.0, total)[:, None]
+        lse = tl.where(empty, float("-inf"), top + tl.log(tl.where(empty, 1.0, total)))
+        h = hk * G + r // Sq
+        i = r % Sq
+        tl.store(O + b * sob + h[:, None] * soh + i[:, None] * som + dv[None, :] * sod,
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+        tl.store(LSE + b * HSq + base + r, lse, mask=row_ok)
+
+
+def _merge_rows(rows: int, block_dv: int) -> int:
+    """Rows of (query head, query) the merge combines per step: all of them when they fit
+    :data:`MERGE_TILE` with :data:`MERGE_SPLITS` splits, else the most that do (a power
+    of two, so one compile serves every row count of a head dim).
+
+    Example:
+        >>> _merge_rows(4, 128), _merge_rows(64, 128), _merge_rows(3, 256)
+        (4, 4, 2)
+    """
+    fit = max(1, MERGE_TILE // (MERGE_SPLITS * block_dv))
+    return min(1 << (rows - 1).bit_length(), 1 << (fit.bit_length() - 1))
+
+
+#: per (device, stream): the tickets of the splits (int32, all 0 between launches)
+_TICKETS: dict = {}
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """``n`` int32 counters at 0 on ``device`` for one launch of :func:`_partial`, whose
+    last split of each (batch, K/V head) sets its counter back to 0 after merging.
+
+    One zeroed buffer serves every launch on a stream, in stream order (no memset per
+    call); launches on other streams get their own. While a CUDA graph captures, the
+    launch gets a buffer of its own, zeroed by the graph itself at each replay.
+
+    Example:
+        >>> import torch
+        >>> t = _tickets(torch.device("cpu"), 8)
+        >>> t.dtype, t.numel() >= 8, int(t.abs().sum())
+        (torch.int32, True, 0)
+    """
+    if device.type == "cuda":
+        if torch._C._cuda_isCurrentStreamCapturing():
+            return torch.zeros(n, device=device, dtype=torch.int32)
+        stream = torch._C._cuda_getCurrentRawStream(device.index
+                                                    if device.index is not None
+                                                    else torch.cuda.current_device())
+    else:
+        stream = 0
+    key = (device, stream)
+    buf = _TICKETS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _TICKETS[key] = torch.zeros(max(n, 256), device=device, dtype=torch.int32)
+    return buf
 
 
 def num_splits(B: int, Hkv: int, Sk: int, programs: int = 132) -> int:
@@ -253,21 +334,24 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     chunk = -(-max(Sk, 1) // n)
     chunk = -(-chunk // block_n) * block_n                   # whole key blocks per split
     n = max(1, -(-max(Sk, 1) // chunk))
-    part_o = torch.empty(n, B, H, Sq, Dv, device=q.device, dtype=torch.float32)
-    part_l = torch.empty(n, B, H, Sq, device=q.device, dtype=torch.float32)
     lens = kv_lengths.contiguous() if kv_lengths is not None else lse  # unused: HAS_LENS off
     table = lens if block_table is None else (
         block_table if block_table.stride(1) == 1 else block_table.contiguous())
+    if n > 1:       # partials (fp32) and a ticket per (batch, K/V head) for the last split
+        part_o = torch.empty(n, B, H, Sq, Dv, device=q.device, dtype=torch.float32)
+        part_l = torch.empty(n, B, H, Sq, device=q.device, dtype=torch.float32)
+        tickets = _tickets(q.device, B * Hkv)
+    else:           # one split writes the output itself: no scratch (lse: unread)
+        part_o = part_l = tickets = lse
     _partial[(n, B * Hkv)](
-        q, k, v, part_o, part_l, lens, table, scale * LOG2E,
-        *q.stride(), *k.stride(), *v.stride(),
+        q, k, v, part_o, part_l, out, lse, tickets, lens, table, scale * LOG2E,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         B, Hkv, G, Sq, Sk, offset, window if window is not None else 0, chunk,
-        table.stride(0) if block_table is not None else 0,
+        table.stride(0) if block_table is not None else 0, n,
         CAUSAL=causal or window is not None, WINDOWED=window is not None,
         HAS_LENS=kv_lengths is not None, PAGED=block_table is not None, PAGE=page_size,
         D=D, DV=Dv, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv),
-        BLOCK_R=pow2(G * Sq), BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-    _merge[(B * H * Sq,)](
-        part_o, part_l, out, lse, n, B * H, Sq, *out.stride(), H,
-        DV=Dv, BLOCK_DV=pow2(Dv), BLOCK_S=16)     # one compile for any number of splits
+        BLOCK_R=pow2(G * Sq), BLOCK_N=block_n, SPLIT=n > 1,
+        MERGE_ROWS=_merge_rows(G * Sq, pow2(Dv)), BLOCK_S=MERGE_SPLITS,
+        num_warps=warps, num_stages=stages)
     return out, lse

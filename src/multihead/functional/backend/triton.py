@@ -39,8 +39,8 @@ EFFICIENCY = 0.8
 #: ``1 + 2.5 * EFFICIENCY / BACKWARD_EFFICIENCY`` forwards where SDPA prices 3.5
 BACKWARD_EFFICIENCY = 0.6
 #: the decode kernel against SDPA's: on an H100 its bandwidth is at parity (1.0-1.12x in a
-#: CUDA graph), but an eager call spends more host time launching two Triton kernels than
-#: SDPA's one, so it is priced as slower: auto keeps SDPA and backend="triton" opts in
+#: CUDA graph), but an eager call spends more host time in Triton's Python launcher than
+#: SDPA's C++ call, so it is priced as slower: auto keeps SDPA and backend="triton" opts in
 DECODE_EFFICIENCY = 0.8
 
 
@@ -211,7 +211,7 @@ class TritonFlash(Backend):
         pairs = _pairs(call, band, call.Sq, BLOCK_N)
         work = Work(flops=2.0 * pairs * (call.D + call.Dv), kernel="fused",
                     dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=1) / DECODE_EFFICIENCY,
-                    launches=2, parallel=call.B * call.Hkv * splits)
+                    launches=1, parallel=call.B * call.Hkv * splits)
         note = f"split-K decode: {shown(splits)} splits of the keys, each K/V byte read once for " \
                f"the {call.group} query head(s) of a group"
         return Plan(work, note, (band, "decode"))
