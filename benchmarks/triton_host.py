@@ -1,0 +1,172 @@
+"""Host time of our Triton kernels' calls, measured on a machine without a GPU (issue 12).
+
+A GPU step whose kernels finish faster than Python can launch them is bound by host time:
+what our wrappers and Triton's launcher do per call, before the driver's launch. That part
+runs the same on any CPU, so it can be measured here. Triton's driver is replaced by one
+that targets an H100 (sm_90) and whose launcher returns at once: every kernel is compiled
+for real (cold: seconds each, then from Triton's disk cache), Triton's per-call path runs
+for real (argument binding, specialization key, cache lookup), and only the driver's C
+launch (about 5 us per kernel on an H100 host) is left out. The tensors live on the CPU and
+no kernel reads them.
+
+Each case reports the median host time per call (microseconds) over ``--reps`` calls, and
+with ``--profile`` the functions that took it.
+
+Run (not under ``TRITON_INTERPRET=1``)::
+
+    PYTHONPATH=tests python -m benchmarks.triton_host [--case NAME] [--profile]
+
+Notation: B batch, H query heads, Hkv K/V heads, S length, L cache length, D head dim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import dataclasses
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+import multihead as mh
+
+
+class _Launcher:
+    """Stands in for Triton's CUDA launcher: binds nothing, launches nothing."""
+
+    def __init__(self, src, metadata):
+        pass
+
+    def __call__(self, *args):
+        return None
+
+
+class _Utils:
+    """Stands in for Triton's CUDA utilities: a module that loads, H100 properties."""
+
+    @staticmethod
+    def load_binary(name, kernel, shared, device):
+        return object(), None, 0, 0, 1024          # module, function, regs, spills, threads
+
+    @staticmethod
+    def get_device_properties(device):
+        return {"max_shared_mem": 232448, "multiprocessor_count": 132}
+
+
+@contextlib.contextmanager
+def stub_launches(arch: int = 90):
+    """Within the block, Triton compiles for ``arch`` and launches nothing."""
+    from sm90_compile import _Target
+    from triton.runtime import driver
+
+    from multihead.functional import nonfinite
+    from multihead.functional.backend.triton import TritonFlash
+
+    target = _Target(arch)
+    target.launcher_cls, target.utils = _Launcher, _Utils()
+    saved, caps, finite = driver._active, TritonFlash.capabilities, nonfinite._finite
+    driver.set_active(target)
+    TritonFlash.capabilities = dataclasses.replace(caps, devices=None)   # CPU tensors too
+    # the CPU's scan of the output for NaN (a GPU call skips it)
+    nonfinite._finite = lambda q, out: True
+    try:
+        yield
+    finally:
+        driver._active, TritonFlash.capabilities, nonfinite._finite = saved, caps, finite
+
+
+def cases(name: str | None = None) -> dict:
+    """``{name: call}``: the calls to time, each with fresh inputs (bf16, D=128)."""
+    from multihead.kernels import ops
+    from multihead.kernels.decode import decode_forward
+
+    bf = dict(dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    # a training step, B=1 H=16 S=512: short, since what a CPU does with the buffers a
+    # call allocates (zero-filling, say) is real work here and a launch on a GPU
+    q, k, v = (torch.randn(1, 16, 512, 128, generator=g, **bf).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(1, 16, 512, 128, generator=g, **bf)
+
+    def step(window):
+        def run():
+            out, lse = ops.attention(q, k, v, 128 ** -0.5, True, window, 0, None)
+            torch.autograd.grad(out, (q, k, v), dout)
+        return run
+
+    def layer(mask, q, k, v, grad):
+        def run():
+            out = mh.attention(q, k, v, mask=mask, backend="triton")
+            if grad:
+                torch.autograd.grad(out, (q, k, v), dout)
+        return run
+
+    # a decoding step: H=32 Hkv=8 L=4096, B=1
+    qd = torch.randn(1, 32, 1, 128, generator=g, **bf)
+    kd, vd = (torch.randn(1, 8, 4096, 128, generator=g, **bf) for _ in range(2))
+    window = mh.masks.sliding_window(256)
+    all_cases = {
+        "window 256, fwd": lambda: ops.attention(q.detach(), k.detach(), v.detach(),
+                                                 128 ** -0.5, True, 256, 0, None),
+        "window 256, fwd+bwd": step(256),
+        "causal, fwd+bwd": step(0),
+        "decode L=4096": lambda: decode_forward(qd, kd, vd, scale=128 ** -0.5, causal=True,
+                                                offset=4095),
+        "mh.attention window 256, fwd": layer(window, q.detach(), k.detach(), v.detach(),
+                                              False),
+        "mh.attention window 256, fwd+bwd": layer(window, q, k, v, True),
+        "mh.attention decode L=4096": layer(mh.masks.causal(), qd, kd, vd, False),
+    }
+    return {n: c for n, c in all_cases.items() if name is None or n == name}
+
+
+def measure(call, reps: int) -> float:
+    """Median seconds of ``reps`` calls after three warm-ups (the first compiles)."""
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def profile(call, reps: int, top: int = 25) -> str:
+    """The ``top`` functions by own time over ``reps`` calls, as text."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(reps):
+        call()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", help="one case by name (default: all)")
+    parser.add_argument("--reps", type=int, default=300)
+    parser.add_argument("--profile", action="store_true", help="also print a cProfile report")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET"):
+        sys.exit("triton_host: unset TRITON_INTERPRET (the interpreter does not compile)")
+    import triton
+    print(f"multihead {mh.__version__}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"host time per call, launches stubbed", flush=True)
+    with stub_launches():
+        for name, call in cases(args.case).items():
+            print(f"{name}: {measure(call, args.reps) * 1e6:.1f} us", flush=True)
+            if args.profile:
+                print(profile(call, args.reps), flush=True)
+
+
+if __name__ == "__main__":
+    main()
