@@ -40,6 +40,13 @@ BLOCK_N = 64
 MAX_SPLITS = 128
 #: (BLOCK_N, num_warps, num_stages) of the split kernel, measured on an H100 (bf16)
 CONFIG = (BLOCK_N, 4, 3)
+#: num_stages of the split kernel over a paged pool. A block's K/V address there comes
+#: from a page id loaded in the loop, which Triton's pipeliner schedules one stage ahead of
+#: the K/V copies: at 3 stages that left a single K/V buffer and a wait for every copy at
+#: each step (no copy in flight during the step's math); at 5, the loop keeps one K/V block
+#: in flight as the contiguous cache's loop does at 3, in the same shared memory (71.7 KB
+#: at D=128, one query; sm_90 TTGIR, Triton 3.6 and 3.9)
+PAGED_STAGES = 5
 #: splits the merge combines per step (the usual counts, at most 16, in one step)
 MERGE_SPLITS = 16
 #: the most fp32 values a merge step holds: splits x rows x head-dim tile (64 per thread
@@ -285,7 +292,7 @@ def paged_decode_forward(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     block = 16 if page_size % 64 else 64
     return decode_forward(q, k, v, scale=scale, causal=causal, window=window,
                           offset=max_len - Sq, kv_lengths=lengths, block_table=block_table,
-                          page_size=page_size, config=(block, 4, 3))
+                          page_size=page_size, config=(block, 4, PAGED_STAGES))
 
 
 def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
