@@ -50,6 +50,52 @@ class _Target:
         return True
 
 
+class _Launcher:
+    """Stands in for Triton's CUDA launcher: launches nothing."""
+
+    def __init__(self, src, metadata):
+        pass
+
+    def __call__(self, *args):
+        return None
+
+
+class _Utils:
+    """Stands in for Triton's CUDA utilities: a module that loads, ``max_shared`` bytes of
+    shared memory per block (an H100's by default)."""
+
+    def __init__(self, max_shared: int):
+        self.max_shared = max_shared
+
+    @staticmethod
+    def load_binary(name, kernel, shared, device):
+        return object(), None, 0, 0, 1024          # module, function, regs, spills, threads
+
+    def get_device_properties(self, device):
+        return {"max_shared_mem": self.max_shared, "multiprocessor_count": 132}
+
+
+@contextlib.contextmanager
+def stub_launches(arch: int = 90, max_shared: int = 232448):
+    """Within the block, Triton compiles for ``arch`` and runs its whole launch path (argument
+    binding, cache lookup, the check of the kernel's shared memory against ``max_shared``)
+    up to the driver's launch, which does nothing."""
+    from triton.compiler import compiler
+
+    # Triton 3.9 caches each device's limit: forget it on the way in and out
+    forget = getattr(compiler.max_shared_mem, "cache_clear", lambda: None)
+    target = _Target(arch)
+    target.launcher_cls, target.utils = _Launcher, _Utils(max_shared)
+    saved = driver._active
+    driver.set_active(target)
+    forget()
+    try:
+        yield
+    finally:
+        driver._active = saved
+        forget()
+
+
 @contextlib.contextmanager
 def compile_only(arch: int = 90):
     """Within the block, launching a kernel compiles it for ``arch`` and runs nothing;

@@ -61,3 +61,48 @@ def test_the_paged_decode_loop_keeps_a_kv_block_in_flight():
     copies, *waits = map(int, run.stdout.split())
     assert copies >= 2, f"the key loop issues no async K/V copies: {run.stdout}"
     assert waits and min(waits) > 0, f"the key loop waits for every copy: {run.stdout}"
+
+
+#: the block-sparse forward (its table: 3 stages, 131 KB of shared memory on sm_90) launched
+#: where a block may hold 99 KB (most GPUs but the A100 and H100), then 16 KB
+_SMALL_GPU = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from sm90_compile import stub_launches
+import multihead as mh
+from multihead.kernels import _band
+from multihead.kernels.flash_sparse import _forward_sparse, sparse_forward
+q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
+with stub_launches(max_shared=101376):
+    sparse_forward(q, q, q, mh.masks.alibi(2), scale=0.1)
+    sparse_forward(q, q, q, mh.masks.alibi(2), scale=0.1)      # the cap learned: no retry
+print("cap", _band._STAGE_CAP[(id(_forward_sparse), -1)])
+for cache in _forward_sparse.device_caches.values():
+    for kernel in cache[0].values():
+        print("compiled", kernel.metadata.num_stages, kernel.metadata.shared)
+with stub_launches(max_shared=16384):
+    try:
+        sparse_forward(q, q, q, mh.masks.alibi(2) & mh.masks.causal(), scale=0.1)
+    except RuntimeError as e:
+        print("error", str(e).replace(chr(10), " "))
+"""
+
+
+def test_a_gpu_with_less_shared_memory_runs_the_kernels_with_fewer_stages():
+    """Launch tables are measured on an H100; where a GPU's shared memory cannot hold a
+    kernel's stages, it runs with fewer (same tiles and results), and where not even one
+    fits, the error names the kernel, the limit and the fix instead of Triton's."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c",
+                          _SMALL_GPU.format(tests=str(Path(__file__).parent))],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = run.stdout.splitlines()
+    cap = int(next(line for line in lines if line.startswith("cap")).split()[1])
+    compiled = {int(a): int(b) for _, a, b in (line.split() for line in lines
+                                              if line.startswith("compiled"))}
+    assert 1 <= cap < 3 and compiled[cap] <= 101376 < compiled[3]
+    assert set(compiled) == set(range(cap, 4))          # learned once: no stage tried twice
+    error = next(line for line in lines if line.startswith("error"))
+    assert "_forward_sparse" in error and "16384" in error
+    assert "MULTIHEAD_TRITON_LAUNCH" in error and "backend='sdpa'" in error

@@ -21,6 +21,7 @@ import torch
 import torch.utils.weak
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .._device import to_device
 from .mask_program import LOG2E  # noqa: F401  (the kernels' one constant, shared with programs)
@@ -168,6 +169,50 @@ def schedule(documents, block: int, programs: int, S: int, heads: int, unused: t
     table = _derived(documents, ("blocks", block, str(device)),
                      lambda: to_device(document_blocks(documents, block), device))
     return table, (len(table), heads)
+
+
+#: per (kernel id, device index): the most pipeline stages whose buffers fit the device's
+#: shared memory, learned when a launch with more ran out of it
+_STAGE_CAP: dict = {}
+
+
+def launch(kernel, grid, *args, num_stages: int, **kwargs) -> None:
+    """``kernel[grid](*args, num_stages=num_stages, **kwargs)``, with fewer stages where
+    the device's shared memory cannot hold that many (the tables are measured on an
+    H100, 227 KB per SM; an A100 has 163 KB, most other GPUs 99 KB). Stages only change
+    how far ahead tiles are copied: the tiles, the grid and the results stay. The stages
+    that fit are remembered per kernel and device, so a later launch does not fail first.
+
+    Raises:
+        RuntimeError: when even one stage does not fit: the tiles are too large for this
+            GPU (a launch table with smaller ones fixes it).
+
+    Example:
+        >>> import torch
+        >>> from multihead.kernels.flash_fwd import _forward
+        >>> launch(_forward, grid, q, k, v, ..., BLOCK_M=128, num_stages=3)  # doctest: +SKIP
+    """
+    key = (id(kernel), args[0].get_device())          # (a kernel's hash is Python: slow)
+    cap = _STAGE_CAP.get(key)
+    stages = num_stages if cap is None or cap > num_stages else cap
+    while True:
+        try:
+            kernel[grid](*args, num_stages=stages, **kwargs)
+            return
+        except OutOfResources as e:
+            if e.name != "shared memory" or stages <= 1:
+                raise RuntimeError(
+                    f"multihead's Triton kernel {kernel.fn.__name__} needs more {e.name} than "
+                    f"this GPU has ({e.required} > {e.limit}) with tiles {_tiles(kwargs)}: "
+                    f"write a launch table with smaller tiles for it (python -m "
+                    f"benchmarks.triton_tune --write FILE, then MULTIHEAD_TRITON_LAUNCH=FILE) "
+                    f"or run backend='sdpa'") from e
+            stages -= 1
+            _STAGE_CAP[key] = stages
+
+
+def _tiles(kwargs: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in kwargs.items() if k.startswith("BLOCK"))
 
 
 def empty_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import LOG2E, check_inputs, empty_outputs, pow2
+from ._band import LOG2E, check_inputs, empty_outputs, launch, pow2
 from .flash_fwd import DYNAMIC, _attend_block, _finish
 
 #: the most queries per head the kernel takes (decoding and draft verification)
@@ -350,8 +350,8 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         tickets = _tickets(q.device, B * Hkv)
     else:           # one split writes the output itself: no scratch (lse: unread)
         part_o = part_l = tickets = lse
-    _partial[(n, B * Hkv)](
-        q, k, v, part_o, part_l, out, lse, tickets, lens, table, scale * LOG2E,
+    launch(
+        _partial, (n, B * Hkv), q, k, v, part_o, part_l, out, lse, tickets, lens, table, scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         B, Hkv, G, Sq, Sk, offset, window if window is not None else 0, chunk,
         table.stride(0) if block_table is not None else 0, n,

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ._band import (LOG2E, check_inputs, empty_like_all, finite_or_zero, key_length,
-                    key_range, launch_config, load_tile, masked_scores, pow2, program_block,
+                    key_range, launch, launch_config, load_tile, masked_scores, pow2, program_block,
                     query_range, schedule)
 from .flash_fwd import DYNAMIC
 
@@ -360,12 +360,12 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             H, H // Hkv, Sq, Sk, offset, window if window is not None else 0)
     bm, bn, warps, stages = q_cfg                      # first: it writes delta for _dkdv
     segs, grid = schedule(documents, bm, B * H, Sq, H, delta)   # no documents: unread
-    _dq[grid](q, k, v, dout, out, lse, dlse, delta, dq, lens, segs, scale, scale * LOG2E,
-              *args, *out.stride(), **common, HAS_DLSE=has_dlse, BLOCK_M=bm, BLOCK_N=bn,
-              num_warps=warps, num_stages=stages)
+    launch(_dq, grid, q, k, v, dout, out, lse, dlse, delta, dq, lens, segs, scale,
+           scale * LOG2E, *args, *out.stride(), **common, HAS_DLSE=has_dlse, BLOCK_M=bm,
+           BLOCK_N=bn, num_warps=warps, num_stages=stages)
     bm, bn, warps, stages = kv_cfg
     segs, grid = schedule(documents, bn, B * Hkv, Sk, Hkv, delta)
-    _dkdv[grid](q, k, v, dout, lse, delta, dk, dv, lens, segs, scale, scale * LOG2E, *args,
-                **common, BLOCK_M=bm, BLOCK_N=bn, KEYS_LEFT=keys_left(bm, bn),
-                num_warps=warps, num_stages=stages)
+    launch(_dkdv, grid, q, k, v, dout, lse, delta, dk, dv, lens, segs, scale, scale * LOG2E,
+           *args, **common, BLOCK_M=bm, BLOCK_N=bn, KEYS_LEFT=keys_left(bm, bn),
+           num_warps=warps, num_stages=stages)
     return dq, dk, dv

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._band import (LOG2E, check_inputs, empty_outputs, finite_or_zero, key_length,
-                    key_range, launch_config, load_tile, masked_scores, pow2, program_block,
+                    key_range, launch, launch_config, load_tile, masked_scores, pow2, program_block,
                     schedule)
 
 #: arguments whose value changes per call but must not cause a compile (Triton would
@@ -167,8 +167,8 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     bm, bn, warps, stages = config or launch_config("fwd", D, Dv, window)
     lens = kv_lengths.contiguous() if kv_lengths is not None else lse  # unused: HAS_LENS off
     segs, grid = schedule(documents, bm, B * H, Sq, H, lse)   # no documents: lse, unread
-    _forward[grid](
-        q, k, v, out, lse, lens, segs, scale * LOG2E,
+    launch(
+        _forward, grid, q, k, v, out, lse, lens, segs, scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         H, H // Hkv, Sq, Sk, offset, window if window is not None else 0,
         CAUSAL=causal or window is not None, WINDOWED=window is not None,

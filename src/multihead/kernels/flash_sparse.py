@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from ..masks import base as MB
-from ._band import (LOG2E, check_inputs, empty_outputs, launch_config, load_tile, pow2,
-                    program_block)
+from ._band import (LOG2E, check_inputs, empty_outputs, launch, launch_config, load_tile,
+                    pow2, program_block)
 from .flash_bwd import (_dkdv_block, _dq_block, backward_setup, check_backward, keys_left,
                         row_deltas)
 from .flash_fwd import _attend_block, _finish
@@ -359,7 +359,7 @@ def unflatten(fn: str, q: torch.Tensor, k: torch.Tensor, source: str, tensors, i
     return MaskProgram(source, tuple(tensors), tuple(ints)), tuple(launches)
 
 
-def _launch(kernel, launch: Launch, by_key: bool, q, v, prog: MaskProgram, pointers: tuple,
+def _launch(kernel, spec: Launch, by_key: bool, q, v, prog: MaskProgram, pointers: tuple,
             scales: tuple, strides: tuple, tail: tuple = (), **meta) -> None:
     """Launch one block-sparse kernel over its lists: one program per (query block, batch
     and query head), or per (key block, batch and K/V head) when the lists go ``by_key``.
@@ -368,14 +368,14 @@ def _launch(kernel, launch: Launch, by_key: bool, q, v, prog: MaskProgram, point
     then the kernel's own ``tail`` and ``meta`` (constexprs)."""
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
-    bm, bn, warps, stages = launch.config
-    n_full, n_part, index = launch.lists
+    bm, bn, warps, stages = spec.config
+    n_full, n_part, index = spec.lists
     grid = (triton.cdiv(Sk, bn), B * Hkv) if by_key else (triton.cdiv(Sq, bm), B * H)
-    kernel[grid](*pointers, n_full, n_part, index, *scales, *strides,
-                 *_list_strides(n_full, index), index.shape[-1], H, H // Hkv, Sq, Sk,
-                 prog.tensors, prog.ints, *tail, MASK_FN=prog.fn, HAS_BIAS=prog.has_bias, D=D,
-                 DV=Dv, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), BLOCK_M=bm, BLOCK_N=bn,
-                 num_warps=warps, num_stages=stages, **meta)
+    launch(kernel, grid, *pointers, n_full, n_part, index, *scales, *strides,
+           *_list_strides(n_full, index), index.shape[-1], H, H // Hkv, Sq, Sk, prog.tensors,
+           prog.ints, *tail, MASK_FN=prog.fn, HAS_BIAS=prog.has_bias, D=D, DV=Dv,
+           BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+           num_stages=stages, **meta)
 
 
 def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
