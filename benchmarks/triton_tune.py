@@ -11,6 +11,7 @@ Run on a CUDA machine::
 
     python -m benchmarks.triton_tune --out tune.json          # forward, backward and decode
     python -m benchmarks.triton_tune --only decode
+    python -m benchmarks.triton_tune --only sparse --case alibi   # block-sparse forward
 
 Notation: B batch, H heads, Hkv K/V heads, S length, D head dim.
 """
@@ -34,9 +35,15 @@ BWD_KV = [(64, 64, 4, 2), (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (16
 BWD_Q = [(64, 64, 4, 2), (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3),
          (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2),
          (32, 32, 4, 2), (128, 128, 8, 2)]
+#: the block-sparse forward: its block lists put a list load before each K/V copy, so
+#: Triton's pipeliner needs 5 stages to keep a copy in flight (sm_90 TTGIR); fewer stages
+#: leave shared memory for a second program per SM instead
+FWD_SPARSE = [(128, 64, 8, 5), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 5),
+              (64, 64, 4, 5), (64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 5)]
 #: the mask kinds each part measures (``--case`` picks some)
 KINDS = {"fwd": ["window 256", "window 2048", "causal", "dense", "padding", "causal & padding"],
-         "bwd": ["window 256", "window 2048", "causal"]}
+         "bwd": ["window 256", "window 2048", "causal"],
+         "sparse": ["alibi", "documents", "bias"]}
 DECODE = [(64, 4, 3, 1.0), (64, 4, 2, 1.0), (32, 4, 3, 1.0), (128, 4, 3, 1.0), (128, 8, 3, 1.0),
           (64, 2, 3, 1.0), (64, 4, 3, 2.0), (64, 4, 3, 0.5), (128, 4, 2, 2.0), (32, 2, 3, 2.0)]
 
@@ -106,6 +113,58 @@ def forward(rows: list, *, S=16384, B=2, H=16, D=128, dtype=torch.bfloat16, kind
             rows.append(dict(part="fwd", case=kind, D=D, peer="sdpa", us=_bench(
                 lambda: F.scaled_dot_product_attention(q, k, v, is_causal=kind == "causal"))))
         print(rows[-1], flush=True)
+
+
+def _sparse_mask(kind: str, H: int, S: int, device):
+    """The block-sparse case's mask, and its flex_attention form (None: not compared)."""
+    import multihead as mh
+    from multihead.bench.cases import _doc_lengths
+    from multihead.bench.flex import mods
+    if kind == "alibi":
+        return mh.masks.alibi(H), mods("alibi", heads=H, device=device)
+    if kind == "documents":                       # ids on the device: the block lists' path
+        lengths = _doc_lengths(S, longest=2048)
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        return (mh.masks.document(ids.to(device)),
+                mods("documents", heads=H, device=device, doc_lengths=lengths))
+    g = torch.Generator().manual_seed(2)
+    return mh.masks.bias(torch.randn(1, H, S, S, generator=g).to(device, torch.bfloat16)), None
+
+
+def sparse(rows: list, *, S=16384, B=1, H=16, D=128, dtype=torch.bfloat16, kinds=None):
+    """The block-sparse forward's configs (FWD_SPARSE) against compiled flex_attention."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from multihead.kernels.flash_sparse import sparse_forward
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, generator=g).to(dev, dtype) for _ in range(3))
+    for kind in kinds or KINDS["sparse"]:
+        n = S if kind != "bias" else 4096         # a dense (1, H, S, S) bias: S=4096
+        mask, flex = _sparse_mask(kind, H, n, dev)
+        qs, ks, vs = (t[:, :, :n] for t in (q, k, v))
+        first = None
+        for cfg in FWD_SPARSE:
+            try:
+                out, _ = sparse_forward(qs, ks, vs, mask, scale=D ** -0.5, config=cfg)
+                first = out if first is None else first
+                err = (out.float() - first.float()).abs().max().item()
+                if err > 2e-2:
+                    rows.append(dict(part="sparse", case=kind, config=cfg, error=err))
+                    continue
+                us = _bench(lambda: sparse_forward(qs, ks, vs, mask, scale=D ** -0.5, config=cfg))
+                rows.append(dict(part="sparse", case=kind, D=D, config=cfg, us=us))
+            except Exception as e:                               # noqa: BLE001 (a row, not a stop)
+                rows.append(dict(part="sparse", case=kind, config=cfg, failed=repr(e)[:200]))
+            print(rows[-1], flush=True)
+        if flex is not None:
+            mask_mod, score_mod, _ = flex
+            bm = (create_block_mask(mask_mod, B, None, n, n, device=dev)
+                  if mask_mod is not None else None)
+            fx = torch.compile(flex_attention)
+            rows.append(dict(part="sparse", case=kind, D=D, peer="flex", us=_bench(
+                lambda: fx(qs, ks, vs, block_mask=bm, score_mod=score_mod))))
+            print(rows[-1], flush=True)
 
 
 def backward(rows: list, *, S=16384, B=1, H=16, D=128, dtype=torch.bfloat16, kinds=None):
@@ -225,7 +284,8 @@ def winners(rows: list, D: int = 128) -> dict:
     import math
     table = {}
     for kernel, part, cases in (("fwd", "fwd", None), ("fwd_narrow", "fwd", {"window 256"}),
-                                ("bwd_kv", "bwd_kv", None), ("bwd_q", "bwd_q", None)):
+                                ("fwd_sparse", "sparse", None), ("bwd_kv", "bwd_kv", None),
+                                ("bwd_q", "bwd_q", None)):
         mine = [r for r in rows if r["part"] == part and "us" in r and "config" in r
                 and (cases is None or r["case"] in cases)]
         by = {}
@@ -240,7 +300,8 @@ def winners(rows: list, D: int = 128) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["fwd", "bwd", "decode", "overhead"], action="append")
+    ap.add_argument("--only", choices=["fwd", "bwd", "sparse", "decode", "overhead"],
+                    action="append")
     ap.add_argument("--case", action="append", help="only these mask kinds (fwd and bwd), "
                     f"of {KINDS['fwd']}")
     ap.add_argument("--out", default=None)
@@ -248,14 +309,14 @@ def main(argv=None) -> None:
     ap.add_argument("--write", default=None, help="write the winners as a launch table "
                     "(for MULTIHEAD_TRITON_LAUNCH)")
     a = ap.parse_args(argv)
-    parts = a.only or ["fwd", "bwd", "decode"]
+    parts = a.only or ["fwd", "bwd", "sparse", "decode"]
     rows: list = []
     rows.extend(json.load(open(a.merge)) if a.merge else [])
-    for name, fn in (("fwd", forward), ("bwd", backward), ("decode", decode),
-                     ("overhead", overhead)):
+    for name, fn in (("fwd", forward), ("bwd", backward), ("sparse", sparse),
+                     ("decode", decode), ("overhead", overhead)):
         if name in parts:
             try:
-                fn(rows, kinds=a.case) if name in ("fwd", "bwd") else fn(rows)
+                fn(rows, kinds=a.case) if name in ("fwd", "bwd", "sparse") else fn(rows)
             except Exception as e:                               # noqa: BLE001
                 rows.append(dict(part=name, failed=repr(e)[:300]))
     if a.out:

@@ -31,10 +31,16 @@ from .mask_program import LOG2E  # noqa: F401  (the kernels' one constant, share
 #: 128 column was measured on an H100 (bf16, S=16384; ``benchmarks/triton_tune.py``,
 #: docs/benchmarks.md); the 64 and 256 columns are estimates from it (fewer registers per
 #: row at 64, half the tile at 256), not yet measured. "fwd_narrow" is the forward under a
-#: window of at most :data:`NARROW` keys, where short loops favour smaller tiles
+#: window of at most :data:`NARROW` keys, where short loops favour smaller tiles.
+#: "fwd_sparse" is the block-sparse forward: the "fwd" tiles at 5 stages, the fewest at which
+#: Triton's pipeliner keeps a K/V copy in flight during a step's math despite the list load
+#: before each copy (sm_90 TTGIR, Triton 3.6 and 3.9: at 3 stages each step waited for
+#: every copy); at most 198 KB of shared memory on an H100, fewer stages where a GPU has
+#: less (:func:`launch`). Not yet timed: ``triton_tune --only sparse`` measures it
 LAUNCH = {
     "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     "fwd_narrow": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
+    "fwd_sparse": {64: (128, 64, 4, 5), 128: (128, 64, 8, 5), 256: (64, 32, 4, 5)},
     "bwd_kv": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 32, 4, 1)},
     "bwd_q": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 32, 4, 1)},
 }

@@ -274,13 +274,14 @@ def plan(mask: MB.Mask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         >>> q = torch.zeros(1, 2, 100, 16, dtype=torch.float16)
         >>> prog, (fwd,) = plan(mh.masks.alibi(2), q, q, q, kernels=("fwd",))
         >>> fwd.config, fwd.lists[2].shape
-        ((128, 64, 4, 3), torch.Size([1, 1, 1, 2]))
+        ((128, 64, 4, 5), torch.Size([1, 1, 1, 2]))
     """
     _check_mask(fn, mask, q, k)
     Sq, D, Sk, Dv = q.shape[2], q.shape[3], k.shape[2], v.shape[3]
     out = []
     for i, name in enumerate(kernels):
-        cfg = tuple(configs[i]) if configs is not None else launch_config(name, D, Dv)
+        cfg = tuple(configs[i]) if configs is not None else launch_config(
+            "fwd_sparse" if name == "fwd" else name, D, Dv)
         out.append(Launch(cfg, block_lists(mask, Sq, Sk, cfg[0], cfg[1], q.device,
                                            by_key=KERNELS[name])))
     return program(mask, Sq, Sk, q.device), tuple(out)
@@ -297,7 +298,7 @@ def flatten(prog: MaskProgram, launches: tuple[Launch, ...], sq: int, sk: int) -
         >>> source, tensors, ints, lists, configs = flatten(
         ...     *plan(mh.masks.alibi(2), q, q, q, kernels=("fwd",)), 100, 100)
         >>> len(lists), configs
-        (3, [100, 100, 128, 64, 4, 3])
+        (3, [100, 100, 128, 64, 4, 5])
     """
     return (prog.source, list(prog.tensors), list(prog.ints),
             [t for launch in launches for t in launch.lists],
@@ -315,7 +316,7 @@ def unflatten(fn: str, q: torch.Tensor, k: torch.Tensor, source: str, tensors, i
         >>> q = torch.zeros(1, 2, 100, 16, dtype=torch.float16)
         >>> args = flatten(*plan(mh.masks.alibi(2), q, q, q, kernels=("fwd",)), 100, 100)
         >>> unflatten("op", q, q, *args)[1][0].config
-        (128, 64, 4, 3)
+        (128, 64, 4, 5)
         >>> unflatten("op", q[:, :, :50], q, *args)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
