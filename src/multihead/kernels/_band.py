@@ -177,44 +177,62 @@ def schedule(documents, block: int, programs: int, S: int, heads: int, unused: t
     return table, (len(table), heads)
 
 
-#: per (kernel id, device index): the most pipeline stages whose buffers fit the device's
-#: shared memory, learned when a launch with more ran out of it
+#: per launch (kernel, device, stages asked, constexprs): the most pipeline stages whose
+#: buffers fit the device's shared memory, learned when a launch with more ran out of it
+#: (empty on GPUs where the tables fit, so a launch there pays one truth test)
 _STAGE_CAP: dict = {}
 
 
 def launch(kernel, grid, *args, num_stages: int, **kwargs) -> None:
-    """``kernel[grid](*args, num_stages=num_stages, **kwargs)``, with fewer stages where
-    the device's shared memory cannot hold that many (the tables are measured on an
-    H100, 227 KB per SM; an A100 has 163 KB, most other GPUs 99 KB). Stages only change
-    how far ahead tiles are copied: the tiles, the grid and the results stay. The stages
-    that fit are remembered per kernel and device, so a later launch does not fail first.
+    """``kernel[grid](*args, num_stages=num_stages, **kwargs)`` on the device of
+    ``args[0]``, with fewer stages where the device's shared memory cannot hold that many
+    (the tables are measured on an H100, 227 KB per SM; an A100 has 163 KB, most other GPUs
+    99 KB). Stages only change how far ahead tiles are copied: the tiles, the grid and the
+    results stay. The stages that fit are remembered per kernel, device and constexprs, so
+    a later launch does not fail first.
 
     Raises:
-        RuntimeError: when even one stage does not fit: the tiles are too large for this
-            GPU (a launch table with smaller ones fixes it).
+        RuntimeError: when even one stage does not fit (the tiles are too large for this
+            GPU: a launch table with smaller ones fixes it), or the GPU lacks another
+            resource the launch needs (threads: fewer warps).
 
     Example:
         >>> import torch
         >>> from multihead.kernels.flash_fwd import _forward
         >>> launch(_forward, grid, q, k, v, ..., BLOCK_M=128, num_stages=3)  # doctest: +SKIP
     """
-    key = (id(kernel), args[0].get_device())          # (a kernel's hash is Python: slow)
-    cap = _STAGE_CAP.get(key)
-    stages = num_stages if cap is None or cap > num_stages else cap
+    device = args[0].get_device()
+    if device >= 0 and device != torch.cuda.current_device():
+        with torch.cuda.device(device):              # Triton launches on the current device
+            return launch(kernel, grid, *args, num_stages=num_stages, **kwargs)
+    key = None
+    stages = num_stages
+    if _STAGE_CAP:
+        key = _cap_key(kernel, device, num_stages, kwargs)
+        stages = _STAGE_CAP.get(key, num_stages)
     while True:
         try:
             kernel[grid](*args, num_stages=stages, **kwargs)
             return
         except OutOfResources as e:
             if e.name != "shared memory" or stages <= 1:
+                fix = ("fewer warps" if e.name == "threads" else "smaller tiles")
                 raise RuntimeError(
                     f"multihead's Triton kernel {kernel.fn.__name__} needs more {e.name} than "
                     f"this GPU has ({e.required} > {e.limit}) with tiles {_tiles(kwargs)}: "
-                    f"write a launch table with smaller tiles for it (python -m "
+                    f"write a launch table with {fix} for it (python -m "
                     f"benchmarks.triton_tune --write FILE, then MULTIHEAD_TRITON_LAUNCH=FILE) "
                     f"or run backend='sdpa'") from e
             stages -= 1
-            _STAGE_CAP[key] = stages
+            _STAGE_CAP[key or _cap_key(kernel, device, num_stages, kwargs)] = stages
+
+
+def _cap_key(kernel, device: int, num_stages: int, kwargs: dict) -> tuple:
+    """What decides a launch's shared memory: the kernel, the device, the stages asked and
+    the constexprs (a mask program by identity: its hash is Python, and slow)."""
+    return (id(kernel), device, num_stages, tuple(
+        (k, v if v is None or isinstance(v, (bool, int, float, str)) else id(v))
+        for k, v in kwargs.items()))
 
 
 def _tiles(kwargs: dict) -> str:

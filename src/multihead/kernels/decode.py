@@ -65,7 +65,7 @@ def _partial(Q, K, V, PO, PL, O, LSE, CNT, LENS, TBL, qk_scale,
              MERGE_ROWS: tl.constexpr, BLOCK_S: tl.constexpr):
     split = tl.program_id(0)
     bk = tl.program_id(1)
-    b = bk // Hkv
+    b = (bk // Hkv).to(tl.int64)                      # offsets past 2^31 elements stay exact
     hk = bk % Hkv
     r = tl.arange(0, BLOCK_R)                          # rows: (query head in group, query)
     g = r // Sq
@@ -192,9 +192,10 @@ def _tickets(device: torch.device, n: int) -> torch.Tensor:
     """``n`` int32 counters at 0 on ``device`` for one launch of :func:`_partial`, whose
     last split of each (batch, K/V head) sets its counter back to 0 after merging.
 
-    One zeroed buffer serves every launch on a stream, in stream order (no memset per
-    call); launches on other streams get their own. While a CUDA graph captures, the
-    launch gets a buffer of its own, zeroed by the graph itself at each replay.
+    On a GPU, one zeroed buffer serves every launch on a stream, in stream order (no
+    memset per call); launches on other streams get their own. While a CUDA graph captures,
+    and on the CPU (Triton's interpreter, where a failed launch could leave a ticket
+    taken), each launch gets a zeroed buffer of its own.
 
     Example:
         >>> import torch
@@ -202,15 +203,10 @@ def _tickets(device: torch.device, n: int) -> torch.Tensor:
         >>> t.dtype, t.numel() >= 8, int(t.abs().sum())
         (torch.int32, True, 0)
     """
-    if device.type == "cuda":
-        if torch._C._cuda_isCurrentStreamCapturing():
-            return torch.zeros(n, device=device, dtype=torch.int32)
-        stream = torch._C._cuda_getCurrentRawStream(device.index
-                                                    if device.index is not None
-                                                    else torch.cuda.current_device())
-    else:
-        stream = 0
-    key = (device, stream)
+    if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():
+        return torch.zeros(n, device=device, dtype=torch.int32)    # (the CPU: the interpreter)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
     buf = _TICKETS.get(key)
     if buf is None or buf.numel() < n:
         buf = _TICKETS[key] = torch.zeros(max(n, 256), device=device, dtype=torch.int32)

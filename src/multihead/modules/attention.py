@@ -380,7 +380,7 @@ def _reads_pages(cache, q: torch.Tensor, mask, valid, backend) -> bool:
     float16/bfloat16, without gradients, every token real (no ``valid`` now or before), the
     mask None or a lower-right ``causal``/``sliding_window``, the backend ``auto`` or
     ``triton``, dtypes and head dims the kernels take (up to 256), pages a multiple of 16
-    tokens and Triton installed."""
+    tokens, Triton installed and no ``torch.compile`` tracing."""
     from .. import kernels
     if not isinstance(cache, PagedBatch) or valid is not None or cache.padded:
         return False
@@ -391,8 +391,8 @@ def _reads_pages(cache, q: torch.Tensor, mask, valid, backend) -> bool:
         return False
     if mask is not None and not (type(mask) is masks.Window and mask.align == "lower_right"):
         return False
-    if not kernels.available():
-        return False
+    if not kernels.available() or torch.compiler.is_compiling():
+        return False            # a traced graph reads the gathered pages through ops.decode
     from ..kernels._band import DTYPES, MAX_HEAD_DIM
     return q.dtype in DTYPES and max(q.shape[-1], cache.value_dim) <= MAX_HEAD_DIM
 

@@ -178,7 +178,8 @@ class TritonFlash(Backend):
         from ...kernels._band import launch_config
         band = _band(call)
         if isinstance(band, Sparse):
-            return self._sparse_plan(call, band, *launch_config("fwd", call.D, call.Dv)[:2])
+            return self._sparse_plan(call, band,
+                                     *launch_config("fwd_sparse", call.D, call.Dv)[:2])
         if call.Sq <= MAX_QUERIES and not call.requires_grad and band.documents is None:
             return self._decode_plan(call, band)
         bm, bn, _, _ = launch_config("fwd", call.D, call.Dv, band.window)
