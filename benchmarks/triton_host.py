@@ -14,7 +14,7 @@ with ``--profile`` the functions that took it.
 
 Run (not under ``TRITON_INTERPRET=1``)::
 
-    PYTHONPATH=tests python -m benchmarks.triton_host [--case NAME] [--profile]
+    python -m benchmarks.triton_host [--case NAME] [--profile]
 
 Notation: B batch, H query heads, Hkv K/V heads, S length, L cache length, D head dim.
 """
@@ -31,10 +31,13 @@ import pstats
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import multihead as mh
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # sm90_compile
 
 
 @contextlib.contextmanager

@@ -57,14 +57,20 @@ def _bench(fn, graph: bool = False) -> float:
     return tt.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
 
 
-def _ran_as_asked() -> bool:
-    """Whether the last launches ran with the stages their config asked for (a GPU with
-    less shared memory than the H100 runs fewer: see ``_band.launch``). Forgets what it
-    learned, so each config is tried as written."""
+#: a config row whose launches ran with fewer stages than it asks for
+UNFIT = "its stages do not fit this GPU"
+
+
+def _as_asked(run):
+    """``run()``, or None when its launches ran with fewer stages than their config asked
+    for (a GPU with less shared memory than the H100: see ``_band.launch``); what the
+    launches learned is forgotten before and after, so each config runs as written."""
     from multihead.kernels import _band
-    asked = not _band._STAGE_CAP
     _band._STAGE_CAP.clear()
-    return asked
+    result = run()
+    fitted = not _band._STAGE_CAP
+    _band._STAGE_CAP.clear()
+    return result if fitted else None
 
 
 def _band_kwargs(kind: str, B: int, S: int, device):
@@ -102,12 +108,12 @@ def forward(rows: list, *, S=16384, B=2, H=16, D=128, dtype=torch.bfloat16, kind
         first = None
         for cfg in FWD:
             try:
-                _ran_as_asked()
-                out, _ = flash_forward(q, k, v, scale=D ** -0.5, config=cfg, **kw)
-                if not _ran_as_asked():
-                    rows.append(dict(part="fwd", case=kind, config=cfg,
-                                     failed="its stages do not fit this GPU"))
+                got = _as_asked(lambda: flash_forward(q, k, v, scale=D ** -0.5, config=cfg,
+                                                      **kw))
+                if got is None:
+                    rows.append(dict(part="fwd", case=kind, config=cfg, failed=UNFIT))
                     continue
+                out = got[0]
                 if first is None:
                     first = out
                 err = (out.float() - first.float()).abs().max().item()
@@ -161,12 +167,12 @@ def sparse(rows: list, *, S=16384, B=1, H=16, D=128, dtype=torch.bfloat16, kinds
         first = None
         for cfg in FWD_SPARSE:
             try:
-                _ran_as_asked()
-                out, _ = sparse_forward(qs, ks, vs, mask, scale=D ** -0.5, config=cfg)
-                if not _ran_as_asked():
-                    rows.append(dict(part="sparse", case=kind, config=cfg,
-                                     failed="its stages do not fit this GPU"))
+                got = _as_asked(lambda: sparse_forward(qs, ks, vs, mask, scale=D ** -0.5,
+                                                       config=cfg))
+                if got is None:
+                    rows.append(dict(part="sparse", case=kind, config=cfg, failed=UNFIT))
                     continue
+                out = got[0]
                 first = out if first is None else first
                 err = (out.float() - first.float()).abs().max().item()
                 if err > 2e-2:
@@ -206,11 +212,9 @@ def backward(rows: list, *, S=16384, B=1, H=16, D=128, dtype=torch.bfloat16, kin
                 try:
                     run = lambda: flash_bwd.flash_backward(                 # noqa: E731
                         do, q, k, v, out, lse, scale=D ** -0.5, config=pair, **kw)
-                    _ran_as_asked()
-                    grads = run()
-                    if not _ran_as_asked():
-                        rows.append(dict(part=part, case=kind, config=cfg,
-                                         failed="its stages do not fit this GPU"))
+                    grads = _as_asked(run)
+                    if grads is None:
+                        rows.append(dict(part=part, case=kind, config=cfg, failed=UNFIT))
                         continue
                     if first is None:
                         first = grads

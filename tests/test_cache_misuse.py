@@ -95,6 +95,16 @@ def _caches(m, B):
 ERRORS = list(_failures(_module(), 2, 5))
 
 
+def _decoding_goes_on(m, cache, seqs, t0):
+    """Decoding tokens ``t0..`` of ``seqs`` one at a time on ``cache`` (holding ``t0``
+    tokens) gives what the uncached call gives for them."""
+    with torch.no_grad():
+        got = torch.cat([m(seqs[:, t:t + 1], cache=cache, mask=CAUSAL)
+                         for t in range(t0, seqs.shape[1])], 1)
+        want = m(seqs, mask=CAUSAL)[:, t0:]
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["static", "paged"])
 @pytest.mark.parametrize("error", ERRORS)
 def test_every_failing_cached_call_leaves_the_cache_unchanged(error, kind):
@@ -110,9 +120,7 @@ def test_every_failing_cached_call_leaves_the_cache_unchanged(error, kind):
         if info.type is not KeyboardInterrupt:
             assert len(str(info.value)) > 20                      # says what is wrong
         assert _same(_state(cache), before), error
-        got = torch.cat([m(seqs[:, t:t + 1], cache=cache, mask=CAUSAL) for t in (4, 5)], 1)
-        want = m(seqs, mask=CAUSAL)[:, 4:]
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    _decoding_goes_on(m, cache, seqs, 4)
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
@@ -135,10 +143,7 @@ def test_a_cached_call_refused_under_torch_func_leaves_the_cache_unchanged(kind,
         else:
             torch.func.vmap(lambda x: m(x, cache=cache, mask=CAUSAL))(step[None])
     assert _same(_state(cache), before)
-    with torch.no_grad():
-        got = torch.cat([m(seqs[:, t:t + 1], cache=cache, mask=CAUSAL) for t in (3, 4, 5)], 1)
-        want = m(seqs, mask=CAUSAL)[:, 3:]
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    _decoding_goes_on(m, cache, seqs, 3)
 
 
 @pytest.mark.parametrize("error", ["mask of a wrong type", "mask of a wrong batch",

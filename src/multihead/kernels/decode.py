@@ -125,9 +125,21 @@ def _partial(Q, K, V, PO, PL, O, LSE, CNT, LENS, TBL, qk_scale,
                    DV, BLOCK_DV, MERGE_ROWS, BLOCK_S)
             tl.store(CNT + bk, 0)
     else:
-        tl.store(O + b * sob + h[:, None] * soh + i[:, None] * som + dv[None, :] * sod,
-                 out.to(O.dtype.element_ty), mask=live[:, None] & (dv[None, :] < DV))
-        tl.store(LSE + (b * Hkv * G + h) * Sq + i, lse, mask=live)
+        _write_rows(O, LSE, out, lse, b, hk, r, live, G, Sq, Hkv * G * Sq, sob, soh, som,
+                    sod, DV, BLOCK_DV)
+
+
+@triton.jit
+def _write_rows(O, LSE, out, lse, b, hk, r, ok, G, Sq, HSq, sob, soh, som, sod,
+                DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+    # Rows r (query head in the group x query) of (b, hk) where ok: out (rows, BLOCK_DV)
+    # into O (B, H, Sq, DV) in its dtype, lse into LSE (B, H, Sq) contiguous.
+    dv = tl.arange(0, BLOCK_DV)
+    h = hk * G + r // Sq
+    i = r % Sq
+    tl.store(O + b * sob + h[:, None] * soh + i[:, None] * som + dv[None, :] * sod,
+             out.to(O.dtype.element_ty), mask=ok[:, None] & (dv[None, :] < DV))
+    tl.store(LSE + b * HSq + hk * G * Sq + r, lse, mask=ok)
 
 
 @triton.jit
@@ -164,11 +176,8 @@ def _merge(PO, PL, O, LSE, b, hk, B, HSq, G, Sq, splits, sob, soh, som, sod,
         empty = total == 0.0
         out = acc / tl.where(empty, 1.0, total)[:, None]
         lse = tl.where(empty, float("-inf"), top + tl.log(tl.where(empty, 1.0, total)))
-        h = hk * G + r // Sq
-        i = r % Sq
-        tl.store(O + b * sob + h[:, None] * soh + i[:, None] * som + dv[None, :] * sod,
-                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
-        tl.store(LSE + b * HSq + base + r, lse, mask=row_ok)
+        _write_rows(O, LSE, out, lse, b, hk, r, row_ok, G, Sq, HSq, sob, soh, som, sod, DV,
+                    BLOCK_DV)
 
 
 def _merge_rows(rows: int, block_dv: int) -> int:
@@ -347,7 +356,8 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     else:           # one split writes the output itself: no scratch (lse: unread)
         part_o = part_l = tickets = lse
     launch(
-        _partial, (n, B * Hkv), q, k, v, part_o, part_l, out, lse, tickets, lens, table, scale * LOG2E,
+        _partial, (n, B * Hkv), q, k, v, part_o, part_l, out, lse, tickets, lens, table,
+        scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         B, Hkv, G, Sq, Sk, offset, window if window is not None else 0, chunk,
         table.stride(0) if block_table is not None else 0, n,
