@@ -95,6 +95,17 @@ def _caches(m, B):
 ERRORS = list(_failures(_module(), 2, 5))
 
 
+def _prefilled(kind: str, B: int, t0: int, seed: int):
+    """``(module, seqs (B, 6, E), cache)``: a ``kind`` cache holding ``seqs``' first ``t0``
+    tokens."""
+    m = _module()
+    seqs = torch.randn(B, 6, E, generator=torch.Generator().manual_seed(seed))
+    cache = _caches(m, B)[kind]
+    with torch.no_grad():
+        m(seqs[:, :t0], cache=cache, mask=CAUSAL)
+    return m, seqs, cache
+
+
 def _decoding_goes_on(m, cache, seqs, t0):
     """Decoding tokens ``t0..`` of ``seqs`` one at a time on ``cache`` (holding ``t0``
     tokens) gives what the uncached call gives for them."""
@@ -108,12 +119,9 @@ def _decoding_goes_on(m, cache, seqs, t0):
 @pytest.mark.parametrize("kind", ["static", "paged"])
 @pytest.mark.parametrize("error", ERRORS)
 def test_every_failing_cached_call_leaves_the_cache_unchanged(error, kind):
-    m, B = _module(), 2
-    g = torch.Generator().manual_seed(1)
-    seqs = torch.randn(B, 6, E, generator=g)
-    cache = _caches(m, B)[kind]
+    B = 2
+    m, seqs, cache = _prefilled(kind, B, 4, seed=1)
     with torch.no_grad():
-        m(seqs[:, :4], cache=cache, mask=CAUSAL)
         before = _state(cache)
         with pytest.raises((ValueError, TypeError, KeyboardInterrupt)) as info:
             _failures(m, B, 5)[error](cache)
@@ -129,12 +137,7 @@ def test_a_cached_call_refused_under_torch_func_leaves_the_cache_unchanged(kind,
     """Writing into a cache is an in-place change of a tensor the transform captured, which
     torch.func refuses: the call fails, and the rollback (itself in-place) must not fail
     too (a paged pool once kept the page the refused write had taken)."""
-    m, B = _module(), 2
-    g = torch.Generator().manual_seed(3)
-    seqs = torch.randn(B, 6, E, generator=g)
-    cache = _caches(m, B)[kind]
-    with torch.no_grad():
-        m(seqs[:, :3], cache=cache, mask=CAUSAL)
+    m, seqs, cache = _prefilled(kind, 2, 3, seed=3)
     before = _state(cache)
     step = seqs[:, 3:5]                                      # a second page on the paged pool
     with pytest.raises(RuntimeError, match="in-place|inplace|not possible"):
