@@ -63,13 +63,13 @@ UNFIT = "its stages do not fit this GPU"
 
 def _as_asked(run):
     """``run()``, or None when its launches ran with fewer stages than their config asked
-    for (a GPU with less shared memory than the H100: see ``_band.launch``); what the
+    for (a GPU with less shared memory than the H100: see ``_launch.launch``); what the
     launches learned is forgotten before and after, so each config runs as written."""
-    from multihead.kernels import _band
-    _band._STAGE_CAP.clear()
+    from multihead.kernels import _launch
+    _launch._STAGE_CAP.clear()
     result = run()
-    fitted = not _band._STAGE_CAP
-    _band._STAGE_CAP.clear()
+    fitted = not _launch._STAGE_CAP
+    _launch._STAGE_CAP.clear()
     return result if fitted else None
 
 

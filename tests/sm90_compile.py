@@ -69,7 +69,7 @@ class _Utils:
 
     @staticmethod
     def load_binary(name, kernel, shared, device):
-        return object(), None, 0, 0, 1024          # module, function, regs, spills, threads
+        return object(), object(), 0, 0, 1024      # module, function, regs, spills, threads
 
     def get_device_properties(self, device):
         return {"max_shared_mem": self.max_shared, "multiprocessor_count": 132}

@@ -71,13 +71,14 @@ def _failures(m, B, L):
 
 
 def _state(cache):
-    """Everything a cache holds, as comparable values: its bookkeeping and every byte of its
-    buffers (also slots no sequence reads yet)."""
+    """Everything a cache holds, as comparable values: its bookkeeping (the free pages in
+    the order they will be taken) and every byte of its buffers (also slots no sequence
+    reads yet)."""
     if isinstance(cache, mh.KVCache):
         return (cache.seen, cache.padded, cache.cross, cache.queries, cache.lengths.tolist(),
                 cache.valid.clone(), cache.k.clone(), cache.v.clone())
     pool = cache.pool
-    return (pool.pages_used, sorted(pool._free), dict(pool._written), sorted(pool._padded),
+    return (pool.pages_used, list(pool._free), dict(pool._written), sorted(pool._padded),
             [pool.length(s) for s in cache.ids], {s: list(t) for s, t in pool._tables.items()},
             pool.k.clone(), pool.v.clone(), pool.valid.clone())
 

@@ -213,3 +213,29 @@ def test_fp32_inputs_with_an_fp64_bias_are_not_upcast():
     h = q.half()
     e = mh.explain(h, h, h, mask=M.bias(torch.randn(1, 1, 8, 8)), backend="sdpa")
     assert "computed in float32" in str(e) and e.plan.detail.upcast
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_a_hidden_nan_changes_no_gradient(backend, where):
+    """A NaN in a key or value padding hides from every row: the gradients of q, k and v
+    equal those of the same inputs with that position zeroed (finite: no ``0 * NaN``
+    reaches them through the score or weight products)."""
+    S = 12
+    mask = M.padding(torch.tensor([S - 3, S]))
+    q, k, v = _qkv(B=2, H=2, S=S, D=8, seed=5)
+    try:
+        mh.explain(q.clone().requires_grad_(), k, v, mask=mask, backend=backend)
+    except ValueError:
+        pytest.skip(f"{backend} does not run padding with gradients")
+
+    def grads(poison):
+        q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+        with torch.no_grad():
+            (k_ if where == "k" else v_)[0, :, S - 1] = poison
+        out = mh.attention(q_, k_, v_, mask=mask, backend=backend)
+        out.square().sum().backward()
+        return [t.grad for t in (q_, k_, v_)]
+    for name, got, want in zip("qkv", grads(float("nan")), grads(0.0)):
+        assert torch.isfinite(got).all(), (backend, name)
+        torch.testing.assert_close(got, want, msg=f"{backend}: d{name}")

@@ -441,6 +441,21 @@ def test_auto_trains_windows_on_the_kernel_and_keeps_sdpa_for_causal_training():
 
 # -- bad input: a clear error naming the argument, nothing launched ---------------------------
 
+@pytest.mark.parametrize("config, splits", [((24, 16, 4, 1), None), ((64, 64, 0, 1), None),
+                                           ((16, 4, 1), -1), ((16, 4, 1), 0)])
+def test_the_kernels_refuse_a_bad_config_or_split_count_by_name(config, splits):
+    """Tiles that are not powers of two from 16, no warps, or no splits: an error naming
+    the argument, not the interpreter's or the compiler's (or a division by zero)."""
+    q, k, v = _inputs(1, 4, 2, 8, 8, 16, 16, torch.float16)
+    if len(config) == 4:
+        with pytest.raises(ValueError, match=r"flash_forward: config must be .* got \("):
+            flash_forward(q, k, v, scale=0.25, config=config)
+    else:
+        with pytest.raises(ValueError, match=f"decode_forward: splits must be a positive "
+                                             f"integer .* got {splits}"):
+            decode_forward(q[:, :, :1], k, v, scale=0.25, config=config, splits=splits)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(q=(1, 3, 8, 16)), "q has 3 heads, not a multiple of k's 2 K/V heads"),
     (dict(v=(1, 2, 9, 16)), "must share B"),
@@ -448,6 +463,12 @@ def test_auto_trains_windows_on_the_kernel_and_keeps_sdpa_for_causal_training():
     (dict(dtype=torch.float32), "the kernels take float16 or bfloat16"),
     (dict(lens=torch.tensor([1.5])), "kv_lengths must be an integer tensor of shape"),
     (dict(lens=torch.tensor([3, 4])), "kv_lengths must be an integer tensor of shape"),
+    (dict(lens=torch.tensor([True])), "kv_lengths must be an integer tensor of shape"),
+    (dict(window=0), "window must be a positive number of keys .* got 0"),
+    (dict(window=-5), "window must be a positive number of keys .* got -5"),
+    (dict(scale=float("nan")), "scale must be a finite number, got nan"),
+    (dict(scale="x"), "scale must be a finite number, got 'x'"),
+    (dict(offset=1.5), "offset must be an integer, got 1.5"),
 ])
 def test_the_kernels_refuse_bad_input_by_name(bad, match):
     shapes = dict(q=(1, 4, 8, 16), k=(1, 2, 8, 16), v=(1, 2, 8, 16))
@@ -455,10 +476,11 @@ def test_the_kernels_refuse_bad_input_by_name(bad, match):
     q, k, v = (torch.randn(bad.get(n, shapes[n])).to(DEV, dtype if n == "q" else torch.float16)
                for n in ("q", "k", "v"))
     lens = bad["lens"].to(DEV) if "lens" in bad else None
+    kw = {n: bad[n] for n in ("window", "offset") if n in bad}
     for fn in (flash_forward, decode_forward):
         with pytest.raises(ValueError, match=match):
-            fn(q[:, :, :4] if fn is decode_forward and q.dim() == 4 else q, k, v, scale=0.25,
-               kv_lengths=lens)
+            fn(q[:, :, :4] if fn is decode_forward and q.dim() == 4 else q, k, v,
+               scale=bad.get("scale", 0.25), kv_lengths=lens, causal=True, **kw)
     good_q, good_k, good_v = _inputs(1, 4, 2, 8, 8, 16, 16, torch.float16)
     out, lse = flash_forward(good_q, good_k, good_v, scale=0.25)
     with pytest.raises(ValueError, match="flash_backward: dout must have shape"):

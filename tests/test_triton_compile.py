@@ -70,13 +70,13 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 from sm90_compile import stub_launches
 import multihead as mh
-from multihead.kernels import _band
+from multihead.kernels import _band, _launch
 from multihead.kernels.flash_sparse import _forward_sparse, sparse_forward
 q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
 with stub_launches(max_shared=101376):
     sparse_forward(q, q, q, mh.masks.alibi(2), scale=0.1)
     sparse_forward(q, q, q, mh.masks.alibi(2), scale=0.1)      # the cap learned: no retry
-caps = [stages for key, stages in _band._STAGE_CAP.items() if key[0] == id(_forward_sparse)]
+caps = [stages for key, stages in _launch._STAGE_CAP.items() if key[0] == id(_forward_sparse)]
 print("cap", *caps)
 print("table", _band.launch_config("fwd_sparse", 128, 128)[3])
 for cache in _forward_sparse.device_caches.values():
@@ -110,3 +110,125 @@ def test_a_gpu_with_less_shared_memory_runs_the_kernels_with_fewer_stages():
     error = next(line for line in lines if line.startswith("error"))
     assert "_forward_sparse" in error and "16384" in error
     assert "MULTIHEAD_TRITON_LAUNCH" in error and "backend='sdpa'" in error
+
+
+#: each call below runs twice through Triton's own launch path, then through launch()'s
+#: direct one, with the stub driver's launcher recording what reaches it
+_DIRECT_LAUNCH = """
+import sys, torch, triton
+import triton.language as tl
+from triton import knobs
+from triton.runtime.jit import JITFunction
+sys.path.insert(0, {tests!r})
+import sm90_compile
+import multihead as mh
+from multihead.kernels import _launch
+from multihead.kernels.decode import decode_forward
+from multihead.kernels.flash_bwd import flash_backward
+from multihead.kernels.flash_fwd import flash_forward
+from multihead.kernels.flash_sparse import sparse_forward
+
+seen = []
+class Recording(sm90_compile._Launcher):
+    def __call__(self, *args):
+        seen.append((self, args))
+sm90_compile._Launcher = Recording
+runs = [0]
+triton_run = JITFunction.run
+def counted(self, *args, **kwargs):
+    runs[0] += 1
+    return triton_run(self, *args, **kwargs)
+JITFunction.run = counted
+
+@triton.jit(do_not_specialize=["n"])
+def _scaled(X, n, m, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(X + i, tl.load(X + i) * (n % 7 + m))
+
+def view(args):
+    # what a launch hands the driver, comparable across calls: the launcher (one per
+    # compiled kernel), grid, stream, function, metadata, then each argument (a tensor by
+    # dtype, shape, strides and alignment; outputs are new each call). The launch metadata
+    # and the hooks (Triton passes empty hook chains, the direct launch None) are left out.
+    launcher, (g0, g1, g2, stream, fn, meta, _, _, _, *rest) = args
+    return (launcher, g0, g1, g2, stream, fn, meta, [
+        (a.dtype, tuple(a.shape), a.stride(), a.data_ptr() % 16)
+        if isinstance(a, torch.Tensor) else a for a in rest])
+
+def record(call):
+    seen.clear()
+    call()
+    return [view(s) for s in seen]
+
+g = torch.Generator().manual_seed(0)
+def rand(*shape, dtype=torch.float16):
+    return torch.randn(*shape, generator=g).to(dtype)
+bf = torch.bfloat16
+q, kv = rand(1, 8, 1, 64, dtype=bf), rand(1, 2, 320, 64, dtype=bf)
+q_odd = rand(8 * 64 + 1, dtype=bf)[1:].view(1, 8, 1, 64)     # 2 bytes off 16
+x, y, z = rand(2, 4, 128, 64), rand(2, 2, 128, 64), rand(2, 4, 96, 64)
+dy = rand(2, 4, 128, 64)
+with sm90_compile.stub_launches():
+    out, lse = flash_forward(x, y, y, scale=0.125, causal=True)   # (stand-ins: unread)
+buf = torch.zeros(64)
+cases = [
+    ("decode", lambda: decode_forward(q, kv, kv, scale=0.125, causal=True, offset=319)),
+    ("decode, shorter", lambda: decode_forward(q, kv[:, :, :300], kv[:, :, :300],
+                                               scale=0.125, causal=True, offset=299)),
+    ("decode, q off 16 bytes", lambda: decode_forward(q_odd, kv, kv, scale=0.125,
+                                                      causal=True, offset=319)),
+    ("decode, fp16", lambda: decode_forward(q.half(), kv.half(), kv.half(), scale=0.125,
+                                            causal=True, offset=319)),
+    ("forward, causal", lambda: flash_forward(x, y, y, scale=0.125, causal=True)),
+    ("forward, window, Sq 96", lambda: flash_forward(z, y, y, scale=0.125, window=32,
+                                                     offset=32)),
+    ("backward", lambda: flash_backward(dy, x, y, y, out, lse, scale=0.125, causal=True)),
+    ("sparse, ALiBi", lambda: sparse_forward(x, y, y, mh.masks.alibi(4), scale=0.125)),
+    ("32-bit n, m 1", lambda: _launch.launch(_scaled, (1,), buf, 5, 1, BLOCK=64,
+                                             num_stages=1)),
+    ("64-bit n", lambda: _launch.launch(_scaled, (1,), buf, 2 ** 40, 1, BLOCK=64,
+                                        num_stages=1)),
+    ("m 16", lambda: _launch.launch(_scaled, (1,), buf, 5, 16, BLOCK=64, num_stages=1)),
+]
+with sm90_compile.stub_launches():
+    for name, call in cases:
+        _launch.DIRECT = False
+        want = record(call)
+        _launch.DIRECT = True
+        first = record(call)
+        before = runs[0]
+        again = record(call)
+        print(name, "|", want == first, want == again, runs[0] == before, len(want))
+    hook = knobs.runtime.launch_enter_hook           # a profiler's hook sees every launch
+    if hasattr(hook, "add"):
+        hook.add(print)
+    else:
+        knobs.runtime.launch_enter_hook = hook = print
+    before = runs[0]
+    seen.clear()
+    cases[0][1]()                                   # (the stub launcher calls no hook)
+    print("hooked |", seen[0][1][7] is hook, runs[0] - before)
+"""
+
+
+def test_direct_launches_run_what_tritons_own_path_runs(tmp_path):
+    """After a call of a class (see multihead.kernels._launch) ran once, later calls of it
+    skip Triton's per-call path and launch the compiled kernel directly: the same kernel,
+    grid and arguments Triton's path hands the driver. A tensor off 16 bytes, fp16 for
+    bf16, a 64-bit length, an int that becomes 16 get their own kernels (new classes),
+    and a launch hook sends every launch through Triton."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = tmp_path / "direct_launch.py"            # (Triton jits only code in files)
+    script.write_text(_DIRECT_LAUNCH.format(tests=str(Path(__file__).parent)))
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = dict(line.split(" | ") for line in run.stdout.splitlines() if " | " in line)
+    assert len(rows) == 12, run.stdout
+    for name, result in rows.items():
+        if name == "hooked":
+            assert result == "True 1", result    # Triton's path, handing the hook on
+            continue
+        same_first, same_again, direct, launches = result.split()
+        assert same_first == same_again == direct == "True", (name, result)
+        assert int(launches) >= 1, name

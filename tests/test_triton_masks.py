@@ -324,6 +324,64 @@ def test_a_row_that_sees_a_nan_value_is_nan_and_its_neighbours_are_not():
     assert torch.equal(lse[:, :, :20], want_lse[:, :, :20])
 
 
+def _band_call(path, q, k, v):
+    """(out, lse) of the band or decode kernel with a mask that shows key 20 to some rows
+    and hides it from others: causal (rows 20.. see it), a window of 8 (rows 20..27), or
+    the decode kernel's last 8 queries under that window (rows 24..27 of them)."""
+    from multihead.kernels.decode import decode_forward
+    from multihead.kernels.flash_fwd import flash_forward
+    S = q.shape[2]
+    if path == "decode":
+        return decode_forward(q[:, :, -8:], k, v, scale=0.25, causal=True, window=8,
+                              offset=S - 8, splits=2)
+    return flash_forward(q, k, v, scale=0.25, causal=True,
+                         window=8 if path == "window" else None, config=TILES)
+
+
+@pytest.mark.parametrize("path", ["causal", "window", "decode"])
+def test_band_kernels_keep_a_hidden_nan_value_out_of_the_rows_that_do_not_see_it(path):
+    """The band and decode kernels' edge blocks hold keys some rows see and others do not:
+    a NaN (head 0) or inf (head 1) in key 20's value makes the rows that see it NaN, output
+    and lse, and leaves every other row exactly as without it (0 * NaN inside the block's
+    product would poison them all)."""
+    q, k, v = _inputs(1, 2, 2, 32, 32, 16, seed=11)
+    bad = v.clone()
+    bad[:, 0, 20], bad[:, 1, 20] = float("nan"), float("inf")
+    out, lse = _band_call(path, q, k, bad)
+    want, want_lse = _band_call(path, q, k, v)
+    first = 32 - out.shape[2]                                   # the first query's position
+    pos = torch.arange(first, 32)
+    sees = (pos >= 20) & ((pos < 28) if path != "causal" else True)         # (rows,)
+    assert sees.any() and (~sees).any()
+    assert out[:, :, sees].isnan().all() and lse[:, :, sees].isnan().all()
+    assert torch.equal(out[:, :, ~sees], want[:, :, ~sees])
+    assert torch.equal(lse[:, :, ~sees], want_lse[:, :, ~sees])
+
+
+def test_band_gradients_keep_a_hidden_nan_out_of_the_rows_and_keys_that_do_not_see_it():
+    """Causal band backward: a NaN in key 20 reaches no dQ row before 20, and a NaN in
+    query 10 no dK/dV row after 10 (each is hidden from them), as on clean inputs."""
+    from multihead.kernels.flash_bwd import flash_backward
+    from multihead.kernels.flash_fwd import flash_forward
+    q, k, v = _inputs(1, 2, 2, 32, 32, 16, seed=12)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)).to(q)
+
+    def grads(q, k):
+        out, lse = flash_forward(q, k, v, scale=0.25, causal=True, config=TILES)
+        return flash_backward(dout, q, k, v, out, lse, scale=0.25, causal=True,
+                              config=(TILES, TILES))
+    dq, _, _ = grads(q, k)
+    _, dk, dv = grads(q, k)
+    bad_k, bad_q = k.clone(), q.clone()
+    bad_k[:, :, 20], bad_q[:, :, 10] = float("nan"), float("nan")
+    got_dq, _, _ = grads(q, bad_k)
+    _, got_dk, got_dv = grads(bad_q, k)
+    assert torch.equal(got_dq[:, :, :20], dq[:, :, :20])
+    assert got_dq[:, :, 20:].isnan().any()                 # the rows that see it: NaN
+    assert torch.equal(got_dk[:, :, 11:], dk[:, :, 11:])
+    assert torch.equal(got_dv[:, :, 11:], dv[:, :, 11:])
+
+
 @pytest.mark.parametrize("path", ["sparse", "band"])
 def test_a_broadcast_output_gradient_gives_the_same_gradients_as_a_dense_one(path):
     """``out.sum().backward()`` hands the backward a ``dout`` (and ``dlse``) of stride 0:

@@ -153,6 +153,25 @@ def test_a_paged_batch_decodes_in_place_on_cuda_as_a_static_cache_does():
             torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("change, match", [
+    (dict(q=(2, 1, 16)), r"q must be 4-D \(B, H, Sq, D\), got shape \(2, 1, 16\)"),
+    (dict(pool=(2, 32, 1, 16)), r"k_pool must be 3-D .* got shape \(2, 32, 1, 16\)"),
+    (dict(pool=(40, 1, 16)), "the pools' 40 slots are not whole pages of 16"),
+    (dict(table=torch.zeros(1, 4, dtype=torch.bool)), "block_table must be an integer"),
+    (dict(lengths=torch.tensor([True])), "kv_lengths must be an integer tensor"),
+])
+def test_paged_decoding_refuses_a_bad_pool_or_table_by_name(change, match):
+    """A pool or query of the wrong rank, a pool that ends inside a page (its last page
+    would be read past the end), booleans for page ids or lengths: errors by name."""
+    q = torch.randn(change.get("q", (1, 2, 1, 16))).half()
+    pool = torch.randn(change.get("pool", (64, 1, 16))).half()
+    table = change.get("table", torch.zeros(1, 4, dtype=torch.long))
+    lengths = change.get("lengths", torch.tensor([40]))
+    with pytest.raises(ValueError, match=match):
+        paged_decode_forward(q, pool, pool, table, lengths, max_len=40, page_size=16,
+                             scale=1.0)
+
+
 def test_paged_decoding_refuses_pages_that_are_not_a_multiple_of_16():
     q = torch.randn(1, 2, 1, 16, dtype=torch.float16)
     pool = torch.randn(64, 1, 16, dtype=torch.float16)

@@ -16,12 +16,12 @@ kernel, leaves a non-finite output; only then are the inputs scanned, the call r
 on cleaned inputs and the rows that see non-finite values set to NaN. On devices where a
 read-back stalls the queue (GPUs) nothing is inspected, and the fused kernels' own NaN
 handling applies. Our Triton kernels keep the first part of the rule themselves where
-hidden positions may hold anything: the block-sparse kernels zero non-finite values on the
-blocks they mask and make NaN (output and lse) the rows that see a non-finite value, and the
-band kernels never read the keys past a padding length; within a band's edge block, a
-non-finite value some rows see reaches the block's other rows too (it is real data, not
-padding). A visible non-finite *key* follows IEEE arithmetic there: a NaN makes its rows NaN,
-an infinite score may instead drop the key (``-inf``) from a row.
+hidden positions may hold anything: every kernel zeros non-finite values on the blocks it
+masks (the block-sparse kernels' partial blocks, the band and decode kernels' edge blocks,
+where the band shows a key to some rows of a block and hides it from others) and makes NaN
+(output and lse) the rows that see a non-finite value; the band kernels never read the keys
+past a padding length. A visible non-finite *key* follows IEEE arithmetic there: a NaN makes
+its rows NaN, an infinite score may instead drop the key (``-inf``) from a row.
 """
 
 from __future__ import annotations

@@ -15,13 +15,14 @@ Query ``i`` sees key ``j`` when ``j < klen``, and with the band
 from __future__ import annotations
 
 import json
+import math
+import operator
 import os
 
 import torch
 import torch.utils.weak
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from .._device import to_device
 from .mask_program import LOG2E  # noqa: F401  (the kernels' one constant, shared with programs)
@@ -67,7 +68,20 @@ MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16)
 
 
-def check_inputs(fn: str, q, k, v, kv_lengths=None, documents=None, offset=0) -> None:
+def integral(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds integers (not floats, complex numbers or booleans, which a
+    kernel would read as 0 and 1).
+
+    Example:
+        >>> import torch
+        >>> integral(torch.tensor([3])), integral(torch.tensor([True])), integral(torch.ones(1))
+        (True, False, False)
+    """
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def check_inputs(fn: str, q, k, v, kv_lengths=None, documents=None, offset=0, *,
+                 scale=None, window=None, config=None) -> None:
     """Raise a ValueError naming ``fn``'s bad argument unless ``q (B, H, Sq, D)``,
     ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` and ``kv_lengths (B,)`` fit the kernels.
 
@@ -99,11 +113,12 @@ def check_inputs(fn: str, q, k, v, kv_lengths=None, documents=None, offset=0) ->
                          f"heads: repeat K/V or pass matching head counts")
     if max(D, v.shape[-1]) > MAX_HEAD_DIM:
         raise ValueError(f"{fn}: head dims up to {MAX_HEAD_DIM}, got D={D}, Dv={v.shape[-1]}")
-    if kv_lengths is not None and (tuple(kv_lengths.shape) != (B,) or kv_lengths.is_floating_point()
+    if kv_lengths is not None and (tuple(kv_lengths.shape) != (B,) or not integral(kv_lengths)
                                    or kv_lengths.device != q.device):
         raise ValueError(f"{fn}: kv_lengths must be an integer tensor of shape ({B},) on "
                          f"{q.device}, got {kv_lengths.dtype} {tuple(kv_lengths.shape)} on "
                          f"{kv_lengths.device}")
+    check_arguments(fn, scale, window, offset, config)
     if documents is not None:
         if kv_lengths is not None:
             raise ValueError(f"{fn}: pass documents or kv_lengths, not both (padding inside "
@@ -111,9 +126,52 @@ def check_inputs(fn: str, q, k, v, kv_lengths=None, documents=None, offset=0) ->
         _check_documents(fn, documents, B, q.shape[2], k.shape[2], offset)
 
 
+def check_arguments(fn: str, scale=None, window=None, offset=0, config=None) -> None:
+    """Raise a ValueError naming ``fn``'s bad argument unless ``scale`` is a finite number,
+    ``window`` a positive number of keys (or None), ``offset`` an integer and ``config``
+    ``(BLOCK_M, BLOCK_N, warps, stages)`` (or ``(BLOCK_N, warps, stages)``) of positive
+    integers with blocks powers of two from 16.
+
+    Example:
+        >>> check_arguments("flash_forward", scale=0.125, window=0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: flash_forward: window must be a positive number of keys ...
+    """
+    if scale is not None:
+        try:
+            ok = math.isfinite(float(scale)) and not isinstance(scale, bool)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{fn}: scale must be a finite number, got {scale!r}")
+    if window is not None and not (_integer(window) and window >= 1):
+        raise ValueError(f"{fn}: window must be a positive number of keys (each query sees "
+                         f"its own and the window - 1 before it), got {window!r}; pass "
+                         f"window=None for no window")
+    if not _integer(offset):
+        raise ValueError(f"{fn}: offset must be an integer, got {offset!r}")
+    if config is not None:
+        blocks = len(config) - 2
+        if (len(config) not in (3, 4) or not all(_integer(c) and c >= 1 for c in config)
+                or any(c < 16 or c & (c - 1) for c in config[:blocks])):
+            raise ValueError(f"{fn}: config must be (BLOCK_M, BLOCK_N, num_warps, "
+                             f"num_stages) (the decode kernel: (BLOCK_N, num_warps, "
+                             f"num_stages)) of positive integers, blocks powers of two from "
+                             f"16, got {config!r}")
+
+
+def _integer(x) -> bool:
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return not isinstance(x, bool)
+
+
 def _check_documents(fn, docs, B, Sq, Sk, offset) -> None:
     if (docs.device.type != "cpu" or docs.dim() != 2 or docs.shape[1] != 3
-            or docs.is_floating_point()):
+            or not integral(docs)):
         raise ValueError(f"{fn}: documents must be a host (CPU) integer tensor of rows (b, "
                          f"first, length), got {docs.dtype} {tuple(docs.shape)} on {docs.device}")
     if Sq != Sk or offset:
@@ -175,68 +233,6 @@ def schedule(documents, block: int, programs: int, S: int, heads: int, unused: t
     table = _derived(documents, ("blocks", block, str(device)),
                      lambda: to_device(document_blocks(documents, block), device))
     return table, (len(table), heads)
-
-
-#: per launch (kernel, device, stages asked, constexprs): the most pipeline stages whose
-#: buffers fit the device's shared memory, learned when a launch with more ran out of it
-#: (empty on GPUs where the tables fit, so a launch there pays one truth test)
-_STAGE_CAP: dict = {}
-
-
-def launch(kernel, grid, *args, num_stages: int, **kwargs) -> None:
-    """``kernel[grid](*args, num_stages=num_stages, **kwargs)`` on the device of
-    ``args[0]``, with fewer stages where the device's shared memory cannot hold that many
-    (the tables are measured on an H100, 227 KB per SM; an A100 has 163 KB, most other GPUs
-    99 KB). Stages only change how far ahead tiles are copied: the tiles, the grid and the
-    results stay. The stages that fit are remembered per kernel, device and constexprs, so
-    a later launch does not fail first.
-
-    Raises:
-        RuntimeError: when even one stage does not fit (the tiles are too large for this
-            GPU: a launch table with smaller ones fixes it), or the GPU lacks another
-            resource the launch needs (threads: fewer warps).
-
-    Example:
-        >>> import torch
-        >>> from multihead.kernels.flash_fwd import _forward
-        >>> launch(_forward, grid, q, k, v, ..., BLOCK_M=128, num_stages=3)  # doctest: +SKIP
-    """
-    device = args[0].get_device()
-    if device >= 0 and device != torch.cuda.current_device():
-        with torch.cuda.device(device):              # Triton launches on the current device
-            return launch(kernel, grid, *args, num_stages=num_stages, **kwargs)
-    key = None
-    stages = num_stages
-    if _STAGE_CAP:
-        key = _cap_key(kernel, device, num_stages, kwargs)
-        stages = _STAGE_CAP.get(key, num_stages)
-    while True:
-        try:
-            kernel[grid](*args, num_stages=stages, **kwargs)
-            return
-        except OutOfResources as e:
-            if e.name != "shared memory" or stages <= 1:
-                fix = ("fewer warps" if e.name == "threads" else "smaller tiles")
-                raise RuntimeError(
-                    f"multihead's Triton kernel {kernel.fn.__name__} needs more {e.name} than "
-                    f"this GPU has ({e.required} > {e.limit}) with tiles {_tiles(kwargs)}: "
-                    f"write a launch table with {fix} for it (python -m "
-                    f"benchmarks.triton_tune --write FILE, then MULTIHEAD_TRITON_LAUNCH=FILE) "
-                    f"or run backend='sdpa'") from e
-            stages -= 1
-            _STAGE_CAP[key or _cap_key(kernel, device, num_stages, kwargs)] = stages
-
-
-def _cap_key(kernel, device: int, num_stages: int, kwargs: dict) -> tuple:
-    """What decides a launch's shared memory: the kernel, the device, the stages asked and
-    the constexprs (a mask program by identity: its hash is Python, and slow)."""
-    return (id(kernel), device, num_stages, tuple(
-        (k, v if v is None or isinstance(v, (bool, int, float, str)) else id(v))
-        for k, v in kwargs.items()))
-
-
-def _tiles(kwargs: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in kwargs.items() if k.startswith("BLOCK"))
 
 
 def empty_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

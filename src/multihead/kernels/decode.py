@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import LOG2E, check_inputs, empty_outputs, launch, pow2
+from ._band import LOG2E, check_inputs, empty_outputs, integral, pow2
+from ._launch import launch
 from .flash_fwd import DYNAMIC, _attend_block, _finish
 
 #: the most queries per head the kernel takes (decoding and draft verification)
@@ -241,7 +242,7 @@ def _check_paged(q, table, lengths, page_size, block_n, max_len) -> None:
     if lengths is None:
         raise ValueError("decode_forward: a block_table needs kv_lengths (each sequence's "
                          "number of keys)")
-    if (table.dim() != 2 or table.shape[0] != B or table.is_floating_point()
+    if (table.dim() != 2 or table.shape[0] != B or not integral(table)
             or table.device != q.device):
         raise ValueError(f"decode_forward: block_table must be an integer tensor (B={B}, "
                          f"pages) on {q.device}, got {table.dtype} {tuple(table.shape)} on "
@@ -254,6 +255,25 @@ def _check_paged(q, table, lengths, page_size, block_n, max_len) -> None:
         raise ValueError(f"decode_forward: block_table has {table.shape[1]} pages of "
                          f"{page_size} per sequence, fewer than the {max_len} keys of the "
                          f"longest: pass each sequence's full table (padded with any page)")
+
+
+def _check_pool(q, k_pool, v_pool, page_size: int) -> None:
+    fn = "paged_decode_forward"
+    if q.dim() != 4:
+        raise ValueError(f"{fn}: q must be 4-D (B, H, Sq, D), got shape {tuple(q.shape)}")
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if pool.dim() != 3:
+            raise ValueError(f"{fn}: {name} must be 3-D (slots, Hkv, head_dim), as "
+                             f"PagedKVCache holds it, got shape {tuple(pool.shape)}")
+    if k_pool.shape[:2] != v_pool.shape[:2]:
+        raise ValueError(f"{fn}: k_pool {tuple(k_pool.shape)} and v_pool "
+                         f"{tuple(v_pool.shape)} must share slots and K/V heads")
+    if not isinstance(page_size, int) or page_size < 16 or page_size % 16:
+        raise ValueError(f"{fn}: page_size must be a multiple of 16, got {page_size!r}")
+    if k_pool.shape[0] % page_size:
+        raise ValueError(f"{fn}: the pools' {k_pool.shape[0]} slots are not whole pages of "
+                         f"{page_size} (a page past the end would be read): allocate "
+                         f"pages * page_size slots")
 
 
 def paged_decode_forward(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -269,7 +289,9 @@ def paged_decode_forward(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
         q: ``(B, H, Sq <= 16, D)``.
         k_pool, v_pool: ``(slots, Hkv, D)`` and ``(slots, Hkv, Dv)``, slot-major (what
             :class:`multihead.PagedKVCache` holds).
-        block_table: ``(B, pages)`` integer page ids of each sequence, on q's device.
+        block_table: ``(B, pages)`` integer page ids of each sequence, on q's device,
+            each below ``slots // page_size`` (not checked: that would read the table on
+            the host; :class:`multihead.PagedKVCache` keeps it so).
         lengths: ``(B,)`` keys of each sequence, on q's device.
         max_len: the longest sequence (a host int; sizes the splits, reads nothing).
         page_size: slots per page, a multiple of 16 (pages of a multiple of 64 run
@@ -284,10 +306,8 @@ def paged_decode_forward(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
         >>> out, lse = paged_decode_forward(q, pool, pool, table, n, max_len=100,
         ...                                 page_size=64, scale=0.125, causal=True)  # doctest: +SKIP
     """
+    _check_pool(q, k_pool, v_pool, page_size)
     B, H, Sq, _ = q.shape
-    if page_size < 16 or page_size % 16:
-        raise ValueError(f"paged_decode_forward: page_size must be a multiple of 16, got "
-                         f"{page_size}")
     k = k_pool.permute(1, 0, 2).unsqueeze(0).expand(B, -1, -1, -1)   # (B, Hkv, slots, D) view
     v = v_pool.permute(1, 0, 2).unsqueeze(0).expand(B, -1, -1, -1)
     if max_len > k.shape[2]:
@@ -329,7 +349,11 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         >>> kv = torch.randn(2, 2, 4096, 64, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
         >>> out, lse = decode_forward(q, kv, kv, scale=0.125, causal=True, offset=4095)  # doctest: +SKIP
     """
-    check_inputs("decode_forward", q, k, v, kv_lengths)
+    check_inputs("decode_forward", q, k, v, kv_lengths, offset=offset, scale=scale,
+                 window=window, config=config)
+    if splits is not None and not (isinstance(splits, int) and splits >= 1):
+        raise ValueError(f"decode_forward: splits must be a positive integer (None: as "
+                         f"many as fill the GPU), got {splits!r}")
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
     if block_table is not None:

@@ -32,8 +32,9 @@ import triton
 import triton.language as tl
 
 from ._band import (LOG2E, check_inputs, empty_like_all, finite_or_zero, key_length,
-                    key_range, launch, launch_config, load_tile, masked_scores, pow2, program_block,
+                    key_range, launch_config, load_tile, masked_scores, pow2, program_block,
                     query_range, schedule)
+from ._launch import launch
 from .flash_fwd import DYNAMIC
 
 
@@ -110,8 +111,8 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
         dv += tl.dot(tl.trans(p.to(do.dtype)), do)                         # (BLOCK_N, BLOCK_DV)
         dp = tl.dot(do, tl.trans(v))                                       # (BLOCK_M, BLOCK_N)
         dst = tl.trans(_dscores(p, ok, dp, delta[:, None], MASKED).to(q.dtype))
-    if MASKED and MASK_FN is not None:          # hidden queries may hold anything (padding)
-        q, _ = finite_or_zero(q)
+    if MASKED:         # a query hidden from some keys (the band's, padding) may hold anything
+        q, _ = finite_or_zero(q)    # (a row that sees a non-finite value has ds NaN anyway)
     dk += tl.dot(dst, q)                                                    # (BLOCK_N, BLOCK_D)
     return dk, dv
 
@@ -198,8 +199,8 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
     p = _probs(s, ok, lse2[:, None], MASKED)
     dp = tl.dot(do, tl.trans(v))                                            # (BLOCK_M, BLOCK_N)
     ds = _dscores(p, ok, dp, delta[:, None], MASKED)
-    if MASKED and MASK_FN is not None:          # hidden keys may hold anything (padding)
-        k, _ = finite_or_zero(k)
+    if MASKED:           # a key hidden from some rows (the band's, padding) may hold anything
+        k, _ = finite_or_zero(k)    # (a row that sees a non-finite key has ds NaN anyway)
     return dq + tl.dot(ds.to(k.dtype), k)                                   # (BLOCK_M, BLOCK_D)
 
 
@@ -343,7 +344,8 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         >>> dq, dk, dv = flash_backward(torch.ones_like(out), q, k, v, out, lse,
         ...                             scale=0.25, causal=True)                   # doctest: +SKIP
     """
-    check_inputs("flash_backward", q, k, v, kv_lengths, documents, offset)
+    check_inputs("flash_backward", q, k, v, kv_lengths, documents, offset, scale=scale,
+                 window=window)
     check_backward("flash_backward", dout, q, v, out, lse, dlse)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape

@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 
 from ._band import (LOG2E, check_inputs, empty_outputs, finite_or_zero, key_length,
-                    key_range, launch, launch_config, load_tile, masked_scores, pow2, program_block,
+                    key_range, launch_config, load_tile, masked_scores, pow2, program_block,
                     schedule)
+from ._launch import launch
 
 #: arguments whose value changes per call but must not cause a compile (Triton would
 #: otherwise specialize on their divisibility by 16)
@@ -59,7 +60,7 @@ def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_
     alpha = tl.math.exp2(m_i - shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_tile(v_base, cols, hi, svn, svd, DV, BLOCK_DV, MASKED)      # (BLOCK_N, BLOCK_DV)
-    if MASKED and MASK_FN is not None:          # hidden keys may hold anything (padding)
+    if MASKED:             # a key hidden from some rows (the band's, padding) may hold anything
         v, bad = finite_or_zero(v)                                          # bad (BLOCK_N,)
         seen = tl.max(tl.where(ok & bad[None, :], 1, 0), 1) > 0            # (rows,)
         l_i = tl.where(seen, float("nan"), l_i)     # a row that sees one: NaN out and lse
@@ -158,7 +159,8 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         >>> q = k = v = torch.randn(1, 2, 8, 16, device="cuda", dtype=torch.float16)  # doctest: +SKIP
         >>> out, lse = flash_forward(q, k, v, scale=0.25, causal=True)             # doctest: +SKIP
     """
-    check_inputs("flash_forward", q, k, v, kv_lengths, documents, offset)
+    check_inputs("flash_forward", q, k, v, kv_lengths, documents, offset, scale=scale,
+                 window=window, config=config)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
     out, lse = empty_outputs(q, v)

@@ -35,8 +35,9 @@ import triton
 import triton.language as tl
 
 from ..masks import base as MB
-from ._band import (LOG2E, check_inputs, empty_outputs, launch, launch_config, load_tile,
+from ._band import (LOG2E, check_inputs, empty_outputs, launch_config, load_tile,
                     pow2, program_block)
+from ._launch import launch
 from .flash_bwd import (_dkdv_block, _dq_block, backward_setup, check_backward, keys_left,
                         row_deltas)
 from .flash_fwd import _attend_block, _finish

@@ -40,8 +40,8 @@ from .flash_sparse import (KERNELS, flatten, plan, run_backward, run_forward,
 
 
 def _kw(scale, causal, window, offset, kv_lengths, documents=None) -> dict:
-    kw = dict(scale=scale, causal=causal, window=window or None, offset=offset,
-              kv_lengths=kv_lengths)
+    kw = dict(scale=scale, causal=causal, window=None if window == 0 else window,
+              offset=offset, kv_lengths=kv_lengths)
     if documents is not None:             # the decode kernel takes no documents
         kw["documents"] = documents
     return kw

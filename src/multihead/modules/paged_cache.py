@@ -223,7 +223,8 @@ class PagedBatch(_CacheBase):
         def undo():                    # exactly these pages back to the pool, counts and bytes
             for t, slots, rows in reversed(writes):           # as they were (only the writes
                 t.index_copy_(0, slots, rows)                 # that happened: a refused one,
-            for sid, pages in taken.items():                  # as under torch.func, changed none)
+            for sid, pages in reversed(list(taken.items())):  # as under torch.func, changed
+                                                              # none), in the pool's order
                 if sid in pool._tables:
                     del pool._tables[sid][len(pool._tables[sid]) - len(pages):]
                 pool._free.extend(reversed(pages))
