@@ -9,8 +9,9 @@ for real (argument binding, specialization key, cache lookup), and only the driv
 launch (about 5 us per kernel on an H100 host) is left out. The tensors live on the CPU and
 no kernel reads them.
 
-Each case reports the median host time per call (microseconds) over ``--reps`` calls, and
-with ``--profile`` the functions that took it.
+Each case reports the median host time per call (microseconds) over ``--reps`` calls, with
+the direct launches of :mod:`multihead.kernels._launch` and through Triton's own per-call
+path (``_launch.DIRECT`` off), and with ``--profile`` the functions that took the former.
 
 Run (not under ``TRITON_INTERPRET=1``)::
 
@@ -140,9 +141,16 @@ def main(argv=None) -> None:
     import triton
     print(f"multihead {mh.__version__}, torch {torch.__version__}, triton {triton.__version__}; "
           f"host time per call, launches stubbed", flush=True)
+    from multihead.kernels import _launch
+    print("case: direct launches (multihead.kernels._launch) | through Triton's path",
+          flush=True)
     with stub_launches():
         for name, call in cases(args.case).items():
-            print(f"{name}: {measure(call, args.reps) * 1e6:.1f} us", flush=True)
+            _launch.DIRECT = False
+            slow = measure(call, args.reps)
+            _launch.DIRECT = True
+            fast = measure(call, args.reps)
+            print(f"{name}: {fast * 1e6:.1f} us | {slow * 1e6:.1f} us", flush=True)
             if args.profile:
                 print(profile(call, args.reps), flush=True)
 
