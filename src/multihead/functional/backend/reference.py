@@ -35,13 +35,27 @@ def safe_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return weights, lse
 
 
-def _finite_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(t with its rows that hold a NaN or inf zeroed, (..., n) which rows did)``: the
-    products then carry no ``0 * NaN`` to a row or a gradient the mask keeps the value
-    from; the caller makes NaN the scores and rows that may see one (the rule of
-    :mod:`multihead.functional.nonfinite`)."""
-    bad = ~torch.isfinite(t).all(-1)
-    return t.masked_fill(bad[..., None], 0.0), bad
+class _Product(torch.autograd.Function):
+    """``a @ b`` (IEEE arithmetic, as written) whose gradients read the non-finite entries
+    of ``a`` and ``b`` as 0: a NaN in a key or value the mask hides, weighted by 0 in the
+    forward, would otherwise reach every gradient of its batch through ``0 * NaN`` (the
+    rule of :mod:`multihead.functional.nonfinite`); a row that sees one is NaN in the
+    forward and keeps NaN gradients through the scores."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a, b):
+        return a @ b
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = (t.nan_to_num(0.0, 0.0, 0.0) for t in ctx.saved_tensors)
+        return grad @ b.transpose(-2, -1), a.transpose(-2, -1) @ grad
 
 
 class Reference(Backend):
@@ -67,26 +81,19 @@ class Reference(Backend):
         q, k, v = q.to(work), k.to(work), v.to(work)
         k = k.repeat_interleave(call.group, dim=1)                    # (B, H, Sk, D)
         v = v.repeat_interleave(call.group, dim=1)                    # (B, H, Sk, Dv)
-        (q, bad_q), (k, bad_k), (v, bad_v) = (_finite_rows(t) for t in (q, k, v))
-        scores = (q @ k.transpose(-2, -1)) * call.scale               # (B, H, Sq, Sk)
-        scores = scores.masked_fill(bad_q[..., :, None] | bad_k[..., None, :], float("nan"))
+        scores = _Product.apply(q, k.transpose(-2, -1)) * call.scale  # (B, H, Sq, Sk)
         allowed, bias = mask_terms(call, q.device)
         if bias is not None:
             scores = scores + bias.to(work)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
         weights, lse = safe_softmax(scores)
-        sees_bad_v = ((scores != float("-inf")) & bad_v[..., None, :]).any(-1)   # (B, H, Sq)
         if call.dropout_p > 0:
             weights = torch.nn.functional.dropout(weights, p=call.dropout_p)
-        out = weights @ v                                             # (B, H, Sq, Dv)
-        nan = float("nan")                                  # (no .any(): a GPU would sync)
-        out = out.masked_fill(sees_bad_v[..., None], nan)
+        out = _Product.apply(weights, v)                              # (B, H, Sq, Dv)
         dt = call.q.dtype
-        return (out.to(dt),
-                weights.masked_fill(sees_bad_v[..., None], nan).to(dt)
-                if call.return_weights else None,
-                lse.masked_fill(sees_bad_v, nan) if call.return_lse else None)
+        return (out.to(dt), weights.to(dt) if call.return_weights else None,
+                lse if call.return_lse else None)
 
 
 register(Reference())
