@@ -450,6 +450,9 @@ def test_the_kernels_refuse_a_bad_config_or_split_count_by_name(config, splits):
     if len(config) == 4:
         with pytest.raises(ValueError, match=r"flash_forward: config must be .* got \("):
             flash_forward(q, k, v, scale=0.25, config=config)
+        out, lse = flash_forward(q, k, v, scale=0.25)
+        with pytest.raises(ValueError, match=r"flash_backward: config must be .* got \("):
+            flash_backward(out, q, k, v, out, lse, scale=0.25, config=(config, config))
     else:
         with pytest.raises(ValueError, match=f"decode_forward: splits must be a positive "
                                              f"integer .* got {splits}"):
