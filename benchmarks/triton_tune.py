@@ -64,12 +64,13 @@ UNFIT = "its stages do not fit this GPU"
 def _as_asked(run):
     """``run()``, or None when its launches ran with fewer stages than their config asked
     for (a GPU with less shared memory than the H100: see ``_launch.launch``); what the
-    launches learned is forgotten before and after, so each config runs as written."""
+    launches learned is forgotten before and after (a remembered call class would launch
+    a kernel compiled with fewer stages without asking), so each config runs as written."""
     from multihead.kernels import _launch
-    _launch._STAGE_CAP.clear()
+    _launch.forget()
     result = run()
     fitted = not _launch._STAGE_CAP
-    _launch._STAGE_CAP.clear()
+    _launch.forget()
     return result if fitted else None
 
 

@@ -81,7 +81,7 @@ def integral(t: torch.Tensor) -> bool:
 
 
 def check_inputs(fn: str, q, k, v, kv_lengths=None, documents=None, offset=0, *,
-                 scale=None, window=None, config=None) -> None:
+                 scale=None, window=None, config=None, splits=None) -> None:
     """Raise a ValueError naming ``fn``'s bad argument unless ``q (B, H, Sq, D)``,
     ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` and ``kv_lengths (B,)`` fit the kernels.
 
@@ -118,7 +118,7 @@ def check_inputs(fn: str, q, k, v, kv_lengths=None, documents=None, offset=0, *,
         raise ValueError(f"{fn}: kv_lengths must be an integer tensor of shape ({B},) on "
                          f"{q.device}, got {kv_lengths.dtype} {tuple(kv_lengths.shape)} on "
                          f"{kv_lengths.device}")
-    check_arguments(fn, scale, window, offset, config)
+    check_arguments(fn, scale, window, offset, config, splits)
     if documents is not None:
         if kv_lengths is not None:
             raise ValueError(f"{fn}: pass documents or kv_lengths, not both (padding inside "
@@ -126,11 +126,13 @@ def check_inputs(fn: str, q, k, v, kv_lengths=None, documents=None, offset=0, *,
         _check_documents(fn, documents, B, q.shape[2], k.shape[2], offset)
 
 
-def check_arguments(fn: str, scale=None, window=None, offset=0, config=None) -> None:
+def check_arguments(fn: str, scale=None, window=None, offset=0, config=None,
+                    splits=None) -> None:
     """Raise a ValueError naming ``fn``'s bad argument unless ``scale`` is a finite number,
-    ``window`` a positive number of keys (or None), ``offset`` an integer and ``config``
+    ``window`` a positive number of keys (or None), ``offset`` an integer, ``config``
     ``(BLOCK_M, BLOCK_N, warps, stages)`` (or ``(BLOCK_N, warps, stages)``) of positive
-    integers with blocks powers of two from 16.
+    integers with blocks powers of two from 16, and ``splits`` a positive integer (or
+    None).
 
     Example:
         >>> check_arguments("flash_forward", scale=0.125, window=0)  # doctest: +ELLIPSIS
@@ -151,6 +153,9 @@ def check_arguments(fn: str, scale=None, window=None, offset=0, config=None) -> 
                          f"window=None for no window")
     if not _integer(offset):
         raise ValueError(f"{fn}: offset must be an integer, got {offset!r}")
+    if splits is not None and not (_integer(splits) and splits >= 1):
+        raise ValueError(f"{fn}: splits must be a positive integer (None: as many as fill "
+                         f"the GPU), got {splits!r}")
     if config is not None:
         blocks = len(config) - 2
         if (len(config) not in (3, 4) or not all(_integer(c) and c >= 1 for c in config)

@@ -6,7 +6,7 @@ shared memory is short, and past Triton's per-call path once a kernel is compile
 specialization, the cache lookup, option parsing and hooks, before the driver's launch.
 A decoding step over a short cache takes less than that on an H100, so the host sets the
 pace. :func:`launch` remembers the compiled kernel of each call *class* and launches it
-directly (about 4 us), where the class is finer than Triton's specialization of the
+directly (about 7 us), where the class is finer than Triton's specialization of the
 arguments:
 
 - tensors: their dtypes and which are 16-byte aligned (what Triton specializes on);
@@ -109,6 +109,19 @@ def launch(kernel, grid, *args, num_stages: int, **kwargs) -> None:
             _CLASSES[key] = (compiled, tuple(
                 kwargs[p.name] if p.name in kwargs else p.default
                 for p in kernel.params[len(args):]))
+
+
+def forget() -> None:
+    """Forget the stages learned to fit and the compiled kernels of every call class: the
+    next launch of each goes through Triton's own path (``benchmarks/triton_tune.py`` runs
+    each config as written this way).
+
+    Example:
+        >>> forget(); len(_CLASSES), len(_STAGE_CAP)
+        (0, 0)
+    """
+    _STAGE_CAP.clear()
+    _CLASSES.clear()
 
 
 def _triton_launch(kernel, grid, device: int, args: tuple, num_stages: int, kwargs: dict):

@@ -350,10 +350,7 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         >>> out, lse = decode_forward(q, kv, kv, scale=0.125, causal=True, offset=4095)  # doctest: +SKIP
     """
     check_inputs("decode_forward", q, k, v, kv_lengths, offset=offset, scale=scale,
-                 window=window, config=config)
-    if splits is not None and not (isinstance(splits, int) and splits >= 1):
-        raise ValueError(f"decode_forward: splits must be a positive integer (None: as "
-                         f"many as fill the GPU), got {splits!r}")
+                 window=window, config=config, splits=splits)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
     if block_table is not None:
