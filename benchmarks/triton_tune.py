@@ -5,7 +5,8 @@ Times each kernel directly (``triton.testing.do_bench``, median) over a list of
 num_stages, splits)`` for decoding, at the issue's shapes, beside compiled FlexAttention and
 SDPA measured in the same run. Every config's output is checked against the first's (a
 config that disagrees is reported, never timed). The winners go into
-``multihead.kernels._band.LAUNCH`` and ``multihead.kernels.decode.CONFIG``.
+``multihead.kernels._band.LAUNCH`` (its "decode" entry for decoding), or with ``--write``
+into a file for ``MULTIHEAD_TRITON_LAUNCH``.
 
 Run on a CUDA machine::
 
@@ -246,22 +247,21 @@ def decode(rows: list, *, H=32, Hkv=8, D=128, dtype=torch.bfloat16):
             print(rows[-1], flush=True)
         for bn, warps, stages, mult in DECODE:
             splits = max(1, int(num_splits(B, Hkv, L) * mult))
+            cfg = dict(config=(bn, warps, stages, splits), mult=mult)
             try:
                 run = lambda: decode_forward(q, k, v, scale=D ** -0.5, causal=True,  # noqa: E731
                                              offset=L - 1, splits=splits,
                                              config=(bn, warps, stages))
                 err = (run()[0].float() - ref.float()).abs().max().item()
                 if err > 2e-2:
-                    rows.append(dict(part="decode", B=B, L=L, config=(bn, warps, stages, splits),
-                                     error=err))
+                    rows.append(dict(part="decode", B=B, L=L, **cfg, error=err))
                     continue
                 for graph in (False, True):
                     us = _bench(run, graph)
-                    rows.append(dict(part="decode", B=B, L=L, config=(bn, warps, stages, splits),
-                                     graph=graph, us=us, TBps=nbytes / us / 1e6))
+                    rows.append(dict(part="decode", B=B, L=L, **cfg, graph=graph, us=us,
+                                     TBps=nbytes / us / 1e6))
             except Exception as e:                               # noqa: BLE001
-                rows.append(dict(part="decode", B=B, L=L, config=(bn, warps, stages, splits),
-                                 failed=repr(e)[:200]))
+                rows.append(dict(part="decode", B=B, L=L, **cfg, failed=repr(e)[:200]))
             print(rows[-1], flush=True)
 
 
@@ -310,17 +310,29 @@ def _best(rows: list) -> list[str]:
 
 def winners(rows: list, D: int = 128) -> dict:
     """The launch table entries these rows measured: per kernel, the config with the least
-    total time over the cases where every config ran (``fwd_narrow``: the 256 window)."""
+    total time over the cases where every config ran (``fwd_narrow``: the 256 window;
+    ``decode``: ``(BLOCK_N, warps, stages)`` at the default number of splits, over each
+    (B, L) eager and graphed).
+
+    Example:
+        >>> rows = [dict(part="decode", B=1, L=4096, graph=g, config=c, mult=1.0, us=us)
+        ...         for g in (False, True) for c, us in (((64, 4, 3, 16), 9.0),
+        ...                                             ((128, 4, 2, 16), 8.0))]
+        >>> winners(rows)
+        {'decode': {'128': [128, 4, 2]}}
+    """
     import math
     table = {}
     for kernel, part, cases in (("fwd", "fwd", None), ("fwd_narrow", "fwd", {"window 256"}),
                                 ("fwd_sparse", "sparse", None), ("bwd_kv", "bwd_kv", None),
-                                ("bwd_q", "bwd_q", None)):
+                                ("bwd_q", "bwd_q", None), ("decode", "decode", None)):
         mine = [r for r in rows if r["part"] == part and "us" in r and "config" in r
-                and (cases is None or r["case"] in cases)]
+                and (cases is None or r.get("case") in cases) and r.get("mult", 1.0) == 1.0]
         by = {}
         for r in mine:
-            by.setdefault(tuple(r["config"]), {})[r["case"]] = r["us"]
+            config = tuple(r["config"][:3] if part == "decode" else r["config"])
+            case = (r["B"], r["L"], r["graph"]) if part == "decode" else r["case"]
+            by.setdefault(config, {})[case] = r["us"]
         every = set.intersection(*(set(c) for c in by.values())) if by else set()
         if every:
             best = min(by, key=lambda c: sum(math.log(by[c][k]) for k in every))

@@ -459,6 +459,41 @@ def test_the_kernels_refuse_a_bad_config_or_split_count_by_name(config, splits):
             decode_forward(q[:, :, :1], k, v, scale=0.25, config=config, splits=splits)
 
 
+@pytest.mark.parametrize("config", [(64, 64, 4, 2), 64, ((64, 64, 4, 2),), "64x64",
+                                    ((64, 64, 4, 2), (64, 48, 4, 2)),
+                                    ((64, 64, 4, 2), (64, 64, 3, 2))])
+def test_the_backward_kernels_take_their_config_as_a_pair_by_name(config):
+    """A backward's config is (dkdv, dq): a single tuple, a bare int or a bad tile is an
+    error naming the argument (a bare tuple used to reach ``len()`` of an int)."""
+    from multihead.kernels.flash_sparse import sparse_backward, sparse_forward
+    q, k, v = _inputs(1, 2, 2, 8, 8, 16, 16, torch.float16)
+    out, lse = flash_forward(q, k, v, scale=0.25)
+    with pytest.raises(ValueError, match=r"flash_backward: config must be .*got "):
+        flash_backward(out, q, k, v, out, lse, scale=0.25, config=config)
+    m = M.alibi(2)
+    out, lse = sparse_forward(q, k, v, m, scale=0.25)
+    with pytest.raises(ValueError, match=r"sparse_backward: config must be .*got "):
+        sparse_backward(out, q, k, v, out, lse, m, scale=0.25, config=config)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(config=(64, 48, 4, 2)), r"config must be .* got \(64, 48, 4, 2\)"),
+    (dict(config=(64, 64, 6, 2)), r"config must be .*warps a power of two up to 32, got \(64, 64, 6, 2\)"),
+    (dict(config=(64, 64, 4)), r"config must be .* got \(64, 64, 4\)"),
+    (dict(scale=float("inf")), "scale must be a finite number, got inf"),
+])
+def test_the_block_sparse_kernels_check_scale_and_config_by_name(kw, match):
+    from multihead.kernels.flash_sparse import sparse_backward, sparse_forward
+    q, k, v = _inputs(1, 2, 2, 8, 8, 16, 16, torch.float16)
+    m = M.alibi(2)
+    with pytest.raises(ValueError, match=f"sparse_forward: {match}"):
+        sparse_forward(q, k, v, m, **{"scale": 0.25, **kw})
+    if "scale" in kw:
+        out, lse = sparse_forward(q, k, v, m, scale=0.25)
+        with pytest.raises(ValueError, match=f"sparse_backward: {match}"):
+            sparse_backward(out, q, k, v, out, lse, m, scale=kw["scale"])
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(q=(1, 3, 8, 16)), "q has 3 heads, not a multiple of k's 2 K/V heads"),
     (dict(v=(1, 2, 9, 16)), "must share B"),
@@ -503,6 +538,49 @@ def test_a_bad_launch_table_file_is_named_in_the_error(tmp_path, monkeypatch):
     monkeypatch.setenv("MULTIHEAD_TRITON_LAUNCH", str(good))
     assert launch_config("bwd_q", 128, 128) == (32, 32, 2, 1)
     assert launch_config("fwd", 128, 128) == (128, 64, 8, 3)      # the rest: the built-in table
+    for i, text in enumerate(['{"decode": {"128": [64, 4, 3, 1]}}',
+                              '{"bwd_kv": {"128": [64, 4, 3]}}', '{"fwd": {"128": [48, 64, 4, 3]}}']):
+        bad = tmp_path / f"arity{i}.json"
+        bad.write_text(text)
+        monkeypatch.setenv("MULTIHEAD_TRITON_LAUNCH", str(bad))
+        with pytest.raises(ValueError, match=r"not a launch table .*each entry is \["):
+            launch_config("fwd", 128, 128)
+
+
+def test_the_decode_kernel_takes_its_tiles_from_the_launch_table(tmp_path, monkeypatch):
+    """The table's "decode" entry (as ``triton_tune --write`` measures it) is what decoding
+    launches, and what it computes stays the oracle's."""
+    from multihead.kernels import decode
+    q, k, v = _inputs(1, 4, 2, 1, 100, 16, 16, torch.float16, seed=3)
+    seen = []
+    real = decode.launch
+
+    def record(kernel, grid, *args, **kw):
+        seen.append((kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]))
+        return real(kernel, grid, *args, **kw)
+
+    monkeypatch.setattr(decode, "launch", record)
+    table = tmp_path / "launch.json"
+    table.write_text('{"decode": {"16": [16, 2, 1]}}')
+    monkeypatch.setenv("MULTIHEAD_TRITON_LAUNCH", str(table))
+    out, lse = decode.decode_forward(q, k, v, scale=0.25, causal=True, offset=99)
+    monkeypatch.delenv("MULTIHEAD_TRITON_LAUNCH")
+    decode.decode_forward(q, k, v, scale=0.25, causal=True, offset=99)
+    assert seen == [(16, 2, 1), (64, 4, 3)]
+    assert_kernel_matches_oracle(out, lse, q, k, v, M.causal(), 0.25)
+
+
+def test_the_tuner_writes_the_decode_winner_into_the_launch_table():
+    """``triton_tune --write`` keeps the fastest (BLOCK_N, warps, stages) at the default
+    number of splits over every decoding case, so ``MULTIHEAD_TRITON_LAUNCH`` can use it."""
+    from benchmarks.triton_tune import winners
+    rows = [dict(part="decode", B=B, L=L, graph=g, config=(*c, 16), mult=mult, us=us)
+            for B, L in ((1, 4096), (8, 32768)) for g in (False, True)
+            for c, mult, us in (((64, 4, 3), 1.0, 10.0), ((128, 4, 2), 1.0, 9.0),
+                                ((32, 2, 3), 2.0, 1.0))]
+    rows.append(dict(part="decode", B=1, L=4096, graph=False, config=(16, 4, 3, 16), mult=1.0,
+                     error=1.0))
+    assert winners(rows) == {"decode": {"128": [128, 4, 2]}}
 
 
 def test_a_strided_output_gradient_gives_the_same_gradients():

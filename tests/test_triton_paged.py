@@ -53,6 +53,34 @@ def test_paged_decoding_equals_the_fp64_oracle_on_each_sequence(band, page_size)
         torch.testing.assert_close(lse[b:b + 1].double(), ref_lse, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bad_page", [40, 10**6, -1])
+@pytest.mark.parametrize("splits", [None, 1])
+def test_a_page_id_outside_the_pool_gives_nan_rows_not_other_memory(bad_page, splits):
+    """A hand-made table whose used entry points past the pool (or below it): that
+    sequence's rows are NaN (the kernel checks each id it uses, with no host sync and no
+    read outside the pool); the other sequences are untouched, and an entry past a
+    sequence's length (padding) is never used."""
+    pool, ids = _pool(64, [150, 37, 64])
+    lens, table = pool._device_tables(ids)
+    q = torch.randn(3, 4, 1, 16, generator=torch.Generator().manual_seed(1)).to(DEV, torch.float16)
+    k, v = (x.permute(1, 0, 2)[None].expand(3, -1, -1, -1)[:, :, :150]   # (3, Hkv, 150, D)
+            for x in (pool.k, pool.v))
+
+    def run(table):
+        return decode_forward(q, k, v, scale=0.25, causal=True, offset=149, kv_lengths=lens,
+                              block_table=table, page_size=64, pages=40, splits=splits)
+
+    good = run(table)
+    table = table.clone()
+    table[1, 0] = bad_page                  # used by sequence 1 (37 keys: its only page)
+    table[2, 2] = bad_page                  # past sequence 2's 64 keys: padding, unused
+    out, lse = run(table)
+    assert out[1].isnan().all() and lse[1].isnan().all()
+    for b in (0, 2):
+        torch.testing.assert_close(out[b], good[0][b], atol=0, rtol=0)
+        torch.testing.assert_close(lse[b], good[1][b], atol=0, rtol=0)
+
+
 def _decode_steps(in_place, monkeypatch, mask):
     """Prefill two sequences of different lengths, then three decoding steps; returns the
     step outputs and the pool's lengths."""

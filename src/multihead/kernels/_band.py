@@ -37,18 +37,32 @@ from .mask_program import LOG2E  # noqa: F401  (the kernels' one constant, share
 #: Triton's pipeliner keeps a K/V copy in flight during a step's math despite the list load
 #: before each copy (sm_90 TTGIR, Triton 3.6 and 3.9: at 3 stages each step waited for
 #: every copy); at most 198 KB of shared memory on an H100, fewer stages where a GPU has
-#: less (:func:`launch`). Not yet timed: ``triton_tune --only sparse`` measures it
+#: less (:func:`launch`). Not yet timed: ``triton_tune --only sparse`` measures it.
+#: "decode" is the split-K decoding kernel's ``(BLOCK_N, num_warps, num_stages)`` (its rows
+#: are the query heads of a group, not a tile): measured at D=128 on an H100
 LAUNCH = {
     "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     "fwd_narrow": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
     "fwd_sparse": {64: (128, 64, 4, 5), 128: (128, 64, 8, 5), 256: (64, 32, 4, 5)},
     "bwd_kv": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 32, 4, 1)},
     "bwd_q": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 32, 4, 1)},
+    "decode": {64: (64, 4, 3), 128: (64, 4, 3), 256: (64, 4, 3)},
 }
 
 
 #: a window of at most this many keys runs the "fwd_narrow" launch
 NARROW = 512
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host integers (``triton.cdiv`` is a constexpr function on Triton
+    3.6 and later: 1.5 us per call from host code).
+
+    Example:
+        >>> cdiv(100, 64), cdiv(128, 64), cdiv(0, 64)
+        (2, 2, 0)
+    """
+    return -(-a // b)
 
 
 def pow2(n: int) -> int:
@@ -156,14 +170,42 @@ def check_arguments(fn: str, scale=None, window=None, offset=0, config=None,
     if splits is not None and not (_integer(splits) and splits >= 1):
         raise ValueError(f"{fn}: splits must be a positive integer (None: as many as fill "
                          f"the GPU), got {splits!r}")
-    if config is not None:
-        blocks = len(config) - 2
-        if (len(config) not in (3, 4) or not all(_integer(c) and c >= 1 for c in config)
-                or any(c < 16 or c & (c - 1) for c in config[:blocks])):
-            raise ValueError(f"{fn}: config must be (BLOCK_M, BLOCK_N, num_warps, "
-                             f"num_stages) (the decode kernel: (BLOCK_N, num_warps, "
-                             f"num_stages)) of positive integers, blocks powers of two from "
-                             f"16, got {config!r}")
+    if config is not None and not _tiles(config):
+        raise ValueError(f"{fn}: config must be (BLOCK_M, BLOCK_N, num_warps, num_stages) "
+                         f"(the decode kernel: (BLOCK_N, num_warps, num_stages)) of positive "
+                         f"integers, blocks powers of two from 16 and warps a power of two "
+                         f"up to 32, got {config!r}")
+
+
+def check_pair(fn: str, config) -> None:
+    """Raise a ValueError naming ``fn``'s ``config`` unless it is None or a backward's pair
+    ``(dkdv, dq)`` of launch tuples (each as :func:`check_arguments` takes it).
+
+    Example:
+        >>> check_pair("flash_backward", (64, 64, 4, 2))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: flash_backward: config must be a pair (dkdv, dq) of launch tuples ...
+    """
+    if config is None:
+        return
+    if not isinstance(config, (tuple, list)) or len(config) != 2:
+        raise ValueError(f"{fn}: config must be a pair (dkdv, dq) of launch tuples (BLOCK_M, "
+                         f"BLOCK_N, num_warps, num_stages), got {config!r}")
+    for tiles in config:
+        check_arguments(fn, config=tiles)
+
+
+def _tiles(config) -> bool:
+    # (BLOCK_M, BLOCK_N, warps, stages) or (BLOCK_N, warps, stages): positive integers,
+    # blocks powers of two from 16, warps a power of two up to 32
+    if not isinstance(config, (tuple, list)) or len(config) not in (3, 4):
+        return False
+    *blocks, warps, stages = config
+    if not all(_integer(c) and c >= 1 for c in config):
+        return False
+    return all(c >= 16 and not c & (c - 1) for c in blocks) and warps <= 32 \
+        and not warps & (warps - 1)
 
 
 def _integer(x) -> bool:
@@ -233,7 +275,7 @@ def schedule(documents, block: int, programs: int, S: int, heads: int, unused: t
         (torch.Size([5, 4]), (5, 4))
     """
     if documents is None:
-        return unused, (triton.cdiv(S, block), programs)
+        return unused, (cdiv(S, block), programs)
     device = unused.device
     table = _derived(documents, ("blocks", block, str(device)),
                      lambda: to_device(document_blocks(documents, block), device))
@@ -271,8 +313,9 @@ def empty_like_all(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def launch_config(kernel: str, D: int, Dv: int,
-                  window: int | None = None) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of ``kernel`` for these head dims, from
+                  window: int | None = None) -> tuple[int, ...]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of ``kernel`` (of "decode":
+    ``(BLOCK_N, num_warps, num_stages)``) for these head dims, from
     :data:`LAUNCH` by the wider tile (one bucket per width: S, B, H and the window within
     its bucket never change it, so they never cause a compile). The forward under a window
     of at most :data:`NARROW` keys takes the "fwd_narrow" row.
@@ -311,9 +354,13 @@ def _load(path: str) -> dict:
             measured = json.load(f)
         merged = {k: dict(v) for k, v in LAUNCH.items()}
         for kernel, widths in measured.items():
-            merged[kernel].update({int(w): tuple(int(x) for x in c) for w, c in widths.items()})
-            if any(len(c) != 4 for c in merged[kernel].values()):
-                raise ValueError(f"{kernel}: each entry is [BLOCK_M, BLOCK_N, warps, stages]")
+            merged[kernel].update({int(w): tuple(c) for w, c in widths.items()})
+            arity = 3 if kernel == "decode" else 4
+            for c in merged[kernel].values():
+                if len(c) != arity or not _tiles(c):
+                    raise ValueError(f"{kernel}: each entry is [{'BLOCK_M, ' * (arity == 4)}"
+                                     f"BLOCK_N, warps, stages], blocks powers of two from "
+                                     f"16, got {list(c)}")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"MULTIHEAD_TRITON_LAUNCH={path!r}: not a launch table ({e}); write "
                          f"one with python -m benchmarks.triton_tune --write FILE, or unset "

@@ -29,18 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import LOG2E, check_inputs, empty_outputs, integral, pow2
+from ._band import LOG2E, check_inputs, empty_outputs, integral, launch_config, pow2
 from ._launch import launch
 from .flash_fwd import DYNAMIC, _attend_block, _finish
 
 #: the most queries per head the kernel takes (decoding and draft verification)
 MAX_QUERIES = 16
-#: keys per block inside a split
+#: keys per block inside a split, as :func:`num_splits` counts them (the launch table's
+#: "decode" entry: :func:`._band.launch_config`)
 BLOCK_N = 64
 #: the most splits of the keys
 MAX_SPLITS = 128
-#: (BLOCK_N, num_warps, num_stages) of the split kernel, measured on an H100 (bf16)
-CONFIG = (BLOCK_N, 4, 3)
 #: num_stages of the split kernel over a paged pool. A block's K/V address there comes
 #: from a page id loaded in the loop, which Triton's pipeliner schedules one stage ahead of
 #: the K/V copies: at 3 stages that left a single K/V buffer and a wait for every copy at
@@ -55,10 +54,10 @@ MERGE_SPLITS = 16
 MERGE_TILE = 8192
 
 
-@triton.jit(do_not_specialize=DYNAMIC + ["B", "chunk", "stb", "splits"])
+@triton.jit(do_not_specialize=DYNAMIC + ["B", "chunk", "stb", "pages", "splits"])
 def _partial(Q, K, V, PO, PL, O, LSE, CNT, LENS, TBL, qk_scale,
              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-             B, Hkv, G, Sq, Sk, offset, window, chunk, stb, splits,
+             B, Hkv, G, Sq, Sk, offset, window, chunk, stb, pages, splits,
              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_LENS: tl.constexpr,
              PAGED: tl.constexpr, PAGE: tl.constexpr,
              D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -95,11 +94,15 @@ def _partial(Q, K, V, PO, PL, O, LSE, CNT, LENS, TBL, qk_scale,
     acc = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
+    outside = 0                                        # page ids outside the pool, seen
     for start in range(lo, hi, BLOCK_N):
         kb = k_base
         vb = v_base
         if PAGED:                                      # the block lies in one page: rebase
             page = tl.load(TBL + b * stb + start // PAGE).to(tl.int64)
+            inside = (page >= 0) & (page < pages)      # else: read page 0, and poison below
+            outside += tl.where(inside, 0, 1)
+            page = tl.where(inside, page, 0)
             rebase = page * PAGE - start // PAGE * PAGE     # slot of position start, minus start
             kb = k_base + rebase * skn
             vb = v_base + rebase * svn
@@ -108,6 +111,9 @@ def _partial(Q, K, V, PO, PL, O, LSE, CNT, LENS, TBL, qk_scale,
                                       None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL,
                                       WINDOWED, True, None, False)
     out, lse = _finish(acc, m_i, l_i)
+    if PAGED:                      # a table entry outside the pool: NaN rows, nothing read
+        out = tl.where(outside > 0, float("nan"), out)
+        lse = tl.where(outside > 0, float("nan"), lse)
     if SPLIT:
         # scratch layout: PO (splits, B, H, Sq, DV), PL (splits, B, H, Sq), contiguous; the
         # rows of (b, hk) are the G * Sq consecutive (head, query) rows from hk * G * Sq
@@ -290,8 +296,10 @@ def paged_decode_forward(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
         k_pool, v_pool: ``(slots, Hkv, D)`` and ``(slots, Hkv, Dv)``, slot-major (what
             :class:`multihead.PagedKVCache` holds).
         block_table: ``(B, pages)`` integer page ids of each sequence, on q's device,
-            each below ``slots // page_size`` (not checked: that would read the table on
-            the host; :class:`multihead.PagedKVCache` keeps it so).
+            each in ``[0, slots // page_size)``. Checking that on the host would read the
+            table (a sync), so the kernel checks each id it uses: a sequence whose used
+            pages include one outside the pool gets NaN rows (and lse), and no memory
+            outside the pool is read. :class:`multihead.PagedKVCache` keeps ids in range.
         lengths: ``(B,)`` keys of each sequence, on q's device.
         max_len: the longest sequence (a host int; sizes the splits, reads nothing).
         page_size: slots per page, a multiple of 16 (pages of a multiple of 64 run
@@ -317,15 +325,16 @@ def paged_decode_forward(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     block = 16 if page_size % 64 else 64
     return decode_forward(q, k, v, scale=scale, causal=causal, window=window,
                           offset=max_len - Sq, kv_lengths=lengths, block_table=block_table,
-                          page_size=page_size, config=(block, 4, PAGED_STAGES))
+                          page_size=page_size, pages=k_pool.shape[0] // page_size,
+                          config=(block, 4, PAGED_STAGES))
 
 
 def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                    causal: bool = False, window: int | None = None, offset: int = 0,
                    kv_lengths: torch.Tensor | None = None, splits: int | None = None,
                    config: tuple[int, int, int] | None = None,
-                   block_table: torch.Tensor | None = None,
-                   page_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   block_table: torch.Tensor | None = None, page_size: int = 0,
+                   pages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few queries ``q (B, H, Sq <= 16, D)`` over ``k (B, Hkv, Sk, D)``,
     ``v (B, Hkv, Sk, Dv)`` (a KV cache's buffers, any strides), split over the keys.
 
@@ -337,8 +346,11 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         kv_lengths: ``(B,)`` int tensor on q's device; keys ``j >= kv_lengths[b]`` are unused
             (a cache's filled lengths).
         splits: how many parts the keys are split into (default: :func:`num_splits`).
-        config: ``(BLOCK_N, num_warps, num_stages)`` of the first kernel (default:
-            :data:`CONFIG`).
+        config: ``(BLOCK_N, num_warps, num_stages)`` of the kernel (default: the launch
+            table's "decode" entry, :func:`._band.launch_config`).
+        block_table, page_size, pages: read k and v as a paged pool of ``pages`` pages
+            (default: k's length / page_size) through ``block_table``; see
+            :func:`paged_decode_forward`, which passes them.
 
     Returns:
         ``(out (B, H, Sq, Dv) in q's dtype, lse (B, H, Sq) fp32)``.
@@ -353,8 +365,9 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
                  window=window, config=config, splits=splits)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
+    config = config or launch_config("decode", D, Dv)
     if block_table is not None:
-        _check_paged(q, block_table, kv_lengths, page_size, (config or CONFIG)[0], Sk)
+        _check_paged(q, block_table, kv_lengths, page_size, config[0], Sk)
     if Sq > MAX_QUERIES:
         raise ValueError(f"decode_forward: Sq = {Sq} queries, at most {MAX_QUERIES}: use "
                          f"multihead.kernels.flash_fwd.flash_forward for longer query blocks")
@@ -362,7 +375,7 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     out, lse = empty_outputs(q, v)
     if B * H * Sq == 0:
         return out, lse
-    block_n, warps, stages = config or CONFIG
+    block_n, warps, stages = config
     n = min(splits or num_splits(B, Hkv, Sk), MAX_SPLITS)
     chunk = -(-max(Sk, 1) // n)
     chunk = -(-chunk // block_n) * block_n                   # whole key blocks per split
@@ -381,7 +394,8 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         B, Hkv, G, Sq, Sk, offset, window if window is not None else 0, chunk,
-        table.stride(0) if block_table is not None else 0, n,
+        table.stride(0) if block_table is not None else 0,
+        (Sk // page_size if pages is None else pages) if block_table is not None else 0, n,
         CAUSAL=causal or window is not None, WINDOWED=window is not None,
         HAS_LENS=kv_lengths is not None, PAGED=block_table is not None, PAGE=page_size,
         D=D, DV=Dv, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv),

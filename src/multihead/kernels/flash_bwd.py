@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import (LOG2E, check_arguments, check_inputs, empty_like_all, finite_or_zero,
+from ._band import (LOG2E, check_inputs, check_pair, empty_like_all, finite_or_zero,
                     key_length, key_range, launch_config, load_tile, masked_scores, pow2,
                     program_block, query_range, schedule)
 from ._launch import launch
@@ -346,8 +346,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """
     check_inputs("flash_backward", q, k, v, kv_lengths, documents, offset, scale=scale,
                  window=window)
-    for tiles in config or ():                         # (dkdv, dq)
-        check_arguments("flash_backward", config=tiles)
+    check_pair("flash_backward", config)
     check_backward("flash_backward", dout, q, v, out, lse, dlse)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape

@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from ..masks import base as MB
-from ._band import (LOG2E, check_inputs, empty_outputs, launch_config, load_tile,
-                    pow2, program_block)
+from ._band import (LOG2E, cdiv, check_arguments, check_inputs, check_pair, empty_outputs,
+                    launch_config, load_tile, pow2, program_block)
 from ._launch import launch
 from .flash_bwd import (_dkdv_block, _dq_block, backward_setup, check_backward, keys_left,
                         row_deltas)
@@ -337,13 +337,9 @@ def unflatten(fn: str, q: torch.Tensor, k: torch.Tensor, source: str, tensors, i
     launches = []
     for i, by_key in enumerate(list(KERNELS.values())[:n]):
         cfg = tuple(configs[2 + 4 * i:6 + 4 * i])
-        bm, bn, warps, stages = cfg
-        if min(bm, bn) < 16 or pow2(bm) != bm or pow2(bn) != bn or warps not in (1, 2, 4, 8, 16) \
-                or stages < 1:
-            raise ValueError(f"{fn}: launch config {cfg} of kernel {i} must be (BLOCK_M, "
-                             f"BLOCK_N, num_warps, num_stages) with power-of-2 blocks >= 16")
-        rows, cols = (triton.cdiv(Sk, bn), triton.cdiv(Sq, bm)) if by_key else \
-            (triton.cdiv(Sq, bm), triton.cdiv(Sk, bn))
+        check_arguments(f"{fn}: kernel {i}'s launch", config=cfg)
+        bm, bn, _, _ = cfg
+        rows, cols = (cdiv(Sk, bn), cdiv(Sq, bm)) if by_key else (cdiv(Sq, bm), cdiv(Sk, bn))
         n_full, n_part, index = lists[3 * i:3 * i + 3]
         fits = (index.dim() == 4 and index.shape[0] in (1, B) and index.shape[1] in (1, H)
                 and tuple(index.shape[2:]) == (rows, cols)
@@ -372,7 +368,7 @@ def _launch(kernel, spec: Launch, by_key: bool, q, v, prog: MaskProgram, pointer
     _, Hkv, Sk, Dv = v.shape
     bm, bn, warps, stages = spec.config
     n_full, n_part, index = spec.lists
-    grid = (triton.cdiv(Sk, bn), B * Hkv) if by_key else (triton.cdiv(Sq, bm), B * H)
+    grid = (cdiv(Sk, bn), B * Hkv) if by_key else (cdiv(Sq, bm), B * H)
     launch(kernel, grid, *pointers, n_full, n_part, index, *scales, *strides,
            *_list_strides(n_full, index), index.shape[-1], H, H // Hkv, Sq, Sk, prog.tensors,
            prog.ints, *tail, MASK_FN=prog.fn, HAS_BIAS=prog.has_bias, D=D, DV=Dv,
@@ -456,7 +452,7 @@ def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MB.M
         >>> ids = torch.arange(64, device="cuda") // 20                          # doctest: +SKIP
         >>> out, lse = sparse_forward(q, q, q, mh.masks.document(ids), scale=0.25)  # doctest: +SKIP
     """
-    check_inputs("sparse_forward", q, k, v)
+    check_inputs("sparse_forward", q, k, v, scale=scale, config=config)
     prog, (fwd,) = plan(mask, q, k, v, kernels=("fwd",),
                         configs=None if config is None else (config,), fn="sparse_forward")
     return run_forward(q, k, v, scale, prog, fwd)
@@ -482,7 +478,8 @@ def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         >>> dq, dk, dv = sparse_backward(torch.ones_like(out), q, q, q, out, lse, m,
         ...                              scale=0.25)                             # doctest: +SKIP
     """
-    check_inputs("sparse_backward", q, k, v)
+    check_inputs("sparse_backward", q, k, v, scale=scale)
+    check_pair("sparse_backward", config)
     check_backward("sparse_backward", dout, q, v, out, lse, dlse)
     prog, (kv, dq) = plan(mask, q, k, v, kernels=("bwd_kv", "bwd_q"), configs=config,
                           fn="sparse_backward")
