@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 12's GPU checks in phases that each fit a 10-minute command (a lent GPU machine has
+# torch and Triton but not this package installed: the phases run it from the checkout).
+#
+#   bash benchmarks/gpu_session.sh tests      # the Triton and CUDA tests, compiled
+#   bash benchmarks/gpu_session.sh bench      # issue 12's bench families (bf16, D=128)
+#   bash benchmarks/gpu_session.sh tune       # launch configs: block-sparse fwd, backward
+#   bash benchmarks/gpu_session.sh first-use  # cold / warm first call, the warm one profiled
+#
+# Each phase writes its log (and JSON) under $OUT (default: bench-out/gpu), and exits
+# non-zero when what it runs does.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT="${OUT:-bench-out/gpu}"
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+    | tee "$OUT/machine.txt"
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+    | tee -a "$OUT/machine.txt"
+
+case "${1:-}" in
+tests)
+    python -m pytest -q -n 12 -p no:cacheprovider tests/test_triton.py tests/test_triton_masks.py \
+        tests/test_triton_paged.py tests/test_cuda.py tests/test_cuda_modules.py \
+        tests/test_nosync.py 2>&1 | tee "$OUT/tests.log"
+    ;;
+bench)
+    python -m multihead.cli.main bench --suite full --device cuda --dtype bf16 \
+        --family "window, S=16384" --family "documents, S=16384" --family decode \
+        --family "paged decode" --family masks --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
+    ;;
+tune)
+    python -m benchmarks.triton_tune --only sparse --only bwd --only decode \
+        --out "$OUT/tune.json" --write "$OUT/launch.json" 2>&1 | tee "$OUT/tune.log"
+    ;;
+first-use)
+    python -m benchmarks.triton_compile --profile --out "$OUT/compile.json" 2>&1 \
+        | tee "$OUT/compile.log"
+    ;;
+*)
+    echo "usage: $0 tests|bench|tune|first-use" >&2
+    exit 2
+    ;;
+esac
