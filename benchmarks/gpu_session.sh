@@ -10,6 +10,10 @@
 # Each phase writes its log (and JSON) under $OUT (default: bench-out/gpu), and exits
 # non-zero when what it runs does.
 set -uo pipefail
+case "${1:-}" in
+tests|bench|tune|first-use) ;;
+*) echo "usage: $0 tests|bench|tune|first-use" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-bench-out/gpu}"
@@ -38,8 +42,5 @@ first-use)
     python -m benchmarks.triton_compile --profile --out "$OUT/compile.json" 2>&1 \
         | tee "$OUT/compile.log"
     ;;
-*)
-    echo "usage: $0 tests|bench|tune|first-use" >&2
-    exit 2
-    ;;
 esac
+
