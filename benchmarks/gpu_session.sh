@@ -43,4 +43,3 @@ first-use)
         | tee "$OUT/compile.log"
     ;;
 esac
-
