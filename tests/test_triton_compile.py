@@ -232,3 +232,61 @@ def test_direct_launches_run_what_tritons_own_path_runs(tmp_path):
         same_first, same_again, direct, launches = result.split()
         assert same_first == same_again == direct == "True", (name, result)
         assert int(launches) >= 1, name
+
+
+#: under the stub sm_90 driver, calls through ``mh.attention(backend="triton")`` with
+#: changing lengths, batches, windows and masks of one structure; prints the compiled
+#: kernels after the first round and after the rest
+_BUCKETS = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from benchmarks.triton_host import stub_launches
+import multihead as mh
+from multihead.kernels import decode, flash_bwd, flash_fwd, flash_sparse
+M = mh.masks
+KERNELS = (flash_fwd._forward, flash_bwd._dkdv, flash_bwd._dq, decode._partial,
+           flash_sparse._forward_sparse, flash_sparse._dkdv_sparse, flash_sparse._dq_sparse)
+
+def compiled():
+    return sum(len(c) for kern in KERNELS for c in kern.device_caches.values() for c in c[:1])
+
+g = torch.Generator().manual_seed(9)
+def step(S, window, B):
+    q = torch.randn(B, 8, S, 64, generator=g).to(torch.bfloat16).requires_grad_()
+    kv = torch.randn(B, 2, S, 64, generator=g).to(torch.bfloat16)
+    ids = (torch.arange(S) * 3 // S).expand(B, S)              # three documents
+    for mask in (M.sliding_window(window), M.causal(), M.alibi(8) & M.causal(),
+                 M.document(ids) & M.sliding_window(window)):
+        mh.attention(q, kv, kv, mask=mask, backend="triton").sum().backward()
+    with torch.no_grad():
+        mh.attention(q[:, :, -1:], kv, kv, mask=M.sliding_window(window), backend="triton")
+        mh.attention(q[:, :, -3:], kv, kv, mask=M.causal(), backend="triton")
+
+with stub_launches():
+    step(200, 64, 1)
+    print("first", compiled())
+    for S, window, B in [(201, 64, 1), (320, 37, 2), (512, 300, 3), (77, 1, 1)]:
+        step(S, window, B)
+    print("after", compiled())
+print("fused", all(k.metadata.enable_fp_fusion for kern in KERNELS
+                   for c in kern.device_caches.values() for k in c[0].values()))
+"""
+
+
+def test_new_lengths_batches_and_windows_compile_no_kernel(tmp_path):
+    """Compiled for sm_90 on the CPU: after one call of each mask structure (window, causal,
+    ALiBi, documents, and decoding steps), calls with other lengths, batches and windows
+    reuse the compiled kernels (S, B and the window are plain arguments; block lists of
+    any size are read through their strides). Every kernel is compiled with fused
+    multiply-adds even where Triton's default turns them off (3.10's announced default)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "0"
+    script = tmp_path / "buckets.py"
+    script.write_text(_BUCKETS.format(root=str(Path(__file__).parents[1])))
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    counts = dict(line.split() for line in run.stdout.splitlines())
+    assert int(counts["first"]) >= 7, run.stdout     # every kernel compiled at least once
+    assert counts["after"] == counts["first"], run.stdout
+    assert counts["fused"] == "True", run.stdout
