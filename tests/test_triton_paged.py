@@ -148,6 +148,8 @@ def test_steps_that_must_gather_are_named_by_the_rule():
     (dict(block_table=torch.zeros(2, 3, dtype=torch.long)), r"block_table must be .*B=1"),
     (dict(kv_lengths=None), "needs kv_lengths"),
     (dict(block_table=torch.zeros(1, 1, dtype=torch.long)), "fewer than the 128 keys"),
+    (dict(pages=0), "pages must be the pool's number of pages, a positive integer, got 0"),
+    (dict(pages=2.0), "pages must be .* got 2.0"),
 ])
 def test_decode_refuses_a_bad_block_table_by_name(kw, match):
     q = torch.randn(1, 2, 1, 16, dtype=torch.float16)

@@ -161,13 +161,13 @@ def check_arguments(fn: str, scale=None, window=None, offset=0, config=None,
             ok = False
         if not ok:
             raise ValueError(f"{fn}: scale must be a finite number, got {scale!r}")
-    if window is not None and not (_integer(window) and window >= 1):
+    if window is not None and not (is_int(window) and window >= 1):
         raise ValueError(f"{fn}: window must be a positive number of keys (each query sees "
                          f"its own and the window - 1 before it), got {window!r}; pass "
                          f"window=None for no window")
-    if not _integer(offset):
+    if not is_int(offset):
         raise ValueError(f"{fn}: offset must be an integer, got {offset!r}")
-    if splits is not None and not (_integer(splits) and splits >= 1):
+    if splits is not None and not (is_int(splits) and splits >= 1):
         raise ValueError(f"{fn}: splits must be a positive integer (None: as many as fill "
                          f"the GPU), got {splits!r}")
     if config is not None and not _tiles(config):
@@ -202,13 +202,19 @@ def _tiles(config) -> bool:
     if not isinstance(config, (tuple, list)) or len(config) not in (3, 4):
         return False
     *blocks, warps, stages = config
-    if not all(_integer(c) and c >= 1 for c in config):
+    if not all(is_int(c) and c >= 1 for c in config):
         return False
     return all(c >= 16 and not c & (c - 1) for c in blocks) and warps <= 32 \
         and not warps & (warps - 1)
 
 
-def _integer(x) -> bool:
+def is_int(x) -> bool:
+    """Whether ``x`` is an integer (a Python or NumPy int, not a bool or a float).
+
+    Example:
+        >>> is_int(3), is_int(True), is_int(3.0)
+        (True, False, False)
+    """
     try:
         operator.index(x)
     except TypeError:

@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import LOG2E, check_inputs, empty_outputs, integral, launch_config, pow2
+from ._band import (LOG2E, check_inputs, empty_outputs, integral, is_int, launch_config,
+                    pow2)
 from ._launch import launch
 from .flash_fwd import DYNAMIC, _attend_block, _finish
 
@@ -243,8 +244,11 @@ def num_splits(B: int, Hkv: int, Sk: int, programs: int = 132) -> int:
     return max(1, min(want, -(-Sk // BLOCK_N), MAX_SPLITS))
 
 
-def _check_paged(q, table, lengths, page_size, block_n, max_len) -> None:
+def _check_paged(q, table, lengths, page_size, block_n, max_len, pages) -> None:
     B = q.shape[0]
+    if pages is not None and not (is_int(pages) and pages >= 1):
+        raise ValueError(f"decode_forward: pages must be the pool's number of pages, a "
+                         f"positive integer, got {pages!r}")
     if lengths is None:
         raise ValueError("decode_forward: a block_table needs kv_lengths (each sequence's "
                          "number of keys)")
@@ -367,7 +371,7 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     _, Hkv, Sk, Dv = v.shape
     config = config or launch_config("decode", D, Dv)
     if block_table is not None:
-        _check_paged(q, block_table, kv_lengths, page_size, config[0], Sk)
+        _check_paged(q, block_table, kv_lengths, page_size, config[0], Sk, pages)
     if Sq > MAX_QUERIES:
         raise ValueError(f"decode_forward: Sq = {Sq} queries, at most {MAX_QUERIES}: use "
                          f"multihead.kernels.flash_fwd.flash_forward for longer query blocks")
