@@ -494,6 +494,38 @@ def test_the_block_sparse_kernels_check_scale_and_config_by_name(kw, match):
             sparse_backward(out, q, k, v, out, lse, m, scale=kw["scale"])
 
 
+def test_numpy_and_fraction_arguments_run_as_python_numbers():
+    """A NumPy integer offset, window or split count, a ``Fraction`` or NumPy scale and
+    NumPy launch tiles pass the checks, so they reach the kernels as Python numbers (Triton
+    cannot specialize them): the same results as with ints and floats."""
+    import fractions
+
+    import numpy as np
+    from multihead.kernels.flash_sparse import sparse_backward, sparse_forward
+    q, k, v = _inputs(1, 4, 2, 40, 40, 16, 16, torch.float16, seed=5)
+    i64, tiles = np.int64, tuple(np.int64(c) for c in (16, 16, 4, 1))
+    plain = dict(scale=0.25, window=9, offset=0, config=(16, 16, 4, 1))
+    numpy = dict(scale=fractions.Fraction(1, 4), window=i64(9), offset=i64(0), config=tiles)
+    want = flash_forward(q, k, v, **plain)
+    got = flash_forward(q, k, v, **numpy)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    dout = torch.randn_like(want[0])
+    grads = [flash_backward(dout, q, k, v, *want, **{**kw, "config": (kw["config"],) * 2})
+             for kw in (plain, numpy)]
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    step = [decode_forward(q[:, :, -1:], k, v, scale=s, causal=True, window=w, offset=o,
+                           splits=n)
+            for s, w, o, n in ((0.25, 9, 39, 2), (np.float32(0.25), i64(9), i64(39), i64(2)))]
+    torch.testing.assert_close(step[1], step[0], rtol=0, atol=0)
+    m = M.alibi(4)
+    out = [sparse_forward(q, k, v, m, scale=s, config=c)
+           for s, c in ((0.25, (16, 16, 4, 1)), (np.float64(0.25), tiles))]
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=0)
+    sparse = [sparse_backward(dout, q, k, v, *out[0], m, scale=s, config=(c, c))
+              for s, c in ((0.25, (16, 16, 4, 1)), (fractions.Fraction(1, 4), tiles))]
+    torch.testing.assert_close(sparse[1], sparse[0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(q=(1, 3, 8, 16)), "q has 3 heads, not a multiple of k's 2 K/V heads"),
     (dict(v=(1, 2, 9, 16)), "must share B"),

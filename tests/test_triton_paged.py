@@ -189,6 +189,9 @@ def test_a_paged_batch_decodes_in_place_on_cuda_as_a_static_cache_does():
     (dict(pool=(40, 1, 16)), "the pools' 40 slots are not whole pages of 16"),
     (dict(table=torch.zeros(1, 4, dtype=torch.bool)), "block_table must be an integer"),
     (dict(lengths=torch.tensor([True])), "kv_lengths must be an integer tensor"),
+    (dict(max_len=40.0), "max_len must be the longest sequence's length, an integer of at "
+                         "most the pool's 64 slots, got 40.0"),
+    (dict(max_len=65), "max_len must be .* got 65"),
 ])
 def test_paged_decoding_refuses_a_bad_pool_or_table_by_name(change, match):
     """A pool or query of the wrong rank, a pool that ends inside a page (its last page
@@ -198,8 +201,8 @@ def test_paged_decoding_refuses_a_bad_pool_or_table_by_name(change, match):
     table = change.get("table", torch.zeros(1, 4, dtype=torch.long))
     lengths = change.get("lengths", torch.tensor([40]))
     with pytest.raises(ValueError, match=match):
-        paged_decode_forward(q, pool, pool, table, lengths, max_len=40, page_size=16,
-                             scale=1.0)
+        paged_decode_forward(q, pool, pool, table, lengths, max_len=change.get("max_len", 40),
+                             page_size=16, scale=1.0)
 
 
 def test_paged_decoding_refuses_pages_that_are_not_a_multiple_of_16():

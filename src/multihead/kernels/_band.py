@@ -18,6 +18,7 @@ import json
 import math
 import operator
 import os
+from typing import NamedTuple
 
 import torch
 import torch.utils.weak
@@ -95,9 +96,10 @@ def integral(t: torch.Tensor) -> bool:
 
 
 def check_inputs(fn: str, q, k, v, kv_lengths=None, documents=None, offset=0, *,
-                 scale=None, window=None, config=None, splits=None) -> None:
+                 scale=None, window=None, config=None, splits=None) -> Arguments:
     """Raise a ValueError naming ``fn``'s bad argument unless ``q (B, H, Sq, D)``,
-    ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` and ``kv_lengths (B,)`` fit the kernels.
+    ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` and ``kv_lengths (B,)`` fit the kernels;
+    returns the other arguments as :func:`check_arguments` does.
 
     Example:
         >>> import torch
@@ -132,23 +134,38 @@ def check_inputs(fn: str, q, k, v, kv_lengths=None, documents=None, offset=0, *,
         raise ValueError(f"{fn}: kv_lengths must be an integer tensor of shape ({B},) on "
                          f"{q.device}, got {kv_lengths.dtype} {tuple(kv_lengths.shape)} on "
                          f"{kv_lengths.device}")
-    check_arguments(fn, scale, window, offset, config, splits)
+    plain = check_arguments(fn, scale, window, offset, config, splits)
     if documents is not None:
         if kv_lengths is not None:
             raise ValueError(f"{fn}: pass documents or kv_lengths, not both (padding inside "
                              f"packed documents: give the padding its own document)")
         _check_documents(fn, documents, B, q.shape[2], k.shape[2], offset)
+    return plain
+
+
+class Arguments(NamedTuple):
+    """A kernel call's scalar arguments as Python ``float``/``int`` (what Triton takes: it
+    cannot specialize a NumPy integer or a ``Fraction``), None where not given."""
+
+    scale: float | None
+    window: int | None
+    offset: int
+    config: tuple[int, ...] | None
+    splits: int | None
 
 
 def check_arguments(fn: str, scale=None, window=None, offset=0, config=None,
-                    splits=None) -> None:
+                    splits=None) -> Arguments:
     """Raise a ValueError naming ``fn``'s bad argument unless ``scale`` is a finite number,
     ``window`` a positive number of keys (or None), ``offset`` an integer, ``config``
     ``(BLOCK_M, BLOCK_N, warps, stages)`` (or ``(BLOCK_N, warps, stages)``) of positive
     integers with blocks powers of two from 16, and ``splits`` a positive integer (or
-    None).
+    None); returns them as Python numbers (:class:`Arguments`).
 
     Example:
+        >>> import numpy as np
+        >>> check_arguments("flash_forward", scale=np.float32(0.5), offset=np.int64(3))
+        Arguments(scale=0.5, window=None, offset=3, config=None, splits=None)
         >>> check_arguments("flash_forward", scale=0.125, window=0)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -175,11 +192,16 @@ def check_arguments(fn: str, scale=None, window=None, offset=0, config=None,
                          f"(the decode kernel: (BLOCK_N, num_warps, num_stages)) of positive "
                          f"integers, blocks powers of two from 16 and warps a power of two "
                          f"up to 32, got {config!r}")
+    return Arguments(None if scale is None else float(scale),
+                     None if window is None else int(window), int(offset),
+                     None if config is None else tuple(int(c) for c in config),
+                     None if splits is None else int(splits))
 
 
-def check_pair(fn: str, config) -> None:
+def check_pair(fn: str, config) -> tuple | None:
     """Raise a ValueError naming ``fn``'s ``config`` unless it is None or a backward's pair
-    ``(dkdv, dq)`` of launch tuples (each as :func:`check_arguments` takes it).
+    ``(dkdv, dq)`` of launch tuples (each as :func:`check_arguments` takes it); returns it
+    with Python ints.
 
     Example:
         >>> check_pair("flash_backward", (64, 64, 4, 2))  # doctest: +ELLIPSIS
@@ -188,12 +210,11 @@ def check_pair(fn: str, config) -> None:
         ValueError: flash_backward: config must be a pair (dkdv, dq) of launch tuples ...
     """
     if config is None:
-        return
+        return None
     if not isinstance(config, (tuple, list)) or len(config) != 2:
         raise ValueError(f"{fn}: config must be a pair (dkdv, dq) of launch tuples (BLOCK_M, "
                          f"BLOCK_N, num_warps, num_stages), got {config!r}")
-    for tiles in config:
-        check_arguments(fn, config=tiles)
+    return tuple(check_arguments(fn, config=tiles).config for tiles in config)
 
 
 def _tiles(config) -> bool:

@@ -322,9 +322,10 @@ def paged_decode_forward(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     B, H, Sq, _ = q.shape
     k = k_pool.permute(1, 0, 2).unsqueeze(0).expand(B, -1, -1, -1)   # (B, Hkv, slots, D) view
     v = v_pool.permute(1, 0, 2).unsqueeze(0).expand(B, -1, -1, -1)
-    if max_len > k.shape[2]:
-        raise ValueError(f"paged_decode_forward: max_len {max_len} exceeds the pool's "
-                         f"{k.shape[2]} slots")
+    if not (is_int(max_len) and 0 <= max_len <= k.shape[2]):
+        raise ValueError(f"paged_decode_forward: max_len must be the longest sequence's "
+                         f"length, an integer of at most the pool's {k.shape[2]} slots, got "
+                         f"{max_len!r}")
     k, v = k[:, :, :max_len], v[:, :, :max_len]        # views: Sk = the longest sequence
     block = 16 if page_size % 64 else 64
     return decode_forward(q, k, v, scale=scale, causal=causal, window=window,
@@ -365,8 +366,9 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         >>> kv = torch.randn(2, 2, 4096, 64, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
         >>> out, lse = decode_forward(q, kv, kv, scale=0.125, causal=True, offset=4095)  # doctest: +SKIP
     """
-    check_inputs("decode_forward", q, k, v, kv_lengths, offset=offset, scale=scale,
-                 window=window, config=config, splits=splits)
+    scale, window, offset, config, splits = check_inputs(
+        "decode_forward", q, k, v, kv_lengths, offset=offset, scale=scale, window=window,
+        config=config, splits=splits)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
     config = config or launch_config("decode", D, Dv)
@@ -399,7 +401,8 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         B, Hkv, G, Sq, Sk, offset, window if window is not None else 0, chunk,
         table.stride(0) if block_table is not None else 0,
-        (Sk // page_size if pages is None else pages) if block_table is not None else 0, n,
+        (Sk // page_size if pages is None else int(pages)) if block_table is not None else 0,
+        n,
         CAUSAL=causal or window is not None, WINDOWED=window is not None,
         HAS_LENS=kv_lengths is not None, PAGED=block_table is not None, PAGE=page_size,
         D=D, DV=Dv, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv),

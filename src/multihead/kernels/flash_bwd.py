@@ -344,9 +344,9 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         >>> dq, dk, dv = flash_backward(torch.ones_like(out), q, k, v, out, lse,
         ...                             scale=0.25, causal=True)                   # doctest: +SKIP
     """
-    check_inputs("flash_backward", q, k, v, kv_lengths, documents, offset, scale=scale,
-                 window=window)
-    check_pair("flash_backward", config)
+    scale, window, offset, _, _ = check_inputs(
+        "flash_backward", q, k, v, kv_lengths, documents, offset, scale=scale, window=window)
+    config = check_pair("flash_backward", config)
     check_backward("flash_backward", dout, q, v, out, lse, dlse)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape

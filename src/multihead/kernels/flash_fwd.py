@@ -159,8 +159,9 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         >>> q = k = v = torch.randn(1, 2, 8, 16, device="cuda", dtype=torch.float16)  # doctest: +SKIP
         >>> out, lse = flash_forward(q, k, v, scale=0.25, causal=True)             # doctest: +SKIP
     """
-    check_inputs("flash_forward", q, k, v, kv_lengths, documents, offset, scale=scale,
-                 window=window, config=config)
+    scale, window, offset, config, _ = check_inputs(
+        "flash_forward", q, k, v, kv_lengths, documents, offset, scale=scale, window=window,
+        config=config)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
     out, lse = empty_outputs(q, v)

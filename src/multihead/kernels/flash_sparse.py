@@ -452,7 +452,8 @@ def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MB.M
         >>> ids = torch.arange(64, device="cuda") // 20                          # doctest: +SKIP
         >>> out, lse = sparse_forward(q, q, q, mh.masks.document(ids), scale=0.25)  # doctest: +SKIP
     """
-    check_inputs("sparse_forward", q, k, v, scale=scale, config=config)
+    scale, _, _, config, _ = check_inputs("sparse_forward", q, k, v, scale=scale,
+                                          config=config)
     prog, (fwd,) = plan(mask, q, k, v, kernels=("fwd",),
                         configs=None if config is None else (config,), fn="sparse_forward")
     return run_forward(q, k, v, scale, prog, fwd)
@@ -478,8 +479,8 @@ def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         >>> dq, dk, dv = sparse_backward(torch.ones_like(out), q, q, q, out, lse, m,
         ...                              scale=0.25)                             # doctest: +SKIP
     """
-    check_inputs("sparse_backward", q, k, v, scale=scale)
-    check_pair("sparse_backward", config)
+    scale = check_inputs("sparse_backward", q, k, v, scale=scale).scale
+    config = check_pair("sparse_backward", config)
     check_backward("sparse_backward", dout, q, v, out, lse, dlse)
     prog, (kv, dq) = plan(mask, q, k, v, kernels=("bwd_kv", "bwd_q"), configs=config,
                           fn="sparse_backward")
