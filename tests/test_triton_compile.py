@@ -189,6 +189,8 @@ cases = [
     ("64-bit n", lambda: _launch.launch(_scaled, (1,), buf, 2 ** 40, 1, BLOCK=64,
                                         num_stages=1)),
     ("m 16", lambda: _launch.launch(_scaled, (1,), buf, 5, 16, BLOCK=64, num_stages=1)),
+    ("m 2", lambda: _launch.launch(_scaled, (1,), buf, 5, 2, BLOCK=64, num_stages=1)),
+    ("m 2.0", lambda: _launch.launch(_scaled, (1,), buf, 5, 2.0, BLOCK=64, num_stages=1)),
 ]
 with sm90_compile.stub_launches():
     for name, call in cases:
@@ -215,8 +217,8 @@ def test_direct_launches_run_what_tritons_own_path_runs(tmp_path):
     """After a call of a class (see multihead.kernels._launch) ran once, later calls of it
     skip Triton's per-call path and launch the compiled kernel directly: the same kernel,
     grid and arguments Triton's path hands the driver. A tensor off 16 bytes, fp16 for
-    bf16, a 64-bit length, an int that becomes 16 get their own kernels (new classes),
-    and a launch hook sends every launch through Triton."""
+    bf16, a 64-bit length, an int that becomes 16, a float equal to an int get their own
+    kernels (new classes), and a launch hook sends every launch through Triton."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = tmp_path / "direct_launch.py"            # (Triton jits only code in files)
     script.write_text(_DIRECT_LAUNCH.format(tests=str(Path(__file__).parent)))
@@ -224,7 +226,7 @@ def test_direct_launches_run_what_tritons_own_path_runs(tmp_path):
                          text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = dict(line.split(" | ") for line in run.stdout.splitlines() if " | " in line)
-    assert len(rows) == 12, run.stdout
+    assert len(rows) == 14, run.stdout
     for name, result in rows.items():
         if name == "hooked":
             assert result == "True 1", result    # Triton's path, handing the hook on

@@ -15,6 +15,8 @@ arguments:
   and offset change every call and hit the same entry;
 - floats, booleans, ``None`` and tuples of these or of tensors: exact values (tensors in a
   tuple by dtype and alignment);
+- the type of every argument after the tensors (an int 2 and a float 2.0 are equal values
+  that Triton types i32 and fp32);
 - the constexprs, the stages asked, the device, and Triton's debug and instrumentation
   settings.
 
@@ -172,6 +174,7 @@ def _call_class(kernel, device: int, num_stages: int, args: tuple, kwargs: dict)
         aligned = (not functools.reduce(operator.or_, ptrs) & 15
                    or tuple(p & 15 == 0 for p in ptrs))      # Triton's: per tensor
         rest = list(args[n_tensors:])
+        kinds = tuple(map(type, rest))               # 2 and 2.0 (i32 and fp32) hash alike
         for i in dynamic:                            # Triton: 32 or 64 bits, not the value
             if _I32[0] <= rest[i] <= _I32[1]:
                 rest[i] = True
@@ -180,7 +183,7 @@ def _call_class(kernel, device: int, num_stages: int, args: tuple, kwargs: dict)
     except (TypeError, AttributeError):              # not the first launch's kinds
         return None
     return (id(kernel), device, num_stages, _settings(), tuple(map(_dtype, tensors)),
-            aligned, tuple(kwargs.items()), tuple(rest))
+            aligned, tuple(kwargs.items()), kinds, tuple(rest))
 
 
 def _layout(kernel, args: tuple) -> tuple:
