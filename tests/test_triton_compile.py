@@ -201,6 +201,13 @@ with sm90_compile.stub_launches():
         before = runs[0]
         again = record(call)
         print(name, "|", want == first, want == again, runs[0] == before, len(want))
+    comp = knobs.compilation                         # 3.9: the float sanitizer's casts
+    if hasattr(comp, "fpsan_homomorphic_casts"):     # change what Triton compiles
+        before = runs[0]
+        comp.fpsan_homomorphic_casts = not comp.fpsan_homomorphic_casts
+        cases[0][1]()
+        comp.fpsan_homomorphic_casts = not comp.fpsan_homomorphic_casts
+        print("fpsan |", runs[0] - before)
     hook = knobs.runtime.launch_enter_hook           # a profiler's hook sees every launch
     if hasattr(hook, "add"):
         hook.add(print)
@@ -226,10 +233,13 @@ def test_direct_launches_run_what_tritons_own_path_runs(tmp_path):
                          text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = dict(line.split(" | ") for line in run.stdout.splitlines() if " | " in line)
-    assert len(rows) == 14, run.stdout
+    assert len(rows) == 15 if "fpsan" in rows else 14, run.stdout
     for name, result in rows.items():
         if name == "hooked":
             assert result == "True 1", result    # Triton's path, handing the hook on
+            continue
+        if name == "fpsan":
+            assert result == "1", result         # a new setting: Triton's path
             continue
         same_first, same_again, direct, launches = result.split()
         assert same_first == same_again == direct == "True", (name, result)

@@ -17,14 +17,14 @@ arguments:
   tuple by dtype and alignment);
 - the type of every argument after the tensors (an int 2 and a float 2.0 are equal values
   that Triton types i32 and fp32);
-- the constexprs, the stages asked, the device, and Triton's debug and instrumentation
-  settings.
+- the constexprs, the stages asked, the device, and Triton's debug, instrumentation and
+  float-sanitizer settings.
 
 Two calls of one class get the same kernel from Triton's own path, so the direct launch
 runs what Triton would have run, with the same arguments (``tests/test_triton_compile.py``
 checks it against Triton's launch path). Triton's path still runs the first call of a
-class, calls under the interpreter, with launch hooks set (profilers), and Triton older
-than 3.4 (whose launch conventions differ).
+class, calls under the interpreter, calls with launch or compiler-stage hooks set
+(profilers, compiler tools), and Triton older than 3.4 (whose launch conventions differ).
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ except ImportError:                                 # pragma: no cover - older T
 
 def _settings() -> tuple:
     """Triton's settings that change what it compiles per call: debug (and, from 3.5,
-    the instrumentation mode)."""
+    the instrumentation mode; from 3.9, the float sanitizer's casts)."""
     return (_knobs.runtime.debug,
-            getattr(_knobs.compilation, "instrumentation_mode", None))
+            getattr(_knobs.compilation, "instrumentation_mode", None),
+            getattr(_knobs.compilation, "fpsan_homomorphic_casts", None))
 
 #: per launch (kernel, device, stages asked, constexprs): the most pipeline stages whose
 #: buffers fit the device's shared memory, learned when a launch with more ran out of it
@@ -215,12 +216,14 @@ def _hashable_values(rest: tuple) -> bool:
 
 
 def _plain(kernel) -> bool:
-    """No launch hooks (a profiler's) and no pre-run hooks: Triton's path does nothing
-    the direct launch skips."""
+    """No launch hooks (a profiler's), no pre-run hooks and no compiler-stage inspection
+    hook (3.9: it adds to each call's specialization): Triton's path does nothing the
+    direct launch skips."""
     rt = _knobs.runtime                  # hooks: a callable or None; from 3.6 a chain
     return (not getattr(rt.launch_enter_hook, "calls", rt.launch_enter_hook)
             and not getattr(rt.launch_exit_hook, "calls", rt.launch_exit_hook)
-            and not kernel.pre_run_hooks)
+            and not kernel.pre_run_hooks
+            and getattr(rt, "add_stages_inspection_hook", None) is None)
 
 
 def _compiled(obj) -> bool:
