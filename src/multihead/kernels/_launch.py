@@ -155,6 +155,8 @@ def _triton_launch(kernel, grid, device: int, args: tuple, num_stages: int, kwar
                     f"or run backend='sdpa'") from e
             stages -= 1
             _STAGE_CAP[key or _cap_key(kernel, device, num_stages, kwargs)] = stages
+            _CLASSES.clear()     # classes remembered before the cap: Triton's path now
+                                 # takes fewer stages for them too (rare: once per cap)
 
 
 def _call_class(kernel, device: int, num_stages: int, args: tuple, kwargs: dict):
