@@ -112,6 +112,47 @@ def test_a_gpu_with_less_shared_memory_runs_the_kernels_with_fewer_stages():
     assert "MULTIHEAD_TRITON_LAUNCH" in error and "backend='sdpa'" in error
 
 
+#: on a GPU of 99 KB per block: a call with K/V off 16 bytes (no async copies: 3 stages
+#: fit) is remembered, then an aligned call of the same kernel learns a cap of 2 stages;
+#: prints the stages each launch of the misaligned call ran with
+_CAP_AFTER_CLASS = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import sm90_compile
+from multihead.kernels.flash_fwd import flash_forward
+stages = []
+class Recording(sm90_compile._Launcher):
+    def __init__(self, src, metadata):
+        self.stages = metadata.num_stages
+    def __call__(self, *args):
+        stages.append(self.stages)
+sm90_compile._Launcher = Recording
+a = torch.zeros(1, 2, 256, 128, dtype=torch.float16)
+off = torch.zeros(a.numel() + 1, dtype=torch.float16)[1:].view(a.shape)
+kw = dict(scale=0.1, causal=True, config=(128, 64, 8, 3))
+with sm90_compile.stub_launches(max_shared=101376):
+    flash_forward(a, off, off, **kw)
+    flash_forward(a, off, off, **kw)        # remembered: a direct launch
+    flash_forward(a, a, a, **kw)            # 3 stages do not fit: the cap learned
+    flash_forward(a, off, off, **kw)
+print("stages", *stages)
+"""
+
+
+def test_a_stage_cap_applies_to_calls_remembered_before_it():
+    """Direct launches run what Triton's path would: once a cap on a kernel's stages is
+    learned, a call class remembered before it runs with the capped stages too."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c",
+                          _CAP_AFTER_CLASS.format(tests=str(Path(__file__).parent))],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    line = next(x for x in run.stdout.splitlines() if x.startswith("stages"))
+    first, again, *aligned, last = map(int, line.split()[1:])
+    assert first == again == 3 and aligned[-1] == 2, line
+    assert last == 2, line
+
+
 #: each call below runs twice through Triton's own launch path, then through launch()'s
 #: direct one, with the stub driver's launcher recording what reaches it
 _DIRECT_LAUNCH = """
