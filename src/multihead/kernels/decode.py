@@ -374,6 +374,7 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     config = config or launch_config("decode", D, Dv)
     if block_table is not None:
         _check_paged(q, block_table, kv_lengths, page_size, config[0], Sk, pages)
+        pages = Sk // page_size if pages is None else int(pages)
     if Sq > MAX_QUERIES:
         raise ValueError(f"decode_forward: Sq = {Sq} queries, at most {MAX_QUERIES}: use "
                          f"multihead.kernels.flash_fwd.flash_forward for longer query blocks")
@@ -401,8 +402,7 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         B, Hkv, G, Sq, Sk, offset, window if window is not None else 0, chunk,
         table.stride(0) if block_table is not None else 0,
-        (Sk // page_size if pages is None else int(pages)) if block_table is not None else 0,
-        n,
+        pages if block_table is not None else 0, n,
         CAUSAL=causal or window is not None, WINDOWED=window is not None,
         HAS_LENS=kv_lengths is not None, PAGED=block_table is not None, PAGE=page_size,
         D=D, DV=Dv, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv),
