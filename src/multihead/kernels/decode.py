@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._band import (LOG2E, check_inputs, empty_outputs, integral, is_int, launch_config,
+from ._band import (LOG2E, cdiv, check_inputs, empty_outputs, integral, is_int, launch_config,
                     pow2)
 from ._launch import launch
 from .flash_fwd import DYNAMIC, _attend_block, _finish
@@ -241,7 +241,7 @@ def num_splits(B: int, Hkv: int, Sk: int, programs: int = 132) -> int:
         (16, 2, 2)
     """
     want = programs // max(1, B * Hkv)
-    return max(1, min(want, -(-Sk // BLOCK_N), MAX_SPLITS))
+    return max(1, min(want, cdiv(Sk, BLOCK_N), MAX_SPLITS))
 
 
 def _check_paged(q, table, lengths, page_size, block_n, max_len, pages) -> None:
@@ -384,9 +384,9 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         return out, lse
     block_n, warps, stages = config
     n = min(splits or num_splits(B, Hkv, Sk), MAX_SPLITS)
-    chunk = -(-max(Sk, 1) // n)
-    chunk = -(-chunk // block_n) * block_n                   # whole key blocks per split
-    n = max(1, -(-max(Sk, 1) // chunk))
+    chunk = cdiv(max(Sk, 1), n)
+    chunk = cdiv(chunk, block_n) * block_n                   # whole key blocks per split
+    n = max(1, cdiv(max(Sk, 1), chunk))
     lens = kv_lengths.contiguous() if kv_lengths is not None else lse  # unused: HAS_LENS off
     table = lens if block_table is None else (
         block_table if block_table.stride(1) == 1 else block_table.contiguous())
