@@ -5,6 +5,11 @@ is one of these. Values are kept in insertion order and the oldest go first once
 entries or the bytes of the tensors they hold pass the limits. A value is computed
 outside the lock (two threads may compute it at once; one result is kept), so a slow
 computation never blocks other threads and a computation may itself use the cache.
+
+While a CUDA graph captures, nothing is stored: a value computed then has its contents only
+once the graph replays, and an eager call must not read it before. A value read then is held
+for the life of the process: the graph reads its memory at every replay, after the cache may
+have let it go.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import dataclasses
 import threading
 
 import torch
+
+from . import _device
 
 _MISSING = object()
 
@@ -100,10 +107,15 @@ class BoundedCache:
     def get(self, key, default=None):
         with self._lock:
             hit = self._data.get(key, _MISSING)
-        return default if hit is _MISSING else hit[0]
+        if hit is _MISSING:
+            return default
+        return _device.hold(hit[0]) if _device.capturing() else hit[0]
 
     def put(self, key, value) -> None:
-        """Keep ``value`` under ``key``, dropping the oldest entries to stay in bounds."""
+        """Keep ``value`` under ``key``, dropping the oldest entries to stay in bounds (while
+        a CUDA graph captures: nothing)."""
+        if _device.capturing():
+            return
         size = nbytes(value)
         with self._lock:
             old = self._data.pop(key, None)
@@ -119,15 +131,13 @@ class BoundedCache:
 
     def get_or_compute(self, key, compute):
         """The value under ``key``, computing and keeping it on a miss."""
-        with self._lock:
-            hit = self._data.get(key, _MISSING)
+        hit = self.get(key, _MISSING)
         if hit is not _MISSING:
-            return hit[0]
+            return hit
         value = compute()
-        with self._lock:                 # another thread may have kept one meanwhile
-            hit = self._data.get(key, _MISSING)
+        hit = self.get(key, _MISSING)    # another thread may have kept one meanwhile
         if hit is not _MISSING:
-            return hit[0]
+            return hit
         self.put(key, value)
         return value
 

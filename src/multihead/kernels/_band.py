@@ -25,6 +25,7 @@ import torch.utils.weak
 import triton
 import triton.language as tl
 
+from .._cache import BoundedCache
 from .._device import to_device
 from .mask_program import LOG2E  # noqa: F401  (the kernels' one constant, shared with programs)
 
@@ -279,10 +280,8 @@ _DERIVED = torch.utils.weak.WeakTensorKeyDictionary()
 def _derived(docs: torch.Tensor, key, compute):
     memo = _DERIVED.get(docs)
     if memo is None or memo[0] != docs._version:
-        memo = _DERIVED[docs] = (docs._version, {})
-    if key not in memo[1]:
-        memo[1][key] = compute()
-    return memo[1][key]
+        memo = _DERIVED[docs] = (docs._version, BoundedCache(16, 16 << 20))
+    return memo[1].get_or_compute(key, compute)
 
 
 def schedule(documents, block: int, programs: int, S: int, heads: int, unused: torch.Tensor):

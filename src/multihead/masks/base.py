@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .._cache import BoundedCache
+from .. import _device as devices
 from .._device import to_device
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -200,6 +201,10 @@ class Mask:
         Changes that bypass version counters (writes through ``.data`` or a shared numpy
         array) are not seen: build a new mask after such a change.
 
+        While a CUDA graph captures, facts of a mask's tensors are computed in the graph (a
+        graph's inputs change between replays, written in place, and the graph must see
+        their contents at each replay, not those a cache kept), and nothing is stored.
+
         Example:
             >>> import torch, multihead as mh
             >>> m = mh.masks.dense(torch.ones(4, 4, dtype=torch.bool))
@@ -220,7 +225,7 @@ class Mask:
                 raise TypeError(f"{type(self).__name__}.cache_key() must return a hashable value "
                                 f"(a tuple of ints and strings, say), got {key!r}") from None
             return _SHARED.get_or_compute(full, compute)
-        if not self.memoizable:
+        if not self.memoizable or devices.capturing():
             return compute()
         try:
             versions = tuple(t._version for t in self._tensors())
