@@ -67,6 +67,20 @@ def test_facts_of_a_masks_tensors_are_computed_in_the_graph_not_taken_from_the_c
     assert mask.tiles(8, 8, tile_q=2, tile_k=2) is before            # nothing stored
 
 
+def test_host_facts_of_a_masks_device_tensors_are_unknown_to_a_graph():
+    """Lengths and document runs read on the host when a mask was built describe its
+    tensors at that time; a graph reads the tensors at each replay instead."""
+    pad = M.padding(torch.tensor([3, 8])).to("meta")             # meta stands for a GPU
+    doc = M.document(cu_seqlens=torch.tensor([0, 3, 8])).to("meta")
+    host_pad = M.padding(torch.tensor([3, 8]))
+    assert not pad.may_have_empty_rows(8, 8) and doc.runs_known
+    with simulated_capture():
+        assert pad.may_have_empty_rows(8, 8) and pad._host_lengths is None
+        assert not doc.runs_known
+        assert not host_pad.may_have_empty_rows(8, 8)            # host tensors: no graph input
+    assert not pad.may_have_empty_rows(8, 8) and doc.runs_known
+
+
 def test_facts_of_a_mask_made_of_integers_are_shared_with_the_graph_and_kept():
     window = M.sliding_window(3)
     before = window.tiles(16, 16, tile_q=4, tile_k=4)
@@ -91,16 +105,46 @@ def test_a_call_decided_while_a_graph_captures_is_not_remembered():
     assert len(dispatch._DECISIONS) == 1 and len(vars(padding)["_memo"]) > 0
 
 
+def test_facts_kept_on_plans_and_tables_are_not_filled_in_by_a_capture():
+    """The blocksparse backend keeps its step plan on the (shared) plan, and the kernels keep
+    a documents table's device schedule per table: both only from eager calls."""
+    from multihead.functional import registry
+    from multihead.functional._call import make_call
+    from multihead.functional.profiles import profile_for
+    q = torch.randn(1, 2, 16, 8)
+    call = make_call(q, q, q, mask=M.sliding_window(4), scale=None, dropout_p=0.0,
+                     return_weights=False, return_lse=False)
+    backend = registry.get("blocksparse")
+    plan = backend.plan(call, profile_for(q.device))
+    with simulated_capture():
+        captured = backend.run(call, plan)[0]
+    assert "steps" not in plan.detail
+    torch.testing.assert_close(backend.run(call, plan)[0], captured)
+    assert "steps" in plan.detail
+
+    pytest.importorskip("triton")
+    from multihead.kernels import _band
+    docs = torch.tensor([[0, 0, 40], [0, 40, 24]])                  # (b, first, length)
+    made = []
+    build = lambda: made.append(1) or len(made)                     # noqa: E731
+    with simulated_capture():
+        assert _band._derived(docs, "key", build) == 1
+        assert _band._derived(docs, "key", build) == 2              # computed, not kept
+    assert _band._derived(docs, "key", build) == 3
+    assert _band._derived(docs, "key", build) == 3                  # eager: kept
+
+
 @pytest.mark.cuda
-def test_a_captured_document_mask_follows_its_ids_rewritten_between_replays():
-    """The packed-documents step of a training loop under a CUDA graph: the ids are a static
-    input, rewritten in place before each replay."""
+@pytest.mark.parametrize("born", ["on the GPU", "on the host"])
+def test_a_captured_document_mask_follows_its_ids_rewritten_between_replays(born):
+    """The packed-documents step of a training loop under a CUDA graph: the mask's ids are
+    a static input, rewritten in place before each replay."""
     pytest.importorskip("triton")
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 4, 256, 64, generator=g).to("cuda", torch.float16)
                for _ in range(3))
-    ids = torch.zeros(1, 256, dtype=torch.long, device="cuda")      # one document
-    mask = M.document(ids)
+    ids = torch.zeros(1, 256, dtype=torch.long)                      # one document
+    mask = M.document(ids.cuda()) if born == "on the GPU" else M.document(ids).to("cuda")
     run = lambda: mh.attention(q, k, v, mask=mask, backend="triton")   # noqa: E731
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -112,7 +156,7 @@ def test_a_captured_document_mask_follows_its_ids_rewritten_between_replays():
         captured = run()
     for cuts in ([100], [64, 130, 200], [1, 255]):
         new = torch.bucketize(torch.arange(256), torch.tensor(cuts), right=True)
-        ids.copy_(new[None].to("cuda"))
+        mask.ids.copy_(new[None])                 # the mask's own ids: the graph's input
         graph.replay()
         want = mh.attention(q, k, v, mask=M.document(new[None].cuda()), backend="sdpa")
         torch.testing.assert_close(captured, want, atol=2e-3, rtol=2e-3)

@@ -201,6 +201,33 @@ def test_moving_a_mask_keeps_its_host_facts_and_reads_nothing_back():
     assert not born.runs_known and "on meta" in born.describe()
 
 
+def test_a_masks_tensors_written_in_place_are_followed_not_facts_of_their_old_values():
+    """Facts a mask read from its tensors (document runs, lengths) describe those values:
+    written in place, every backend follows the new values, as a mask built afresh."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 4, generator=g) for _ in range(3))
+    doc = M.document(torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))
+    assert doc.runs().lengths[0].tolist() == [4, 4]
+    doc.ids.copy_(torch.tensor([[0, 0, 1, 1, 1, 1, 1, 2]]))
+    assert doc.runs().lengths[0].tolist() == [2, 5, 1] and "3 runs" in doc.describe()
+    pad = M.padding(torch.tensor([3, 8]))
+    assert not pad.may_have_empty_rows(8, 8)
+    pad.lengths.copy_(torch.tensor([0, 6]))          # a sequence with no keys at all now
+    assert pad.may_have_empty_rows(8, 8) and pad.describe() == "padding(lengths=[0, 6])"
+    fresh = {id(doc): M.document(torch.tensor([0, 0, 1, 1, 1, 1, 1, 2])),
+             id(pad): M.padding(torch.tensor([0, 6]))}
+    for mask in (doc, pad):
+        want = mh.attention(q, k, v, mask=fresh[id(mask)], backend="reference")
+        for backend in ("reference", "sdpa", "blocksparse", "rows") + (
+                ("varlen",) if mask is doc else ()):
+            out = mh.attention(q, k, v, mask=mask, backend=backend)
+            torch.testing.assert_close(out, want, msg=f"{backend}, {mask.describe()}")
+    assert (mh.attention(q, k, v, mask=pad, backend="sdpa")[0] == 0).all()
+    on_device = pad.to("meta")                       # a device's lengths are not read back
+    on_device.lengths.fill_(2)
+    assert on_device.may_have_empty_rows(8, 8) and on_device._host_lengths is None
+
+
 def test_cache_keys_name_everything_that_determines_a_mask():
     assert M.causal().cache_key() != M.causal(align="upper_left").cache_key()
     assert M.sliding_window(8).cache_key() != M.sliding_window(9).cache_key()

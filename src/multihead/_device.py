@@ -21,13 +21,15 @@ _HELD: dict[int, object] = {}
 
 def capturing() -> bool:
     """True while the current CUDA stream captures a graph (``torch.cuda.graph``): work is
-    then recorded to run at each replay, not run.
+    then recorded to run at each replay, not run. (False while ``torch.compile`` traces:
+    traced code caches nothing.)
 
     Example:
         >>> capturing()
         False
     """
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    return (not torch.compiler.is_compiling() and torch.cuda.is_initialized()
+            and torch.cuda.is_current_stream_capturing())
 
 
 def hold(value):

@@ -31,6 +31,8 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 _SHARED = BoundedCache(max_entries=256, max_bytes=64 << 20)
 #: the same for facts kept on one mask object (tensor masks), per object
 _MEMO_ENTRIES, _MEMO_BYTES = 64, 32 << 20
+#: a mask whose host facts were never recorded (see Mask._stamp)
+_UNSTAMPED = object()
 
 
 @dataclass(frozen=True)
@@ -225,16 +227,42 @@ class Mask:
                 raise TypeError(f"{type(self).__name__}.cache_key() must return a hashable value "
                                 f"(a tuple of ints and strings, say), got {key!r}") from None
             return _SHARED.get_or_compute(full, compute)
-        if not self.memoizable or devices.capturing():
-            return compute()
-        try:
-            versions = tuple(t._version for t in self._tensors())
-        except RuntimeError:               # inference tensors keep no version counter
+        versions = self._versions()
+        if not self.memoizable or devices.capturing() or versions is None:
             return compute()
         store = self.__dict__.get("_memo")
         if store is None:                  # setdefault: one store even if threads race here
             store = self.__dict__.setdefault("_memo", BoundedCache(_MEMO_ENTRIES, _MEMO_BYTES))
         return store.get_or_compute((what, args, versions), compute)
+
+    def _versions(self) -> tuple | None:
+        """The version counters of the tensors this mask holds (None if one keeps none, as
+        inference tensors do)."""
+        try:
+            return tuple(t._version for t in self._tensors())
+        except RuntimeError:
+            return None
+
+    def _stamp(self) -> None:
+        """Record that the host facts just derived (lengths read once, document runs)
+        describe this mask's tensors as they are now (see :meth:`_facts_hold`)."""
+        self.__dict__["_facts_at"] = self._versions()
+
+    def _facts_hold(self) -> bool:
+        """True while the host facts of the last :meth:`_stamp` still describe this mask's
+        tensors: none was written in place since (tensors without a version counter are
+        trusted), and no CUDA graph is capturing a call on tensors of a device (a graph's
+        inputs are rewritten in place between replays: it must read them, not facts of
+        their contents at capture). While ``torch.compile`` traces, the stamp is trusted.
+        """
+        at = self.__dict__.get("_facts_at", _UNSTAMPED)
+        if at is _UNSTAMPED:
+            return False
+        if torch.compiler.is_compiling():
+            return True
+        if devices.capturing() and any(t.device.type != "cpu" for t in self._tensors()):
+            return False
+        return at is None or at == self._versions()
 
     # -- what subclasses implement ---------------------------------------------------------
     def _allowed(self, ix: Index) -> torch.Tensor:
@@ -419,13 +447,16 @@ class Mask:
         return self
 
     def _moved(self, device, *names: str) -> "Mask":
-        """A shallow copy whose tensor attributes ``names`` are on ``device`` (host facts kept)."""
+        """A shallow copy whose tensor attributes ``names`` are on ``device`` (host facts kept
+        while they hold)."""
         new = object.__new__(type(self))
         new.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_memo"})
         for name in names:
             t = getattr(self, name)
             if t is not None:
                 setattr(new, name, to_device(t, device))
+        if "_facts_at" in self.__dict__:                # the copies' counters, if facts hold
+            new.__dict__["_facts_at"] = new._versions() if self._facts_hold() else "stale"
         return new
 
     def _device(self) -> torch.device:

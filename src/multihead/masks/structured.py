@@ -148,7 +148,9 @@ class Padding(Mask):
     Lengths are copied and validated when the mask is built, which reads them: build it
     from host (CPU) lengths and move it with ``.to(device)`` to keep that read off the GPU's
     queue. A ``(B, S)`` bool tensor on a GPU is neither copied nor read (the mask then
-    reads it as it is at each call).
+    reads it as it is at each call). Lengths written in place later (``mask.lengths.copy_``,
+    before a CUDA graph's replay, say) are followed: what was read from the old values is
+    dropped (and read again from host lengths).
     """
 
     kind = "padding"
@@ -159,33 +161,58 @@ class Padding(Mask):
             raise ValueError(f"side must be 'key' or 'query', got {side!r}")
         self.side = side
         t = torch.as_tensor(lengths_or_mask)
-        self._host_lengths = None      # lengths as a host tensor, when known without a sync
-        self._min_count = None         # fewest real positions of a sequence, when known
         if t.dtype == torch.bool:
             if t.dim() != 2:
                 raise ValueError(f"padding: a bool mask must be (B, S) with True = real token, "
                                  f"got shape {tuple(t.shape)}")
             if t.device.type == "cpu" and not torch.compiler.is_compiling():
-                # a private copy: the facts below stay true (unknown while tracing)
-                t = t.clone()
-                self._min_count = int(t.sum(1).min()) if t.numel() else 0
+                t = t.clone()                  # a private copy: its facts stay true
             self.lengths, self.real = None, t
         else:
             if t.is_floating_point() or t.is_complex() or t.dim() != 1:
                 raise TypeError(f"padding: lengths must be a 1-D integer tensor (B,) or a (B, S) "
                                 f"bool tensor, got dtype {t.dtype} and shape {tuple(t.shape)}")
-            t = t.long().clone()              # a private copy: the facts below stay true
-            self._max_len = None           # the longest length, when known
-            self.lengths, self.real, self.batch_size = t, None, len(t)
-            if torch.compiler.is_compiling():  # built while tracing: the values are unknown
-                return
-            host = t.cpu()                                          # reads device lengths once
+            self.lengths, self.real = t.long().clone(), None    # a private copy, as above
+        self.batch_size = len(t)
+        self._lengths_read = self._longest = self._fewest = None
+        if not torch.compiler.is_compiling():  # built while tracing: the values are unknown
+            self._read_facts()
+
+    def _read_facts(self) -> None:
+        # The host facts: the lengths as a host tensor (device lengths are read back: a
+        # sync), the longest and the fewest real positions; a device bool mask is not read.
+        if self.real is None:
+            host = self.lengths.cpu()
             if host.numel() and int(host.min()) < 0:
                 raise ValueError(f"padding: lengths must be >= 0, got {host.tolist()}")
-            self._host_lengths = host
-            self._max_len = int(host.max()) if host.numel() else 0
-            self._min_count = int(host.min()) if host.numel() else 0
-        self.batch_size = len(t)
+            self._lengths_read = host
+            self._longest = int(host.max()) if host.numel() else 0
+            self._fewest = int(host.min()) if host.numel() else 0
+        elif self.real.device.type == "cpu":
+            self._fewest = int(self.real.sum(1).min()) if self.real.numel() else 0
+        self._stamp()
+
+    def _fact(self, name: str):
+        # a host fact, None where it may no longer hold (the tensor was written in place on
+        # a device, or a graph captures): host tensors written in place are read again
+        if not self._facts_hold():
+            if torch.compiler.is_compiling() or self._tensors()[0].device.type != "cpu":
+                return None
+            self._read_facts()
+        return getattr(self, name)
+
+    @property
+    def _host_lengths(self) -> torch.Tensor | None:
+        """The lengths as a host tensor, when known without a sync."""
+        return self._fact("_lengths_read")
+
+    @property
+    def _max_len(self) -> int | None:
+        return self._fact("_longest")
+
+    @property
+    def _min_count(self) -> int | None:
+        return self._fact("_fewest")
 
     def _tensors(self):
         return [self.lengths if self.real is None else self.real]
@@ -303,7 +330,9 @@ class Document(Mask):
 
     The mask keeps a copy of its ids. Built from host (CPU) ids or ``cu_seqlens``, it knows
     where its documents lie without reading a device tensor, also after ``.to(device)``;
-    see :meth:`runs`. ``cu_seqlens`` on a GPU are read once, when the mask is built.
+    see :meth:`runs`. ``cu_seqlens`` on a GPU are read once, when the mask is built. Ids
+    written in place later (``mask.ids.copy_``, before a CUDA graph's replay, say) are
+    followed: where the documents lay is forgotten (and found again from host ids).
     """
 
     kind = "document"
@@ -348,7 +377,7 @@ class Document(Mask):
         ``torch.compile`` traces: a graph's tensors have no values to read)."""
         if torch.compiler.is_compiling():
             return False
-        return self._runs is not None or self.ids.device.type == "cpu"
+        return self.ids.device.type == "cpu" or (self._runs is not None and self._facts_hold())
 
     def runs(self) -> DocumentRuns:
         """Where the documents lie (host tensors), computed once.
@@ -362,8 +391,9 @@ class Document(Mask):
             >>> r.contiguous, r.starts[0].tolist(), r.lengths[0].tolist()
             (True, [0, 2], [2, 3])
         """
-        if self._runs is None:
+        if self._runs is None or not self._facts_hold():     # (ids written since: again)
             self._runs = _find_runs(self.ids.cpu())
+            self._stamp()
         return self._runs
 
     def segments(self, batch: int) -> torch.Tensor | None:

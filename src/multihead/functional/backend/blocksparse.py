@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ... import _device
 from ...masks.base import Index
 from .._call import AttentionCall
 from ..capabilities import Capabilities
@@ -337,9 +338,12 @@ class BlockSparse(Backend):
     def run(self, call, plan):
         q, k, v = call.q, call.k, call.v
         work = call.compute_dtype
-        if "steps" not in plan.detail:
-            plan.detail["steps"] = make_plan(call)
-        geo = _Geo(call, plan.detail["steps"])
+        steps = plan.detail.get("steps")
+        if steps is None:
+            steps = make_plan(call)
+            if not _device.capturing():   # a graph's copies have run only once it replays
+                plan.detail["steps"] = steps
+        geo = _Geo(call, steps)
         out, lse = _BlockSparseAttention.apply(q.to(work), k.to(work), v.to(work), geo, call.scale)
         return out.to(q.dtype), None, lse if call.return_lse else None
 

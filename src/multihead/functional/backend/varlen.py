@@ -19,7 +19,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..._cache import BoundedCache
 from ..._device import to_device
 from .._call import AttentionCall
 from ..capabilities import Capabilities
@@ -94,15 +93,16 @@ class Groups:
     """A call's buckets, and their index tensors per device (copied once, then reused)."""
 
     def __init__(self, buckets: list[Bucket]):
-        self.buckets = buckets
-        # per (bucket, device); bytes unbounded: the host copies are the plan's already
-        self._on = BoundedCache(4 * len(buckets), 1 << 62)
+        self.buckets, self._on = buckets, {}
 
     def indices(self, i: int, device) -> tuple:
         """(gather, keep, tokens, slots) of bucket ``i`` on ``device``."""
-        b = self.buckets[i]
-        return self._on.get_or_compute((i, str(device)), lambda: tuple(
-            to_device(t, device) for t in (b.gather, b.keep, b.tokens, b.slots)))
+        key = (i, str(device))
+        if key not in self._on:
+            b = self.buckets[i]
+            self._on[key] = tuple(to_device(t, device) for t in (b.gather, b.keep, b.tokens,
+                                                                 b.slots))
+        return self._on[key]
 
 
 def _buckets(call: AttentionCall) -> list[Bucket]:
