@@ -228,6 +228,54 @@ def test_a_masks_tensors_written_in_place_are_followed_not_facts_of_their_old_va
     assert on_device.may_have_empty_rows(8, 8) and on_device._host_lengths is None
 
 
+def test_masks_built_and_written_in_inference_mode_follow_their_tensors():
+    """Inference tensors keep no version counter; a mask's own copies keep one anyway."""
+    q = torch.randn(1, 2, 8, 4)
+    with torch.inference_mode():
+        doc, pad = M.document(torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])), M.padding(torch.tensor([8]))
+        for m in (doc, pad, doc.to("cpu")):
+            mh.attention(q, q, q, mask=m, backend="varlen" if m is doc else "sdpa")
+        doc.ids.copy_(torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2]]))
+        pad.lengths.fill_(0)
+        want = mh.attention(q, q, q, mask=M.document(torch.tensor([0, 0, 1, 1, 1, 2, 2, 2])),
+                            backend="reference")
+        torch.testing.assert_close(mh.attention(q, q, q, mask=doc, backend="varlen"), want)
+        assert "3 runs" in doc.describe() and pad.may_have_empty_rows(8, 8)
+        assert (mh.attention(q, q, q, mask=pad, backend="sdpa") == 0).all()
+
+
+def test_lengths_written_negative_or_too_long_are_refused_by_the_call_not_the_repr():
+    q = torch.randn(2, 2, 4, 8)
+    pad = M.padding(torch.tensor([2, 3]))
+    pad.lengths.copy_(torch.tensor([-1, 3]))
+    assert "padding(lengths=[-1, 3])" in repr(pad)
+    with pytest.raises(ValueError, match=r"padding\(lengths=\[-1, 3\]\) has a negative length"):
+        mh.attention(q, q, q, mask=pad)
+    pad.lengths.copy_(torch.tensor([9, 3]))
+    with pytest.raises(ValueError, match="has a length 9 > Sk = 4"):
+        mh.attention(q, q, q, mask=pad)
+
+
+def test_a_mask_written_between_forward_and_backward_is_refused_where_backward_reads_it():
+    """blocksparse evaluates the mask again in its backward: a mask written in place since
+    the forward would give the gradient of another forward (torch refuses the same for the
+    tensors autograd saves). Backends that save the materialized mask are unaffected."""
+    q, k, v = (torch.randn(2, 2, 32, 8, requires_grad=True) for _ in range(3))
+    for backend in ("blocksparse", "sdpa"):
+        pad = M.sliding_window(8) & M.padding(torch.tensor([32, 20]))
+        out = mh.attention(q, k, v, mask=pad, backend=backend)
+        pad.b.lengths.copy_(torch.tensor([10, 32]))
+        if backend == "blocksparse":
+            with pytest.raises(RuntimeError, match="written in place after the forward ran"):
+                out.sum().backward()
+        else:
+            out.sum().backward()
+            fresh = mh.attention(q, k, v, mask=M.sliding_window(8) & M.padding(
+                torch.tensor([32, 20])), backend="reference")
+            want = torch.autograd.grad(fresh.sum(), q)[0]
+            torch.testing.assert_close(q.grad, want)
+
+
 def test_cache_keys_name_everything_that_determines_a_mask():
     assert M.causal().cache_key() != M.causal(align="upper_left").cache_key()
     assert M.sliding_window(8).cache_key() != M.sliding_window(9).cache_key()

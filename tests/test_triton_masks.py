@@ -109,6 +109,18 @@ def test_the_operator_gives_gradients_with_the_default_tiles():
         torch.testing.assert_close(a.double(), r, atol=2e-2, rtol=2e-2)
 
 
+def test_a_mask_written_after_the_forward_is_refused_by_the_backward():
+    """The backward evaluates the mask again: written in place since the forward, it would
+    differentiate another forward than the one that ran."""
+    B, H, Hkv, Sq, Sk, D = SHAPES[0]
+    q, k, v = (t.requires_grad_() for t in _inputs(B, H, Hkv, Sq, Sk, D, seed=2))
+    m = M.padding(torch.tensor([Sk, 20], device=DEV)) & M.causal()
+    out, _ = ops.sparse(q, k, v, m, D ** -0.5)
+    m.a.lengths.copy_(torch.tensor([10, Sk]))
+    with pytest.raises(RuntimeError, match="triton backward: a tensor of the mask"):
+        out.float().sum().backward()
+
+
 def test_the_sparse_operator_passes_torch_library_opcheck():
     """Schema, fake implementation, autograd registration (lists of tensors included) and
     the traced (AOT) forms agree with the kernels, checked by torch's op tester."""

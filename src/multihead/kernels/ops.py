@@ -270,10 +270,12 @@ class _Sparse(_Direct):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, *output)
         ctx.mask, ctx.scale = mask, scale
+        ctx.versions = mask._versions()          # as the forward read the mask's tensors
 
     @staticmethod
     def backward(ctx, dout, dlse):
         _refuse_transforms(dout, dlse)
+        ctx.mask._check_unchanged(ctx.versions, "triton backward")
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
         dq, dk, dv = sparse_backward(dout, q, k, v, out, lse, ctx.mask, scale=ctx.scale,

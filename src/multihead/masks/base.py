@@ -17,6 +17,7 @@ Notation used for tensor shapes:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,22 @@ class TileMap:
         """Number of empty, partial and full tile pairs."""
         return {name: int((self.state == code).sum()) for name, code in
                 (("empty", EMPTY), ("partial", PARTIAL), ("full", FULL))}
+
+
+def versioned():
+    """A context in which new tensors keep a version counter, also inside
+    ``torch.inference_mode()`` (whose tensors keep none): the copies a mask keeps of its
+    tensors are made in it, so writes into them are seen (:meth:`Mask._facts_hold`).
+
+    Example:
+        >>> import torch
+        >>> with torch.inference_mode(), versioned():
+        ...     torch.zeros(2).is_inference()
+        False
+    """
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
 
 
 def _dims(t: torch.Tensor | None) -> str:
@@ -242,6 +259,19 @@ class Mask:
             return tuple(t._version for t in self._tensors())
         except RuntimeError:
             return None
+
+    def _check_unchanged(self, versions: tuple | None, fn: str) -> None:
+        """Raise when a tensor of this mask was written in place since ``versions`` (its
+        :meth:`_versions` when the forward ran): a backward that evaluates the mask again
+        would differentiate another forward than the one that ran (as torch refuses to
+        for the tensors autograd saves)."""
+        now = self._versions()
+        if versions is not None and now is not None and now != versions:
+            raise RuntimeError(
+                f"{fn}: a tensor of the mask {self.describe()} was written in place after the "
+                f"forward ran (versions {list(versions)} -> {list(now)}), and the backward "
+                f"evaluates the mask again: build a new mask for each forward (or write into "
+                f"its tensors only after the backward)")
 
     def _stamp(self) -> None:
         """Record that the host facts just derived (lengths read once, document runs)
@@ -454,7 +484,8 @@ class Mask:
         for name in names:
             t = getattr(self, name)
             if t is not None:
-                setattr(new, name, to_device(t, device))
+                with versioned():
+                    setattr(new, name, to_device(t, device))
         if "_facts_at" in self.__dict__:                # the copies' counters, if facts hold
             new.__dict__["_facts_at"] = new._versions() if self._facts_hold() else "stale"
         return new

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from .base import Index, Mask, TileIndex
+from .base import Index, Mask, TileIndex, versioned
 
 _ALIGNS = ("lower_right", "upper_left")
 
@@ -166,24 +166,27 @@ class Padding(Mask):
                 raise ValueError(f"padding: a bool mask must be (B, S) with True = real token, "
                                  f"got shape {tuple(t.shape)}")
             if t.device.type == "cpu" and not torch.compiler.is_compiling():
-                t = t.clone()                  # a private copy: its facts stay true
+                with versioned():
+                    t = t.clone()              # a private copy: its facts stay true
             self.lengths, self.real = None, t
         else:
             if t.is_floating_point() or t.is_complex() or t.dim() != 1:
                 raise TypeError(f"padding: lengths must be a 1-D integer tensor (B,) or a (B, S) "
                                 f"bool tensor, got dtype {t.dtype} and shape {tuple(t.shape)}")
-            self.lengths, self.real = t.long().clone(), None    # a private copy, as above
+            with versioned():
+                self.lengths, self.real = t.long().clone(), None    # a private copy, as above
         self.batch_size = len(t)
         self._lengths_read = self._longest = self._fewest = None
         if not torch.compiler.is_compiling():  # built while tracing: the values are unknown
             self._read_facts()
 
-    def _read_facts(self) -> None:
+    def _read_facts(self, check: bool = True) -> None:
         # The host facts: the lengths as a host tensor (device lengths are read back: a
         # sync), the longest and the fewest real positions; a device bool mask is not read.
+        # Negative lengths raise when the mask is built; written later, a call's check does.
         if self.real is None:
             host = self.lengths.cpu()
-            if host.numel() and int(host.min()) < 0:
+            if check and host.numel() and int(host.min()) < 0:
                 raise ValueError(f"padding: lengths must be >= 0, got {host.tolist()}")
             self._lengths_read = host
             self._longest = int(host.max()) if host.numel() else 0
@@ -198,7 +201,7 @@ class Padding(Mask):
         if not self._facts_hold():
             if torch.compiler.is_compiling() or self._tensors()[0].device.type != "cpu":
                 return None
-            self._read_facts()
+            self._read_facts(check=False)
         return getattr(self, name)
 
     @property
@@ -221,7 +224,7 @@ class Padding(Mask):
         return self._moved(device, "lengths", "real")
 
     def may_have_empty_rows(self, sq: int, sk: int) -> bool:
-        return self.side == "query" or self._min_count is None or self._min_count == 0
+        return self.side == "query" or self._min_count is None or self._min_count <= 0
 
     def structure(self):
         if not self.memoizable:
@@ -255,6 +258,9 @@ class Padding(Mask):
         if self.real is not None and self.real.shape[1] != s:
             raise ValueError(f"mask: {self.describe()} covers {self.real.shape[1]} positions but "
                              f"{what} = {s}: the (B, S) mask must have S == {what}")
+        if self.real is None and self._min_count is not None and self._min_count < 0:
+            raise ValueError(f"mask: {self.describe()} has a negative length: lengths count "
+                             f"real tokens (written in place since the mask was built?)")
         if self.real is None and self._max_len is not None and self._max_len > s:
             raise ValueError(f"mask: {self.describe()} has a length {self._max_len} > {what} = {s}: "
                              f"lengths count real tokens and cannot exceed the sequence")
@@ -350,12 +356,14 @@ class Document(Mask):
             pos = torch.arange(int(cu[-1]), device=cu.device)
             ids = torch.bucketize(pos, cu[1:], right=True)
         self._runs = None                                  # DocumentRuns, once known
-        self.ids = _as_long_1d_or_2d(ids, "ids").clone()   # private: its runs stay true
+        with versioned():
+            self.ids = _as_long_1d_or_2d(ids, "ids").clone()   # private: its runs stay true
         if self.ids.dim() == 1:
             self.ids = self.ids.unsqueeze(0)                          # (1, S)
         self.kv_ids = None
         if kv_ids is not None:
-            self.kv_ids = _as_long_1d_or_2d(kv_ids, "kv_ids").clone()
+            with versioned():
+                self.kv_ids = _as_long_1d_or_2d(kv_ids, "kv_ids").clone()
             if self.kv_ids.dim() == 1:
                 self.kv_ids = self.kv_ids.unsqueeze(0)                # (1, Sk)
         sizes = {len(self.ids)} | ({len(self.kv_ids)} if self.kv_ids is not None else set())

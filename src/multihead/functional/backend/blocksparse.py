@@ -43,6 +43,8 @@ class _Geo:
         self.D, self.Dv, self.Sq, self.Sk = call.D, call.Dv, call.Sq, call.Sk
         self.tq, self.tk, self.nq, self.nk = plan.tq, plan.tk, plan.nq, plan.nk
         self.mask = call.effective_mask
+        # the mask's tensors as the forward read them (the backward evaluates it again)
+        self.versions = self.mask._versions() if self.mask is not None else None
 
 
 class _Workspace:
@@ -284,6 +286,8 @@ class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
+        if ctx.geo.mask is not None:
+            ctx.geo.mask._check_unchanged(ctx.geo.versions, "blocksparse backward")
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = _backward(ctx.geo, q, k, v, out, lse, dout.contiguous(), dlse, ctx.scale)
