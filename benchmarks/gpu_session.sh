@@ -27,7 +27,7 @@ case "${1:-}" in
 tests)
     python -m pytest -q -n 12 -p no:cacheprovider tests/test_triton.py tests/test_triton_masks.py \
         tests/test_triton_paged.py tests/test_cuda.py tests/test_cuda_modules.py \
-        tests/test_nosync.py 2>&1 | tee "$OUT/tests.log"
+        tests/test_nosync.py tests/test_graph_capture.py 2>&1 | tee "$OUT/tests.log"
     ;;
 bench)
     python -m multihead.cli.main bench --suite full --device cuda --dtype bf16 \
