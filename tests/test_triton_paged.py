@@ -205,12 +205,24 @@ def test_paged_decoding_refuses_a_bad_pool_or_table_by_name(change, match):
                              page_size=16, scale=1.0)
 
 
-def test_paged_decoding_refuses_pages_that_are_not_a_multiple_of_16():
+@pytest.mark.parametrize("page_size", [8, 16.0])
+def test_paged_decoding_refuses_pages_that_are_not_a_multiple_of_16(page_size):
     q = torch.randn(1, 2, 1, 16, dtype=torch.float16)
     pool = torch.randn(64, 1, 16, dtype=torch.float16)
-    with pytest.raises(ValueError, match="page_size must be a multiple of 16, got 8"):
+    with pytest.raises(ValueError, match=f"page_size must be an integer multiple of 16, got "
+                                         f"{page_size!r}"):
         paged_decode_forward(q, pool, pool, torch.zeros(1, 8, dtype=torch.long),
-                             torch.tensor([40]), max_len=40, page_size=8, scale=1.0)
+                             torch.tensor([40]), max_len=40, page_size=page_size, scale=1.0)
+
+
+def test_a_numpy_page_size_decodes_as_an_int_does():
+    import numpy as np
+    pool, ids = _pool(16, [40, 23])
+    lens, table = pool._device_tables(ids)
+    q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(2)).to(DEV, torch.float16)
+    runs = [paged_decode_forward(q, pool.k, pool.v, table, lens, max_len=40, page_size=p,
+                                 scale=0.25, causal=True) for p in (16, np.int64(16))]
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
 
 
 def test_a_failing_in_place_step_leaves_the_pool_as_it_was(monkeypatch):

@@ -257,9 +257,9 @@ def _check_paged(q, table, lengths, page_size, block_n, max_len, pages) -> None:
         raise ValueError(f"decode_forward: block_table must be an integer tensor (B={B}, "
                          f"pages) on {q.device}, got {table.dtype} {tuple(table.shape)} on "
                          f"{table.device}")
-    if page_size < block_n or page_size % block_n:
-        raise ValueError(f"decode_forward: page_size {page_size} must be a multiple of the "
-                         f"key block {block_n} (a block never crosses a page); "
+    if not is_int(page_size) or page_size < block_n or page_size % block_n:
+        raise ValueError(f"decode_forward: page_size {page_size!r} must be an integer "
+                         f"multiple of the key block {block_n} (a block never crosses a page); "
                          f"paged_decode_forward takes any multiple of 16")
     if table.shape[1] * page_size < max_len:
         raise ValueError(f"decode_forward: block_table has {table.shape[1]} pages of "
@@ -278,8 +278,9 @@ def _check_pool(q, k_pool, v_pool, page_size: int) -> None:
     if k_pool.shape[:2] != v_pool.shape[:2]:
         raise ValueError(f"{fn}: k_pool {tuple(k_pool.shape)} and v_pool "
                          f"{tuple(v_pool.shape)} must share slots and K/V heads")
-    if not isinstance(page_size, int) or page_size < 16 or page_size % 16:
-        raise ValueError(f"{fn}: page_size must be a multiple of 16, got {page_size!r}")
+    if not is_int(page_size) or page_size < 16 or page_size % 16:
+        raise ValueError(f"{fn}: page_size must be an integer multiple of 16, got "
+                         f"{page_size!r}")
     if k_pool.shape[0] % page_size:
         raise ValueError(f"{fn}: the pools' {k_pool.shape[0]} slots are not whole pages of "
                          f"{page_size} (a page past the end would be read): allocate "
@@ -404,7 +405,7 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         table.stride(0) if block_table is not None else 0,
         pages if block_table is not None else 0, n,
         CAUSAL=causal or window is not None, WINDOWED=window is not None,
-        HAS_LENS=kv_lengths is not None, PAGED=block_table is not None, PAGE=page_size,
+        HAS_LENS=kv_lengths is not None, PAGED=block_table is not None, PAGE=int(page_size),
         D=D, DV=Dv, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv),
         BLOCK_R=pow2(G * Sq), BLOCK_N=block_n, SPLIT=n > 1,
         MERGE_ROWS=_merge_rows(G * Sq, pow2(Dv)), BLOCK_S=MERGE_SPLITS,

@@ -32,8 +32,6 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 _SHARED = BoundedCache(max_entries=256, max_bytes=64 << 20)
 #: the same for facts kept on one mask object (tensor masks), per object
 _MEMO_ENTRIES, _MEMO_BYTES = 64, 32 << 20
-#: a mask whose host facts were never recorded (see Mask._stamp)
-_UNSTAMPED = object()
 
 
 @dataclass(frozen=True)
@@ -280,19 +278,20 @@ class Mask:
 
     def _facts_hold(self) -> bool:
         """True while the host facts of the last :meth:`_stamp` still describe this mask's
-        tensors: none was written in place since (tensors without a version counter are
-        trusted), and no CUDA graph is capturing a call on tensors of a device (a graph's
-        inputs are rewritten in place between replays: it must read them, not facts of
-        their contents at capture). While ``torch.compile`` traces, the stamp is trusted.
+        tensors: each keeps a version counter (the mask's own copies always do) and none
+        was written in place since, and no CUDA graph is capturing a call on tensors of a
+        device (a graph's inputs are rewritten in place between replays: it must read them,
+        not facts of their contents at capture). While ``torch.compile`` traces, a stamp is
+        trusted.
         """
-        at = self.__dict__.get("_facts_at", _UNSTAMPED)
-        if at is _UNSTAMPED:
+        at = self.__dict__.get("_facts_at")
+        if at is None:                      # never stamped, or a tensor keeps no counter
             return False
         if torch.compiler.is_compiling():
             return True
         if devices.capturing() and any(t.device.type != "cpu" for t in self._tensors()):
             return False
-        return at is None or at == self._versions()
+        return at == self._versions()
 
     # -- what subclasses implement ---------------------------------------------------------
     def _allowed(self, ix: Index) -> torch.Tensor:
@@ -487,7 +486,7 @@ class Mask:
                 with versioned():
                     setattr(new, name, to_device(t, device))
         if "_facts_at" in self.__dict__:                # the copies' counters, if facts hold
-            new.__dict__["_facts_at"] = new._versions() if self._facts_hold() else "stale"
+            new.__dict__["_facts_at"] = new._versions() if self._facts_hold() else None
         return new
 
     def _device(self) -> torch.device:
