@@ -106,8 +106,9 @@ def test_a_call_decided_while_a_graph_captures_is_not_remembered():
 
 
 def test_facts_kept_on_plans_and_tables_are_not_filled_in_by_a_capture():
-    """The blocksparse backend keeps its step plan on the (shared) plan, and the kernels keep
-    a documents table's device schedule per table: both only from eager calls."""
+    """The blocksparse backend keeps its step plan on the (shared) plan, varlen its index
+    lists, and the kernels keep a documents table's device schedule per table: all only
+    from eager calls."""
     from multihead.functional import registry
     from multihead.functional._call import make_call
     from multihead.functional.profiles import profile_for
@@ -121,6 +122,18 @@ def test_facts_kept_on_plans_and_tables_are_not_filled_in_by_a_capture():
     assert "steps" not in plan.detail
     torch.testing.assert_close(backend.run(call, plan)[0], captured)
     assert "steps" in plan.detail
+
+    # varlen keeps each length group's index lists per device on its plan
+    ids = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3 + [3] * 4])       # lengths 5, 4, 3, 4
+    call = make_call(q, q, q, mask=M.document(ids), scale=None, dropout_p=0.0,
+                     return_weights=False, return_lse=False)
+    backend = registry.get("varlen")
+    plan = backend.plan(call, profile_for(q.device))
+    with simulated_capture():
+        captured = backend.run(call, plan)[0]
+    assert len(plan.detail._on) == 0
+    torch.testing.assert_close(backend.run(call, plan)[0], captured)
+    assert len(plan.detail._on) > 0
 
     pytest.importorskip("triton")
     from multihead.kernels import _band

@@ -10,6 +10,11 @@ While a CUDA graph captures, nothing is stored: a value computed then has its co
 once the graph replays, and an eager call must not read it before. A value read then is held
 for the life of the process: the graph reads its memory at every replay, after the cache may
 have let it go.
+
+CUDA tensors in a value are made on one stream and may be read on another (a second thread,
+a side stream). Such a read first waits for their making, and their memory is kept from
+reuse until that stream's kernels are done, even if the cache lets them go meanwhile
+(:class:`multihead._device.StreamUse`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from . import _device
 _MISSING = object()
 
 
-def nbytes(value, depth: int = 4) -> int:
+def nbytes(value, depth: int = 8) -> int:
     """Bytes of the tensors reachable from ``value`` (through containers, dataclasses,
     named tuples and plain objects, ``depth`` levels deep): each storage counted once, at
     its own size (an expanded view costs what it holds, not what it shows).
@@ -35,23 +40,29 @@ def nbytes(value, depth: int = 4) -> int:
         >>> nbytes({"a": t, "b": (torch.zeros(2, dtype=torch.int8), t.expand(100, 4), 3)})
         18
     """
-    seen_storages, seen_objects = set(), set()
+    return sum(size for _, size in _tensors(value, depth))
 
-    def walk(v, depth: int) -> int:
+
+def _tensors(value, depth: int = 8) -> list:
+    """``[(tensor, bytes of its storage)]``: one tensor per storage reachable from
+    ``value`` (see :func:`nbytes`)."""
+    seen_storages, seen_objects, found = set(), set(), []
+
+    def walk(v, depth: int) -> None:
         if isinstance(v, torch.Tensor):
             try:
                 st = v.untyped_storage()
                 key, size = (st.data_ptr(), st.device), st.nbytes()
             except (RuntimeError, NotImplementedError):     # no storage (meta, wrappers)
                 key, size = id(v), 0
-            if key in seen_storages:
-                return 0
-            seen_storages.add(key)
-            return size
+            if key not in seen_storages:
+                seen_storages.add(key)
+                found.append((v, size))
+            return
         if depth == 0 or v is None or isinstance(v, (int, float, str, bool, bytes)):
-            return 0
+            return
         if id(v) in seen_objects:
-            return 0
+            return
         seen_objects.add(id(v))
         if isinstance(v, dict):
             items = v.values()
@@ -63,9 +74,11 @@ def nbytes(value, depth: int = 4) -> int:
             items = vars(v).values()
         else:
             items = [getattr(v, s) for s in getattr(type(v), "__slots__", ()) if hasattr(v, s)]
-        return sum(walk(x, depth - 1) for x in items)
+        for x in items:
+            walk(x, depth - 1)
 
-    return walk(value, depth)
+    walk(value, depth)
+    return found
 
 
 class BoundedCache:
@@ -88,7 +101,7 @@ class BoundedCache:
 
     def __init__(self, max_entries: int, max_bytes: int):
         self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._data: dict = {}            # key -> (value, bytes)
+        self._data: dict = {}            # key -> (value, bytes, StreamUse or None)
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -109,14 +122,21 @@ class BoundedCache:
             hit = self._data.get(key, _MISSING)
         if hit is _MISSING:
             return default
-        return _device.hold(hit[0]) if _device.capturing() else hit[0]
+        value, _, streams = hit
+        if _device.capturing():
+            return _device.hold(value)
+        if streams is not None:          # CUDA tensors: safe on the stream reading them now
+            streams.order_here()
+        return value
 
     def put(self, key, value) -> None:
         """Keep ``value`` under ``key``, dropping the oldest entries to stay in bounds (while
         a CUDA graph captures: nothing)."""
         if _device.capturing():
             return
-        size = nbytes(value)
+        tensors = _tensors(value)
+        size = sum(n for _, n in tensors)
+        streams = _device.StreamUse.of(t for t, _ in tensors) if size <= self.max_bytes else None
         with self._lock:
             old = self._data.pop(key, None)
             if old is not None:
@@ -126,7 +146,7 @@ class BoundedCache:
             while self._data and (len(self._data) >= self.max_entries
                                   or self._bytes + size > self.max_bytes):
                 self._bytes -= self._data.pop(next(iter(self._data)))[1]
-            self._data[key] = (value, size)
+            self._data[key] = (value, size, streams)
             self._bytes += size
 
     def get_or_compute(self, key, compute):

@@ -1,6 +1,7 @@
-"""Moving small host data (index lists, slopes, lengths) to a device without a host sync.
+"""Device facts: host data moved without a sync, CUDA graph capture, cross-stream use.
 
-A plain ``cpu_tensor.to("cuda")`` copies from pageable memory and waits for the copy: a
+Small host data (index lists, slopes, lengths) moves to a device without a host sync. A
+plain ``cpu_tensor.to("cuda")`` copies from pageable memory and waits for the copy: a
 host-device synchronization that drains the GPU's queue. Copying from pinned memory with
 ``non_blocking=True`` queues the copy on the current stream instead; torch's pinned-memory
 allocator keeps the source alive until the copy has run.
@@ -8,6 +9,9 @@ allocator keeps the source alive until the copy has run.
 While a CUDA graph captures, a copy is recorded, not run: each replay copies again from the
 same pinned buffer, so that buffer is kept (:func:`hold`), and so is every cached device
 tensor a captured kernel reads (see :class:`multihead._cache.BoundedCache`).
+
+A cached device tensor made on one CUDA stream and read on another is ordered after its
+making and kept from reuse until the reading stream is done with it (:class:`StreamUse`).
 """
 
 from __future__ import annotations
@@ -65,3 +69,81 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
         if capturing():           # the graph copies from this buffer again at each replay
             hold(t)
     return t.to(device, non_blocking=True)
+
+
+class _Cuda:
+    """The CUDA stream calls of :class:`StreamUse` (one seam, which the CPU tests replace)."""
+
+    @staticmethod
+    def index(t: torch.Tensor) -> int | None:
+        """The CUDA device index of ``t``, or None for a tensor of another device."""
+        return t.device.index if t.is_cuda else None
+
+    @staticmethod
+    def current_id(index: int) -> int:
+        """The current stream of device ``index``, as its raw handle (cheap to compare)."""
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+    @staticmethod
+    def current(index: int):
+        return torch.cuda.current_stream(index)
+
+    @staticmethod
+    def event_on(stream):
+        """An event recorded on ``stream`` now."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    @staticmethod
+    def keep_for(t: torch.Tensor, stream) -> None:
+        t.record_stream(stream)
+
+
+class StreamUse:
+    """Where the CUDA tensors of a cached value were made: the stream and an event after
+    their making, per device. A later use on another stream waits for that event (the values
+    may still be being computed) and records the stream on the tensors, so that their memory
+    is not handed out again while that stream's kernels may read it (the cache may let them
+    go at any time). Each stream pays this once.
+
+    Example:
+        >>> import torch
+        >>> StreamUse.of([torch.zeros(2)]) is None              # no CUDA tensor: nothing to do
+        True
+    """
+
+    __slots__ = ("made", "seen")
+
+    def __init__(self, made: dict):
+        self.made = made                 # device index -> (stream id, event, [tensors])
+        self.seen: set = set()           # (device index, stream id) already ordered
+
+    @classmethod
+    def of(cls, tensors) -> StreamUse | None:
+        """The record for ``tensors`` made on the current streams (None: no CUDA tensor)."""
+        by_device: dict[int, list] = {}
+        for t in tensors:
+            index = _CUDA.index(t)
+            if index is not None:
+                by_device.setdefault(index, []).append(t)
+        if not by_device:
+            return None
+        return cls({index: (_CUDA.current_id(index), _CUDA.event_on(_CUDA.current(index)), ts)
+                    for index, ts in by_device.items()})
+
+    def order_here(self) -> None:
+        """Make the current streams safe users of the tensors (see the class)."""
+        for index, (made_on, event, tensors) in self.made.items():
+            here = _CUDA.current_id(index)
+            if here == made_on or (index, here) in self.seen:
+                continue
+            stream = _CUDA.current(index)
+            stream.wait_event(event)
+            for t in tensors:
+                _CUDA.keep_for(t, stream)
+            self.seen.add((index, here))
+
+
+_CUDA = _Cuda

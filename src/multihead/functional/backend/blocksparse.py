@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ... import _device
+from ..._cache import BoundedCache
 from ...masks.base import Index
 from .._call import AttentionCall
 from ..capabilities import Capabilities
@@ -337,16 +337,14 @@ class BlockSparse(Backend):
         else:
             note = (f"the mask's tiles are on {call.q.device}: planning reads them back "
                     f"({work.syncs} syncs); estimated as if every tile were computed")
-        return Plan(work, note, {})     # the step plan is built by the first run, then kept
+        # the step plan is built by the first run, then kept (a cache: not while a graph
+        # captures, and safe to read on other streams)
+        return Plan(work, note, BoundedCache(1, 1 << 40))
 
     def run(self, call, plan):
         q, k, v = call.q, call.k, call.v
         work = call.compute_dtype
-        steps = plan.detail.get("steps")
-        if steps is None:
-            steps = make_plan(call)
-            if not _device.capturing():   # a graph's copies have run only once it replays
-                plan.detail["steps"] = steps
+        steps = plan.detail.get_or_compute("steps", lambda: make_plan(call))
         geo = _Geo(call, steps)
         out, lse = _BlockSparseAttention.apply(q.to(work), k.to(work), v.to(work), geo, call.scale)
         return out.to(q.dtype), None, lse if call.return_lse else None

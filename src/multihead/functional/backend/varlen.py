@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..._cache import BoundedCache
 from ..._device import to_device
 from .._call import AttentionCall
 from ..capabilities import Capabilities
@@ -90,19 +91,17 @@ def _group(starts, lengths, tolerance: float) -> list[Bucket]:
 
 
 class Groups:
-    """A call's buckets, and their index tensors per device (copied once, then reused)."""
+    """A call's buckets, and their index tensors per device (copied once, then reused: a
+    cache, so not kept while a CUDA graph captures, and safe to read on other streams)."""
 
     def __init__(self, buckets: list[Bucket]):
-        self.buckets, self._on = buckets, {}
+        self.buckets, self._on = buckets, BoundedCache(1 << 16, 1 << 40)
 
     def indices(self, i: int, device) -> tuple:
         """(gather, keep, tokens, slots) of bucket ``i`` on ``device``."""
-        key = (i, str(device))
-        if key not in self._on:
-            b = self.buckets[i]
-            self._on[key] = tuple(to_device(t, device) for t in (b.gather, b.keep, b.tokens,
-                                                                 b.slots))
-        return self._on[key]
+        b = self.buckets[i]
+        return self._on.get_or_compute((i, str(device)), lambda: tuple(
+            to_device(t, device) for t in (b.gather, b.keep, b.tokens, b.slots)))
 
 
 def _buckets(call: AttentionCall) -> list[Bucket]:
