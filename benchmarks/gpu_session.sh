@@ -6,13 +6,14 @@
 #   bash benchmarks/gpu_session.sh bench      # issue 12's bench families (bf16, D=128)
 #   bash benchmarks/gpu_session.sh tune       # launch configs: block-sparse fwd, backward
 #   bash benchmarks/gpu_session.sh first-use  # cold / warm first call, the warm one profiled
+#   bash benchmarks/gpu_session.sh step       # a step split: kernels, GPU idle, host CUDA calls
 #
 # Each phase writes its log (and JSON) under $OUT (default: bench-out/gpu), and exits
 # non-zero when what it runs does.
 set -uo pipefail
 case "${1:-}" in
-tests|bench|tune|first-use) ;;
-*) echo "usage: $0 tests|bench|tune|first-use" >&2; exit 2 ;;
+tests|bench|tune|first-use|step) ;;
+*) echo "usage: $0 tests|bench|tune|first-use|step" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -27,7 +28,8 @@ case "${1:-}" in
 tests)
     python -m pytest -q -n 12 -p no:cacheprovider tests/test_triton.py tests/test_triton_masks.py \
         tests/test_triton_paged.py tests/test_cuda.py tests/test_cuda_modules.py \
-        tests/test_nosync.py tests/test_graph_capture.py 2>&1 | tee "$OUT/tests.log"
+        tests/test_nosync.py tests/test_graph_capture.py tests/test_streams.py 2>&1 \
+        | tee "$OUT/tests.log"
     ;;
 bench)
     python -m multihead.cli.main bench --suite full --device cuda --dtype bf16 \
@@ -41,5 +43,8 @@ tune)
 first-use)
     python -m benchmarks.triton_compile --profile --out "$OUT/compile.json" 2>&1 \
         | tee "$OUT/compile.log"
+    ;;
+step)
+    python -m benchmarks.triton_step --out "$OUT/step.json" 2>&1 | tee "$OUT/step.log"
     ;;
 esac

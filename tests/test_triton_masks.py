@@ -573,6 +573,37 @@ def test_a_device_mask_runs_without_a_host_sync_on_cuda():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("name", ["window", "causal", "cu_seqlens", "ids & causal", "alibi",
+                                  "padding", "window & alibi"])
+def test_a_training_step_on_the_kernels_never_syncs_on_cuda(name):
+    """Forward and backward on the kernels, with masks built from host data and moved (the
+    recommended way) and with device ids: afresh and cached, no synchronizing CUDA call (a
+    sync per step leaves the GPU idle while the host prepares the next step)."""
+    from nosync import cuda_sync_is_an_error
+    B, H, S = 2, 4, 1000
+    cu = torch.tensor([0, 100, 613, S])
+    ids = torch.sort(torch.randint(0, 7, (B, S), device="cuda"), dim=1).values
+    mask = {"window": M.sliding_window(100), "causal": M.causal(),
+            "cu_seqlens": M.document(cu_seqlens=cu).to("cuda"),
+            "ids & causal": M.document(ids) & M.causal(), "alibi": M.alibi(H),
+            "padding": M.padding(torch.tensor([S, 377])).to("cuda"),
+            "window & alibi": M.sliding_window(64) & M.alibi(H)}[name]
+    if name == "cu_seqlens":
+        B = 1
+    q, k, v = (torch.randn(B, H, S, 64, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    dout = torch.randn(B, H, S, 64, device="cuda", dtype=torch.bfloat16)
+    step = lambda: torch.autograd.backward(                              # noqa: E731
+        mh.attention(q, k, v, mask=mask, backend="triton"), dout)
+    step()                                                   # compiles; read-backs of planning
+    mh.functional.dispatch.clear_cache()
+    with cuda_sync_is_an_error():
+        step()                                               # decided afresh
+        step()                                               # cached
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.cuda
 def test_attention_under_fullgraph_compile_runs_any_mask_on_the_kernels_on_cuda():
     """``mh.attention(backend="triton")`` traced whole: a device-id document mask with
     ALiBi trains through ``multihead::flash_sparse`` as it does eagerly."""
