@@ -32,7 +32,9 @@ _MISSING = object()
 def nbytes(value, depth: int = 8) -> int:
     """Bytes of the tensors reachable from ``value`` (through containers, dataclasses,
     named tuples and plain objects, ``depth`` levels deep): each storage counted once, at
-    its own size (an expanded view costs what it holds, not what it shows).
+    its own size (an expanded view costs what it holds, not what it shows). The walk does
+    not enter objects the value refers to but does not own: masks and other caches (their
+    classes set ``_cache_opaque``).
 
     Example:
         >>> import torch
@@ -61,7 +63,7 @@ def _tensors(value, depth: int = 8) -> list:
             return
         if depth == 0 or v is None or isinstance(v, (int, float, str, bool, bytes)):
             return
-        if id(v) in seen_objects:
+        if id(v) in seen_objects or (v is not value and getattr(type(v), "_cache_opaque", False)):
             return
         seen_objects.add(id(v))
         if isinstance(v, dict):
@@ -98,6 +100,9 @@ class BoundedCache:
         >>> "a" in c, "b" in c, c.nbytes
         (False, True, 48)
     """
+
+    #: a value holding a cache does not own what the cache holds (see :func:`nbytes`)
+    _cache_opaque = True
 
     def __init__(self, max_entries: int, max_bytes: int):
         self.max_entries, self.max_bytes = max_entries, max_bytes

@@ -102,11 +102,15 @@ class _Cuda:
 
 
 class StreamUse:
-    """Where the CUDA tensors of a cached value were made: the stream and an event after
-    their making, per device. A later use on another stream waits for that event (the values
-    may still be being computed) and records the stream on the tensors, so that their memory
-    is not handed out again while that stream's kernels may read it (the cache may let them
-    go at any time). Each stream pays this once.
+    """Where the CUDA tensors of a cached value were made: the stream, per device. A later
+    use on another stream first waits for what the making stream has queued by then (which
+    includes their making: they may still be being computed), and records that stream on
+    the tensors, so that their memory is not handed out again while its kernels may read
+    them (the cache may let them go at any time). Each stream pays this once; a value used
+    on the stream that made it pays nothing (no event is made when it is stored).
+
+    Streams are told apart by their raw handles: an external stream destroyed while a value
+    it made is still cached, whose handle CUDA then gives to a new stream, passes for it.
 
     Example:
         >>> import torch
@@ -117,7 +121,7 @@ class StreamUse:
     __slots__ = ("made", "seen")
 
     def __init__(self, made: dict):
-        self.made = made                 # device index -> (stream id, event, [tensors])
+        self.made = made                 # device index -> (stream id, stream, [tensors])
         self.seen: set = set()           # (device index, stream id) already ordered
 
     @classmethod
@@ -130,17 +134,17 @@ class StreamUse:
                 by_device.setdefault(index, []).append(t)
         if not by_device:
             return None
-        return cls({index: (_CUDA.current_id(index), _CUDA.event_on(_CUDA.current(index)), ts)
+        return cls({index: (_CUDA.current_id(index), _CUDA.current(index), ts)
                     for index, ts in by_device.items()})
 
     def order_here(self) -> None:
         """Make the current streams safe users of the tensors (see the class)."""
-        for index, (made_on, event, tensors) in self.made.items():
+        for index, (made_id, made_on, tensors) in self.made.items():
             here = _CUDA.current_id(index)
-            if here == made_on or (index, here) in self.seen:
+            if here == made_id or (index, here) in self.seen:
                 continue
             stream = _CUDA.current(index)
-            stream.wait_event(event)
+            stream.wait_event(_CUDA.event_on(made_on))
             for t in tensors:
                 _CUDA.keep_for(t, stream)
             self.seen.add((index, here))

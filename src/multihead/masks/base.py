@@ -132,6 +132,9 @@ class Mask:
     :meth:`_bias`, and :meth:`_tile_bounds` (sound per-tile ``any``/``all`` bounds).
     """
 
+    #: a cached value that refers to a mask does not own its tensors: caches neither count
+    #: them nor order them across streams (see :func:`multihead._cache.nbytes`)
+    _cache_opaque = True
     #: batch size the mask was built for, or None when it does not depend on the batch
     batch_size: int | None = None
     #: number of heads the mask was built for, or None when it does not depend on the head

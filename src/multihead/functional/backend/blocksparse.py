@@ -339,7 +339,7 @@ class BlockSparse(Backend):
                     f"({work.syncs} syncs); estimated as if every tile were computed")
         # the step plan is built by the first run, then kept (a cache: not while a graph
         # captures, and safe to read on other streams)
-        return Plan(work, note, BoundedCache(1, 1 << 40))
+        return Plan(work, note, BoundedCache(1, 256 << 20))
 
     def run(self, call, plan):
         q, k, v = call.q, call.k, call.v

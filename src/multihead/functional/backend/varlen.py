@@ -95,7 +95,7 @@ class Groups:
     cache, so not kept while a CUDA graph captures, and safe to read on other streams)."""
 
     def __init__(self, buckets: list[Bucket]):
-        self.buckets, self._on = buckets, BoundedCache(1 << 16, 1 << 40)
+        self.buckets, self._on = buckets, BoundedCache(4096, 64 << 20)
 
     def indices(self, i: int, device) -> tuple:
         """(gather, keep, tokens, slots) of bucket ``i`` on ``device``."""
