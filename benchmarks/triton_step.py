@@ -13,7 +13,8 @@ for 0.79 ms of kernels. So our GPU waited about 0.4 ms per step. This splits eac
 - **CUDA calls**: the runtime and driver calls per step with their host time (launches,
   copies, allocations, synchronizations, events), from the profiler.
 
-Run on a CUDA machine (``--device cpu --small --no-flex`` is a dry run of the plumbing)::
+Run on a CUDA machine (``--device cpu --small --no-flex --backend blocksparse`` is a dry
+run of the plumbing)::
 
     python -m benchmarks.triton_step [--case NAME] [--out step.json]
 
