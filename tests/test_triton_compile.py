@@ -343,3 +343,54 @@ def test_new_lengths_batches_and_windows_compile_no_kernel(tmp_path):
     assert int(counts["first"]) >= 7, run.stdout     # every kernel compiled at least once
     assert counts["after"] == counts["first"], run.stdout
     assert counts["fused"] == "True", run.stdout
+
+
+#: a first training step per mask kind, compiled for sm_90 on the CPU: which thread asked
+#: Triton to compile (or load from its disk cache) each kernel (the main thread, or one
+#: compiling ahead)
+_AHEAD = """
+import sys, threading, torch
+sys.path.insert(0, {root!r})
+from benchmarks.triton_host import stub_launches
+import triton.compiler
+import multihead as mh
+M = mh.masks
+asked = []
+compile = triton.compiler.compile
+def logged(src, *args, **kwargs):
+    asked.append((src.fn.__name__, threading.current_thread().name))
+    return compile(src, *args, **kwargs)
+triton.compiler.compile = logged
+S = 200
+ids = (torch.arange(S) * 3 // S)[None]                     # three documents
+with stub_launches():
+    for name, mask, Hkv in (("window", M.sliding_window(64), 8),
+                            ("documents", M.document(ids), 2)):
+        q = torch.randn(1, 8, S, 64).to(torch.bfloat16).requires_grad_()
+        kv = torch.randn(1, Hkv, S, 64).to(torch.bfloat16).requires_grad_()
+        out = mh.attention(q, kv, kv, mask=mask, backend="triton")
+        torch.autograd.backward(out, torch.randn_like(out))
+        for kernel, thread in asked:
+            print(name, kernel, "main" if thread == "MainThread" else "ahead")
+        asked.clear()
+"""
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_first_training_step_compiles_the_backward_while_the_forward_compiles(ahead):
+    """Compiled for sm_90 on the CPU: a training call's first forward starts the compiles
+    of its backward's kernels in other threads (on stand-ins of the tensors, launching
+    nothing), so the backward finds them compiled; with ``MULTIHEAD_COMPILE_AHEAD=0`` the
+    backward compiles them itself, one after another (the control)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["MULTIHEAD_COMPILE_AHEAD"] = "1" if ahead else "0"
+    code = _AHEAD.format(root=str(Path(__file__).parents[1]))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = {tuple(line.split()) for line in run.stdout.splitlines()}
+    for case in ("window", "documents"):
+        assert (case, "_forward", "main") in rows, run.stdout
+        for kernel in ("_dq", "_dkdv"):
+            assert ((case, kernel, "ahead") in rows) == ahead, run.stdout
+            assert ((case, kernel, "main") in rows) != ahead, run.stdout

@@ -37,6 +37,8 @@ import torch
 from triton.runtime import driver
 from triton.runtime.errors import OutOfResources
 
+from . import _ahead
+
 try:                                                # Triton >= 3.4
     from triton import knobs as _knobs
 except ImportError:                                 # pragma: no cover - older Triton
@@ -84,7 +86,8 @@ def launch(kernel, grid, *args, num_stages: int, **kwargs) -> None:
     99 KB). Stages only change how far ahead tiles are copied: the tiles, the grid and the
     results stay. The stages that fit are remembered per kernel, device and constexprs, so
     a later launch does not fail first. A call whose class (module docstring) ran before
-    launches its compiled kernel directly.
+    launches its compiled kernel directly. In a thread compiling ahead
+    (:mod:`._ahead`), the launch only compiles.
 
     Raises:
         RuntimeError: when even one stage does not fit (the tiles are too large for this
@@ -96,6 +99,10 @@ def launch(kernel, grid, *args, num_stages: int, **kwargs) -> None:
         >>> from multihead.kernels.flash_fwd import _forward
         >>> launch(_forward, grid, q, k, v, ..., BLOCK_M=128, num_stages=3)  # doctest: +SKIP
     """
+    if _ahead.active():                              # compiling ahead: nothing runs
+        kernel.warmup(*args, grid=grid, num_stages=num_stages, enable_fp_fusion=FP_FUSION,
+                      **kwargs)
+        return
     device = args[0].get_device()
     if device >= 0 and device != torch.cuda.current_device():
         with torch.cuda.device(device):              # Triton launches on the current device
