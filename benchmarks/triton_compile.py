@@ -21,6 +21,11 @@ Run on a CUDA machine::
 
     python -m benchmarks.triton_compile --out compile.json
 
+Without a GPU, ``--stub`` compiles for an H100 (sm_90) on the CPU and launches nothing
+(:func:`benchmarks.triton_host.stub_launches`): the compiler's part of first use, which
+runs on the host either way. ``--ahead 0`` turns off compiling the backward's kernels while
+the forward's compile (``MULTIHEAD_COMPILE_AHEAD=0``), to compare.
+
 Notation: B batch, H heads, S length, D head dim.
 """
 
@@ -42,15 +47,23 @@ CASES = [
 ]
 
 
-def _child(name: str, expr: str, S: int, other: str, profile: bool = False) -> dict:
+def _child(name: str, expr: str, S: int, other: str, profile: bool = False,
+           stub: bool = False) -> dict:
     """Time one case in this process (run as ``--child``); returns seconds per stage (and
     with ``profile``, the first call's profile as text)."""
+    import contextlib
+
     import torch
 
     import multihead as mh
-    dev = torch.device("cuda")
-    a = torch.randn(1024, 1024, device=dev)
-    (a @ a).sum().item()                                                  # CUDA context up
+    if stub:
+        from benchmarks.triton_host import stub_launches
+        dev, where = torch.device("cpu"), stub_launches
+        sync = lambda: None                                               # noqa: E731
+    else:
+        dev, where, sync = torch.device("cuda"), contextlib.nullcontext, torch.cuda.synchronize
+        a = torch.randn(1024, 1024, device=dev)
+        (a @ a).sum().item()                                              # CUDA context up
 
     def call(S: int, mask_expr: str) -> float:
         g = torch.Generator().manual_seed(S)
@@ -61,11 +74,12 @@ def _child(name: str, expr: str, S: int, other: str, profile: bool = False) -> d
         cuts = torch.randint(64, 1025, (S // 64,), generator=g).cumsum(0)
         ids = torch.bucketize(torch.arange(S), cuts[cuts < S]).expand(B, S).to(dev)
         mask = eval(mask_expr, {"M": mh.masks, "ids": ids})              # noqa: S307
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
-        out = mh.attention(q, k, v, mask=mask, backend="triton")
-        out.float().sum().backward()
-        torch.cuda.synchronize()
+        with where():
+            out = mh.attention(q, k, v, mask=mask, backend="triton")
+            out.float().sum().backward()
+        sync()
         return time.perf_counter() - t
 
     t = time.perf_counter()
@@ -89,11 +103,12 @@ def _child(name: str, expr: str, S: int, other: str, profile: bool = False) -> d
             "new_shapes_first": shapes[0], "new_shapes_max": max(shapes), **report}
 
 
-def run(case: tuple, cache: str, profile: bool = False) -> dict:
+def run(case: tuple, cache: str, profile: bool = False, stub: bool = False,
+        ahead: bool = True) -> dict:
     """Run ``case`` in a fresh process over the Triton cache folder ``cache``."""
-    env = dict(os.environ, TRITON_CACHE_DIR=cache)
+    env = dict(os.environ, TRITON_CACHE_DIR=cache, MULTIHEAD_COMPILE_AHEAD=str(int(ahead)))
     cmd = [sys.executable, "-m", "benchmarks.triton_compile", "--child",
-           json.dumps([*case, profile])]
+           json.dumps([*case, profile, stub])]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         return {"case": case[0], "failed": p.stderr[-2000:]}
@@ -106,14 +121,22 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="profile the warm process's first call and print where it went")
+    ap.add_argument("--stub", action="store_true",
+                    help="no GPU: compile for sm_90 on the CPU, launch nothing")
+    ap.add_argument("--ahead", type=int, default=1, choices=(0, 1),
+                    help="compile the backward's kernels while the forward's compile")
+    ap.add_argument("--size", type=int, default=None, help="S (default: each case's)")
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(_child(*json.loads(a.child))))
         return
     rows = []
     for case in CASES:
+        if a.size:
+            case = (case[0], case[1], a.size, case[3])
         with tempfile.TemporaryDirectory() as cache:
-            cold, warm = run(case, cache), run(case, cache, a.profile)
+            cold = run(case, cache, stub=a.stub, ahead=bool(a.ahead))
+            warm = run(case, cache, a.profile, stub=a.stub, ahead=bool(a.ahead))
         rows.append({"case": case[0], "cold": cold, "warm": warm})
         if "failed" in cold or "failed" in warm:
             print(f"{case[0]}: failed\n{cold.get('failed', '')}{warm.get('failed', '')}")
