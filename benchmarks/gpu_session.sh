@@ -43,6 +43,8 @@ tune)
 first-use)
     python -m benchmarks.triton_compile --profile --out "$OUT/compile.json" 2>&1 \
         | tee "$OUT/compile.log"
+    python -m benchmarks.triton_compile --ahead 0 --out "$OUT/compile-serial.json" 2>&1 \
+        | tee "$OUT/compile-serial.log"                    # the backward not compiled ahead
     ;;
 step)
     python -m benchmarks.triton_step --out "$OUT/step.json" 2>&1 | tee "$OUT/step.log"
