@@ -365,7 +365,8 @@ S = 200
 ids = (torch.arange(S) * 3 // S)[None]                     # three documents
 with stub_launches():
     for name, mask, Hkv in (("window", M.sliding_window(64), 8),
-                            ("documents", M.document(ids), 2)):
+                            ("documents", M.document(ids), 2),
+                            ("lengths", M.padding(torch.tensor([150])) & M.causal(), 8)):
         q = torch.randn(1, 8, S, 64).to(torch.bfloat16).requires_grad_()
         kv = torch.randn(1, Hkv, S, 64).to(torch.bfloat16).requires_grad_()
         out = mh.attention(q, kv, kv, mask=mask, backend="triton")
@@ -389,7 +390,7 @@ def test_a_first_training_step_compiles_the_backward_while_the_forward_compiles(
                          text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = {tuple(line.split()) for line in run.stdout.splitlines()}
-    for case in ("window", "documents"):
+    for case in ("window", "documents", "lengths"):
         assert (case, "_forward", "main") in rows, run.stdout
         for kernel in ("_dq", "_dkdv"):
             assert ((case, kernel, "ahead") in rows) == ahead, run.stdout

@@ -8,7 +8,8 @@ that runs the backward's wrapper on stand-in tensors of the ``meta`` device (the
 strides and dtypes, no memory) with every launch turned into Triton's warm-up: the kernels
 are compiled (each in its own worker where Triton can compile asynchronously) and kept in
 Triton's caches, and nothing runs on the device. The backward then waits for that thread
-(:func:`wait`) and finds its kernels compiled.
+(:func:`wait`) and finds its kernels compiled. A process about to exit waits for compiles
+in flight (Triton's workers are not daemons).
 
 A stand-in's data pointer is 0, which Triton specializes as 16-byte aligned, as it does
 the buffers torch allocates; a backward whose real tensors differ (a gradient of other
@@ -27,7 +28,7 @@ import threading
 import torch
 
 #: keys of the compiles started (each starts once per process)
-_STARTED: set = set()
+STARTED: set = set()
 #: threads compiling now
 _RUNNING: list = []
 _LOCAL = threading.local()
@@ -52,15 +53,15 @@ def enabled() -> bool:
 
 
 def stand_in(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A ``meta`` tensor of ``t``'s shape, strides and dtype (host tensors stay).
+    """A ``meta`` tensor of ``t``'s shape, strides and dtype (None stays None).
 
     Example:
         >>> s = stand_in(torch.zeros(2, 3).t())
         >>> s.device.type, s.shape, s.stride()
         ('meta', torch.Size([3, 2]), (1, 3))
     """
-    if t is None or (t.device.type == "cpu" and not t.is_floating_point()):
-        return t                                              # host tables stay on the host
+    if t is None:
+        return None
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
@@ -71,9 +72,9 @@ def compile_ahead(key, device: torch.device, fn) -> None:
     Example:
         >>> compile_ahead(("doc", 1), torch.device("cpu"), lambda: None); wait()
     """
-    if key in _STARTED:
+    if key in STARTED:
         return
-    _STARTED.add(key)
+    STARTED.add(key)
     if not enabled():
         return
 
@@ -88,22 +89,24 @@ def compile_ahead(key, device: torch.device, fn) -> None:
             pass
 
     thread = threading.Thread(target=work, name="multihead-compile-ahead", daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:          # no thread to be had: the backward compiles, as before
+        return
     _RUNNING.append(thread)
-    thread.start()
 
 
 def wait() -> None:
-    """Wait for the compiles running ahead (a backward's launches then find them).
+    """Wait for the compiles running ahead (a backward's launches then find them; two
+    backwards at once both wait).
 
     Example:
         >>> wait()
     """
-    while _RUNNING:
-        try:
-            thread = _RUNNING.pop()
-        except IndexError:        # another thread took the last one
-            return
+    for thread in list(_RUNNING):
         thread.join()
+        with contextlib.suppress(ValueError):     # another waiter removed it
+            _RUNNING.remove(thread)
 
 
 @contextlib.contextmanager

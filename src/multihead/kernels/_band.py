@@ -18,6 +18,7 @@ import json
 import math
 import operator
 import os
+import threading
 from typing import NamedTuple
 
 import torch
@@ -277,10 +278,14 @@ def _covers(docs, B, Sq) -> bool:
 _DERIVED = torch.utils.weak.WeakTensorKeyDictionary()
 
 
+_DERIVED_LOCK = threading.Lock()      # one memo per table, whichever thread comes first
+
+
 def _derived(docs: torch.Tensor, key, compute):
-    memo = _DERIVED.get(docs)
-    if memo is None or memo[0] != docs._version:
-        memo = _DERIVED[docs] = (docs._version, BoundedCache(16, 16 << 20))
+    with _DERIVED_LOCK:
+        memo = _DERIVED.get(docs)
+        if memo is None or memo[0] != docs._version:
+            memo = _DERIVED[docs] = (docs._version, BoundedCache(16, 16 << 20))
     return memo[1].get_or_compute(key, compute)
 
 

@@ -100,6 +100,9 @@ def launch(kernel, grid, *args, num_stages: int, **kwargs) -> None:
         >>> launch(_forward, grid, q, k, v, ..., BLOCK_M=128, num_stages=3)  # doctest: +SKIP
     """
     if _ahead.active():                              # compiling ahead: nothing runs
+        if _STAGE_CAP:                               # stages this device was found to fit
+            here = torch.cuda.current_device() if torch.cuda.is_initialized() else -1
+            num_stages = _STAGE_CAP.get(_cap_key(kernel, here, num_stages, kwargs), num_stages)
         kernel.warmup(*args, grid=grid, num_stages=num_stages, enable_fp_fusion=FP_FUSION,
                       **kwargs)
         return

@@ -168,19 +168,21 @@ class _Flash(_Direct):
         return _gradients(ctx, dout, dlse, backward=_backward)
 
 
-def _backward_ahead(q, k, v, kw: dict) -> None:
+def _backward_ahead(q, k, v, scale, causal, window, offset, kv_lengths, documents) -> None:
     """Compile the backward's kernels of a call of this kind while its forward's compile,
     on a first call (:mod:`._ahead`): on stand-ins of the tensors the backward will get
     (``out`` and ``dout`` as the forward allocates ``out``, ``lse`` fp32)."""
-    key = ("band", q.device, q.dtype, k.dtype, v.dtype, q.shape[-1], v.shape[-1],
-           kw["causal"], kw["window"] is None, kw["kv_lengths"] is None,
-           kw.get("documents") is None)
+    key = ("band", q.device, q.dtype, k.dtype, v.dtype, q.shape[-1], v.shape[-1], causal,
+           window == 0, kv_lengths is None, documents is None)
+    if key in _ahead.STARTED:
+        return
 
     def backward():
         s = _ahead.stand_in
         qs, ks, vs = s(q), s(k), s(v)
         out, lse = empty_outputs(qs, vs)
-        flash_backward(out, qs, ks, vs, out, lse, **dict(kw, kv_lengths=s(kw["kv_lengths"])))
+        flash_backward(out, qs, ks, vs, out, lse,
+                       **_kw(scale, causal, window, offset, s(kv_lengths), documents))
 
     _ahead.compile_ahead(key, q.device, backward)
 
@@ -199,7 +201,7 @@ def attention(q, k, v, scale: float, causal: bool, window: int, offset: int,
     if torch.compiler.is_compiling():
         return flash_attention(q, k, v, scale, causal, window, offset, kv_lengths, documents)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        _backward_ahead(q, k, v, _kw(scale, causal, window, offset, kv_lengths, documents))
+        _backward_ahead(q, k, v, scale, causal, window, offset, kv_lengths, documents)
     return _Flash.apply(q, k, v, scale, causal, window, offset, kv_lengths, documents)
 
 
