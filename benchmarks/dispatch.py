@@ -12,7 +12,6 @@ are printed beside the measurements, so a profile can be checked against the mac
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -21,6 +20,8 @@ import multihead as mh
 from multihead.functional import dispatch, profiles
 from multihead.bench.measure import measure
 from multihead.functional._call import make_call
+
+from benchmarks import save_json
 
 M = mh.masks
 
@@ -151,6 +152,4 @@ if __name__ == "__main__":
     p.add_argument("--overhead", action="store_true", help="only the per-call overhead")
     a = p.parse_args()
     result = overhead(a.device) if a.overhead else run(a.quick, a.device, a.dtype)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+    save_json(a.json, result)

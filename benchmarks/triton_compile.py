@@ -39,6 +39,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks import save_json
+
 #: (name, mask expression over M = mh.masks, S, other S values of the same bucket)
 CASES = [
     ("window 256", "M.sliding_window(256)", 4096, "M.sliding_window(300)"),
@@ -147,9 +149,7 @@ def main(argv=None) -> None:
               f"{warm['new_shapes_first'] * 1e3:.1f} ms, max {warm['new_shapes_max'] * 1e3:.1f} ms")
         if "profile" in warm:
             print(f"{case[0]}: the warm process's first call\n{warm['profile']}")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_json(a.out, rows)
 
 
 if __name__ == "__main__":

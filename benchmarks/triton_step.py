@@ -24,12 +24,13 @@ Notation: B batch, H query heads, Hkv K/V heads, S length, L cache length, D hea
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
 import multihead as mh
+
+from benchmarks import save_json
 
 
 def cases(device: str, small: bool, backend: str, flex: bool) -> dict:
@@ -142,9 +143,7 @@ def main(argv=None) -> None:
             print(f"    kernel {n:4.1f}x {us:9.1f} us  {kname[:90]}")
         for cname, (n, us) in list(r["cuda_calls"].items())[:8]:
             print(f"    call   {n:4.1f}x {us:9.1f} us  {cname}")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_json(a.out, rows)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import json
 import torch
 import torch.nn.functional as F
 
+from benchmarks import save_json
+
 FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 32, 4, 3),
        (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4)]
 #: dK/dV: BLOCK_M queries per step against BLOCK_N keys held (fewer queries than keys: the
@@ -361,9 +363,7 @@ def main(argv=None) -> None:
                 fn(rows, kinds=a.case) if name in ("fwd", "bwd", "sparse") else fn(rows)
             except Exception as e:                               # noqa: BLE001
                 rows.append(dict(part=name, failed=repr(e)[:300]))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_json(a.out, rows)
     print("\n".join(_best(rows)))
     if a.write:
         table = winners(rows)
