@@ -31,6 +31,7 @@ M = mh.masks
 class FakeStream:
     def __init__(self, log: list, sid: int):
         self.log, self.id = log, sid
+        self.cuda_stream = sid                            # its raw handle, as torch's has
 
     def wait_event(self, event):
         self.log.append(("wait", self.id, event))

@@ -79,11 +79,14 @@ class _Cuda:
         """The CUDA device index of ``t``, or None for a tensor of another device."""
         return t.device.index if t.is_cuda else None
 
-    @staticmethod
-    def current_id(index: int) -> int:
+    _raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)    # CUDA builds only
+
+    @classmethod
+    def current_id(cls, index: int) -> int:
         """The current stream of device ``index``, as its raw handle (cheap to compare)."""
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+        if cls._raw is not None:
+            return cls._raw(index)
+        return torch.cuda.current_stream(index).cuda_stream
 
     @staticmethod
     def current(index: int):
@@ -121,8 +124,8 @@ class StreamUse:
     __slots__ = ("made", "seen")
 
     def __init__(self, made: dict):
-        self.made = made                 # device index -> (stream id, stream, [tensors])
-        self.seen: set = set()           # (device index, stream id) already ordered
+        self.made = made                 # device index -> (stream, [tensors])
+        self.seen: set = set()           # (device index, stream handle) already ordered
 
     @classmethod
     def of(cls, tensors) -> StreamUse | None:
@@ -134,14 +137,13 @@ class StreamUse:
                 by_device.setdefault(index, []).append(t)
         if not by_device:
             return None
-        return cls({index: (_CUDA.current_id(index), _CUDA.current(index), ts)
-                    for index, ts in by_device.items()})
+        return cls({index: (_CUDA.current(index), ts) for index, ts in by_device.items()})
 
     def order_here(self) -> None:
         """Make the current streams safe users of the tensors (see the class)."""
-        for index, (made_id, made_on, tensors) in self.made.items():
+        for index, (made_on, tensors) in self.made.items():
             here = _CUDA.current_id(index)
-            if here == made_id or (index, here) in self.seen:
+            if here == made_on.cuda_stream or (index, here) in self.seen:
                 continue
             stream = _CUDA.current(index)
             stream.wait_event(_CUDA.event_on(made_on))

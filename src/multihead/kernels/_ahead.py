@@ -28,7 +28,7 @@ import threading
 import torch
 
 #: keys of the compiles started (each starts once per process)
-STARTED: set = set()
+_STARTED: set = set()
 #: threads compiling now
 _RUNNING: list = []
 _LOCAL = threading.local()
@@ -72,9 +72,9 @@ def compile_ahead(key, device: torch.device, fn) -> None:
     Example:
         >>> compile_ahead(("doc", 1), torch.device("cpu"), lambda: None); wait()
     """
-    if key in STARTED:
+    if key in _STARTED:
         return
-    STARTED.add(key)
+    _STARTED.add(key)
     if not enabled():
         return
 
