@@ -46,6 +46,7 @@ CASES = [
     ("window 256", "M.sliding_window(256)", 4096, "M.sliding_window(300)"),
     ("causal", "M.causal()", 4096, "M.causal()"),
     ("documents", "M.document(ids)", 4096, "M.document(ids)"),
+    ("ALiBi & causal", "M.alibi(16) & M.causal()", 4096, "M.alibi(16) & M.causal()"),
 ]
 
 
@@ -128,12 +129,15 @@ def main(argv=None) -> None:
     ap.add_argument("--ahead", type=int, default=1, choices=(0, 1),
                     help="compile the backward's kernels while the forward's compile")
     ap.add_argument("--size", type=int, default=None, help="S (default: each case's)")
+    ap.add_argument("--case", default=None, help="one case by name (default: all)")
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(_child(*json.loads(a.child))))
         return
     rows = []
     for case in CASES:
+        if a.case is not None and case[0] != a.case:
+            continue
         if a.size:
             case = (case[0], case[1], a.size, case[3])
         with tempfile.TemporaryDirectory() as cache:

@@ -366,7 +366,9 @@ ids = (torch.arange(S) * 3 // S)[None]                     # three documents
 with stub_launches():
     for name, mask, Hkv in (("window", M.sliding_window(64), 8),
                             ("documents", M.document(ids), 2),
-                            ("lengths", M.padding(torch.tensor([150])) & M.causal(), 8)):
+                            ("lengths", M.padding(torch.tensor([150])) & M.causal(), 8),
+                            ("alibi", M.alibi(8) & M.causal(), 2),
+                            ("dense", torch.rand(1, 1, S, S) > 0.3, 8)):
         q = torch.randn(1, 8, S, 64).to(torch.bfloat16).requires_grad_()
         kv = torch.randn(1, Hkv, S, 64).to(torch.bfloat16).requires_grad_()
         out = mh.attention(q, kv, kv, mask=mask, backend="triton")
@@ -390,8 +392,9 @@ def test_a_first_training_step_compiles_the_backward_while_the_forward_compiles(
                          text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = {tuple(line.split()) for line in run.stdout.splitlines()}
-    for case in ("window", "documents", "lengths"):
-        assert (case, "_forward", "main") in rows, run.stdout
-        for kernel in ("_dq", "_dkdv"):
+    for case, kind in (("window", ""), ("documents", ""), ("lengths", ""),
+                       ("alibi", "_sparse"), ("dense", "_sparse")):
+        assert (case, "_forward" + kind, "main") in rows, run.stdout
+        for kernel in ("_dq" + kind, "_dkdv" + kind):
             assert ((case, kernel, "ahead") in rows) == ahead, run.stdout
             assert ((case, kernel, "main") in rows) != ahead, run.stdout

@@ -65,17 +65,25 @@ def stand_in(t: torch.Tensor | None) -> torch.Tensor | None:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
-def compile_ahead(key, device: torch.device, fn) -> None:
-    """Run ``fn`` (a kernel wrapper's call on stand-ins) in a background thread whose
-    launches only compile, once per ``key``; :func:`wait` joins it.
+def compile_ahead(key, device: torch.device, prepare) -> None:
+    """Once per ``key``: call ``prepare()`` here, in the caller's thread (what must read
+    the caller's state: plans, caches), and run the function it returns (a kernel wrapper's
+    call on stand-ins) in a background thread whose launches only compile; :func:`wait`
+    joins it. ``prepare`` may return None (nothing to compile); an error in it is dropped.
 
     Example:
-        >>> compile_ahead(("doc", 1), torch.device("cpu"), lambda: None); wait()
+        >>> compile_ahead(("doc", 1), torch.device("cpu"), lambda: lambda: None); wait()
     """
     if key in _STARTED:
         return
     _STARTED.add(key)
     if not enabled():
+        return
+    try:
+        fn = prepare()
+    except Exception:             # noqa: BLE001 - the real call reports it
+        return
+    if fn is None:
         return
 
     def work():

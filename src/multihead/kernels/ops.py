@@ -32,12 +32,13 @@ import torch
 from torch._functorch.utils import unwrap_dead_wrappers
 
 from . import _ahead
-from ._band import check_inputs, empty_outputs
+from ._band import cdiv, check_inputs, empty_outputs, launch_config
 from .decode import decode_forward
 from .flash_bwd import check_backward, flash_backward
 from .flash_fwd import flash_forward
-from .flash_sparse import (KERNELS, flatten, plan, run_backward, run_forward,
-                           sparse_backward, sparse_forward, unflatten)
+from .flash_sparse import (KERNELS, Launch, flatten, plan, program, run_backward,
+                           run_forward, sparse_backward, sparse_forward, unflatten)
+from .mask_program import MaskProgram
 
 
 def _kw(scale, causal, window, offset, kv_lengths, documents=None) -> dict:
@@ -182,7 +183,7 @@ def _backward_ahead(q, k, v, scale, causal, window, offset, kv_lengths, document
         flash_backward(out, qs, ks, vs, out, lse,
                        **_kw(scale, causal, window, offset, s(kv_lengths), documents))
 
-    _ahead.compile_ahead(key, q.device, backward)
+    _ahead.compile_ahead(key, q.device, lambda: backward)
 
 
 def attention(q, k, v, scale: float, causal: bool, window: int, offset: int,
@@ -296,6 +297,7 @@ class _Sparse(_Direct):
     @staticmethod
     def backward(ctx, dout, dlse):
         _refuse_transforms(dout, dlse)
+        _ahead.wait()                          # its kernels, if compiling ahead
         ctx.mask._check_unchanged(ctx.versions, "triton backward")
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
@@ -318,7 +320,48 @@ def sparse(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         prog, launches = plan(mask, q, k, v, kernels=tuple(KERNELS) if grad else ("fwd",))
         return flash_sparse(q, k, v, scale, *flatten(prog, launches, q.shape[2], k.shape[2]))
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        _sparse_backward_ahead(q, k, v, mask, scale)
     return _Sparse.apply(q, k, v, mask, scale)
+
+
+def _sparse_backward_ahead(q, k, v, mask, scale: float) -> None:
+    """:func:`_backward_ahead` for the block-sparse kernels, once per mask program: the
+    program's tensors and the backward's block lists are stand-ins too, the lists shaped
+    as :func:`.flash_sparse.block_lists` builds them for the backward's blocks (the mask's
+    batch and head sizes taken from the forward's lists, which the forward builds anyway).
+    A mask that does not fit the call compiles nothing here: the forward reports it."""
+    Sq, D, Sk, Dv = q.shape[2], q.shape[3], k.shape[2], v.shape[3]
+    try:
+        prog = program(mask, Sq, Sk, q.device)
+    except Exception:             # noqa: BLE001 - the forward reports it
+        return
+    key = ("sparse", q.device, q.dtype, k.dtype, v.dtype, D, Dv, prog.source,
+           tuple(t.dtype for t in prog.tensors))
+
+    def lists(name: str, Bm: int, Hm: int) -> Launch:
+        config = launch_config(name, D, Dv)
+        rows, cols = cdiv(Sq, config[0]), cdiv(Sk, config[1])
+        if KERNELS[name]:                                  # by key: a row per key block
+            rows, cols = cols, rows
+        count = torch.empty(Bm, Hm, rows, dtype=torch.int32, device="meta")
+        index = torch.empty(Bm, Hm, rows, cols, dtype=torch.int32, device="meta")
+        return Launch(config, (count, count, index))
+
+    def prepare():
+        _, (fwd,) = plan(mask, q, k, v, kernels=("fwd",), fn="sparse_forward")
+        Bm, Hm = fwd.lists[0].shape[:2]                    # the mask's B', H' (1: broadcast)
+        s = _ahead.stand_in
+        qs, ks, vs = s(q), s(k), s(v)
+        stand_ins = MaskProgram(prog.source, tuple(map(s, prog.tensors)), prog.ints)
+        kv, dq = lists("bwd_kv", Bm, Hm), lists("bwd_q", Bm, Hm)
+
+        def backward():
+            out, lse = empty_outputs(qs, vs)
+            run_backward(out, qs, ks, vs, out, lse, None, scale, stand_ins, kv, dq)
+        return backward
+
+    _ahead.compile_ahead(key, q.device, prepare)
 
 
 @torch.library.custom_op("multihead::flash_decode", mutates_args=())
