@@ -176,14 +176,17 @@ def _backward_ahead(q, k, v, scale, causal, window, offset, kv_lengths, document
     key = ("band", q.device, q.dtype, k.dtype, v.dtype, q.shape[-1], v.shape[-1], causal,
            window == 0, kv_lengths is None, documents is None)
 
-    def backward():
+    def prepare():                 # stand-ins made here: the thread holds no real tensor
         s = _ahead.stand_in
-        qs, ks, vs = s(q), s(k), s(v)
-        out, lse = empty_outputs(qs, vs)
-        flash_backward(out, qs, ks, vs, out, lse,
-                       **_kw(scale, causal, window, offset, s(kv_lengths), documents))
+        qs, ks, vs, lens = s(q), s(k), s(v), s(kv_lengths)
 
-    _ahead.compile_ahead(key, q.device, lambda: backward)
+        def backward():
+            out, lse = empty_outputs(qs, vs)
+            flash_backward(out, qs, ks, vs, out, lse,
+                           **_kw(scale, causal, window, offset, lens, documents))
+        return backward
+
+    _ahead.compile_ahead(key, q.device, prepare)
 
 
 def attention(q, k, v, scale: float, causal: bool, window: int, offset: int,
