@@ -31,6 +31,7 @@ import inspect
 import torch
 from torch._functorch.utils import unwrap_dead_wrappers
 
+from .._device import capturing
 from . import _ahead
 from ._band import cdiv, check_inputs, empty_outputs, launch_config
 from .decode import decode_forward
@@ -333,7 +334,11 @@ def _sparse_backward_ahead(q, k, v, mask, scale: float) -> None:
     program's tensors and the backward's block lists are stand-ins too, the lists shaped
     as :func:`.flash_sparse.block_lists` builds them for the backward's blocks (the mask's
     batch and head sizes taken from the forward's lists, which the forward builds anyway).
-    A mask that does not fit the call compiles nothing here: the forward reports it."""
+    A mask that does not fit the call compiles nothing here: the forward reports it. Nothing
+    starts while a CUDA graph captures: the forward's plan is not cached then, so building
+    it here too would add its work to every replay."""
+    if capturing():
+        return
     Sq, D, Sk, Dv = q.shape[2], q.shape[3], k.shape[2], v.shape[3]
     try:
         prog = program(mask, Sq, Sk, q.device)
