@@ -26,10 +26,19 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 
 case "${1:-}" in
 tests)
-    python -m pytest -q -n 12 -p no:cacheprovider tests/test_triton.py tests/test_triton_masks.py \
-        tests/test_triton_paged.py tests/test_cuda.py tests/test_cuda_modules.py \
-        tests/test_nosync.py tests/test_graph_capture.py tests/test_streams.py 2>&1 \
-        | tee "$OUT/tests.log"
+    # streams held up with torch.cuda._sleep first, alone on the GPU (no xdist); then the
+    # rest. `timeout -s INT` stops a run that would outlast the command with pytest's summary
+    timeout -s INT 150 python -m pytest -q -p no:xdist -p no:cacheprovider \
+        tests/test_streams.py tests/test_graph_capture.py 2>&1 | tee "$OUT/tests-serial.log"
+    serial=${PIPESTATUS[0]}
+    timeout -s INT 400 python -m pytest -q -n 12 -p no:cacheprovider --durations=15 \
+        tests/test_triton.py tests/test_triton_masks.py tests/test_triton_paged.py \
+        tests/test_cuda.py tests/test_cuda_modules.py tests/test_nosync.py \
+        tests/peers/test_dropin_cuda.py 2>&1 | tee "$OUT/tests.log"
+    rest=${PIPESTATUS[0]}
+    timeout -s INT 30 python -m pytest -q -m cuda -p no:cacheprovider \
+        tests/analysis/test_bench.py 2>&1 | tee "$OUT/tests-bench.log"
+    [ "$serial" -eq 0 ] && [ "$rest" -eq 0 ] && [ "${PIPESTATUS[0]}" -eq 0 ]
     ;;
 bench)
     python -m multihead.cli.main bench --suite full --device cuda --dtype bf16 \

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 from unittest import mock
 
 import pytest
@@ -147,9 +148,9 @@ def test_a_cached_value_that_refers_to_a_mask_neither_counts_nor_orders_its_tens
     assert [p for kind, _, p in rec.log if kind == "keep"] == [own.data_ptr()]
 
 
-#: GPU cycles a stream sleeps for (about half a second on an H100): far longer than the host
+#: GPU cycles a stream sleeps for (about two seconds on an H100): far longer than the host
 #: takes to queue what follows
-HOLD_UP = 1_000_000_000
+HOLD_UP = 4_000_000_000
 
 
 def _inputs(seed: int):
@@ -171,9 +172,11 @@ def test_a_hit_on_another_stream_waits_for_the_kernels_that_make_the_value_on_cu
     pytest.importorskip("triton")
     q, k, v, ids, want = _inputs(0)
     side = torch.cuda.Stream()
-    for stream in (torch.cuda.current_stream(), side):   # kernels compiled, pools warm
+    # kernels compiled, pools warm, with other documents: the memory the test's lists get
+    # then holds other lists, which B would read if it did not wait
+    for stream in (torch.cuda.current_stream(), side):
         with torch.cuda.stream(stream):
-            mh.attention(q, k, v, mask=M.document(ids.clone()), backend="triton")
+            mh.attention(q, k, v, mask=M.document(torch.zeros_like(ids)), backend="triton")
     mask = M.document(ids)
     torch.cuda.synchronize()
     torch.cuda._sleep(HOLD_UP)                               # stream A
@@ -201,8 +204,10 @@ def test_a_value_the_cache_lets_go_keeps_its_memory_while_another_stream_reads_i
     with torch.cuda.stream(side):
         mh.attention(q, k, v, mask=M.document(ids.clone()), backend="triton")   # B warm
     memo = vars(mask)["_memo"]
-    lists = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-             for t, _ in _tensors(memo._data) if t.is_cuda]
+    cached = [t for t, _ in _tensors(memo._data) if t.is_cuda]
+    lists = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in cached]
+    alive = [weakref.ref(t) for t in cached]
+    del cached
     assert lists
     torch.cuda.synchronize()
     torch.cuda.empty_cache()                 # little free memory left to search below
@@ -214,17 +219,18 @@ def test_a_value_the_cache_lets_go_keeps_its_memory_while_another_stream_reads_i
     memo.clear()
     dispatch.clear_cache()
     gc.collect()
+    assert not any(ref() is not None for ref in alive), "the lists are still referenced"
     stats = torch.cuda.memory_stats()
     free = {pool: stats[f"reserved_bytes.{pool}.current"] - stats[f"allocated_bytes.{pool}.current"]
             for pool in ("small_pool", "large_pool")}
     taken = []
     for ptr, size in lists:                  # take every free block that could hold one
         budget = free["small_pool" if size <= 1 << 20 else "large_pool"] + size
+        block = -(-max(size, 1) // 512) * 512    # the allocator's rounding of a request
         while budget > 0:
             t = torch.empty(max(size, 1), dtype=torch.uint8, device="cuda")
-            t.fill_(0xAB)
             taken.append(t)
-            budget -= t.untyped_storage().nbytes()
+            budget -= block
             start = t.data_ptr()
             assert not (start < ptr + size and ptr < start + t.numel()), (
                 "memory B has yet to read was handed to A")

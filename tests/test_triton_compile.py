@@ -398,3 +398,60 @@ def test_a_first_training_step_compiles_the_backward_while_the_forward_compiles(
         for kernel in ("_dq" + kind, "_dkdv" + kind):
             assert ((case, kernel, "ahead") in rows) == ahead, run.stdout
             assert ((case, kernel, "main") in rows) != ahead, run.stdout
+
+
+#: compiled for sm_90 on the CPU, with a CUDA graph capture simulated: where each kernel
+#: module is loaded (inside or outside this thread's relaxed capture mode) and whether the
+#: launch that follows ran
+_CAPTURE = """
+import contextlib, sys, torch
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+import sm90_compile
+from benchmarks.triton_host import stub_launches
+from multihead import _device
+from multihead.kernels.flash_fwd import flash_forward
+state = dict(relaxed=False, capturing={capturing})
+events = []
+@contextlib.contextmanager
+def relaxed():
+    state["relaxed"] = True
+    try:
+        yield
+    finally:
+        state["relaxed"] = False
+load = sm90_compile._Utils.load_binary
+def logged_load(*args):
+    events.append("load relaxed" if state["relaxed"] else "load plain")
+    return load(*args)
+def logged_launch(self, *args):
+    events.append("launch")
+sm90_compile._Utils.load_binary = staticmethod(logged_load)
+sm90_compile._Launcher.__call__ = logged_launch
+_device.capturing = lambda: state["capturing"]
+_device.relaxed_capture = relaxed
+q = torch.zeros(1, 4, 96, 64, dtype=torch.bfloat16)
+with stub_launches():
+    for call in range(2):
+        flash_forward(q, q, q, scale=0.125, causal=True, window=40)
+        print(call, " ".join(events))
+        events.clear()
+"""
+
+
+@pytest.mark.parametrize("capturing", [True, False])
+def test_a_kernel_first_launched_while_a_graph_captures_is_loaded_in_relaxed_mode(capturing):
+    """Compiled for sm_90 on the CPU: Triton loads a kernel's module on its first launch,
+    a call a CUDA graph capture forbids. While a capture runs (simulated), the module is
+    loaded first under this thread's relaxed capture mode, then the kernel launches; a
+    later launch loads nothing. Without a capture (the control) the module is loaded the
+    plain way."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tests = Path(__file__).parent
+    code = _CAPTURE.format(root=str(tests.parent), tests=str(tests), capturing=capturing)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    first, second = run.stdout.splitlines()
+    assert first == f"0 load {'relaxed' if capturing else 'plain'} launch", run.stdout
+    assert second == "1 launch", run.stdout

@@ -12,9 +12,17 @@ tensor a captured kernel reads (see :class:`multihead._cache.BoundedCache`).
 
 A cached device tensor made on one CUDA stream and read on another is ordered after its
 making and kept from reuse until the reading stream is done with it (:class:`StreamUse`).
+
+Loading a kernel's module is a call a capture forbids; :func:`relaxed_capture` lets this
+thread make it while a graph captures (CUDA's relaxed capture mode).
 """
 
 from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import sys
 
 import torch
 
@@ -34,6 +42,52 @@ def capturing() -> bool:
     """
     return (not torch.compiler.is_compiling() and torch.cuda.is_initialized()
             and torch.cuda.is_current_stream_capturing())
+
+
+#: ``CU_STREAM_CAPTURE_MODE_RELAXED``: the thread may make potentially unsafe calls
+_RELAXED = 2
+
+
+@functools.lru_cache(maxsize=None)
+def _capture_mode_swap():
+    """The driver's ``cuThreadExchangeStreamCaptureMode``, or None without a CUDA driver."""
+    try:
+        lib = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+        swap = lib.cuThreadExchangeStreamCaptureMode
+    except (OSError, AttributeError):
+        return None
+    swap.argtypes, swap.restype = [ctypes.POINTER(ctypes.c_int)], ctypes.c_int
+    return swap
+
+
+@contextlib.contextmanager
+def relaxed_capture():
+    """Within the block, this thread may make calls that a CUDA graph capture in the
+    default (global) mode forbids, such as loading a kernel's module: CUDA's relaxed
+    capture mode for this thread, the previous mode restored on the way out. (PyTorch's
+    allocator does the same around its own such calls.) Without a CUDA driver, nothing
+    changes.
+
+    Raises:
+        RuntimeError: when the driver refuses the mode (its error code is shown).
+
+    Example:
+        >>> with relaxed_capture():
+        ...     pass
+    """
+    swap = _capture_mode_swap()
+    if swap is None:
+        yield
+        return
+    mode = ctypes.c_int(_RELAXED)
+    status = swap(ctypes.byref(mode))
+    if status != 0:
+        raise RuntimeError(f"multihead: cuThreadExchangeStreamCaptureMode failed (CUresult "
+                           f"{status}) while making this thread's capture mode relaxed")
+    try:
+        yield
+    finally:
+        swap(ctypes.byref(mode))                  # mode now holds the previous one
 
 
 def hold(value):

@@ -25,6 +25,14 @@ runs what Triton would have run, with the same arguments (``tests/test_triton_co
 checks it against Triton's launch path). Triton's path still runs the first call of a
 class, calls under the interpreter, calls with launch or compiler-stage hooks set
 (profilers, compiler tools), and Triton older than 3.4 (whose launch conventions differ).
+
+While a CUDA graph captures, a kernel that this process has not launched yet is compiled
+and its module loaded before the launch, under CUDA's relaxed capture mode for this thread
+(:func:`multihead._device.relaxed_capture`): Triton loads a module on a kernel's first
+launch, and a capture forbids that call ("operation not permitted when stream is
+capturing"). A capture may well meet a kernel its eager warm-up did not run: a device
+mask's contents may change between replays, so while capturing a call does not use facts
+read from them earlier and may take another route.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ import os
 import torch
 from triton.runtime import driver
 from triton.runtime.errors import OutOfResources
+
+from .. import _device
 
 from . import _ahead
 
@@ -152,6 +162,8 @@ def _triton_launch(kernel, grid, device: int, args: tuple, num_stages: int, kwar
         stages = _STAGE_CAP.get(key, num_stages)
     while True:
         try:
+            if _device.capturing():
+                _load_for_capture(kernel, grid, args, stages, kwargs)
             return kernel[grid](*args, num_stages=stages, enable_fp_fusion=FP_FUSION,
                                 **kwargs)
         except OutOfResources as e:
@@ -167,6 +179,20 @@ def _triton_launch(kernel, grid, device: int, args: tuple, num_stages: int, kwar
             _STAGE_CAP[key or _cap_key(kernel, device, num_stages, kwargs)] = stages
             _CLASSES.clear()     # classes remembered before the cap: Triton's path now
                                  # takes fewer stages for them too (rare: once per cap)
+
+
+def _load_for_capture(kernel, grid, args: tuple, num_stages: int, kwargs: dict) -> None:
+    """While a CUDA graph captures: compile (or find) the kernel this launch runs and load
+    its module now, in CUDA's relaxed capture mode, so that the launch itself makes no call
+    the capture forbids (see the module docstring). Raises what loading raises
+    (``OutOfResources`` where the kernel needs more shared memory than the device has)."""
+    compiled = kernel.warmup(*args, grid=grid, num_stages=num_stages,
+                             enable_fp_fusion=FP_FUSION, **kwargs)
+    load = getattr(compiled, "_init_handles", None)
+    if load is None or getattr(compiled, "module", None) is not None:   # loaded already
+        return
+    with _device.relaxed_capture():
+        load()
 
 
 def _call_class(kernel, device: int, num_stages: int, args: tuple, kwargs: dict):
