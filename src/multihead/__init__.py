@@ -8,10 +8,12 @@ Example:
     torch.Size([1, 2, 4, 8])
 """
 
-from . import masks
+from . import _cpu_math, masks
 from .functional import attention, backends, explain, profiles
 from .modules import KVCache, MultiHeadAttention, PagedKVCache, RotaryEmbedding
 from . import interop, nn  # noqa: E402  (interop uses the public API above)
+
+_cpu_math.settle()           # before any parallel math: see multihead/_cpu_math.py
 
 __version__ = "0.1.0"
 
