@@ -46,7 +46,6 @@ from triton.runtime import driver
 from triton.runtime.errors import OutOfResources
 
 from .. import _device
-
 from . import _ahead
 
 try:                                                # Triton >= 3.4
@@ -110,11 +109,8 @@ def launch(kernel, grid, *args, num_stages: int, **kwargs) -> None:
         >>> launch(_forward, grid, q, k, v, ..., BLOCK_M=128, num_stages=3)  # doctest: +SKIP
     """
     if _ahead.active():                              # compiling ahead: nothing runs
-        if _STAGE_CAP:                               # stages this device was found to fit
-            here = torch.cuda.current_device() if torch.cuda.is_initialized() else -1
-            num_stages = _STAGE_CAP.get(_cap_key(kernel, here, num_stages, kwargs), num_stages)
-        kernel.warmup(*args, grid=grid, num_stages=num_stages, enable_fp_fusion=FP_FUSION,
-                      **kwargs)
+        here = torch.cuda.current_device() if torch.cuda.is_initialized() else -1
+        _warmup(kernel, grid, args, _capped(kernel, here, num_stages, kwargs), kwargs)
         return
     device = args[0].get_device()
     if device >= 0 and device != torch.cuda.current_device():
@@ -155,11 +151,7 @@ def forget() -> None:
 def _triton_launch(kernel, grid, device: int, args: tuple, num_stages: int, kwargs: dict):
     """Triton's own launch, with fewer stages where shared memory is short; returns what
     Triton returns (the compiled kernel; None under the interpreter)."""
-    key = None
-    stages = num_stages
-    if _STAGE_CAP:
-        key = _cap_key(kernel, device, num_stages, kwargs)
-        stages = _STAGE_CAP.get(key, num_stages)
+    stages = _capped(kernel, device, num_stages, kwargs)
     while True:
         try:
             if _device.capturing():
@@ -176,9 +168,24 @@ def _triton_launch(kernel, grid, device: int, args: tuple, num_stages: int, kwar
                     f"benchmarks.triton_tune --write FILE, then MULTIHEAD_TRITON_LAUNCH=FILE) "
                     f"or run backend='sdpa'") from e
             stages -= 1
-            _STAGE_CAP[key or _cap_key(kernel, device, num_stages, kwargs)] = stages
+            _STAGE_CAP[_cap_key(kernel, device, num_stages, kwargs)] = stages
             _CLASSES.clear()     # classes remembered before the cap: Triton's path now
                                  # takes fewer stages for them too (rare: once per cap)
+
+
+def _capped(kernel, device: int, num_stages: int, kwargs: dict) -> int:
+    """The stages to ask for: ``num_stages``, or fewer where this device was found to fit
+    fewer (one truth test where it fits them all)."""
+    if not _STAGE_CAP:
+        return num_stages
+    return _STAGE_CAP.get(_cap_key(kernel, device, num_stages, kwargs), num_stages)
+
+
+def _warmup(kernel, grid, args: tuple, num_stages: int, kwargs: dict):
+    """Compile (or find in Triton's caches) the kernel this launch would run, running
+    nothing; returns it, not yet loaded."""
+    return kernel.warmup(*args, grid=grid, num_stages=num_stages, enable_fp_fusion=FP_FUSION,
+                         **kwargs)
 
 
 def _load_for_capture(kernel, grid, args: tuple, num_stages: int, kwargs: dict) -> None:
@@ -186,8 +193,7 @@ def _load_for_capture(kernel, grid, args: tuple, num_stages: int, kwargs: dict) 
     its module now, in CUDA's relaxed capture mode, so that the launch itself makes no call
     the capture forbids (see the module docstring). Raises what loading raises
     (``OutOfResources`` where the kernel needs more shared memory than the device has)."""
-    compiled = kernel.warmup(*args, grid=grid, num_stages=num_stages,
-                             enable_fp_fusion=FP_FUSION, **kwargs)
+    compiled = _warmup(kernel, grid, args, num_stages, kwargs)
     load = getattr(compiled, "_init_handles", None)
     if load is None or getattr(compiled, "module", None) is not None:   # loaded already
         return
