@@ -175,6 +175,21 @@ def test_a_captured_document_mask_follows_its_ids_rewritten_between_replays(born
         torch.testing.assert_close(captured, want, atol=2e-3, rtol=2e-3)
 
 
+def test_no_compile_ahead_starts_while_a_graph_captures():
+    """What compiling ahead prepares on the device (a plan's block lists) would be captured
+    into every replay: during a capture nothing is prepared, and the first call after it
+    still starts its compile."""
+    pytest.importorskip("triton")
+    from multihead.kernels import _ahead
+    prepared, key = [], ("test: captured first", object())
+    with simulated_capture():
+        _ahead.compile_ahead(key, torch.device("cpu"), lambda: prepared.append(1))
+    assert key not in _ahead._STARTED and not prepared
+    with mock.patch.object(_ahead, "enabled", lambda: True):
+        _ahead.compile_ahead(key, torch.device("cpu"), lambda: prepared.append(1))
+    assert key in _ahead._STARTED and prepared == [1]
+
+
 @pytest.mark.cuda
 def test_a_host_copy_captured_in_a_graph_keeps_its_source():
     host = torch.arange(1000)

@@ -27,6 +27,8 @@ import threading
 
 import torch
 
+from .. import _device
+
 #: keys of the compiles started (each starts once per process)
 _STARTED: set = set()
 #: threads compiling now
@@ -71,10 +73,13 @@ def compile_ahead(key, device: torch.device, prepare) -> None:
     call on stand-ins) in a background thread whose launches only compile; :func:`wait`
     joins it. ``prepare`` may return None (nothing to compile); an error in it is dropped.
 
+    Nothing starts while a CUDA graph captures (the key stays unused): what ``prepare``
+    computes on the device (a plan's block lists, say) would be captured into every replay.
+
     Example:
         >>> compile_ahead(("doc", 1), torch.device("cpu"), lambda: lambda: None); wait()
     """
-    if key in _STARTED:
+    if key in _STARTED or _device.capturing():
         return
     _STARTED.add(key)
     if not enabled():

@@ -86,6 +86,18 @@ def block_lists(mask: MB.Mask, sq: int, sk: int, block_m: int, block_n: int, dev
     return mask.cached("triton_lists", (sq, sk, block_m, block_n, str(device), by_key), build)
 
 
+def list_shape(sq: int, sk: int, block_m: int, block_n: int, by_key: bool) -> tuple[int, int]:
+    """``(R, C)`` of :func:`block_lists`' index for these lengths and blocks: a row per query
+    block and a column per key block (swapped ``by_key``).
+
+    Example:
+        >>> list_shape(100, 300, 64, 128, False), list_shape(100, 300, 64, 128, True)
+        ((2, 3), (3, 2))
+    """
+    rows, cols = cdiv(sq, block_m), cdiv(sk, block_n)
+    return (cols, rows) if by_key else (rows, cols)
+
+
 def program(mask: MB.Mask, sq: int, sk: int, device) -> MaskProgram:
     """The mask's :func:`.mask_program` for these lengths, cached on the mask."""
     return mask.cached("triton_program", (sq, sk, str(device)),
@@ -339,7 +351,7 @@ def unflatten(fn: str, q: torch.Tensor, k: torch.Tensor, source: str, tensors, i
         cfg = tuple(configs[2 + 4 * i:6 + 4 * i])
         check_arguments(f"{fn}: kernel {i}'s launch", config=cfg)
         bm, bn, _, _ = cfg
-        rows, cols = (cdiv(Sk, bn), cdiv(Sq, bm)) if by_key else (cdiv(Sq, bm), cdiv(Sk, bn))
+        rows, cols = list_shape(Sq, Sk, bm, bn, by_key)
         n_full, n_part, index = lists[3 * i:3 * i + 3]
         fits = (index.dim() == 4 and index.shape[0] in (1, B) and index.shape[1] in (1, H)
                 and tuple(index.shape[2:]) == (rows, cols)

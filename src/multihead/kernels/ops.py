@@ -31,14 +31,14 @@ import inspect
 import torch
 from torch._functorch.utils import unwrap_dead_wrappers
 
-from .._device import capturing
 from . import _ahead
-from ._band import cdiv, check_inputs, empty_outputs, launch_config
+from ._band import check_inputs, empty_outputs, launch_config
 from .decode import decode_forward
 from .flash_bwd import check_backward, flash_backward
 from .flash_fwd import flash_forward
-from .flash_sparse import (KERNELS, Launch, flatten, plan, program, run_backward,
-                           run_forward, sparse_backward, sparse_forward, unflatten)
+from .flash_sparse import (KERNELS, Launch, flatten, list_shape, plan, program,
+                           run_backward, run_forward, sparse_backward, sparse_forward,
+                           unflatten)
 from .mask_program import MaskProgram
 
 
@@ -334,11 +334,7 @@ def _sparse_backward_ahead(q, k, v, mask, scale: float) -> None:
     program's tensors and the backward's block lists are stand-ins too, the lists shaped
     as :func:`.flash_sparse.block_lists` builds them for the backward's blocks (the mask's
     batch and head sizes taken from the forward's lists, which the forward builds anyway).
-    A mask that does not fit the call compiles nothing here: the forward reports it. Nothing
-    starts while a CUDA graph captures: the forward's plan is not cached then, so building
-    it here too would add its work to every replay."""
-    if capturing():
-        return
+    A mask that does not fit the call compiles nothing here: the forward reports it."""
     Sq, D, Sk, Dv = q.shape[2], q.shape[3], k.shape[2], v.shape[3]
     try:
         prog = program(mask, Sq, Sk, q.device)
@@ -349,9 +345,7 @@ def _sparse_backward_ahead(q, k, v, mask, scale: float) -> None:
 
     def lists(name: str, Bm: int, Hm: int) -> Launch:
         config = launch_config(name, D, Dv)
-        rows, cols = cdiv(Sq, config[0]), cdiv(Sk, config[1])
-        if KERNELS[name]:                                  # by key: a row per key block
-            rows, cols = cols, rows
+        rows, cols = list_shape(Sq, Sk, config[0], config[1], KERNELS[name])
         count = torch.empty(Bm, Hm, rows, dtype=torch.int32, device="meta")
         index = torch.empty(Bm, Hm, rows, cols, dtype=torch.int32, device="meta")
         return Launch(config, (count, count, index))
