@@ -16,11 +16,13 @@ kernel, leaves a non-finite output; only then are the inputs scanned, the call r
 on cleaned inputs and the rows that see non-finite values set to NaN. On devices where a
 read-back stalls the queue (GPUs) nothing is inspected, and the fused kernels' own NaN
 handling applies. Our Triton kernels keep the first part of the rule themselves where
-hidden positions may hold anything: every kernel zeros non-finite values on the blocks it
-masks (the block-sparse kernels' partial blocks, the band and decode kernels' edge blocks,
-where the band shows a key to some rows of a block and hides it from others) and makes NaN
-(output and lse) the rows that see a non-finite value; the band kernels never read the keys
-past a padding length. A visible non-finite *key* follows IEEE arithmetic there: a NaN makes
+hidden positions may hold anything: a program whose accumulators end non-finite (a hidden
+NaN or inf makes them NaN: its weight is 0, and ``0 * NaN`` is NaN) runs its blocks again,
+zeroing the non-finite values on the blocks it masks (the block-sparse kernels' partial
+blocks, the band and decode kernels' edge blocks, where the band shows a key to some rows
+of a block and hides it from others) and making NaN (output and lse) the rows that see
+one; a program whose accumulators end finite saw none and pays nothing. The band kernels
+never read the keys past a padding length. A visible non-finite *key* follows IEEE arithmetic there: a NaN makes
 its rows NaN, an infinite score may instead drop the key (``-inf``) from a row.
 """
 

@@ -30,9 +30,9 @@ import triton
 import triton.language as tl
 
 from ._band import (LOG2E, cdiv, check_inputs, empty_outputs, integral, is_int, launch_config,
-                    pow2)
+                    nonfinite, pow2)
 from ._launch import launch
-from .flash_fwd import DYNAMIC, _attend_block, _finish
+from .flash_fwd import DYNAMIC, _attend_block, _finish, fresh_state
 
 #: the most queries per head the kernel takes (decoding and draft verification)
 MAX_QUERIES = 16
@@ -53,6 +53,35 @@ MERGE_SPLITS = 16
 #: the most fp32 values a merge step holds: splits x rows x head-dim tile (64 per thread
 #: of 4 warps)
 MERGE_TILE = 8192
+
+
+@triton.jit
+def _split_blocks(q, k_base, v_base, TBL, lo, hi, i, live, qk_scale, offset, window, skn,
+                  skd, svn, svd, b, h, Sq, stb, pages, D: tl.constexpr, DV: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                  PAGED: tl.constexpr, PAGE: tl.constexpr, CAREFUL: tl.constexpr):
+    # The online softmax of a split's rows over its keys [lo, hi), every block masked (the
+    # paged pool's through the block table). Returns (acc, m, l, outside): outside counts
+    # the page ids outside the pool that were met (their blocks read page 0 instead).
+    acc, m_i, l_i = fresh_state(BLOCK_R, BLOCK_DV)
+    outside = 0
+    for start in range(lo, hi, BLOCK_N):
+        kb = k_base
+        vb = v_base
+        if PAGED:                                      # the block lies in one page: rebase
+            page = tl.load(TBL + b * stb + start // PAGE).to(tl.int64)
+            inside = (page >= 0) & (page < pages)      # else: read page 0, and poison below
+            outside += tl.where(inside, 0, 1)
+            page = tl.where(inside, page, 0)
+            rebase = page * PAGE - start // PAGE * PAGE     # slot of position start, minus start
+            kb = k_base + rebase * skn
+            vb = v_base + rebase * svn
+        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, kb, vb, start, hi, i, live,
+                                      qk_scale, offset, window, skn, skd, svn, svd, b, h, Sq,
+                                      None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL,
+                                      WINDOWED, True, None, False, CAREFUL)
+    return acc, m_i, l_i, outside
 
 
 @triton.jit(do_not_specialize=DYNAMIC + ["B", "chunk", "stb", "pages", "splits"])
@@ -90,27 +119,18 @@ def _partial(Q, K, V, PO, PL, O, LSE, CNT, LENS, TBL, qk_scale,
     if WINDOWED:
         lo = tl.maximum(lo, (offset - window + 1) // BLOCK_N * BLOCK_N)
 
-    m_i = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_R,), tl.float32)
-    acc = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    outside = 0                                        # page ids outside the pool, seen
-    for start in range(lo, hi, BLOCK_N):
-        kb = k_base
-        vb = v_base
-        if PAGED:                                      # the block lies in one page: rebase
-            page = tl.load(TBL + b * stb + start // PAGE).to(tl.int64)
-            inside = (page >= 0) & (page < pages)      # else: read page 0, and poison below
-            outside += tl.where(inside, 0, 1)
-            page = tl.where(inside, page, 0)
-            rebase = page * PAGE - start // PAGE * PAGE     # slot of position start, minus start
-            kb = k_base + rebase * skn
-            vb = v_base + rebase * svn
-        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, kb, vb, start, hi, i, live,
-                                      qk_scale, offset, window, skn, skd, svn, svd, b, h, Sq,
-                                      None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL,
-                                      WINDOWED, True, None, False)
+    acc, m_i, l_i, outside = _split_blocks(q, k_base, v_base, TBL, lo, hi, i, live, qk_scale,
+                                           offset, window, skn, skd, svn, svd, b, h, Sq,
+                                           stb, pages, D, DV, BLOCK_D, BLOCK_DV, BLOCK_R,
+                                           BLOCK_N, CAUSAL, WINDOWED, PAGED, PAGE, False)
+    if nonfinite(acc):                                 # rare: run again, carefully
+        acc, m_i, l_i, outside = _split_blocks(q, k_base, v_base, TBL, lo, hi, i, live,
+                                               qk_scale, offset, window, skn, skd, svn, svd,
+                                               b, h, Sq, stb, pages, D, DV, BLOCK_D,
+                                               BLOCK_DV, BLOCK_R, BLOCK_N, CAUSAL, WINDOWED,
+                                               PAGED, PAGE, True)
     out, lse = _finish(acc, m_i, l_i)
     if PAGED:                      # a table entry outside the pool: NaN rows, nothing read
         out = tl.where(outside > 0, float("nan"), out)

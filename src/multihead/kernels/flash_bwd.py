@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from ._band import (LOG2E, check_inputs, check_pair, empty_like_all, finite_or_zero,
-                    key_length, key_range, launch_config, load_tile, masked_scores, pow2,
-                    program_block, query_range, schedule)
+                    key_length, key_range, launch_config, load_tile, masked_scores, nonfinite,
+                    pow2, program_block, query_range, schedule)
 from ._launch import launch
 from .flash_fwd import DYNAMIC
 
@@ -76,8 +76,9 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
                 WINDOWED: tl.constexpr, MASKED: tl.constexpr, MASK_FN: tl.constexpr,
-                HAS_BIAS: tl.constexpr, KEYS_LEFT: tl.constexpr):
-    # The queries [start, start + BLOCK_M) of one head, against this program's keys.
+                HAS_BIAS: tl.constexpr, KEYS_LEFT: tl.constexpr, CAREFUL: tl.constexpr):
+    # The queries [start, start + BLOCK_M) of one head, against this program's keys
+    # (CAREFUL: see _band.nonfinite).
     # KEYS_LEFT computes the block transposed (Sᵀ = K Qᵀ, keys down): Pᵀ and dSᵀ then come
     # out of their products as the left operands of dV += Pᵀ dO and dK += dSᵀ Q, with no
     # transpose through shared memory, and the keys fill the 64-row left operand of a
@@ -111,7 +112,7 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
         dv += tl.dot(tl.trans(p.to(do.dtype)), do)                         # (BLOCK_N, BLOCK_DV)
         dp = tl.dot(do, tl.trans(v))                                       # (BLOCK_M, BLOCK_N)
         dst = tl.trans(_dscores(p, ok, dp, delta[:, None], MASKED).to(q.dtype))
-    if MASKED:         # a query hidden from some keys (the band's, padding) may hold anything
+    if MASKED and CAREFUL:  # a query hidden from some keys (band, padding) may hold anything
         q, _ = finite_or_zero(q)    # (a row that sees a non-finite value has ds NaN anyway)
     dk += tl.dot(dst, q)                                                    # (BLOCK_N, BLOCK_D)
     return dk, dv
@@ -127,6 +128,47 @@ def keys_left(block_m: int, block_n: int) -> bool:
         (False, True)
     """
     return block_m < block_n
+
+
+@triton.jit
+def _kv_band(k, v, Q, DO, LSE, DELTA, b, hk, first, cols, n_q, klen, lo, a, c, hi, H, G, Sq,
+             qk_scale, offset, window, sqb, sqh, sqm, sqd, sdb, sdh, sdm, sdd,
+             D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+             WINDOWED: tl.constexpr, KEYS_LEFT: tl.constexpr, CAREFUL: tl.constexpr):
+    # dK, dV (fp32, unscaled) of this program's keys over the query blocks [lo, hi) of each
+    # query head of the group: the band's edges masked, [a, c) not.
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+    for g in range(G):                                 # the group's query heads, in registers
+        h = hk * G + g
+        q_base = Q + b * sqb + h * sqh + first * sqm
+        do_base = DO + b * sdb + h * sdh + first * sdm
+        lse_base = LSE + (b * H + h) * Sq + first
+        dl_base = DELTA + (b * H + h) * Sq + first
+        if CAREFUL:            # the rare second run (_band.nonfinite): every block masked
+            for start in tl.range(lo, hi, BLOCK_M, num_stages=1):
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start,
+                                     n_q, cols, klen, qk_scale, offset, window, sqm, sqd, sdm,
+                                     sdd, b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                                     CAUSAL, WINDOWED, True, None, False, KEYS_LEFT, True)
+        else:
+            for start in range(lo, a, BLOCK_M):
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start,
+                                     n_q, cols, klen, qk_scale, offset, window, sqm, sqd, sdm,
+                                     sdd, b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                                     CAUSAL, WINDOWED, True, None, False, KEYS_LEFT, False)
+            for start in range(a, c, BLOCK_M):
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start,
+                                     n_q, cols, klen, qk_scale, offset, window, sqm, sqd, sdm,
+                                     sdd, b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                                     CAUSAL, WINDOWED, False, None, False, KEYS_LEFT, False)
+            for start in range(c, hi, BLOCK_M):
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start,
+                                     n_q, cols, klen, qk_scale, offset, window, sqm, sqd, sdm,
+                                     sdd, b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                                     CAUSAL, WINDOWED, True, None, False, KEYS_LEFT, False)
+    return dk, dv
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
@@ -152,29 +194,15 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, GK, GV, LENS, SEGS, scale, qk_scale,
     klen = key_length(LENS, b, n_k, HAS_LENS)
     lo, a, c, hi = query_range(n0, n_q, klen, offset, window, CAUSAL, WINDOWED,
                                BLOCK_M, BLOCK_N)
-    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
-    for g in range(G):                                 # the group's query heads, in registers
-        h = hk * G + g
-        q_base = Q + b * sqb + h * sqh + first * sqm
-        do_base = DO + b * sdb + h * sdh + first * sdm
-        lse_base = LSE + (b * H + h) * Sq + first
-        dl_base = DELTA + (b * H + h) * Sq + first
-        for start in range(lo, a, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, n_q,
-                                 cols, klen, qk_scale, offset, window, sqm, sqd, sdm, sdd,
-                                 b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL,
-                                 WINDOWED, True, None, False, KEYS_LEFT)
-        for start in range(a, c, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, n_q,
-                                 cols, klen, qk_scale, offset, window, sqm, sqd, sdm, sdd,
-                                 b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL,
-                                 WINDOWED, False, None, False, KEYS_LEFT)
-        for start in range(c, hi, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, n_q,
-                                 cols, klen, qk_scale, offset, window, sqm, sqd, sdm, sdd,
-                                 b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, CAUSAL,
-                                 WINDOWED, True, None, False, KEYS_LEFT)
+    dk, dv = _kv_band(k, v, Q, DO, LSE, DELTA, b, hk, first, cols, n_q, klen, lo, a, c, hi,
+                      H, G, Sq, qk_scale, offset, window, sqb, sqh, sqm, sqd, sdb, sdh, sdm,
+                      sdd, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED,
+                      KEYS_LEFT, False)
+    if nonfinite(dk):                                  # rare: run again, carefully
+        dk, dv = _kv_band(k, v, Q, DO, LSE, DELTA, b, hk, first, cols, n_q, klen, lo, a, c,
+                          hi, H, G, Sq, qk_scale, offset, window, sqb, sqh, sqm, sqd, sdb, sdh,
+                          sdm, sdd, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
+                          WINDOWED, KEYS_LEFT, True)
     # GK, GV (the gradients): contiguous (B, Hkv, Sk, D) and (B, Hkv, Sk, DV)
     at = bk * Sk + first + cols[:, None]                                    # (BLOCK_N, 1)
     tl.store(GK + at * D + dq_[None, :], (dk * scale).to(GK.dtype.element_ty),
@@ -188,8 +216,10 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
               offset, window, skn, skd, svn, svd, b, h, Sq, T, I, D: tl.constexpr,
               DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-              MASKED: tl.constexpr, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # The keys [start, start + BLOCK_N) against this program's queries.
+              MASKED: tl.constexpr, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
+              CAREFUL: tl.constexpr):
+    # The keys [start, start + BLOCK_N) against this program's queries (CAREFUL: see
+    # _band.nonfinite).
     cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
     k = load_tile(k_base, cols, klen, skn, skd, D, BLOCK_D, MASKED)       # (BLOCK_N, BLOCK_D)
     v = load_tile(v_base, cols, klen, svn, svd, DV, BLOCK_DV, MASKED)     # (BLOCK_N, BLOCK_DV)
@@ -199,9 +229,43 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
     p = _probs(s, ok, lse2[:, None], MASKED)
     dp = tl.dot(do, tl.trans(v))                                            # (BLOCK_M, BLOCK_N)
     ds = _dscores(p, ok, dp, delta[:, None], MASKED)
-    if MASKED:           # a key hidden from some rows (the band's, padding) may hold anything
+    if MASKED and CAREFUL:  # a key hidden from some rows (band, padding) may hold anything
         k, _ = finite_or_zero(k)    # (a row that sees a non-finite key has ds NaN anyway)
     return dq + tl.dot(ds.to(k.dtype), k)                                   # (BLOCK_M, BLOCK_D)
+
+
+@triton.jit
+def _q_band(q, do, lse2, delta, k_base, v_base, rows, row_ok, klen, lo, a, c, hi, qk_scale,
+            offset, window, skn, skd, svn, svd, b, h, n_q, D: tl.constexpr, DV: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+            CAREFUL: tl.constexpr):
+    # dQ (fp32, unscaled) of rows over the key blocks [lo, hi): the band's edges masked,
+    # [a, c) not.
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    if CAREFUL:                # the rare second run (_band.nonfinite): every block masked
+        for start in tl.range(lo, hi, BLOCK_N, num_stages=1):
+            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
+                           qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, None, None,
+                           D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True, None,
+                           False, True)
+    else:
+        for start in range(lo, a, BLOCK_N):
+            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
+                           qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, None, None,
+                           D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True, None,
+                           False, False)
+        for start in range(a, c, BLOCK_N):
+            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
+                           qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, None, None,
+                           D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, False, None,
+                           False, False)
+        for start in range(c, hi, BLOCK_N):
+            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
+                           qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, None, None,
+                           D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True, None,
+                           False, False)
+    return dq
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
@@ -230,21 +294,15 @@ def _dq(Q, K, V, DO, O, LSE, DLSE, DELTA, GQ, LENS, SEGS, scale, qk_scale,
     lse2 = tl.load(LSE + bh * Sq + first + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     klen = key_length(LENS, b, n_k, HAS_LENS)
     lo, a, c, hi = key_range(m0, klen, offset, window, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
-    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     k_base = K + b * skb + hk * skh + first * skn
     v_base = V + b * svb + hk * svh + first * svn
-    for start in range(lo, a, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
-                       qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, None, None, D,
-                       DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True, None, False)
-    for start in range(a, c, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
-                       qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, None, None, D,
-                       DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, False, None, False)
-    for start in range(c, hi, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
-                       qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, None, None, D,
-                       DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True, None, False)
+    dq = _q_band(q, do, lse2, delta, k_base, v_base, rows, row_ok, klen, lo, a, c, hi,
+                 qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, D, DV, BLOCK_D,
+                 BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED, False)
+    if nonfinite(dq):                                  # rare: run again, carefully
+        dq = _q_band(q, do, lse2, delta, k_base, v_base, rows, row_ok, klen, lo, a, c, hi,
+                     qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, D, DV, BLOCK_D,
+                     BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED, True)
     # GQ (the gradient): contiguous (B, H, Sq, D)
     tl.store(GQ + (bh * Sq + first + rows[:, None]) * D + dq_[None, :],
              (dq * scale).to(GQ.dtype.element_ty), mask=row_ok[:, None] & (dq_[None, :] < D))

@@ -13,7 +13,9 @@ output rows and their log-sum-exp. The key-block range comes from the indices
 - key padding (``kv_lengths``, one per batch) stops every row at the sequence's length.
 
 Only the blocks on the band's edges evaluate the mask; the blocks every row of the program
-sees in full run without a comparison or a bounds check. No mask tensor exists. Query head
+sees in full run without a comparison or a bounds check. No mask tensor exists. A program
+whose accumulator ends non-finite runs its blocks again with the non-finite rule's care
+(:func:`._band.nonfinite`); one that ends finite pays a single check. Query head
 ``h`` reads K/V head ``h // group`` in place (no copies). A row with nothing to attend to
 gets zeros and a log-sum-exp of ``-inf``.
 
@@ -27,8 +29,8 @@ import triton
 import triton.language as tl
 
 from ._band import (LOG2E, check_inputs, empty_outputs, finite_or_zero, key_length,
-                    key_range, launch_config, load_tile, masked_scores, pow2, program_block,
-                    schedule)
+                    key_range, launch_config, load_tile, masked_scores, nonfinite, pow2,
+                    program_block, schedule)
 from ._launch import launch
 
 #: arguments whose value changes per call but must not cause a compile (Triton would
@@ -41,12 +43,13 @@ def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_
                   window, skn, skd, svn, svd, b, h, Sq, T, I, D: tl.constexpr, DV: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                   CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASKED: tl.constexpr,
-                  MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr):
+                  MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, CAREFUL: tl.constexpr):
     # One step of the online softmax (base 2) over the keys [start, start + BLOCK_N) for
     # rows at query positions qpos; MASKED evaluates the mask, hi and row_ok, else every
     # (row, key) of the block is known to be visible. The mask is the band, or MASK_FN(b, h,
     # ..., T, I) when given (a generated mask program; HAS_BIAS: it adds a bias to every
-    # block). Returns (acc, m, l).
+    # block). CAREFUL (a second run, see _band.nonfinite) keeps a non-finite value a masked
+    # block hides from the rows. Returns (acc, m, l).
     cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
     k = load_tile(k_base, cols, hi, skn, skd, D, BLOCK_D, MASKED)         # (BLOCK_N, BLOCK_D)
     s = tl.dot(q, tl.trans(k)) * qk_scale                                  # (rows, BLOCK_N)
@@ -60,7 +63,7 @@ def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_
     alpha = tl.math.exp2(m_i - shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_tile(v_base, cols, hi, svn, svd, DV, BLOCK_DV, MASKED)      # (BLOCK_N, BLOCK_DV)
-    if MASKED:             # a key hidden from some rows (the band's, padding) may hold anything
+    if MASKED and CAREFUL:  # a key hidden from some rows (the band's, padding) may hold anything
         v, bad = finite_or_zero(v)                                          # bad (BLOCK_N,)
         seen = tl.max(tl.where(ok & bad[None, :], 1, 0), 1) > 0            # (rows,)
         l_i = tl.where(seen, float("nan"), l_i)     # a row that sees one: NaN out and lse
@@ -77,6 +80,49 @@ def _finish(acc, m_i, l_i):
     lse = tl.where(empty, float("-inf"),
                    (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     return out, lse
+
+
+@triton.jit
+def fresh_state(ROWS: tl.constexpr, BLOCK_DV: tl.constexpr):
+    # The online softmax's start for ROWS rows: (acc 0, running max -inf, running sum 0).
+    return (tl.zeros((ROWS, BLOCK_DV), tl.float32), tl.full((ROWS,), float("-inf"), tl.float32),
+            tl.zeros((ROWS,), tl.float32))
+
+
+@triton.jit
+def _band_blocks(q, k_base, v_base, rows, row_ok, lo, full_lo, full_hi, hi, qk_scale, offset,
+                 window, skn, skd, svn, svd, b, h, n_q, D: tl.constexpr, DV: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                 CAREFUL: tl.constexpr):
+    # The online softmax of rows over the key blocks [lo, hi): the band's edges masked,
+    # [full_lo, full_hi) not; CAREFUL (the rare second run, see _band.nonfinite): every
+    # block masked and careful, in one loop without pipelining (less to compile). Returns
+    # (acc (BLOCK_M, BLOCK_DV), m, l) in fp32.
+    acc, m_i, l_i = fresh_state(BLOCK_M, BLOCK_DV)
+    if CAREFUL:
+        for start in tl.range(lo, hi, BLOCK_N, num_stages=1):
+            acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
+                                          row_ok, qk_scale, offset, window, skn, skd, svn, svd,
+                                          b, h, n_q, None, None, D, DV, BLOCK_D, BLOCK_DV,
+                                          BLOCK_N, CAUSAL, WINDOWED, True, None, False, True)
+    else:
+        for start in range(lo, full_lo, BLOCK_N):      # the band's leading edge
+            acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
+                                          row_ok, qk_scale, offset, window, skn, skd, svn, svd,
+                                          b, h, n_q, None, None, D, DV, BLOCK_D, BLOCK_DV,
+                                          BLOCK_N, CAUSAL, WINDOWED, True, None, False, False)
+        for start in range(full_lo, full_hi, BLOCK_N):     # blocks every row sees in full
+            acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
+                                          row_ok, qk_scale, offset, window, skn, skd, svn, svd,
+                                          b, h, n_q, None, None, D, DV, BLOCK_D, BLOCK_DV,
+                                          BLOCK_N, CAUSAL, WINDOWED, False, None, False, False)
+        for start in range(full_hi, hi, BLOCK_N):      # the trailing edge and the last keys
+            acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
+                                          row_ok, qk_scale, offset, window, skn, skd, svn, svd,
+                                          b, h, n_q, None, None, D, DV, BLOCK_D, BLOCK_DV,
+                                          BLOCK_N, CAUSAL, WINDOWED, True, None, False, False)
+    return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
@@ -99,27 +145,18 @@ def _forward(Q, K, V, O, LSE, LENS, SEGS, qk_scale,
     lo, full_lo, full_hi, hi = key_range(m0, klen, offset, window, CAUSAL, WINDOWED,
                                          BLOCK_M, BLOCK_N)
 
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     k_base = K + b * skb + hk * skh + first * skn
     v_base = V + b * svb + hk * svh + first * svn
     row_ok = rows < n_q
-    for start in range(lo, full_lo, BLOCK_N):          # the band's leading edge
-        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
-                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b,
-                                      h, n_q, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                                      CAUSAL, WINDOWED, True, None, False)
-    for start in range(full_lo, full_hi, BLOCK_N):     # blocks every row sees in full
-        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
-                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b,
-                                      h, n_q, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                                      CAUSAL, WINDOWED, False, None, False)
-    for start in range(full_hi, hi, BLOCK_N):          # the trailing edge and the last keys
-        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
-                                      row_ok, qk_scale, offset, window, skn, skd, svn, svd, b,
-                                      h, n_q, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N,
-                                      CAUSAL, WINDOWED, True, None, False)
+    acc, m_i, l_i = _band_blocks(q, k_base, v_base, rows, row_ok, lo, full_lo, full_hi, hi,
+                                 qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, D,
+                                 DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED,
+                                 False)
+    if nonfinite(acc):                                 # rare: run again, carefully
+        acc, m_i, l_i = _band_blocks(q, k_base, v_base, rows, row_ok, lo, full_lo, full_hi,
+                                     hi, qk_scale, offset, window, skn, skd, svn, svd, b, h,
+                                     n_q, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
+                                     WINDOWED, True)
     out, lse = _finish(acc, m_i, l_i)
     tl.store(O + b * sob + h * soh + (first + rows[:, None]) * som + dv[None, :] * sod,
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))

@@ -36,11 +36,11 @@ import triton.language as tl
 
 from ..masks import base as MB
 from ._band import (LOG2E, cdiv, check_arguments, check_inputs, check_pair, empty_outputs,
-                    launch_config, load_tile, pow2, program_block)
+                    launch_config, load_tile, nonfinite, pow2, program_block)
 from ._launch import launch
 from .flash_bwd import (_dkdv_block, _dq_block, backward_setup, check_backward, keys_left,
                         row_deltas)
-from .flash_fwd import _attend_block, _finish
+from .flash_fwd import _attend_block, _finish, fresh_state
 from .mask_program import MaskProgram, mask_program
 
 #: per-call values that must not cause a compile (lengths, list sizes and strides)
@@ -117,6 +117,39 @@ def _entry(NF, NP, IDX, b, h, r, slb, slh, sib, sih, NL):
     return n_full, n_full + tl.load(NP + at), IDX + b * sib + h * sih + r * NL
 
 
+@triton.jit
+def _list_blocks(q, k_base, v_base, blocks, n_full, n_all, rows, row_ok, qk_scale, skn, skd,
+                 svn, svd, b, h, Sq, Sk, T, I, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAREFUL: tl.constexpr):
+    # The online softmax of rows over their list's key blocks: the FULL ones (blocks[:n_full])
+    # as they are, the PARTIAL ones (blocks[n_full:n_all]) through the mask program.
+    # Returns (acc (BLOCK_M, BLOCK_DV), m, l) in fp32.
+    acc, m_i, l_i = fresh_state(BLOCK_M, BLOCK_DV)
+    if CAREFUL:                # the rare second run (_band.nonfinite): every block masked
+        for j in tl.range(0, n_all, num_stages=1):
+            start = tl.load(blocks + j) * BLOCK_N
+            acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, Sk, rows,
+                                          row_ok, qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq,
+                                          T, I, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, False,
+                                          True, MASK_FN, HAS_BIAS, True)
+    else:
+        for j in range(0, n_full):                     # blocks every pair of which is allowed
+            start = tl.load(blocks + j) * BLOCK_N
+            acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, Sk, rows,
+                                          row_ok, qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq,
+                                          T, I, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, False,
+                                          False, MASK_FN, HAS_BIAS, False)
+        for j in range(n_full, n_all):                 # blocks the mask program evaluates
+            start = tl.load(blocks + j) * BLOCK_N
+            acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, Sk, rows,
+                                          row_ok, qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq,
+                                          T, I, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, False,
+                                          True, MASK_FN, HAS_BIAS, False)
+    return acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize=DYNAMIC)
 def _forward_sparse(Q, K, V, O, LSE, NF, NP, IDX, qk_scale,
                     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
@@ -133,27 +166,62 @@ def _forward_sparse(Q, K, V, O, LSE, NF, NP, IDX, qk_scale,
     row_ok = rows < Sq
     q = load_tile(Q + b * sqb + h * sqh, rows, Sq, sqm, sqd, D, BLOCK_D, True)  # (BLOCK_M, BLOCK_D)
     n_full, n_all, blocks = _entry(NF, NP, IDX, b, h, pid_m, slb, slh, sib, sih, NL)
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    for j in range(0, n_full):                         # blocks every pair of which is allowed
-        start = tl.load(blocks + j) * BLOCK_N
-        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, Sk, rows,
-                                      row_ok, qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq, T,
-                                      I, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, False, False,
-                                      MASK_FN, HAS_BIAS)
-    for j in range(n_full, n_all):                     # blocks the mask program evaluates
-        start = tl.load(blocks + j) * BLOCK_N
-        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, Sk, rows,
-                                      row_ok, qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq, T,
-                                      I, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, False, True,
-                                      MASK_FN, HAS_BIAS)
+    acc, m_i, l_i = _list_blocks(q, k_base, v_base, blocks, n_full, n_all, rows, row_ok,
+                                 qk_scale, skn, skd, svn, svd, b, h, Sq, Sk, T, I, MASK_FN,
+                                 HAS_BIAS, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False)
+    if nonfinite(acc):                                 # rare: run again, carefully
+        acc, m_i, l_i = _list_blocks(q, k_base, v_base, blocks, n_full, n_all, rows, row_ok,
+                                     qk_scale, skn, skd, svn, svd, b, h, Sq, Sk, T, I,
+                                     MASK_FN, HAS_BIAS, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                                     BLOCK_N, True)
     out, lse = _finish(acc, m_i, l_i)
     tl.store(O + b * sob + h * soh + rows[:, None] * som + dv[None, :] * sod,
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
     tl.store(LSE + bh * Sq + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _kv_lists(k, v, Q, DO, LSE, DELTA, NF, NP, IDX, pid_n, b, hk, cols, H, G, Sq, Sk, T, I,
+              qk_scale, sqb, sqh, sqm, sqd, sdb, sdh, sdm, sdd, slb, slh, sib, sih, NL,
+              MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr,
+              DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_LEFT: tl.constexpr,
+              CAREFUL: tl.constexpr):
+    # dK, dV (fp32, unscaled) of this program's keys over the query blocks of their
+    # transposed lists, for each query head of the group.
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+    for g in range(G):                                 # the group's query heads, in registers
+        h = hk * G + g
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdb + h * sdh
+        lse_base = LSE + (b * H + h) * Sq
+        dl_base = DELTA + (b * H + h) * Sq
+        n_full, n_all, blocks = _entry(NF, NP, IDX, b, h, pid_n, slb, slh, sib, sih,
+                                       NL)             # this key block's transposed lists
+        if CAREFUL:            # the rare second run (_band.nonfinite): every block masked
+            for j in tl.range(0, n_all, num_stages=1):
+                start = tl.load(blocks + j) * BLOCK_M
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start,
+                                     Sq, cols, Sk, qk_scale, 0, 0, sqm, sqd, sdm, sdd, b, h, T,
+                                     I, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, False, True,
+                                     MASK_FN, HAS_BIAS, KEYS_LEFT, True)
+        else:
+            for j in range(0, n_full):
+                start = tl.load(blocks + j) * BLOCK_M
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start,
+                                     Sq, cols, Sk, qk_scale, 0, 0, sqm, sqd, sdm, sdd, b, h, T,
+                                     I, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, False, False,
+                                     MASK_FN, HAS_BIAS, KEYS_LEFT, False)
+            for j in range(n_full, n_all):
+                start = tl.load(blocks + j) * BLOCK_M
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start,
+                                     Sq, cols, Sk, qk_scale, 0, 0, sqm, sqd, sdm, sdd, b, h, T,
+                                     I, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, False, True,
+                                     MASK_FN, HAS_BIAS, KEYS_LEFT, False)
+    return dk, dv
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
@@ -174,33 +242,48 @@ def _dkdv_sparse(Q, K, V, DO, LSE, DELTA, GK, GV, NF, NP, IDX, scale, qk_scale,
     col_ok = cols < Sk
     k = load_tile(K + b * skb + hk * skh, cols, Sk, skn, skd, D, BLOCK_D, True)
     v = load_tile(V + b * svb + hk * svh, cols, Sk, svn, svd, DV, BLOCK_DV, True)
-    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
-    for g in range(G):                                 # the group's query heads, in registers
-        h = hk * G + g
-        q_base = Q + b * sqb + h * sqh
-        do_base = DO + b * sdb + h * sdh
-        lse_base = LSE + (b * H + h) * Sq
-        dl_base = DELTA + (b * H + h) * Sq
-        n_full, n_all, blocks = _entry(NF, NP, IDX, b, h, pid_n, slb, slh, sib, sih,
-                                       NL)             # this key block's transposed lists
-        for j in range(0, n_full):
-            start = tl.load(blocks + j) * BLOCK_M
-            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq,
-                                 cols, Sk, qk_scale, 0, 0, sqm, sqd, sdm, sdd, b, h, T, I,
-                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, False, False,
-                                 MASK_FN, HAS_BIAS, KEYS_LEFT)
-        for j in range(n_full, n_all):
-            start = tl.load(blocks + j) * BLOCK_M
-            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq,
-                                 cols, Sk, qk_scale, 0, 0, sqm, sqd, sdm, sdd, b, h, T, I,
-                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, False, True,
-                                 MASK_FN, HAS_BIAS, KEYS_LEFT)
+    dk, dv = _kv_lists(k, v, Q, DO, LSE, DELTA, NF, NP, IDX, pid_n, b, hk, cols, H, G, Sq, Sk,
+                       T, I, qk_scale, sqb, sqh, sqm, sqd, sdb, sdh, sdm, sdd, slb, slh, sib,
+                       sih, NL, MASK_FN, HAS_BIAS, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
+                       KEYS_LEFT, False)
+    if nonfinite(dk):                                  # rare: run again, carefully
+        dk, dv = _kv_lists(k, v, Q, DO, LSE, DELTA, NF, NP, IDX, pid_n, b, hk, cols, H, G, Sq,
+                           Sk, T, I, qk_scale, sqb, sqh, sqm, sqd, sdb, sdh, sdm, sdd, slb,
+                           slh, sib, sih, NL, MASK_FN, HAS_BIAS, D, DV, BLOCK_D, BLOCK_DV,
+                           BLOCK_M, BLOCK_N, KEYS_LEFT, True)
     # GK, GV (the gradients): contiguous (B, Hkv, Sk, D) and (B, Hkv, Sk, DV)
     tl.store(GK + (bk * Sk + cols[:, None]) * D + dq_[None, :],
              (dk * scale).to(GK.dtype.element_ty), mask=col_ok[:, None] & (dq_[None, :] < D))
     tl.store(GV + (bk * Sk + cols[:, None]) * DV + dv_[None, :], dv.to(GV.dtype.element_ty),
              mask=col_ok[:, None] & (dv_[None, :] < DV))
+
+
+@triton.jit
+def _q_lists(q, do, lse2, delta, k_base, v_base, blocks, n_full, n_all, rows, row_ok, qk_scale,
+             skn, skd, svn, svd, b, h, Sq, Sk, T, I, MASK_FN: tl.constexpr,
+             HAS_BIAS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             CAREFUL: tl.constexpr):
+    # dQ (fp32, unscaled) of rows over their list's key blocks.
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    if CAREFUL:                # the rare second run (_band.nonfinite): every block masked
+        for j in tl.range(0, n_all, num_stages=1):
+            start = tl.load(blocks + j) * BLOCK_N
+            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, Sk,
+                           qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq, T, I, D, DV, BLOCK_D,
+                           BLOCK_DV, BLOCK_N, False, False, True, MASK_FN, HAS_BIAS, True)
+    else:
+        for j in range(0, n_full):
+            start = tl.load(blocks + j) * BLOCK_N
+            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, Sk,
+                           qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq, T, I, D, DV, BLOCK_D,
+                           BLOCK_DV, BLOCK_N, False, False, False, MASK_FN, HAS_BIAS, False)
+        for j in range(n_full, n_all):
+            start = tl.load(blocks + j) * BLOCK_N
+            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, Sk,
+                           qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq, T, I, D, DV, BLOCK_D,
+                           BLOCK_DV, BLOCK_N, False, False, True, MASK_FN, HAS_BIAS, False)
+    return dq
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
@@ -225,19 +308,15 @@ def _dq_sparse(Q, K, V, DO, O, LSE, DLSE, DELTA, GQ, NF, NP, IDX, scale, qk_scal
                        sod, DV, BLOCK_DV, HAS_DLSE)                          # (BLOCK_M,)
     lse2 = tl.load(LSE + bh * Sq + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     n_full, n_all, blocks = _entry(NF, NP, IDX, b, h, pid_m, slb, slh, sib, sih, NL)
-    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    for j in range(0, n_full):
-        start = tl.load(blocks + j) * BLOCK_N
-        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, Sk,
-                       qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq, T, I, D, DV, BLOCK_D,
-                       BLOCK_DV, BLOCK_N, False, False, False, MASK_FN, HAS_BIAS)
-    for j in range(n_full, n_all):
-        start = tl.load(blocks + j) * BLOCK_N
-        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, Sk,
-                       qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq, T, I, D, DV, BLOCK_D,
-                       BLOCK_DV, BLOCK_N, False, False, True, MASK_FN, HAS_BIAS)
+    dq = _q_lists(q, do, lse2, delta, k_base, v_base, blocks, n_full, n_all, rows, row_ok,
+                  qk_scale, skn, skd, svn, svd, b, h, Sq, Sk, T, I, MASK_FN, HAS_BIAS, D, DV,
+                  BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False)
+    if nonfinite(dq):                                  # rare: run again, carefully
+        dq = _q_lists(q, do, lse2, delta, k_base, v_base, blocks, n_full, n_all, rows, row_ok,
+                      qk_scale, skn, skd, svn, svd, b, h, Sq, Sk, T, I, MASK_FN, HAS_BIAS, D,
+                      DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True)
     # GQ (the gradient): contiguous (B, H, Sq, D)
     tl.store(GQ + (bh * Sq + rows[:, None]) * D + dq_[None, :],
              (dq * scale).to(GQ.dtype.element_ty), mask=row_ok[:, None] & (dq_[None, :] < D))
