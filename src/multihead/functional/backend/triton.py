@@ -42,6 +42,10 @@ BACKWARD_EFFICIENCY = 0.6
 #: CUDA graph), but an eager call spends more host time in Triton's Python launcher than
 #: SDPA's C++ call, so it is priced as slower: auto keeps SDPA and backend="triton" opts in
 DECODE_EFFICIENCY = 0.8
+#: the host time of an eager decoding call beyond SDPA's, in launches of the device profile:
+#: on an H100 machine (2026-11-23), B=1 H=32 Hkv=8 with a 4k cache, 98 us per call through
+#: ``mh.attention`` against SDPA's 44, for 17 and 9 us of kernels (``benchmarks/triton_step``)
+DECODE_HOST_LAUNCHES = 9
 
 
 class Band(NamedTuple):
@@ -212,7 +216,7 @@ class TritonFlash(Backend):
         pairs = _pairs(call, band, call.Sq, BLOCK_N)
         work = Work(flops=2.0 * pairs * (call.D + call.Dv), kernel="fused",
                     dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=1) / DECODE_EFFICIENCY,
-                    launches=1, parallel=call.B * call.Hkv * splits)
+                    launches=1 + DECODE_HOST_LAUNCHES, parallel=call.B * call.Hkv * splits)
         note = f"split-K decode: {shown(splits)} splits of the keys, each K/V byte read once for " \
                f"the {call.group} query head(s) of a group"
         return Plan(work, note, (band, "decode"))
