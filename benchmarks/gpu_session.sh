@@ -28,15 +28,15 @@ case "${1:-}" in
 tests)
     # streams held up with torch.cuda._sleep first, alone on the GPU (no xdist); then the
     # rest. `timeout -s INT` stops a run that would outlast the command with pytest's summary
-    timeout -s INT 150 python -m pytest -q -p no:xdist -p no:cacheprovider \
+    timeout -s INT 90 python -m pytest -q -p no:xdist -p no:cacheprovider \
         tests/test_streams.py tests/test_graph_capture.py 2>&1 | tee "$OUT/tests-serial.log"
     serial=${PIPESTATUS[0]}
-    timeout -s INT 400 python -m pytest -q -n 12 -p no:cacheprovider --durations=15 \
+    timeout -s INT 330 python -m pytest -q -n 14 -p no:cacheprovider --durations=15 \
         tests/test_triton.py tests/test_triton_masks.py tests/test_triton_paged.py \
         tests/test_cuda.py tests/test_cuda_modules.py tests/test_nosync.py \
         tests/peers/test_dropin_cuda.py 2>&1 | tee "$OUT/tests.log"
     rest=${PIPESTATUS[0]}
-    timeout -s INT 30 python -m pytest -q -m cuda -p no:cacheprovider \
+    timeout -s INT 100 python -m pytest -q -m cuda -p no:cacheprovider \
         tests/analysis/test_bench.py 2>&1 | tee "$OUT/tests-bench.log"
     [ "$serial" -eq 0 ] && [ "$rest" -eq 0 ] && [ "${PIPESTATUS[0]}" -eq 0 ]
     ;;

@@ -19,6 +19,7 @@ run of the plumbing)::
     python -m benchmarks.triton_step [--case NAME] [--out step.json]
 
 Notation: B batch, H query heads, Hkv K/V heads, S length, L cache length, D head dim.
+Decoding runs B=1 with a cache of L (4096) and B=8 with 8L (32768).
 """
 
 from __future__ import annotations
@@ -62,11 +63,14 @@ def cases(device: str, small: bool, backend: str, flex: bool) -> dict:
         "window 256, fwd": lambda: mh.attention(q.detach(), k.detach(), v.detach(), mask=window,
                                                 backend=backend),
     }
-    qd, kd, vd = new(1, 32, 1, 128), new(1, 8, L, 128), new(1, 8, L, 128)
     causal = mh.masks.causal()
-    out[f"decode L={L}, ours"] = lambda: mh.attention(qd, kd, vd, mask=causal, backend=backend)
-    out[f"decode L={L}, SDPA"] = lambda: torch.nn.functional.scaled_dot_product_attention(
-        qd, kd, vd, enable_gqa=True)
+    for B, n in ((1, L), (8, 8 * L)):                         # decoding: H=32 Hkv=8 D=128
+        qd, kd, vd = new(B, 32, 1, 128), new(B, 8, n, 128), new(B, 8, n, 128)
+        at = f"decode B={B} L={n}"
+        out[f"{at}, ours"] = lambda qd=qd, kd=kd, vd=vd: mh.attention(qd, kd, vd, mask=causal,
+                                                                       backend=backend)
+        out[f"{at}, SDPA"] = lambda qd=qd, kd=kd, vd=vd: (
+            torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True))
     if flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         from multihead.bench.flex import mods

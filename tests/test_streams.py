@@ -204,18 +204,24 @@ def test_a_value_the_cache_lets_go_keeps_its_memory_while_another_stream_reads_i
     with torch.cuda.stream(side):
         mh.attention(q, k, v, mask=M.document(ids.clone()), backend="triton")   # B warm
     memo = vars(mask)["_memo"]
-    cached = [t for t, _ in _tensors(memo._data) if t.is_cuda]
-    lists = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in cached]
-    alive = [weakref.ref(t) for t in cached]
+    cached = {key: [t for t, _ in _tensors(entry[0]) if t.is_cuda]
+              for key, entry in memo._data.items()}
+    storage = {key: [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in ts]
+               for key, ts in cached.items()}
+    alive = [weakref.ref(t) for ts in cached.values() for t in ts]
     del cached
-    assert lists
     torch.cuda.synchronize()
     torch.cuda.empty_cache()                 # little free memory left to search below
+    read, get = set(), memo.get              # the entries B's call reads (a hit needs no
+    memo.get = lambda key, *default: read.add(key) or get(key, *default)  # other entry)
     with torch.cuda.stream(side):
         torch.cuda._sleep(HOLD_UP)
         held = torch.cuda.Event()
         held.record()
         got = mh.attention(q, k, v, mask=mask, backend="triton")   # B reads them later
+    del memo.get
+    lists = [at for key in read & storage.keys() for at in storage[key]]
+    assert lists, f"B's call read no cached tensor (read {read}, cached {list(storage)})"
     memo.clear()
     dispatch.clear_cache()
     gc.collect()

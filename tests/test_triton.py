@@ -691,7 +691,8 @@ def test_the_kernels_refuse_torch_func_transforms_by_name():
         leaf = x.clone().requires_grad_()
         out = calls[name](leaf)
         with pytest.raises(RuntimeError, match="batched gradients"):
-            torch.autograd.grad(out, leaf, torch.ones(2, *out.shape, dtype=out.dtype),
+            torch.autograd.grad(out, leaf, torch.ones(2, *out.shape, dtype=out.dtype,
+                                                      device=out.device),
                                 is_grads_batched=True)
 
 

@@ -496,6 +496,7 @@ def test_flex_stays_compiled_case_after_case(monkeypatch):
 @pytest.mark.cuda
 def test_quick_suite_on_cuda_has_a_time_or_a_reason_in_every_row():
     run = S.run_suite("quick", "cuda", "bf16")
+    assert not run.interrupted, "the suite was interrupted (Ctrl-C or a timeout's SIGINT)"
     assert [r["case"] for r in run.rows] == [c.name for c in suite_cases("quick", "cuda")]
     for r in run.rows:
         assert r["ours"] is not None or r["skipped"], r
