@@ -21,9 +21,10 @@ NaN or inf makes them NaN: its weight is 0, and ``0 * NaN`` is NaN) runs its blo
 zeroing the non-finite values on the blocks it masks (the block-sparse kernels' partial
 blocks, the band and decode kernels' edge blocks, where the band shows a key to some rows
 of a block and hides it from others) and making NaN (output and lse) the rows that see
-one; a program whose accumulators end finite saw none and pays nothing. The band kernels
-never read the keys past a padding length. A visible non-finite *key* follows IEEE arithmetic there: a NaN makes
-its rows NaN, an infinite score may instead drop the key (``-inf``) from a row.
+one; a program whose accumulators end finite saw none and pays one check. The band
+kernels never read the keys past a padding length. A visible non-finite *key* follows IEEE
+arithmetic there: a NaN makes its rows NaN, an infinite score may instead drop the key
+(``-inf``) from a row.
 """
 
 from __future__ import annotations

@@ -38,13 +38,12 @@ EFFICIENCY = 0.8
 #: S=16384 fwd+bwd ran in 9.9 ms against SDPA's 6.4 ms), so that training prices
 #: ``1 + 2.5 * EFFICIENCY / BACKWARD_EFFICIENCY`` forwards where SDPA prices 3.5
 BACKWARD_EFFICIENCY = 0.6
-#: the decode kernel against SDPA's: on an H100 its bandwidth is at parity (1.0-1.12x in a
-#: CUDA graph), but an eager call spends more host time in Triton's Python launcher than
-#: SDPA's C++ call, so it is priced as slower: auto keeps SDPA and backend="triton" opts in
-DECODE_EFFICIENCY = 0.8
-#: the host time of an eager decoding call beyond SDPA's, in launches of the device profile:
-#: on an H100 machine (2026-11-23), B=1 H=32 Hkv=8 with a 4k cache, 98 us per call through
-#: ``mh.attention`` against SDPA's 44, for 17 and 9 us of kernels (``benchmarks/triton_step``)
+#: the host time of an eager decoding call beyond SDPA's, in launches of the device profile
+#: (our decode kernel reads the cache as fast as SDPA's: 353 against 351 us at B=8 over a
+#: 32k cache on an H100, so its bytes are priced as SDPA's; the eager call costs more host
+#: time in Triton's Python launcher: B=1 H=32 Hkv=8 with a 4k cache, 98 us per call through
+#: ``mh.attention`` against SDPA's 44, for 17 and 9 us of kernels, ``benchmarks/triton_step``).
+#: So auto keeps SDPA for decoding and ``backend="triton"`` opts in
 DECODE_HOST_LAUNCHES = 9
 
 
@@ -215,7 +214,7 @@ class TritonFlash(Backend):
         splits = num_splits(call.B, call.Hkv, call.Sk)
         pairs = _pairs(call, band, call.Sq, BLOCK_N)
         work = Work(flops=2.0 * pairs * (call.D + call.Dv), kernel="fused",
-                    dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=1) / DECODE_EFFICIENCY,
+                    dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=1),
                     launches=1 + DECODE_HOST_LAUNCHES, parallel=call.B * call.Hkv * splits)
         note = f"split-K decode: {shown(splits)} splits of the keys, each K/V byte read once for " \
                f"the {call.group} query head(s) of a group"
