@@ -46,7 +46,7 @@ from triton.runtime import driver
 from triton.runtime.errors import OutOfResources
 
 from .. import _device
-from . import _ahead
+from . import _ahead, _triton_key
 
 try:                                                # Triton >= 3.4
     from triton import knobs as _knobs
@@ -151,6 +151,7 @@ def forget() -> None:
 def _triton_launch(kernel, grid, device: int, args: tuple, num_stages: int, kwargs: dict):
     """Triton's own launch, with fewer stages where shared memory is short; returns what
     Triton returns (the compiled kernel; None under the interpreter)."""
+    _triton_key.install()
     stages = _capped(kernel, device, num_stages, kwargs)
     while True:
         try:
@@ -184,6 +185,7 @@ def _capped(kernel, device: int, num_stages: int, kwargs: dict) -> int:
 def _warmup(kernel, grid, args: tuple, num_stages: int, kwargs: dict):
     """Compile (or find in Triton's caches) the kernel this launch would run, running
     nothing; returns it, not yet loaded."""
+    _triton_key.install()
     return kernel.warmup(*args, grid=grid, num_stages=num_stages, enable_fp_fusion=FP_FUSION,
                          **kwargs)
 
