@@ -367,7 +367,8 @@ def test_a_batch_grows_until_it_lasts_the_minimum():
     now, advance, clock = _fake_clock()
     calls = []
     assert T.batch_size(lambda: (calls.append(1), advance(3e-4)), clock) == 4  # 0.3, 0.6 < 1.2 ms
-    assert len(calls) == 2 * (1 + 2 + 4)              # every candidate batch was timed twice
+    assert len(calls) == 2 * (2 + 3 + 5)              # every candidate batch was timed twice,
+                                                      # each after one untimed call
     assert T.batch_size(lambda: advance(2e-3), clock) == 1
     assert T.batch_size(lambda: advance(1e-9), clock) == T.MAX_CALLS
 
@@ -377,6 +378,43 @@ def test_batched_timing_reports_per_call_times_of_batches():
     s = T.measure_batched(lambda: advance(3e-4), clock, reps=5, budget_s=1.0, now=lambda: now[0])
     assert (s.calls, s.reps, s.settled) == (4, 5, True)
     assert s.median == pytest.approx(3e-4) and s.spread == pytest.approx(0.0, abs=1e-9)
+
+
+class _Device:
+    """A device that runs behind its host, as a GPU does: a call spends ``lead`` seconds
+    of host time, then queues ``work`` seconds on the device; an event fires when the
+    device reaches it; a sync waits for the device."""
+
+    def __init__(self):
+        self.host, self.free = 0.0, 0.0
+
+    def call(self, lead: float, work: float) -> None:
+        self.host += lead
+        self.free = max(self.free, self.host) + work
+
+    def clock(self) -> T.Clock:
+        device = self
+
+        class Event:
+            def record(self):
+                self.t = max(device.free, device.host)
+
+            def elapsed_time(self, end):
+                return (end.t - self.t) * 1e3
+        return T.Clock(Event, lambda: setattr(self, "host", max(self.host, self.free)))
+
+
+@pytest.mark.parametrize("lead, work, per_call", [
+    (1e-4, 1e-3, 1e-3),          # a training step: the device sets the pace
+    (1e-4, 1e-5, 1e-4),          # a decoding step bound by its host: the host's pace
+    (3e-6, 2e-4, 2e-4)])
+def test_batched_timing_leaves_out_the_hosts_lead_into_a_batch(lead, work, per_call):
+    """Timing starts on a busy device: the host time before a batch's first launch is not
+    counted, while a host slower than its device still sets the pace."""
+    gpu = _Device()
+    s = T.measure_batched(lambda: gpu.call(lead, work), gpu.clock(), reps=5, budget_s=1.0,
+                          now=lambda: gpu.host)
+    assert s.median == pytest.approx(per_call, rel=1e-6) and s.settled
 
 
 def test_batched_timing_that_never_settles_stops_at_the_budget():
