@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu_session.sh bench      # issue 12's bench families (bf16, D=128)
 #   bash benchmarks/gpu_session.sh tune       # launch configs: block-sparse fwd, backward
 #   bash benchmarks/gpu_session.sh first-use  # cold / warm first call, the warm one profiled
-#   bash benchmarks/gpu_session.sh step       # a step split: kernels, GPU idle, host CUDA calls
+#   bash benchmarks/gpu_session.sh step       # a step split: kernels, GPU idle, host CUDA calls;
+#                                             # host time per call, profiled (triton_host)
 #
 # Each phase writes its log (and JSON) under $OUT (default: bench-out/gpu), and exits
 # non-zero when what it runs does.
@@ -57,5 +58,8 @@ first-use)
     ;;
 step)
     python -m benchmarks.triton_step --out "$OUT/step.json" 2>&1 | tee "$OUT/step.log"
+    step=${PIPESTATUS[0]}
+    python -m benchmarks.triton_host --device cuda --profile 2>&1 | tee "$OUT/host.log"
+    [ "$step" -eq 0 ] && [ "${PIPESTATUS[0]}" -eq 0 ]
     ;;
 esac

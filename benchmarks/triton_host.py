@@ -13,9 +13,15 @@ Each case reports the median host time per call (microseconds) over ``--reps`` c
 the direct launches of :mod:`multihead.kernels._launch` and through Triton's own per-call
 path (``_launch.DIRECT`` off), and with ``--profile`` the functions that took the former.
 
+With ``--device cuda`` the same calls run for real on a GPU, and the host time is each
+call's wall time without a sync (the queue is drained every :data:`DRAIN` calls, outside
+the timing); decoding through ``auto`` (SDPA) and SDPA itself are added for scale. On an
+H100 the eager decoding step's host time was 2.5-4x the stubbed figure here (about 150 us
+against 40): ``--device cuda --profile`` shows where that goes.
+
 Run (not under ``TRITON_INTERPRET=1``)::
 
-    python -m benchmarks.triton_host [--case NAME] [--profile]
+    python -m benchmarks.triton_host [--case NAME] [--profile] [--device cuda]
 
 Notation: B batch, H query heads, Hkv K/V heads, S length, L cache length, D head dim.
 """
@@ -61,13 +67,18 @@ def stub_launches(arch: int = 90):
         TritonFlash.capabilities, nonfinite._finite = caps, finite
 
 
-def cases(name: str | None = None) -> dict:
-    """``{name: call}``: the calls to time, each with fresh inputs (bf16, D=128)."""
+#: with ``--device cuda``: calls between two drains of the GPU's queue (not timed)
+DRAIN = 64
+
+
+def cases(name: str | None = None, device: str = "cpu") -> dict:
+    """``{name: call}``: the calls to time, each with fresh inputs (bf16, D=128) on
+    ``device``; on a GPU, also decoding through ``auto`` and through SDPA."""
     from multihead.kernels import ops
     from multihead.kernels.decode import decode_forward
 
-    bf = dict(dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
+    bf = dict(dtype=torch.bfloat16, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
     # a training step, B=1 H=16 S=512: short, since what a CPU does with the buffers a
     # call allocates (zero-filling, say) is real work here and a launch on a GPU
     q, k, v = (torch.randn(1, 16, 512, 128, generator=g, **bf).requires_grad_()
@@ -103,18 +114,29 @@ def cases(name: str | None = None) -> dict:
         "mh.attention window 256, fwd+bwd": layer(window, q, k, v, True),
         "mh.attention decode L=4096": layer(mh.masks.causal(), qd, kd, vd, False),
     }
+    if device != "cpu":
+        causal = mh.masks.causal()
+        all_cases["mh.attention decode L=4096, auto"] = lambda: mh.attention(
+            qd, kd, vd, mask=causal)
+        all_cases["sdpa decode L=4096"] = lambda: torch.nn.functional.scaled_dot_product_attention(
+            qd, kd, vd, enable_gqa=True)
     return {n: c for n, c in all_cases.items() if name is None or n == name}
 
 
-def measure(call, reps: int) -> float:
-    """Median seconds of ``reps`` calls after three warm-ups (the first compiles)."""
+def measure(call, reps: int, drain=lambda: None) -> float:
+    """Median seconds of ``reps`` calls after three warm-ups (the first compiles), with
+    ``drain()`` (a GPU sync) between every :data:`DRAIN` calls, untimed."""
     for _ in range(3):
         call()
+    drain()
     times = []
-    for _ in range(reps):
+    for i in range(reps):
         t0 = time.perf_counter()
         call()
         times.append(time.perf_counter() - t0)
+        if i % DRAIN == DRAIN - 1:
+            drain()
+    drain()
     return statistics.median(times)
 
 
@@ -135,24 +157,32 @@ def main(argv=None) -> None:
     parser.add_argument("--case", help="one case by name (default: all)")
     parser.add_argument("--reps", type=int, default=300)
     parser.add_argument("--profile", action="store_true", help="also print a cProfile report")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cpu: compiled for sm_90, launches stubbed; cuda: real launches")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         sys.exit("triton_host: unset TRITON_INTERPRET (the interpreter does not compile)")
     import triton
+    real = args.device == "cuda"
+    if real and not torch.cuda.is_available():
+        sys.exit("triton_host: --device cuda needs a CUDA GPU")
     print(f"multihead {mh.__version__}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"host time per call, launches stubbed", flush=True)
+          f"host time per call, {'on ' + torch.cuda.get_device_name() if real else 'launches stubbed'}",
+          flush=True)
     from multihead.kernels import _launch
     print("case: direct launches (multihead.kernels._launch) | through Triton's path",
           flush=True)
-    with stub_launches():
-        for name, call in cases(args.case).items():
+    drain = torch.cuda.synchronize if real else (lambda: None)
+    with contextlib.nullcontext() if real else stub_launches():
+        for name, call in cases(args.case, args.device).items():
             _launch.DIRECT = False
-            slow = measure(call, args.reps)
+            slow = measure(call, args.reps, drain)
             _launch.DIRECT = True
-            fast = measure(call, args.reps)
+            fast = measure(call, args.reps, drain)
             print(f"{name}: {fast * 1e6:.1f} us | {slow * 1e6:.1f} us", flush=True)
             if args.profile:
                 print(profile(call, args.reps), flush=True)
+                drain()
 
 
 if __name__ == "__main__":
