@@ -290,6 +290,39 @@ def test_backward_with_small_tiles_crosses_edge_and_interior_blocks(name, kv_til
         torch.testing.assert_close(a.double(), t.grad, atol=2e-2, rtol=2e-2)
 
 
+#: (Sq, Sk, window, key lengths): windows narrower than, equal to and just past a 16-key
+#: tile, lower-right offsets both ways, and padding that cuts the band
+EDGES = [(48, 48, 1, None), (40, 56, 15, None), (56, 40, 16, None), (48, 48, 17, None),
+         (33, 65, 31, None), (64, 64, 33, (64, 21)), (50, 50, 48, (37, 50))]
+
+
+@pytest.mark.parametrize("Sq, Sk, window, lengths", EDGES,
+                         ids=[f"{e[0]}x{e[1]}-w{e[2]}{'-pad' if e[3] else ''}" for e in EDGES])
+def test_every_edge_of_the_window_band_equals_the_oracle(Sq, Sk, window, lengths):
+    """With 16x16 tiles, each key block of a window band is tested as its place needs: the
+    window's lower edge alone, the diagonal and the key lengths, both, or nothing. Forward
+    and gradients against the fp64 reference, wherever the edges fall."""
+    B, H, Hkv, D = (len(lengths) if lengths else 1), 2, 1, 16
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, D, torch.float16, seed=window)
+    m = M.sliding_window(window)
+    if lengths:
+        m = m & M.padding(torch.tensor(lengths))
+    m = m.to(DEV)
+    band = _band_of(q, k, v, m)
+    lens = band.padding.lengths.expand(B).contiguous() if band.padding is not None else None
+    kw = dict(scale=D ** -0.5, causal=band.causal, window=band.window, offset=band.offset,
+              kv_lengths=lens)
+    tiles = (16, 16, 4, 1)
+    out, lse = flash_forward(q, k, v, config=tiles, **kw)
+    assert_kernel_matches_oracle(out, lse, q, k, v, mask=m)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(DEV, out.dtype)
+    got = flash_backward(dout, q, k, v, out, lse, config=(tiles, tiles), **kw)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    mh.attention(*leaves, mask=m, backend="reference").backward(dout.double())
+    for a, t in zip(got, leaves):
+        torch.testing.assert_close(a.double(), t.grad, atol=2e-2, rtol=2e-2)
+
+
 def test_the_backward_is_deterministic():
     B, H, Hkv, Sq, Sk, D, Dv, name = CASES[5]
     q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, Dv, torch.float16, seed=4)

@@ -76,9 +76,11 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
                 WINDOWED: tl.constexpr, MASKED: tl.constexpr, MASK_FN: tl.constexpr,
-                HAS_BIAS: tl.constexpr, KEYS_LEFT: tl.constexpr, CAREFUL: tl.constexpr):
+                HAS_BIAS: tl.constexpr, KEYS_LEFT: tl.constexpr, CAREFUL: tl.constexpr,
+                BOUNDED: tl.constexpr = True):
     # The queries [start, start + BLOCK_M) of one head, against this program's keys
-    # (CAREFUL: see _band.nonfinite).
+    # (CAREFUL: see _band.nonfinite; without BOUNDED, a masked block's queries are live and
+    # the keys real: only the band is tested, and the rows load without bounds).
     # KEYS_LEFT computes the block transposed (Sᵀ = K Qᵀ, keys down): Pᵀ and dSᵀ then come
     # out of their products as the left operands of dV += Pᵀ dO and dK += dSᵀ Q, with no
     # transpose through shared memory, and the keys fill the 64-row left operand of a
@@ -86,9 +88,11 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
     # is S = Q Kᵀ, as in the forward, and P, dS are transposed for those products.
     rows = start + tl.arange(0, BLOCK_M)                                    # (BLOCK_M,)
     row_ok = rows < Sq
-    q = load_tile(q_base, rows, Sq, sqm, sqd, D, BLOCK_D, MASKED)         # (BLOCK_M, BLOCK_D)
-    do = load_tile(do_base, rows, Sq, sdm, sdd, DV, BLOCK_DV, MASKED)     # (BLOCK_M, BLOCK_DV)
-    if MASKED:
+    q = load_tile(q_base, rows, Sq, sqm, sqd, D, BLOCK_D,
+                  MASKED and BOUNDED)                                       # (BLOCK_M, BLOCK_D)
+    do = load_tile(do_base, rows, Sq, sdm, sdd, DV, BLOCK_DV,
+                   MASKED and BOUNDED)                                      # (BLOCK_M, BLOCK_DV)
+    if MASKED and BOUNDED:
         lse2 = tl.load(lse_base + rows, mask=row_ok, other=0.0) * 1.4426950408889634
         delta = tl.load(dl_base + rows, mask=row_ok, other=0.0)
     else:                                       # an interior block: every row is live
@@ -98,7 +102,7 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
         st = tl.dot(k, tl.trans(q)) * qk_scale                             # (BLOCK_N, BLOCK_M)
         st, ok = masked_scores(st, b, h, rows[None, :], cols[:, None], row_ok[None, :], Sq,
                                klen, offset, window, T, I, CAUSAL, WINDOWED, MASKED, MASK_FN,
-                               HAS_BIAS)
+                               HAS_BIAS, BOUNDED)
         pt = _probs(st, ok, lse2[None, :], MASKED)
         dv += tl.dot(pt.to(do.dtype), do)                                  # (BLOCK_N, BLOCK_DV)
         dpt = tl.dot(v, tl.trans(do))                                      # (BLOCK_N, BLOCK_M)
@@ -107,7 +111,7 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
         s = tl.dot(q, tl.trans(k)) * qk_scale                              # (BLOCK_M, BLOCK_N)
         s, ok = masked_scores(s, b, h, rows[:, None], cols[None, :], row_ok[:, None], Sq,
                               klen, offset, window, T, I, CAUSAL, WINDOWED, MASKED, MASK_FN,
-                              HAS_BIAS)
+                              HAS_BIAS, BOUNDED)
         p = _probs(s, ok, lse2[:, None], MASKED)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do)                         # (BLOCK_N, BLOCK_DV)
         dp = tl.dot(do, tl.trans(v))                                       # (BLOCK_M, BLOCK_N)
@@ -131,13 +135,16 @@ def keys_left(block_m: int, block_n: int) -> bool:
 
 
 @triton.jit
-def _kv_band(k, v, Q, DO, LSE, DELTA, b, hk, first, cols, n_q, klen, lo, a, c, hi, H, G, Sq,
-             qk_scale, offset, window, sqb, sqh, sqm, sqd, sdb, sdh, sdm, sdd,
+def _kv_band(k, v, Q, DO, LSE, DELTA, b, hk, first, cols, n_q, klen, lo, w, a, c, hi, H, G,
+             Sq, qk_scale, offset, window, sqb, sqh, sqm, sqd, sdb, sdh, sdm, sdd,
              D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
              WINDOWED: tl.constexpr, KEYS_LEFT: tl.constexpr, CAREFUL: tl.constexpr):
     # dK, dV (fp32, unscaled) of this program's keys over the query blocks [lo, hi) of each
-    # query head of the group: the band's edges masked, [a, c) not.
+    # query head of the group (bounds of _band.query_range): [lo, w) tests the diagonal
+    # alone, [w, a) the band, [a, c) nothing, [c, hi) the window's far edge and the
+    # bounds (a separate loop for each: one loop for the last two, as in the forward,
+    # made the compiler spill dK/dV's registers in the interior steps).
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     for g in range(G):                                 # the group's query heads, in registers
@@ -153,7 +160,14 @@ def _kv_band(k, v, Q, DO, LSE, DELTA, b, hk, first, cols, n_q, klen, lo, a, c, h
                                      sdd, b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
                                      CAUSAL, WINDOWED, True, None, False, KEYS_LEFT, True)
         else:
-            for start in range(lo, a, BLOCK_M):
+            if CAUSAL:
+                for start in range(lo, w, BLOCK_M):   # the diagonal, nothing else
+                    dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base,
+                                         start, n_q, cols, klen, qk_scale, offset, window, sqm,
+                                         sqd, sdm, sdd, b, h, None, None, D, DV, BLOCK_D,
+                                         BLOCK_DV, BLOCK_M, True, False, True, None, False,
+                                         KEYS_LEFT, False, False)
+            for start in range(w, a, BLOCK_M):        # both edges (narrow windows)
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start,
                                      n_q, cols, klen, qk_scale, offset, window, sqm, sqd, sdm,
                                      sdd, b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
@@ -163,11 +177,11 @@ def _kv_band(k, v, Q, DO, LSE, DELTA, b, hk, first, cols, n_q, klen, lo, a, c, h
                                      n_q, cols, klen, qk_scale, offset, window, sqm, sqd, sdm,
                                      sdd, b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
                                      CAUSAL, WINDOWED, False, None, False, KEYS_LEFT, False)
-            for start in range(c, hi, BLOCK_M):
+            for start in range(c, hi, BLOCK_M):       # past every key's diagonal
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start,
                                      n_q, cols, klen, qk_scale, offset, window, sqm, sqd, sdm,
                                      sdd, b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
-                                     CAUSAL, WINDOWED, True, None, False, KEYS_LEFT, False)
+                                     False, WINDOWED, True, None, False, KEYS_LEFT, False)
     return dk, dv
 
 
@@ -192,15 +206,15 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, GK, GV, LENS, SEGS, scale, qk_scale,
     v = load_tile(V + b * svb + hk * svh + first * svn, cols, n_k, svn, svd, DV, BLOCK_DV,
                   True)                                                     # (BLOCK_N, BLOCK_DV)
     klen = key_length(LENS, b, n_k, HAS_LENS)
-    lo, a, c, hi = query_range(n0, n_q, klen, offset, window, CAUSAL, WINDOWED,
-                               BLOCK_M, BLOCK_N)
-    dk, dv = _kv_band(k, v, Q, DO, LSE, DELTA, b, hk, first, cols, n_q, klen, lo, a, c, hi,
+    lo, w, a, c, hi = query_range(n0, n_q, klen, offset, window, CAUSAL, WINDOWED,
+                                  BLOCK_M, BLOCK_N)
+    dk, dv = _kv_band(k, v, Q, DO, LSE, DELTA, b, hk, first, cols, n_q, klen, lo, w, a, c, hi,
                       H, G, Sq, qk_scale, offset, window, sqb, sqh, sqm, sqd, sdb, sdh, sdm,
                       sdd, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED,
                       KEYS_LEFT, False)
     if nonfinite(dk):                                  # rare: run again, carefully
-        dk, dv = _kv_band(k, v, Q, DO, LSE, DELTA, b, hk, first, cols, n_q, klen, lo, a, c,
-                          hi, H, G, Sq, qk_scale, offset, window, sqb, sqh, sqm, sqd, sdb, sdh,
+        dk, dv = _kv_band(k, v, Q, DO, LSE, DELTA, b, hk, first, cols, n_q, klen, lo, w, a,
+                          c, hi, H, G, Sq, qk_scale, offset, window, sqb, sqh, sqm, sqd, sdb, sdh,
                           sdm, sdd, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
                           WINDOWED, KEYS_LEFT, True)
     # GK, GV (the gradients): contiguous (B, Hkv, Sk, D) and (B, Hkv, Sk, DV)
@@ -217,15 +231,19 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
               DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
               MASKED: tl.constexpr, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
-              CAREFUL: tl.constexpr):
+              CAREFUL: tl.constexpr, BOUNDED: tl.constexpr = True):
     # The keys [start, start + BLOCK_N) against this program's queries (CAREFUL: see
-    # _band.nonfinite).
+    # _band.nonfinite; without BOUNDED, as in the forward's _attend_block: real keys,
+    # only the band tested).
     cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
-    k = load_tile(k_base, cols, klen, skn, skd, D, BLOCK_D, MASKED)       # (BLOCK_N, BLOCK_D)
-    v = load_tile(v_base, cols, klen, svn, svd, DV, BLOCK_DV, MASKED)     # (BLOCK_N, BLOCK_DV)
+    k = load_tile(k_base, cols, klen, skn, skd, D, BLOCK_D,
+                  MASKED and BOUNDED)                                       # (BLOCK_N, BLOCK_D)
+    v = load_tile(v_base, cols, klen, svn, svd, DV, BLOCK_DV,
+                  MASKED and BOUNDED)                                       # (BLOCK_N, BLOCK_DV)
     s = tl.dot(q, tl.trans(k)) * qk_scale                                   # (BLOCK_M, BLOCK_N)
     s, ok = masked_scores(s, b, h, rows[:, None], cols[None, :], row_ok[:, None], Sq, klen,
-                          offset, window, T, I, CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS)
+                          offset, window, T, I, CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS,
+                          BOUNDED)
     p = _probs(s, ok, lse2[:, None], MASKED)
     dp = tl.dot(do, tl.trans(v))                                            # (BLOCK_M, BLOCK_N)
     ds = _dscores(p, ok, dp, delta[:, None], MASKED)
@@ -235,13 +253,14 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
 
 
 @triton.jit
-def _q_band(q, do, lse2, delta, k_base, v_base, rows, row_ok, klen, lo, a, c, hi, qk_scale,
-            offset, window, skn, skd, svn, svd, b, h, n_q, D: tl.constexpr, DV: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-            CAREFUL: tl.constexpr):
-    # dQ (fp32, unscaled) of rows over the key blocks [lo, hi): the band's edges masked,
-    # [a, c) not.
+def _q_band(q, do, lse2, delta, k_base, v_base, rows, row_ok, klen, lo, w, a, c, hi,
+            qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, D: tl.constexpr,
+            DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+            WINDOWED: tl.constexpr, CAREFUL: tl.constexpr):
+    # dQ (fp32, unscaled) of rows over the key blocks [lo, hi) (bounds of
+    # _band.key_range): [lo, w) tests the window's edge alone, [a, c) nothing, the rest
+    # the band (as in the forward's _band_blocks).
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     if CAREFUL:                # the rare second run (_band.nonfinite): every block masked
         for start in tl.range(lo, hi, BLOCK_N, num_stages=1):
@@ -250,17 +269,18 @@ def _q_band(q, do, lse2, delta, k_base, v_base, rows, row_ok, klen, lo, a, c, hi
                            D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True, None,
                            False, True)
     else:
-        for start in range(lo, a, BLOCK_N):
-            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
-                           qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, None, None,
-                           D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True, None,
-                           False, False)
+        if WINDOWED:
+            for start in range(lo, w, BLOCK_N):       # the window's edge, nothing else
+                dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok,
+                               klen, qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q,
+                               None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, True,
+                               True, None, False, False, False)
         for start in range(a, c, BLOCK_N):
             dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
                            qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, None, None,
                            D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, False, None,
                            False, False)
-        for start in range(c, hi, BLOCK_N):
+        for start in range(tl.where(w < a, w, c), hi, BLOCK_N):              # the rest
             dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
                            qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, None, None,
                            D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True, None,
@@ -293,14 +313,14 @@ def _dq(Q, K, V, DO, O, LSE, DLSE, DELTA, GQ, LENS, SEGS, scale, qk_scale,
                        rows, n_q, row_ok, som, sod, DV, BLOCK_DV, HAS_DLSE)  # (BLOCK_M,)
     lse2 = tl.load(LSE + bh * Sq + first + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     klen = key_length(LENS, b, n_k, HAS_LENS)
-    lo, a, c, hi = key_range(m0, klen, offset, window, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
+    lo, w, a, c, hi = key_range(m0, klen, offset, window, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
     k_base = K + b * skb + hk * skh + first * skn
     v_base = V + b * svb + hk * svh + first * svn
-    dq = _q_band(q, do, lse2, delta, k_base, v_base, rows, row_ok, klen, lo, a, c, hi,
+    dq = _q_band(q, do, lse2, delta, k_base, v_base, rows, row_ok, klen, lo, w, a, c, hi,
                  qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, D, DV, BLOCK_D,
                  BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED, False)
     if nonfinite(dq):                                  # rare: run again, carefully
-        dq = _q_band(q, do, lse2, delta, k_base, v_base, rows, row_ok, klen, lo, a, c, hi,
+        dq = _q_band(q, do, lse2, delta, k_base, v_base, rows, row_ok, klen, lo, w, a, c, hi,
                      qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, D, DV, BLOCK_D,
                      BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED, True)
     # GQ (the gradient): contiguous (B, H, Sq, D)

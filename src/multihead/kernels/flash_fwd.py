@@ -43,18 +43,23 @@ def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_
                   window, skn, skd, svn, svd, b, h, Sq, T, I, D: tl.constexpr, DV: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                   CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASKED: tl.constexpr,
-                  MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, CAREFUL: tl.constexpr):
+                  MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, CAREFUL: tl.constexpr,
+                  BOUNDED: tl.constexpr = True):
     # One step of the online softmax (base 2) over the keys [start, start + BLOCK_N) for
     # rows at query positions qpos; MASKED evaluates the mask, hi and row_ok, else every
     # (row, key) of the block is known to be visible. The mask is the band, or MASK_FN(b, h,
     # ..., T, I) when given (a generated mask program; HAS_BIAS: it adds a bias to every
-    # block). CAREFUL (a second run, see _band.nonfinite) keeps a non-finite value a masked
-    # block hides from the rows. Returns (acc, m, l).
+    # block). Without BOUNDED, a masked block's keys are known to be real (below hi) and
+    # its dead rows go unstored: only the band is tested, and the tiles load unbounded.
+    # CAREFUL (a second run, see _band.nonfinite) keeps a non-finite value a masked block
+    # hides from the rows. Returns (acc, m, l).
     cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
-    k = load_tile(k_base, cols, hi, skn, skd, D, BLOCK_D, MASKED)         # (BLOCK_N, BLOCK_D)
+    k = load_tile(k_base, cols, hi, skn, skd, D, BLOCK_D,
+                  MASKED and BOUNDED)                                       # (BLOCK_N, BLOCK_D)
     s = tl.dot(q, tl.trans(k)) * qk_scale                                  # (rows, BLOCK_N)
     s, ok = masked_scores(s, b, h, qpos[:, None], cols[None, :], row_ok[:, None], Sq, hi,
-                          offset, window, T, I, CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS)
+                          offset, window, T, I, CAUSAL, WINDOWED, MASKED, MASK_FN, HAS_BIAS,
+                          BOUNDED)
     if MASKED:
         s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -62,7 +67,8 @@ def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_
     p = tl.math.exp2(s - shift[:, None])
     alpha = tl.math.exp2(m_i - shift)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_tile(v_base, cols, hi, svn, svd, DV, BLOCK_DV, MASKED)      # (BLOCK_N, BLOCK_DV)
+    v = load_tile(v_base, cols, hi, svn, svd, DV, BLOCK_DV,
+                  MASKED and BOUNDED)                                       # (BLOCK_N, BLOCK_DV)
     if MASKED and CAREFUL:  # a key hidden from some rows (the band's, padding) may hold anything
         v, bad = finite_or_zero(v)                                          # bad (BLOCK_N,)
         seen = tl.max(tl.where(ok & bad[None, :], 1, 0), 1) > 0            # (rows,)
@@ -90,15 +96,17 @@ def fresh_state(ROWS: tl.constexpr, BLOCK_DV: tl.constexpr):
 
 
 @triton.jit
-def _band_blocks(q, k_base, v_base, rows, row_ok, lo, full_lo, full_hi, hi, qk_scale, offset,
-                 window, skn, skd, svn, svd, b, h, n_q, D: tl.constexpr, DV: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-                 CAREFUL: tl.constexpr):
-    # The online softmax of rows over the key blocks [lo, hi): the band's edges masked,
-    # [full_lo, full_hi) not; CAREFUL (the rare second run, see _band.nonfinite): every
-    # block masked and careful, in one loop without pipelining (less to compile). Returns
-    # (acc (BLOCK_M, BLOCK_DV), m, l) in fp32.
+def _band_blocks(q, k_base, v_base, rows, row_ok, lo, w, full_lo, full_hi, hi, qk_scale,
+                 offset, window, skn, skd, svn, svd, b, h, n_q, D: tl.constexpr,
+                 DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                 WINDOWED: tl.constexpr, CAREFUL: tl.constexpr):
+    # The online softmax of rows over the key blocks [lo, hi) (bounds of _band.key_range):
+    # [lo, w) tests the window's edge alone, [full_lo, full_hi) nothing, the rest the band
+    # (the diagonal and the last keys, after the leading edge's [w, full_lo) where w is
+    # short of it: then full_lo = full_hi, no block is full); CAREFUL (the rare second run,
+    # see _band.nonfinite): every block masked and careful, in one loop without pipelining
+    # (less to compile). Returns (acc (BLOCK_M, BLOCK_DV), m, l) in fp32.
     acc, m_i, l_i = fresh_state(BLOCK_M, BLOCK_DV)
     if CAREFUL:
         for start in tl.range(lo, hi, BLOCK_N, num_stages=1):
@@ -107,17 +115,19 @@ def _band_blocks(q, k_base, v_base, rows, row_ok, lo, full_lo, full_hi, hi, qk_s
                                           b, h, n_q, None, None, D, DV, BLOCK_D, BLOCK_DV,
                                           BLOCK_N, CAUSAL, WINDOWED, True, None, False, True)
     else:
-        for start in range(lo, full_lo, BLOCK_N):      # the band's leading edge
-            acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
-                                          row_ok, qk_scale, offset, window, skn, skd, svn, svd,
-                                          b, h, n_q, None, None, D, DV, BLOCK_D, BLOCK_DV,
-                                          BLOCK_N, CAUSAL, WINDOWED, True, None, False, False)
+        if WINDOWED:
+            for start in range(lo, w, BLOCK_N):        # the window's edge, nothing else
+                acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi,
+                                              rows, row_ok, qk_scale, offset, window, skn, skd,
+                                              svn, svd, b, h, n_q, None, None, D, DV, BLOCK_D,
+                                              BLOCK_DV, BLOCK_N, False, True, True, None,
+                                              False, False, False)
         for start in range(full_lo, full_hi, BLOCK_N):     # blocks every row sees in full
             acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
                                           row_ok, qk_scale, offset, window, skn, skd, svn, svd,
                                           b, h, n_q, None, None, D, DV, BLOCK_D, BLOCK_DV,
                                           BLOCK_N, CAUSAL, WINDOWED, False, None, False, False)
-        for start in range(full_hi, hi, BLOCK_N):      # the trailing edge and the last keys
+        for start in range(tl.where(w < full_lo, w, full_hi), hi, BLOCK_N):   # the rest
             acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
                                           row_ok, qk_scale, offset, window, skn, skd, svn, svd,
                                           b, h, n_q, None, None, D, DV, BLOCK_D, BLOCK_DV,
@@ -142,21 +152,21 @@ def _forward(Q, K, V, O, LSE, LENS, SEGS, qk_scale,
     Q += b * sqb + h * sqh + first * sqm
     q = load_tile(Q, rows, n_q, sqm, sqd, D, BLOCK_D, True)                # (BLOCK_M, BLOCK_D)
     klen = key_length(LENS, b, n_k, HAS_LENS)
-    lo, full_lo, full_hi, hi = key_range(m0, klen, offset, window, CAUSAL, WINDOWED,
-                                         BLOCK_M, BLOCK_N)
+    lo, w, full_lo, full_hi, hi = key_range(m0, klen, offset, window, CAUSAL, WINDOWED,
+                                            BLOCK_M, BLOCK_N)
 
     k_base = K + b * skb + hk * skh + first * skn
     v_base = V + b * svb + hk * svh + first * svn
     row_ok = rows < n_q
-    acc, m_i, l_i = _band_blocks(q, k_base, v_base, rows, row_ok, lo, full_lo, full_hi, hi,
-                                 qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, D,
-                                 DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED,
+    acc, m_i, l_i = _band_blocks(q, k_base, v_base, rows, row_ok, lo, w, full_lo, full_hi,
+                                 hi, qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q,
+                                 D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED,
                                  False)
     if nonfinite(acc):                                 # rare: run again, carefully
-        acc, m_i, l_i = _band_blocks(q, k_base, v_base, rows, row_ok, lo, full_lo, full_hi,
-                                     hi, qk_scale, offset, window, skn, skd, svn, svd, b, h,
-                                     n_q, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
-                                     WINDOWED, True)
+        acc, m_i, l_i = _band_blocks(q, k_base, v_base, rows, row_ok, lo, w, full_lo,
+                                     full_hi, hi, qk_scale, offset, window, skn, skd, svn, svd,
+                                     b, h, n_q, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
+                                     CAUSAL, WINDOWED, True)
     out, lse = _finish(acc, m_i, l_i)
     tl.store(O + b * sob + h * soh + (first + rows[:, None]) * som + dv[None, :] * sod,
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
