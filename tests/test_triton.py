@@ -274,18 +274,26 @@ def test_backward_with_small_tiles_crosses_edge_and_interior_blocks(name, kv_til
     case = next(c for c in CASES if c[7] == name)
     B, H, Hkv, Sq, Sk, D, Dv, _ = case
     q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, Dv, torch.float16, seed=2)
-    m = _mask(name, B, Sk).to(DEV)
+    _check_small_tiles(q, k, v, _mask(name, B, Sk).to(DEV), kv_tiles, seed=3)
+
+
+def _check_small_tiles(q, k, v, m, kv_tiles, seed, forward=False):
+    """The band kernels at 16x16 tiles (``kv_tiles`` for dK/dV) against the fp64 reference
+    under mask ``m``: the gradients, and with ``forward`` the output and lse too."""
     band = _band_of(q, k, v, m)
+    B, D = q.shape[0], q.shape[-1]
     lens = band.padding.lengths.expand(B).contiguous() if band.padding is not None else None
     kw = dict(scale=D ** -0.5, causal=band.causal, window=band.window, offset=band.offset,
               kv_lengths=lens)
     tiles = (16, 16, 4, 1)
     out, lse = flash_forward(q, k, v, config=tiles, **kw)
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(DEV, out.dtype)
+    if forward:
+        assert_kernel_matches_oracle(out, lse, q, k, v, mask=m)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    dout = dout.to(DEV, out.dtype)
     got = flash_backward(dout, q, k, v, out, lse, config=(kv_tiles, tiles), **kw)
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    ref = mh.attention(*leaves, mask=m, backend="reference")
-    ref.backward(dout.double())
+    mh.attention(*leaves, mask=m, backend="reference").backward(dout.double())
     for a, t in zip(got, leaves):
         torch.testing.assert_close(a.double(), t.grad, atol=2e-2, rtol=2e-2)
 
@@ -307,20 +315,7 @@ def test_every_edge_of_the_window_band_equals_the_oracle(Sq, Sk, window, lengths
     m = M.sliding_window(window)
     if lengths:
         m = m & M.padding(torch.tensor(lengths))
-    m = m.to(DEV)
-    band = _band_of(q, k, v, m)
-    lens = band.padding.lengths.expand(B).contiguous() if band.padding is not None else None
-    kw = dict(scale=D ** -0.5, causal=band.causal, window=band.window, offset=band.offset,
-              kv_lengths=lens)
-    tiles = (16, 16, 4, 1)
-    out, lse = flash_forward(q, k, v, config=tiles, **kw)
-    assert_kernel_matches_oracle(out, lse, q, k, v, mask=m)
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(DEV, out.dtype)
-    got = flash_backward(dout, q, k, v, out, lse, config=(tiles, tiles), **kw)
-    leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    mh.attention(*leaves, mask=m, backend="reference").backward(dout.double())
-    for a, t in zip(got, leaves):
-        torch.testing.assert_close(a.double(), t.grad, atol=2e-2, rtol=2e-2)
+    _check_small_tiles(q, k, v, m.to(DEV), (16, 16, 4, 1), seed=5, forward=True)
 
 
 def test_the_backward_is_deterministic():
