@@ -166,9 +166,9 @@ def main(argv=None) -> None:
     real = args.device == "cuda"
     if real and not torch.cuda.is_available():
         sys.exit("triton_host: --device cuda needs a CUDA GPU")
+    where = f"on {torch.cuda.get_device_name()}" if real else "launches stubbed"
     print(f"multihead {mh.__version__}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"host time per call, {'on ' + torch.cuda.get_device_name() if real else 'launches stubbed'}",
-          flush=True)
+          f"host time per call, {where}", flush=True)
     from multihead.kernels import _launch
     print("case: direct launches (multihead.kernels._launch) | through Triton's path",
           flush=True)

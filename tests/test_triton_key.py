@@ -20,6 +20,8 @@ from triton.runtime import cache  # noqa: E402
 
 from multihead.kernels import _triton_key  # noqa: E402
 
+KNOWN, REAL_KEY = _triton_key.known, cache.triton_key
+
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
@@ -35,6 +37,7 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("MULTIHEAD_TRITON_KEY_CACHE", raising=False)
     monkeypatch.setattr(_triton_key, "_DONE", False)
+    monkeypatch.setattr(_triton_key, "known", lambda compute: True)   # the stand-in's source
 
     def new_process():                  # what a new process starts with
         monkeypatch.setattr(_triton_key, "_DONE", False)
@@ -107,6 +110,16 @@ def test_an_unwritable_cache_folder_leaves_triton_as_it_was(fresh, monkeypatch, 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(blocker / "cache"))   # under a file: OSError
     _triton_key.install()
     assert calls == [1] and cache.triton_key() == "3.x-key-of-this-installation"
+
+
+def test_a_triton_key_of_unread_source_is_left_to_triton(fresh, monkeypatch):
+    """A Triton whose key function is not one read here (it may hash more than files) keeps
+    computing its key, and nothing is kept; the function installed now is a known one."""
+    calls, _, kept = fresh
+    monkeypatch.setattr(_triton_key, "known", KNOWN)
+    assert KNOWN(REAL_KEY) and not KNOWN(cache.triton_key)       # the stand-in is unknown
+    _triton_key.install()
+    assert calls == [] and not kept.exists()
 
 
 @pytest.mark.parametrize("env", [("MULTIHEAD_TRITON_KEY_CACHE", "0"), ("TRITON_INTERPRET", "1")])

@@ -10,9 +10,10 @@
   Python before the first launch, 50-150 us for a training step) is not counted: without
   it, a 0.86 ms forward + backward timed as batches of one call read 1.05-1.3 ms on an
   H100. A call whose host time exceeds its device time is still timed at the host's pace
-  (the device waits between calls, as it would in a loop). Batches repeat until the spread of their per-call times is at most
-  :data:`TARGET_SPREAD` (after at least ``reps`` batches) or the time budget is spent; a
-  measurement that did not get there is reported as not settled, with the spread it had.
+  (the device waits between calls, as it would in a loop). Batches repeat until the
+  spread of their per-call times is at most :data:`TARGET_SPREAD` (after at least
+  ``reps`` batches) or the time budget is spent; a measurement that did not get there is
+  reported as not settled, with the spread it had.
 - CUDA, cold L2 (``cold_l2=True``): before every call a buffer twice the size of the L2
   cache is written, so every call starts with a cold cache; events surround the call alone,
   and calls are timed singly (the flush cannot sit inside a batch).
@@ -282,8 +283,9 @@ def describe_timing(device: torch.device, cold_l2: bool = False) -> str:
         return "Times: wall clock, median of single calls after a warm-up."
     if cold_l2:
         return (f"Times: CUDA events around single calls, L2 cache flushed before each (a "
-                f"{_l2_flush_bytes(device) // 2**20} MiB write); medians of at least {MIN_GPU_REPS} calls, repeated until their "
-                f"spread is at most {TARGET_SPREAD:.0%}.")
+                f"{_l2_flush_bytes(device) // 2**20} MiB write); medians of at least "
+                f"{MIN_GPU_REPS} calls, repeated until their spread is at most "
+                f"{TARGET_SPREAD:.0%}.")
     return (f"Times: CUDA events around batches of back-to-back calls lasting at least "
             f"{MIN_BATCH_S * 1e3:g} ms (per call = batch / calls), each batch after one "
             f"untimed call so the device is already busy; medians of at least "

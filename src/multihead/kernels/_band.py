@@ -8,7 +8,7 @@ dK/dV loop). Each returns block-aligned bounds ``lo <= a <= b <= hi`` (``hi`` ne
 be aligned): ``[lo, a)`` and ``[b, hi)`` are edge blocks that evaluate the mask, ``[a, b)``
 runs unmasked. Both also split the leading edge at ``w``: the blocks of ``[lo, w)`` are
 cut by one edge alone (for a block of queries the window's lower edge, every key real and
-below every row's diagonal; for a block of keys the diagonal, every query live and every
+at or below every row's diagonal; for a block of keys the diagonal, every query live and every
 key inside its window), so they test that edge only and load without bounds. Where ``w <
 a`` (a window narrower than a block, a short key length) the blocks ``[w, a)`` meet both
 edges and no block is full (``a = b``). The trailing edge ``[b, hi)`` never needs the
@@ -425,7 +425,8 @@ def visible(R, C, row_ok, klen, offset, window, CAUSAL: tl.constexpr,
             WINDOWED: tl.constexpr, BOUNDED: tl.constexpr = True):
     """The (query, key) pairs the mask leaves: key below ``klen``, a live row, in the band.
     ``R``, ``C`` and ``row_ok`` are broadcast grids (see :func:`masked_scores`). Without
-    BOUNDED, only the band (a block known to hold real keys; dead rows are not stored)."""
+    BOUNDED, only the band (a block known to hold real keys, whose rows are live or, in the
+    forward and dQ, unstored)."""
     ok = True
     if BOUNDED:
         ok = (C < klen) & row_ok

@@ -14,7 +14,11 @@ Triton the kept key instead of hashing again, the way Triton's own pre-loading w
 hand theirs one (``triton.runtime.cache.triton_key`` replaced by a function returning
 it). Reinstalling or editing Triton changes the fingerprint, and the key is computed
 afresh. The fingerprint covers more files than the key (everything under Triton's
-``compiler``, ``backends`` and ``language`` folders), never fewer.
+``compiler``, ``backends`` and ``language`` folders, symbolic links followed as Triton's
+own walk follows them, which an editable install of Triton has), never fewer. It applies
+only to a ``triton_key`` whose source is one read here (:data:`KNOWN`: Triton 3.6 to 3.9):
+a Triton that adds another input to its key (an environment variable, say) keeps
+computing it, until its function is read and added.
 
 Nothing here can fail a call: an unreadable or unwritable folder, a file from another
 version, a Triton without this function, all leave Triton computing its key as before.
@@ -25,6 +29,8 @@ has no kept key, so a cold start still pays for it.
 from __future__ import annotations
 
 import functools
+import hashlib
+import inspect
 import json
 import os
 import sysconfig
@@ -34,6 +40,9 @@ import threading
 FILE = "multihead-triton-key.json"
 #: the folders of Triton's package whose files the key is computed from
 _FOLDERS = ("compiler", "backends", "language")
+#: SHA-256 of the source of the ``triton_key`` functions whose inputs are only the files
+#: fingerprinted here (Triton 3.6.0 and 3.9.0 have the same one)
+KNOWN = frozenset({"7d2c8021b5b5b005dc2a4457bc365b3d78ac10d2613df98d5bb216e343fe1140"})
 
 _LOCK = threading.Lock()
 _DONE = False
@@ -58,7 +67,7 @@ def fingerprint(root: str) -> list:
     ext = sysconfig.get_config_var("EXT_SUFFIX").split(".")[-1]
     paths = [os.path.join("runtime", "cache.py"), os.path.join("_C", f"libtriton.{ext}")]
     for folder in _FOLDERS:
-        for here, dirs, files in os.walk(os.path.join(root, folder)):
+        for here, dirs, files in os.walk(os.path.join(root, folder), followlinks=True):
             dirs[:] = sorted(d for d in dirs if d != "__pycache__")
             paths += [os.path.relpath(os.path.join(here, f), root) for f in files]
     rows = []
@@ -66,6 +75,22 @@ def fingerprint(root: str) -> list:
         st = os.stat(os.path.join(root, path))
         rows.append([path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
     return rows
+
+
+def known(compute) -> bool:
+    """Whether ``compute`` (Triton's ``triton_key``, memoized) is one whose inputs are the
+    fingerprinted files only: its source is in :data:`KNOWN`.
+
+    Example:
+        >>> from triton.runtime import cache
+        >>> known(cache.triton_key)
+        True
+    """
+    try:
+        source = inspect.getsource(compute.__wrapped__)
+    except (AttributeError, OSError, TypeError):
+        return False
+    return hashlib.sha256(source.encode()).hexdigest() in KNOWN
 
 
 def install() -> None:
@@ -95,7 +120,7 @@ def _install() -> None:
     from triton.runtime import cache
 
     compute = cache.triton_key
-    if not enabled() or not hasattr(compute, "cache_info"):
+    if not enabled() or not hasattr(compute, "cache_info") or not known(compute):
         return                                       # off, or not the function we know
     if compute.cache_info().currsize:                # computed in this process already
         return

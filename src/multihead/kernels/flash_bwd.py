@@ -95,7 +95,7 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
     if MASKED and BOUNDED:
         lse2 = tl.load(lse_base + rows, mask=row_ok, other=0.0) * 1.4426950408889634
         delta = tl.load(dl_base + rows, mask=row_ok, other=0.0)
-    else:                                       # an interior block: every row is live
+    else:                                       # interior, or not BOUNDED: rows all live
         lse2 = tl.load(lse_base + rows) * 1.4426950408889634
         delta = tl.load(dl_base + rows)
     if KEYS_LEFT:
