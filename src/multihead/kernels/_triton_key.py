@@ -35,6 +35,9 @@ import json
 import os
 import sysconfig
 import threading
+from pathlib import Path
+
+from .._files import atomic_write
 
 #: the file, in Triton's cache folder, that keeps the key and its fingerprint
 FILE = "multihead-triton-key.json"
@@ -82,9 +85,8 @@ def known(compute) -> bool:
     fingerprinted files only: its source is in :data:`KNOWN`.
 
     Example:
-        >>> from triton.runtime import cache
-        >>> known(cache.triton_key)
-        True
+        >>> known(functools.lru_cache()(lambda: "a key hashed from something else"))
+        False
     """
     try:
         source = inspect.getsource(compute.__wrapped__)
@@ -119,14 +121,13 @@ def _install() -> None:
     import triton
     from triton.runtime import cache
 
-    compute = cache.triton_key
-    if not enabled() or not hasattr(compute, "cache_info") or not known(compute):
-        return                                       # off, or not the function we know
-    if compute.cache_info().currsize:                # computed in this process already
-        return
     from triton import knobs
-    if knobs.runtime.interpret:                      # nothing compiles: no key needed
-        return
+
+    compute = cache.triton_key
+    if not enabled() or knobs.runtime.interpret or not hasattr(compute, "cache_info"):
+        return                   # off, nothing compiles (no key needed), or not a memo
+    if compute.cache_info().currsize or not known(compute):
+        return                   # computed in this process already, or not a known function
     folder = knobs.cache.dir
     root = os.path.dirname(os.path.abspath(triton.__file__))
     kept = _read(os.path.join(folder, FILE))
@@ -138,7 +139,8 @@ def _install() -> None:
         cache.triton_key = functools.lru_cache()(lambda: key)
         return
     key = compute()                                  # Triton's own hashing, kept in-process
-    _write(os.path.join(folder, FILE), {"head": head, "files": rows, "key": key})
+    os.makedirs(folder, exist_ok=True)
+    atomic_write(Path(folder) / FILE, json.dumps({"head": head, "files": rows, "key": key}))
 
 
 def _read(path: str) -> dict | None:
@@ -149,16 +151,3 @@ def _read(path: str) -> dict | None:
         return None
     return kept if isinstance(kept, dict) else None
 
-
-def _write(path: str, kept: dict) -> None:
-    """Write ``kept`` whole or not at all (a temporary file renamed over the old one:
-    a process reading at the same time sees the old file or the new)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(kept, f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
