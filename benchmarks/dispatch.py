@@ -140,6 +140,45 @@ def overhead(device: str = "cpu", n: int = 20000) -> dict:
             out[name] = dict(sdpa_us=a, ours_us=b, overhead_us=b - a)
             print(f"per-call {name:<6} S={q.shape[2]}: sdpa {a:6.1f} us, ours {b:6.1f} us, "
                   f"overhead {b - a:5.1f} us", flush=True)
+        out.update(growing(dev))
+    return out
+
+
+def growing(dev: torch.device, steps: int = 2000) -> dict:
+    """Per-call time of a decoding step (H=8 Hkv=2 D=16, one query, causal) whose cache
+    grows by one key per call, as a :class:`multihead.KVCache`'s views do, against the same
+    step at a fixed length (the mean of the growing ones), through ``auto`` and through
+    ``backend="sdpa"``; SDPA on the same views for scale. Best of 5 runs of ``steps``
+    calls, each run over lengths not seen before (so no cached plan serves them)."""
+    L0 = 64
+    q = torch.randn(1, 8, 1, 16, device=dev)
+    k, v = (torch.randn(1, 2, L0 + 6 * steps, 16, device=dev) for _ in range(2))
+    causal = M.causal()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = {"sdpa": lambda n: sdpa(q, k[:, :, :n], v[:, :, :n], enable_gqa=True),
+             "auto": lambda n: mh.attention(q, k[:, :, :n], v[:, :, :n], mask=causal),
+             "backend=sdpa": lambda n: mh.attention(q, k[:, :, :n], v[:, :, :n], mask=causal,
+                                                    backend="sdpa")}
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+
+    def per_call(fn, grow: bool) -> float:
+        best = float("inf")
+        for run in range(6):               # run 0 warms up
+            start = L0 + run * steps
+            lengths = range(start, start + steps) if grow else [start + steps // 2] * steps
+            sync()
+            t = time.perf_counter()
+            for n in lengths:
+                fn(n)
+            sync()
+            best = min(best, (time.perf_counter() - t) / steps) if run else best
+        return best * 1e6
+    out = {}
+    for name, fn in calls.items():
+        fixed, grown = per_call(fn, False), per_call(fn, True)
+        out[f"growing cache, {name}"] = dict(fixed_us=fixed, growing_us=grown)
+        print(f"decode step, cache growing by one key per call, {name:<12}: fixed length "
+              f"{fixed:6.1f} us, growing {grown:6.1f} us (+{grown - fixed:5.1f} us)", flush=True)
     return out
 
 

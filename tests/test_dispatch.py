@@ -173,6 +173,7 @@ def test_a_repeated_call_is_not_planned_again(mask):
     calls = _count_plans()
     try:
         mh.attention(q, k, v, mask=mask)
+        mh.attention(q, k, v, mask=mask)         # kept from its second time (_MET_ONCE)
         planned = len(calls)
         mh.attention(q, k, v, mask=mask)
         mh.attention(q + 1, k, v, mask=mask)     # other values, same shapes
@@ -398,6 +399,38 @@ def test_a_decoding_loop_plans_only_the_backend_auto_chose():
         assert first >= 3 and calls[first:] == ["sdpa"] * 55
     finally:
         mock.patch.stopall()
+
+
+def test_a_growing_cache_pushes_no_kept_decision_out():
+    """A decoding loop meets a new key length every step: its decisions, never reused, are
+    not kept (1,024 of them used to push out every other call's), and a named backend
+    plans itself alone (it used to plan all five to pick itself)."""
+    from multihead.functional import dispatch
+    q, kv = torch.randn(1, 8, 1, 16), torch.randn(1, 2, 1200, 16)
+    dispatch.clear_cache()
+    prefill = (q.expand(1, 8, 64, 16), kv[:, :, :64], kv[:, :, :64])
+    for _ in range(2):
+        mh.attention(*prefill, mask=M.causal(), backend="sdpa")
+    kept = dict(dispatch._DECISIONS._data)
+    assert len(kept) == 1
+    calls = []
+    for b in registry.all_backends().values():
+        orig = b.plan
+        mock.patch.object(b, "plan", side_effect=lambda c, p, _o=orig, _n=b.name:
+                          calls.append(_n) or _o(c, p)).start()
+    try:
+        for t in range(65, 1200):
+            out = mh.attention(q, kv[:, :, :t], kv[:, :, :t], mask=M.causal(), backend="sdpa")
+        assert calls == ["sdpa"] * (1200 - 65)
+    finally:
+        mock.patch.stopall()
+    assert dict(dispatch._DECISIONS._data) == kept
+    last = kv[:, :, :1199].repeat_interleave(4, 1)                      # (1, 8, 1199, 16)
+    ref = torch.softmax(q @ last.transpose(-1, -2) / 4, -1) @ last     # (1, 8, 1, 16)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for _ in range(2):                       # a call met twice is kept
+        mh.attention(q, kv, kv, mask=M.causal(), backend="sdpa")
+    assert len(dispatch._DECISIONS) == 2
 
 
 def test_masked_gqa_folds_query_heads_only_when_decoding():

@@ -20,6 +20,7 @@ reuse until that stream's kernels are done, even if the cache lets them go meanw
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 
 import torch
@@ -43,6 +44,17 @@ def nbytes(value, depth: int = 8) -> int:
         18
     """
     return sum(size for _, size in _tensors(value, depth))
+
+
+#: types that hold no tensor (the walk below returns at once)
+_LEAVES = frozenset({int, float, complex, str, bool, bytes, type(None), torch.dtype,
+                     torch.device, torch.Size})
+
+
+@functools.lru_cache(maxsize=None)
+def _field_names(cls) -> tuple[str, ...]:
+    # a dataclass's fields, once per class (dataclasses.fields is slow Python)
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def _tensors(value, depth: int = 8) -> list:
@@ -71,15 +83,17 @@ def _tensors(value, depth: int = 8) -> list:
         elif isinstance(v, (list, tuple, set, frozenset)):
             items = v
         elif dataclasses.is_dataclass(v) and not isinstance(v, type):
-            items = [getattr(v, f.name) for f in dataclasses.fields(v)]
+            items = [getattr(v, name) for name in _field_names(type(v))]
         elif hasattr(v, "__dict__"):
             items = vars(v).values()
         else:
             items = [getattr(v, s) for s in getattr(type(v), "__slots__", ()) if hasattr(v, s)]
         for x in items:
-            walk(x, depth - 1)
+            if type(x) not in _LEAVES:           # (most of a plan's fields: no call)
+                walk(x, depth - 1)
 
-    walk(value, depth)
+    if type(value) not in _LEAVES:
+        walk(value, depth)
     return found
 
 

@@ -35,6 +35,11 @@ from .registry import Backend, Plan
 AUTO = "auto"
 _DECISIONS = BoundedCache(1024, 64 << 20)     # exact call -> (backend, plan)
 _CHOICES = BoundedCache(1024, 1 << 20)        # structure of a call -> the backend auto chose
+#: exact calls met once whose decisions are not kept yet: a decision is kept from its
+#: call's second time, so that a decoding loop whose cache grows (a new Sk every step)
+#: neither pays to keep decisions never reused nor pushes out those that are
+_MET_ONCE: set = set()
+_MET_ONCE_MAX = 4096
 _EMPTY = "empty"
 
 
@@ -125,7 +130,10 @@ def _rows(call: AttentionCall, profile: DeviceProfile, device_type: str) -> list
     return [_row(b, call, profile, device_type) for b in registry.all_backends().values()]
 
 
-def _row(b: Backend, call: AttentionCall, profile: DeviceProfile, device_type: str) -> Row:
+def _row(b: Backend, call: AttentionCall, profile: DeviceProfile, device_type: str,
+         price: bool = True) -> Row:
+    """``b``'s row for ``call``: why it cannot run, or its plan (and, with ``price``, the
+    plan's estimated seconds on ``profile``; without, None: the choice is made)."""
     reasons = b.unsupported(call, device_type)
     if reasons:
         return Row(b.name, tuple(reasons))
@@ -133,7 +141,7 @@ def _row(b: Backend, call: AttentionCall, profile: DeviceProfile, device_type: s
     if not profile.fits(plan.work):
         return Row(b.name, (f"needs {plan.work.memory / 2**30:.1f} GiB of scratch memory; "
                             f"{profile.name} has {profile.memory / 2**30:.0f} GiB",))
-    return Row(b.name, (), plan, profile.seconds(plan.work))
+    return Row(b.name, (), plan, profile.seconds(plan.work) if price else None)
 
 
 def _cannot_run(backend: str, reasons, able: list[str]) -> ValueError:
@@ -196,11 +204,17 @@ def _decide(call: AttentionCall, backend: str, profile: DeviceProfile):
                     if not b.unsupported(call, device_type)]
             raise _cannot_run(backend, reasons, able)
         return None, _EMPTY
-    structure = None if backend != AUTO or _uncached() else _structure(call)
+    if backend != AUTO:     # plan the named backend only (a decoding step whose cache
+        named = registry.get(backend)                  # grows plans every call)
+        row = _row(named, call, profile, device_type, price=False)
+        if row.plan is None:                           # raises: why, and what can run it
+            _choose(_rows(call, profile, device_type), backend, profile)
+        return named, row.plan
+    structure = None if _uncached() else _structure(call)
     chosen = _CHOICES.get(structure) if structure is not None else None
     if chosen is not None:
         b = registry.all_backends().get(chosen)
-        row = _row(b, call, profile, device_type) if b is not None else None
+        row = _row(b, call, profile, device_type, price=False) if b is not None else None
         if row is not None and row.plan is not None:
             return b, row.plan
     row = _choose(_rows(call, profile, device_type), backend, profile)
@@ -218,12 +232,19 @@ def _check_backend(backend) -> str:
 
 
 def _shared_decision(full_key, args):
-    """``(call or None, decision)`` from the plan cache, deciding (and storing) on a miss."""
+    """``(call or None, decision)`` from the plan cache, deciding on a miss (and storing
+    the decision when its call was met before: see :data:`_MET_ONCE`)."""
     decision = _DECISIONS.get(full_key)
     if decision is not None:
         return None, decision
     call, decision = _new_decision(*args)
-    _DECISIONS.put(full_key, decision)
+    if full_key in _MET_ONCE:
+        _MET_ONCE.discard(full_key)
+        _DECISIONS.put(full_key, decision)
+    else:
+        if len(_MET_ONCE) >= _MET_ONCE_MAX:
+            _MET_ONCE.clear()
+        _MET_ONCE.add(full_key)
     return call, decision
 
 
@@ -243,6 +264,7 @@ def clear_cache() -> None:
     """
     _DECISIONS.clear()
     _CHOICES.clear()
+    _MET_ONCE.clear()
 
 
 def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",

@@ -51,6 +51,9 @@ class Backend:
     name: str = "?"
     summary: str = ""
     capabilities: Capabilities = Capabilities()
+    #: a decision refers to its (registered, shared) backend but does not own what the
+    #: backend holds: caches do not count it (:func:`multihead._cache.nbytes`)
+    _cache_opaque = True
 
     def capabilities_on(self, device_type: str) -> Capabilities:
         """The capabilities on one device type (the same everywhere unless overridden)."""
