@@ -156,11 +156,13 @@ def test_a_mask_changed_in_place_is_planned_again():
 
 
 def _count_plans():
+    """A list that gets the name of each backend that plans, from now until
+    ``mock.patch.stopall()``."""
     calls = []
     for b in registry.all_backends().values():
         orig = b.plan
-        mock.patch.object(b, "plan", side_effect=lambda c, p, _o=orig: calls.append(1) or _o(c, p)
-                          ).start()
+        mock.patch.object(b, "plan", side_effect=lambda c, p, _o=orig, _n=b.name:
+                          calls.append(_n) or _o(c, p)).start()
     return calls
 
 
@@ -386,11 +388,7 @@ def test_a_decoding_loop_plans_only_the_backend_auto_chose():
     q = torch.randn(1, 8, 1, 32)
     kv = torch.randn(1, 2, 300, 32)
     mh.functional.dispatch.clear_cache()
-    calls = []
-    for b in registry.all_backends().values():
-        orig = b.plan
-        mock.patch.object(b, "plan", side_effect=lambda c, p, _o=orig, _n=b.name:
-                          calls.append(_n) or _o(c, p)).start()
+    calls = _count_plans()
     try:
         mh.attention(q, kv[:, :, :200], kv[:, :, :200], mask=M.causal())
         first = len(calls)
@@ -413,11 +411,7 @@ def test_a_growing_cache_pushes_no_kept_decision_out():
         mh.attention(*prefill, mask=M.causal(), backend="sdpa")
     kept = dict(dispatch._DECISIONS._data)
     assert len(kept) == 1
-    calls = []
-    for b in registry.all_backends().values():
-        orig = b.plan
-        mock.patch.object(b, "plan", side_effect=lambda c, p, _o=orig, _n=b.name:
-                          calls.append(_n) or _o(c, p)).start()
+    calls = _count_plans()
     try:
         for t in range(65, 1200):
             out = mh.attention(q, kv[:, :, :t], kv[:, :, :t], mask=M.causal(), backend="sdpa")
