@@ -102,6 +102,7 @@ def test_a_call_decided_while_a_graph_captures_is_not_remembered():
         assert "_memo" not in vars(padding)       # a tensor mask keeps its plans on itself
     for m, out in zip((window, padding), captured):
         torch.testing.assert_close(out, mh.attention(q, q, q, mask=m))
+    assert len(dispatch._DECISIONS) == 0    # the capture did not count as a first time
     mh.attention(q, q, q, mask=window)      # an eager call is kept from its second time
     assert len(dispatch._DECISIONS) == 1 and len(vars(padding)["_memo"]) > 0
 

@@ -34,6 +34,17 @@ def test_alibi_at_16k_is_not_sent_to_a_plan_that_materializes_it():
     assert sdpa.plan is None and any("scratch memory" in r for r in sdpa.reasons)
 
 
+def test_a_named_backend_whose_plan_does_not_fit_is_refused_by_attention(monkeypatch):
+    q = torch.randn(1, 2, 2048, 16)
+    small = dataclasses.replace(profiles.get_profile("cpu"), memory=16 << 20)
+    monkeypatch.setattr(profiles, "profile_for", lambda device: small)
+    dispatch.clear_cache()
+    with pytest.raises(ValueError, match=r"backend='reference' cannot run this call: it needs "
+                                         r"96.5 MiB of scratch memory; cpu .* has 16.0 MiB; use "
+                                         r"backend='auto' or one of \['sdpa'\]"):
+        mh.attention(q, q, q, backend="reference")
+
+
 def test_a_plan_that_does_not_fit_the_device_is_refused_with_its_size():
     q = torch.empty(2, 8, 4096, 64)
     pad = M.padding(torch.tensor([3900, 4096]))

@@ -89,11 +89,14 @@ def _tensors(value, depth: int = 8) -> list:
         else:
             items = [getattr(v, s) for s in getattr(type(v), "__slots__", ()) if hasattr(v, s)]
         for x in items:
-            if type(x) not in _LEAVES:           # (most of a plan's fields: no call)
+            try:
+                leaf = type(x) in _LEAVES        # (most of a plan's fields: no call)
+            except TypeError:                    # a class made unhashable by its metaclass
+                leaf = False
+            if not leaf:
                 walk(x, depth - 1)
 
-    if type(value) not in _LEAVES:
-        walk(value, depth)
+    walk(value, depth)
     return found
 
 

@@ -8,13 +8,16 @@ Two caches, keyed by what fully determines what they hold:
 
 - plans, by the exact call: shapes, dtypes, devices, arguments, grad mode, the profile and
   the mask's :meth:`~multihead.masks.Mask.cache_key` (masks made of ints: causal, windows,
-  ALiBi); a mask holding tensors keeps its plans on itself, valid while its tensors are
-  unmodified. A call found here validates, plans and analyses nothing: it goes straight to
-  its backend, without reading anything back from the device.
+  ALiBi), kept from the call's second time (a decoding loop's calls, each with a new key
+  length, are never met twice); a mask holding tensors keeps its plans on itself, from the
+  first call, valid while its tensors are unmodified. A call found here validates, plans
+  and analyses nothing: it goes straight to its backend, without reading anything back
+  from the device.
 - auto's choice, by the call's structure: the same, with batch and sequence lengths rounded
   up to a power of two (and Sq = 1, Sq = Sk, Sq < Sk kept apart) and the mask's
   :meth:`~multihead.masks.Mask.structure` instead of its contents. A decoding loop, whose
-  key length grows every step, plans only the chosen backend for each new length.
+  key length grows every step, plans only the chosen backend for each new length (as a
+  call naming its backend always does).
 
 A user's own mask class is in neither cache unless it says what determines it.
 """
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _device
+from ..analysis.params import human_bytes
 from .. import masks as M
 from .._cache import BoundedCache
 from . import nonfinite, profiles, registry
@@ -139,8 +144,8 @@ def _row(b: Backend, call: AttentionCall, profile: DeviceProfile, device_type: s
         return Row(b.name, tuple(reasons))
     plan = b.plan(call, profile)
     if not profile.fits(plan.work):
-        return Row(b.name, (f"needs {plan.work.memory / 2**30:.1f} GiB of scratch memory; "
-                            f"{profile.name} has {profile.memory / 2**30:.0f} GiB",))
+        return Row(b.name, (f"needs {human_bytes(plan.work.memory)} of scratch memory; "
+                            f"{profile.name} has {human_bytes(profile.memory)}",))
     return Row(b.name, (), plan, profile.seconds(plan.work) if price else None)
 
 
@@ -207,8 +212,9 @@ def _decide(call: AttentionCall, backend: str, profile: DeviceProfile):
     if backend != AUTO:     # plan the named backend only (a decoding step whose cache
         named = registry.get(backend)                  # grows plans every call)
         row = _row(named, call, profile, device_type, price=False)
-        if row.plan is None:                           # raises: why, and what can run it
-            _choose(_rows(call, profile, device_type), backend, profile)
+        if row.plan is None:
+            raise _cannot_run(backend, row.reasons, [
+                r.name for r in _rows(call, profile, device_type) if r.plan is not None])
         return named, row.plan
     structure = None if _uncached() else _structure(call)
     chosen = _CHOICES.get(structure) if structure is not None else None
@@ -238,10 +244,12 @@ def _shared_decision(full_key, args):
     if decision is not None:
         return None, decision
     call, decision = _new_decision(*args)
+    if _device.capturing():          # kept nothing, marks nothing (see BoundedCache.put)
+        return call, decision
     if full_key in _MET_ONCE:
         _MET_ONCE.discard(full_key)
         _DECISIONS.put(full_key, decision)
-    else:
+    else:                            # (a call recurring after 4,096 new ones is not kept)
         if len(_MET_ONCE) >= _MET_ONCE_MAX:
             _MET_ONCE.clear()
         _MET_ONCE.add(full_key)
