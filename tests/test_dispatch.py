@@ -175,7 +175,7 @@ def test_a_repeated_call_is_not_planned_again(mask):
     calls = _count_plans()
     try:
         mh.attention(q, k, v, mask=mask)
-        mh.attention(q, k, v, mask=mask)         # kept from its second time (_MET_ONCE)
+        mh.attention(q, k, v, mask=mask)         # kept from its second time (keep_on_repeat)
         planned = len(calls)
         mh.attention(q, k, v, mask=mask)
         mh.attention(q + 1, k, v, mask=mask)     # other values, same shapes

@@ -107,6 +107,10 @@ class BoundedCache:
         max_entries: the most values kept.
         max_bytes: the most tensor bytes kept; a single value larger than this is
             returned but not kept.
+        keep_on_repeat: keep a value only when its key is put a second time (the first
+            put only notes the key, among at most ``4 * max_entries`` noted keys): keys
+            that never come back (a decoding loop's, whose length grows every step)
+            then cost no walk for tensors and push out no kept value.
 
     Example:
         >>> import torch
@@ -116,16 +120,22 @@ class BoundedCache:
         >>> _ = c.get_or_compute("b", lambda: torch.zeros(12))       # 48 bytes: "a" goes
         >>> "a" in c, "b" in c, c.nbytes
         (False, True, 48)
+        >>> r = BoundedCache(max_entries=2, max_bytes=64, keep_on_repeat=True)
+        >>> r.put("a", 1); "a" in r
+        False
+        >>> r.put("a", 1); "a" in r
+        True
     """
 
     #: a value holding a cache does not own what the cache holds (see :func:`nbytes`)
     _cache_opaque = True
 
-    def __init__(self, max_entries: int, max_bytes: int):
+    def __init__(self, max_entries: int, max_bytes: int, keep_on_repeat: bool = False):
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self._data: dict = {}            # key -> (value, bytes, StreamUse or None)
         self._bytes = 0
         self._lock = threading.Lock()
+        self._noted: set | None = set() if keep_on_repeat else None   # keys put once
 
     def __contains__(self, key) -> bool:
         with self._lock:
@@ -156,6 +166,14 @@ class BoundedCache:
         a CUDA graph captures: nothing)."""
         if _device.capturing():
             return
+        if self._noted is not None:
+            with self._lock:
+                if key not in self._noted:
+                    if len(self._noted) >= 4 * self.max_entries:
+                        self._noted.clear()
+                    self._noted.add(key)
+                    return
+                self._noted.discard(key)
         tensors = _tensors(value)
         size = sum(n for _, n in tensors)
         streams = _device.StreamUse.of(t for t, _ in tensors) if size <= self.max_bytes else None
@@ -187,3 +205,5 @@ class BoundedCache:
         with self._lock:
             self._data.clear()
             self._bytes = 0
+            if self._noted is not None:
+                self._noted.clear()

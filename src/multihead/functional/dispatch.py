@@ -28,23 +28,20 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _device
-from ..analysis.params import human_bytes
 from .. import masks as M
 from .._cache import BoundedCache
+from ..analysis.params import human_bytes
 from . import nonfinite, profiles, registry
 from ._call import AttentionCall, default_scale, make_call
 from .cost import DeviceProfile
 from .registry import Backend, Plan
 
 AUTO = "auto"
-_DECISIONS = BoundedCache(1024, 64 << 20)     # exact call -> (backend, plan)
+#: exact call -> (backend, plan), kept from the call's second time: a decoding loop whose
+#: cache grows (a new Sk every step) neither pays to keep decisions never reused nor
+#: pushes out those that are
+_DECISIONS = BoundedCache(1024, 64 << 20, keep_on_repeat=True)
 _CHOICES = BoundedCache(1024, 1 << 20)        # structure of a call -> the backend auto chose
-#: exact calls met once whose decisions are not kept yet: a decision is kept from its
-#: call's second time, so that a decoding loop whose cache grows (a new Sk every step)
-#: neither pays to keep decisions never reused nor pushes out those that are
-_MET_ONCE: set = set()
-_MET_ONCE_MAX = 4096
 _EMPTY = "empty"
 
 
@@ -238,21 +235,13 @@ def _check_backend(backend) -> str:
 
 
 def _shared_decision(full_key, args):
-    """``(call or None, decision)`` from the plan cache, deciding on a miss (and storing
-    the decision when its call was met before: see :data:`_MET_ONCE`)."""
+    """``(call or None, decision)`` from the plan cache, deciding (and offering the
+    decision to the cache, which keeps it from the call's second time) on a miss."""
     decision = _DECISIONS.get(full_key)
     if decision is not None:
         return None, decision
     call, decision = _new_decision(*args)
-    if _device.capturing():          # kept nothing, marks nothing (see BoundedCache.put)
-        return call, decision
-    if full_key in _MET_ONCE:
-        _MET_ONCE.discard(full_key)
-        _DECISIONS.put(full_key, decision)
-    else:                            # (a call recurring after 4,096 new ones is not kept)
-        if len(_MET_ONCE) >= _MET_ONCE_MAX:
-            _MET_ONCE.clear()
-        _MET_ONCE.add(full_key)
+    _DECISIONS.put(full_key, decision)
     return call, decision
 
 
@@ -272,7 +261,6 @@ def clear_cache() -> None:
     """
     _DECISIONS.clear()
     _CHOICES.clear()
-    _MET_ONCE.clear()
 
 
 def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
