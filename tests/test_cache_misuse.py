@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead as mh
 
@@ -222,3 +223,79 @@ def test_rollback_after_a_successful_forward_undoes_nothing():
         m(torch.randn(1, 3, E), cache=cache, mask=CAUSAL)
     cache.rollback()
     assert cache.seen == 3 and cache.lengths.tolist() == [3]
+
+
+# -- slots holding no token hold zeros: a write keeps no copy, an undo zeroes ----------------
+
+
+class _InterruptWrite(TorchDispatchMode):
+    """Raises KeyboardInterrupt (as Ctrl-C would) at the in-place write to ``buffers``
+    (tensors) numbered ``at`` (0: the first), after letting the earlier ones run; records
+    every op's name in ``ops``."""
+
+    def __init__(self, buffers, at=None):
+        super().__init__()
+        self.ptrs = {t.untyped_storage().data_ptr() for t in buffers}
+        self.at, self.writes, self.ops = at, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        first = args[0] if args else None
+        if (func._schema.name.endswith("_") and isinstance(first, torch.Tensor)
+                and first.untyped_storage().data_ptr() in self.ptrs):
+            if self.writes == self.at:
+                self.at = None                       # once: the zeroing after it runs
+                raise KeyboardInterrupt
+            self.writes += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _buffers(cache):
+    holder = cache if isinstance(cache, mh.KVCache) else cache.pool
+    return holder.k, holder.v, holder.valid
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+@pytest.mark.parametrize("at", [1, 2])          # interrupted writing v (after k), valid (after v)
+@pytest.mark.parametrize("journal", [True, False])   # through the module, or update() alone
+def test_a_write_interrupted_between_buffers_leaves_the_cache_unchanged(kind, at, journal):
+    m, seqs, cache = _prefilled(kind, 2, 3, seed=5)
+    before = _state(cache)
+    k = v = torch.randn(2, KV, 1, E // H)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        with _InterruptWrite(_buffers(cache), at) as mode:
+            if journal:
+                m(seqs[:, 3:4], cache=cache, mask=CAUSAL)
+            else:
+                cache.update(k, v)
+    assert mode.writes >= at                       # the earlier writes did run (then zeroing)
+    assert _same(_state(cache), before)                      # ... and were zeroed again
+    _decoding_goes_on(m, cache, seqs, 3)
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_a_journaled_write_copies_nothing(kind):
+    """The slots a write fills held no token, so held zeros: a call's journal keeps no copy
+    of them (on a GPU, copy kernels in every layer and decoding step), and its undo zeroes
+    them again, which a rollback test above compares byte for byte."""
+    ops = {}
+    for journal in (False, True):
+        _, _, cache = _prefilled(kind, 2, 3, seed=5)
+        k = v = torch.randn(2, KV, 1, E // H)
+        if journal:
+            cache.begin()
+        with _InterruptWrite(_buffers(cache)) as mode:
+            cache.update(k, v)
+        ops[journal] = mode.ops
+    assert ops[True] == ops[False]
+    assert "clone" not in ops[True]
+
+
+def test_reset_and_free_zero_what_they_release():
+    m, _, static = _prefilled("static", 2, 5, seed=6)
+    _, _, paged = _prefilled("paged", 2, 5, seed=6)
+    assert all(t.any() for t in _buffers(static) + _buffers(paged))
+    static.reset()
+    for sid in paged.ids:
+        paged.pool.free(sid)
+    assert not any(t.any() for t in _buffers(static) + _buffers(paged))

@@ -8,6 +8,12 @@ forward (lower-right aligned, so it is right for the prefill and for every step)
 Every write is checked before anything is stored: a cache that refuses a write is left
 bit-for-bit unchanged.
 
+Every slot that holds no token holds zeros (keys and values) and False (validity): the
+buffers start so, and :meth:`KVCache.reset` and :meth:`PagedKVCache.free` zero what they
+release. So a write never replaces bytes anyone needs, and undoing a failed call's writes
+(:meth:`_CacheBase.rollback`) only zeroes its slots again: journaling a call copies
+nothing (on a GPU, no copy kernels per layer and decoding step).
+
 Nothing here reads a device tensor back on the hot path (no host-device sync): what the
 host must know (slots written, whether any write carried a ``valid``, queries served) is
 kept as host ints and flags; what depends on ``valid``'s values (real-token counts, RoPE
@@ -19,6 +25,8 @@ Notation used for tensor shapes:
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -79,7 +87,8 @@ class _CacheBase:
     def rollback(self) -> None:
         """Undo the writes since :meth:`begin` (the module calls this when attention fails
         after the cache was written): the cache then holds the tokens, lengths, padding and
-        positions it held before. The slots written keep their values, unused and masked.
+        positions it held before, byte for byte (the slots written are zero again, as every
+        slot holding no token is).
 
         Example:
             >>> import torch, multihead as mh
@@ -109,12 +118,35 @@ class _CacheBase:
         if self._journal is not None:
             self._journal.append(undo)
 
-    def _kept(self, take, buffers):
-        """``take(t)`` of each buffer (the slots a write is about to replace) while a
-        journal is open, so that its undo restores their bytes; else None."""
-        if self._journal is None:
-            return None
-        return tuple(take(t) for t in buffers)
+    @staticmethod
+    def _write_slots(writes, clear) -> list:
+        """Run ``writes`` in order, pairs ``(buffer, write)`` where ``write()`` writes the
+        new tokens' slots of ``buffer``; returns the buffers written. When one fails (an
+        in-place write torch.func refuses, an interrupt), ``clear(t)`` zeroes the slots
+        again in each buffer ``t`` written before it (only those: under torch.func an
+        in-place zeroing would be refused too), and the error goes on.
+
+        Example:
+            >>> import torch
+            >>> a, b = torch.zeros(3), torch.zeros(3)
+            >>> def fail(): raise KeyboardInterrupt
+            >>> writes = [(a, lambda: a.fill_(1)), (b, fail)]
+            >>> try:
+            ...     _CacheBase._write_slots(writes, torch.Tensor.zero_)
+            ... except KeyboardInterrupt:
+            ...     print(a.tolist())
+            [0.0, 0.0, 0.0]
+        """
+        done = []
+        try:
+            for t, write in writes:
+                write()
+                done.append(t)
+        except BaseException:
+            for t in reversed(done):
+                clear(t)
+            raise
+        return done
 
     def _check_valid(self, valid, n: int):
         """``valid`` (B, n) bool on the cache's device, or None; a clear error otherwise."""
@@ -197,9 +229,19 @@ class KVCache(_CacheBase):
         return self.num_kv_heads * (self.head_dim + self.value_dim) * self.k.element_size()
 
     def reset(self) -> None:
-        """Forget every sequence; the buffers are kept and reused (stale data is masked)."""
+        """Forget every sequence; the buffers are kept and reused, the slots written zeroed
+        (what a slot holding no token holds: see the module docstring).
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> cache = mh.KVCache(1, 8, num_kv_heads=1, head_dim=4)
+            >>> _ = cache.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4))
+            >>> cache.reset(); cache.seen, cache.k.abs().sum().item(), cache.valid.any().item()
+            (0, 0.0, False)
+        """
+        for t in (self.k, self.v, self.valid):
+            self._clear(slice(0, self.seen), t)
         self.lengths.zero_()
-        self.valid.zero_()
         self.seen, self.padded, self.cross, self.queries = 0, False, False, 0
 
     def _real_counts(self) -> torch.Tensor:
@@ -218,25 +260,33 @@ class KVCache(_CacheBase):
             raise ValueError(f"KVCache is full: it holds {self.seen} of max_len={self.max_len} "
                              f"slots and {n} more were appended; nothing was written. Build it "
                              f"with a larger max_len, or reset() it")
-        s = slice(self.seen, self.seen + n)
-        old = self._kept(lambda t: t[:, :, s].clone() if t.dim() == 4 else t[:, s].clone(),
-                         (self.k, self.v, self.valid))
-        self.k[:, :, s] = k
-        self.v[:, :, s] = v
+        s = slice(self.seen, self.seen + n)                 # slots holding no token: zeros
         added = n if valid is None else valid.sum(1)                           # (B,) or n
-        self.valid[:, s] = True if valid is None else valid
+        clear = functools.partial(self._clear, s)
+        written = self._write_slots((
+            (self.k, lambda: self.k[:, :, s].copy_(k)),
+            (self.v, lambda: self.v[:, :, s].copy_(v)),
+            (self.valid, lambda: self.valid[:, s].fill_(True) if valid is None
+             else self.valid[:, s].copy_(valid)),
+        ), clear)
         self.lengths += added
         before = (self.seen, self.padded)
 
-        def undo():                    # counts, and the slots' bytes, as they were
+        def undo():                    # counts as they were, the slots zero again
             self.lengths -= added
-            self.k[:, :, s], self.v[:, :, s], self.valid[:, s] = old   # recorded: journaled
+            for t in written:
+                clear(t)
             self.seen, self.padded = before
         self._record(undo)
         self.padded = self.padded or valid is not None
         self.seen += n
         t = self.seen
         return self.k[:, :, :t], self.v[:, :, :t], (self.valid[:, :t] if self.padded else None)
+
+    def _clear(self, s: slice, t: torch.Tensor) -> None:
+        # slots s of buffer t (k, v or valid) hold no token: zeros (False), as the module
+        # docstring says; the slots are dim 2 of k and v, dim 1 of valid
+        t.narrow(2 if t.dim() == 4 else 1, s.start, s.stop - s.start).zero_()
 
     def store_context(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep a cross-attention context's keys/values (once; reset() to replace them)."""

@@ -19,6 +19,7 @@ Notation used for tensor shapes:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import NamedTuple
 
@@ -80,11 +81,32 @@ class PagedKVCache(_CacheBase):
             raise KeyError(f"unknown sequence id {sid!r}: live sequences are {sorted(self._tables)}")
 
     def free(self, sid: int) -> None:
-        """Return a sequence's pages to the pool; its id is no longer valid."""
+        """Return a sequence's pages to the pool, zeroed (every slot holding no token holds
+        zeros: see :mod:`.kv_cache`); its id is no longer valid.
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> pool = mh.PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4)
+            >>> sid = pool.add_sequence()
+            >>> _ = pool.batch([sid]).update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4))
+            >>> pool.free(sid); pool.pages_used, pool.k.abs().sum().item()
+            (0, 0.0)
+        """
         self._check_id(sid)
+        pages = self._tables[sid]
+        if pages:
+            p = self.page_size
+            first = to_device(torch.tensor(pages, dtype=torch.long), self.device) * p  # (m,)
+            slots = (first[:, None] + torch.arange(p, device=self.device)).flatten()  # (m*p,)
+            for t in (self.k, self.v, self.valid):
+                self._clear(slots, t)
         self._free.extend(self._tables.pop(sid))
         del self._written[sid], self._real[sid]
         self._padded.discard(sid)
+
+    def _clear(self, slots: torch.Tensor, t: torch.Tensor) -> None:
+        # these slots of buffer t (k, v or valid) hold no token: zeros (False)
+        t.index_fill_(0, slots, 0)
 
     def length(self, sid: int) -> int:
         """Real tokens stored for sequence ``sid``.
@@ -218,13 +240,12 @@ class PagedBatch(_CacheBase):
                              f"written. Free finished sequences, or build a larger pool")
         taken = {}                     # the pages this write takes, per sequence
         saved = {s: (pool._written[s], pool._real[s], s in pool._padded) for s in self.ids}
-        writes = []                    # (buffer, slots, their old rows) of each write made
+        wrote = []                     # the buffers written (their slots held no token)
 
-        def undo():                    # exactly these pages back to the pool, counts and bytes
-            for t, slots, rows in reversed(writes):           # as they were (only the writes
-                t.index_copy_(0, slots, rows)                 # that happened: a refused one,
-            for sid, pages in reversed(list(taken.items())):  # as under torch.func, changed
-                                                              # none), in the pool's order
+        def undo():                    # exactly these pages back to the pool, in its order;
+            for t in wrote:            # counts as they were; the slots written zero again
+                pool._clear(slots, t)
+            for sid, pages in reversed(list(taken.items())):
                 if sid in pool._tables:
                     del pool._tables[sid][len(pool._tables[sid]) - len(pages):]
                 pool._free.extend(reversed(pages))
@@ -240,21 +261,17 @@ class PagedBatch(_CacheBase):
         B, Hkv = len(self.ids), self.num_kv_heads
         pos = before[:, None] + torch.arange(n, device=self.device)            # (B, n)
         slots = _slot(table, pos, p).flatten()                                 # (B*n,)
-        old = self._kept(lambda t: t.index_select(0, slots), (pool.k, pool.v, pool.valid))
-
-        def write(i, t, change):       # change buffer t; then undo restores its old rows
-            change()
-            if old is not None:
-                writes.append((t, slots, old[i]))
-        write(0, pool.k, lambda: pool.k.index_copy_(
-            0, slots, k.transpose(1, 2).reshape(B * n, Hkv, self.head_dim)))  # (B*n, Hkv, D)
-        write(1, pool.v, lambda: pool.v.index_copy_(
-            0, slots, v.transpose(1, 2).reshape(B * n, Hkv, self.value_dim)))
+        wrote += self._write_slots((
+            (pool.k, lambda: pool.k.index_copy_(                               # (B*n, Hkv, D)
+                0, slots, k.transpose(1, 2).reshape(B * n, Hkv, self.head_dim))),
+            (pool.v, lambda: pool.v.index_copy_(
+                0, slots, v.transpose(1, 2).reshape(B * n, Hkv, self.value_dim))),
+            (pool.valid, lambda: pool.valid.index_fill_(0, slots, True) if valid is None
+             else pool.valid.index_copy_(0, slots, valid.reshape(B * n))),
+        ), functools.partial(pool._clear, slots))
         if valid is None:
-            write(2, pool.valid, lambda: pool.valid.index_fill_(0, slots, True))
             counts = self._real_counts() + n                                   # (B,)
         else:
-            write(2, pool.valid, lambda: pool.valid.index_copy_(0, slots, valid.reshape(B * n)))
             counts = self._real_counts() + valid.sum(1)                        # (B,)
             pool._padded.update(self.ids)
         for b, sid in enumerate(self.ids):
