@@ -13,6 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead as mh
 from nosync import NoReadBack
@@ -410,3 +411,37 @@ def test_a_forward_that_fails_after_writing_leaves_every_cache_as_it_was():
         got = m(nxt, cache=cache, mask=CAUSAL)[:, 0]
         want = torch.stack([m(s[None, :5], mask=CAUSAL)[0, -1] for s in seqs])
         torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+class _DeviceOps(TorchDispatchMode):
+    """Records the name of every op whose output is on the ``meta`` device (which stands in
+    for a GPU: each such op would be a kernel launch), views left out."""
+
+    VIEWS = {"view", "slice", "select", "transpose", "_unsafe_view", "detach", "alias"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if (isinstance(out, torch.Tensor) and out.device.type == "meta"
+                and name not in self.VIEWS):
+            self.ops.append(name)
+        return out
+
+
+def test_a_paged_write_launches_no_kernel_to_find_its_slots():
+    """The block tables are host lists: a write's pool slots are worked out on the host and
+    reach the device in the tables' one copy. On the device (``meta`` standing in) a
+    decoding step's write runs that copy, the three writes and the real-token counts."""
+    pool = mh.PagedKVCache(num_pages=8, page_size=4, num_kv_heads=2, head_dim=8, device="meta")
+    batch = pool.batch([pool.add_sequence(), pool.add_sequence()])
+    prompt, new = torch.empty(2, 2, 5, 8, device="meta"), torch.empty(2, 2, 1, 8, device="meta")
+    batch.update_in_place(prompt, prompt)
+    with NoReadBack(), _DeviceOps() as mode:
+        view = batch.update_in_place(new, new)
+    assert mode.ops == ["_to_copy", "index_copy_", "index_copy_", "index_fill_", "stack",
+                        "add"], mode.ops
+    assert view.max_len == 6 and view.table.shape == (2, 2)

@@ -148,14 +148,28 @@ class PagedKVCache(_CacheBase):
                 f"sequences={len(self._tables)}, pages_used={self.pages_used})")
 
     # -- slots ---------------------------------------------------------------------------
-    def _device_tables(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots written ``(B,)`` and block tables ``(B, Pmax)`` (padded with page 0) of these
-        sequences, on the device: host ints sent in one copy that does not wait."""
+    def _device_tables(self, ids: list[int], n: int = 0) -> tuple[torch.Tensor, ...]:
+        """Slots written once ``n`` more are ``(B,)``, block tables ``(B, Pmax)`` (padded
+        with page 0) and the pool slots of each sequence's next ``n`` positions ``(B*n,)``,
+        on the device: worked out on the host (the tables are host lists) and sent in one
+        copy that does not wait, so a write launches no kernel to find its slots.
+
+        Example:
+            >>> pool = PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4)
+            >>> a = pool.add_sequence(); pool._tables[a], pool._written[a] = [3, 1], 3
+            >>> [t.tolist() for t in pool._device_tables([a], 1)]   # position 3: page 1, slot 1
+            [[4], [[3, 1]], [3]]
+        """
         pmax = max(1, max(len(self._tables[s]) for s in ids))
-        rows = [[self._written[s]] + self._tables[s] + [0] * (pmax - len(self._tables[s]))
-                for s in ids]
-        dev = to_device(torch.tensor(rows, dtype=torch.long), self.device)   # (B, 1 + Pmax)
-        return dev[:, 0], dev[:, 1:]
+        rows = torch.tensor([[self._written[s]] + self._tables[s]
+                             + [0] * (pmax - len(self._tables[s])) for s in ids],
+                            dtype=torch.long)                                  # (B, 1 + Pmax)
+        pos = rows[:, :1] + torch.arange(n)                                    # (B, n)
+        slots = _slot(rows[:, 1:], pos, self.page_size)                        # (B, n)
+        rows[:, 0] += n
+        dev = to_device(torch.cat([rows.flatten(), slots.flatten()]), self.device)
+        rows = dev[:rows.numel()].view(rows.shape)                             # (B, 1 + Pmax)
+        return rows[:, 0], rows[:, 1:], dev[rows.numel():]
 
 
 class PagedView(NamedTuple):
@@ -257,10 +271,8 @@ class PagedBatch(_CacheBase):
         for sid, m in zip(self.ids, need):
             taken[sid] = [pool._free.pop() for _ in range(m)]
             pool._tables[sid] += taken[sid]
-        before, table = pool._device_tables(self.ids)                         # (B,), (B, Pmax)
+        after, table, slots = pool._device_tables(self.ids, n)     # (B,), (B, Pmax), (B*n,)
         B, Hkv = len(self.ids), self.num_kv_heads
-        pos = before[:, None] + torch.arange(n, device=self.device)            # (B, n)
-        slots = _slot(table, pos, p).flatten()                                 # (B*n,)
         wrote += self._write_slots((
             (pool.k, lambda: pool.k.index_copy_(                               # (B*n, Hkv, D)
                 0, slots, k.transpose(1, 2).reshape(B * n, Hkv, self.head_dim))),
@@ -277,7 +289,7 @@ class PagedBatch(_CacheBase):
         for b, sid in enumerate(self.ids):
             pool._written[sid] += n
             pool._real[sid] = counts[b]                  # a view: nothing copied or read back
-        return before + n, table
+        return after, table
 
     def _gather(self, lens: torch.Tensor, table: torch.Tensor):
         """Each sequence's keys/values, right-aligned to the longest: ``(B, Hkv, L, D)``, and
