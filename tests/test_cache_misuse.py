@@ -6,6 +6,7 @@ steps with failing ones and checks every output against one full causal forward.
 from __future__ import annotations
 
 import random
+from unittest import mock
 
 import pytest
 import torch
@@ -142,7 +143,7 @@ def test_a_cached_call_refused_under_torch_func_leaves_the_cache_unchanged(kind,
     m, seqs, cache = _prefilled(kind, 2, 3, seed=3)
     before = _state(cache)
     step = seqs[:, 3:5]                                      # a second page on the paged pool
-    with pytest.raises(RuntimeError, match="in-place|inplace|not possible"):
+    with pytest.raises(RuntimeError, match="Run the cached step outside the transform"):
         if transform == "grad":
             torch.func.grad(lambda x: m(x, cache=cache, mask=CAUSAL).sum())(step)
         else:
@@ -230,46 +231,67 @@ def test_rollback_after_a_successful_forward_undoes_nothing():
 
 class _InterruptWrite(TorchDispatchMode):
     """Raises KeyboardInterrupt (as Ctrl-C would) at the in-place write to ``buffers``
-    (tensors) numbered ``at`` (0: the first), after letting the earlier ones run; records
-    every op's name in ``ops``."""
+    (tensors) numbered ``at`` (0: the first): before it runs, or with ``after`` as it
+    returns (a real Ctrl-C lands between two bytecodes, so there too), letting the earlier
+    ones run; records every op's name in ``ops``."""
 
-    def __init__(self, buffers, at=None):
+    def __init__(self, buffers, at=None, after=False):
         super().__init__()
         self.ptrs = {t.untyped_storage().data_ptr() for t in buffers}
-        self.at, self.writes, self.ops = at, 0, []
+        self.at, self.after, self.writes, self.ops = at, after, 0, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(func.__name__)
         first = args[0] if args else None
-        if (func._schema.name.endswith("_") and isinstance(first, torch.Tensor)
+        if not (func._schema.name.endswith("_") and isinstance(first, torch.Tensor)
                 and first.untyped_storage().data_ptr() in self.ptrs):
-            if self.writes == self.at:
-                self.at = None                       # once: the zeroing after it runs
-                raise KeyboardInterrupt
-            self.writes += 1
+            return func(*args, **(kwargs or {}))
+        hit, self.writes = self.writes == self.at, self.writes + 1
+        if hit:
+            self.at = None                       # once: the undo's writes after it run
+            if self.after:
+                func(*args, **(kwargs or {}))
+            raise KeyboardInterrupt
         return func(*args, **(kwargs or {}))
 
 
 def _buffers(cache):
-    holder = cache if isinstance(cache, mh.KVCache) else cache.pool
-    return holder.k, holder.v, holder.valid
+    """The tensors a write into ``cache`` changes in place."""
+    if isinstance(cache, mh.KVCache):
+        return cache.k, cache.v, cache.valid, cache.lengths
+    return cache.pool.k, cache.pool.v, cache.pool.valid
 
 
-@pytest.mark.parametrize("kind", ["static", "paged"])
-@pytest.mark.parametrize("at", [1, 2])          # interrupted writing v (after k), valid (after v)
+@pytest.mark.parametrize("kind, at", [("static", at) for at in range(4)]   # k, v, valid,
+                         + [("paged", at) for at in range(3)])           # (static) lengths
+@pytest.mark.parametrize("after", [False, True])         # as the write starts, or returns
 @pytest.mark.parametrize("journal", [True, False])   # through the module, or update() alone
-def test_a_write_interrupted_between_buffers_leaves_the_cache_unchanged(kind, at, journal):
+def test_a_write_interrupted_anywhere_leaves_the_cache_unchanged(kind, at, after, journal):
     m, seqs, cache = _prefilled(kind, 2, 3, seed=5)
     before = _state(cache)
     k = v = torch.randn(2, KV, 1, E // H)
     with torch.no_grad(), pytest.raises(KeyboardInterrupt):
-        with _InterruptWrite(_buffers(cache), at) as mode:
+        with _InterruptWrite(_buffers(cache), at, after) as mode:
             if journal:
                 m(seqs[:, 3:4], cache=cache, mask=CAUSAL)
             else:
                 cache.update(k, v)
-    assert mode.writes >= at                       # the earlier writes did run (then zeroing)
-    assert _same(_state(cache), before)                      # ... and were zeroed again
+    assert mode.writes > at                          # the earlier writes did run
+    assert _same(_state(cache), before)              # ... and were undone
+    _decoding_goes_on(m, cache, seqs, 3)
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_a_call_failing_in_its_output_projection_leaves_the_cache_unchanged(kind):
+    """The cache is committed once the call has its output: a caller who got none (an
+    interrupt, or memory running out, in the last matmul) retries the step on the cache
+    as it was."""
+    m, seqs, cache = _prefilled(kind, 2, 3, seed=7)
+    before = _state(cache)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        with mock.patch.object(m.out_proj, "forward", side_effect=KeyboardInterrupt):
+            m(seqs[:, 3:4], cache=cache, mask=CAUSAL)
+    assert _same(_state(cache), before)
     _decoding_goes_on(m, cache, seqs, 3)
 
 
@@ -299,3 +321,104 @@ def test_reset_and_free_zero_what_they_release():
     for sid in paged.ids:
         paged.pool.free(sid)
     assert not any(t.any() for t in _buffers(static) + _buffers(paged))
+
+
+def test_freeing_a_sequence_during_a_call_that_then_fails_spares_the_others():
+    """A request cancelled (its sequence freed) while a call writing it runs, its pages
+    taken by a new sequence, and then the call fails: the rollback leaves the new
+    sequence's tokens and pages alone, and every page is either free or held once."""
+    pool = mh.PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4)
+    old = pool.add_sequence()
+    batch = pool.batch([old])
+    batch.begin()                                     # as a module's forward does
+    batch.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4))
+    pool.free(old)                                    # another thread cancels it
+    new = pool.add_sequence()
+    keys = torch.arange(12.).view(1, 1, 3, 4)
+    pool.batch([new]).update(keys, keys)
+    batch.rollback()                                  # the call fails
+    held = pool._tables[new]
+    assert sorted(held + pool._free) == [0, 1, 2, 3] and pool.pages_used == 2
+    k, _, _ = pool.batch([new]).update(torch.zeros(1, 1, 0, 4), torch.zeros(1, 1, 0, 4))
+    assert torch.equal(k, keys)
+
+
+def test_resetting_a_static_cache_during_a_call_that_then_fails_leaves_it_reset():
+    cache = mh.KVCache(1, 8, num_kv_heads=1, head_dim=4)
+    cache.begin()
+    cache.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4))
+    cache.reset()                                     # another thread starts over
+    cache.rollback()                                  # the call fails
+    assert (cache.seen, cache.lengths.tolist()) == (0, [0])
+    assert not any(t.any() for t in _buffers(cache))
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_decoding_in_grad_mode_keeps_no_graph_in_the_cache(kind):
+    """A cache holds constants: each call's gradients reach the keys and values it wrote
+    (and the weights), and a later call's backward does not reach back into a graph an
+    earlier backward freed; a new sequence after reset()/free() trains as the first did."""
+    m, seqs, cache = _prefilled(kind, 2, 3, seed=8)
+    x = seqs[:, 3:4].clone().requires_grad_()
+    for step in range(2):                              # two steps, each with its backward
+        y = m(x, cache=cache, mask=CAUSAL)
+        (gx,) = torch.autograd.grad(y.sum(), x)
+        assert torch.isfinite(gx).all() and gx.abs().sum() > 0
+    # the new keys' gradient is the uncached forward's, with the cached ones held constant
+    m2, _, cache2 = _prefilled(kind, 2, 3, seed=8)
+    x2 = seqs[:, 3:4].clone().requires_grad_()
+    y2 = m2(x2, cache=cache2, mask=CAUSAL)
+    full = m2(torch.cat([seqs[:, :3], x2], 1), mask=CAUSAL)[:, 3:]
+    torch.testing.assert_close(y2, full, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(torch.autograd.grad(y2.sum(), x2)[0],
+                               torch.autograd.grad(full.sum(), x2)[0], atol=2e-6, rtol=1e-5)
+    if kind == "static":
+        cache.reset()
+    else:
+        for sid in cache.ids:
+            cache.pool.free(sid)
+        cache = cache.pool.batch([cache.pool.add_sequence() for _ in range(2)])
+    y = m(seqs[:, :2].clone().requires_grad_(), cache=cache, mask=CAUSAL)
+    y.sum().backward()           # reaches no graph an earlier backward freed
+
+
+@pytest.mark.parametrize("mask", [M.causal(align="upper_left"),
+                                  M.sliding_window(2, align="upper_left"),
+                                  M.alibi(H, align="upper_left") & CAUSAL])
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_an_upper_left_mask_is_refused_with_a_cache(mask, kind):
+    """With a cache the new queries are the sequence's last: a mask aligned upper-left
+    would place them first (no error, wrong numbers before). Refused, cache unchanged."""
+    m, _, cache = _prefilled(kind, 2, 3, seed=9)
+    before = _state(cache)
+    with torch.no_grad(), pytest.raises(ValueError, match="align='lower_right'"):
+        m(torch.randn(2, 1, E), cache=cache, mask=mask)
+    assert _same(_state(cache), before)
+
+
+@pytest.mark.parametrize("mask", [CAUSAL, M.sliding_window(3), M.alibi(H),
+                                  M.padding(torch.tensor([6, 4])) & CAUSAL])
+def test_a_mask_of_query_positions_is_refused_by_a_cross_attention_cache(mask):
+    """A cross-attention cache serves queries in steps; a causal, window or ALiBi mask of
+    one call places them by their index in the call, which is not their position."""
+    m = _module()
+    cache = m.make_cache(2, 8)
+    with torch.no_grad():
+        m(torch.randn(2, 2, E), torch.randn(2, 6, E), cache=cache)
+        before = _state(cache)
+        with pytest.raises(ValueError, match="cross-attention cache serves queries in steps"):
+            m(torch.randn(2, 1, E), cache=cache, mask=mask)
+    assert _same(_state(cache), before)
+    with torch.no_grad():                          # a mask without query positions serves
+        m(torch.randn(2, 1, E), cache=cache, mask=M.padding(torch.tensor([6, 4])))
+
+
+def test_update_in_place_refuses_a_padded_sequence():
+    pool = mh.PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4)
+    batch = pool.batch([pool.add_sequence()])
+    batch.update(torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4),
+                 valid=torch.tensor([[False, True]]))
+    before = _state(batch)
+    with pytest.raises(ValueError, match=r"sequences \[0\] hold padding"):
+        batch.update_in_place(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4))
+    assert _same(_state(batch), before)

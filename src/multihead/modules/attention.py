@@ -25,6 +25,30 @@ from .paged_cache import PagedBatch, PagedView
 from .rope import RotaryEmbedding
 
 
+
+def _check_cached_mask(mask, cross: bool, n: int) -> None:
+    """Refuse a mask that would place a cached call's ``n`` queries wrongly: one aligned
+    upper-left (with a cache they are the sequence's last ``n``), and, for cross-attention,
+    any mask of query positions (a cache serves queries in steps, whose positions within
+    the whole query sequence a mask of one call cannot know). Others pass (a mask of
+    another type is refused by attention)."""
+    if not isinstance(mask, masks.Mask):
+        return
+    for leaf in mask.leaves():
+        if not isinstance(leaf, (masks.Window, masks.ALiBi)):
+            continue
+        if cross:
+            raise ValueError(
+                f"mask: {leaf.describe()} places queries by their index within the call, but a "
+                f"cross-attention cache serves queries in steps, at positions a mask of one "
+                f"call cannot know: use a mask without query positions (mh.masks.padding, "
+                f"document, dense, bias), or attend without cache= over all the queries")
+        if leaf.align == "upper_left":
+            raise ValueError(
+                f"mask: {leaf.describe()} aligns the queries to the first keys, but with a "
+                f"cache the {n} new queries are the sequence's last: use align='lower_right' "
+                f"(the default, as in mh.masks.causal()), which is the same in a full forward")
+
 class Projection(NamedTuple):
     """A projection's weight ``(out, in)`` and bias ``(out,)`` (views into the module's parameters)."""
 
@@ -271,10 +295,22 @@ class MultiHeadAttention(nn.Module):
                 else:
                     res = attention(q, k, v, mask=mask, dropout_p=p, backend=self.backend,
                                     return_weights=return_weights)
-            except BaseException:        # a failed call leaves the cache as it found it
-                cache.rollback()
+                y = self._output(res, return_weights, average_weights)
+            except BaseException as e:   # a failed call (to its last op) leaves the cache
+                cache.rollback()         # as it found it
+                if isinstance(e, RuntimeError) and torch._C._are_functorch_transforms_active():
+                    raise RuntimeError(
+                        "a cached forward writes its new keys and values into the cache in "
+                        "place, which torch.func's transforms (grad, vmap, jacrev, ...) refuse; "
+                        "the cache is unchanged. Run the cached step outside the transform, or "
+                        f"call without cache= inside it ({e})") from e
                 raise
             cache.commit()
+            return y
+        return self._output(res, return_weights, average_weights)
+
+    def _output(self, res, return_weights: bool, average_weights: bool):
+        """The output projection of attention's result ``res`` (and the weights asked)."""
         out, w = res if return_weights else (res, None)
         y = self.out_proj(self._merge(out))                            # (B, Sq, E)
         if not return_weights:
@@ -311,6 +347,7 @@ class MultiHeadAttention(nn.Module):
         if x.shape[0] != cache.batch_size:
             raise ValueError(f"x has batch {x.shape[0]} but the cache holds {cache.batch_size} "
                              f"sequences: use one cache per batch (or PagedKVCache.batch(ids))")
+        _check_cached_mask(mask, context is not None or cache.cross, x.shape[1])
         if context is not None or cache.cross:                         # cross-attention
             if valid is not None:
                 raise ValueError("valid marks padded new tokens of a self-attention cache; for "

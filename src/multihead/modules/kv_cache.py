@@ -14,6 +14,12 @@ release. So a write never replaces bytes anyone needs, and undoing a failed call
 (:meth:`_CacheBase.rollback`) only zeroes its slots again: journaling a call copies
 nothing (on a GPU, no copy kernels per layer and decoding step).
 
+A write is undone exactly from any point it reached (an interrupt lands between any two
+ops): its undo is recorded before it starts and puts back what it finds changed. In grad
+mode the caches hold constants: a write drops the buffers' autograd history first, so a
+call's gradients reach the keys and values it wrote, never a graph an earlier call's
+backward freed.
+
 Nothing here reads a device tensor back on the hot path (no host-device sync): what the
 host must know (slots written, whether any write carried a ``valid``, queries served) is
 kept as host ints and flags; what depends on ``valid``'s values (real-token counts, RoPE
@@ -118,35 +124,48 @@ class _CacheBase:
         if self._journal is not None:
             self._journal.append(undo)
 
-    @staticmethod
-    def _write_slots(writes, clear) -> list:
-        """Run ``writes`` in order, pairs ``(buffer, write)`` where ``write()`` writes the
-        new tokens' slots of ``buffer``; returns the buffers written. When one fails (an
-        in-place write torch.func refuses, an interrupt), ``clear(t)`` zeroes the slots
-        again in each buffer ``t`` written before it (only those: under torch.func an
-        in-place zeroing would be refused too), and the error goes on.
+    def _change(self, undo, change):
+        """Run ``change()`` (a write into the cache) with ``undo`` recorded first; where
+        ``change`` fails, ``undo`` runs at once and the error goes on. ``undo`` puts the
+        cache back as it was before ``change`` began from whatever point ``change`` reached,
+        and may run twice (here, then by :meth:`rollback`): an interrupt anywhere in a write,
+        even as an op returns, leaves nothing changed.
 
         Example:
             >>> import torch
-            >>> a, b = torch.zeros(3), torch.zeros(3)
-            >>> def fail(): raise KeyboardInterrupt
-            >>> writes = [(a, lambda: a.fill_(1)), (b, fail)]
+            >>> a, done = torch.zeros(3), []
+            >>> def change(): a.fill_(1); done.append(1); raise KeyboardInterrupt
             >>> try:
-            ...     _CacheBase._write_slots(writes, torch.Tensor.zero_)
+            ...     _CacheBase()._change(lambda: a.zero_(), change)
             ... except KeyboardInterrupt:
-            ...     print(a.tolist())
-            [0.0, 0.0, 0.0]
+            ...     print(a.tolist(), done)
+            [0.0, 0.0, 0.0] [1]
         """
-        done = []
+        self._record(undo)
         try:
-            for t, write in writes:
-                write()
-                done.append(t)
+            return change()
         except BaseException:
-            for t in reversed(done):
-                clear(t)
+            undo()
             raise
-        return done
+
+    @staticmethod
+    def _put_back(*steps) -> None:
+        """Run each step, an in-place change that puts a buffer back. A step that torch.func
+        refuses is skipped: its transforms refuse in-place changes of the cache's tensors,
+        so they refused the write being undone too."""
+        for step in steps:
+            try:
+                step()
+            except RuntimeError:
+                if not torch._C._are_functorch_transforms_active():
+                    raise
+
+    @staticmethod
+    def _detached(t: torch.Tensor) -> torch.Tensor:
+        """``t`` without autograd history (the same storage): a cache holds constants, so a
+        write in grad mode links the new tokens to the call that wrote them, not to every
+        earlier call's graph (which a backward frees)."""
+        return t.detach() if t.requires_grad else t
 
     def _check_valid(self, valid, n: int):
         """``valid`` (B, n) bool on the cache's device, or None; a clear error otherwise."""
@@ -242,6 +261,7 @@ class KVCache(_CacheBase):
         for t in (self.k, self.v, self.valid):
             self._clear(slice(0, self.seen), t)
         self.lengths.zero_()
+        self._journal = None           # a call in progress (another thread's) undoes nothing
         self.seen, self.padded, self.cross, self.queries = 0, False, False, 0
 
     def _real_counts(self) -> torch.Tensor:
@@ -262,24 +282,26 @@ class KVCache(_CacheBase):
                              f"with a larger max_len, or reset() it")
         s = slice(self.seen, self.seen + n)                 # slots holding no token: zeros
         added = n if valid is None else valid.sum(1)                           # (B,) or n
-        clear = functools.partial(self._clear, s)
-        written = self._write_slots((
-            (self.k, lambda: self.k[:, :, s].copy_(k)),
-            (self.v, lambda: self.v[:, :, s].copy_(v)),
-            (self.valid, lambda: self.valid[:, s].fill_(True) if valid is None
-             else self.valid[:, s].copy_(valid)),
-        ), clear)
-        self.lengths += added
         before = (self.seen, self.padded)
+        self.k, self.v = self._detached(self.k), self._detached(self.v)
 
-        def undo():                    # counts as they were, the slots zero again
-            self.lengths -= added
-            for t in written:
-                clear(t)
+        def undo():                    # the slots zero again, the counts as they were (the
+            self._put_back(            # real tokens of the slots before s)
+                *(functools.partial(self._clear, s, t) for t in (self.k, self.v, self.valid)),
+                lambda: self.lengths.copy_(self.valid[:, :before[0]].sum(1)))
             self.seen, self.padded = before
-        self._record(undo)
-        self.padded = self.padded or valid is not None
-        self.seen += n
+
+        def write():
+            self.k[:, :, s].copy_(k)
+            self.v[:, :, s].copy_(v)
+            if valid is None:
+                self.valid[:, s].fill_(True)
+            else:
+                self.valid[:, s].copy_(valid)
+            self.lengths += added
+            self.padded = self.padded or valid is not None
+            self.seen += n
+        self._change(undo, write)
         t = self.seen
         return self.k[:, :, :t], self.v[:, :, :t], (self.valid[:, :t] if self.padded else None)
 
@@ -293,9 +315,9 @@ class KVCache(_CacheBase):
         if self.seen:
             raise ValueError("this cache already holds tokens or a context: call reset() before "
                              "caching a new cross-attention context")
+        self._record(lambda: setattr(self, "cross", False))
         self.update(k, v)
         self.cross = True
-        self._record(lambda: setattr(self, "cross", False))
 
     def context(self):
         """The cached cross-attention keys and values ``(B, Hkv, Sk, D)``, ``(B, Hkv, Sk, Dv)``."""

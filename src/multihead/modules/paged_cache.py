@@ -104,6 +104,23 @@ class PagedKVCache(_CacheBase):
         del self._written[sid], self._real[sid]
         self._padded.discard(sid)
 
+    def _return(self, table: list[int], pages: list[int]) -> None:
+        """Give a live sequence's ``pages`` (the last a write took, in the order taken) back
+        to the free list, in its order, from any point of their taking: off the end of its
+        ``table`` if they are there, and onto the free list unless they still are on it.
+
+        Example:
+            >>> pool = PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4)
+            >>> table = [pool._free.pop(), pool._free.pop()]; pool._free, table
+            ([0, 1], [3, 2])
+            >>> pool._return(table, [3, 2]); pool._free, table
+            ([0, 1, 2, 3], [])
+        """
+        m = len(pages)
+        if m and table[-m:] == pages:
+            del table[-m:]
+        self._free.extend(pg for pg in reversed(pages) if pg not in self._free)
+
     def _clear(self, slots: torch.Tensor, t: torch.Tensor) -> None:
         # these slots of buffer t (k, v or valid) hold no token: zeros (False)
         t.index_fill_(0, slots, 0)
@@ -232,6 +249,11 @@ class PagedBatch(_CacheBase):
             >>> view.max_len, view.lengths.tolist(), view.table.shape
             (3, [3], torch.Size([1, 2]))
         """
+        if self.padded:
+            raise ValueError(
+                f"update_in_place: sequences {sorted(self.pool._padded.intersection(self.ids))} "
+                f"hold padding (written with valid=), which a PagedView's lengths cannot mark: "
+                f"use update(), which returns the keys' validity; nothing was written")
         lengths, table = self._write(k, v, None)
         pool = self.pool
         return PagedView(pool.k, pool.v, table, lengths, max(pool._written[s] for s in self.ids),
@@ -254,42 +276,46 @@ class PagedBatch(_CacheBase):
                              f"written. Free finished sequences, or build a larger pool")
         taken = {}                     # the pages this write takes, per sequence
         saved = {s: (pool._written[s], pool._real[s], s in pool._padded) for s in self.ids}
-        wrote = []                     # the buffers written (their slots held no token)
+        slots = None                   # the slots written (they held no token: zeros)
+        B, Hkv = len(self.ids), self.num_kv_heads
+        pool.k, pool.v = self._detached(pool.k), self._detached(pool.v)
 
-        def undo():                    # exactly these pages back to the pool, in its order;
-            for t in wrote:            # counts as they were; the slots written zero again
-                pool._clear(slots, t)
-            for sid, pages in reversed(list(taken.items())):
+        def undo():                    # for the sequences still live (another thread may
+            live = [b for b, sid in enumerate(self.ids) if sid in pool._tables]  # free one):
+            if slots is not None and live:                 # their slots zero again, their
+                rows = slots.view(B, n) if len(live) == B else slots.view(B, n).index_select(
+                    0, to_device(torch.tensor(live), slots.device))         # pages back to
+                pool._put_back(*(functools.partial(pool._clear, rows.flatten(), t)  # the pool
+                                 for t in (pool.k, pool.v, pool.valid)))   # in its order, their
+            for sid, pages in reversed(list(taken.items())):             # counts as they were
                 if sid in pool._tables:
-                    del pool._tables[sid][len(pool._tables[sid]) - len(pages):]
-                pool._free.extend(reversed(pages))
+                    pool._return(pool._tables[sid], pages)
             for sid, (written, real, padded) in saved.items():
                 if sid in pool._tables:
                     pool._written[sid], pool._real[sid] = written, real
                     (pool._padded.add if padded else pool._padded.discard)(sid)
-        self._record(undo)
-        for sid, m in zip(self.ids, need):
-            taken[sid] = [pool._free.pop() for _ in range(m)]
-            pool._tables[sid] += taken[sid]
-        after, table, slots = pool._device_tables(self.ids, n)     # (B,), (B, Pmax), (B*n,)
-        B, Hkv = len(self.ids), self.num_kv_heads
-        wrote += self._write_slots((
-            (pool.k, lambda: pool.k.index_copy_(                               # (B*n, Hkv, D)
-                0, slots, k.transpose(1, 2).reshape(B * n, Hkv, self.head_dim))),
-            (pool.v, lambda: pool.v.index_copy_(
-                0, slots, v.transpose(1, 2).reshape(B * n, Hkv, self.value_dim))),
-            (pool.valid, lambda: pool.valid.index_fill_(0, slots, True) if valid is None
-             else pool.valid.index_copy_(0, slots, valid.reshape(B * n))),
-        ), functools.partial(pool._clear, slots))
-        if valid is None:
-            counts = self._real_counts() + n                                   # (B,)
-        else:
-            counts = self._real_counts() + valid.sum(1)                        # (B,)
-            pool._padded.update(self.ids)
-        for b, sid in enumerate(self.ids):
-            pool._written[sid] += n
-            pool._real[sid] = counts[b]                  # a view: nothing copied or read back
-        return after, table
+
+        def write():
+            nonlocal slots
+            for sid, m in zip(self.ids, need):
+                got = taken[sid] = pool._free[len(pool._free) - m:][::-1]  # as pop() takes them
+                del pool._free[len(pool._free) - m:]
+                pool._tables[sid] += got
+            after, table, slots = pool._device_tables(self.ids, n)  # (B,), (B, Pmax), (B*n,)
+            pool.k.index_copy_(0, slots, k.transpose(1, 2).reshape(B * n, Hkv, self.head_dim))
+            pool.v.index_copy_(0, slots, v.transpose(1, 2).reshape(B * n, Hkv, self.value_dim))
+            if valid is None:                                             # (B*n, Hkv, D) above
+                pool.valid.index_fill_(0, slots, True)
+                counts = self._real_counts() + n                                   # (B,)
+            else:
+                pool.valid.index_copy_(0, slots, valid.reshape(B * n))
+                counts = self._real_counts() + valid.sum(1)                        # (B,)
+                pool._padded.update(self.ids)
+            for b, sid in enumerate(self.ids):
+                pool._written[sid] += n
+                pool._real[sid] = counts[b]              # a view: nothing copied or read back
+            return after, table
+        return self._change(undo, write)
 
     def _gather(self, lens: torch.Tensor, table: torch.Tensor):
         """Each sequence's keys/values, right-aligned to the longest: ``(B, Hkv, L, D)``, and
