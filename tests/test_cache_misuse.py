@@ -266,7 +266,7 @@ def _buffers(cache):
                          + [("paged", at) for at in range(3)])           # (static) lengths
 @pytest.mark.parametrize("after", [False, True])         # as the write starts, or returns
 @pytest.mark.parametrize("journal", [True, False])   # through the module, or update() alone
-def test_a_write_interrupted_anywhere_leaves_the_cache_unchanged(kind, at, after, journal):
+def test_a_write_interrupted_at_any_of_its_writes_leaves_the_cache_unchanged(kind, at, after, journal):
     m, seqs, cache = _prefilled(kind, 2, 3, seed=5)
     before = _state(cache)
     k = v = torch.randn(2, KV, 1, E // H)
@@ -323,24 +323,31 @@ def test_reset_and_free_zero_what_they_release():
     assert not any(t.any() for t in _buffers(static) + _buffers(paged))
 
 
-def test_freeing_a_sequence_during_a_call_that_then_fails_spares_the_others():
-    """A request cancelled (its sequence freed) while a call writing it runs, its pages
-    taken by a new sequence, and then the call fails: the rollback leaves the new
-    sequence's tokens and pages alone, and every page is either free or held once."""
-    pool = mh.PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4)
-    old = pool.add_sequence()
-    batch = pool.batch([old])
+def test_freeing_a_sequence_before_a_failed_call_rolls_back_spares_the_others():
+    """A sequence of a failing call's batch freed before the rollback (a cancelled
+    request), its pages taken by a new sequence: the rollback undoes the write of the
+    sequence still live, and leaves the new sequence's tokens and pages alone; every page
+    is then either free or held, once."""
+    pool = mh.PagedKVCache(num_pages=6, page_size=2, num_kv_heads=1, head_dim=4)
+    old, kept = pool.add_sequence(), pool.add_sequence()
+    pool.batch([kept]).update(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4))
+    before = _state(pool.batch([kept]))
+    batch = pool.batch([old, kept])
     batch.begin()                                     # as a module's forward does
-    batch.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4))
-    pool.free(old)                                    # another thread cancels it
+    batch.update(torch.ones(2, 1, 3, 4), torch.ones(2, 1, 3, 4))
+    pool.free(old)                                    # cancelled meanwhile
     new = pool.add_sequence()
     keys = torch.arange(12.).view(1, 1, 3, 4)
     pool.batch([new]).update(keys, keys)
     batch.rollback()                                  # the call fails
-    held = pool._tables[new]
-    assert sorted(held + pool._free) == [0, 1, 2, 3] and pool.pages_used == 2
+    held = pool._tables[new] + pool._tables[kept]
+    assert sorted(held + pool._free) == list(range(6)) and pool.pages_used == 3
     k, _, _ = pool.batch([new]).update(torch.zeros(1, 1, 0, 4), torch.zeros(1, 1, 0, 4))
     assert torch.equal(k, keys)
+    assert (pool._written[kept], pool._tables[kept]) == (1, before[5][kept])
+    k, _, _ = pool.batch([kept]).update(torch.zeros(1, 1, 0, 4), torch.zeros(1, 1, 0, 4))
+    assert torch.equal(k, torch.ones(1, 1, 1, 4))
+    assert not pool.k[pool._tables[kept][0] * 2 + 1].any()     # its written slot zero again
 
 
 def test_resetting_a_static_cache_during_a_call_that_then_fails_leaves_it_reset():
@@ -380,6 +387,7 @@ def test_decoding_in_grad_mode_keeps_no_graph_in_the_cache(kind):
         cache = cache.pool.batch([cache.pool.add_sequence() for _ in range(2)])
     y = m(seqs[:, :2].clone().requires_grad_(), cache=cache, mask=CAUSAL)
     y.sum().backward()           # reaches no graph an earlier backward freed
+    assert all(t.grad_fn is None for t in _buffers(cache)[:2])   # the buffers keep none
 
 
 @pytest.mark.parametrize("mask", [M.causal(align="upper_left"),
@@ -422,3 +430,19 @@ def test_update_in_place_refuses_a_padded_sequence():
     with pytest.raises(ValueError, match=r"sequences \[0\] hold padding"):
         batch.update_in_place(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4))
     assert _same(_state(batch), before)
+
+
+def test_only_torch_funcs_refusal_is_reworded():
+    """A cached call failing inside a torch.func transform is reworded only for the refusal
+    of its in-place write; another error (memory running out) keeps its type and text."""
+    from multihead.modules.attention import _refused_by_torch_func
+
+    def seen(_):
+        return torch.tensor([_refused_by_torch_func(e) for e in (
+            RuntimeError("attempted to call in-place operation"),
+            RuntimeError("vmap: inplace arithmetic(self, *extra_args)"),
+            RuntimeError("vmap: aten::index_copy_ is not possible ... use out-of-place "
+                         "operators instead"),
+            torch.OutOfMemoryError("in-place"), RuntimeError("shape mismatch"))])
+    assert torch.func.vmap(seen)(torch.zeros(1))[0].tolist() == [True, True, True, False, False]
+    assert not _refused_by_torch_func(RuntimeError("in-place"))   # outside a transform

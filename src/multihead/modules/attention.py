@@ -11,6 +11,7 @@ Notation used for tensor shapes:
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 import torch
@@ -23,7 +24,6 @@ from ..functional import attention
 from .kv_cache import KVCache
 from .paged_cache import PagedBatch, PagedView
 from .rope import RotaryEmbedding
-
 
 
 def _check_cached_mask(mask, cross: bool, n: int) -> None:
@@ -41,13 +41,22 @@ def _check_cached_mask(mask, cross: bool, n: int) -> None:
             raise ValueError(
                 f"mask: {leaf.describe()} places queries by their index within the call, but a "
                 f"cross-attention cache serves queries in steps, at positions a mask of one "
-                f"call cannot know: use a mask without query positions (mh.masks.padding, "
-                f"document, dense, bias), or attend without cache= over all the queries")
+                f"call cannot know: use a mask without query positions (mh.masks.padding of "
+                f"the keys, document with kv_ids, dense, bias), or attend without cache= over all the queries")
         if leaf.align == "upper_left":
             raise ValueError(
                 f"mask: {leaf.describe()} aligns the queries to the first keys, but with a "
                 f"cache the {n} new queries are the sequence's last: use align='lower_right' "
                 f"(the default, as in mh.masks.causal()), which is the same in a full forward")
+
+
+def _refused_by_torch_func(e: BaseException) -> bool:
+    """Whether ``e`` is torch.func refusing an in-place change (what a cache write is)
+    inside one of its transforms; other errors (running out of memory, say) go on as
+    they are."""
+    return (type(e) is RuntimeError and torch._C._are_functorch_transforms_active()
+            and re.search(r"in-?place|out-of-place operators", str(e)) is not None)
+
 
 class Projection(NamedTuple):
     """A projection's weight ``(out, in)`` and bias ``(out,)`` (views into the module's parameters)."""
@@ -298,7 +307,7 @@ class MultiHeadAttention(nn.Module):
                 y = self._output(res, return_weights, average_weights)
             except BaseException as e:   # a failed call (to its last op) leaves the cache
                 cache.rollback()         # as it found it
-                if isinstance(e, RuntimeError) and torch._C._are_functorch_transforms_active():
+                if _refused_by_torch_func(e):
                     raise RuntimeError(
                         "a cached forward writes its new keys and values into the cache in "
                         "place, which torch.func's transforms (grad, vmap, jacrev, ...) refuse; "

@@ -16,9 +16,13 @@ nothing (on a GPU, no copy kernels per layer and decoding step).
 
 A write is undone exactly from any point it reached (an interrupt lands between any two
 ops): its undo is recorded before it starts and puts back what it finds changed. In grad
-mode the caches hold constants: a write drops the buffers' autograd history first, so a
-call's gradients reach the keys and values it wrote, never a graph an earlier call's
-backward freed.
+mode the caches hold constants: the buffers keep no autograd history (the views a write
+returns do), so a call's gradients reach the keys and values it wrote, never a graph an
+earlier call's backward freed. A call's backward must run before the next call writes
+(the write changes, in place, a buffer its graph saved).
+
+A cache is not thread-safe: one thread writes it at a time. ``reset()`` or ``free()`` of a
+sequence between a failed call's write and its rollback is safe (the rollback leaves it).
 
 Nothing here reads a device tensor back on the hot path (no host-device sync): what the
 host must know (slots written, whether any write carried a ``valid``, queries served) is
@@ -261,7 +265,7 @@ class KVCache(_CacheBase):
         for t in (self.k, self.v, self.valid):
             self._clear(slice(0, self.seen), t)
         self.lengths.zero_()
-        self._journal = None           # a call in progress (another thread's) undoes nothing
+        self._journal = None           # a failed call's rollback after this undoes nothing
         self.seen, self.padded, self.cross, self.queries = 0, False, False, 0
 
     def _real_counts(self) -> torch.Tensor:
@@ -303,7 +307,9 @@ class KVCache(_CacheBase):
             self.seen += n
         self._change(undo, write)
         t = self.seen
-        return self.k[:, :, :t], self.v[:, :, :t], (self.valid[:, :t] if self.padded else None)
+        out = self.k[:, :, :t], self.v[:, :, :t], (self.valid[:, :t] if self.padded else None)
+        self.k, self.v = self._detached(self.k), self._detached(self.v)   # the views keep it
+        return out
 
     def _clear(self, s: slice, t: torch.Tensor) -> None:
         # slots s of buffer t (k, v or valid) hold no token: zeros (False), as the module

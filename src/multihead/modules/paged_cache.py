@@ -7,9 +7,10 @@ right-aligned, so ``mh.masks.causal()`` (lower-right) is right for every sequenc
 its length.
 
 The host keeps the bookkeeping it decides with (block tables, slots written, which sequences
-were written with ``valid``); per step, the batch's block tables reach the device in one
-non-blocking copy, and slot indices, key validity and real-token counts are computed there,
-so a forward never waits for the device. Cross-attention contexts are not paged: use a
+were written with ``valid``), and works out from it the pool slots a write fills; per step,
+these and the batch's block tables reach the device in one non-blocking copy. The gather's
+slot indices, key validity and real-token counts are computed on the device, so a forward
+never waits for it. Cross-attention contexts are not paged: use a
 :class:`KVCache` for those.
 
 Notation used for tensor shapes:
@@ -119,7 +120,8 @@ class PagedKVCache(_CacheBase):
         m = len(pages)
         if m and table[-m:] == pages:
             del table[-m:]
-        self._free.extend(pg for pg in reversed(pages) if pg not in self._free)
+        free = set(self._free)
+        self._free.extend(pg for pg in reversed(pages) if pg not in free)
 
     def _clear(self, slots: torch.Tensor, t: torch.Tensor) -> None:
         # these slots of buffer t (k, v or valid) hold no token: zeros (False)
@@ -235,7 +237,10 @@ class PagedBatch(_CacheBase):
         """Append ``n`` tokens to every sequence of the batch; returns right-aligned
         ``(k_all (B, Hkv, L, D), v_all, key_valid (B, L) or None)``. Checks the pool has room
         first (a refused write changes nothing)."""
-        return self._gather(*self._write(k, v, valid))
+        out = self._gather(*self._write(k, v, valid))
+        pool = self.pool                         # no autograd history kept: see .kv_cache
+        pool.k, pool.v = self._detached(pool.k), self._detached(pool.v)
+        return out
 
     def update_in_place(self, k: torch.Tensor, v: torch.Tensor) -> "PagedView":
         """Append ``n`` tokens to every sequence (no ``valid``: all real), and return the
@@ -256,8 +261,10 @@ class PagedBatch(_CacheBase):
                 f"use update(), which returns the keys' validity; nothing was written")
         lengths, table = self._write(k, v, None)
         pool = self.pool
-        return PagedView(pool.k, pool.v, table, lengths, max(pool._written[s] for s in self.ids),
+        view = PagedView(pool.k, pool.v, table, lengths, max(pool._written[s] for s in self.ids),
                          pool.page_size)
+        pool.k, pool.v = self._detached(pool.k), self._detached(pool.v)   # the view keeps it
+        return view
 
     @property
     def padded(self) -> bool:
@@ -280,8 +287,8 @@ class PagedBatch(_CacheBase):
         B, Hkv = len(self.ids), self.num_kv_heads
         pool.k, pool.v = self._detached(pool.k), self._detached(pool.v)
 
-        def undo():                    # for the sequences still live (another thread may
-            live = [b for b, sid in enumerate(self.ids) if sid in pool._tables]  # free one):
+        def undo():                    # for the sequences still live (one freed before the
+            live = [b for b, sid in enumerate(self.ids) if sid in pool._tables]  # rollback):
             if slots is not None and live:                 # their slots zero again, their
                 rows = slots.view(B, n) if len(live) == B else slots.view(B, n).index_select(
                     0, to_device(torch.tensor(live), slots.device))         # pages back to
