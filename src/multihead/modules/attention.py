@@ -42,7 +42,8 @@ def _check_cached_mask(mask, cross: bool, n: int) -> None:
                 f"mask: {leaf.describe()} places queries by their index within the call, but a "
                 f"cross-attention cache serves queries in steps, at positions a mask of one "
                 f"call cannot know: use a mask without query positions (mh.masks.padding of "
-                f"the keys, document with kv_ids, dense, bias), or attend without cache= over all the queries")
+                f"the keys, document with kv_ids, dense, bias), or attend without cache= "
+                f"over all the queries")
         if leaf.align == "upper_left":
             raise ValueError(
                 f"mask: {leaf.describe()} aligns the queries to the first keys, but with a "

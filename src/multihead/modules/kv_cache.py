@@ -166,9 +166,10 @@ class _CacheBase:
 
     @staticmethod
     def _detached(t: torch.Tensor) -> torch.Tensor:
-        """``t`` without autograd history (the same storage): a cache holds constants, so a
-        write in grad mode links the new tokens to the call that wrote them, not to every
-        earlier call's graph (which a backward frees)."""
+        """``t`` without autograd history (the same storage): a cache holds constants. A
+        write ends with its buffers so (the views it returns keep its graph), so the next
+        write links its new tokens to its own call only, not to every earlier call's graph
+        (which a backward frees)."""
         return t.detach() if t.requires_grad else t
 
     def _check_valid(self, valid, n: int):
@@ -287,7 +288,6 @@ class KVCache(_CacheBase):
         s = slice(self.seen, self.seen + n)                 # slots holding no token: zeros
         added = n if valid is None else valid.sum(1)                           # (B,) or n
         before = (self.seen, self.padded)
-        self.k, self.v = self._detached(self.k), self._detached(self.v)
 
         def undo():                    # the slots zero again, the counts as they were (the
             self._put_back(            # real tokens of the slots before s)

@@ -96,9 +96,9 @@ class PagedKVCache(_CacheBase):
         self._check_id(sid)
         pages = self._tables[sid]
         if pages:
-            p = self.page_size
-            first = to_device(torch.tensor(pages, dtype=torch.long), self.device) * p  # (m,)
-            slots = (first[:, None] + torch.arange(p, device=self.device)).flatten()  # (m*p,)
+            every = torch.arange(len(pages) * self.page_size)[None]               # (1, m*p)
+            slots = _slot(torch.tensor([pages]), every, self.page_size)            # (1, m*p)
+            slots = to_device(slots.flatten(), self.device)       # worked out on the host
             for t in (self.k, self.v, self.valid):
                 self._clear(slots, t)
         self._free.extend(self._tables.pop(sid))
@@ -285,7 +285,6 @@ class PagedBatch(_CacheBase):
         saved = {s: (pool._written[s], pool._real[s], s in pool._padded) for s in self.ids}
         slots = None                   # the slots written (they held no token: zeros)
         B, Hkv = len(self.ids), self.num_kv_heads
-        pool.k, pool.v = self._detached(pool.k), self._detached(pool.v)
 
         def undo():                    # for the sequences still live (one freed before the
             live = [b for b, sid in enumerate(self.ids) if sid in pool._tables]  # rollback):
