@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import masks
-from .._device import to_device
 from ..functional import attention
 from .kv_cache import KVCache
 from .paged_cache import PagedBatch, PagedView
@@ -253,16 +252,18 @@ class MultiHeadAttention(nn.Module):
             self._heads(v, self.num_kv_heads)
 
     def _rotate(self, q, k, positions, self_attn):
-        B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
+        B, Sq = q.shape[0], q.shape[2]
         if positions is None:
-            positions = torch.arange(Sq, device=q.device)
-        positions = to_device(torch.as_tensor(positions), q.device)   # host ints: no sync
-        if positions.shape[-1] != Sq or positions.dim() not in (1, 2) or (
-                positions.dim() == 2 and positions.shape[0] not in (1, B)):
-            raise ValueError(f"positions must be (Sq,) or (B, Sq) = ({Sq},) or ({B}, {Sq}), "
-                             f"got shape {tuple(positions.shape)}")
-        kpos = positions if self_attn else torch.arange(Sk, device=q.device)
-        return self.rope(q, positions), self.rope(k, kpos)
+            positions = 0                          # 0..Sq-1: rows of the rope's table
+        else:
+            positions = torch.as_tensor(positions)  # host ints stay on the host: no sync
+            if positions.shape[-1:] != (Sq,) or positions.dim() not in (1, 2) or (
+                    positions.dim() == 2 and positions.shape[0] not in (1, B)):
+                raise ValueError(f"positions must be (Sq,) or (B, Sq) = ({Sq},) or ({B}, {Sq}), "
+                                 f"got shape {tuple(positions.shape)}")
+        if self_attn:
+            return self.rope.rotate(q, k, positions=positions)
+        return self.rope(q, positions), self.rope(k, 0)
 
     def _merge(self, heads: torch.Tensor) -> torch.Tensor:
         B, H, S, Dh = heads.shape
@@ -365,20 +366,19 @@ class MultiHeadAttention(nn.Module):
             if context is not None:
                 q, k, v = self._project(x, context)
                 if self.rope is not None:                              # as _rotate does
-                    k = self.rope(k, torch.arange(k.shape[2], device=k.device))
+                    k = self.rope(k, 0)
                 cache.store_context(k, v)
             else:
                 q, _, _ = self._project(x, False)
             k, v = cache.context()
-            pos = cache.cross_positions(q.shape[2])                    # (Sq,): continues
+            start = cache._serve_queries(q.shape[2])                   # queries continue
             if self.rope is not None:
-                q = self.rope(q, pos)
+                q = self.rope(q, start)
             return q, k, v, mask
         q, k, v = self._project(x, None)
         valid = cache._check_valid(valid, q.shape[2])                  # checked, moved once
         if self.rope is not None:
-            pos = cache.positions(q.shape[2], valid)                   # (B, Sq)
-            q, k = self.rope(q, pos), self.rope(k, pos)
+            q, k = self.rope.rotate(q, k, positions=cache.rope_positions(q.shape[2], valid))
         if in_place and _reads_pages(cache, q, mask, valid, self.backend):
             return q, cache.update_in_place(k, v), None, mask
         k, v, key_valid = cache.update(k, v, valid)

@@ -27,7 +27,9 @@ sequence between a failed call's write and its rollback is safe (the rollback le
 Nothing here reads a device tensor back on the hot path (no host-device sync): what the
 host must know (slots written, whether any write carried a ``valid``, queries served) is
 kept as host ints and flags; what depends on ``valid``'s values (real-token counts, RoPE
-positions, key validity) stays on the device.
+positions, key validity) stays on the device. Where no sequence holds padding, the RoPE
+positions are host ints (:meth:`_CacheBase.rope_positions`), which a
+:class:`~multihead.modules.rope.RotaryEmbedding` reads from its table without device ops.
 
 Notation used for tensor shapes:
     B batch (sequences), Hkv K/V heads, D head_dim, Dv value dim, T max_len (slots),
@@ -192,6 +194,31 @@ class _CacheBase:
             if valid is None else valid.long()
         return self._real_counts()[:, None] + steps.cumsum(1) - 1              # (B, n)
 
+    def rope_positions(self, n: int, valid: torch.Tensor | None = None):
+        """:meth:`positions` as the host knows them where it can: an int (the first of
+        ``n`` consecutive positions, the same for every sequence) or a host tensor
+        ``(B, n)`` when no sequence holds padding and ``valid`` is None, else the device
+        tensor of :meth:`positions`. :class:`RotaryEmbedding` reads the former from its
+        table with no device op (an int) or one gather, instead of computing angles.
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> cache = mh.KVCache(2, 8, num_kv_heads=1, head_dim=4)
+            >>> _ = cache.update(torch.ones(2, 1, 3, 4), torch.ones(2, 1, 3, 4))
+            >>> cache.rope_positions(2), cache.positions(2).tolist()
+            (3, [[3, 4], [3, 4]])
+        """
+        counts = self._host_counts() if valid is None else None
+        if counts is None:
+            return self.positions(n, valid)
+        if len(set(counts)) == 1:
+            return counts[0]
+        return torch.tensor(counts)[:, None] + torch.arange(n)                # (B, n)
+
+    def _host_counts(self) -> list[int] | None:
+        """Each sequence's real tokens where the host knows them (no padding), else None."""
+        raise NotImplementedError
+
     def _check_new(self, k, v, valid):
         n, batch = k.shape[2], self.batch_size
         want_k, want_v = (batch, self.num_kv_heads, n, self.head_dim), \
@@ -272,6 +299,9 @@ class KVCache(_CacheBase):
     def _real_counts(self) -> torch.Tensor:
         return self.lengths
 
+    def _host_counts(self) -> list[int] | None:
+        return None if self.padded else [self.seen]
+
     def update(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None):
         """Append ``n`` new tokens; return ``(k_all, v_all, key_valid or None)`` to attend to.
 
@@ -346,10 +376,15 @@ class KVCache(_CacheBase):
             >>> cache.cross_positions(2).tolist(), cache.cross_positions(1).tolist()
             ([0, 1], [2])
         """
+        start = self._serve_queries(n)
+        return torch.arange(start, start + n, device=self.device)
+
+    def _serve_queries(self, n: int) -> int:
+        """Count ``n`` more cross-attention queries served; returns the first one's position."""
         self.context()                                     # raises if no context is cached
         start, self.queries = self.queries, self.queries + n
         self._record(lambda: setattr(self, "queries", start))
-        return torch.arange(start, start + n, device=self.device)
+        return start
 
     def __repr__(self) -> str:
         return (f"KVCache(batch_size={self.batch_size}, max_len={self.max_len}, "

@@ -218,6 +218,9 @@ class PagedBatch(_CacheBase):
     def _real_counts(self) -> torch.Tensor:
         return torch.stack([self.pool._real[s] for s in self.ids])              # (B,)
 
+    def _host_counts(self) -> list[int] | None:
+        return None if self.padded else [self.pool._written[s] for s in self.ids]
+
     def check_compatible(self, *sizes) -> None:
         """Also refuses a batch whose sequences were freed since it was made."""
         gone = [s for s in self.ids if s not in self.pool._tables]
@@ -312,7 +315,7 @@ class PagedBatch(_CacheBase):
             pool.v.index_copy_(0, slots, v.transpose(1, 2).reshape(B * n, Hkv, self.value_dim))
             if valid is None:                                             # (B*n, Hkv, D) above
                 pool.valid.index_fill_(0, slots, True)
-                counts = self._real_counts() + n                                   # (B,)
+                counts = after if not self.padded else self._real_counts() + n     # (B,)
             else:
                 pool.valid.index_copy_(0, slots, valid.reshape(B * n))
                 counts = self._real_counts() + valid.sum(1)                        # (B,)

@@ -1,0 +1,204 @@
+"""RotaryEmbedding: equal to Hugging Face's LLaMA rotary embedding and to an fp64 closed
+form, by every route to its angles (the shared table: a slice for an int or consecutive
+host positions, a gather for other host positions; computed angles for float positions,
+negative ones and torch.compile), the table's sharing and growth, and what a decoding step
+on a cache costs on the device (``meta`` standing in for a GPU)."""
+
+import math
+
+import pytest
+import torch
+
+import multihead as mh
+from multihead.modules import rope as rope_mod
+from test_kv_cache import _DeviceOps
+
+
+def closed_form(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """The rotation in fp64, written from the formula: channel pairs (i, i + D/2) turned by
+    the angle position * base^(-2i/D)."""
+    D = x.shape[-1]
+    x = x.double()
+    freq = torch.tensor([base ** (-2 * i / D) for i in range(D // 2)], dtype=torch.float64)
+    ang = positions.double().unsqueeze(-1) * freq                      # (..., S, D/2)
+    if ang.dim() == 3:
+        ang = ang.unsqueeze(1)                                         # (B, 1, S, D/2)
+    c, s = ang.cos(), ang.sin()
+    x1, x2 = x[..., :D // 2], x[..., D // 2:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
+def hf_rotated(q, k, positions, base=10000.0):
+    """Hugging Face's LLaMA rotary embedding (fp32 angles) applied to q and k."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    D = q.shape[-1]
+    config = LlamaConfig(hidden_size=D * 4, num_attention_heads=4, head_dim=D, rope_theta=base,
+                         max_position_embeddings=8192)
+    emb = LlamaRotaryEmbedding(config)
+    pos = positions if positions.dim() == 2 else positions[None]       # (B|1, S)
+    cos, sin = emb(q, pos)
+    return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+ROUTES = {                                         # positions of S=6 tokens, each route's way
+    "int": lambda: 100,
+    "consecutive": lambda: torch.arange(100, 106),
+    "gathered": lambda: torch.tensor([[3, 1, 4, 1, 5, 9], [100, 101, 102, 103, 104, 200]]),
+    "float": lambda: torch.arange(100, 106, dtype=torch.float32),
+    "negative": lambda: torch.arange(-3, 3),
+}
+
+
+def _as_tensor(p, S=6):
+    return torch.arange(p, p + S) if isinstance(p, int) else p
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_every_route_equals_hugging_face_llama(route):
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 6, 16), torch.randn(2, 2, 6, 16)
+    p = ROUTES[route]()
+    ours = mh.RotaryEmbedding(16).rotate(q, k, positions=p)
+    theirs = hf_rotated(q, k, _as_tensor(p).long())
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_every_route_equals_the_fp64_closed_form(route, dtype):
+    """Angles in fp64 for fp64 inputs (1e-12), fp32 otherwise: the error grows with the
+    position (fp32 angles of position ~200 are off by ~1e-5 rad); bf16 rounds the output."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, 32, dtype=dtype)
+    p = ROUTES[route]()
+    got = mh.RotaryEmbedding(32)(x, p)
+    assert got.dtype == dtype
+    tol = {torch.float64: 1e-12, torch.float32: 1e-4, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(got.double(), closed_form(x, _as_tensor(p)), atol=tol, rtol=tol)
+
+
+def test_positions_read_from_the_table_equal_computed_ones():
+    """A slice, a gather and computed angles of the same positions agree to fp32 rounding."""
+    torch.manual_seed(0)
+    rope, x = mh.RotaryEmbedding(64), torch.randn(1, 2, 5, 64)
+    sliced = rope(x, 4000)
+    gathered = rope(x, torch.tensor([[4000, 4001, 4002, 4003, 4004]]))
+    computed = rope(x, torch.arange(4000, 4005, dtype=torch.float64))
+    torch.testing.assert_close(sliced, gathered, atol=0, rtol=0)
+    torch.testing.assert_close(sliced, computed, atol=1e-6, rtol=1e-6)
+
+
+def test_the_table_is_shared_grows_by_doubling_and_is_exact_at_its_edge():
+    key = (16, 500.0, torch.device("cpu"), torch.float32)
+    rope_mod._TABLES.pop(key, None)
+    a, b = mh.RotaryEmbedding(16, base=500), mh.RotaryEmbedding(16, base=500)
+    x = torch.randn(1, 1, 3, 16)
+    a(x, 0)
+    first = rope_mod._TABLES[key]
+    assert first.shape == (rope_mod.FIRST_ROWS, 2, 16)
+    b(x, 7)
+    assert rope_mod._TABLES[key] is first                              # shared, not rebuilt
+    edge = rope_mod.FIRST_ROWS - 1                                     # needs FIRST_ROWS + 2
+    got = b(x, edge)
+    assert rope_mod._TABLES[key].shape[0] == 2 * rope_mod.FIRST_ROWS
+    torch.testing.assert_close(got.double(), closed_form(x, torch.arange(edge, edge + 3), 500.0),
+                               atol=1e-3, rtol=1e-3)
+
+
+def test_a_table_built_in_inference_mode_serves_training():
+    """The first call in inference mode must not leave an inference tensor that a later
+    training call cannot save for its backward."""
+    rope_mod._TABLES.pop((24, 10000.0, torch.device("cpu"), torch.float32), None)
+    rope = mh.RotaryEmbedding(24)
+    with torch.inference_mode():
+        rope(torch.randn(1, 1, 4, 24), 0)
+    x = torch.randn(1, 1, 4, 24, requires_grad=True)
+    rope(x, 2).square().sum().backward()
+    # a rotation keeps norms: d/dx of sum(rot(x)^2) = 2x
+    torch.testing.assert_close(x.grad, 2 * x.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_device_argument_builds_the_table_up_front():
+    rope_mod._TABLES.pop((12, 10000.0, torch.device("meta"), torch.float32), None)
+    mh.RotaryEmbedding(12, device="meta")
+    assert rope_mod._TABLES[(12, 10000.0, torch.device("meta"), torch.float32)].is_meta
+
+
+def test_inv_freq_is_the_frequencies():
+    torch.testing.assert_close(mh.RotaryEmbedding(8, base=100).inv_freq,
+                               torch.tensor([1.0, 100 ** -0.25, 0.1, 100 ** -0.75]))
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ([1, 2, 3], TypeError, r"positions must be an int or a tensor"),
+    (torch.arange(5), ValueError, r"positions must be \(S,\) or \(B, S\) with S=3, got shape \(5,\)"),
+    (torch.zeros(1, 1, 3), ValueError, r"got shape \(1, 1, 3\)"),
+])
+def test_bad_positions_are_named(bad, error, match):
+    with pytest.raises(error, match=match):
+        mh.RotaryEmbedding(8)(torch.randn(1, 1, 3, 8), bad)
+
+
+def test_compiled_module_with_rope_equals_eager():
+    torch.manual_seed(0)
+    m = mh.MultiHeadAttention(32, 4, num_kv_heads=2, rope=mh.RotaryEmbedding(8)).eval()
+    x = torch.randn(2, 7, 32)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, mask=mh.masks.causal()), m(x, mask=mh.masks.causal()))
+    pos = torch.tensor([5, 6, 7, 9, 10, 11, 12])
+    torch.testing.assert_close(compiled(x, positions=pos), m(x, positions=pos))
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_a_decoding_step_rotates_with_six_device_ops(kind):
+    """With a cache whose sequences hold no padding, the positions are host ints: q and k
+    read their angles from the table as a slice (equal lengths) or one gather (paged,
+    unequal), and each rotation is one multiply, one roll and one fused multiply-add. Before,
+    the positions took 4 device ops and each rotation 11."""
+    m = mh.MultiHeadAttention(64, 4, num_kv_heads=2, rope=mh.RotaryEmbedding(16),
+                              device="meta").eval()
+    if kind == "static":
+        cache = m.make_cache(2, 32)
+    else:
+        pool = mh.PagedKVCache(num_pages=8, page_size=16, num_kv_heads=2, head_dim=16,
+                               device="meta")
+        cache = pool.batch([pool.add_sequence(), pool.add_sequence()])
+    step = torch.empty(2, 1, 64, device="meta")
+    with torch.no_grad():
+        m(torch.empty(2, 5, 64, device="meta"), cache=cache, mask=mh.masks.causal())
+        if kind == "paged":                                            # unequal lengths
+            m.forward(step[:1], cache=pool.batch(cache.ids[:1]), mask=mh.masks.causal())
+        with _DeviceOps() as mode:
+            m.rope.rotate(*m._project(step, None)[:2], positions=cache.rope_positions(1))
+    want = ["mul", "roll", "addcmul"] * 2
+    if kind == "paged":
+        assert isinstance(cache.rope_positions(1), torch.Tensor)      # (B, 1) on the host
+        want = ["_to_copy", "index"] + want
+    else:
+        assert cache.rope_positions(1) == 5
+    ops = [o for o in mode.ops if o not in ("t", "addmm", "unsqueeze", "expand")]
+    assert ops == want, mode.ops
+
+
+def test_padded_sequences_take_their_positions_from_the_device():
+    cache = mh.KVCache(2, 16, num_kv_heads=1, head_dim=8)
+    kv = torch.zeros(2, 1, 3, 8)
+    cache.update(kv, kv, valid=torch.tensor([[True] * 3, [False, True, True]]))
+    pos = cache.rope_positions(2)
+    assert isinstance(pos, torch.Tensor) and pos.tolist() == [[3, 4], [2, 3]]
+    assert cache.rope_positions(1, valid=torch.tensor([[True], [True]])).tolist() == [[3], [2]]
+
+
+def test_rotation_is_relative_at_large_positions():
+    """The score of a query at m and a key at n depends on m - n only: checked where an
+    fp32 table holds the angles (positions past 2^15)."""
+    torch.manual_seed(0)
+    rope = mh.RotaryEmbedding(16)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    near = (rope(q, 7) * rope(k, 3)).sum()
+    far = (rope(q, 40_007) * rope(k, 40_003)).sum()
+    other = (rope(q, 7) * rope(k, 57)).sum()                             # another offset
+    assert math.isclose(float(near), float(far), rel_tol=0, abs_tol=3e-3)
+    assert not math.isclose(float(near), float(other), abs_tol=0.1)
