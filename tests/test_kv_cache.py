@@ -445,3 +445,18 @@ def test_a_paged_write_launches_no_kernel_to_find_its_slots():
         view = batch.update_in_place(new, new)
     assert mode.ops == ["_to_copy", "index_copy_", "index_copy_", "index_fill_"], mode.ops
     assert view.max_len == 6 and view.table.shape == (2, 2)
+
+
+def test_host_slots_equal_the_device_formula():
+    """The host's run-by-run slots of a write equal ``_slot``'s gather of the block table,
+    for random tables, page sizes, starts and lengths (crossing pages or not)."""
+    from multihead.modules.paged_cache import _host_slots, _slot
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        p = int(torch.randint(1, 9, (), generator=g))
+        table = torch.randperm(12, generator=g)[:int(torch.randint(1, 7, (), generator=g))]
+        room = len(table) * p
+        start = int(torch.randint(0, room, (), generator=g))
+        n = int(torch.randint(0, room - start + 1, (), generator=g))
+        want = _slot(table[None], torch.arange(start, start + n)[None], p)[0].tolist()
+        assert _host_slots(table.tolist(), start, n, p) == want, (table, p, start, n)

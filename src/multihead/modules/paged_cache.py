@@ -35,6 +35,25 @@ def _slot(table: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tenso
     return table.gather(1, pos // page_size) * page_size + pos % page_size
 
 
+def _host_slots(table: list[int], start: int, n: int, page_size: int) -> list[int]:
+    """Pool slots of one sequence's positions ``start .. start + n - 1``, on the host: one
+    run of consecutive slots per page they touch (a decoding step's one slot costs a few
+    Python operations, not the torch ops that :func:`_slot` costs).
+
+    Example:
+        >>> _host_slots([3, 1, 0], 1, 4, 2)    # positions 1..4: page 3's second slot, ...
+        [7, 2, 3, 0]
+    """
+    out, j, end = [], start, start + n
+    while j < end:
+        page = j // page_size
+        stop = min(end, (page + 1) * page_size)
+        shift = (table[page] - page) * page_size             # slot of position i: i + shift
+        out.extend(range(j + shift, stop + shift))
+        j = stop
+    return out
+
+
 class PagedKVCache(_CacheBase):
     """A pool of ``num_pages`` pages of ``page_size`` token slots, shared by sequences.
 
@@ -96,9 +115,8 @@ class PagedKVCache(_CacheBase):
         self._check_id(sid)
         pages = self._tables[sid]
         if pages:
-            every = torch.arange(len(pages) * self.page_size)[None]               # (1, m*p)
-            slots = _slot(torch.tensor([pages]), every, self.page_size)            # (1, m*p)
-            slots = to_device(slots.flatten(), self.device)       # worked out on the host
+            slots = _host_slots(pages, 0, len(pages) * self.page_size, self.page_size)
+            slots = to_device(torch.tensor(slots), self.device)   # (m*p,): worked out on the host
             for t in (self.k, self.v, self.valid):
                 self._clear(slots, t)
         self._free.extend(self._tables.pop(sid))
@@ -179,16 +197,16 @@ class PagedKVCache(_CacheBase):
             >>> [t.tolist() for t in pool._device_tables([a], 1)]   # position 3: page 1, slot 1
             [[4], [[3, 1]], [3]]
         """
-        pmax = max(1, max(len(self._tables[s]) for s in ids))
-        rows = torch.tensor([[self._written[s]] + self._tables[s]
-                             + [0] * (pmax - len(self._tables[s])) for s in ids],
-                            dtype=torch.long)                                  # (B, 1 + Pmax)
-        pos = rows[:, :1] + torch.arange(n)                                    # (B, n)
-        slots = _slot(rows[:, 1:], pos, self.page_size)                        # (B, n)
-        rows[:, 0] += n
-        dev = to_device(torch.cat([rows.flatten(), slots.flatten()]), self.device)
-        rows = dev[:rows.numel()].view(rows.shape)                             # (B, 1 + Pmax)
-        return rows[:, 0], rows[:, 1:], dev[rows.numel():]
+        B, tables = len(ids), [self._tables[s] for s in ids]
+        pmax = max(1, max(map(len, tables)))
+        after, flat, slots = [], [], []
+        for sid, table in zip(ids, tables):
+            after.append(self._written[sid] + n)
+            flat += table + [0] * (pmax - len(table))
+            slots += _host_slots(table, self._written[sid], n, self.page_size)
+        dev = to_device(torch.tensor(after + flat + slots, dtype=torch.long), self.device)
+        return dev[:B], dev[B:B * (1 + pmax)].view(B, pmax), dev[B * (1 + pmax):]  # (B,),
+                                                                        # (B, Pmax), (B*n,)
 
 
 class PagedView(NamedTuple):
