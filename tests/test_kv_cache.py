@@ -460,3 +460,13 @@ def test_host_slots_equal_the_device_formula():
         n = int(torch.randint(0, room - start + 1, (), generator=g))
         want = _slot(table[None], torch.arange(start, start + n)[None], p)[0].tolist()
         assert _host_slots(table.tolist(), start, n, p) == want, (table, p, start, n)
+
+
+def test_a_paged_views_lengths_are_not_the_pools_counts():
+    """The lengths a PagedView hands out are the caller's: changing them in place leaves
+    the pool's real-token counts (where RoPE positions continue) as they were."""
+    pool = mh.PagedKVCache(num_pages=4, page_size=4, num_kv_heads=1, head_dim=4)
+    a = pool.add_sequence()
+    view = pool.batch([a]).update_in_place(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4))
+    view.lengths.add_(100)
+    assert pool.length(a) == 3 and pool.batch([a]).positions(1).tolist() == [[3]]

@@ -178,7 +178,8 @@ BAD = [
      r"x is torch.float64 on cpu but the module is torch.float32"),
     (lambda: mh.MultiHeadAttention(16, 4, rope=mh.RotaryEmbedding(4))(torch.randn(1, 3, 16),
                                                                    positions=torch.arange(4)),
-     ValueError, r"positions must be \(Sq,\) or \(B, Sq\) = \(3,\)"),
+     ValueError, r"positions must be an int \(the first of Sq consecutive positions\) or "
+                 r"\(Sq,\) or \(B, Sq\) = \(3,\) or \(1, 3\), got shape \(4,\)"),
     (lambda: mh.MultiHeadAttention(16, 4, dropout=1.5), ValueError, r"dropout must be a float in \[0, 1\)"),
 ]
 

@@ -90,21 +90,118 @@ def test_positions_read_from_the_table_equal_computed_ones():
     torch.testing.assert_close(sliced, computed, atol=1e-6, rtol=1e-6)
 
 
+def _table_of(head_dim, base=10000.0, device="cpu", dtype=torch.float32):
+    entry = rope_mod._TABLES.get((head_dim, base, torch.device(device), dtype))
+    return None if entry is None else entry[0]
+
+
 def test_the_table_is_shared_grows_by_doubling_and_is_exact_at_its_edge():
-    key = (16, 500.0, torch.device("cpu"), torch.float32)
-    rope_mod._TABLES.pop(key, None)
+    rope_mod._TABLES.pop((16, 500.0, torch.device("cpu"), torch.float32), None)
     a, b = mh.RotaryEmbedding(16, base=500), mh.RotaryEmbedding(16, base=500)
     x = torch.randn(1, 1, 3, 16)
     a(x, 0)
-    first = rope_mod._TABLES[key]
+    first = _table_of(16, 500.0)
     assert first.shape == (rope_mod.FIRST_ROWS, 2, 16)
     b(x, 7)
-    assert rope_mod._TABLES[key] is first                              # shared, not rebuilt
+    assert _table_of(16, 500.0) is first                               # shared, not rebuilt
     edge = rope_mod.FIRST_ROWS - 1                                     # needs FIRST_ROWS + 2
     got = b(x, edge)
-    assert rope_mod._TABLES[key].shape[0] == 2 * rope_mod.FIRST_ROWS
+    assert _table_of(16, 500.0).shape[0] == 2 * rope_mod.FIRST_ROWS
     torch.testing.assert_close(got.double(), closed_form(x, torch.arange(edge, edge + 3), 500.0),
                                atol=1e-3, rtol=1e-3)
+
+
+def test_positions_past_the_largest_table_compute_their_angles():
+    """A call at position 10^9 must not build a table of 10^9 rows (it would hold gigabytes
+    for the life of the process): past TABLE_BYTES the angles are computed, as for floats."""
+    rope, x = mh.RotaryEmbedding(128), torch.randn(1, 2, 3, 128)
+    most = rope_mod.TABLE_BYTES // (2 * 128 * 4)
+    before = _table_of(128)
+    for far in (10 ** 9, torch.tensor([5, 10 ** 9, 7])):
+        got = rope(x, far)
+        pos = torch.arange(10 ** 9, 10 ** 9 + 3) if isinstance(far, int) else far
+        torch.testing.assert_close(got, rope(x, pos.double()), atol=0, rtol=0)
+    table = _table_of(128)
+    assert table is before or table.shape[0] <= most
+    near = rope(x, most - 3)                                           # the last rows fit
+    assert _table_of(128).shape[0] == most
+    torch.testing.assert_close(near, rope(x, torch.arange(most - 3, most).double()),
+                               atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.uint8])
+def test_small_integer_positions_are_gathered_as_indices(dtype):
+    rope, x = mh.RotaryEmbedding(8), torch.randn(2, 3, 5, 8)
+    pos = torch.tensor([4, 1, 0, 9, 3], dtype=dtype)
+    torch.testing.assert_close(rope(x, pos), rope(x, pos.double()), atol=1e-6, rtol=1e-6)
+    m = mh.MultiHeadAttention(32, 4, rope=mh.RotaryEmbedding(8)).eval()
+    xm = torch.randn(2, 5, 32)
+    torch.testing.assert_close(m(xm, positions=pos[None].expand(2, 5)), m(xm, positions=pos.long()))
+
+
+def test_vmap_over_positions_and_over_x():
+    rope, x = mh.RotaryEmbedding(8), torch.randn(1, 2, 5, 8)
+    pos = torch.arange(15).view(3, 5)
+    got = torch.func.vmap(lambda p: rope(x, p))(pos)                   # (3, 1, 2, 5, 8)
+    torch.testing.assert_close(got, torch.stack([rope(x, p) for p in pos]))
+    xs = torch.randn(4, 1, 2, 5, 8)
+    torch.testing.assert_close(torch.func.vmap(lambda t: rope(t, 3))(xs),
+                               torch.stack([rope(t, 3) for t in xs]))
+
+
+def test_frequencies_written_into_inv_freq_are_used_and_stay_private():
+    """Position interpolation by scaling inv_freq in place: this module then rotates by the
+    scaled frequencies (computing its angles), and another module's shared table is not
+    touched."""
+    x = torch.randn(1, 2, 4, 8)
+    scaled, plain = mh.RotaryEmbedding(8), mh.RotaryEmbedding(8)
+    want_plain = plain(x, 40)
+    scaled.inv_freq.mul_(0.25)
+    pos = torch.arange(40, 44)
+    torch.testing.assert_close(scaled(x, 40), plain(x, pos * 0.25), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(scaled(x, pos), plain(x, pos * 0.25), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(plain(x, 40), want_plain, atol=0, rtol=0)
+    replaced = mh.RotaryEmbedding(8)
+    replaced.inv_freq = plain.inv_freq * 0.5
+    torch.testing.assert_close(replaced(x, 40), plain(x, pos * 0.5), atol=1e-6, rtol=1e-6)
+
+
+def test_casting_the_module_keeps_exact_fp32_frequencies():
+    rope = mh.RotaryEmbedding(16).to(torch.bfloat16)
+    assert rope.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(rope.inv_freq, mh.RotaryEmbedding(16).inv_freq, atol=0, rtol=0)
+    assert rope._unchanged()                                          # still reads the table
+    m = mh.MultiHeadAttention(32, 4, rope=mh.RotaryEmbedding(8)).to("meta")
+    assert m.rope.inv_freq.is_meta and m.rope._unchanged()
+
+
+def test_a_capture_reads_no_table(monkeypatch):
+    """While a CUDA graph captures, angles are computed in the graph: a table read then
+    could be freed by a later growth while the graph still reads it."""
+    rope, x = mh.RotaryEmbedding(40), torch.randn(1, 1, 2, 40)
+    rope_mod._TABLES.pop((40, 10000.0, torch.device("cpu"), torch.float32), None)
+    monkeypatch.setattr(rope_mod, "capturing", lambda: True)
+    got = rope(x, 5)
+    assert _table_of(40) is None
+    monkeypatch.undo()
+    torch.testing.assert_close(got, rope(x, 5), atol=1e-6, rtol=1e-6)
+
+
+def test_a_table_made_on_one_stream_is_waited_for_on_another():
+    """Simulated streams (as tests/test_streams.py): the stream that reads a table made on
+    another first waits for the making, once, and keeps the table's memory for itself."""
+    from test_streams import streams
+    rope, x = mh.RotaryEmbedding(44), torch.randn(1, 1, 2, 44)
+    rope_mod._TABLES.pop((44, 10000.0, torch.device("cpu"), torch.float32), None)
+    with streams() as rec:
+        rope(x, 0)                                                     # made on stream 1
+        rope(x, 1)
+        assert rec.log == []
+        rec.now = 2
+        rope(x, 2)
+        rope(x, 3)
+        assert rec.log == [("wait", 2, "event 1 on stream 1"),
+                           ("keep", 2, _table_of(44).data_ptr())]
 
 
 def test_a_table_built_in_inference_mode_serves_training():
@@ -122,8 +219,8 @@ def test_a_table_built_in_inference_mode_serves_training():
 
 def test_device_argument_builds_the_table_up_front():
     rope_mod._TABLES.pop((12, 10000.0, torch.device("meta"), torch.float32), None)
-    mh.RotaryEmbedding(12, device="meta")
-    assert rope_mod._TABLES[(12, 10000.0, torch.device("meta"), torch.float32)].is_meta
+    rope = mh.RotaryEmbedding(12, device="meta")
+    assert _table_of(12, device="meta").is_meta and rope.inv_freq.is_meta
 
 
 def test_inv_freq_is_the_frequencies():
@@ -132,13 +229,30 @@ def test_inv_freq_is_the_frequencies():
 
 
 @pytest.mark.parametrize("bad, error, match", [
-    ([1, 2, 3], TypeError, r"positions must be an int or a tensor"),
-    (torch.arange(5), ValueError, r"positions must be \(S,\) or \(B, S\) with S=3, got shape \(5,\)"),
+    ([1, 2, 3], TypeError, r"positions must be an int \(the first of S consecutive positions\) "
+                           r"or an integer or float tensor \(S,\) or \(B, S\), got list"),
+    (torch.arange(5), ValueError, r"positions must be \(S,\) or \(B, S\) = \(3,\) or \(2, 3\) "
+                                  r"for x of shape \(2, 1, 3, 8\), got shape \(5,\)"),
     (torch.zeros(1, 1, 3), ValueError, r"got shape \(1, 1, 3\)"),
+    (torch.zeros(3, 3), ValueError, r"\(2, 3\) for x of shape \(2, 1, 3, 8\), got shape \(3, 3\)"),
 ])
 def test_bad_positions_are_named(bad, error, match):
     with pytest.raises(error, match=match):
-        mh.RotaryEmbedding(8)(torch.randn(1, 1, 3, 8), bad)
+        mh.RotaryEmbedding(8)(torch.randn(2, 1, 3, 8), bad)
+
+
+def test_rotate_needs_tensors_of_one_length_and_takes_numpy_ints():
+    import numpy as np
+    rope = mh.RotaryEmbedding(8)
+    with pytest.raises(TypeError, match=r"pass the tensors to rotate"):
+        rope.rotate(positions=0)
+    with pytest.raises(ValueError, match=r"with one S, got \[\(1, 1, 3, 8\), \(1, 1, 4, 8\)\]"):
+        rope.rotate(torch.randn(1, 1, 3, 8), torch.randn(1, 1, 4, 8), positions=0)
+    x = torch.randn(1, 1, 3, 8)
+    torch.testing.assert_close(rope(x, np.int64(2)), rope(x, 2), atol=0, rtol=0)
+    m = mh.MultiHeadAttention(16, 2, rope=mh.RotaryEmbedding(8)).eval()
+    xm = torch.randn(1, 3, 16)
+    torch.testing.assert_close(m(xm, positions=4), m(xm, positions=torch.arange(4, 7)))
 
 
 def test_compiled_module_with_rope_equals_eager():

@@ -38,7 +38,7 @@ def _pool(page_size, lengths, Hkv=2, D=16, seed=0):
 def test_paged_decoding_equals_the_fp64_oracle_on_each_sequence(band, page_size):
     lengths = [150, 37, 64]                 # the longest, one mid-page, one page-aligned
     pool, ids = _pool(page_size, lengths)
-    lens, table, _ = pool._device_tables(ids)
+    lens, table, *_ = pool._device_tables(ids)
     q = torch.randn(3, 4, 2, 16, generator=torch.Generator().manual_seed(1)).to(DEV, torch.float16)
     window = int(band.split()[1]) if band.startswith("window") else None
     out, lse = paged_decode_forward(q, pool.k, pool.v, table, lens, max_len=max(lengths),
@@ -61,7 +61,7 @@ def test_a_page_id_outside_the_pool_gives_nan_rows_not_other_memory(bad_page, sp
     read outside the pool); the other sequences are untouched, and an entry past a
     sequence's length (padding) is never used."""
     pool, ids = _pool(64, [150, 37, 64])
-    lens, table, _ = pool._device_tables(ids)
+    lens, table, *_ = pool._device_tables(ids)
     q = torch.randn(3, 4, 1, 16, generator=torch.Generator().manual_seed(1)).to(DEV, torch.float16)
     k, v = (x.permute(1, 0, 2)[None].expand(3, -1, -1, -1)[:, :, :150]   # (3, Hkv, 150, D)
             for x in (pool.k, pool.v))
@@ -218,7 +218,7 @@ def test_paged_decoding_refuses_pages_that_are_not_a_multiple_of_16(page_size):
 def test_a_numpy_page_size_decodes_as_an_int_does():
     import numpy as np
     pool, ids = _pool(16, [40, 23])
-    lens, table, _ = pool._device_tables(ids)
+    lens, table, *_ = pool._device_tables(ids)
     q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(2)).to(DEV, torch.float16)
     runs = [paged_decode_forward(q, pool.k, pool.v, table, lens, max_len=40, page_size=p,
                                  scale=0.25, causal=True) for p in (16, np.int64(16))]

@@ -11,6 +11,7 @@ Notation used for tensor shapes:
 
 from __future__ import annotations
 
+import numbers
 import re
 from typing import NamedTuple
 
@@ -255,11 +256,12 @@ class MultiHeadAttention(nn.Module):
         B, Sq = q.shape[0], q.shape[2]
         if positions is None:
             positions = 0                          # 0..Sq-1: rows of the rope's table
-        else:
+        elif not (isinstance(positions, numbers.Integral) and not isinstance(positions, bool)):
             positions = torch.as_tensor(positions)  # host ints stay on the host: no sync
             if positions.shape[-1:] != (Sq,) or positions.dim() not in (1, 2) or (
                     positions.dim() == 2 and positions.shape[0] not in (1, B)):
-                raise ValueError(f"positions must be (Sq,) or (B, Sq) = ({Sq},) or ({B}, {Sq}), "
+                raise ValueError(f"positions must be an int (the first of Sq consecutive "
+                                 f"positions) or (Sq,) or (B, Sq) = ({Sq},) or ({B}, {Sq}), "
                                  f"got shape {tuple(positions.shape)}")
         if self_attn:
             return self.rope.rotate(q, k, positions=positions)
@@ -271,7 +273,7 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask=None,
                 return_weights: bool = False, average_weights: bool = False,
-                positions: torch.Tensor | None = None, cache=None,
+                positions: torch.Tensor | int | None = None, cache=None,
                 valid: torch.Tensor | None = None):
         """Attend from ``x`` to itself (or to ``context``); see the class docstring for shapes.
 
@@ -279,7 +281,9 @@ class MultiHeadAttention(nn.Module):
         new tokens: their keys/values are appended and attention covers everything cached.
         Pass the same ``mask`` as for a full forward (``mh.masks.causal()``); ``valid``
         ``(B, Sq)`` marks which new tokens are real when prompts are padded (left or right);
-        RoPE positions continue from each sequence's count of real tokens. For
+        RoPE positions continue from each sequence's count of real tokens (without a
+        cache, ``positions`` gives them: ``(Sq,)``, ``(B, Sq)``, or an int, the first of
+        ``Sq`` consecutive ones; default ``0``). For
         cross-attention, give ``context`` on the first call only: its keys/values are cached,
         and queries fed in steps are rotated at the positions they have in the full query
         sequence (the cache counts the queries it has served).

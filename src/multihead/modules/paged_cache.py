@@ -187,15 +187,17 @@ class PagedKVCache(_CacheBase):
     # -- slots ---------------------------------------------------------------------------
     def _device_tables(self, ids: list[int], n: int = 0) -> tuple[torch.Tensor, ...]:
         """Slots written once ``n`` more are ``(B,)``, block tables ``(B, Pmax)`` (padded
-        with page 0) and the pool slots of each sequence's next ``n`` positions ``(B*n,)``,
-        on the device: worked out on the host (the tables are host lists) and sent in one
-        copy that does not wait, so a write launches no kernel to find its slots.
+        with page 0), the pool slots of each sequence's next ``n`` positions ``(B*n,)``,
+        and the slots written again ``(B,)`` in memory of their own (the real-token counts
+        of sequences without padding, which a caller's in-place change of the first cannot
+        reach), on the device: worked out on the host (the tables are host lists) and sent
+        in one copy that does not wait, so a write launches no kernel to find its slots.
 
         Example:
             >>> pool = PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4)
             >>> a = pool.add_sequence(); pool._tables[a], pool._written[a] = [3, 1], 3
             >>> [t.tolist() for t in pool._device_tables([a], 1)]   # position 3: page 1, slot 1
-            [[4], [[3, 1]], [3]]
+            [[4], [[3, 1]], [3], [4]]
         """
         B, tables = len(ids), [self._tables[s] for s in ids]
         pmax = max(1, max(map(len, tables)))
@@ -204,9 +206,11 @@ class PagedKVCache(_CacheBase):
             after.append(self._written[sid] + n)
             flat += table + [0] * (pmax - len(table))
             slots += _host_slots(table, self._written[sid], n, self.page_size)
-        dev = to_device(torch.tensor(after + flat + slots, dtype=torch.long), self.device)
-        return dev[:B], dev[B:B * (1 + pmax)].view(B, pmax), dev[B * (1 + pmax):]  # (B,),
-                                                                        # (B, Pmax), (B*n,)
+        dev = to_device(torch.tensor(after + flat + slots + after, dtype=torch.long),
+                        self.device)
+        ends = (B, B * (1 + pmax), B * (1 + pmax + n))
+        return (dev[:ends[0]], dev[ends[0]:ends[1]].view(B, pmax),          # (B,), (B, Pmax),
+                dev[ends[1]:ends[2]], dev[ends[2]:])                        # (B*n,), (B,)
 
 
 class PagedView(NamedTuple):
@@ -328,12 +332,12 @@ class PagedBatch(_CacheBase):
                 got = taken[sid] = pool._free[len(pool._free) - m:][::-1]  # as pop() takes them
                 del pool._free[len(pool._free) - m:]
                 pool._tables[sid] += got
-            after, table, slots = pool._device_tables(self.ids, n)  # (B,), (B, Pmax), (B*n,)
+            after, table, slots, real = pool._device_tables(self.ids, n)
             pool.k.index_copy_(0, slots, k.transpose(1, 2).reshape(B * n, Hkv, self.head_dim))
             pool.v.index_copy_(0, slots, v.transpose(1, 2).reshape(B * n, Hkv, self.value_dim))
             if valid is None:                                             # (B*n, Hkv, D) above
                 pool.valid.index_fill_(0, slots, True)
-                counts = after if not self.padded else self._real_counts() + n     # (B,)
+                counts = real if not self.padded else self._real_counts() + n      # (B,)
             else:
                 pool.valid.index_copy_(0, slots, valid.reshape(B * n))
                 counts = self._real_counts() + valid.sum(1)                        # (B,)

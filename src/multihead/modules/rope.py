@@ -6,31 +6,55 @@ query at ``m`` and a key at ``n`` depends only on ``m - n``.
 
 The cosines and sines of the angles are kept in a table of positions ``0..rows-1`` per
 (head dim, base, device, precision), shared by every :class:`RotaryEmbedding` of that kind
-and grown by doubling. Positions the host knows (an int start, a CPU tensor) read their rows
-from it: consecutive ones as a slice (no device op), others with one gather. So a decoding
-step on a GPU launches only the rotation's kernels, not a dozen to recompute angles. Positions
-on the device, fractional ones, and calls under ``torch.compile`` or a CUDA graph capture
-compute their angles instead (nothing is read back, no table is grown). Angles are computed
-in fp32 (fp64 for fp64 inputs) and the rotation runs in that precision, whatever ``x``'s.
+and grown by doubling up to :data:`TABLE_BYTES`. Positions the host knows (an int start, a
+CPU tensor) read their rows from it: consecutive ones as a slice (no device op), others with
+one gather. So a decoding step on a GPU launches only the rotation's kernels, not a dozen to
+recompute angles. Angles are computed instead for positions on the device, fractional or
+negative ones, ones past the table's largest size, a module whose ``inv_freq`` was changed,
+and under ``torch.compile``, ``torch.func`` transforms, a CUDA graph capture or tensor
+subclasses (fake tensors): nothing is read back, and a captured graph reads no table that
+could later be freed. A table made on one CUDA stream is waited for by another stream's first
+use (:class:`multihead._device.StreamUse`). Angles are in fp32 (fp64 for fp64 inputs), and
+the rotation runs in that precision whatever ``x``'s.
 """
 
 from __future__ import annotations
 
+import numbers
+import threading
+
 import torch
 from torch import nn
 
-from .._device import capturing, to_device
+from .._device import StreamUse, capturing, to_device
 
 #: rows of a table when first built (it doubles past them)
 FIRST_ROWS = 2048
+#: the most bytes one table may hold: 64 MiB is 65,536 positions at head dim 128 in fp32
+#: (longer positions compute their angles)
+TABLE_BYTES = 64 << 20
 
-#: (head_dim, base, device, dtype) -> table (rows, 2, D): [:, 0] cos, [:, 1] sin with the
-#: sign of the rotation folded in (the first half negated)
+#: (head_dim, base, device, dtype) -> (table (rows, 2, D): [:, 0] cos, [:, 1] sin with the
+#: sign of the rotation folded in (the first half negated); its StreamUse or None)
 _TABLES: dict = {}
+_GROWING = threading.Lock()
+
+
+def _frequencies(head_dim: int, base: float, dtype: torch.dtype, device) -> torch.Tensor:
+    """``base^(-2i/D)`` ``(D/2,)`` computed in ``dtype``."""
+    return base ** (-torch.arange(0, head_dim, 2, dtype=dtype, device=device) / head_dim)
 
 
 def _precision(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _angles(pos: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+    """``pos`` (...) float, ``freq`` (D/2,) -> ``(..., 2, D)``: cos, and sin with the
+    rotation's sign."""
+    ang = pos.unsqueeze(-1) * freq                                       # (..., D/2)
+    c, s = ang.cos(), ang.sin()
+    return torch.stack([torch.cat([c, c], -1), torch.cat([-s, s], -1)], -2)  # (..., 2, D)
 
 
 class RotaryEmbedding(nn.Module):
@@ -39,8 +63,12 @@ class RotaryEmbedding(nn.Module):
     Args:
         head_dim: D, the per-head dimension (must be even).
         base: the frequency base (10000 in RoFormer and LLaMA).
-        device: build the table of the first :data:`FIRST_ROWS` positions there now (else
-            at the first call on a device), e.g. before capturing a CUDA graph.
+        device: where ``inv_freq`` lives, and where the table of the first
+            :data:`FIRST_ROWS` positions is built now (else at the first call on a device).
+
+    ``inv_freq`` (a buffer, fp32 whatever the module is cast to) holds the frequencies;
+    writing other ones into it (scaled RoPE, say) is honoured: this module then computes
+    its angles from them on every call instead of reading the shared table.
 
     Example:
         >>> import torch, multihead as mh
@@ -65,13 +93,30 @@ class RotaryEmbedding(nn.Module):
         if not base > 1:
             raise ValueError(f"RotaryEmbedding: base must be > 1, got {base!r}")
         self.head_dim, self.base = head_dim, float(base)
+        self._set_canonical(torch.device("cpu") if device is None else device)
         if device is not None:
-            self._table(torch.empty(0, device=device).device, torch.float32, FIRST_ROWS)
+            self._table(self.inv_freq.device, torch.float32, FIRST_ROWS)
 
-    @property
-    def inv_freq(self) -> torch.Tensor:
-        """The rotation frequencies ``base^(-2i/D)`` ``(D/2,)``, fp32 on the CPU."""
-        return self._frequencies(torch.float32, torch.device("cpu"))
+    def _set_canonical(self, device) -> None:
+        """``inv_freq`` := the frequencies of head_dim and base, fp32 on ``device``; noted as
+        unchanged (the shared table holds its angles)."""
+        self.register_buffer("inv_freq", _frequencies(self.head_dim, self.base, torch.float32,
+                                                      device), persistent=False)   # (D/2,)
+        self._canonical = (self.inv_freq, self.inv_freq._version)
+
+    def _unchanged(self) -> bool:
+        """``inv_freq`` is still the frequencies it was built with (nobody wrote into it or
+        replaced it)."""
+        ref, version = self._canonical
+        return self.inv_freq is ref and ref._version == version
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .cuda(), .half(): inv_freq moves, but its frequencies stay fp32 and exact
+        unchanged = self._unchanged()
+        out = super()._apply(fn, *args, **kwargs)
+        if unchanged:
+            self._set_canonical(self.inv_freq.device)
+        return out
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base:g}"
@@ -80,8 +125,8 @@ class RotaryEmbedding(nn.Module):
         return self.rotate(x, positions=positions)[0]
 
     def rotate(self, *xs: torch.Tensor, positions) -> tuple[torch.Tensor, ...]:
-        """Each of ``xs`` (queries and keys at the same positions) rotated, with one lookup
-        of the angles for all.
+        """Each of ``xs`` (queries and keys at the same positions, ``(B, H, S, D)`` with
+        their own H) rotated, with one lookup of the angles for all.
 
         Example:
             >>> import torch, multihead as mh
@@ -90,42 +135,65 @@ class RotaryEmbedding(nn.Module):
             >>> rq.shape, rk.shape
             (torch.Size([1, 4, 3, 8]), torch.Size([1, 2, 3, 8]))
         """
+        if not xs:
+            raise TypeError("RotaryEmbedding.rotate: pass the tensors to rotate, e.g. "
+                            "rotate(q, k, positions=p)")
         x = xs[0]
         for t in xs:
-            if t.shape[-1] != self.head_dim:
-                raise ValueError(f"RotaryEmbedding({self.head_dim}) got inputs with head_dim "
-                                 f"{t.shape[-1]}")
-        cos, sin = self._cos_sin(positions, x.shape[-2], x.device, _precision(x.dtype))
+            if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[-1] != self.head_dim \
+                    or t.shape[-2] != x.shape[-2]:
+                raise ValueError(f"RotaryEmbedding({self.head_dim}): inputs must be (..., S, "
+                                 f"{self.head_dim}) with one S, got "
+                                 f"{[tuple(getattr(a, 'shape', ())) for a in xs]}")
+        cos, sin = self._cos_sin(positions, x)
         half = self.head_dim // 2
         # x_i cos + x_{i+D/2} (-sin) and x_{i+D/2} cos + x_i sin: the sign lives in the table
         return tuple(torch.addcmul(t * cos, t.roll(half, -1), sin).to(t.dtype) for t in xs)
 
     # -- angles --------------------------------------------------------------------------
-    def _cos_sin(self, positions, S: int, device: torch.device, dtype: torch.dtype):
-        """``(cos, sin)`` broadcastable to ``(B, H, S, D)``: ``(S, D)`` or ``(B, 1, S, D)``."""
-        if isinstance(positions, int) and not isinstance(positions, bool):
-            table = self._table(device, dtype, positions + S) if positions >= 0 else None
+    def _cos_sin(self, positions, x: torch.Tensor):
+        """``(cos, sin)`` broadcastable to ``x`` ``(B, H, S, D)``: ``(S, D)`` or
+        ``(B, 1, S, D)``, in fp32 (fp64 for fp64 ``x``)."""
+        S, device, dtype = x.shape[-2], x.device, _precision(x.dtype)
+        tables = self._tables_serve(x)
+        if isinstance(positions, numbers.Integral) and not isinstance(positions, bool):
+            start = int(positions)
+            table = self._table(device, dtype, start + S) if tables and start >= 0 else None
             if table is not None:
-                rows = table[positions:positions + S]                    # (S, 2, D): a view
+                rows = table[start:start + S]                            # (S, 2, D): a view
                 return rows[:, 0], rows[:, 1]                            # (S, D)
-            positions = torch.arange(positions, positions + S, device=device)
+            positions = torch.arange(start, start + S, device=device)
         if not isinstance(positions, torch.Tensor):
-            raise TypeError(f"RotaryEmbedding: positions must be an int or a tensor (S,) or "
+            raise TypeError(f"RotaryEmbedding: positions must be an int (the first of S "
+                            f"consecutive positions) or an integer or float tensor (S,) or "
                             f"(B, S), got {type(positions).__name__}")
-        if positions.dim() not in (1, 2) or positions.shape[-1] != S:
-            raise ValueError(f"RotaryEmbedding: positions must be (S,) or (B, S) with S={S}, "
-                             f"got shape {tuple(positions.shape)}")
-        if positions.device.type == "cpu" and positions.numel() and not (
-                torch.compiler.is_compiling() or
-                positions.is_floating_point() or positions.is_complex()):
+        B = x.shape[0] if x.dim() == 4 else 1
+        if positions.dim() not in (1, 2) or positions.shape[-1] != S or (
+                positions.dim() == 2 and positions.shape[0] not in (1, B)):
+            raise ValueError(f"RotaryEmbedding: positions must be (S,) or (B, S) = ({S},) or "
+                             f"({B}, {S}) for x of shape {tuple(x.shape)}, got shape "
+                             f"{tuple(positions.shape)}")
+        if (tables and positions.device.type == "cpu" and positions.numel()
+                and not (positions.is_floating_point() or positions.is_complex())):
             lo, hi = int(positions.min()), int(positions.max())      # a host tensor: no sync
             table = self._table(device, dtype, hi + 1) if lo >= 0 else None
             if table is not None:
                 if positions.dim() == 1 and hi - lo == S - 1 and torch.equal(
                         positions, torch.arange(lo, hi + 1, dtype=positions.dtype)):
                     return self._split(table[lo:hi + 1])                 # (S, 2, D): a view
-                return self._split(table[to_device(positions, device)])  # gathered rows
-        return self._split(self._angles(to_device(positions, device).to(dtype)))
+                idx = to_device(positions.long(), device)                # (S,) or (B, S)
+                return self._split(table[idx])                           # gathered rows
+        if not torch.compiler.is_compiling() and self._unchanged():
+            freq = _frequencies(self.head_dim, self.base, dtype, device)    # exact in dtype
+        else:                                 # changed (or traced): inv_freq as it is
+            freq = self.inv_freq.to(device, dtype)
+        return self._split(_angles(to_device(positions, device).to(dtype), freq))
+
+    def _tables_serve(self, x: torch.Tensor) -> bool:
+        """Whether this call may read the shared table (see the module docstring)."""
+        return (not torch.compiler.is_compiling() and type(x) in (torch.Tensor, nn.Parameter)
+                and not torch._C._are_functorch_transforms_active() and not capturing()
+                and self._unchanged())
 
     @staticmethod
     def _split(rows: torch.Tensor):
@@ -134,30 +202,25 @@ class RotaryEmbedding(nn.Module):
             rows = rows.unsqueeze(1)                                     # (B, 1, S, 2, D)
         return rows[..., 0, :], rows[..., 1, :]
 
-    def _frequencies(self, dtype: torch.dtype, device) -> torch.Tensor:
-        return self.base ** (-torch.arange(0, self.head_dim, 2, dtype=dtype, device=device)
-                             / self.head_dim)                            # (D/2,)
-
-    def _angles(self, pos: torch.Tensor) -> torch.Tensor:
-        """``pos`` (...) float -> ``(..., 2, D)``: cos, and sin with the rotation's sign."""
-        ang = pos.unsqueeze(-1) * self._frequencies(pos.dtype, pos.device)   # (..., D/2)
-        c, s = ang.cos(), ang.sin()
-        return torch.stack([torch.cat([c, c], -1), torch.cat([-s, s], -1)], -2)  # (..., 2, D)
-
     def _table(self, device: torch.device, dtype: torch.dtype, rows: int):
         """The shared table of at least ``rows`` positions ``(rows', 2, D)`` on ``device``,
-        grown if need be; None where it cannot be used: while ``torch.compile`` traces (the
-        graph computes its angles), or where it would grow during a CUDA graph capture."""
-        if torch.compiler.is_compiling():
-            return None
+        grown if need be, ordered after its making on this CUDA stream; None past
+        :data:`TABLE_BYTES`."""
         key = (self.head_dim, self.base, device, dtype)
-        table = _TABLES.get(key)
-        if table is None or table.shape[0] < rows:
-            if capturing():
+        entry = _TABLES.get(key)
+        if entry is None or entry[0].shape[0] < rows:
+            most = TABLE_BYTES // (2 * self.head_dim * torch.finfo(dtype).bits // 8)
+            if rows > most:
                 return None
-            n = max(FIRST_ROWS, 1 << (rows - 1).bit_length())
-            with torch.inference_mode(False), torch.no_grad():   # a plain tensor, whatever
-                table = self._angles(torch.arange(n, dtype=dtype, device=device))  # the mode
-            if type(table) is torch.Tensor:               # not a fake or traced one
-                _TABLES[key] = table
+            with _GROWING:
+                entry = _TABLES.get(key)
+                if entry is None or entry[0].shape[0] < rows:
+                    n = min(most, max(FIRST_ROWS, 1 << (rows - 1).bit_length()))
+                    with torch.inference_mode(False), torch.no_grad():   # a plain tensor
+                        table = _angles(torch.arange(n, dtype=dtype, device=device),
+                                        _frequencies(self.head_dim, self.base, dtype, device))
+                    entry = _TABLES[key] = (table, StreamUse.of([table]))
+        table, streams = entry
+        if streams is not None:
+            streams.order_here()
         return table
