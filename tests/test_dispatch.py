@@ -383,8 +383,9 @@ def test_odd_arguments_get_the_same_clear_errors_on_every_path():
 
 
 def test_a_decoding_loop_plans_only_the_backend_auto_chose():
-    """The key length grows every step: the choice is kept per structure, the plan is made
-    for the exact call by the chosen backend alone (no tile plan, no copies to the device)."""
+    """The key length grows every step: the choice is kept per structure, and a plan that
+    holds at any key length (SDPA's with no mask in effect) is reused within a doubling of
+    it: the chosen backend plans once more, for the step that keeps it, then never."""
     q = torch.randn(1, 8, 1, 32)
     kv = torch.randn(1, 2, 300, 32)
     mh.functional.dispatch.clear_cache()
@@ -394,7 +395,39 @@ def test_a_decoding_loop_plans_only_the_backend_auto_chose():
         first = len(calls)
         for t in range(201, 256):                          # one power-of-two bucket
             mh.attention(q, kv[:, :, :t], kv[:, :, :t], mask=M.causal())
-        assert first >= 3 and calls[first:] == ["sdpa"] * 55
+        assert first >= 3 and calls[first:] == ["sdpa"]
+    finally:
+        mock.patch.stopall()
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+def test_a_plan_reused_across_key_lengths_gives_each_lengths_answer(backend):
+    """Every step of a growing GQA decoding loop (folded query heads) against the fp64
+    softmax of its own keys, over four doublings of the length."""
+    torch.manual_seed(0)
+    q, kv = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 520, 16)
+    mh.functional.dispatch.clear_cache()
+    for t in range(60, 520, 7):
+        got = mh.attention(q, kv[:, :, :t], kv[:, :, :t], mask=M.causal(), backend=backend)
+        keys = kv[:, :, :t].double().repeat_interleave(4, 1)                   # (2, 8, t, 16)
+        ref = torch.softmax(q.double() @ keys.transpose(-1, -2) / 4, -1) @ keys
+        torch.testing.assert_close(got.double(), ref, atol=1e-6, rtol=1e-6)
+
+
+def test_a_plan_shared_across_lengths_still_validates_and_spares_other_masks():
+    """k and v of different lengths still get the named error after the lengths' shared
+    plan is kept; a window (whose mask matters at some lengths only) plans every length."""
+    q, kv = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 90, 8)
+    mh.functional.dispatch.clear_cache()
+    for t in range(70, 80):
+        mh.attention(q, kv[:, :, :t], kv[:, :, :t], mask=M.causal())
+    with pytest.raises(ValueError, match=r"must agree on heads \(dim 1\) and"):
+        mh.attention(q, kv[:, :, :81], kv[:, :, :82], mask=M.causal())
+    calls = _count_plans()
+    try:
+        for t in range(70, 80):
+            mh.attention(q, kv[:, :, :t], kv[:, :, :t], mask=M.sliding_window(75))
+        assert calls.count("sdpa") >= 10
     finally:
         mock.patch.stopall()
 
@@ -415,16 +448,17 @@ def test_a_growing_cache_pushes_no_kept_decision_out():
     try:
         for t in range(65, 1200):
             out = mh.attention(q, kv[:, :, :t], kv[:, :, :t], mask=M.causal(), backend="sdpa")
-        assert calls == ["sdpa"] * (1200 - 65)
+        assert calls == ["sdpa"] * 10          # twice per doubling: 128, 256, 512, 1024, 2048
     finally:
         mock.patch.stopall()
-    assert dict(dispatch._DECISIONS._data) == kept
+    now = dict(dispatch._DECISIONS._data)     # one decision per doubling, shared by its lengths
+    assert kept.items() <= now.items() and len(now) == len(kept) + 5
     last = kv[:, :, :1199].repeat_interleave(4, 1)                      # (1, 8, 1199, 16)
     ref = torch.softmax(q @ last.transpose(-1, -2) / 4, -1) @ last     # (1, 8, 1, 16)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for _ in range(2):                       # a call met twice is kept
-        mh.attention(q, kv, kv, mask=M.causal(), backend="sdpa")
-    assert len(dispatch._DECISIONS) == 2
+        mh.attention(q, kv, kv, mask=M.sliding_window(8), backend="sdpa")
+    assert len(dispatch._DECISIONS) == len(now) + 1
 
 
 def test_masked_gqa_folds_query_heads_only_when_decoding():

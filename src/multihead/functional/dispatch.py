@@ -226,6 +226,34 @@ def _decide(call: AttentionCall, backend: str, profile: DeviceProfile):
     return registry.get(row.name), row.plan
 
 
+def _length_free_key(key: tuple, shapes: tuple, mask):
+    """The plan-cache key a decision shares with the calls that differ from this one in
+    their key length only, within a factor of 2 (auto's choices are shared so too, see
+    :func:`_structure`), or None. Only calls with no mask in effect at any key length have
+    one: no mask, or a lower-right causal mask for one query (a decoding step). The calls
+    that share it need no validation beyond what the key holds, and k and v agreeing on a
+    non-zero length; the decision is kept only where its backend's plan is
+    :meth:`~multihead.functional.registry.Backend.length_free`.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> q, k = torch.randn(1, 8, 1, 16), torch.randn(1, 2, 100, 16)
+        >>> key = ((q.shape, k.shape, k.shape), "the rest")
+        >>> _length_free_key(key, key[0], mh.masks.causal())[1:3]    # shapes but Sk, bucket
+        ((torch.Size([1, 8, 1, 16]), (1, 2, 16), (1, 2, 16)), 128)
+        >>> _length_free_key(key, key[0], mh.masks.sliding_window(8)) is None
+        True
+    """
+    qs, ks, vs = shapes
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4 or ks[2] != vs[2] or ks[2] == 0:
+        return None
+    if mask is not None and not (type(mask) is M.Window and mask.size is None
+                                 and mask.align == "lower_right" and qs[2] == 1):
+        return None
+    return ("any key length", (qs, (*ks[:2], ks[3]), (*vs[:2], vs[3])), _bucket(ks[2]),
+            key[1:], mask is None)
+
+
 def _check_backend(backend) -> str:
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
@@ -316,7 +344,12 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
             key = None
     call, decision = None, None
     args = (q, k, v, mask, scale, dropout_p, backend, return_weights, return_lse)
-    if key is None:
+    free = _length_free_key(key, shapes, mask) if key is not None else None
+    if free is not None:
+        decision = _DECISIONS.get(free)
+        if decision is not None:
+            free = None                             # found: nothing to offer the cache
+    if key is None or decision is not None:
         pass
     elif mask is None:
         call, decision = _shared_decision((key, None), args)
@@ -334,6 +367,8 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
             call = made[0][0] if made else None
     if decision is None:                            # raw tensors, user masks, compiling
         call, decision = _new_decision(*args)
+    if free is not None and decision[0] is not None and decision[0].length_free(decision[1]):
+        _DECISIONS.put(free, decision)
     if call is None:                                # validated when the decision was made
         call = AttentionCall(q, k, v, mask, default_scale(q.shape[-1]) if scale is None
                              else float(scale), float(dropout_p), return_weights, return_lse,

@@ -77,6 +77,13 @@ class Backend:
         """The :class:`Plan` for ``call``: its :class:`Work` and the details ``run`` needs."""
         raise NotImplementedError(f"backend {self.name!r} must implement plan()")
 
+    def length_free(self, plan: Plan) -> bool:
+        """Whether ``plan``, made for a call with no mask in effect, runs that call at any
+        other key length as well (what :meth:`run` reads of it does not depend on Sk): a
+        decoding loop whose cache grows then plans once per doubling of its length, not at
+        every step. False unless a backend says so."""
+        return False
+
     def run(self, call: AttentionCall, plan: Plan) -> Result:
         """Compute ``(out, weights or None, lse or None)``; weights/lse only when asked."""
         raise NotImplementedError(f"backend {self.name!r} must implement run()")

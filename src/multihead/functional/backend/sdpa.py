@@ -140,6 +140,9 @@ class SDPA(Backend):
             note += f"; computed in float32 (a {call.q.dtype} kernel would round the bias)"
         return Plan(work, note, Detail(mode, fold, row_fix, upcast))
 
+    def length_free(self, plan):
+        return plan.detail.mode == "plain"      # no mask: the fold, the flags and SDPA's call
+
     def run(self, call, plan):
         mode, fold, row_fix, upcast = plan.detail
         q, k, v = call.q, call.k, call.v
