@@ -734,3 +734,21 @@ def test_a_document_table_is_checked_and_scheduled_once_until_it_changes():
     docs[0, 2] = 30                                     # now overlaps the next document
     with pytest.raises(ValueError, match="exactly once"):
         flash_forward(q, q, q, scale=1.0, documents=docs)
+
+
+def test_a_growing_decoding_loop_plans_the_triton_kernel_twice_per_doubling(triton_on_cpu):
+    """A decoding step with no mask in effect (causal, one query): the split-K kernel's plan
+    holds at any key length, so a cache growing across 64 keys plans twice below it and twice
+    above, and every step equals the fp64 oracle of its own keys."""
+    from unittest import mock
+    from multihead.functional import dispatch, registry
+    from conftest import oracle
+    q, k, v = _inputs(1, 4, 2, 1, 68, 16, seed=3)
+    be = registry.get("triton")
+    dispatch.clear_cache()
+    with mock.patch.object(be, "plan", side_effect=be.plan) as planned:
+        for t in range(60, 68):
+            got = mh.attention(q, k[:, :, :t], v[:, :, :t], mask=M.causal(), backend="triton")
+            want = oracle(q, k[:, :, :t], v[:, :, :t], M.causal())
+            torch.testing.assert_close(got.double(), want, atol=2e-3, rtol=2e-3)
+    assert planned.call_count == 4

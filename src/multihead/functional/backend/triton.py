@@ -220,6 +220,10 @@ class TritonFlash(Backend):
                f"the {call.group} query head(s) of a group"
         return Plan(work, note, (band, "decode"))
 
+    def length_free(self, plan):
+        band, name = plan.detail                # no mask: the kernels size all else from Sk
+        return name != "sparse" and band == Band(False, None, 0, None, None)
+
     def run(self, call, plan):
         from ...kernels import ops
         band, name = plan.detail                # ops.attention, ops.decode or ops.sparse
