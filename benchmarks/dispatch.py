@@ -149,7 +149,8 @@ def growing(dev: torch.device, steps: int = 2000) -> dict:
     grows by one key per call, as a :class:`multihead.KVCache`'s views do, against the same
     step at a fixed length (the mean of the growing ones), through ``auto`` and through
     ``backend="sdpa"``; SDPA on the same views for scale. Best of 5 runs of ``steps``
-    calls, each run over lengths not seen before (so no cached plan serves them)."""
+    calls each way, timed back to back, each run over lengths not seen before (so no plan
+    cached for an exact call serves them)."""
     L0 = 64
     q = torch.randn(1, 8, 1, 16, device=dev)
     k, v = (torch.randn(1, 2, L0 + 6 * steps, 16, device=dev) for _ in range(2))
@@ -161,21 +162,23 @@ def growing(dev: torch.device, steps: int = 2000) -> dict:
                                                     backend="sdpa")}
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
 
-    def per_call(fn, grow: bool) -> float:
-        best = float("inf")
-        for run in range(6):               # run 0 warms up
-            start = L0 + run * steps
-            lengths = range(start, start + steps) if grow else [start + steps // 2] * steps
-            sync()
-            t = time.perf_counter()
-            for n in lengths:
-                fn(n)
-            sync()
-            best = min(best, (time.perf_counter() - t) / steps) if run else best
-        return best * 1e6
+    def timed(fn, lengths) -> float:
+        sync()
+        t = time.perf_counter()
+        for n in lengths:
+            fn(n)
+        sync()
+        return (time.perf_counter() - t) / steps * 1e6
+
     out = {}
     for name, fn in calls.items():
-        fixed, grown = per_call(fn, False), per_call(fn, True)
+        fixed = grown = float("inf")
+        for run in range(6):               # run 0 warms up; each run times both, back to back
+            start = L0 + run * steps
+            f = timed(fn, [start + steps // 2] * steps)
+            g = timed(fn, range(start, start + steps))
+            if run:
+                fixed, grown = min(fixed, f), min(grown, g)
         out[f"growing cache, {name}"] = dict(fixed_us=fixed, growing_us=grown)
         print(f"decode step, cache growing by one key per call, {name:<12}: fixed length "
               f"{fixed:6.1f} us, growing {grown:6.1f} us (+{grown - fixed:5.1f} us)", flush=True)
