@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_session.sh tune       # launch configs: block-sparse fwd, backward
 #   bash benchmarks/gpu_session.sh first-use  # cold / warm first call, the warm one profiled
 #   bash benchmarks/gpu_session.sh step       # a step split: kernels, GPU idle, host CUDA calls;
-#                                             # host time per call, profiled (triton_host)
+#                                             # host time per call, profiled (triton_host); a
+#                                             # Llama layer's decoding step vs Hugging Face's
 #
 # Each phase writes its log (and JSON) under $OUT (default: bench-out/gpu), and exits
 # non-zero when what it runs does.
@@ -60,6 +61,13 @@ step)
     python -m benchmarks.triton_step --out "$OUT/step.json" 2>&1 | tee "$OUT/step.log"
     step=${PIPESTATUS[0]}
     python -m benchmarks.triton_host --device cuda --profile 2>&1 | tee "$OUT/host.log"
-    [ "$step" -eq 0 ] && [ "${PIPESTATUS[0]}" -eq 0 ]
+    host=${PIPESTATUS[0]}
+    # dispatch's per-call costs, and a Llama layer's decoding step against Hugging Face's
+    # (ours alone where the machine lacks transformers: carry it with PYTHONPATH to compare)
+    python -m benchmarks.dispatch --overhead --device cuda 2>&1 | tee "$OUT/layer.log"
+    calls=${PIPESTATUS[0]}
+    python -m benchmarks.module_decode --device cuda --dtype bf16 --json "$OUT/layer.json" \
+        2>&1 | tee -a "$OUT/layer.log"
+    [ "$step" -eq 0 ] && [ "$host" -eq 0 ] && [ "$calls" -eq 0 ] && [ "${PIPESTATUS[0]}" -eq 0 ]
     ;;
 esac

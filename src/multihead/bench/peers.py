@@ -77,3 +77,63 @@ def hf_embed(hf, tokenizer, texts, batch: int = 32) -> torch.Tensor:
         m = enc["attention_mask"].unsqueeze(-1).to(h.dtype)                 # (b, S, 1)
         out.append(F.normalize((h * m).sum(1) / m.sum(1), dim=-1))
     return torch.cat(out)
+
+
+class HFLlamaDecoder:
+    """Hugging Face's ``LlamaAttention`` with its rotary embedding and a ``DynamicCache``,
+    holding the weights of one of our :class:`~multihead.MultiHeadAttention` (without
+    biases, with a :class:`~multihead.RotaryEmbedding`): one layer of a Llama decoding loop,
+    fed the same tokens as ours (needs ``transformers``).
+
+    Args:
+        ours: the module whose weights (and sizes, RoPE base) it takes.
+        implementation: Hugging Face's attention, ``"sdpa"`` (its default) or ``"eager"``.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> m = mh.MultiHeadAttention(32, 4, num_kv_heads=2, bias=False,
+        ...                           rope=mh.RotaryEmbedding(8)).eval()
+        >>> hf, cache = HFLlamaDecoder(m), m.make_cache(1, 16)
+        >>> x = torch.randn(1, 5, 32)
+        >>> with torch.no_grad():
+        ...     same = torch.allclose(hf(x), m(x, cache=cache, mask=mh.masks.causal()), atol=1e-5)
+        >>> same
+        True
+    """
+
+    def __init__(self, ours, implementation: str = "sdpa"):
+        from transformers import DynamicCache, LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+        if ours.rope is None or ours.in_proj_bias is not None or not ours.packed:
+            raise ValueError("HFLlamaDecoder: the module must have rope, bias=False and "
+                             "self-attention projections (a Llama layer's)")
+        E, H, Hkv, Dh = ours.embed_dim, ours.num_heads, ours.num_kv_heads, ours.head_dim
+        w = ours.in_proj_weight.detach()
+        config = LlamaConfig(hidden_size=E, num_attention_heads=H, num_key_value_heads=Hkv,
+                             head_dim=Dh, rope_theta=ours.rope.base, attention_bias=False,
+                             max_position_embeddings=1 << 20)
+        config._attn_implementation = implementation
+        self.implementation = implementation
+        self.attn = LlamaAttention(config, layer_idx=0).to(w.device, w.dtype).eval()
+        with torch.no_grad():                          # rows of ours: [W_Q; W_K; W_V]
+            for proj, rows in zip((self.attn.q_proj, self.attn.k_proj, self.attn.v_proj),
+                                  w.split([H * Dh, Hkv * Dh, Hkv * Dh])):
+                proj.weight.copy_(rows)
+            self.attn.o_proj.weight.copy_(ours.out_proj.weight)
+        self.rotary = LlamaRotaryEmbedding(config).to(w.device)
+        self.cache, self.seen = DynamicCache(config=config), 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output for the next ``S`` tokens ``x`` (B, S, E), all real."""
+        S = x.shape[1]
+        pos = torch.arange(self.seen, self.seen + S, device=x.device)[None]     # (1, S)
+        mask = None                  # one query sees every key; several get the additive
+        if S > 1:                    # causal mask a Llama model builds for its layers
+            keys = self.seen + S
+            hidden = torch.ones(S, keys, dtype=torch.bool, device=x.device).triu(self.seen + 1)
+            mask = torch.zeros(S, keys, dtype=x.dtype, device=x.device).masked_fill(
+                hidden, torch.finfo(x.dtype).min)[None, None]                     # (1, 1, S, keys)
+        out, _ = self.attn(x, self.rotary(x, pos), attention_mask=mask,
+                           past_key_values=self.cache)
+        self.seen += S
+        return out
