@@ -1,9 +1,9 @@
 """One Llama attention layer's decoding step: our module on a KV cache vs Hugging Face's.
 
-Run:  .venv/bin/python -m benchmarks.module_decode [--device cuda] [--dtype bf16]
+Run:  .venv/bin/python -m benchmarks.module_decode [--device cuda] [--dtype bf16] [--embed-dim E]
 
 A layer of Llama-3.2-1B's shape (E=2048, H=32, Hkv=8, D=64, RoPE base 500000, no
-biases): ours is :class:`multihead.MultiHeadAttention` on a :class:`multihead.KVCache`
+biases; ``--embed-dim`` keeps D=64 and 4 query heads per K/V head): ours is :class:`multihead.MultiHeadAttention` on a :class:`multihead.KVCache`
 and on a :class:`multihead.PagedKVCache` (pages of 16), the peer is Hugging Face's
 ``LlamaAttention`` with its rotary embedding and a ``DynamicCache``
 (:class:`multihead.bench.peers.HFLlamaDecoder`, ``sdpa`` and ``eager``), holding the same
@@ -27,7 +27,7 @@ import multihead as mh
 from benchmarks.core import machine
 from multihead.bench.peers import HFLlamaDecoder
 
-E, H, HKV, BASE, PROMPT = 2048, 32, 8, 500000.0, 512
+BASE, PROMPT, D = 500000.0, 512, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -52,16 +52,19 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--steps", type=int, default=128)
+    p.add_argument("--embed-dim", type=int, default=2048, help="E (a multiple of 256)")
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
     dev, dtype = torch.device(a.device), DTYPES[a.dtype]
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    print(f"machine: {machine()}; {a.dtype} on {dev}", flush=True)
+    E = a.embed_dim
+    H, HKV = E // D, max(1, E // D // 4)
+    print(f"machine: {machine()}; {a.dtype} on {dev}; E={E} H={H} Hkv={HKV} D={D}", flush=True)
     if not HAS_HF:
         print("transformers is not installed: the Hugging Face peer is left out", flush=True)
     torch.manual_seed(0)
     m = mh.MultiHeadAttention(E, H, num_kv_heads=HKV, bias=False, device=dev, dtype=dtype,
-                              rope=mh.RotaryEmbedding(E // H, base=BASE)).eval()
+                              rope=mh.RotaryEmbedding(D, base=BASE)).eval()
     causal, rows = mh.masks.causal(), []
     with torch.no_grad():
         for B in (1, 8):
@@ -71,7 +74,7 @@ def main(argv=None) -> None:
                   for _ in range(a.steps)]
             static = m.make_cache(B, PROMPT + a.steps)
             pool = mh.PagedKVCache(num_pages=B * (-(-(PROMPT + a.steps) // 16)), page_size=16,
-                                   num_kv_heads=HKV, head_dim=E // H, dtype=dtype, device=dev)
+                                   num_kv_heads=HKV, head_dim=D, dtype=dtype, device=dev)
             paged = pool.batch([pool.add_sequence() for _ in range(B)])
             peers = {name: HFLlamaDecoder(m, name) for name in ("sdpa", "eager")} \
                 if HAS_HF else {}
@@ -87,7 +90,7 @@ def main(argv=None) -> None:
             best_peer = min((v for k, v in took.items() if k.startswith("HF")), default=None)
             for name, t in took.items():
                 ratio = round(best_peer / t, 2) if best_peer else None
-                rows.append(dict(B=B, layer=name, step_us=round(t * 1e6, 1),
+                rows.append(dict(E=E, B=B, layer=name, step_us=round(t * 1e6, 1),
                                  speedup_vs_best_hf=ratio))
                 print(f"B={B} {name:<28} {t * 1e6:8.1f} us per step" + (
                     f" ({ratio:4.2f}x the faster HF layer)" if ratio else ""), flush=True)
