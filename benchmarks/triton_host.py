@@ -33,6 +33,7 @@ import contextlib
 import cProfile
 import dataclasses
 import io
+import itertools
 import os
 import pstats
 import statistics
@@ -114,6 +115,14 @@ def cases(name: str | None = None, device: str = "cpu") -> dict:
         "mh.attention window 256, fwd+bwd": layer(window, q, k, v, True),
         "mh.attention decode L=4096": layer(mh.masks.causal(), qd, kd, vd, False),
     }
+    # a decoding step whose cache grows by one key per call (4,096 new lengths, then again)
+    kg, vg = (torch.randn(1, 8, 8192, 128, generator=g, **bf) for _ in range(2))
+    calls = itertools.count()
+
+    def growing():
+        n = 4096 + next(calls) % 4096
+        mh.attention(qd, kg[:, :, :n], vg[:, :, :n], mask=mh.masks.causal(), backend="triton")
+    all_cases["mh.attention decode, growing"] = growing
     if device != "cpu":
         causal = mh.masks.causal()
         all_cases["mh.attention decode L=4096, auto"] = lambda: mh.attention(

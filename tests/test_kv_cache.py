@@ -470,3 +470,19 @@ def test_a_paged_views_lengths_are_not_the_pools_counts():
     view = pool.batch([a]).update_in_place(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4))
     view.lengths.add_(100)
     assert pool.length(a) == 3 and pool.batch([a]).positions(1).tolist() == [[3]]
+
+
+def test_long_and_short_writes_find_the_same_slots(monkeypatch):
+    """A prefill's slots come from torch's formula, a decoding step's from plain Python:
+    both give the same copied tables, slots and counts."""
+    import multihead.modules.paged_cache as pc
+    pool = mh.PagedKVCache(num_pages=64, page_size=4, num_kv_heads=1, head_dim=4)
+    ids = [pool.add_sequence() for _ in range(3)]
+    for sid, (table, written) in zip(ids, [([5, 9, 2, 10], 9), ([7, 11], 1),
+                                           ([1, 3, 8, 4, 6], 17)]):
+        pool._tables[sid], pool._written[sid] = table, written
+    for n in (0, 1, 2, 3):                  # crossing a page or not; room for 3 in each
+        python = [t.tolist() for t in pool._device_tables(ids, n)]
+        monkeypatch.setattr(pc, "HOST_SLOTS", -1)
+        assert [t.tolist() for t in pool._device_tables(ids, n)] == python, n
+        monkeypatch.undo()

@@ -253,6 +253,8 @@ def test_rotate_needs_tensors_of_one_length_and_takes_numpy_ints():
     m = mh.MultiHeadAttention(16, 2, rope=mh.RotaryEmbedding(8)).eval()
     xm = torch.randn(1, 3, 16)
     torch.testing.assert_close(m(xm, positions=4), m(xm, positions=torch.arange(4, 7)))
+    with pytest.raises(TypeError, match=r"positions must be an int .* got a bool"):
+        m(xm, positions=True)
 
 
 def test_compiled_module_with_rope_equals_eager():

@@ -18,13 +18,12 @@ def _layer(E, H, Hkv, seed=0):
                                  rope=mh.RotaryEmbedding(E // H, base=500000.0)).eval()
 
 
-def _caches(m, B, kind):
+def _cache(m, B, kind):
     if kind == "static":
-        return [m.make_cache(B, 64)] * 2
+        return m.make_cache(B, 64)
     pool = mh.PagedKVCache(num_pages=16, page_size=8, num_kv_heads=m.num_kv_heads,
                            head_dim=m.head_dim)
-    batch = pool.batch([pool.add_sequence() for _ in range(B)])
-    return [batch, batch]
+    return pool.batch([pool.add_sequence() for _ in range(B)])
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
@@ -35,7 +34,7 @@ def test_decoding_equals_hugging_face_llama_attention(implementation, kind, head
     E, B = 64, 2
     m = _layer(E, H, Hkv)
     hf = HFLlamaDecoder(m, implementation)
-    cache, _ = _caches(m, B, kind)
+    cache = _cache(m, B, kind)
     g = torch.Generator().manual_seed(1)
     steps = [torch.randn(B, 7, E, generator=g)] + [torch.randn(B, n, E, generator=g)
                                                    for n in (1, 1, 3, 1, 1, 2, 1)]
@@ -48,6 +47,7 @@ def test_decoding_equals_hugging_face_llama_attention(implementation, kind, head
 def test_positions_past_the_first_table_size_still_equal_hugging_face():
     """A prefill that ends past our table's first 2,048 rows (it grows while decoding)."""
     from multihead.modules import rope as rope_mod
+    rope_mod._TABLES.pop((8, 500000.0, torch.device("cpu"), torch.float32), None)
     m = _layer(32, 4, 2, seed=2)
     hf = HFLlamaDecoder(m)
     cache = m.make_cache(1, rope_mod.FIRST_ROWS + 16)
@@ -60,6 +60,8 @@ def test_positions_past_the_first_table_size_still_equal_hugging_face():
             x = torch.randn(1, 1, 32, generator=g)
             torch.testing.assert_close(m(x, cache=cache, mask=mh.masks.causal()), hf(x),
                                        atol=2e-5, rtol=1e-4)
+    assert rope_mod._TABLES[(8, 500000.0, torch.device("cpu"), torch.float32)][0].shape[0] \
+        == 2 * rope_mod.FIRST_ROWS                                     # it grew on the way
 
 
 def test_the_peer_refuses_a_module_it_cannot_hold():

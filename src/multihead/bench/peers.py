@@ -120,20 +120,28 @@ class HFLlamaDecoder:
                                   w.split([H * Dh, Hkv * Dh, Hkv * Dh])):
                 proj.weight.copy_(rows)
             self.attn.o_proj.weight.copy_(ours.out_proj.weight)
-        self.rotary = LlamaRotaryEmbedding(config).to(w.device)
+        self._rotary = LlamaRotaryEmbedding(config).to(w.device)
         self.cache, self.seen = DynamicCache(config=config), 0
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer's output for the next ``S`` tokens ``x`` (B, S, E), all real."""
+    def rotary(self, x: torch.Tensor, start: int):
+        """Hugging Face's ``(cos, sin)`` for the ``S`` tokens of ``x`` from position
+        ``start`` (a model computes them once per forward, for all its layers)."""
+        pos = torch.arange(start, start + x.shape[1], device=x.device)[None]     # (1, S)
+        return self._rotary(x, pos)
+
+    def __call__(self, x: torch.Tensor, position_embeddings=None) -> torch.Tensor:
+        """The layer's output for the next ``S`` tokens ``x`` (B, S, E), all real;
+        ``position_embeddings``: :meth:`rotary` of them, computed here if None."""
         S = x.shape[1]
-        pos = torch.arange(self.seen, self.seen + S, device=x.device)[None]     # (1, S)
-        mask = None                  # one query sees every key; several get the additive
-        if S > 1:                    # causal mask a Llama model builds for its layers
-            keys = self.seen + S
+        if position_embeddings is None:
+            position_embeddings = self.rotary(x, self.seen)
+        mask = None                  # one query sees every key; several see the keys up
+        if S > 1:                    # to their own (an additive mask, numerically what a
+            keys = self.seen + S     # Llama model's mask gives its layers)
             hidden = torch.ones(S, keys, dtype=torch.bool, device=x.device).triu(self.seen + 1)
             mask = torch.zeros(S, keys, dtype=x.dtype, device=x.device).masked_fill(
                 hidden, torch.finfo(x.dtype).min)[None, None]                     # (1, 1, S, keys)
-        out, _ = self.attn(x, self.rotary(x, pos), attention_mask=mask,
+        out, _ = self.attn(x, position_embeddings, attention_mask=mask,
                            past_key_values=self.cache)
         self.seen += S
         return out

@@ -228,8 +228,8 @@ def _decide(call: AttentionCall, backend: str, profile: DeviceProfile):
 
 def _length_free_key(key: tuple, shapes: tuple, mask):
     """The plan-cache key a decision shares with the calls that differ from this one in
-    their key length only, within a factor of 2 (auto's choices are shared so too, see
-    :func:`_structure`), or None. Only calls with no mask in effect at any key length have
+    their key length only, within one power-of-two range and on the same side of the
+    query length (as auto's choices are shared, see :func:`_structure`), or None. Only calls with no mask in effect at any key length have
     one: no mask, or a lower-right causal mask for one query (a decoding step). The calls
     that share it need no validation beyond what the key holds, and k and v agreeing on a
     non-zero length; the decision is kept only where its backend's plan is
@@ -251,7 +251,7 @@ def _length_free_key(key: tuple, shapes: tuple, mask):
                                  and mask.align == "lower_right" and qs[2] == 1):
         return None
     return ("any key length", (qs, (*ks[:2], ks[3]), (*vs[:2], vs[3])), _bucket(ks[2]),
-            key[1:], mask is None)
+            qs[2] == ks[2], qs[2] < ks[2], key[1:], mask is None)
 
 
 def _check_backend(backend) -> str:

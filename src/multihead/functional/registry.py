@@ -81,7 +81,9 @@ class Backend:
         """Whether ``plan``, made for a call with no mask in effect, runs that call at any
         other key length as well (what :meth:`run` reads of it does not depend on Sk): a
         decoding loop whose cache grows then plans once per doubling of its length, not at
-        every step. False unless a backend says so."""
+        every step. A backend that says so must also not depend on Sk in what it can run
+        (:meth:`unsupported` is not asked again for the other lengths). False unless a
+        backend says so."""
         return False
 
     def run(self, call: AttentionCall, plan: Plan) -> Result:

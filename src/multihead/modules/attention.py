@@ -256,7 +256,10 @@ class MultiHeadAttention(nn.Module):
         B, Sq = q.shape[0], q.shape[2]
         if positions is None:
             positions = 0                          # 0..Sq-1: rows of the rope's table
-        elif not (isinstance(positions, numbers.Integral) and not isinstance(positions, bool)):
+        elif isinstance(positions, bool):
+            raise TypeError("positions must be an int (the first of Sq consecutive positions) "
+                            "or an integer tensor (Sq,) or (B, Sq), got a bool")
+        elif not isinstance(positions, numbers.Integral):
             positions = torch.as_tensor(positions)  # host ints stay on the host: no sync
             if positions.shape[-1:] != (Sq,) or positions.dim() not in (1, 2) or (
                     positions.dim() == 2 and positions.shape[0] not in (1, B)):
