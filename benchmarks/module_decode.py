@@ -36,16 +36,18 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HAS_HF = importlib.util.find_spec("transformers") is not None
 
 
-def _decode(step, xs, sync) -> float:
-    """Median seconds of ``step(x)`` over ``xs`` (one token each)."""
-    times = []
+def _decode(layers: dict, xs, sync) -> dict:
+    """Median seconds per step of each of ``layers`` over ``xs`` (one token each), the
+    layers taking turns at every token (so the machine's drift reaches them alike)."""
+    times = {name: [] for name in layers}
     for x in xs:
-        sync()
-        t = time.perf_counter()
-        step(x)
-        sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for name, step in layers.items():
+            sync()
+            t = time.perf_counter()
+            step(x)
+            sync()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main(argv=None) -> None:
@@ -92,7 +94,7 @@ def main(argv=None) -> None:
             tol = 2e-5 if dtype == torch.float32 else 5e-2
             for name, out in first.items():
                 torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
-            took = {name: _decode(step, xs, sync) for name, step in layers.items()}
+            took = _decode(layers, xs, sync)
             best_peer = min((v for k, v in took.items() if k.startswith("HF")), default=None)
             for name, t in took.items():
                 ratio = round(best_peer / t, 2) if best_peer else None

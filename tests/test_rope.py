@@ -268,11 +268,11 @@ def test_compiled_module_with_rope_equals_eager():
 
 
 @pytest.mark.parametrize("kind", ["static", "paged"])
-def test_a_decoding_step_rotates_with_six_device_ops(kind):
+def test_a_decoding_step_rotates_with_four_device_ops(kind):
     """With a cache whose sequences hold no padding, the positions are host ints: q and k
     read their angles from the table as a slice (equal lengths) or one gather (paged,
-    unequal), and each rotation is one multiply, one roll and one fused multiply-add. Before,
-    the positions took 4 device ops and each rotation 11."""
+    unequal), and are rotated together: one concatenation, one multiply, one roll and one
+    fused multiply-add. Before, the positions took 4 device ops and each rotation 11."""
     m = mh.MultiHeadAttention(64, 4, num_kv_heads=2, rope=mh.RotaryEmbedding(16),
                               device="meta").eval()
     if kind == "static":
@@ -288,7 +288,7 @@ def test_a_decoding_step_rotates_with_six_device_ops(kind):
             m.forward(step[:1], cache=pool.batch(cache.ids[:1]), mask=mh.masks.causal())
         with _DeviceOps() as mode:
             m.rope.rotate(*m._project(step, None)[:2], positions=cache.rope_positions(1))
-    want = ["mul", "roll", "addcmul"] * 2
+    want = ["cat", "mul", "roll", "addcmul"]
     if kind == "paged":
         assert isinstance(cache.rope_positions(1), torch.Tensor)      # (B, 1) on the host
         want = ["_to_copy", "index"] + want

@@ -146,9 +146,16 @@ class RotaryEmbedding(nn.Module):
                                  f"{self.head_dim}) with one S, got "
                                  f"{[tuple(getattr(a, 'shape', ())) for a in xs]}")
         cos, sin = self._cos_sin(positions, x)
-        half = self.head_dim // 2
+        if len(xs) > 1 and all(t.dim() == 4 and t.shape[0] == x.shape[0] and t.dtype == x.dtype
+                               and t.device == x.device for t in xs):
+            both = self._turn(torch.cat(xs, 1), cos, sin)          # (B, H1 + H2 + ..., S, D)
+            return both.split([t.shape[1] for t in xs], 1)         # one set of ops for all
+        return tuple(self._turn(t, cos, sin) for t in xs)
+
+    def _turn(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x_i cos + x_{i+D/2} (-sin) and x_{i+D/2} cos + x_i sin: the sign lives in the table
-        return tuple(torch.addcmul(t * cos, t.roll(half, -1), sin).to(t.dtype) for t in xs)
+        out = torch.addcmul(t * cos, t.roll(self.head_dim // 2, -1), sin)
+        return out if out.dtype == t.dtype else out.to(t.dtype)
 
     # -- angles --------------------------------------------------------------------------
     def _cos_sin(self, positions, x: torch.Tensor):
@@ -156,12 +163,12 @@ class RotaryEmbedding(nn.Module):
         ``(B, 1, S, D)``, in fp32 (fp64 for fp64 ``x``)."""
         S, device, dtype = x.shape[-2], x.device, _precision(x.dtype)
         tables = self._tables_serve(x)
-        if isinstance(positions, numbers.Integral) and not isinstance(positions, bool):
+        if type(positions) is int or (isinstance(positions, numbers.Integral)
+                                      and not isinstance(positions, bool)):
             start = int(positions)
             table = self._table(device, dtype, start + S) if tables and start >= 0 else None
             if table is not None:
-                rows = table[start:start + S]                            # (S, 2, D): a view
-                return rows[:, 0], rows[:, 1]                            # (S, D)
+                return table[start:start + S].unbind(1)                  # (S, D) views
             positions = torch.arange(start, start + S, device=device)
         if not isinstance(positions, torch.Tensor):
             raise TypeError(f"RotaryEmbedding: positions must be an int (the first of S "
@@ -192,15 +199,15 @@ class RotaryEmbedding(nn.Module):
     def _tables_serve(self, x: torch.Tensor) -> bool:
         """Whether this call may read the shared table (see the module docstring)."""
         return (not torch.compiler.is_compiling() and type(x) in (torch.Tensor, nn.Parameter)
-                and not torch._C._are_functorch_transforms_active() and not capturing()
-                and self._unchanged())
+                and not torch._C._are_functorch_transforms_active()
+                and not capturing() and self._unchanged())
 
     @staticmethod
     def _split(rows: torch.Tensor):
         # rows (S, 2, D) or (B, S, 2, D) -> cos, sin (S, D) or (B, 1, S, D)
         if rows.dim() == 4:
             rows = rows.unsqueeze(1)                                     # (B, 1, S, 2, D)
-        return rows[..., 0, :], rows[..., 1, :]
+        return rows.unbind(-2)
 
     def _table(self, device: torch.device, dtype: torch.dtype, rows: int):
         """The shared table of at least ``rows`` positions ``(rows', 2, D)`` on ``device``,
