@@ -486,3 +486,25 @@ def test_long_and_short_writes_find_the_same_slots(monkeypatch):
         monkeypatch.setattr(pc, "HOST_SLOTS", -1)
         assert [t.tolist() for t in pool._device_tables(ids, n)] == python, n
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["real", "padded"])
+def test_a_gather_finds_the_same_keys_on_the_host_and_on_the_device(monkeypatch, padded):
+    """Small gathers work out their slots on the host, large ones on the device: both give
+    the same keys, values and validity, for sequences of unequal lengths (one empty)."""
+    import multihead.modules.paged_cache as pc
+    g = torch.Generator().manual_seed(0)
+    pool = mh.PagedKVCache(num_pages=16, page_size=4, num_kv_heads=2, head_dim=3)
+    ids = [pool.add_sequence() for _ in range(3)]
+    for n, sub in ((7, ids[:1]), (2, ids[:2]), (5, ids[:1])):
+        kv = torch.randn(len(sub), 2, n, 3, generator=g)
+        valid = torch.rand(len(sub), n, generator=g) > 0.3 if padded else None
+        pool.batch(sub).update(kv, kv, valid)
+    batch = pool.batch(ids)
+    lens, table, *_ = pool._device_tables(ids)
+    host = batch._gather(lens, table)
+    monkeypatch.setattr(pc, "HOST_GATHER", -1)
+    device = batch._gather(lens, table)
+    for a, b in zip(host, device):
+        assert torch.equal(a, b)
+    assert host[2] is not None and host[2].shape == (3, 14) and not host[2][2].any()

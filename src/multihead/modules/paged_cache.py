@@ -39,6 +39,9 @@ def _slot(table: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tenso
 #: writes of at most this many tokens per sequence work out their slots in plain Python
 #: (a few operations each); longer ones with torch on the host (a few ops in all)
 HOST_SLOTS = 64
+#: a gather of at most this many keys (batch x longest) finds its slots on the host (one run
+#: per page, sent in one copy); larger ones on the device, with a few vectorized ops
+HOST_GATHER = 4096
 
 
 def _longs(values: list[int]) -> torch.Tensor:
@@ -377,15 +380,22 @@ class PagedBatch(_CacheBase):
     def _gather(self, lens: torch.Tensor, table: torch.Tensor):
         """Each sequence's keys/values, right-aligned to the longest: ``(B, Hkv, L, D)``, and
         which of those keys are real ``(B, L)`` (None when the host knows they all are)."""
-        pool, B = self.pool, len(self.ids)
+        pool, B, p = self.pool, len(self.ids), self.pool.page_size
         written = [pool._written[s] for s in self.ids]
         L = max(written)
-        rel = torch.arange(L, device=self.device) - (L - lens)[:, None]          # (B, L)
-        idx = _slot(table, rel.clamp(min=0), pool.page_size).flatten()           # (B*L,)
+        if B * L <= HOST_GATHER:      # the slots of each row, on the host: its padding reads
+            rows = []                 # the slot of its position 0 (masked below), as clamped
+            for sid, w in zip(self.ids, written):                      # positions do here:
+                t = pool._tables[sid]
+                rows += [t[0] * p if t else 0] * (L - w) + _host_slots(t, 0, w, p)
+            idx = to_device(_longs(rows), self.device)                           # (B*L,)
+        else:
+            rel = torch.arange(L, device=self.device) - (L - lens)[:, None]      # (B, L)
+            idx = _slot(table, rel.clamp(min=0), p).flatten()                    # (B*L,)
         k = pool.k.index_select(0, idx).view(B, L, self.num_kv_heads, self.head_dim)
         v = pool.v.index_select(0, idx).view(B, L, self.num_kv_heads, self.value_dim)
         k, v = k.transpose(1, 2), v.transpose(1, 2)                              # (B, Hkv, L, D)
         if len(set(written)) == 1 and not pool._padded.intersection(self.ids):
             return k, v, None
-        key_valid = (rel >= 0) & pool.valid.index_select(0, idx).view(B, L)      # (B, L)
-        return k, v, key_valid
+        real = torch.arange(L, device=self.device) >= (L - lens)[:, None]       # (B, L)
+        return k, v, real & pool.valid.index_select(0, idx).view(B, L)
