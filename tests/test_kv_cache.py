@@ -503,7 +503,7 @@ def test_a_gather_finds_the_same_keys_on_the_host_and_on_the_device(monkeypatch,
     batch = pool.batch(ids)
     lens, table, *_ = pool._device_tables(ids)
     host = batch._gather(lens, table)
-    monkeypatch.setattr(pc, "HOST_GATHER", -1)
+    monkeypatch.setattr(pc, "HOST_SLOTS", -1)
     device = batch._gather(lens, table)
     for a, b in zip(host, device):
         assert torch.equal(a, b)

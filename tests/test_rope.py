@@ -91,12 +91,11 @@ def test_positions_read_from_the_table_equal_computed_ones():
 
 
 def _table_of(head_dim, base=10000.0, device="cpu", dtype=torch.float32):
-    entry = rope_mod._TABLES.get((head_dim, base, torch.device(device), dtype))
-    return None if entry is None else entry[0]
+    return rope_mod._TABLES.get((head_dim, base, torch.device(device), dtype))
 
 
 def test_the_table_is_shared_grows_by_doubling_and_is_exact_at_its_edge():
-    rope_mod._TABLES.pop((16, 500.0, torch.device("cpu"), torch.float32), None)
+    rope_mod._TABLES.clear()
     a, b = mh.RotaryEmbedding(16, base=500), mh.RotaryEmbedding(16, base=500)
     x = torch.randn(1, 1, 3, 16)
     a(x, 0)
@@ -175,16 +174,23 @@ def test_casting_the_module_keeps_exact_fp32_frequencies():
     assert m.rope.inv_freq.is_meta and m.rope._unchanged()
 
 
-def test_a_capture_reads_no_table(monkeypatch):
-    """While a CUDA graph captures, angles are computed in the graph: a table read then
-    could be freed by a later growth while the graph still reads it."""
+def test_a_capture_keeps_no_new_table_and_holds_the_one_it_reads(monkeypatch):
+    """While a CUDA graph captures, a table is never grown into the cache (that call's
+    angles are computed in the graph), and a table the capture reads is held for as long as
+    the process lives: a later growth replaces it in the cache but cannot free it."""
+    from multihead import _device
     rope, x = mh.RotaryEmbedding(40), torch.randn(1, 1, 2, 40)
-    rope_mod._TABLES.pop((40, 10000.0, torch.device("cpu"), torch.float32), None)
-    monkeypatch.setattr(rope_mod, "capturing", lambda: True)
+    rope_mod._TABLES.clear()
+    monkeypatch.setattr(_device, "capturing", lambda: True)
+    monkeypatch.setattr(_device, "_HELD", {})
     got = rope(x, 5)
-    assert _table_of(40) is None
-    monkeypatch.undo()
+    assert _table_of(40) is None and not _device._HELD
+    monkeypatch.setattr(_device, "capturing", lambda: False)
     torch.testing.assert_close(got, rope(x, 5), atol=1e-6, rtol=1e-6)
+    table = _table_of(40)
+    monkeypatch.setattr(_device, "capturing", lambda: True)
+    rope(x, 6)
+    assert list(_device._HELD.values()) == [table]
 
 
 def test_a_table_made_on_one_stream_is_waited_for_on_another():
@@ -192,7 +198,7 @@ def test_a_table_made_on_one_stream_is_waited_for_on_another():
     another first waits for the making, once, and keeps the table's memory for itself."""
     from test_streams import streams
     rope, x = mh.RotaryEmbedding(44), torch.randn(1, 1, 2, 44)
-    rope_mod._TABLES.pop((44, 10000.0, torch.device("cpu"), torch.float32), None)
+    rope_mod._TABLES.clear()
     with streams() as rec:
         rope(x, 0)                                                     # made on stream 1
         rope(x, 1)
@@ -207,7 +213,7 @@ def test_a_table_made_on_one_stream_is_waited_for_on_another():
 def test_a_table_built_in_inference_mode_serves_training():
     """The first call in inference mode must not leave an inference tensor that a later
     training call cannot save for its backward."""
-    rope_mod._TABLES.pop((24, 10000.0, torch.device("cpu"), torch.float32), None)
+    rope_mod._TABLES.clear()
     rope = mh.RotaryEmbedding(24)
     with torch.inference_mode():
         rope(torch.randn(1, 1, 4, 24), 0)
@@ -218,7 +224,7 @@ def test_a_table_built_in_inference_mode_serves_training():
 
 
 def test_device_argument_builds_the_table_up_front():
-    rope_mod._TABLES.pop((12, 10000.0, torch.device("meta"), torch.float32), None)
+    rope_mod._TABLES.clear()
     rope = mh.RotaryEmbedding(12, device="meta")
     assert _table_of(12, device="meta").is_meta and rope.inv_freq.is_meta
 

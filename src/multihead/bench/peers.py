@@ -113,7 +113,6 @@ class HFLlamaDecoder:
                              head_dim=Dh, rope_theta=ours.rope.base, attention_bias=False,
                              max_position_embeddings=1 << 20)
         config._attn_implementation = implementation
-        self.implementation = implementation
         self.attn = LlamaAttention(config, layer_idx=0).to(w.device, w.dtype).eval()
         with torch.no_grad():                          # rows of ours: [W_Q; W_K; W_V]
             for proj, rows in zip((self.attn.q_proj, self.attn.k_proj, self.attn.v_proj),

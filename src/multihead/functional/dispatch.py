@@ -229,10 +229,11 @@ def _decide(call: AttentionCall, backend: str, profile: DeviceProfile):
 def _length_free_key(key: tuple, shapes: tuple, mask):
     """The plan-cache key a decision shares with the calls that differ from this one in
     their key length only, within one power-of-two range and on the same side of the
-    query length (as auto's choices are shared, see :func:`_structure`), or None. Only calls with no mask in effect at any key length have
-    one: no mask, or a lower-right causal mask for one query (a decoding step). The calls
-    that share it need no validation beyond what the key holds, and k and v agreeing on a
-    non-zero length; the decision is kept only where its backend's plan is
+    query length (as auto's choices are shared, see :func:`_structure`), or None. Only
+    calls with no mask in effect at any key length have one: no mask, or a lower-right
+    causal mask for one query (a decoding step). The calls that share it need no
+    validation beyond what the key holds, and k and v agreeing on a non-zero length; the
+    decision is kept only where its backend's plan is
     :meth:`~multihead.functional.registry.Backend.length_free`.
 
     Example:

@@ -83,7 +83,15 @@ class Backend:
         decoding loop whose cache grows then plans once per doubling of its length, not at
         every step. A backend that says so must also not depend on Sk in what it can run
         (:meth:`unsupported` is not asked again for the other lengths). False unless a
-        backend says so."""
+        backend says so.
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> q, kv = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 50, 8)
+            >>> e = mh.explain(q, kv, kv, mask=mh.masks.causal(), backend="sdpa")
+            >>> get("sdpa").length_free(e.plan), get("reference").length_free(e.plan)
+            (True, False)
+        """
         return False
 
     def run(self, call: AttentionCall, plan: Plan) -> Result:

@@ -166,13 +166,12 @@ class _CacheBase:
                 if not torch._C._are_functorch_transforms_active():
                     raise
 
-    @staticmethod
-    def _detached(t: torch.Tensor) -> torch.Tensor:
-        """``t`` without autograd history (the same storage): a cache holds constants. A
-        write ends with its buffers so (the views it returns keep its graph), so the next
-        write links its new tokens to its own call only, not to every earlier call's graph
-        (which a backward frees)."""
-        return t.detach() if t.requires_grad else t
+    def _drop_history(self) -> None:
+        """The buffers ``k`` and ``v`` without autograd history (the same storage): a cache
+        holds constants. A write ends so, once the views it returns are taken (they keep its
+        graph), so the next write links its new tokens to its own call only, not to every
+        earlier call's graph (which a backward frees)."""
+        self.k, self.v = (t.detach() if t.requires_grad else t for t in (self.k, self.v))
 
     def _check_valid(self, valid, n: int):
         """``valid`` (B, n) bool on the cache's device, or None; a clear error otherwise."""
@@ -216,8 +215,9 @@ class _CacheBase:
         return torch.tensor(counts)[:, None] + torch.arange(n)                # (B, n)
 
     def _host_counts(self) -> list[int] | None:
-        """Each sequence's real tokens where the host knows them (no padding), else None."""
-        raise NotImplementedError
+        """Each sequence's real tokens where the host knows them (no padding), else None
+        (unknown: :meth:`rope_positions` takes the device's)."""
+        return None
 
     def _check_new(self, k, v, valid):
         n, batch = k.shape[2], self.batch_size
@@ -338,7 +338,7 @@ class KVCache(_CacheBase):
         self._change(undo, write)
         t = self.seen
         out = self.k[:, :, :t], self.v[:, :, :t], (self.valid[:, :t] if self.padded else None)
-        self.k, self.v = self._detached(self.k), self._detached(self.v)   # the views keep it
+        self._drop_history()                                               # the views keep it
         return out
 
     def _clear(self, s: slice, t: torch.Tensor) -> None:

@@ -36,12 +36,11 @@ def _slot(table: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tenso
     return table.gather(1, pos // page_size) * page_size + pos % page_size
 
 
-#: writes of at most this many tokens per sequence work out their slots in plain Python
-#: (a few operations each); longer ones with torch on the host (a few ops in all)
-HOST_SLOTS = 64
-#: a gather of at most this many keys (batch x longest) finds its slots on the host (one run
-#: per page, sent in one copy); larger ones on the device, with a few vectorized ops
-HOST_GATHER = 4096
+#: a write or a gather of at most this many slots in all (batch x tokens) works them out
+#: in plain Python on the host, one run per page (a decoding step: a few operations); a
+#: larger one with the vectorized formula of :func:`_slot` (a prefill, a long gather), whose
+#: few ops cost less than Python's per-slot work past about this size (2-core Xeon)
+HOST_SLOTS = 512
 
 
 def _longs(values: list[int]) -> torch.Tensor:
@@ -228,10 +227,10 @@ class PagedKVCache(_CacheBase):
         after, flat = [w + n for w in written], []
         for table in tables:
             flat += table + [0] * (pmax - len(table))
-        if n <= HOST_SLOTS:                   # a decoding step's few slots: plain Python
+        if B * n <= HOST_SLOTS:               # a decoding step's few slots: plain Python
             slots = [x for t, w in zip(tables, written) for x in _host_slots(t, w, n, self.page_size)]
             host = _longs(after + flat + slots + after)
-        else:                                 # a prefill's many: one vectorized formula
+        else:                                 # a prefill's many: the vectorized formula
             head = _longs(after + flat)                                   # (B + B*Pmax,)
             pos = _longs(written)[:, None] + torch.arange(n)                        # (B, n)
             slots = _slot(head[B:].view(B, pmax), pos, self.page_size)               # (B, n)
@@ -292,8 +291,7 @@ class PagedBatch(_CacheBase):
         ``(k_all (B, Hkv, L, D), v_all, key_valid (B, L) or None)``. Checks the pool has room
         first (a refused write changes nothing)."""
         out = self._gather(*self._write(k, v, valid))
-        pool = self.pool                         # no autograd history kept: see .kv_cache
-        pool.k, pool.v = self._detached(pool.k), self._detached(pool.v)
+        self.pool._drop_history()                                          # the views keep it
         return out
 
     def update_in_place(self, k: torch.Tensor, v: torch.Tensor) -> "PagedView":
@@ -317,7 +315,7 @@ class PagedBatch(_CacheBase):
         pool = self.pool
         view = PagedView(pool.k, pool.v, table, lengths, max(pool._written[s] for s in self.ids),
                          pool.page_size)
-        pool.k, pool.v = self._detached(pool.k), self._detached(pool.v)   # the view keeps it
+        pool._drop_history()                                               # the view keeps it
         return view
 
     @property
@@ -383,7 +381,7 @@ class PagedBatch(_CacheBase):
         pool, B, p = self.pool, len(self.ids), self.pool.page_size
         written = [pool._written[s] for s in self.ids]
         L = max(written)
-        if B * L <= HOST_GATHER:      # the slots of each row, on the host: its padding reads
+        if B * L <= HOST_SLOTS:       # the slots of each row, on the host: its padding reads
             rows = []                 # the slot of its position 0 (masked below), as clamped
             for sid, w in zip(self.ids, written):                      # positions do here:
                 t = pool._tables[sid]
@@ -395,7 +393,7 @@ class PagedBatch(_CacheBase):
         k = pool.k.index_select(0, idx).view(B, L, self.num_kv_heads, self.head_dim)
         v = pool.v.index_select(0, idx).view(B, L, self.num_kv_heads, self.value_dim)
         k, v = k.transpose(1, 2), v.transpose(1, 2)                              # (B, Hkv, L, D)
-        if len(set(written)) == 1 and not pool._padded.intersection(self.ids):
+        if len(set(written)) == 1 and not self.padded:
             return k, v, None
         real = torch.arange(L, device=self.device) >= (L - lens)[:, None]       # (B, L)
         return k, v, real & pool.valid.index_select(0, idx).view(B, L)

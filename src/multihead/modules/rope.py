@@ -11,11 +11,12 @@ CPU tensor) read their rows from it: consecutive ones as a slice (no device op),
 one gather. So a decoding step on a GPU launches only the rotation's kernels, not a dozen to
 recompute angles. Angles are computed instead for positions on the device, fractional or
 negative ones, ones past the table's largest size, a module whose ``inv_freq`` was changed,
-and under ``torch.compile``, ``torch.func`` transforms, a CUDA graph capture or tensor
-subclasses (fake tensors): nothing is read back, and a captured graph reads no table that
-could later be freed. A table made on one CUDA stream is waited for by another stream's first
-use (:class:`multihead._device.StreamUse`). Angles are in fp32 (fp64 for fp64 inputs), and
-the rotation runs in that precision whatever ``x``'s.
+and under ``torch.compile``, ``torch.func`` transforms or tensor subclasses (fake tensors):
+nothing is read back. The tables are kept in a :class:`multihead._cache.BoundedCache`, as the
+library's other derived tensors: one made on a CUDA stream is waited for by another stream's
+first use, one a CUDA graph capture reads is kept for as long as the process lives, and none
+is grown during a capture (the angles of that call are computed in the graph). Angles are in
+fp32 (fp64 for fp64 inputs), and the rotation runs in that precision whatever ``x``'s.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import threading
 import torch
 from torch import nn
 
-from .._device import StreamUse, capturing, to_device
+from .._cache import BoundedCache
+from .._device import to_device
 
 #: rows of a table when first built (it doubles past them)
 FIRST_ROWS = 2048
@@ -34,9 +36,9 @@ FIRST_ROWS = 2048
 #: (longer positions compute their angles)
 TABLE_BYTES = 64 << 20
 
-#: (head_dim, base, device, dtype) -> (table (rows, 2, D): [:, 0] cos, [:, 1] sin with the
-#: sign of the rotation folded in (the first half negated); its StreamUse or None)
-_TABLES: dict = {}
+#: (head_dim, base, device, dtype) -> table (rows, 2, D): [:, 0] cos, [:, 1] sin with the
+#: sign of the rotation folded in (the first half negated)
+_TABLES = BoundedCache(max_entries=64, max_bytes=4 * TABLE_BYTES)
 _GROWING = threading.Lock()
 
 
@@ -168,7 +170,7 @@ class RotaryEmbedding(nn.Module):
             start = int(positions)
             table = self._table(device, dtype, start + S) if tables and start >= 0 else None
             if table is not None:
-                return table[start:start + S].unbind(1)                  # (S, D) views
+                return self._split(table[start:start + S])               # (S, 2, D): a view
             positions = torch.arange(start, start + S, device=device)
         if not isinstance(positions, torch.Tensor):
             raise TypeError(f"RotaryEmbedding: positions must be an int (the first of S "
@@ -199,8 +201,7 @@ class RotaryEmbedding(nn.Module):
     def _tables_serve(self, x: torch.Tensor) -> bool:
         """Whether this call may read the shared table (see the module docstring)."""
         return (not torch.compiler.is_compiling() and type(x) in (torch.Tensor, nn.Parameter)
-                and not torch._C._are_functorch_transforms_active()
-                and not capturing() and self._unchanged())
+                and not torch._C._are_functorch_transforms_active() and self._unchanged())
 
     @staticmethod
     def _split(rows: torch.Tensor):
@@ -211,23 +212,20 @@ class RotaryEmbedding(nn.Module):
 
     def _table(self, device: torch.device, dtype: torch.dtype, rows: int):
         """The shared table of at least ``rows`` positions ``(rows', 2, D)`` on ``device``,
-        grown if need be, ordered after its making on this CUDA stream; None past
+        grown if need be (kept unless a CUDA graph captures); None past
         :data:`TABLE_BYTES`."""
         key = (self.head_dim, self.base, device, dtype)
-        entry = _TABLES.get(key)
-        if entry is None or entry[0].shape[0] < rows:
+        table = _TABLES.get(key)
+        if table is None or table.shape[0] < rows:
             most = TABLE_BYTES // (2 * self.head_dim * torch.finfo(dtype).bits // 8)
             if rows > most:
                 return None
             with _GROWING:
-                entry = _TABLES.get(key)
-                if entry is None or entry[0].shape[0] < rows:
+                table = _TABLES.get(key)
+                if table is None or table.shape[0] < rows:
                     n = min(most, max(FIRST_ROWS, 1 << (rows - 1).bit_length()))
                     with torch.inference_mode(False), torch.no_grad():   # a plain tensor
                         table = _angles(torch.arange(n, dtype=dtype, device=device),
                                         _frequencies(self.head_dim, self.base, dtype, device))
-                    entry = _TABLES[key] = (table, StreamUse.of([table]))
-        table, streams = entry
-        if streams is not None:
-            streams.order_here()
+                    _TABLES.put(key, table)
         return table
