@@ -14,12 +14,14 @@ from multihead.modules import rope as rope_mod
 from test_kv_cache import _DeviceOps
 
 
-def closed_form(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+def closed_form(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0,
+                freq: torch.Tensor | None = None) -> torch.Tensor:
     """The rotation in fp64, written from the formula: channel pairs (i, i + D/2) turned by
-    the angle position * base^(-2i/D)."""
+    the angle position * base^(-2i/D) (or by position * ``freq``)."""
     D = x.shape[-1]
     x = x.double()
-    freq = torch.tensor([base ** (-2 * i / D) for i in range(D // 2)], dtype=torch.float64)
+    freq = torch.tensor([base ** (-2 * i / D) for i in range(D // 2)], dtype=torch.float64) \
+        if freq is None else freq.double()
     ang = positions.double().unsqueeze(-1) * freq                      # (..., S, D/2)
     if ang.dim() == 3:
         ang = ang.unsqueeze(1)                                         # (B, 1, S, D/2)
@@ -172,6 +174,79 @@ def test_casting_the_module_keeps_exact_fp32_frequencies():
     assert rope._unchanged()                                          # still reads the table
     m = mh.MultiHeadAttention(32, 4, rope=mh.RotaryEmbedding(8)).to("meta")
     assert m.rope.inv_freq.is_meta and m.rope._unchanged()
+
+
+@pytest.mark.parametrize("write", ["data.mul_", "data =", "numpy"])
+def test_writes_past_the_version_counter_are_honoured_on_the_cpu(write):
+    """Writes through ``.data`` or a NumPy view do not bump the buffer's version; on the
+    CPU the values are compared too, so the module stops reading the unscaled table."""
+    x, pos = torch.randn(1, 2, 4, 8), torch.arange(40, 44)
+    rope, plain = mh.RotaryEmbedding(8), mh.RotaryEmbedding(8)
+    rope(x, 40)                                                       # the table exists
+    if write == "data.mul_":
+        rope.inv_freq.data.mul_(0.5)
+    elif write == "data =":
+        rope.inv_freq.data = rope.inv_freq * 0.5
+    else:
+        rope.inv_freq.numpy()[:] *= 0.5
+    torch.testing.assert_close(rope(x, 40), plain(x, pos * 0.5), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_casting_a_module_with_written_frequencies_does_not_round_them(dtype):
+    """Linear scaling, then ``model.half()``: the scaled frequencies keep fp32, so the
+    error at a far position is the output's rounding, as for an unscaled module."""
+    x = torch.randn(1, 1, 3, 64)
+    rope = mh.RotaryEmbedding(64)
+    rope.inv_freq.mul_(0.25)
+    scaled = rope.inv_freq.clone()
+    rope.to(dtype)
+    assert rope.inv_freq.dtype == torch.float32 and torch.equal(rope.inv_freq, scaled)
+    got = rope(x.to(dtype), 4000).double()
+    want = closed_form(x, torch.arange(4000, 4003), freq=scaled)          # fp32 frequencies
+    tol = {torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float64: 1e-12}[dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=0)
+
+
+def test_a_module_is_built_and_cast_under_inference_mode():
+    with torch.inference_mode():
+        rope = mh.RotaryEmbedding(16)
+        m = mh.MultiHeadAttention(64, 4, rope=mh.RotaryEmbedding(16))
+        assert rope._unchanged() and m.rope._unchanged()
+    outside = mh.RotaryEmbedding(16)
+    with torch.inference_mode():
+        outside.float()
+        outside.to(torch.float16)
+        x16 = torch.randn(1, 1, 2, 16).half()
+        y = outside(x16, 7)
+    assert outside._unchanged() and outside.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(y.double(), closed_form(x16, torch.arange(7, 9)),
+                               atol=4e-3, rtol=0)
+    x = torch.randn(1, 2, 3, 16)
+    torch.testing.assert_close(rope(x, 5).double(), closed_form(x, torch.arange(5, 8)),
+                               atol=1e-5, rtol=0)
+
+
+def test_fp64_is_exact_when_compiled_and_when_mixed_with_fp32():
+    """fp64 angles come from the exact fp64 frequencies under torch.compile too, and any
+    fp64 input of ``rotate`` gets fp64 angles (not those of the first input's dtype)."""
+    rope = mh.RotaryEmbedding(32)
+    x = torch.randn(1, 1, 4, 32, dtype=torch.float64)
+    pos = torch.arange(100000, 100004)
+    compiled = torch.compile(lambda x, p: rope(x, p), backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, pos), closed_form(x, pos), atol=1e-12, rtol=0)
+    q = torch.randn(1, 2, 4, 32)
+    rq, rk = rope.rotate(q, x, positions=100000)
+    assert (rq.dtype, rk.dtype) == (torch.float32, torch.float64)
+    torch.testing.assert_close(rk, closed_form(x, pos), atol=1e-12, rtol=0)
+    torch.testing.assert_close(rq.double(), closed_form(q, pos), atol=1e-5, rtol=0)
+
+
+def test_inputs_without_a_batch_take_positions_of_one_row():
+    rope, x = mh.RotaryEmbedding(8), torch.randn(2, 5, 8)                 # (H, S, D)
+    got = rope(x, torch.arange(3, 8)[None])                               # (1, S)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, rope(x, 3), atol=0, rtol=0)
 
 
 def test_a_capture_keeps_no_new_table_and_holds_the_one_it_reads(monkeypatch):

@@ -16,7 +16,7 @@ nothing is read back. The tables are kept in a :class:`multihead._cache.BoundedC
 library's other derived tensors: one made on a CUDA stream is waited for by another stream's
 first use, one a CUDA graph capture reads is kept for as long as the process lives, and none
 is grown during a capture (the angles of that call are computed in the graph). Angles are in
-fp32 (fp64 for fp64 inputs), and the rotation runs in that precision whatever ``x``'s.
+fp32 (fp64 where an input is fp64), and the rotation runs in that precision whatever ``x``'s.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ class RotaryEmbedding(nn.Module):
             :data:`FIRST_ROWS` positions is built now (else at the first call on a device).
 
     ``inv_freq`` (a buffer, fp32 whatever the module is cast to) holds the frequencies;
-    writing other ones into it (scaled RoPE, say) is honoured: this module then computes
-    its angles from them on every call instead of reading the shared table.
+    writing other ones into it (scaled RoPE, say: in place, or assigning a new tensor) is
+    honoured: this module then computes its angles from them on every call instead of
+    reading the shared table, and casts of the module move them without rounding them.
 
     Example:
         >>> import torch, multihead as mh
@@ -100,24 +101,34 @@ class RotaryEmbedding(nn.Module):
             self._table(self.inv_freq.device, torch.float32, FIRST_ROWS)
 
     def _set_canonical(self, device) -> None:
-        """``inv_freq`` := the frequencies of head_dim and base, fp32 on ``device``; noted as
-        unchanged (the shared table holds its angles)."""
-        self.register_buffer("inv_freq", _frequencies(self.head_dim, self.base, torch.float32,
-                                                      device), persistent=False)   # (D/2,)
-        self._canonical = (self.inv_freq, self.inv_freq._version)
+        """``inv_freq`` := the frequencies of head_dim and base, fp32 on ``device`` (a plain
+        tensor, also under ``torch.inference_mode``); noted as unchanged (the shared table
+        holds its angles)."""
+        with torch.inference_mode(False):
+            freq = _frequencies(self.head_dim, self.base, torch.float32, device)  # (D/2,)
+        self.register_buffer("inv_freq", freq, persistent=False)
+        values = freq.clone() if freq.device.type == "cpu" else None
+        self._canonical = (freq, freq._version, freq.data_ptr(), values)
 
     def _unchanged(self) -> bool:
-        """``inv_freq`` is still the frequencies it was built with (nobody wrote into it or
-        replaced it)."""
-        ref, version = self._canonical
-        return self.inv_freq is ref and ref._version == version
+        """``inv_freq`` is still the frequencies it was built with: nobody replaced it,
+        wrote into it in place (its version), or swapped its memory (``.data = ...``); on
+        the CPU its values are also compared, which sees writes through ``.data`` and NumPy
+        views. (On a GPU that would read the device: a write through ``.data`` there is not
+        seen; write in place or assign a new tensor.)"""
+        ref, version, ptr, values = self._canonical
+        return (self.inv_freq is ref and ref._version == version and ref.data_ptr() == ptr
+                and (values is None or torch.equal(ref, values)))
 
     def _apply(self, fn, *args, **kwargs):
-        # .to(), .cuda(), .half(): inv_freq moves, but its frequencies stay fp32 and exact
-        unchanged = self._unchanged()
+        # .to(), .cuda(), .half(): inv_freq moves, but its frequencies keep their precision
+        unchanged, before = self._unchanged(), self.inv_freq
         out = super()._apply(fn, *args, **kwargs)
-        if unchanged:
-            self._set_canonical(self.inv_freq.device)
+        after = self.inv_freq
+        if unchanged:                                 # exact, fp32, on the new device
+            self._set_canonical(after.device)
+        elif after.dtype != before.dtype:             # written ones: moved, not rounded
+            self._buffers["inv_freq"] = before.to(after.device)
         return out
 
     def extra_repr(self) -> str:
@@ -147,7 +158,8 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"RotaryEmbedding({self.head_dim}): inputs must be (..., S, "
                                  f"{self.head_dim}) with one S, got "
                                  f"{[tuple(getattr(a, 'shape', ())) for a in xs]}")
-        cos, sin = self._cos_sin(positions, x)
+        wide = any(t.dtype == torch.float64 for t in xs)    # fp64 anywhere: fp64 angles
+        cos, sin = self._cos_sin(positions, x, torch.float64 if wide else _precision(x.dtype))
         if len(xs) > 1 and all(t.dim() == 4 and t.shape[0] == x.shape[0] and t.dtype == x.dtype
                                and t.device == x.device for t in xs):
             both = self._turn(torch.cat(xs, 1), cos, sin)          # (B, H1 + H2 + ..., S, D)
@@ -160,10 +172,10 @@ class RotaryEmbedding(nn.Module):
         return out if out.dtype == t.dtype else out.to(t.dtype)
 
     # -- angles --------------------------------------------------------------------------
-    def _cos_sin(self, positions, x: torch.Tensor):
-        """``(cos, sin)`` broadcastable to ``x`` ``(B, H, S, D)``: ``(S, D)`` or
-        ``(B, 1, S, D)``, in fp32 (fp64 for fp64 ``x``)."""
-        S, device, dtype = x.shape[-2], x.device, _precision(x.dtype)
+    def _cos_sin(self, positions, x: torch.Tensor, dtype: torch.dtype):
+        """``(cos, sin)`` in ``dtype`` broadcastable to ``x`` ``(B, H, S, D)``: ``(S, D)``
+        or ``(B, 1, S, D)``; for ``x`` of other ranks, ``(S, D)``."""
+        S, device = x.shape[-2], x.device
         tables = self._tables_serve(x)
         if type(positions) is int or (isinstance(positions, numbers.Integral)
                                       and not isinstance(positions, bool)):
@@ -182,6 +194,8 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RotaryEmbedding: positions must be (S,) or (B, S) = ({S},) or "
                              f"({B}, {S}) for x of shape {tuple(x.shape)}, got shape "
                              f"{tuple(positions.shape)}")
+        if positions.dim() == 2 and x.dim() != 4:
+            positions = positions.reshape(S)                 # (1, S) -> (S,): x has no batch
         if (tables and positions.device.type == "cpu" and positions.numel()
                 and not (positions.is_floating_point() or positions.is_complex())):
             lo, hi = int(positions.min()), int(positions.max())      # a host tensor: no sync
@@ -192,11 +206,19 @@ class RotaryEmbedding(nn.Module):
                     return self._split(table[lo:hi + 1])                 # (S, 2, D): a view
                 idx = to_device(positions.long(), device)                # (S,) or (B, S)
                 return self._split(table[idx])                           # gathered rows
-        if not torch.compiler.is_compiling() and self._unchanged():
-            freq = _frequencies(self.head_dim, self.base, dtype, device)    # exact in dtype
-        else:                                 # changed (or traced): inv_freq as it is
-            freq = self.inv_freq.to(device, dtype)
-        return self._split(_angles(to_device(positions, device).to(dtype), freq))
+        return self._split(_angles(to_device(positions, device).to(dtype),
+                                   self._inv_freq_in(device, dtype)))
+
+    def _inv_freq_in(self, device, dtype: torch.dtype) -> torch.Tensor:
+        """``inv_freq`` ``(D/2,)`` in ``dtype`` on ``device``; in fp64, each frequency that
+        still holds its built fp32 value is the exact fp64 one (no host check, so also
+        while traced)."""
+        freq = self.inv_freq.to(device, dtype)
+        if dtype != torch.float64 or self.inv_freq.dtype != torch.float32:
+            return freq
+        built = _frequencies(self.head_dim, self.base, torch.float32, device)
+        exact = _frequencies(self.head_dim, self.base, torch.float64, device)
+        return torch.where(freq == built, exact, freq)
 
     def _tables_serve(self, x: torch.Tensor) -> bool:
         """Whether this call may read the shared table (see the module docstring)."""
