@@ -65,6 +65,23 @@ def test_finfo_min_is_a_number_and_large_biases_stay_finite(dtype):
                                    atol=3e-2 if dtype == torch.bfloat16 else 4e-3, rtol=0)
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_a_float64_bias_past_float32s_range_is_a_number_on_float32_scores(backend):
+    """-1e39 is finite in float64; added to float32 scores it saturates at float32's most
+    negative number on every backend (a row of it is uniform, as finfo.min's is), never
+    -inf, which would mask the row and return zeros on some backends."""
+    q, k, v = _qkv(B=1, H=2, S=8, D=16)
+    b = torch.zeros(1, 2, 8, 8, dtype=torch.float64)
+    b[0, 0, 0] = -1e39                                         # a whole row
+    b[0, 1, 4, :3] = -1e39                                     # part of one
+    skip_unless_runs(backend, q, k, v, mask=M.bias(b))
+    out = mh.attention(q, k, v, mask=M.bias(b), backend=backend)
+    most = torch.finfo(torch.float32).max
+    want = mh.attention(q, k, v, mask=M.bias(b.clamp(min=-most).float()), backend="reference")
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0, 0, 0], v[0, 0].mean(0), atol=1e-5, rtol=1e-5)
+
+
 def _masks(S):
     return {
         "none": None,

@@ -513,6 +513,23 @@ def test_a_bias_of_finfo_min_is_a_number_not_a_mask(dtype):
     assert all(torch.isfinite(g).all() for g in grads)
 
 
+def test_a_float64_bias_past_float32s_range_saturates_instead_of_masking():
+    """A float64 tile of -1e39 (finite) is added as float32's most negative number, as
+    every torch backend adds it: a row of it averages its values; -inf still masks."""
+    q, k, v = _inputs(1, 2, 2, 32, 32, 16, seed=10)
+    b = torch.zeros(1, 1, 32, 32, dtype=torch.float64)
+    b[0, 0, 3] = -1e39
+    b[0, 0, 7, :5], b[0, 0, 7, 5] = -1e39, float("-inf")
+    m = M.bias(b.to(DEV))
+    assert "3.4e38" in source_of(m, 32, 32)
+    out, _ = sparse_forward(q, k, v, m, scale=0.25, config=TILES)
+    ref = mh.attention(q.float(), k.float(), v.float(), mask=m, scale=0.25,
+                       backend="reference")
+    torch.testing.assert_close(out.float(), ref, atol=4e-3, rtol=4e-3)
+    torch.testing.assert_close(out[0, :, 3].float(), v[0].float().mean(-2), atol=4e-3,
+                               rtol=4e-3)                          # uniform: not zeros
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")   # the interpreter
 def test_opposite_extreme_biases_cancel_as_in_the_oracle():
     """finfo.max in one bias tile and finfo.min in another add to 0, as in the oracle (in

@@ -25,7 +25,8 @@ only what it needs:
 
 The bias comes back in the kernels' base 2 (times ``log2(e)``, folded into ALiBi's slope),
 so ALiBi costs a subtraction and a multiply-add per score. A bias tile's values are clamped
-to ``±3e38`` (``finfo.min * log2(e)`` would overflow to ``-inf`` and mask the pair), and so
+to ``±3e38`` (``finfo.min * log2(e)`` would overflow to ``-inf`` and mask the pair; a float64
+tile is saturated at float32's range first, as every backend does), and so
 is the sum of a program's biases when it adds two tiles or more (``finfo.max`` and
 ``finfo.min`` tiles would overflow to a NaN sum; ALiBi's bias is far from overflowing).
 
@@ -192,8 +193,10 @@ def _leaf(w: _Writer, m: MB.Mask, sq: int, sk: int) -> tuple[str | None, str | N
                      f"+ {_ROW} * {sm} + {_COL} * {sn}, mask={_IN}, other=0)")  # the block
         if m.kind == "dense":
             return w.var(f"{tile} != 0"), None
+        ok = w.var(f"{tile} != float('-inf')")
+        if t.dtype == torch.float64:    # saturate past fp32's range: a finite bias never masks
+            tile = w.var(f"tl.minimum(tl.maximum({tile}, -3.4e38), 3.4e38)")
         x = w.var(f"{tile}.to(tl.float32)")
-        ok = w.var(f"{x} != float('-inf')")
         w.tiles += 1
         x2 = w.var(f"tl.minimum(tl.maximum({x} * {LOG2E!r}, -3.0e38), 3.0e38)")
         return ok, w.var(f"tl.where({ok}, {x2}, 0.0)")

@@ -125,6 +125,24 @@ def _dims(t: torch.Tensor | None) -> str:
     return "None" if t is None else "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
+def bias_as(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A mask's bias values (finite) in the scores' ``dtype``, saturating at its largest
+    magnitude: a finite bias is a number on every backend, never ``-inf`` (which masks),
+    even where a wider one (float64 on float32 scores) is past the narrower range.
+
+    Example:
+        >>> import torch
+        >>> bias_as(torch.tensor([-1e39, 2.0], dtype=torch.float64), torch.float32).tolist()
+        [-3.4028234663852886e+38, 2.0]
+    """
+    if bias.dtype == dtype:
+        return bias
+    most = torch.finfo(dtype).max
+    if torch.finfo(bias.dtype).max > most:
+        bias = bias.clamp(-most, most)
+    return bias.to(dtype)
+
+
 class Mask:
     """Base class of every mask. Compose masks with ``&``, ``|`` and ``~``.
 
@@ -404,7 +422,7 @@ class Mask:
         out = torch.zeros(len(ix.b), len(ix.h), sq, sk, dtype=dtype, device=ix.q.device)
         bias = self._bias(ix) if self.has_bias else None
         if bias is not None:
-            out = out + bias.to(dtype)
+            out = out + bias_as(bias, dtype)
         if self.has_predicate:
             out = out.masked_fill(~self._allowed(ix), float("-inf"))
         return out

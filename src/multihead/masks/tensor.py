@@ -118,7 +118,8 @@ class Bias(Mask):
 
     Every backend adds it to float32 scores at the bias's own precision (never rounded to
     half-precision inputs first); finite values, however negative (``finfo(dtype).min``),
-    are numbers, not masks.
+    are numbers, not masks: a float64 value past the scores' range saturates at their most
+    negative number (a row of it is uniform), never ``-inf``.
 
     The mask reads its tensor as it is at each call (a learned bias may be updated in place
     between calls, and gradients reach it every time). A host (CPU) bias is checked for NaN

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..._cache import BoundedCache
-from ...masks.base import Index
+from ...masks.base import Index, bias_as
 from .._call import AttentionCall
 from ..capabilities import Capabilities
 from ..cost import Work
@@ -100,7 +100,7 @@ def _mask_step(s: torch.Tensor, g: _Geo, i0: int, i1: int, step: Step):
                    q=qpos.clamp(max=g.Sq - 1), k=kpos.clamp(max=g.Sk - 1), sq=g.Sq, sk=g.Sk)
     allowed = m._allowed(ix) if step.masked and m is not None and m.has_predicate else None
     bias = m._bias(ix) if has_bias else None        # a full step needs only the bias
-    add = bias.to(s.dtype) if bias is not None else None    # (Bx, 1|H, nQc, tq|1, L)
+    add = bias_as(bias, s.dtype) if bias is not None else None    # (Bx, 1|H, nQc, tq|1, L)
     keep = None
     if step.masked:
         ok = (kpos < g.Sk) & step.valid.repeat_interleave(g.tk, dim=-1).view(-1, 1, nqc, 1, L)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ...masks.base import bias_as
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
@@ -84,7 +85,7 @@ class Reference(Backend):
         scores = _Product.apply(q, k.transpose(-2, -1)) * call.scale  # (B, H, Sq, Sk)
         allowed, bias = mask_terms(call, q.device)
         if bias is not None:
-            scores = scores + bias.to(work)
+            scores = scores + bias_as(bias, work)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
         weights, lse = safe_softmax(scores)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ...masks.base import bias_as
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
@@ -99,7 +100,7 @@ class Rows(Backend):
             s = s.view(H, Sq, hi - lo).mul_(call.scale)                # (H, Sq, L)
             bb, ab = _row(bias, b, lo, hi), _row(allowed, b, lo, hi)
             if bb is not None:
-                s += bb.to(work)
+                s += bias_as(bb, work)
             if ab is not None:
                 s.masked_fill_(~ab, float("-inf"))
             w, lse_b = safe_softmax(s)                 # (H, Sq, L); empty rows: zeros, -inf

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ...masks.base import bias_as
 from ...masks.structured import _offset
 from .._call import AttentionCall
 from ..capabilities import Capabilities
@@ -86,7 +87,7 @@ def _dense_mask(call: AttentionCall, row_fix: bool, dtype: torch.dtype):
             row_ok = has_any                                              # ... zero them after
     if bias is None:
         return allowed, row_ok
-    attn = bias.to(dtype)
+    attn = bias_as(bias, dtype)
     if allowed is not None:
         attn = attn.masked_fill(~allowed, float("-inf"))
     return attn, row_ok
