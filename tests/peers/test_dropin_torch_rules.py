@@ -212,6 +212,57 @@ def test_mismatched_mask_dtypes_warn_like_torch_and_agree(kpm_float):
     torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("module, mask", [(torch.float16, torch.float32),
+                                          (torch.float32, torch.float64)])
+@pytest.mark.parametrize("arg", ["attn_mask", "key_padding_mask"])
+def test_a_float_mask_of_a_wider_dtype_is_added_at_its_own_precision(module, mask, arg):
+    """A finite value past the query dtype's range (-70000 in float16, -1e39 in float32)
+    is a number, as a bias is (a row of it a shift that float32 scores ignore, or that
+    swamps them: uniform): rounded into the query's dtype first it became -inf and hid the
+    whole row (weights all 0).
+    torch refuses these calls; values in range give torch's result on the mask rounded."""
+    t, ours = _pair(batch_first=True, dtype=module)
+    x = torch.randn(B, L, E, generator=torch.Generator().manual_seed(1)).to(module)
+    far = -70000.0 if module == torch.float16 else -1e39
+    shape = (L, S) if arg == "attn_mask" else (B, S)
+    m = torch.zeros(shape, dtype=mask)
+    m[0] = far                                        # row 0 of attn_mask; sequence 0 of kpm
+    kv = torch.randn(B, S, E, generator=torch.Generator().manual_seed(2)).to(module)
+    with pytest.raises(RuntimeError):
+        t(x, kv, kv, **{arg: m})
+    _, w = ours(x, kv, kv, **{arg: m})
+    _, w_plain = ours(x, kv, kv)
+    row = (0, 0) if arg == "attn_mask" else (0, slice(None))
+    tol = 2e-3 if module == torch.float16 else 1e-6
+    # float32 scores: -1e39 saturates at float32's most negative, which swamps the scores
+    want = w_plain[row] if module == torch.float16 else torch.full_like(w[row], 1 / S)
+    torch.testing.assert_close(w[row].float(), want.float(), atol=tol, rtol=0)
+    small = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(mask)
+    torch.testing.assert_close(ours(x, kv, kv, **{arg: small})[0].float(),
+                               t(x, kv, kv, **{arg: small.to(module)})[0].float(),
+                               atol=tol * 10, rtol=0)
+
+
+@pytest.mark.parametrize("arg", ["attn_mask", "key_padding_mask"])
+def test_mask_and_input_mistakes_name_the_argument(arg):
+    _, ours = _pair(batch_first=True)
+    x = torch.randn(B, L, E)
+    shape = (L, L) if arg == "attn_mask" else (B, L)
+    bad = torch.zeros(shape)
+    bad[0, 1] = float("nan")
+    with pytest.raises(ValueError, match=f"{arg} holds NaN or \\+inf"):
+        ours(x, x, x, **{arg: bad})
+    with pytest.raises(RuntimeError, match=f"{arg} is on meta but query is on cpu") as info:
+        ours(x, x, x, **{arg: torch.zeros(shape, dtype=torch.bool, device="meta")})
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(RuntimeError, match="key is torch.float64 but the module's weights "
+                                           "are torch.float32") as info:
+        ours(x, x.double(), x)
+    assert isinstance(info.value, ValueError)
+    with torch.autocast("cpu", dtype=torch.bfloat16):   # autocast casts: no refusal
+        assert ours(x.bfloat16(), x.bfloat16(), x.bfloat16())[0].dtype == torch.bfloat16
+
+
 def test_matching_mask_dtypes_do_not_warn():
     _, ours = _pair()
     q, kv = _seq_first()

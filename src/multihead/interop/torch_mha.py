@@ -5,8 +5,11 @@ happens here and nowhere else. The drop-in follows torch's rules as torch's own 
 them down: the inputs it refuses (with torch's exception type, which is also a
 ``ValueError``), the dtype mismatches it tolerates, the ``is_causal`` hint, TorchScript
 (which compiles torch's implementation on the same parameters), NestedTensor inputs, and
-the memory layout of the output. The one deliberate difference: where torch returns NaN
-(a query whose keys are all masked), it returns zeros.
+the memory layout of the output. The deliberate differences: where torch returns NaN
+(a query whose keys are all masked), it returns zeros; a float mask holding NaN or +inf
+is refused (torch returns NaN rows); a float mask of another dtype than the query's is
+added at its own precision (torch refuses it on most paths and rounds it on others, where
+a finite value past the query's range becomes ``-inf`` and hides its key).
 """
 
 from __future__ import annotations
@@ -100,7 +103,9 @@ class MultiheadAttention(nn.MultiheadAttention):
     ``F.multi_head_attention_forward`` on the same parameters: the scripted module runs
     torch's implementation, not multihead's (TorchScript cannot compile the dispatch).
 
-    The one deliberate difference: a query whose keys are all masked gets zeros, not NaN.
+    Deliberate differences: a query whose keys are all masked gets zeros, not NaN; a float
+    mask holding NaN or +inf is refused; a float mask of another dtype than the query's is
+    added at its own precision, never rounded into ``-inf`` (torch refuses most of these).
 
     Example:
         >>> import torch, multihead as mh
@@ -204,7 +209,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         if causal:                                     # the hint: query i sees keys 0..i
             mask = mh.masks.causal(align="upper_left")
         else:
-            mask = self._mask(attn_mask, key_padding_mask, B, n_extra, q.dtype)
+            mask = self._mask(attn_mask, key_padding_mask, B, n_extra)
         p = self.dropout if self.training else 0.0
         res = mh.attention(q, k, v, mask=mask, dropout_p=p, return_weights=need_weights)
         out, w = res if need_weights else (res, None)
@@ -248,7 +253,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             w = w.masked_fill(q_pad, 0.0)
         return out, w
 
-    def _mask(self, attn_mask, key_padding_mask, B, n_extra, dtype):
+    def _mask(self, attn_mask, key_padding_mask, B, n_extra):
         """Combine torch-style masks (already checked) into one multihead mask over (B, H, L, S)."""
         if attn_mask is not None and attn_mask.dim() == 3:
             attn_mask = attn_mask.view(B, self.num_heads, *attn_mask.shape[1:])  # (B, H, L, S)
@@ -256,8 +261,9 @@ class MultiheadAttention(nn.MultiheadAttention):
             key_padding_mask = key_padding_mask[:, None, None, :]                # (B, 1, 1, S)
         pad = lambda m: F.pad(m, (0, n_extra), value=False if m.dtype == torch.bool else 0.0) \
             if n_extra and m is not None else m
-        masks = [m for m in (_torch_mask(pad(attn_mask), dtype),
-                             _torch_mask(pad(key_padding_mask), dtype)) if m is not None]
+        masks = [m for m in (_torch_mask(pad(attn_mask), "attn_mask"),
+                             _torch_mask(pad(key_padding_mask), "key_padding_mask"))
+                 if m is not None]
         if not masks:
             return None
         return masks[0] if len(masks) == 1 else masks[0] & masks[1]

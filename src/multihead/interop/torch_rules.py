@@ -30,13 +30,20 @@ class _DtypeArgError(TypeError, AssertionError):
     """A mask of a dtype torch refuses (with ``AssertionError``): catch it as either."""
 
 
-def _torch_mask(mask, dtype) -> "mh.masks.Mask | None":
-    """torch convention (bool True = ignore, or additive float) -> a multihead mask."""
+def _torch_mask(mask, name: str) -> "mh.masks.Mask | None":
+    """torch convention (bool True = ignore, or additive float) -> a multihead mask. A float
+    mask keeps its own precision (as every bias: a value past the query dtype's range stays
+    a number, where rounding it first would make it ``-inf``, which ignores the key)."""
     if mask is None:
         return None
     if mask.dtype == torch.bool:
         return mh.masks.dense(~mask)
-    return mh.masks.bias(mask.to(dtype))
+    try:
+        return mh.masks.bias(mask)
+    except ValueError:
+        raise ValueError(f"{name} holds NaN or +inf (torch returns NaN rows for them): only "
+                         f"finite values and -inf (ignore) are allowed; use "
+                         f"{name}.nan_to_num(nan=0.0, posinf=0.0) or a bool mask") from None
 
 
 # -- torch's input rules (``_mha_shape_check``, ``_canonical_mask`` and the size checks) --
@@ -56,6 +63,23 @@ def _check_mask_dtypes(key_padding_mask, attn_mask) -> None:
             and key_padding_mask.dtype != attn_mask.dtype):
         warnings.warn("Support for mismatched key_padding_mask and attn_mask is deprecated. "
                       "Use same type for both instead.", stacklevel=4)
+
+
+def _check_input_dtypes(m: nn.MultiheadAttention, query, key, value) -> None:
+    """query, key and value in the dtype of the weights that project them (torch's
+    projection refuses others, except under autocast, which casts them)."""
+    if torch.is_autocast_enabled(query.device.type):
+        return
+    fused = m._qkv_same_embed_dim
+    for name, t, w in (("query", query, m.in_proj_weight if fused else m.q_proj_weight),
+                       ("key", key, m.in_proj_weight if fused else m.k_proj_weight),
+                       ("value", value, m.in_proj_weight if fused else m.v_proj_weight)):
+        want = w.dtype
+        if getattr(t, "dtype", want) != want:
+            raise _RuntimeArgError(
+                f"{name} is {t.dtype} but the module's weights are {want} (torch's projection "
+                f"refuses mixed dtypes): pass {name}.to({want}) or convert the module with "
+                f".to({t.dtype})")
 
 
 def _attn_mask_error(shape, batched: bool, N: int, H: int, L: int, S: int) -> str:
@@ -93,8 +117,13 @@ def _check_inputs(m: nn.MultiheadAttention, query, key, value, key_padding_mask,
     ``causal_hint``: the ``is_causal`` hint replaces ``attn_mask``, whose size is then not
     checked (torch checks its rank and dtype only).
     """
+    _check_input_dtypes(m, query, key, value)
     _check_mask_dtypes(key_padding_mask, attn_mask)
     kpm, am = key_padding_mask, attn_mask
+    for name, mask in (("key_padding_mask", kpm), ("attn_mask", am)):
+        if mask is not None and mask.device != query.device:
+            raise _RuntimeArgError(f"{name} is on {mask.device} but query is on "
+                                   f"{query.device}: pass {name}.to('{query.device}')")
     qd, kd, vd = query.dim(), key.dim(), value.dim()
     if qd not in (2, 3):
         raise _AssertionArgError(
