@@ -82,6 +82,23 @@ def test_a_float64_bias_past_float32s_range_is_a_number_on_float32_scores(backen
     torch.testing.assert_close(out[0, 0, 0], v[0, 0].mean(0), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("sign", [1, -1])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_infinite_key_makes_nan_every_row_that_sees_it_in_half_precision(backend, sign,
+                                                                            dtype):
+    """torch's fused CPU kernel turns a +inf score into finite values in half precision
+    (neither the row's NaN nor the key's value): the rule's check reads k there."""
+    q, k, v = _qkv(B=1, H=2, S=64, D=16, dtype=dtype)
+    k[0, 1, 2, 3] = sign * float("inf")
+    out = mh.attention(q, k, v, mask=M.causal(), backend=backend)
+    sees = torch.zeros(1, 2, 64, dtype=torch.bool)
+    sees[0, 1, 2:] = True                                      # head 1, rows from 2 on
+    assert out[sees].isnan().all() and torch.isfinite(out[~sees]).all()
+    ref = oracle(q, k.nan_to_num(posinf=0.0, neginf=0.0), v, M.causal())
+    torch.testing.assert_close(out[~sees].double(), ref[~sees], atol=2e-2, rtol=0)
+
+
 def _masks(S):
     return {
         "none": None,

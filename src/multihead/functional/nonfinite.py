@@ -11,9 +11,14 @@ The rule:
 - a row with nothing to attend to stays zeros.
 
 On the CPU, where reading a result back is free, it costs one reduction over q and one
-over the output: a non-finite input a row may see, or a hidden one that leaked through a
-kernel, leaves a non-finite output; only then are the inputs scanned, the call run again
-on cleaned inputs and the rows that see non-finite values set to NaN. On devices where a
+over the output (and one over k in half precision, where torch's fused kernel turns a
+``+inf`` score into finite values): a non-finite input a row may see, or a hidden one that
+leaked through a kernel, leaves a non-finite output; only then are the inputs scanned, the
+call run again on cleaned inputs and the rows that see non-finite values set to NaN. An
+infinite key component that only ever meets the query with the opposite sign makes its
+scores ``-inf``, which IEEE arithmetic turns into weight 0 with a finite output: on every
+backend such a key is dropped from its rows unless the call takes the careful path for
+another reason (then its rows are NaN, as the rule says). On devices where a
 read-back stalls the queue (GPUs) nothing is inspected, and the fused kernels' own NaN
 handling applies. Our Triton kernels keep the first part of the rule themselves where
 hidden positions may hold anything: a program whose accumulators end non-finite (a hidden
@@ -37,17 +42,20 @@ import torch
 from ._call import AttentionCall
 
 
-def _finite(q: torch.Tensor, out: torch.Tensor) -> bool:
-    """True when q and the output are finite (two host reads, free on a CPU; a sum that
-    overflows only takes the careful path). Inputs it cannot read (``torch.func``
-    transforms) count as finite: the kernels' own handling applies, as on GPUs."""
+def _finite(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor) -> bool:
+    """True when q and the output (and k, in half precision) are finite (host reads, free
+    on a CPU; a sum that overflows only takes the careful path). Inputs it cannot read
+    (``torch.func`` transforms) count as finite: the kernels' own handling applies, as on
+    GPUs."""
     try:
         if (q.shape == out.shape and q.dtype in (torch.float32, torch.float64)
                 and q.is_contiguous() and out.is_contiguous()):
             # one BLAS call: a NaN or inf on either side makes q . out non-finite
             return math.isfinite(torch.dot(q.view(-1), out.view(-1)).item())
-        return math.isfinite((q.sum(dtype=torch.float32)
-                              + out.sum(dtype=torch.float32)).item())
+        total = q.sum(dtype=torch.float32) + out.sum(dtype=torch.float32)
+        if k.dtype in (torch.float16, torch.bfloat16):      # an absorbed +inf score
+            total = total + k.sum(dtype=torch.float32)
+        return math.isfinite(total.item())
     except RuntimeError:                  # vmap and friends refuse .item()
         return True
 
@@ -100,7 +108,7 @@ def run(backend, call: AttentionCall, plan):
     on_host = call.q.device.type == "cpu" and not torch.compiler.is_compiling()
     rng = torch.random.get_rng_state() if on_host and call.dropout_p > 0 else None
     out, w, lse = backend.run(call, plan)
-    if not on_host or _finite(call.q, out):
+    if not on_host or _finite(call.q, out, call.k):
         return out, w, lse
     if rng is not None:                   # the same dropout draws as the first run
         torch.random.set_rng_state(rng)
