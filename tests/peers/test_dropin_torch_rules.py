@@ -250,7 +250,7 @@ def test_mask_and_input_mistakes_name_the_argument(arg):
     shape = (L, L) if arg == "attn_mask" else (B, L)
     bad = torch.zeros(shape)
     bad[0, 1] = float("nan")
-    with pytest.raises(ValueError, match=f"{arg} holds NaN or \\+inf"):
+    with pytest.raises(ValueError, match=f"{arg}: bias contains NaN or \\+inf"):
         ours(x, x, x, **{arg: bad})
     with pytest.raises(RuntimeError, match=f"{arg} is on meta but query is on cpu") as info:
         ours(x, x, x, **{arg: torch.zeros(shape, dtype=torch.bool, device="meta")})

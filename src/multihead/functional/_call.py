@@ -89,14 +89,7 @@ class AttentionCall:
     @property
     def effective_mask(self) -> M.Mask | None:
         """The mask, or None when it allows every pair and adds no bias (e.g. causal at Sq=1)."""
-        def compute():
-            m = self.mask
-            if type(m) is M.Window and m.size is None:
-                # causal allows everything iff the first query already sees the last key
-                off = _offset(m.align, self.Sq, self.Sk)
-                m = None if self.Sk - 1 <= off else m
-            return m
-        return self.memo("effective", compute)
+        return self.memo("effective", lambda: in_effect(self.mask, self.Sq, self.Sk))
 
     @property
     def pairs(self) -> int:
@@ -118,6 +111,23 @@ class AttentionCall:
     def is_pure_causal(self) -> bool:
         m = self.effective_mask
         return type(m) is M.Window and m.size is None
+
+
+def in_effect(mask, sq: int, sk: int):
+    """``mask``, or None where it allows every pair of ``sq`` queries and ``sk`` keys and
+    adds no bias: a causal mask whose first query already sees the last key.
+
+    Example:
+        >>> import multihead as mh
+        >>> in_effect(mh.masks.causal(), 1, 100) is None     # one query sees every key
+        True
+        >>> in_effect(mh.masks.causal(), 2, 100) is None
+        False
+    """
+    if type(mask) is M.Window and mask.size is None \
+            and sk - 1 <= _offset(mask.align, sq, sk):
+        return None
+    return mask
 
 
 def default_scale(head_dim: int) -> float:

@@ -32,7 +32,7 @@ from .. import masks as M
 from .._cache import BoundedCache
 from ..analysis.params import human_bytes
 from . import nonfinite, profiles, registry
-from ._call import AttentionCall, default_scale, make_call
+from ._call import AttentionCall, default_scale, in_effect, make_call
 from .cost import DeviceProfile
 from .registry import Backend, Plan
 
@@ -230,10 +230,10 @@ def _length_free_key(key: tuple, shapes: tuple, mask):
     """The plan-cache key a decision shares with the calls that differ from this one in
     their key length only, within one power-of-two range and on the same side of the
     query length (as auto's choices are shared, see :func:`_structure`), or None. Only
-    calls with no mask in effect at any key length have one: no mask, or a lower-right
-    causal mask for one query (a decoding step). The calls that share it need no
-    validation beyond what the key holds, and k and v agreeing on a non-zero length; the
-    decision is kept only where its backend's plan is
+    calls with no mask in effect (:func:`._call.in_effect`) have one: no mask, or a causal
+    one that hides nothing at their lengths (a decoding step's). The calls that share it
+    need no validation beyond what the key holds, and k and v agreeing on a non-zero
+    length; the decision is kept only where its backend's plan is
     :meth:`~multihead.functional.registry.Backend.length_free`.
 
     Example:
@@ -248,8 +248,7 @@ def _length_free_key(key: tuple, shapes: tuple, mask):
     qs, ks, vs = shapes
     if len(qs) != 4 or len(ks) != 4 or len(vs) != 4 or ks[2] != vs[2] or ks[2] == 0:
         return None
-    if mask is not None and not (type(mask) is M.Window and mask.size is None
-                                 and mask.align == "lower_right" and qs[2] == 1):
+    if mask is not None and in_effect(mask, qs[2], ks[2]) is not None:
         return None
     return ("any key length", (qs, (*ks[:2], ks[3]), (*vs[:2], vs[3])), _bucket(ks[2]),
             qs[2] == ks[2], qs[2] < ks[2], key[1:], mask is None)

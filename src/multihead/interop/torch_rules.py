@@ -40,10 +40,8 @@ def _torch_mask(mask, name: str) -> "mh.masks.Mask | None":
         return mh.masks.dense(~mask)
     try:
         return mh.masks.bias(mask)
-    except ValueError:
-        raise ValueError(f"{name} holds NaN or +inf (torch returns NaN rows for them): only "
-                         f"finite values and -inf (ignore) are allowed; use "
-                         f"{name}.nan_to_num(nan=0.0, posinf=0.0) or a bool mask") from None
+    except ValueError as e:                          # what is wrong, said of the argument
+        raise ValueError(f"{name}: {e} (torch would return NaN rows)") from None
 
 
 # -- torch's input rules (``_mha_shape_check``, ``_canonical_mask`` and the size checks) --
