@@ -134,6 +134,9 @@ def bias_as(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         >>> import torch
         >>> bias_as(torch.tensor([-1e39, 2.0], dtype=torch.float64), torch.float32).tolist()
         [-3.4028234663852886e+38, 2.0]
+
+    Shapes:
+        any; the result has ``bias``'s shape.
     """
     if bias.dtype == dtype:
         return bias
