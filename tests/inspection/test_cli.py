@@ -148,3 +148,32 @@ def test_long_text_report_is_small(tmp_path, long_text, capsys):
     for p in figures.glob("*.png"):
         assert max(_png_size(p.read_bytes())) <= 2400, p.name
     assert "every 7th token labelled" in next(figures.glob("head_*.svg")).read_text()
+
+
+def test_file_texts_are_counted_as_lines(tmp_path, capsys):
+    """Repeated one-letter lines are texts of their own (Python shares one object for equal
+    short strings); a form feed or U+2028 inside a line does not split it."""
+    f = tmp_path / "t.txt"
+    f.write_text("I\nI\nI\nwe go\r\nthe cat\u2028sat\x0cdown\n", encoding="utf-8")
+    assert main(["inspect", "--file", str(f)]) == 0
+    assert "averaged over 5 text(s)" in capsys.readouterr().out
+    assert main(["inspect", "I", "--file", str(f)]) == 0
+    assert "averaged over 6 text(s)" in capsys.readouterr().out
+
+
+def test_long_file_text_warns_or_is_refused_naming_its_line(tmp_path, capsys):
+    f = tmp_path / "t.txt"
+    f.write_text("a short text\n\n" + "word " * 600 + "\n", encoding="utf-8")
+    assert main(["inspect", "--file", str(f)]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "1 line(s) of --file are longer than the model's 512 positions (line 3: 602 tokens)" in err
+    assert main(["inspect", "--file", str(f), "--no-truncate"]) == 2
+    err = capsys.readouterr().err
+    assert f"--file '{f}' line 3: the text has 602 tokens but the model has 512" in err
+    assert err.count("\n") == 1
+
+
+def test_out_paths_are_printed_as_they_are(tmp_path, capsys):
+    out = tmp_path / "[bold]x" / "c[/]d"
+    assert main(["inspect", "hi", "--out", str(out), "--format", "json"]) == 0
+    assert f"wrote {out / 'inspect.json'}" in capsys.readouterr().err

@@ -288,8 +288,70 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
     d = tiny_checkpoint(tmp_path / "bert")                     # BERT tensors, called GPT-2
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
-    with pytest.raises(ModelLoadError, match=r"model\.safetensors: \d+ missing tensor\(s\) .*"
+    with pytest.raises(ModelLoadError, match=r"config\.json describes a gpt2 network of .*"
                                              r"is model_type right"):
+        load(d)
+
+
+def test_a_renamed_tensor_is_named_as_missing(dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+    d = _copy(dirs, "llama", tmp_path)
+    w = load_file(str(d / "model.safetensors"))
+    w["model.nrm.weight"] = w.pop("model.norm.weight")                 # as many values
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: 1 missing tensor\(s\) .*"
+                                             r"'norm\.weight'.*is model_type right"):
+        load(d)
+
+
+@pytest.mark.parametrize("kind,field", [("gpt2", "n_layer"), ("llama", "num_hidden_layers")])
+def test_fewer_layers_than_the_checkpoint_are_refused(dirs, kind, field, tmp_path):
+    d = _copy(dirs, kind, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, field: 1}))       # the file holds 2
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: \d+ tensor\(s\) of layers "
+                       r"that config\.json's .* has not, e\.g\. .*1\..*layer count right"):
+        load(d)
+
+
+@pytest.mark.parametrize("kind,wrong", [("gpt2", "llama"), ("bart", "gpt2")])
+def test_a_config_describing_a_larger_network_is_refused_before_building_it(
+        dirs, kind, wrong, tmp_path):
+    """GPT-2's config.json read as a Llama's takes Llama's defaults: 6.5 billion parameters,
+    which transformers would build (and fill at random) before finding the tensors missing."""
+    import tracemalloc
+    d = _copy(dirs, kind, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": wrong}))
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelLoadError, match=rf"config\.json describes a {wrong} network of "
+                           r"[\d,]+ parameters, but .*model\.safetensors holds [\d,]+ values: .*"
+                           r"is model_type right"):
+            load(d)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20, f"{peak / 2**20:.0f} MiB"
+
+
+def test_a_sharded_checkpoint_is_counted_over_its_shards(dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+    d = _copy(dirs, "llama", tmp_path)
+    w = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    names = sorted(w)
+    half = {"a.safetensors": names[:len(names) // 2], "b.safetensors": names[len(names) // 2:]}
+    for f, part in half.items():
+        save_file({n: w[n] for n in part}, str(d / f), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {n: f for f, part in half.items() for n in part}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    ours = load(d).attention_weights(torch.tensor([[1, 5, 9]])).weights
+    assert len(ours) == 2
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
+    held = sum(t.numel() for t in w.values())                          # every shard's
+    with pytest.raises(ModelLoadError, match=rf"index\.json holds {held:,} values"):
         load(d)
 
 

@@ -97,7 +97,7 @@ def _save(result, out: Path, err) -> None:
             paths = write(result, out, plot=False)
         err.print(f"results.png in {out} was not updated", markup=False)
     for p in paths:
-        err.print(f"wrote {p}", markup=False)
+        err.print(f"wrote {p}", markup=False, highlight=False, soft_wrap=True)
 
 
 @contextlib.contextmanager

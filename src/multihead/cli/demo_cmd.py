@@ -115,7 +115,8 @@ def _heads(args) -> int:
     con.print(f"Prediction ({hx.PREDICTION})", style="dim")
     con.print(f"Finding: {text}")
     if args.out is not None:
-        con.print(f"wrote {args.out / 'heads.png'} and {args.out / 'heads.json'}", style="dim")
+        con.print(f"wrote {args.out / 'heads.png'} and {args.out / 'heads.json'}", style="dim",
+                  markup=False, highlight=False, soft_wrap=True)
     return 0
 
 

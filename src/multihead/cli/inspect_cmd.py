@@ -54,8 +54,9 @@ def _formats(spec: str) -> set[str]:
     return got
 
 
-def _texts(args) -> tuple[str, list[str]]:
-    """The text shown in detail, and every text the metrics average over."""
+def _texts(args) -> tuple[str, list[tuple[int, str]]]:
+    """The text shown in detail, and the others the metrics average over with it, each with
+    its line number in ``--file``."""
     from ..inspect.capture import check_utf8
     others = []
     if args.text is not None:
@@ -63,19 +64,28 @@ def _texts(args) -> tuple[str, list[str]]:
     if args.query_token is not None:
         check_utf8(args.query_token, "--query-token")
     if args.file is not None:
-        others = [ln for ln in _read_lines(args.file) if ln.strip()]
+        others = [(i + 1, ln) for i, ln in enumerate(_read_lines(args.file)) if ln.strip()]
         if not others:
             raise ValueError(f"--file {str(args.file)!r} holds no text (one text per line)")
-    shown = args.text if args.text is not None else (others[0] if others else DEFAULT_TEXT)
+    shown = args.text if args.text is not None else (others[0][1] if others else DEFAULT_TEXT)
     if not shown.strip():
         raise ValueError("the text is empty: give some words to inspect, e.g. "
                          f"multihead inspect {DEFAULT_TEXT!r}")
-    rest = [t for t in others if t is not shown]
+    rest = others[1:] if args.text is None else others     # the first line is the one shown
     return shown, rest
 
 
 def _read_lines(path: Path) -> list[str]:
-    """The lines of the UTF-8 text file ``--file`` (a leading byte-order mark is dropped)."""
+    """The lines of the UTF-8 text file ``--file``, split at line feeds only (a text may hold
+    a form feed or U+2028; a line's ending ``\\r`` and a leading byte-order mark are dropped).
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile("wb", suffix=".txt", delete=False) as f:
+        ...     _ = f.write("one\\u2028line\\r\\ntwo\\fparts\\n".encode())
+        >>> _read_lines(Path(f.name))
+        ['one\\u2028line', 'two\\x0cparts']
+    """
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -84,12 +94,16 @@ def _read_lines(path: Path) -> list[str]:
     if data.startswith(codecs.BOM_UTF8):
         data = data[len(codecs.BOM_UTF8):]
     try:
-        return data.decode("utf-8").splitlines()
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise ValueError(f"--file {str(path)!r} is not UTF-8 text (line {line}, byte "
                          f"0x{data[e.start]:02x} at offset {e.start}): save it as UTF-8, e.g. "
                          f"iconv -f latin1 -t utf-8 FILE > FILE.utf8") from None
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()                                  # the file's last line feed ends a line
+    return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
 
 
 def _check_index(name: str, value: int | None, size: int, what: str) -> None:
@@ -117,7 +131,7 @@ def run(args) -> int:
     prepare_out(args.out)
 
     from rich.console import Console
-    from ..inspect.capture import capture, find_query, strongest_looks
+    from ..inspect.capture import InspectError, capture, find_query, strongest_looks
     from ..inspect.metrics import HeadMetrics
     from ..inspect.report import Inspection, write
     from ..models import load
@@ -130,9 +144,21 @@ def run(args) -> int:
         err.print(f"[yellow]warning:[/] the text has {cap.original_length} tokens; keeping the first "
                   f"{len(cap.tokens)} (the model's positions). Pass --no-truncate to refuse instead.")
     metrics = HeadMetrics.of(cap.weights, cap.tokens, causal=cap.causal)
-    for text in track(rest, len(rest) > 20, len(rest), "inspecting"):
-        c = capture(model, text, truncate=True)
+    cut = []                                         # (line of --file, its tokens)
+    for line, text in track(rest, len(rest) > 20, len(rest), "inspecting"):
+        try:
+            c = capture(model, text, truncate=not args.no_truncate)
+        except InspectError as e:                    # (the same error, with where it is)
+            raise type(e)(f"--file {str(args.file)!r} line {line}: {e}") from None
         metrics.add(c.weights, c.tokens)
+        if c.truncated:
+            cut.append((line, c.original_length))
+    if cut:
+        (line, n), more = cut[0], len(cut) - 1
+        err.print(f"[yellow]warning:[/] {len(cut)} line(s) of --file are longer than the "
+                  f"model's {model.config.max_position_embeddings} positions (line {line}: {n} "
+                  f"tokens{f', and {more} more' if more else ''}); their metrics use the first "
+                  f"tokens only. Pass --no-truncate to refuse instead.", highlight=False)
     query = find_query(model, cap.tokens, args.query_token)
     looks = strongest_looks(cap.weights, cap.tokens, query, top=args.top, causal=cap.causal)
     L, H = cap.weights.shape[:2]
@@ -144,5 +170,5 @@ def run(args) -> int:
     show(result, console(), full=args.metrics)
     if args.out is not None:
         for p in write(result, args.out, formats):
-            err.print(f"wrote {p}")
+            err.print(f"wrote {p}", markup=False, highlight=False, soft_wrap=True)
     return 0

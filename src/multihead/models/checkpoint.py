@@ -188,7 +188,7 @@ def check_header(path: Path, header: dict[str, TensorInfo], c: BertConfig, confi
     held = 0
     while held in indices:      # layers 0, 1, ... held - 1 are (at least partly) there
         held += 1
-    if c.num_hidden_layers > held:
+    if c.num_hidden_layers != held:     # fewer would leave the file's last layers unused
         raise ModelLoadError(f"{config_path}: num_hidden_layers is {c.num_hidden_layers}, but {path} "
                              f"holds {held} layer(s){f' (encoder.layer.0 to {held - 1})' if held else ''}"
                              f": set num_hidden_layers to {held}")

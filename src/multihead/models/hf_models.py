@@ -25,15 +25,18 @@ Notation used for tensor shapes: S tokens, E hidden size, H heads, L layers.
 from __future__ import annotations
 
 import contextlib
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Sequence
 
 import torch
 
-from ._files import ModelLoadError, check_model_dir, first_line, is_library_error, read_object, show
+from ._files import (ModelLoadError, check_model_dir, first_line, is_library_error, read_json,
+                     read_object, show)
 from .bert import EncoderOutput
-from .checkpoint import _check_finite
+from .checkpoint import _check_finite, read_header
 from .pretrained import Tokens, check_texts
 from .tokenizer import display, load_tokenizer
 
@@ -49,6 +52,8 @@ HF_TYPES = DECODER_TYPES + ENCODER_DECODER_TYPES
 #: safetensors files a model's weights may come in (one file, or shards and their index)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 HINT = "pip install 'multihead[hf]'"
+#: a tensor of one numbered layer (GPT-2's ``h.3.``, Llama's ``layers.3.``, BERT's ``layer.3.``)
+LAYER_TENSOR = re.compile(r"(?:^|\.)(?:h|layers|layer)\.\d+\.")
 
 
 @dataclass(frozen=True)
@@ -278,6 +283,7 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
         config = HFConfig.from_hf(hf_config, source=str(config_file))
         tokenizer = load_tokenizer(d / "tokenizer.json", config.vocab_size)
         weights = next(d / w for w in WEIGHT_FILES if (d / w).is_file())
+        _check_size(transformers, hf_config, weights, kind)
         try:
             network, info = transformers.AutoModel.from_pretrained(
                 str(d), config=hf_config, attn_implementation=implementation, dtype=dtype,
@@ -288,14 +294,54 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
                 raise
             raise ModelLoadError(f"{weights} cannot be loaded as a {kind} model "
                                  f"({first_line(e)})") from None
-    for problem in ("missing_keys", "mismatched_keys"):
+    for problem in ("missing_keys", "mismatched_keys", "unexpected_keys"):
         bad = sorted(str(k) for k in info.get(problem) or ())
+        if problem == "unexpected_keys":      # (a task's head, say lm_head, is left out: fine)
+            bad = [k for k in bad if LAYER_TENSOR.search(k)]
+        if bad and problem == "unexpected_keys":
+            raise ModelLoadError(f"{weights}: {len(bad)} tensor(s) of layers that config.json's "
+                                 f"{kind} model has not, e.g. {show(bad[:3], 200)}: is "
+                                 f"config.json's layer count right?")
         if bad:
-            what = problem.replace("_keys", "")
-            raise ModelLoadError(f"{weights}: {len(bad)} {what} tensor(s) for config.json's "
-                                 f"{kind} model, e.g. {show(bad[:3], 200)}: the checkpoint does "
-                                 f"not match config.json (is model_type right?)")
+            raise ModelLoadError(f"{weights}: {len(bad)} {problem.replace('_keys', '')} "
+                                 f"tensor(s) for config.json's {kind} model, e.g. "
+                                 f"{show(bad[:3], 200)}: the checkpoint does not match "
+                                 f"config.json (is model_type right?)")
     for name, p in network.named_parameters():
         _check_finite(weights, name, p.detach(), "the checkpoint is corrupt; re-export it")
     model = Decoder if kind in DECODER_TYPES else EncoderDecoder
     return model(network.to(device).eval(), tokenizer, config, d, d.name)
+
+
+def _check_size(transformers, hf_config, weights: Path, kind: str) -> None:
+    """Refuse a config.json that describes a larger network than the checkpoint holds
+    values for (the wrong ``model_type`` takes its architecture's defaults: a GPT-2
+    checkpoint read as a Llama describes 6.5 billion parameters), before ``transformers``
+    builds it: it is built here on the meta device (no memory) and its parameters counted
+    against the checkpoint's headers (a task's head may add to the latter)."""
+    if weights.name.endswith(".json"):             # shards: each file its index names once
+        index = read_json(weights)
+        names = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(names, dict) or not all(isinstance(f, str) and Path(f).name == f
+                                                  for f in names.values()):
+            return                                 # transformers' own error says what is wrong
+        files = [weights.parent / f for f in sorted(set(names.values()))]
+        if not all(f.is_file() for f in files):
+            return
+    else:
+        files = [weights]
+    held = sum(math.prod(t.shape) for f in files for t in read_header(f).values())
+    try:
+        with torch.device("meta"):
+            network = transformers.AutoModel.from_config(hf_config)
+    except BaseException as e:
+        if not is_library_error(e):
+            raise
+        raise ModelLoadError(f"{weights.parent / 'config.json'} is not a usable {kind} config.json "
+                             f"({first_line(e)})") from None
+    need = sum(p.numel() for p in network.parameters())
+    if need > held:
+        raise ModelLoadError(f"{weights.parent / 'config.json'} describes a {kind} network of "
+                             f"{need:,} parameters, but {weights} holds {held:,} values: the "
+                             f"checkpoint does not match config.json (is model_type right? are "
+                             f"its sizes?)")
