@@ -207,3 +207,23 @@ class StreamUse:
 
 
 _CUDA = _Cuda
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free on ``device``: the CPU's ``MemAvailable`` (8 GiB where /proc/meminfo is
+    missing), or CUDA's free memory.
+
+    Example:
+        >>> available_memory(torch.device("cpu")) > 0
+        True
+    """
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30

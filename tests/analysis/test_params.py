@@ -65,6 +65,16 @@ def test_cli_json_and_table(capsys):
     assert all(name in out for name, *_ in SEED_003) and "MQA" in out and "0.125x" in out
 
 
+def test_a_changed_preset_says_so(capsys):
+    assert main(["params", "--preset", "llama2-70b", "--d-model", "4096", "--layers", "2",
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["config"]["name"] == "LLaMA-2-70B (changed: d_model=4096, layers=2)"
+    assert d["config"]["source"].endswith("changed here (d_model=4096, layers=2)")
+    assert main(["params", "--preset", "llama2-70b", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["name"] == "LLaMA-2-70B"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--preset", "gpt5"], "unknown preset 'gpt5': choose one of transformer-base"),
     (["--d-model", "770", "--heads", "12"], "d_model (770) must be divisible by heads (12)"),

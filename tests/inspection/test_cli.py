@@ -89,6 +89,7 @@ def test_long_text_truncates_with_warning_or_refuses(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["   "], "the text is empty"),
+    (["\u200b\x07"], "has no token but the model's markers ([CLS] [SEP])"),
     (["--query-token", "zebra"], "--query-token 'zebra' (tokens ['zebra']) is not in the text"),
     (["--layer", "6"], "--layer 6 is out of range: the model has 6 layers (0..5)"),
     (["--head", "-1"], "--head -1 is out of range: the model has 12 heads per layer (0..11)"),
@@ -177,3 +178,16 @@ def test_out_paths_are_printed_as_they_are(tmp_path, capsys):
     out = tmp_path / "[bold]x" / "c[/]d"
     assert main(["inspect", "hi", "--out", str(out), "--format", "json"]) == 0
     assert f"wrote {out / 'inspect.json'}" in capsys.readouterr().err
+
+
+def test_dollar_signs_are_drawn_as_text(tmp_path):
+    """'$x^$' in a label is not TeX (it failed to parse, and nothing was written), whatever
+    the matplotlibrc says."""
+    import matplotlib
+    d = tiny_checkpoint(tmp_path / "model $x^$")
+    out = tmp_path / "o"
+    with matplotlib.rc_context({"text.usetex": True}):
+        assert main(["inspect", "it costs $$ or $x^$", "--model", str(d), "--out", str(out),
+                     "--format", "png,svg"]) == 0
+    svg = (out / "heads.svg").read_text()
+    assert "model $x^$" in svg or "model $x^$".replace(" ", "") in svg.replace(" ", "")

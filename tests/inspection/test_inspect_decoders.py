@@ -19,6 +19,7 @@ import torch
 
 from multihead.cli.main import main
 from multihead.inspect.capture import capture, find_query, headline, strongest_looks
+from multihead.inspect.metrics import HeadMetrics
 from multihead.inspect.packing import unpack_weights
 from multihead.models import ModelLoadError, load
 
@@ -241,6 +242,47 @@ def test_headline_looks_back(dirs):
     first = model.tokenize("He left because it rained.").tokens
     assert first[find_query(model, first, None)] == "it"
     assert find_query(model, ["The", "dog", "."], None) == 2
+
+
+def test_a_one_token_text_has_nothing_to_measure(dirs, capsys):
+    assert main(["inspect", "it", "--model", str(dirs["gpt2"])]) == 2
+    err = " ".join(_one_line_error(capsys).split())
+    assert "no head has a role: no query row could be measured" in err
+
+
+def test_window_layers_normalize_entropy_by_their_window(dirs):
+    model = load(dirs["mistral"])
+    c = capture(model, TEXT * 2)
+    assert c.windows == {0: 4, 1: 4} and capture(load(dirs["llama"]), TEXT).windows == {}
+    S = len(c.tokens)
+    assert S > 8 and int((c.weights > 0).sum(-1).max()) == 4            # 4 keys at most
+    # the same heads as if each row's keys were the whole text: the windowed entropy is the
+    # row entropy over log(min(i + 1, 4))
+    w = c.weights.double()
+    ent = -(w * w.clamp_min(1e-30).log()).sum(-1)[..., 1:]                # (L, H, S - 1)
+    seen = torch.arange(2, S + 1).clamp(max=4).double().log()
+    m = HeadMetrics.of(c.weights, c.tokens, causal=True, windows=c.windows)
+    assert torch.allclose(m.value("entropy"), (ent / seen).mean(-1), atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_query_words_are_whole_words(dirs, kind, capsys):
+    """The shown pieces of "bandit" end with "it" here (b|an|d|it): neither the default
+    pronoun nor --query-token it may pick that piece."""
+    model = load(dirs[kind])
+    text = "The bandit ran because it was late."
+    c = capture(model, text)
+    inner = c.tokens.index("it")                                    # bandit's last piece
+    assert c.tokens[inner - 1] != "␣" and c.words[inner] == c.words[inner - 1]
+    real = c.tokens.index("because") + 1
+    assert c.tokens[real] == "it" and real > inner
+    assert find_query(model, c.tokens, None, c.words) == real
+    assert find_query(model, c.tokens, "it", c.words) == real
+    ran = find_query(model, c.tokens, "ran", c.words)               # a word of two pieces
+    assert "".join(t for t, w in zip(c.tokens, c.words) if w == c.words[ran]) in ("ran", "␣ran")
+    assert main(["inspect", text, "--model", str(dirs[kind]), "--top", "3"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"Heads attending most from 'it' (token {real}," in out
 
 
 def test_first_token_query_says_why_it_looks_nowhere(dirs, capsys):

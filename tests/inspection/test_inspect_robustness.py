@@ -174,3 +174,26 @@ def test_non_utf8_argv_end_to_end():
     err = r.stderr.decode("utf-8", "replace")
     assert r.returncode == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert "UTF-8" in err
+
+
+def test_weights_that_would_not_fit_are_refused_before_the_model_runs(monkeypatch, capsys):
+    import multihead.inspect.capture as capture_mod
+    from multihead.models import load
+    model = load()
+    monkeypatch.setattr(capture_mod, "available_memory", lambda device: 2**16)     # 64 KiB
+    monkeypatch.setattr(type(model), "attention_weights",
+                        lambda *a: pytest.fail("the model ran"))
+    text = "The animal didn't cross the street because it was too tired."    # 16 tokens
+    with pytest.raises(capture_mod.InspectError, match=r"the text's 16 tokens need 72\.0 KiB .*"
+                       r"\(6 layers x 12 heads x 16² x 4 bytes\), more than the 64\.0 KiB"):
+        capture_mod.capture(model, text)
+    monkeypatch.undo()
+    monkeypatch.setattr(capture_mod, "available_memory", lambda device: 2**16)
+    assert main(["inspect", text]) == 2
+    err = _one_line_error(capsys)
+    assert "need" in err and "shorten the text" in err
+    monkeypatch.undo()
+    c = capture_mod.capture(model, text)                   # fits: the weights as the model gave
+    ids = model.tokenize(text).ids[None]
+    torch.testing.assert_close(c.weights, torch.stack([w[0] for w in
+                                                       model.attention_weights(ids).weights]))

@@ -112,3 +112,30 @@ def test_causal_known_answers():
     assert strongest_looks(w, toks, 0, causal=True) == []           # the first token: nothing
     enc = HeadMetrics.of(w, ["[CLS]", *toks[1:-1], "[SEP]"])
     assert enc.not_applicable() == {}                               # an encoder's: all measured
+
+
+def test_sliding_window_rows_are_normalized_by_the_keys_they_see():
+    """Uniform over the last W tokens is entropy 1 in a layer with a window of W (as over
+    every earlier token without one); layers without a window keep log(i + 1)."""
+    n, W = 10, 3
+    band = torch.tril(torch.ones(n, n)) - torch.tril(torch.ones(n, n), -W)      # last W keys
+    uniform = (band / band.sum(-1, keepdim=True))[None, None].expand(2, 1, n, n)  # (2, 1, n, n)
+    toks = [f"t{i}" for i in range(n)]
+    m = HeadMetrics.of(uniform, toks, causal=True, windows={1: W})
+    assert m.value("entropy")[1, 0].item() == pytest.approx(1.0)
+    expected = sum(math.log(min(i + 1, W)) / math.log(i + 1) for i in range(1, n)) / (n - 1)
+    assert m.value("entropy")[0, 0].item() == pytest.approx(expected)         # no window there
+    assert m.roles()[1][0][0] == "broad"
+    with pytest.raises(ValueError, match="windows: a sliding window is a decoder's"):
+        HeadMetrics.of(uniform, toks, windows={1: W})
+
+
+def test_unicode_punctuation_counts():
+    assert [is_punct(t) for t in ["“", "”", "—", "…", "「", "」", "。", "¿", "¡", "«", "ok", "€"]] == [
+        True] * 10 + [False, False]
+
+
+def test_no_row_to_measure_has_no_roles():
+    m = HeadMetrics.of(torch.ones(2, 3, 1, 1), ["it"], causal=True)   # a decoder's one token
+    with pytest.raises(ValueError, match="no head has a role: no query row could be measured"):
+        m.roles()

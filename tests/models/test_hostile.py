@@ -163,6 +163,8 @@ HOSTILE = [
     pytest.param(write(ST, {"max_seq_length": -5}), [ST, "max_seq_length", "-5"], id="seq-negative"),
     pytest.param(write(ST, {"max_seq_length": "256"}), [ST, "max_seq_length", "'256'"], id="seq-str"),
     pytest.param(write(ST, {"max_seq_length": 0}), [ST, "max_seq_length", "0"], id="seq-zero"),
+    pytest.param(write(ST, {"do_lower_case": "yes"}), [ST, "do_lower_case", "'yes'", "true or false"],
+                 id="lower-case-str"),
     # 2. side files of the wrong JSON type, or with fields of the wrong type
     pytest.param(write(MODULES, {"type": "x"}), [MODULES, "JSON array", "an object"], id="modules-object"),
     pytest.param(write(MODULES, "x"), [MODULES, "JSON array", "a string 'x'"], id="modules-str"),
@@ -325,6 +327,14 @@ def test_dtype_must_be_a_float_dtype(tmp_path, dtype):
 def test_device_must_be_a_device(tmp_path):
     with pytest.raises(ValueError, match="device must be a torch.device or a name such as 'cpu'"):
         load(tmp_path, device="gpu")
+
+
+def test_a_device_this_machine_lacks_is_refused_before_reading(tmp_path, monkeypatch):
+    d = tiny_checkpoint(tmp_path / "m")
+    monkeypatch.setattr(loading, "read_header", lambda *a: pytest.fail("a file was read"))
+    with pytest.raises(ValueError, match=r"device 'cuda:99' cannot be used here \(.+\): pass "
+                                         r"device='cpu'"):
+        load(d, device="cuda:99")
 
 
 def test_valid_side_files_and_config_values_still_load(tmp_path):

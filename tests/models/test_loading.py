@@ -120,3 +120,24 @@ def test_encoder_and_embed_bad_input(tmp_path):
     with pytest.raises(TypeError, match="texts must be a list of str, got str"):
         m.embed("one text")
     assert m.embed([]).shape == (0, 32)
+
+
+@pytest.mark.parametrize("post_processor", ["bert", None])
+def test_truncation_keeps_the_first_tokens_and_an_end_marker_if_any(tmp_path, post_processor):
+    """64 positions: [CLS], 62 words and [SEP] with MiniLM's tokenizer; without its
+    post-processor (no markers) the first 64 words, as the tokenizer's own truncation."""
+    d = tiny_checkpoint(tmp_path / "m")
+    if post_processor is None:
+        spec = json.loads((d / "tokenizer.json").read_text())
+        (d / "tokenizer.json").write_text(json.dumps({**spec, "post_processor": None}))
+    m = load(d)
+    words = [f"w{i}" for i in range(100)]
+    text = " ".join(words)
+    full = m.tokenizer.encode(text)
+    m.tokenizer.enable_truncation(64)
+    want = m.tokenizer.encode(text)
+    m.tokenizer.no_truncation()
+    tok = m.tokenize(text)
+    assert tok.truncated and tok.original_length == len(full.ids) > 64
+    assert tok.ids.tolist() == want.ids and tok.tokens == want.tokens
+    assert (tok.tokens[-1] == "[SEP]") == (post_processor is not None)

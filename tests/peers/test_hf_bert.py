@@ -81,3 +81,24 @@ def test_packed_batch_equals_one_by_one(ours):
     for i, t in enumerate(toks):
         alone = ours.encoder(t.ids[None]).hidden[0]
         torch.testing.assert_close(h[cu[i]:cu[i + 1]], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_do_lower_case_is_followed_as_sentence_transformers_does(tmp_path):
+    """A cased tokenizer with sentence_bert_config's do_lower_case: texts are lower-cased
+    before tokenizing (MiniLM's own tokenizer lower-cases, so its copy here does not)."""
+    import json
+    import shutil
+    st = pytest.importorskip("sentence_transformers")
+    src, d = default_model_dir(), tmp_path / "cased"
+    shutil.copytree(src, d, ignore=shutil.ignore_patterns("model.safetensors"))
+    (d / "model.safetensors").symlink_to(src / "model.safetensors")
+    spec = json.loads((src / "tokenizer.json").read_text())
+    spec["normalizer"]["lowercase"] = False
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 256,
+                                                              "do_lower_case": True}))
+    texts = ["The Animal Didn't Cross The Street", "HELLO World"]
+    want = st.SentenceTransformer(str(d), device="cpu").encode(texts, convert_to_tensor=True)
+    ours = load(d)
+    assert ours.sentence.lower_case and ours.tokenize(texts[1]).tokens[1] == "[UNK]"   # cased
+    torch.testing.assert_close(ours.embed(texts), want.cpu(), atol=2e-6, rtol=1e-5)

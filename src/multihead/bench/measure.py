@@ -37,20 +37,6 @@ def peak_memory(fn, device: torch.device) -> int:
     return peak
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes free for a naive peer's score matrices (MemAvailable, or CUDA's free memory)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 2**30
-
-
 @dataclass
 class Limits:
     """This machine's ceilings, measured in the same run as the cases."""

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._device import available_memory
 from .cases import Case
 from .catalog import suite_cases
 from .flex import NotComparable, compile_limits, forbid_recompiles
-from .measure import DTYPES, Limits, available_memory, describe, machine_limits, peak_memory
+from .measure import DTYPES, Limits, describe, machine_limits, peak_memory
 from .timing import describe_timing, measure
 
 #: a naive peer runs only if its score matrices (times this factor) fit in free memory

@@ -143,7 +143,7 @@ def run(args) -> int:
     if cap.truncated:
         err.print(f"[yellow]warning:[/] the text has {cap.original_length} tokens; keeping the first "
                   f"{len(cap.tokens)} (the model's positions). Pass --no-truncate to refuse instead.")
-    metrics = HeadMetrics.of(cap.weights, cap.tokens, causal=cap.causal)
+    metrics = HeadMetrics.of(cap.weights, cap.tokens, causal=cap.causal, windows=cap.windows)
     cut = []                                         # (line of --file, its tokens)
     for line, text in track(rest, len(rest) > 20, len(rest), "inspecting"):
         try:
@@ -159,7 +159,11 @@ def run(args) -> int:
                   f"model's {model.config.max_position_embeddings} positions (line {line}: {n} "
                   f"tokens{f', and {more} more' if more else ''}); their metrics use the first "
                   f"tokens only. Pass --no-truncate to refuse instead.", highlight=False)
-    query = find_query(model, cap.tokens, args.query_token)
+    try:
+        metrics.roles()                              # (refuses texts with no row to measure)
+    except ValueError as e:
+        raise InspectError(str(e)) from None
+    query = find_query(model, cap.tokens, args.query_token, cap.words)
     looks = strongest_looks(cap.weights, cap.tokens, query, top=args.top, causal=cap.causal)
     L, H = cap.weights.shape[:2]
     selected = _select(args, looks, query, cap.tokens, L, H)

@@ -49,7 +49,11 @@ def _shape(args):
                                   ("layers", args.layers)) if v is not None}
         if args.no_bias:
             over["bias"] = False
-        return AttentionShape(**{**asdict(s), **over}) if over else s
+        if not over:
+            return s
+        changed = ", ".join(f"{k}={v}" for k, v in over.items())     # no longer the preset
+        return AttentionShape(**{**asdict(s), **over, "name": f"{s.name} (changed: {changed})",
+                                 "source": f"{s.source}, changed here ({changed})"})
     if args.d_model is None or args.heads is None:
         raise ValueError("give --preset NAME, or --d-model and --heads (see --table for presets)")
     return AttentionShape(args.d_model, args.heads, kv_heads=args.kv_heads,

@@ -11,11 +11,13 @@ Notation used for tensor shapes: L layers, H heads, S tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from .._device import available_memory
+from ..analysis.params import human_bytes
 from .metrics import all_finite, is_special
 
 PRONOUNS = ("it", "he", "she", "they", "him", "her", "them", "its", "his", "their", "this",
@@ -65,6 +67,10 @@ class Capture:
     truncated: bool
     original_length: int
     causal: bool = False
+    #: a decoder's layers with a sliding window, ``{layer: W}``: a token sees its last W
+    windows: dict = field(default_factory=dict)
+    #: each token's word (pieces of one word share it; None: a special token), if known
+    words: list | None = None
 
 
 @torch.inference_mode()
@@ -86,11 +92,45 @@ def capture(model: Inspectable, text: str, *, truncate: bool = True) -> Capture:
     if tok.truncated and not truncate:
         raise InspectError(f"the text has {tok.original_length} tokens but the model has {limit} "
                            f"positions: shorten it, or drop --no-truncate to keep the first {limit}")
+    if all(is_special(t) for t in tok.tokens):
+        raise InspectError(f"the text {text[:40]!r} has no token but the model's markers "
+                           f"({' '.join(tok.tokens) or 'none'}): it holds nothing the "
+                           f"tokenizer keeps (invisible or control characters?); give some words")
+    _check_memory(model, len(tok.ids))
     out = model.attention_weights(tok.ids[None])
-    w = torch.stack([x[0] for x in out.weights]).float().cpu()               # (L, H, S, S)
+    w = _gather(out.weights)                                                  # (L, H, S, S)
     check_finite(w, out.hidden, tok.tokens, getattr(model, "directory", None))
     return Capture(text, tok.tokens, w, tok.truncated, tok.original_length,
-                   bool(getattr(model, "causal", False)))
+                   bool(getattr(model, "causal", False)), dict(getattr(model, "windows", {})),
+                   getattr(tok, "words", None))
+
+
+def _check_memory(model: Inspectable, S: int) -> None:
+    """Refuse a text whose attention weights would not fit: every layer's ``(H, S, S)``,
+    kept in float32 on the CPU (and first on the model's device, in its dtype)."""
+    c = model.config
+    need = c.num_hidden_layers * c.num_attention_heads * S * S * 4
+    device = getattr(model, "device", None)
+    where = [torch.device("cpu")] + ([device] if getattr(device, "type", None) == "cuda" else [])
+    for d in where:
+        free = available_memory(d)
+        if need > free:
+            raise InspectError(
+                f"the text's {S} tokens need {human_bytes(need)} for every head's attention "
+                f"weights ({c.num_hidden_layers} layers x {c.num_attention_heads} heads x "
+                f"{S}² x 4 bytes), more than the {human_bytes(free)} free on {d}: shorten the "
+                f"text (the weights grow with its length squared)")
+
+
+def _gather(weights: list) -> torch.Tensor:
+    """Every layer's ``(1, H, S, S)`` weights as one float32 CPU tensor ``(L, H, S, S)``,
+    each layer's own tensor let go once copied (peak: about one copy, not two)."""
+    first = weights[0]
+    out = torch.empty((len(weights), *first.shape[1:]), dtype=torch.float32)   # (L, H, S, S)
+    for l in range(len(weights)):
+        out[l] = weights[l][0]
+        weights[l] = None
+    return out
 
 
 def check_utf8(text: str, what: str) -> None:
@@ -159,11 +199,15 @@ def _ranges(xs: list[int]) -> str:
     return ", ".join(out)
 
 
-def find_query(model: Inspectable, tokens: list[str], word: str | None) -> int:
+def find_query(model: Inspectable, tokens: list[str], word: str | None,
+               words: list | None = None) -> int:
     """Position of ``word``'s first word piece in ``tokens`` (default: the first pronoun).
 
     For a decoder the default is the first pronoun with a word before it (a decoder's token
-    sees only earlier tokens), else the last word, which sees the whole text.
+    sees only earlier tokens), else the last word, which sees the whole text. With the
+    tokens' ``words`` (the tokenizer's word ids), only whole words match: "it" is not the
+    last piece of "bandit" (b|an|d|it), which a byte-level tokenizer's shown pieces cannot
+    tell apart.
 
     Example:
         >>> from multihead.models import load
@@ -171,12 +215,15 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None) -> int:
         >>> toks = model.tokenize("The dog barked because it was hungry.").tokens
         >>> toks[find_query(model, toks, None)], find_query(model, toks, "dog")
         ('it', 2)
+        >>> find_query(model, ["b", "it", "it"], "it", words=[0, 0, 1])    # a whole word
+        2
     """
+    whole = _whole_words(tokens, words)
     content = [(i, t) for i, t in enumerate(tokens) if not is_special(t)]
     causal = bool(getattr(model, "causal", False))
     if word is None:
         for n, (i, t) in enumerate(content):
-            if t.lower() in PRONOUNS and (n > 0 or not causal):
+            if t.lower() in PRONOUNS and (n > 0 or not causal) and whole(i, 1):
                 return i
         if not content:
             return 0
@@ -186,11 +233,25 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None) -> int:
         raise InspectError(f"--query-token {word!r} has no tokens: pass a word from the text")
     for i in range(len(tokens)):
         for pieces in found:
-            if tokens[i:i + len(pieces)] == pieces:
+            if tokens[i:i + len(pieces)] == pieces and whole(i, len(pieces)):
                 return i
     shown = " ".join(t for _, t in content[:60]) + (" ..." if len(content) > 60 else "")
     raise InspectError(f"--query-token {word!r} (tokens {found[0]}) is not in the text; its tokens "
                        f"are: {shown}")
+
+
+def _whole_words(tokens: list[str], words: list | None):
+    """``whole(i, n)``: whether ``tokens[i:i + n]`` are the pieces of one whole word (a
+    word's leading space marker "␣" aside); without ``words``, every span is."""
+    if words is None or len(words) != len(tokens):
+        return lambda i, n: True
+
+    def whole(i: int, n: int) -> bool:
+        w = words[i]
+        before = words[i - 1] if i > 0 and tokens[i - 1] != "␣" else None
+        after = words[i + n] if i + n < len(words) else None
+        return w is None or (before != w and after != w and set(words[i:i + n]) == {w})
+    return whole
 
 
 @dataclass

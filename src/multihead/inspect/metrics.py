@@ -21,7 +21,8 @@ marked not applicable (:meth:`HeadMetrics.not_applicable`), never shown as a 0: 
 (no token sees the next one, so no "next token" role either), and ``cls``/``sep`` when no
 text has such a token (GPT-2 adds none). The first token of a decoder sees only itself, so
 its row (weight 1 on itself) is not counted, and ``entropy`` divides by the log of the
-number of keys the row can see (``i + 1`` for query ``i``), not of the whole text.
+number of keys the row can see (``i + 1`` for query ``i``; ``min(i + 1, W)`` in a layer with
+a sliding window of ``W`` tokens), not of the whole text.
 
 Notation used for tensor shapes: L layers, H heads, S tokens.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import math
 import string
+import unicodedata
 from dataclasses import dataclass, field
 
 import torch
@@ -80,19 +82,23 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 def is_punct(token: str) -> bool:
-    """A token made only of punctuation (word-piece ``##`` prefixes ignored).
+    """A token made only of punctuation: ASCII's, and any character Unicode calls
+    punctuation (``“ — … 。 ¿``), as BERT's tokenizer splits them off (word-piece ``##``
+    prefixes ignored).
 
     Example:
-        >>> [is_punct(t) for t in [".", "##,", "it", "'", "[SEP]"]]
-        [True, True, False, True, False]
+        >>> [is_punct(t) for t in [".", "##,", "it", "'", "[SEP]", "—", "「", "。", "¿"]]
+        [True, True, False, True, False, True, True, True, True]
     """
     t = token[2:] if token.startswith("##") else token
-    return bool(t) and not is_special(token) and all(c in string.punctuation for c in t)
+    return bool(t) and not is_special(token) and all(
+        c in string.punctuation or unicodedata.category(c).startswith("P") for c in t)
 
 
-def _row_metrics(w: torch.Tensor, tokens: list[str],
-                 causal: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per-row values ``(L, H, S)`` and which rows count ``(S,)`` for each metric."""
+def _row_metrics(w: torch.Tensor, tokens: list[str], causal: bool = False,
+                 window: int | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per-row values ``(L, H, S)`` and which rows count ``(S,)`` for each metric (a decoder's
+    layer with a sliding ``window``: each row sees its last ``window`` tokens)."""
     S = w.shape[-1]
     if len(tokens) != S:
         raise ValueError(f"weights cover {S} tokens but {len(tokens)} tokens were given")
@@ -103,7 +109,8 @@ def _row_metrics(w: torch.Tensor, tokens: list[str],
     below = F.pad(w.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))        # (L, H, S): w[i, i-1]
     above = F.pad(w.diagonal(offset=1, dim1=-2, dim2=-1), (0, 1))         # (L, H, S): w[i, i+1]
     if causal:                                  # row i sees keys 0..i: uniform is log(i + 1)
-        norm = torch.log((i + 1).double()).clamp_min(1e-30)                  # (S,)
+        seen = (i + 1).clamp(max=window) if window else i + 1                # (S,)
+        norm = torch.log(seen.double()).clamp_min(1e-30)                     # (S,)
     else:
         norm = torch.full((S,), math.log(S) if S > 1 else 1.0, dtype=torch.double)
     entropy = -(w * torch.log(w.clamp_min(1e-30))).sum(-1) / norm
@@ -141,11 +148,17 @@ class HeadMetrics:
     texts: int = 0
     #: the weights are a decoder's: each token sees only itself and earlier tokens
     causal: bool = False
+    #: a decoder's layers with a sliding window: ``{layer: W}``, a token sees its last W
+    windows: dict = field(default_factory=dict)
 
     @classmethod
-    def of(cls, weights: torch.Tensor, tokens: list[str], *, causal: bool = False) -> "HeadMetrics":
-        """The metrics of one text's weights ``(L, H, S, S)`` (a decoder's: ``causal=True``)."""
-        m = cls(causal=causal)
+    def of(cls, weights: torch.Tensor, tokens: list[str], *, causal: bool = False,
+           windows: dict | None = None) -> "HeadMetrics":
+        """The metrics of one text's weights ``(L, H, S, S)`` (a decoder's: ``causal=True``,
+        with its layers' sliding ``windows`` ``{layer: W}`` if any)."""
+        if windows and not causal:
+            raise ValueError("windows: a sliding window is a decoder's (pass causal=True)")
+        m = cls(causal=causal, windows=dict(windows or {}))
         m.add(weights, tokens)
         return m
 
@@ -157,8 +170,9 @@ class HeadMetrics:
             raise ValueError("weights hold NaN or inf values: the model's weights are probably "
                              "corrupt (multihead.inspect.capture.check_finite names the layer)")
         sums, counts = {name: [] for name in METRICS}, {}
-        for layer in weights.split(1):                   # (1, H, S, S): bounds the fp64 copies
-            for name, (vals, rows) in _row_metrics(layer, tokens, self.causal).items():
+        for l, layer in enumerate(weights.split(1)):     # (1, H, S, S): bounds the fp64 copies
+            metrics = _row_metrics(layer, tokens, self.causal, self.windows.get(l))
+            for name, (vals, rows) in metrics.items():
                 sums[name].append(vals[..., rows].sum(-1))                    # (1, H)
                 counts[name] = int(rows.sum())
         for name in METRICS:
@@ -187,7 +201,16 @@ class HeadMetrics:
         return {name: self.value(name) for name in METRICS}
 
     def roles(self) -> list[list[tuple[str, float]]]:
-        """``[layer][head] -> (role, score)`` by :data:`ROLE_RULES`, then BROAD / FOCUSED."""
+        """``[layer][head] -> (role, score)`` by :data:`ROLE_RULES`, then BROAD / FOCUSED.
+
+        Raises:
+            ValueError: no query row was measured (texts of one token, given to a decoder:
+                its first token sees only itself), so no head has a role.
+        """
+        if "entropy" in self.not_applicable():
+            raise ValueError("no head has a role: no query row could be measured (a decoder's "
+                             "first token sees only itself, and every text given has one "
+                             "token); give a text of at least two tokens")
         t = self.table()
         L, H = t["prev"].shape
         na = self.not_applicable()

@@ -50,6 +50,11 @@ def pooled(weights: torch.Tensor, n: int) -> torch.Tensor:
     return x.reshape(*weights.shape[:-2], *x.shape[-2:])
 
 
+#: tokens and names are drawn as they are: a ``$`` pair is not TeX math (a token ``$$``
+#: failed to parse), whatever the user's matplotlibrc says
+LITERAL_TEXT = {"text.parse_math": False, "text.usetex": False}
+
+
 def _dpi(fig, want: int = 200) -> float:
     """``want`` dpi, lowered so that the figure's longest side stays within MAX_PIXELS."""
     return min(want, MAX_PIXELS / max(fig.get_size_inches()))
@@ -128,14 +133,16 @@ def render_figures(inspection, formats: set[str]) -> dict[str, bytes]:
     w = inspection.capture.weights                                              # (L, H, S, S)
     l, h = inspection.selected
     files = {}
-    figures = ((_grid(plt, inspection, w), "heads"), (_big(plt, inspection, w), f"head_L{l}H{h}"))
-    try:
-        for fmt in sorted(formats):
-            for fig, stem in figures:
-                buf = io.BytesIO()
-                fig.savefig(buf, format=fmt, dpi=_dpi(fig) if fmt == "png" else None)
-                files[f"{stem}.{fmt}"] = buf.getvalue()
-    finally:
-        for fig, _ in figures:
-            plt.close(fig)
+    with matplotlib.rc_context(LITERAL_TEXT):
+        figures = ((_grid(plt, inspection, w), "heads"),
+                   (_big(plt, inspection, w), f"head_L{l}H{h}"))
+        try:
+            for fmt in sorted(formats):
+                for fig, stem in figures:
+                    buf = io.BytesIO()
+                    fig.savefig(buf, format=fmt, dpi=_dpi(fig) if fmt == "png" else None)
+                    files[f"{stem}.{fmt}"] = buf.getvalue()
+        finally:
+            for fig, _ in figures:
+                plt.close(fig)
     return files

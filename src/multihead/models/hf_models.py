@@ -37,7 +37,7 @@ from ._files import (ModelLoadError, check_model_dir, first_line, is_library_err
                      read_object, show)
 from .bert import EncoderOutput
 from .checkpoint import _check_finite, read_header
-from .pretrained import Tokens, check_texts
+from .pretrained import Tokens, check_texts, kept
 from .tokenizer import display, load_tokenizer
 
 __all__ = ["DECODER_TYPES", "ENCODER_DECODER_TYPES", "HF_TYPES", "Decoder", "EncoderDecoder",
@@ -140,14 +140,12 @@ class HFModel:
         limit = max_length or self.config.max_position_embeddings
         out = []
         for enc in self.tokenizer.encode_batch(texts):
-            n = len(enc.ids)
-            keep = list(range(min(n, limit)))
-            if n > limit and enc.special_tokens_mask[-1]:   # an end marker stays last
-                keep[-1] = n - 1
+            keep, n = kept(enc, limit), len(enc.ids)
             ids = [enc.ids[i] for i in keep]
             toks = [enc.tokens[i] if enc.special_tokens_mask[i]
                     else display(self.tokenizer, enc.ids[i], enc.tokens[i]) for i in keep]
-            out.append(Tokens(torch.tensor(ids, dtype=torch.long), toks, n > limit, n))
+            out.append(Tokens(torch.tensor(ids, dtype=torch.long), toks, n > limit, n,
+                              [enc.word_ids[i] for i in keep]))
         return out
 
     def query_pieces(self, word: str) -> list[list[str]]:
@@ -161,6 +159,11 @@ class HFModel:
             if pieces and pieces not in found:
                 found.append(pieces)
         return found
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are."""
+        return next(self.network.parameters()).device
 
     def _run(self, module: torch.nn.Module, ids: torch.Tensor, **kwargs) -> EncoderOutput:
         """``module`` (the network, or its encoder) on ``ids`` ``(1, S)``: the last hidden
@@ -192,6 +195,12 @@ class Decoder(HFModel):
                      else f"{len(c.window_layers)} of {c.num_hidden_layers} layers")
             note += f" (sliding window in {where}: only the last {c.window} tokens)"
         return note
+
+    @property
+    def windows(self) -> dict[int, int]:
+        """``{layer: W}`` for the layers with a sliding window (a token sees its last W)."""
+        c = self.config
+        return {layer: c.window for layer in c.window_layers} if c.window else {}
 
     @torch.inference_mode()
     def attention_weights(self, ids: torch.Tensor) -> EncoderOutput:

@@ -20,12 +20,15 @@ PACK_TOKENS = 16384
 
 
 class Tokens(NamedTuple):
-    """One tokenized text: ``ids`` (S,), the token strings, and whether it was truncated."""
+    """One tokenized text: ``ids`` (S,), the token strings, whether it was truncated, and
+    each token's word (the tokenizer's word ids: the pieces of one word share one; None for
+    a special token)."""
 
     ids: torch.Tensor
     tokens: list[str]
     truncated: bool
     original_length: int
+    words: list[int | None] | None = None
 
 
 def check_texts(texts) -> list[str]:
@@ -43,6 +46,25 @@ def check_texts(texts) -> list[str]:
             isinstance(t, str) for t in texts):
         raise TypeError(f"texts must be a list of str, got {type(texts).__name__}")
     return list(texts)
+
+
+def kept(enc, limit: int) -> list[int]:
+    """The indices of the tokens an encoding keeps at ``limit`` positions: the first ones,
+    with an end marker (a special token last, such as ``[SEP]``) kept last, as a tokenizer
+    truncating before it adds its markers keeps them; a text without one is cut.
+
+    Example:
+        >>> from types import SimpleNamespace as E
+        >>> kept(E(ids=[101, 7, 8, 9, 102], special_tokens_mask=[1, 0, 0, 0, 1]), 4)
+        [0, 1, 2, 4]
+        >>> kept(E(ids=[7, 8, 9], special_tokens_mask=[0, 0, 0]), 2)
+        [0, 1]
+    """
+    n = len(enc.ids)
+    keep = list(range(min(n, limit)))
+    if n > limit and enc.special_tokens_mask[-1]:
+        keep[-1] = n - 1
+    return keep
 
 
 @dataclass
@@ -92,10 +114,10 @@ class Pretrained:
         full = self.tokenizer.encode_batch(texts)
         out = []
         for enc in full:
-            ids, toks, n = enc.ids, enc.tokens, len(enc.ids)
-            if n > limit:   # keep the leading tokens and the closing special token ([SEP])
-                ids, toks = ids[:limit - 1] + ids[-1:], toks[:limit - 1] + toks[-1:]
-            out.append(Tokens(torch.tensor(ids, dtype=torch.long), toks, n > limit, n))
+            keep, n = kept(enc, limit), len(enc.ids)
+            ids, toks = [enc.ids[i] for i in keep], [enc.tokens[i] for i in keep]
+            out.append(Tokens(torch.tensor(ids, dtype=torch.long), toks, n > limit, n,
+                              [enc.word_ids[i] for i in keep]))
         return out
 
     def query_pieces(self, word: str) -> list[list[str]]:
@@ -107,6 +129,11 @@ class Pretrained:
             [['tired']]
         """
         return [self.tokenizer.encode(word, add_special_tokens=False).tokens]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are."""
+        return next(self.encoder.parameters()).device
 
     @torch.inference_mode()
     def attention_weights(self, ids: torch.Tensor) -> EncoderOutput:
@@ -131,8 +158,10 @@ class Pretrained:
             (torch.Size([2, 384]), [1.0, 1.0])
         """
         texts = check_texts(texts)
+        if self.sentence.lower_case:                  # sentence_bert_config's do_lower_case
+            texts = [t.lower() for t in texts]
         E = self.config.hidden_size
-        device = next(self.encoder.parameters()).device
+        device = self.device
         toks = self.tokenize_batch(texts, max_length=self.sentence.max_seq_length)
         lengths = torch.tensor([len(t.ids) for t in toks])                       # (n,)
         order = torch.argsort(lengths, descending=True, stable=True).tolist()

@@ -2,8 +2,9 @@
 
 Three optional files describe it: ``modules.json`` (the pipeline: Transformer, Pooling,
 Normalize), ``1_Pooling/config.json`` (mean or [CLS] pooling) and
-``sentence_bert_config.json`` (the longest input). A missing file means the defaults (mean
-pooling, normalized, the model's positions); a file of the wrong shape, or one asking for
+``sentence_bert_config.json`` (the longest input, and whether texts are lower-cased before
+the tokenizer sees them). A missing file means the defaults (mean pooling, normalized, the
+model's positions, texts as given); a file of the wrong shape, or one asking for
 something multihead does not compute, raises :class:`ModelLoadError` naming the file and field.
 """
 
@@ -28,6 +29,7 @@ class SentenceConfig:
     max_seq_length: int
     pooling: str          # "mean" or "cls"
     normalize: bool
+    lower_case: bool = False   # texts lower-cased before tokenizing (do_lower_case)
 
 
 def _normalize(path: Path) -> bool:
@@ -73,19 +75,22 @@ def _pooling(path: Path, c: BertConfig) -> str:
     return POOLINGS[on[0]] if on else "mean"
 
 
-def _max_seq_length(path: Path, c: BertConfig) -> int:
-    """The longest input (``max_seq_length``, at most the model's positions)."""
+def _input_settings(path: Path, c: BertConfig) -> tuple[int, bool]:
+    """The longest input (``max_seq_length``, at most the model's positions) and whether
+    texts are lower-cased first (``do_lower_case``, as sentence-transformers does)."""
     limit = c.max_position_embeddings
     if not path.is_file():
-        return limit
-    value = read_object(path, hint="fix it, or delete it to use the model's positions").get(
-        "max_seq_length")
+        return limit, False
+    settings = read_object(path, hint="fix it, or delete it to use the model's positions")
+    value, lower = settings.get("max_seq_length"), settings.get("do_lower_case", False)
+    if not isinstance(lower, bool):
+        raise ModelLoadError(f"{path}: do_lower_case is {show(lower)}, but it must be true or false")
     if value is None:
-        return limit
+        return limit, lower
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ModelLoadError(f"{path}: max_seq_length is {show(value)}, but it must be a positive "
                              f"integer (at most max_position_embeddings, {limit})")
-    return min(value, limit)
+    return min(value, limit), lower
 
 
 def sentence_config(d: Path, c: BertConfig) -> SentenceConfig:
@@ -95,8 +100,8 @@ def sentence_config(d: Path, c: BertConfig) -> SentenceConfig:
         >>> from multihead.models import BertConfig, default_model_dir
         >>> cfg = BertConfig.from_file(default_model_dir() / "config.json")
         >>> sentence_config(default_model_dir(), cfg)
-        SentenceConfig(max_seq_length=256, pooling='mean', normalize=True)
+        SentenceConfig(max_seq_length=256, pooling='mean', normalize=True, lower_case=False)
     """
-    return SentenceConfig(_max_seq_length(d / "sentence_bert_config.json", c),
-                          _pooling(d / "1_Pooling" / "config.json", c),
-                          _normalize(d / "modules.json"))
+    longest, lower = _input_settings(d / "sentence_bert_config.json", c)
+    return SentenceConfig(longest, _pooling(d / "1_Pooling" / "config.json", c),
+                          _normalize(d / "modules.json"), lower)
