@@ -270,3 +270,105 @@ def test_a_hidden_nan_changes_no_gradient(backend, where):
     for name, got, want in zip("qkv", grads(float("nan")), grads(0.0)):
         assert torch.isfinite(got).all(), (backend, name)
         torch.testing.assert_close(got, want, msg=f"{backend}: d{name}")
+
+
+def _exact_sum(*biases):
+    """One float64 bias: the exact sum of ``biases``' values (the oracle of a composition)."""
+    return M.bias(sum(b.double() for b in biases))
+
+
+@pytest.mark.parametrize("dtype", HALF + [torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("backend", BACKENDS + ["rows"])
+def test_composed_half_precision_biases_are_summed_in_float32(dtype, backend):
+    """bias(b1) & bias(b2) in bf16 used to be added in bf16 (errors 0.04-0.07 against 1e-6
+    for their sum given as one fp32 bias), and two finfo(fp16).min to -inf (a zero row)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = _qkv(B=1, H=2, S=48, D=16, dtype=dtype)
+    b1, b2 = (torch.randn(1, 2, 48, 48, generator=g).mul(30).to(b) for b in HALF)
+    low = torch.zeros(1, 1, 48, 48, dtype=torch.float16)
+    low[..., 0, :] = torch.finfo(torch.float16).min        # row 0: every key at min + min
+    for parts in ((b1, b2), (low, low)):
+        got = mh.attention(q, k, v, mask=M.bias(parts[0]) & M.bias(parts[1]), backend=backend)
+        want = mh.attention(q, k, v, mask=M.bias(parts[0].float() + parts[1].float()),
+                            backend=backend)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        ref = oracle(q, k, v, _exact_sum(*parts))
+        assert _err(got, ref) <= 2 * _err(want, ref) + 2 * torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("backend", ["reference", "blocksparse"])
+def test_float64_calls_sum_and_slope_biases_in_float64(backend):
+    """fp32 biases summed in fp32, and ALiBi's slopes for 12 heads (2^(-2/3) ...) kept in
+    fp32, cost fp64 calls errors of 1e-8 to 1e-7."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = _qkv(B=1, H=12, S=40, D=16, dtype=torch.float64)
+    b1, b2 = (torch.randn(1, 12, 40, 40, generator=g) * 10 for _ in range(2))
+    got = mh.attention(q, k, v, mask=M.bias(b1) & M.bias(b2) & M.alibi(12), backend=backend)
+    slopes = torch.tensor(M.alibi(12)._slopes, dtype=torch.float64)        # Python floats
+    dist = (torch.arange(40)[:, None] - torch.arange(40)[None, :]).abs().double()
+    want = mh.attention(q, k, v, mask=M.bias(b1.double() + b2.double()
+                                             - slopes[:, None, None] * dist), backend="reference")
+    assert _err(got, want) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_a_broadcast_half_precision_bias_gets_its_gradient_summed_in_float32(dtype, backend):
+    """A per-key bf16 bias broadcast over B, H and queries: its gradient was summed in bf16
+    (error 0.51 against plain torch's 0.114, with gradients up to 43)."""
+    g = torch.Generator().manual_seed(0)
+    B, H, S, D = 4, 2, 512, 32
+    q, k, v, dout = (torch.randn(B, H, S, D, generator=g) for _ in range(4))
+    b0 = torch.randn(1, 1, 1, S, generator=g).to(dtype)
+    bd = b0.double().requires_grad_()
+    ref = torch.softmax(q.double() @ k.double().transpose(-1, -2) * D ** -0.5 + bd, -1) @ v.double()
+    want, = torch.autograd.grad(ref, bd, dout.double())
+    bp = b0.clone().requires_grad_()                  # plain torch: fp32 scores + the bias
+    plain = torch.softmax(q @ k.transpose(-1, -2) * D ** -0.5 + bp, -1) @ v
+    base, = torch.autograd.grad(plain, bp, dout)
+    bm = b0.clone().requires_grad_()
+    got, = torch.autograd.grad(mh.attention(q, k, v, mask=M.bias(bm), backend=backend), bm, dout)
+    assert got.dtype == dtype
+    assert _err(got, want) <= 1.5 * _err(base, want), (_err(got, want), _err(base, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "varlen", "reference", "blocksparse"])
+def test_a_row_whose_every_key_is_nan_is_nan(dtype, backend):
+    """torch's CPU kernel returns zeros for a row of NaN scores (a decoding step over one
+    NaN key): the rule says NaN."""
+    q, k, v = _qkv(B=1, H=2, S=4, D=8, dtype=dtype)
+    k[0, 0, 0, 3] = float("nan")
+    mask = (M.causal() if backend != "varlen" else
+            M.causal() & M.document(torch.tensor([[0, 1, 1, 1]])))
+    if backend != "auto":
+        skip_unless_runs(backend, q, k, v, mask=mask)
+    out = mh.attention(q, k, v, mask=mask, backend=backend)
+    assert out[0, 0, 0].isnan().all() and not out[0, 1].isnan().any()
+    assert out[0, 0, 1:].isnan().all(-1).tolist() == [backend != "varlen"] * 3  # (documents)
+    one = mh.attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], mask=M.causal(),
+                       backend="sdpa" if backend == "varlen" else backend)
+    assert one[0, 0].isnan().all() and not one[0, 1].isnan().any()
+
+
+def test_blocksparse_gives_a_row_of_minus_inf_scores_no_weight(monkeypatch):
+    """Where nothing is read back (a GPU), a row whose only score is -inf (an infinite key)
+    is zeros with lse -inf, as on every other backend: blocksparse's exp, clamped at -80,
+    gave that key all the row's weight."""
+    from multihead.functional import nonfinite
+    monkeypatch.setattr(nonfinite, "_finite", lambda q, out, k: True)
+    q, k, v = _qkv(B=1, H=1, S=3, D=4)
+    q = q.abs() + 0.1
+    k[0, 0, 0, 0] = float("-inf")
+    for be in ["reference", "rows", "blocksparse"]:
+        out, lse = mh.attention(q, k, v, mask=M.causal(), backend=be, return_lse=True)
+        assert out[0, 0, 0].eq(0).all() and lse[0, 0, 0] == float("-inf"), be
+        assert out[0, 0, 1:].isfinite().all()
+
+
+def test_sdpa_runs_a_sum_of_alibis_in_float32_on_half_inputs():
+    """One ALiBi is exact in fp16; a sum of two is not (2.65x the error rule's bound)."""
+    h = torch.randn(1, 6, 13, 16).half()
+    two = M.alibi(6) & M.alibi(1, align="upper_left")
+    assert mh.explain(h, h, h, mask=two, backend="sdpa").plan.detail.upcast
+    assert not mh.explain(h, h, h, mask=M.alibi(6), backend="sdpa").plan.detail.upcast

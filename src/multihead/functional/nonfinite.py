@@ -12,8 +12,10 @@ The rule:
 
 On the CPU, where reading a result back is free, it costs one reduction over q and one
 over the output (and one over k in half precision, where torch's fused kernel turns a
-``+inf`` score into finite values): a non-finite input a row may see, or a hidden one that
-leaked through a kernel, leaves a non-finite output; only then are the inputs scanned, the
+``+inf`` score into finite values, and where an output row is exactly zero, which is what
+that kernel returns for a row whose every score is NaN): a non-finite input a row may see,
+or a hidden one that leaked through a kernel, leaves a non-finite output; only then are
+the inputs scanned, the
 call run again on cleaned inputs and the rows that see non-finite values set to NaN. An
 infinite key component that only ever meets the query with the opposite sign makes its
 scores ``-inf``, which IEEE arithmetic turns into weight 0 with a finite output: on every
@@ -43,19 +45,24 @@ from ._call import AttentionCall
 
 
 def _finite(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor) -> bool:
-    """True when q and the output (and k, in half precision) are finite (host reads, free
-    on a CPU; a sum that overflows only takes the careful path). Inputs it cannot read
-    (``torch.func`` transforms) count as finite: the kernels' own handling applies, as on
-    GPUs."""
+    """True when q and the output (and k, in half precision or where an output row is all
+    zeros) are finite (host reads, free on a CPU; a sum that overflows only takes the
+    careful path). Inputs it cannot read (``torch.func`` transforms) count as finite: the
+    kernels' own handling applies, as on GPUs."""
+    half = k.dtype in (torch.float16, torch.bfloat16)
     try:
         if (q.shape == out.shape and q.dtype in (torch.float32, torch.float64)
                 and q.is_contiguous() and out.is_contiguous()):
             # one BLAS call: a NaN or inf on either side makes q . out non-finite
-            return math.isfinite(torch.dot(q.view(-1), out.view(-1)).item())
-        total = q.sum(dtype=torch.float32) + out.sum(dtype=torch.float32)
-        if k.dtype in (torch.float16, torch.bfloat16):      # an absorbed +inf score
-            total = total + k.sum(dtype=torch.float32)
-        return math.isfinite(total.item())
+            ok = math.isfinite(torch.dot(q.view(-1), out.view(-1)).item())
+        else:
+            total = q.sum(dtype=torch.float32) + out.sum(dtype=torch.float32)
+            if half:                                        # an absorbed +inf score
+                total = total + k.sum(dtype=torch.float32)
+            ok = math.isfinite(total.item())
+        if ok and not half and out.numel() and bool((out == 0).all(-1).any()):
+            ok = math.isfinite(k.sum().item())              # a row of NaN scores: zeros
+        return ok
     except RuntimeError:                  # vmap and friends refuse .item()
         return True
 

@@ -18,6 +18,7 @@ Notation used for tensor shapes:
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,9 @@ class Index:
     """Broadcastable int64 index tensors handed to a mask's predicate.
 
     ``b``, ``h``, ``q``, ``k`` all have the same rank and broadcast against each other;
-    ``sq`` and ``sk`` are the logical query and key lengths of the call (for alignment).
+    ``sq`` and ``sk`` are the logical query and key lengths of the call (for alignment);
+    ``dtype`` is the scores' (float32, or float64 for float64 inputs): a bias computed from
+    exact values (ALiBi's slopes, a sum of biases) is computed at least that precisely.
     """
 
     b: torch.Tensor
@@ -48,6 +51,7 @@ class Index:
     k: torch.Tensor
     sq: int
     sk: int
+    dtype: torch.dtype = torch.float32
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,29 @@ def versioned():
 
 def _dims(t: torch.Tensor | None) -> str:
     return "None" if t is None else "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def bias_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a + b`` (finite biases) at the widest of their precisions and ``dtype`` (the
+    scores'), saturating at that dtype's largest magnitude: two biases in half precision
+    are not rounded to it, and two ``finfo.min`` add to a number, not ``-inf``.
+
+    Example:
+        >>> import torch
+        >>> m = torch.tensor([torch.finfo(torch.float16).min], dtype=torch.float16)
+        >>> bias_sum(m, m, torch.float32).tolist(), bias_sum(m, m, torch.float32).dtype
+        ([-131008.0], torch.float32)
+        >>> big = torch.tensor([-3e38])
+        >>> bias_sum(big, big, torch.float32).tolist()
+        [-3.4028234663852886e+38]
+
+    Shapes:
+        ``a`` and ``b`` broadcast; the result has their broadcast shape.
+    """
+    wide = torch.promote_types(torch.promote_types(a.dtype, b.dtype),
+                               torch.promote_types(dtype, torch.float32))
+    most = torch.finfo(wide).max
+    return (a.to(wide) + b.to(wide)).nan_to_num(nan=math.nan, posinf=most, neginf=-most)
 
 
 def bias_as(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -387,14 +414,15 @@ class Mask:
             return False
         return all(t.device.type == "cpu" for t in tensors)
 
-    def index(self, sq: int, sk: int, device=None) -> Index:
-        """The (B', H', Sq, Sk) index grid this mask is materialized on."""
+    def index(self, sq: int, sk: int, device=None, dtype: torch.dtype = torch.float32) -> Index:
+        """The (B', H', Sq, Sk) index grid this mask is materialized on, for scores of
+        ``dtype`` (float32, or float64)."""
         device = torch.device(device) if device is not None else self._device()
         b = torch.arange(_size(self.batch_size), device=device).view(-1, 1, 1, 1)
         h = torch.arange(_size(self.num_heads), device=device).view(1, -1, 1, 1)
         q = torch.arange(sq, device=device).view(1, 1, sq, 1)
         k = torch.arange(sk, device=device).view(1, 1, 1, sk)
-        return Index(b, h, q, k, sq, sk)
+        return Index(b, h, q, k, sq, sk, dtype)
 
     def materialize(self, sq: int, sk: int, device=None) -> torch.Tensor:
         """The dense bool tensor ``(B', H', Sq, Sk)``; True = may attend.
@@ -421,7 +449,7 @@ class Mask:
             >>> mh.masks.causal().additive(2, 2)[0, 0].tolist()
             [[0.0, -inf], [0.0, 0.0]]
         """
-        ix = self.index(sq, sk, device)
+        ix = self.index(sq, sk, device, torch.float64 if dtype == torch.float64 else torch.float32)
         out = torch.zeros(len(ix.b), len(ix.h), sq, sk, dtype=dtype, device=ix.q.device)
         bias = self._bias(ix) if self.has_bias else None
         if bias is not None:
@@ -657,7 +685,7 @@ class And(_Binary):
     def _bias(self, ix):
         ba = self.a._bias(ix) if self.a.has_bias else None
         bb = self.b._bias(ix) if self.b.has_bias else None
-        return bb if ba is None else ba if bb is None else ba + bb
+        return bb if ba is None else ba if bb is None else bias_sum(ba, bb, ix.dtype)
 
     def _tile_bounds(self, tx):
         (any_a, all_a), (any_b, all_b) = _bounds(self.a, tx), _bounds(self.b, tx)

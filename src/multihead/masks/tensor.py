@@ -23,9 +23,13 @@ def _as_4d(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _gather4(t: torch.Tensor, ix: Index) -> torch.Tensor:
-    """``t[b, h, q, k]`` for a 4-D tensor whose size-1 dims broadcast."""
+    """``t[b, h, q, k]`` for a 4-D tensor whose size-1 dims broadcast (a half-precision
+    ``t`` that takes a gradient is read as float32, so that its gradient is summed over the
+    broadcast in float32, not in its dtype; the values are the same)."""
     # a broadcast (size-1) dim reads index 0; ``i * 0`` keeps the index's rank
     idx = [i if n > 1 else i * 0 for i, n in zip((ix.b, ix.h, ix.q, ix.k), t.shape)]
+    if t.dtype in (torch.float16, torch.bfloat16) and t.requires_grad and torch.is_grad_enabled():
+        t = t.float()
     return t.to(ix.q.device)[idx[0], idx[1], idx[2], idx[3]]
 
 
@@ -261,8 +265,10 @@ class ALiBi(Mask):
     def _bias(self, ix: Index):
         from .structured import _offset
         dist = (ix.q + _offset(self.align, ix.sq, ix.sk) - ix.k).abs()
-        slopes = self.cached("slopes", (str(ix.q.device),),
-                             lambda: to_device(self.slopes, ix.q.device))   # (H,)
+        wide = ix.dtype == torch.float64          # slopes such as 2^(-1/2), exact in it
+        slopes = self.cached("slopes", (str(ix.q.device), wide), lambda: to_device(
+            torch.tensor(self._slopes, dtype=torch.float64 if wide else torch.float32),
+            ix.q.device))                                                    # (H,)
         h = ix.h if self.num_heads > 1 else ix.h * 0    # one slope broadcasts to every head
         return -slopes[h] * dist
 

@@ -19,7 +19,7 @@ def mask_terms(call: AttentionCall, device) -> tuple[torch.Tensor | None, torch.
     m = call.effective_mask
     if m is None:
         return None, None
-    return m.at(m.index(call.Sq, call.Sk, device))
+    return m.at(m.index(call.Sq, call.Sk, device, call.compute_dtype))
 
 
 def mask_launches(call: AttentionCall) -> int:

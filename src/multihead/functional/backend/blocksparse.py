@@ -97,7 +97,8 @@ def _mask_step(s: torch.Tensor, g: _Geo, i0: int, i1: int, step: Step):
     if m is not None:
         ix = Index(b=torch.arange(m.batch_size or 1, device=dev).view(-1, 1, 1, 1, 1),
                    h=torch.arange(m.num_heads or 1, device=dev).view(1, -1, 1, 1, 1),
-                   q=qpos.clamp(max=g.Sq - 1), k=kpos.clamp(max=g.Sk - 1), sq=g.Sq, sk=g.Sk)
+                   q=qpos.clamp(max=g.Sq - 1), k=kpos.clamp(max=g.Sk - 1), sq=g.Sq, sk=g.Sk,
+                   dtype=s.dtype)
     allowed = m._allowed(ix) if step.masked and m is not None and m.has_predicate else None
     bias = m._bias(ix) if has_bias else None        # a full step needs only the bias
     add = bias_as(bias, s.dtype) if bias is not None else None    # (Bx, 1|H, nQc, tq|1, L)
@@ -206,8 +207,10 @@ def _forward(g: _Geo, q, k, v, scale):
                 l = l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
                 acc = acc.mul_(alpha).add_(pv)
             m = m_new
-        m_safe = m.masked_fill(m == NEG_INF, 0.0)
-        res = acc / l.masked_fill(l == 0, 1.0)
+        empty = m == NEG_INF            # no finite score: zeros and lse -inf (a score of
+        m_safe = m.masked_fill(empty, 0.0)  # -inf from an infinite key has weight 0, though
+        l = l.masked_fill(empty, 0.0)       # its exp was clamped at -80)
+        res = acc.masked_fill_(empty, 0.0) / l.masked_fill(l == 0, 1.0)
         shape6 = (B, Hkv, i1 - i0, G, tq)
         out6[:, :, :, i0:i1] = res.view(*shape6, g.Dv).permute(0, 1, 3, 2, 4, 5)
         lse5[:, :, :, i0:i1] = (m_safe + l.log()).view(shape6).permute(0, 1, 3, 2, 4)

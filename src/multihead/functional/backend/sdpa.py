@@ -59,13 +59,16 @@ def _causal_pairs(sq: int, sk: int) -> int:
 def _rounds_a_tensor_bias(m, dtype: torch.dtype) -> bool:
     """Would a kernel adding the bias in ``dtype`` round a bias tensor given in a wider one?
 
-    Structured biases (ALiBi) are exempt: their values are computed exactly, and the keys
-    that carry weight are the near ones, whose small values round finely in any dtype (the
-    cross-backend tests hold them to the error rule).
+    Structured biases (ALiBi) alone are exempt: their values are computed exactly, and the
+    keys that carry weight are the near ones, whose small values round finely in any dtype
+    (the cross-backend tests hold them to the error rule). A sum of several biases is not
+    exact in the narrow dtype, whatever they are.
     """
     if torch.finfo(dtype).bits >= 32:     # fp32/fp64 kernels: nothing to gain by upcasting
         return False
     narrow = torch.finfo(dtype)
+    if sum(1 for leaf in m.leaves() if leaf.has_bias) > 1:
+        return True
     for leaf in m.leaves():
         raw = getattr(leaf, "raw", None) if leaf.has_bias else None
         if raw is not None:
