@@ -356,7 +356,7 @@ def test_blocksparse_gives_a_row_of_minus_inf_scores_no_weight(monkeypatch):
     is zeros with lse -inf, as on every other backend: blocksparse's exp, clamped at -80,
     gave that key all the row's weight."""
     from multihead.functional import nonfinite
-    monkeypatch.setattr(nonfinite, "_finite", lambda q, out, k: True)
+    monkeypatch.setattr(nonfinite, "_finite", lambda q, out, k, zero_rows=False: True)
     q, k, v = _qkv(B=1, H=1, S=3, D=4)
     q = q.abs() + 0.1
     k[0, 0, 0, 0] = float("-inf")

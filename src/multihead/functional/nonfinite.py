@@ -12,8 +12,9 @@ The rule:
 
 On the CPU, where reading a result back is free, it costs one reduction over q and one
 over the output (and one over k in half precision, where torch's fused kernel turns a
-``+inf`` score into finite values, and where an output row is exactly zero, which is what
-that kernel returns for a row whose every score is NaN): a non-finite input a row may see,
+``+inf`` score into finite values, and, after torch's fused kernel, where an output row
+is exactly zero, which it returns for a row whose every score is NaN): a non-finite input a
+row may see,
 or a hidden one that leaked through a kernel, leaves a non-finite output; only then are
 the inputs scanned, the
 call run again on cleaned inputs and the rows that see non-finite values set to NaN. An
@@ -44,11 +45,13 @@ import torch
 from ._call import AttentionCall
 
 
-def _finite(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor) -> bool:
-    """True when q and the output (and k, in half precision or where an output row is all
-    zeros) are finite (host reads, free on a CPU; a sum that overflows only takes the
-    careful path). Inputs it cannot read (``torch.func`` transforms) count as finite: the
-    kernels' own handling applies, as on GPUs."""
+def _finite(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor,
+            zero_rows: bool = False) -> bool:
+    """True when q and the output (and k, in half precision, or with ``zero_rows`` where an
+    output row is all zeros: a kernel that returns zeros for a row of NaN scores) are
+    finite (host reads, free on a CPU; a sum that overflows only takes the careful path).
+    Inputs it cannot read (``torch.func`` transforms) count as finite: the kernels' own
+    handling applies, as on GPUs."""
     half = k.dtype in (torch.float16, torch.bfloat16)
     try:
         if (q.shape == out.shape and q.dtype in (torch.float32, torch.float64)
@@ -60,8 +63,13 @@ def _finite(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor) -> bool:
             if half:                                        # an absorbed +inf score
                 total = total + k.sum(dtype=torch.float32)
             ok = math.isfinite(total.item())
-        if ok and not half and out.numel() and bool((out == 0).all(-1).any()):
-            ok = math.isfinite(k.sum().item())              # a row of NaN scores: zeros
+        if ok and zero_rows and not half and out.numel():
+            # a row of zeros (its largest |value| 0) with a non-finite key: the careful
+            # path; the cheaper of the two reads first
+            no_zero_row = lambda: bool(out.abs().amax(-1).amin())
+            finite_k = lambda: math.isfinite(k.sum().item())
+            ok = (finite_k() or no_zero_row() if k.numel() <= 4 * out.numel()
+                  else no_zero_row() or finite_k())
         return ok
     except RuntimeError:                  # vmap and friends refuse .item()
         return True
@@ -115,7 +123,7 @@ def run(backend, call: AttentionCall, plan):
     on_host = call.q.device.type == "cpu" and not torch.compiler.is_compiling()
     rng = torch.random.get_rng_state() if on_host and call.dropout_p > 0 else None
     out, w, lse = backend.run(call, plan)
-    if not on_host or _finite(call.q, out, call.k):
+    if not on_host or _finite(call.q, out, call.k, backend.zero_rows_for_nan_scores):
         return out, w, lse
     if rng is not None:                   # the same dropout draws as the first run
         torch.random.set_rng_state(rng)

@@ -51,6 +51,9 @@ class Backend:
     name: str = "?"
     summary: str = ""
     capabilities: Capabilities = Capabilities()
+    #: its kernel returns a row of zeros, not NaN, where every score of the row is NaN
+    #: (torch's fused CPU kernel): :mod:`.nonfinite` then reads the keys of a zero row
+    zero_rows_for_nan_scores: bool = False
     #: a decision refers to its (registered, shared) backend but does not own what the
     #: backend holds: caches do not count it (:func:`multihead._cache.nbytes`)
     _cache_opaque = True

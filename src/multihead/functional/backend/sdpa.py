@@ -98,6 +98,7 @@ def _dense_mask(call: AttentionCall, row_fix: bool, dtype: torch.dtype):
 
 class SDPA(Backend):
     name = "sdpa"
+    zero_rows_for_nan_scores = True         # torch's fused kernel (see nonfinite)
     summary = "torch's fused scaled_dot_product_attention (flash kernel); dense masks materialized"
     capabilities = Capabilities(dropout=True, bias_grad=True)
 

@@ -122,6 +122,7 @@ def _buckets(call: AttentionCall) -> list[Bucket]:
 
 class VarLen(Backend):
     name = "varlen"
+    zero_rows_for_nan_scores = True         # torch's fused kernel (see nonfinite)
     summary = "packed documents: one fused SDPA call per group of equal-length documents"
     capabilities = Capabilities(masks=frozenset({"document"}), compositions=False,
                                 cross_attention=False, dropout=True, traceable=False)
