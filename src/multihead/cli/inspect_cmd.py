@@ -85,6 +85,7 @@ def _read_lines(path: Path) -> list[str]:
         ...     _ = f.write("one\\u2028line\\r\\ntwo\\fparts\\n".encode())
         >>> _read_lines(Path(f.name))
         ['one\\u2028line', 'two\\x0cparts']
+        >>> Path(f.name).unlink()
     """
     try:
         data = path.read_bytes()
@@ -160,7 +161,7 @@ def run(args) -> int:
                   f"tokens{f', and {more} more' if more else ''}); their metrics use the first "
                   f"tokens only. Pass --no-truncate to refuse instead.", highlight=False)
     try:
-        metrics.roles()                              # (refuses texts with no row to measure)
+        metrics.check_measured()
     except ValueError as e:
         raise InspectError(str(e)) from None
     query = find_query(model, cap.tokens, args.query_token, cap.words)

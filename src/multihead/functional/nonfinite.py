@@ -12,13 +12,11 @@ The rule:
 
 On the CPU, where reading a result back is free, it costs one reduction over q and one
 over the output (and one over k in half precision, where torch's fused kernel turns a
-``+inf`` score into finite values, and, after torch's fused kernel, where an output row
-is exactly zero, which it returns for a row whose every score is NaN): a non-finite input a
-row may see,
-or a hidden one that leaked through a kernel, leaves a non-finite output; only then are
-the inputs scanned, the
-call run again on cleaned inputs and the rows that see non-finite values set to NaN. An
-infinite key component that only ever meets the query with the opposite sign makes its
+``+inf`` score into finite values, and, after torch's fused kernel, where an output row is
+exactly zero, which it returns for a row whose every score is NaN): a non-finite input a
+row may see, or a hidden one that leaked through a kernel, leaves a non-finite output;
+only then are the inputs scanned, the call run again on cleaned inputs and the rows that
+see non-finite values set to NaN. An infinite key component that only ever meets the query with the opposite sign makes its
 scores ``-inf``, which IEEE arithmetic turns into weight 0 with a finite output: on every
 backend such a key is dropped from its rows unless the call takes the careful path for
 another reason (then its rows are NaN, as the rule says). On devices where a

@@ -196,6 +196,21 @@ class HeadMetrics:
                                                 "token sees only itself)")
                 for name in METRICS if self.texts and not self.counts.get(name)}
 
+    def check_measured(self) -> None:
+        """Raise ``ValueError`` when no query row was measured (texts of one token, given
+        to a decoder: its first token sees only itself), so that no head has a role.
+
+        Example:
+            >>> HeadMetrics.of(torch.ones(1, 2, 1, 1), ["it"], causal=True).check_measured()
+            Traceback (most recent call last):
+            ...
+            ValueError: no head has a role: no query row could be measured (a decoder's first token sees only itself, and every text given has one token); give a text of at least two tokens
+        """
+        if "entropy" in self.not_applicable():
+            raise ValueError("no head has a role: no query row could be measured (a decoder's "
+                             "first token sees only itself, and every text given has one "
+                             "token); give a text of at least two tokens")
+
     def table(self) -> dict[str, torch.Tensor]:
         """Every metric's per-head average, ``{name: (L, H)}``."""
         return {name: self.value(name) for name in METRICS}
@@ -204,13 +219,9 @@ class HeadMetrics:
         """``[layer][head] -> (role, score)`` by :data:`ROLE_RULES`, then BROAD / FOCUSED.
 
         Raises:
-            ValueError: no query row was measured (texts of one token, given to a decoder:
-                its first token sees only itself), so no head has a role.
+            ValueError: no query row was measured (:meth:`check_measured`).
         """
-        if "entropy" in self.not_applicable():
-            raise ValueError("no head has a role: no query row could be measured (a decoder's "
-                             "first token sees only itself, and every text given has one "
-                             "token); give a text of at least two tokens")
+        self.check_measured()
         t = self.table()
         L, H = t["prev"].shape
         na = self.not_applicable()

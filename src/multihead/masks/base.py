@@ -449,7 +449,7 @@ class Mask:
             >>> mh.masks.causal().additive(2, 2)[0, 0].tolist()
             [[0.0, -inf], [0.0, 0.0]]
         """
-        ix = self.index(sq, sk, device, torch.float64 if dtype == torch.float64 else torch.float32)
+        ix = self.index(sq, sk, device, torch.promote_types(dtype, torch.float32))
         out = torch.zeros(len(ix.b), len(ix.h), sq, sk, dtype=dtype, device=ix.q.device)
         bias = self._bias(ix) if self.has_bias else None
         if bias is not None:

@@ -303,19 +303,18 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
                 raise
             raise ModelLoadError(f"{weights} cannot be loaded as a {kind} model "
                                  f"({first_line(e)})") from None
-    for problem in ("missing_keys", "mismatched_keys", "unexpected_keys"):
+    for problem in ("missing_keys", "mismatched_keys"):
         bad = sorted(str(k) for k in info.get(problem) or ())
-        if problem == "unexpected_keys":      # (a task's head, say lm_head, is left out: fine)
-            bad = [k for k in bad if LAYER_TENSOR.search(k)]
-        if bad and problem == "unexpected_keys":
-            raise ModelLoadError(f"{weights}: {len(bad)} tensor(s) of layers that config.json's "
-                                 f"{kind} model has not, e.g. {show(bad[:3], 200)}: is "
-                                 f"config.json's layer count right?")
         if bad:
             raise ModelLoadError(f"{weights}: {len(bad)} {problem.replace('_keys', '')} "
                                  f"tensor(s) for config.json's {kind} model, e.g. "
                                  f"{show(bad[:3], 200)}: the checkpoint does not match "
                                  f"config.json (is model_type right?)")
+    extra = sorted(str(k) for k in info.get("unexpected_keys") or () if LAYER_TENSOR.search(str(k)))
+    if extra:                               # (a task's head, say lm_head, is left out: fine)
+        raise ModelLoadError(f"{weights}: {len(extra)} tensor(s) of layers that config.json's "
+                             f"{kind} model has not, e.g. {show(extra[:3], 200)}: is "
+                             f"config.json's layer count right?")
     for name, p in network.named_parameters():
         _check_finite(weights, name, p.detach(), "the checkpoint is corrupt; re-export it")
     model = Decoder if kind in DECODER_TYPES else EncoderDecoder
