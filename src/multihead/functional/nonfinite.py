@@ -16,21 +16,21 @@ over the output (and one over k in half precision, where torch's fused kernel tu
 exactly zero, which it returns for a row whose every score is NaN): a non-finite input a
 row may see, or a hidden one that leaked through a kernel, leaves a non-finite output;
 only then are the inputs scanned, the call run again on cleaned inputs and the rows that
-see non-finite values set to NaN. An infinite key component that only ever meets the query with the opposite sign makes its
-scores ``-inf``, which IEEE arithmetic turns into weight 0 with a finite output: on every
-backend such a key is dropped from its rows unless the call takes the careful path for
-another reason (then its rows are NaN, as the rule says). On devices where a
-read-back stalls the queue (GPUs) nothing is inspected, and the fused kernels' own NaN
-handling applies. Our Triton kernels keep the first part of the rule themselves where
-hidden positions may hold anything: a program whose accumulators end non-finite (a hidden
-NaN or inf makes them NaN: its weight is 0, and ``0 * NaN`` is NaN) runs its blocks again,
-zeroing the non-finite values on the blocks it masks (the block-sparse kernels' partial
-blocks, the band and decode kernels' edge blocks, where the band shows a key to some rows
-of a block and hides it from others) and making NaN (output and lse) the rows that see
-one; a program whose accumulators end finite saw none and pays one check. The band
-kernels never read the keys past a padding length. A visible non-finite *key* follows IEEE
-arithmetic there: a NaN makes its rows NaN, an infinite score may instead drop the key
-(``-inf``) from a row.
+see non-finite values set to NaN. An infinite key component that only ever meets the query
+with the opposite sign makes its scores ``-inf``, which IEEE arithmetic turns into weight
+0 with a finite output: on every backend such a key is dropped from its rows unless the
+call takes the careful path for another reason (then its rows are NaN, as the rule says).
+On devices where a read-back stalls the queue (GPUs) nothing is inspected, and the fused
+kernels' own NaN handling applies. Our Triton kernels keep the first part of the rule
+themselves where hidden positions may hold anything: a program whose accumulators end non-
+finite (a hidden NaN or inf makes them NaN: its weight is 0, and ``0 * NaN`` is NaN) runs
+its blocks again, zeroing the non-finite values on the blocks it masks (the block-sparse
+kernels' partial blocks, the band and decode kernels' edge blocks, where the band shows a
+key to some rows of a block and hides it from others) and making NaN (output and lse) the
+rows that see one; a program whose accumulators end finite saw none and pays one check.
+The band kernels never read the keys past a padding length. A visible non-finite *key*
+follows IEEE arithmetic there: a NaN makes its rows NaN, an infinite score may instead
+drop the key (``-inf``) from a row.
 """
 
 from __future__ import annotations
