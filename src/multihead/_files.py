@@ -57,6 +57,7 @@ def atomic_write_all(files: dict[Path, str | bytes]) -> list[Path]:
     try:
         for path, data in files.items():
             path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
             if path.is_dir():
                 raise IsADirectoryError(21, "Is a directory", str(path))
             try:

@@ -89,7 +89,7 @@ def test_long_text_truncates_with_warning_or_refuses(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["   "], "the text is empty"),
-    (["\u200b\x07"], "has no token but the model's markers ([CLS] [SEP])"),
+    (["\u200b\x07"], "has no token but the model's markers ([CLS] [SEP]): it holds nothing"),
     (["--query-token", "zebra"], "--query-token 'zebra' (tokens ['zebra']) is not in the text"),
     (["--layer", "6"], "--layer 6 is out of range: the model has 6 layers (0..5)"),
     (["--head", "-1"], "--head -1 is out of range: the model has 12 heads per layer (0..11)"),
@@ -107,6 +107,17 @@ def test_unwritable_out(tmp_path, capsys):
     blocker.write_text("x")
     assert main(["inspect", "--out", str(blocker / "sub")]) == 2
     assert "is not writable" in capsys.readouterr().err
+
+
+def test_a_refused_text_leaves_no_out_directory(tmp_path, capsys):
+    d = tiny_checkpoint(tmp_path / "tiny")
+    out = tmp_path / "report" / "nested"
+    assert main(["inspect", "[CLS] [SEP]", "--model", str(d), "--out", str(out)]) == 2
+    assert "it is only marker tokens" in capsys.readouterr().err
+    assert not (tmp_path / "report").exists()             # checked, but not created early
+    assert main(["inspect", "it rains", "--model", str(d), "--out", str(out),
+                 "--format", "json"]) == 0
+    assert [p.name for p in out.iterdir()] == ["inspect.json"]
 
 
 def test_model_dirs(tmp_path, capsys):

@@ -58,24 +58,38 @@ def int_in(lo: int, hi: int):
 
 
 def prepare_out(out: Path | None, names: tuple[str, ...] = ()) -> None:
-    """Create ``--out`` and prove it is writable, before any long work (one clear error).
+    """Prove ``--out`` can be written, before any long work (one clear error), without
+    creating it: a command that fails later leaves no empty directory behind.
+
+    An existing directory is probed with a fresh file; a missing one is probed in its
+    nearest existing ancestor, where it will be created when the files are written.
 
     Args:
         out: the directory, or ``None`` (nothing to check).
         names: the files the command will write there; none may be a directory.
 
     Raises:
-        ValueError: ``out`` is a file, cannot be created or written, or one of ``names``
-            is a directory in it.
+        ValueError: ``out`` (or an ancestor) is a file, cannot be created or written, or
+            one of ``names`` is a directory in it.
+
+    Example:
+        >>> import tempfile
+        >>> new = Path(tempfile.mkdtemp()) / "a" / "b"
+        >>> prepare_out(new); new.exists()
+        False
     """
     if out is None:
         return
     try:
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"--out {str(out)!r} is not writable: it is a file, not a "
-                             f"directory: choose a directory")
-        out.mkdir(parents=True, exist_ok=True)
-        probe_writable(out)
+        there = out
+        while not there.exists() and not there.is_symlink() and there != there.parent:
+            there = there.parent                    # (the ancestor it will be made in)
+        if not there.is_dir():
+            what = "it" if there == out else repr(str(there))
+            kind = "is a file, not a directory" if there.is_file() else "is not a directory"
+            raise ValueError(f"--out {str(out)!r} is not writable: {what} {kind}: choose a "
+                             f"directory")
+        probe_writable(there)
         taken = [n for n in names if (out / n).is_dir() and not (out / n).is_symlink()]
     except OSError as e:
         raise ValueError(f"--out {str(out)!r} is not writable ({e.strerror or e}): "

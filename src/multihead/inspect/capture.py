@@ -93,9 +93,11 @@ def capture(model: Inspectable, text: str, *, truncate: bool = True) -> Capture:
         raise InspectError(f"the text has {tok.original_length} tokens but the model has {limit} "
                            f"positions: shorten it, or drop --no-truncate to keep the first {limit}")
     if all(is_special(t) for t in tok.tokens):
+        added = len(tok.tokens) - len(model.tokenize("x").tokens) + 1   # (markers it wrote)
+        why = ("it is only marker tokens, which the tokenizer reads as markers" if added > 0
+               else "it holds nothing the tokenizer keeps (invisible or control characters?)")
         raise InspectError(f"the text {text[:40]!r} has no token but the model's markers "
-                           f"({' '.join(tok.tokens) or 'none'}): it holds nothing the "
-                           f"tokenizer keeps (invisible or control characters?); give some words")
+                           f"({' '.join(tok.tokens) or 'none'}): {why}; give some words")
     _check_memory(model, len(tok.ids))
     out = model.attention_weights(tok.ids[None])
     w = _gather(out.weights)                                                  # (L, H, S, S)
