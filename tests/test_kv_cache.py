@@ -40,7 +40,7 @@ def _pool(m, num_pages=16, page_size=4):
                            head_dim=m.head_dim, dtype=p.dtype, device=p.device)
 
 
-def _decode(m, seqs, lengths, steps, cache, side):
+def _decode(m, seqs, lengths, steps, cache, side, mask=CAUSAL):
     """Prefill padded prompts (one padding side), then `steps` single-token steps."""
     B, P, dev = len(seqs), max(lengths), seqs[0].device
     x = torch.zeros(B, P, E, dtype=seqs[0].dtype, device=dev)
@@ -48,11 +48,11 @@ def _decode(m, seqs, lengths, steps, cache, side):
     for b, (s, n) in enumerate(zip(seqs, lengths)):
         sl = slice(0, n) if side == "right" else slice(P - n, P)
         x[b, sl], valid[b, sl] = s[:n], True
-    y = m(x, cache=cache, mask=CAUSAL, valid=valid)
+    y = m(x, cache=cache, mask=mask, valid=valid)
     outs = [[y[b, valid[b]]] for b in range(B)]
     for t in range(steps):
         xt = torch.stack([s[n + t] for s, n in zip(seqs, lengths)])[:, None]   # (B, 1, E)
-        yt = m(xt, cache=cache, mask=CAUSAL)
+        yt = m(xt, cache=cache, mask=mask)
         for b in range(B):
             outs[b].append(yt[b])
     return [torch.cat(o) for o in outs]
@@ -71,8 +71,8 @@ def _decode_paged(m, seqs, lengths, steps, pool):
     return [torch.cat(o) for o in outs], ids
 
 
-def _full(m, seqs):
-    return [m(s[None], mask=CAUSAL)[0] for s in seqs]
+def _full(m, seqs, mask=CAUSAL):
+    return [m(s[None], mask=mask)[0] for s in seqs]
 
 
 def _assert_rule(got, base, ref, slack):
@@ -104,6 +104,63 @@ def test_token_by_token_equals_full_forward_fp32(kv, rope, side, kind):
         want = _full(m, seqs)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=2e-6, rtol=1e-5)
+
+
+DISTANCE = {"window": mh.masks.sliding_window(3), "alibi": mh.masks.alibi(H) & CAUSAL,
+            "window and alibi": mh.masks.sliding_window(2) & mh.masks.alibi(H)}
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("mask", DISTANCE)
+def test_distance_masks_count_tokens_not_the_padding_between_them(mask, side, kind):
+    """Right padding leaves empty slots between a prompt and the tokens generated after it:
+    a window or ALiBi measures the distance in tokens, as the full forward does."""
+    lengths, steps = [5, 3, 1], 4
+    m = _module(2, True, torch.float64)
+    seqs = _data(lengths, steps, torch.float64)
+    with torch.no_grad():
+        got = _decode(m, seqs, lengths, steps, _cache(kind, m, 3), side, DISTANCE[mask])
+        want = _full(m, seqs, DISTANCE[mask])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_a_paused_sequence_keeps_its_window(kind):
+    """A step where one sequence of the batch is padding (valid False) does not widen its
+    window for the steps after."""
+    m, w = _module(2, True, torch.float64), mh.masks.sliding_window(3)
+    seqs = _data([4, 4], 5, torch.float64)                       # 9 tokens each
+    cache, seen = _cache(kind, m, 2), [4, 4]
+    with torch.no_grad():
+        y = m(torch.stack([s[:4] for s in seqs]), cache=cache, mask=w)
+        outs = [[y[0]], [y[1]]]
+        for step in range(5):
+            run = [True, step not in (1, 2)]                     # the second pauses twice
+            xt = torch.stack([s[n] for s, n in zip(seqs, seen)])[:, None]   # (2, 1, E)
+            yt = m(xt, cache=cache, mask=w, valid=torch.tensor(run)[:, None])
+            for b in range(2):
+                if run[b]:
+                    outs[b].append(yt[b])
+                    seen[b] += 1
+        want = _full(m, [s[:n] for s, n in zip(seqs, seen)], w)
+    for o, wt in zip(outs, want):
+        torch.testing.assert_close(torch.cat(o), wt, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("tensor", [torch.ones(1, 3, dtype=torch.bool), torch.zeros(1, 3)],
+                         ids=["bool", "bias"])
+def test_a_tensor_mask_combines_with_a_padded_cache(tensor):
+    m = _module(2, False)
+    x = torch.randn(2, 3, E)
+    with torch.no_grad():
+        out = {}
+        for name, mask in (("tensor", tensor), ("none", None)):
+            cache = m.make_cache(2, 8)
+            m(x[:, :2], cache=cache, valid=torch.tensor([[True, True], [False, True]]))
+            out[name] = m(x[:, 2:], cache=cache, mask=mask)
+    torch.testing.assert_close(out["tensor"], out["none"], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("kv", [4, 2, 1], ids=["MHA", "GQA", "MQA"])

@@ -319,3 +319,40 @@ def test_tiles_of_an_empty_side_are_empty():
     assert tuple(t.state.shape) == (2, 1, 0, 4)
     both = (M.causal() & m).tiles(32, 32, tile_q=16, tile_k=16, batch=0)
     assert both.state.shape[0] == 0 and both.state.numel() == 0
+
+
+def test_at_positions_measures_distances_between_the_given_positions():
+    g = torch.Generator().manual_seed(0)
+    B, Sq, Sk, H = 2, 3, 7, 4
+    k_pos = torch.randint(0, 9, (B, Sk), generator=g)
+    q_pos = torch.randint(0, 9, (B, Sq), generator=g)
+    d = (q_pos[:, None, :, None] - k_pos[:, None, None, :]).double()     # (B, 1, Sq, Sk)
+    slopes = mh.masks.alibi_slopes(H).double().view(1, H, 1, 1)
+    want = torch.where((d >= 0) & (d < 3), -slopes * d.abs(), float("-inf"))
+    m = mh.masks.at_positions(mh.masks.sliding_window(3) & mh.masks.alibi(H), q_pos, k_pos)
+    got = m.additive(Sq, Sk, dtype=torch.float64)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    q = torch.randn(B, H, Sq, 8, dtype=torch.float64)
+    kv = torch.randn(B, H, Sk, 8, dtype=torch.float64)
+    ref = torch.softmax(q @ kv.transpose(-1, -2) / 8 ** 0.5 + want, -1).nan_to_num(0) @ kv
+    for backend in ("reference", "sdpa", "blocksparse"):
+        out = mh.attention(q, kv, kv, mask=m, backend=backend)
+        torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12, msg=backend)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((torch.arange(3.0), torch.arange(4)), "q_positions must be an integer tensor"),
+    ((torch.arange(3), torch.zeros(1, 1, 4, dtype=torch.long)), "k_positions must be an integer"),
+    ((torch.zeros(2, 3, dtype=torch.long), torch.zeros(3, 4, dtype=torch.long)),
+     "the batch sizes disagree"),
+])
+def test_at_positions_refuses_what_is_not_positions(args, message):
+    with pytest.raises(ValueError, match=message):
+        mh.masks.at_positions(mh.masks.causal(), *args)
+
+
+def test_at_positions_checks_the_call_sizes():
+    m = mh.masks.at_positions(mh.masks.sliding_window(2), torch.arange(3), torch.arange(4))
+    q = torch.randn(1, 1, 3, 4)
+    with pytest.raises(ValueError, match="k_positions has 4 positions but the call has 5"):
+        mh.attention(q, torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4), mask=m)

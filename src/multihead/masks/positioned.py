@@ -1,0 +1,146 @@
+"""A mask measured at token positions instead of slot indices.
+
+A mask's predicate sees slot indices: the query's row and the key's column in the call.
+Distance masks (``sliding_window``, ``alibi``) then count slots. When some slots are not
+tokens (padding between a prompt and the tokens generated after it, a paused sequence in a
+batched cache), slots and positions part, and a window counted in slots is too narrow.
+:func:`at_positions` evaluates a mask at the positions the caller gives instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import FULL, PARTIAL, Index, Mask, TileIndex  # noqa: F401  (FULL/PARTIAL: docs)
+
+
+def _as_positions(t, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex \
+            or t.dtype == torch.bool or t.dim() not in (1, 2):
+        shown = (f"a {t.dim()}-D {t.dtype} tensor" if isinstance(t, torch.Tensor)
+                 else type(t).__name__)
+        raise ValueError(f"at_positions: {name} must be an integer tensor (S,) or (B, S) of "
+                         f"token positions, got {shown}: pass e.g. torch.arange(S)")
+    t = t.long()
+    return t if t.dim() == 2 else t[None]                                # (B or 1, S)
+
+
+class Positioned(Mask):
+    """``mask`` with query slot ``i`` of sequence ``b`` at position ``q_positions[b, i]`` and
+    key slot ``j`` at ``k_positions[b, j]``. Built by :func:`at_positions`."""
+
+    kind = "custom"
+
+    def __init__(self, mask: Mask, q_positions: torch.Tensor, k_positions: torch.Tensor):
+        if not isinstance(mask, Mask):
+            raise TypeError(f"at_positions: mask must be a multihead mask, got "
+                            f"{type(mask).__name__}")
+        self.m = mask
+        self.q_positions = _as_positions(q_positions, "q_positions")      # (Bq, Sq)
+        self.k_positions = _as_positions(k_positions, "k_positions")      # (Bk, Sk)
+        if self.q_positions.device != self.k_positions.device:
+            raise ValueError(f"at_positions: q_positions is on {self.q_positions.device} but "
+                             f"k_positions on {self.k_positions.device}: put both on one device")
+        sizes = {len(self.q_positions), len(self.k_positions), mask.batch_size or 1} - {1}
+        if len(sizes) > 1:
+            raise ValueError(f"at_positions: the batch sizes disagree (q_positions "
+                             f"{len(self.q_positions)}, k_positions {len(self.k_positions)}, "
+                             f"mask {mask.batch_size}): give one size, or 1 to broadcast")
+        self.batch_size = sizes.pop() if sizes else mask.batch_size
+        self.num_heads = mask.num_heads
+        self.has_bias, self.has_predicate = mask.has_bias, mask.has_predicate
+
+    def describe(self) -> str:
+        return f"at_positions({self.m.describe()})"
+
+    def leaves(self):
+        yield from self.m.leaves()
+
+    def _tensors(self):
+        return [self.q_positions, self.k_positions, *self.m._tensors()]
+
+    def to(self, device) -> "Positioned":
+        new = self._moved(device, "q_positions", "k_positions")
+        new.m = self.m.to(device)
+        return new
+
+    def _check(self, batch, heads, sq, sk):
+        super()._check(batch, heads, sq, sk)
+        for name, t, n in (("q_positions", self.q_positions, sq),
+                           ("k_positions", self.k_positions, sk)):
+            if t.shape[1] != n:
+                raise ValueError(f"at_positions: {name} has {t.shape[1]} positions but the call "
+                                 f"has {n} {name[0]} slots: give one position per slot")
+        self.m._check(batch, heads, sq, sk)
+
+    def _at(self, ix: Index) -> Index:
+        """``ix`` with slots replaced by positions; the lengths made equal, so an alignment
+        adds nothing (the positions place queries and keys)."""
+        bq = ix.b if len(self.q_positions) > 1 else ix.b * 0
+        bk = ix.b if len(self.k_positions) > 1 else ix.b * 0
+        q = self.q_positions[bq, ix.q]                                     # (B', 1, Sq, 1)
+        k = self.k_positions[bk, ix.k]                                     # (B', 1, 1, Sk)
+        return Index(ix.b, ix.h, q, k, ix.sk, ix.sk, ix.dtype)
+
+    def _allowed(self, ix: Index) -> torch.Tensor:
+        return self.m._allowed(self._at(ix))
+
+    def _bias(self, ix: Index):
+        return self.m._bias(self._at(ix))
+
+    def _tile_bounds(self, tx: TileIndex):
+        # positions need not grow with slots: every tile may be partly allowed (sound)
+        return torch.ones(1, 1, 1, 1, dtype=torch.bool), torch.zeros(1, 1, 1, 1, dtype=torch.bool)
+
+
+def at_positions(mask: Mask, q_positions: torch.Tensor, k_positions: torch.Tensor) -> Positioned:
+    """``mask`` evaluated at token positions instead of slot indices.
+
+    A distance mask counts the slots between a query and a key. Where slots are not tokens
+    (padding after a prompt, then generated tokens), give each slot's position: the window
+    or ALiBi distance is then ``q_positions[b, i] - k_positions[b, j]``. The masks'
+    alignment no longer applies (the positions place queries and keys). Tiles are not
+    skipped (positions need not grow with the slots).
+
+    Args:
+        mask: the mask to evaluate (its leaves see positions where they saw slots).
+        q_positions: ``(Sq,)`` or ``(B, Sq)`` integer positions of the query slots.
+        k_positions: ``(Sk,)`` or ``(B, Sk)`` integer positions of the key slots.
+
+    Returns:
+        A mask that may be combined as any other.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> k = torch.tensor([0, 1, 1, 2])           # slot 2 is padding (the position repeats)
+        >>> m = mh.masks.at_positions(mh.masks.sliding_window(2), k[3:], k)
+        >>> m.materialize(1, 4)[0, 0].int().tolist()  # the last token sees 2 tokens back
+        [[0, 1, 1, 1]]
+    """
+    return Positioned(mask, q_positions, k_positions)
+
+
+def distances_at(mask: Mask | None, q_positions: torch.Tensor, k_positions: torch.Tensor):
+    """``mask`` with only its distance leaves (``sliding_window``, ``alibi``) moved to
+    positions (:func:`at_positions`); the rest (causal order, padding, documents, tensors)
+    keep counting slots. What a cache holding padding between tokens needs.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> pos = torch.tensor([0, 1, 1, 2])
+        >>> m = distances_at(mh.masks.causal() & mh.masks.sliding_window(2), pos[3:], pos)
+        >>> [leaf.describe() for leaf in (m.a, m.b)]
+        ["causal(align='lower_right')", "at_positions(sliding_window(2, align='lower_right'))"]
+    """
+    from .base import And, Not, Or
+    from .structured import Window
+    from .tensor import ALiBi
+    if isinstance(mask, (And, Or)):
+        a, b = (distances_at(x, q_positions, k_positions) for x in (mask.a, mask.b))
+        return mask if a is mask.a and b is mask.b else type(mask)(a, b)
+    if isinstance(mask, Not):
+        m = distances_at(mask.m, q_positions, k_positions)
+        return mask if m is mask.m else Not(m)
+    if (isinstance(mask, Window) and mask.size is not None) or isinstance(mask, ALiBi):
+        return Positioned(mask, q_positions, k_positions)
+    return mask
