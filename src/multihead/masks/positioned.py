@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import FULL, PARTIAL, Index, Mask, TileIndex  # noqa: F401  (FULL/PARTIAL: docs)
+from .base import Index, Mask, TileIndex
 
 
 def _as_positions(t, name: str) -> torch.Tensor:
