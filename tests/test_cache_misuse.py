@@ -281,6 +281,50 @@ def test_a_write_interrupted_at_any_of_its_writes_leaves_the_cache_unchanged(kin
     _decoding_goes_on(m, cache, seqs, 3)
 
 
+class _BrokenBuffers(TorchDispatchMode):
+    """Every in-place write to ``buffers`` fails (as on a device that has failed), the
+    undo's writes included."""
+
+    def __init__(self, buffers):
+        super().__init__()
+        self.ptrs = {t.untyped_storage().data_ptr() for t in buffers}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        first = args[0] if args else None
+        if (func._schema.name.endswith("_") and isinstance(first, torch.Tensor)
+                and first.untyped_storage().data_ptr() in self.ptrs):
+            raise RuntimeError("the device failed")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_a_write_whose_undo_also_fails_still_puts_the_bookkeeping_back(kind):
+    m, seqs, cache = _prefilled(kind, 2, 4, seed=6)       # full pages: the write takes one
+    before = _state(cache)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="the device failed"):
+        with _BrokenBuffers(_buffers(cache)):
+            m(seqs[:, 4:5], cache=cache, mask=CAUSAL)
+    assert _same(_state(cache), before)             # pages, counts (and, here, the bytes)
+    _decoding_goes_on(m, cache, seqs, 4)
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_a_cache_built_under_inference_mode_is_refused_outside_it(kind):
+    with torch.inference_mode():
+        m, seqs, cache = _prefilled(kind, 2, 3, seed=8)
+    before = _state(cache)
+    pool = None if kind == "static" else cache.pool
+    calls = {"forward": lambda: m(seqs[:, 3:4], cache=cache, mask=CAUSAL),
+             "release": cache.reset if pool is None else lambda: pool.free(cache.ids[0])}
+    for what, call in calls.items():
+        with pytest.raises(RuntimeError, match=r"built under torch.inference_mode\(\).*Nothing "
+                                               r"was changed"):
+            call()
+        assert _same(_state(cache), before), what
+    with torch.inference_mode():
+        _decoding_goes_on(m, cache, seqs, 3)
+
+
 @pytest.mark.parametrize("kind", ["static", "paged"])
 def test_a_call_failing_in_its_output_projection_leaves_the_cache_unchanged(kind):
     """The cache is committed once the call has its output: a caller who got none (an

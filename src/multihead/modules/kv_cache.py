@@ -219,7 +219,23 @@ class _CacheBase:
         (unknown: :meth:`rope_positions` takes the device's)."""
         return None
 
+    def _buffers(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the cache writes into."""
+        raise NotImplementedError
+
+    def _check_writable(self, action: str) -> None:
+        """Refuse, before anything changes, a write torch would refuse part way: into
+        buffers made under ``torch.inference_mode()`` from outside it."""
+        if torch.is_inference_mode_enabled() or not self._buffers()[0].is_inference():
+            return
+        raise RuntimeError(f"{type(self).__name__}: cannot {action}: the cache was built under "
+                           f"torch.inference_mode(), and torch lets its tensors change only "
+                           f"inside it; run this under torch.inference_mode() too, or build the "
+                           f"cache outside it (under torch.no_grad() it keeps no history "
+                           f"either). Nothing was changed")
+
     def _check_new(self, k, v, valid):
+        self._check_writable("write new tokens")
         n, batch = k.shape[2], self.batch_size
         want_k, want_v = (batch, self.num_kv_heads, n, self.head_dim), \
             (batch, self.num_kv_heads, n, self.value_dim)
@@ -290,11 +306,15 @@ class KVCache(_CacheBase):
             >>> cache.reset(); cache.seen, cache.k.abs().sum().item(), cache.valid.any().item()
             (0, 0.0, False)
         """
-        for t in (self.k, self.v, self.valid):
+        self._check_writable("reset")
+        for t in self._buffers():
             self._clear(slice(0, self.seen), t)
         self.lengths.zero_()
         self._journal = None           # a failed call's rollback after this undoes nothing
         self.seen, self.padded, self.cross, self.queries = 0, False, False, 0
+
+    def _buffers(self):
+        return self.k, self.v, self.valid
 
     def _real_counts(self) -> torch.Tensor:
         return self.lengths
@@ -320,10 +340,11 @@ class KVCache(_CacheBase):
         before = (self.seen, self.padded)
 
         def undo():                    # the slots zero again, the counts as they were (the
-            self._put_back(            # real tokens of the slots before s)
-                *(functools.partial(self._clear, s, t) for t in (self.k, self.v, self.valid)),
-                lambda: self.lengths.copy_(self.valid[:, :before[0]].sum(1)))
-            self.seen, self.padded = before
+            try:                       # real tokens of the slots before s), even if a clear fails
+                self._put_back(*(functools.partial(self._clear, s, t) for t in self._buffers()),
+                               lambda: self.lengths.copy_(self.valid[:, :before[0]].sum(1)))
+            finally:
+                self.seen, self.padded = before
 
         def write():
             self.k[:, :, s].copy_(k)

@@ -134,16 +134,20 @@ class PagedKVCache(_CacheBase):
             (0, 0.0)
         """
         self._check_id(sid)
+        self._check_writable(f"free sequence {sid}")
         pages = self._tables[sid]
         if pages:                                  # every slot of its pages (m*p,)
             slots = _slot(_longs(pages)[None], torch.arange(len(pages) * self.page_size)[None],
                           self.page_size).flatten()
             slots = to_device(slots, self.device)      # worked out on the host
-            for t in (self.k, self.v, self.valid):
+            for t in self._buffers():
                 self._clear(slots, t)
         self._free.extend(self._tables.pop(sid))
         del self._written[sid], self._real[sid]
         self._padded.discard(sid)
+
+    def _buffers(self):
+        return self.k, self.v, self.valid
 
     def _return(self, table: list[int], pages: list[int]) -> None:
         """Give a live sequence's ``pages`` (the last a write took, in the order taken) back
@@ -265,6 +269,9 @@ class PagedBatch(_CacheBase):
         for a in ("num_kv_heads", "head_dim", "value_dim", "dtype", "device"):
             setattr(self, a, getattr(pool, a))
 
+    def _buffers(self):
+        return self.pool._buffers()
+
     def _real_counts(self) -> torch.Tensor:
         return torch.stack([self.pool._real[s] for s in self.ids])              # (B,)
 
@@ -340,18 +347,20 @@ class PagedBatch(_CacheBase):
 
         def undo():                    # for the sequences still live (one freed before the
             live = [b for b, sid in enumerate(self.ids) if sid in pool._tables]  # rollback):
-            if slots is not None and live:                 # their slots zero again, their
-                rows = slots.view(B, n) if len(live) == B else slots.view(B, n).index_select(
-                    0, to_device(torch.tensor(live), slots.device))         # pages back to
-                pool._put_back(*(functools.partial(pool._clear, rows.flatten(), t)  # the pool
-                                 for t in (pool.k, pool.v, pool.valid)))   # in its order, their
-            for sid, pages in reversed(list(taken.items())):             # counts as they were
-                if sid in pool._tables:
-                    pool._return(pool._tables[sid], pages)
-            for sid, (written, real, padded) in saved.items():
-                if sid in pool._tables:
-                    pool._written[sid], pool._real[sid] = written, real
-                    (pool._padded.add if padded else pool._padded.discard)(sid)
+            try:                                           # their slots zero again, their
+                if slots is not None and live:             # pages back to the pool in its
+                    rows = slots.view(B, n) if len(live) == B else slots.view(B, n).index_select(
+                        0, to_device(torch.tensor(live), slots.device))     # order, their
+                    pool._put_back(*(functools.partial(pool._clear, rows.flatten(), t)  # counts
+                                     for t in pool._buffers()))           # as they were (even
+            finally:                                                      # if a clear fails)
+                for sid, pages in reversed(list(taken.items())):
+                    if sid in pool._tables:
+                        pool._return(pool._tables[sid], pages)
+                for sid, (written, real, padded) in saved.items():
+                    if sid in pool._tables:
+                        pool._written[sid], pool._real[sid] = written, real
+                        (pool._padded.add if padded else pool._padded.discard)(sid)
 
         def write():
             nonlocal slots
