@@ -135,6 +135,21 @@ def test_state_dict_round_trip():
     torch.testing.assert_close(a(x), b(x))
 
 
+@pytest.mark.parametrize("case", ["torch MHA into GQA", "wrong out_proj", "strict extra key"])
+def test_a_failed_load_leaves_every_parameter_as_it_was(case):
+    m = mh.MultiHeadAttention(16, 4, num_kv_heads=2)
+    good = mh.MultiHeadAttention(16, 4, num_kv_heads=2).state_dict()
+    sd = {"torch MHA into GQA": torch.nn.MultiheadAttention(16, 4).state_dict(),
+          "wrong out_proj": {**good, "out_proj.weight": torch.zeros(16, 8)},
+          "strict extra key": {**good, "rope.inv_freq": torch.zeros(2)}}[case]
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"num_kv_heads=2 \(GQA\).*Nothing was loaded"):
+        m.load_state_dict(sd)
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
+    m.load_state_dict({**good, "rope.inv_freq": torch.zeros(2)}, strict=False)   # loads
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in good.items())
+
+
 def test_torch_compile_fullgraph_parity():
     torch.manual_seed(0)
     m = mh.MultiHeadAttention(32, 4, num_kv_heads=2).eval()
@@ -181,6 +196,10 @@ BAD = [
      ValueError, r"positions must be an int \(the first of Sq consecutive positions\) or "
                  r"\(Sq,\) or \(B, Sq\) = \(3,\) or \(1, 3\), got shape \(4,\)"),
     (lambda: mh.MultiHeadAttention(16, 4, dropout=1.5), ValueError, r"dropout must be a float in \[0, 1\)"),
+    (lambda: mh.MultiHeadAttention(16, 4, kdim=6, vdim=5), ValueError,
+     r"kdim \(6\) != vdim \(5\).*multihead.nn.MultiheadAttention"),
+    (lambda: mh.MultiHeadAttention.from_torch(torch.nn.MultiheadAttention(16, 4, kdim=6, vdim=5)),
+     ValueError, r"from_torch: kdim \(6\) != vdim \(5\)"),
 ]
 
 

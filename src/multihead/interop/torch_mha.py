@@ -32,6 +32,11 @@ def _refuse_extras(m: nn.MultiheadAttention) -> None:
         raise ValueError("from_torch: add_bias_kv=True (bias_k/bias_v) has no counterpart in "
                          "multihead.MultiHeadAttention; use multihead.nn.MultiheadAttention, "
                          "which supports it")
+    if m.kdim != m.vdim:
+        raise ValueError(f"from_torch: kdim ({m.kdim}) != vdim ({m.vdim}): "
+                         f"multihead.MultiHeadAttention takes keys and values from one context "
+                         f"of width kdim; use multihead.nn.MultiheadAttention, which takes "
+                         f"separate key and value inputs")
     if m.add_zero_attn:
         raise ValueError("from_torch: add_zero_attn=True has no counterpart in "
                          "multihead.MultiHeadAttention; use multihead.nn.MultiheadAttention")

@@ -53,6 +53,32 @@ def _check_cached_mask(mask, cross: bool, n: int) -> None:
                 f"(the default, as in mh.masks.causal()), which is the same in a full forward")
 
 
+def _check_loadable(m: "MultiHeadAttention", state_dict, strict: bool) -> None:
+    """Raise before :meth:`MultiHeadAttention.load_state_dict` copies anything if it would
+    fail part way: a key of another shape, or (``strict``) one missing or unexpected."""
+    own = m.state_dict(keep_vars=True)
+    problems = []
+    for key, mine in own.items():
+        theirs = state_dict.get(key)
+        if isinstance(theirs, torch.Tensor) and theirs.shape != mine.shape:
+            problems.append(f"{key} has shape {tuple(theirs.shape)} in the checkpoint but "
+                            f"{tuple(mine.shape)} here")
+        elif key in state_dict and not isinstance(theirs, torch.Tensor):
+            problems.append(f"{key} is a {type(theirs).__name__} in the checkpoint, not a tensor")
+    loose = ""
+    if strict:
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        problems += [f"{what} keys {keys}" for what, keys in
+                     (("missing", missing), ("unexpected", unexpected)) if keys]
+        loose = " (or pass strict=False to load the keys that match)" if missing or unexpected \
+            else ""
+    if problems:
+        raise RuntimeError(f"MultiHeadAttention.load_state_dict: {'; '.join(problems)}. This "
+                           f"module is {m.extra_repr().split(', dropout')[0]}; build it with "
+                           f"the checkpoint's sizes{loose}. Nothing was loaded")
+
+
 def _refused_by_torch_func(e: BaseException) -> bool:
     """Whether ``e`` is torch.func refusing an in-place change (what a cache write is)
     inside one of its transforms; other errors (running out of memory, say) go on as
@@ -88,7 +114,8 @@ class MultiHeadAttention(nn.Module):
         head_dim: Dh (default ``E // H``, the seeds' d_k = d_model / h).
         bias: biases on the four projections.
         dropout: dropout on the attention weights in training mode.
-        kdim, vdim: widths of the context's keys/values for cross-attention (default E).
+        kdim, vdim: the width of the context for cross-attention; equal, since keys and
+            values come from one context (default E).
         rope: a :class:`RotaryEmbedding` applied to queries and keys.
         backend: passed to :func:`multihead.attention` (``"auto"`` by default).
 
@@ -134,6 +161,11 @@ class MultiHeadAttention(nn.Module):
         self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = E, H, Hkv, Dh
         self.kdim = E if kdim is None else _positive_int("kdim", kdim)
         self.vdim = E if vdim is None else _positive_int("vdim", vdim)
+        if self.kdim != self.vdim:
+            raise ValueError(f"kdim ({self.kdim}) != vdim ({self.vdim}): this module takes keys "
+                             f"and values from one context, of width kdim; give kdim == vdim, or "
+                             f"use multihead.nn.MultiheadAttention for separate key and value "
+                             f"inputs of different widths")
         self.dropout, self.backend, self.rope = float(dropout), backend, rope
         nq, nkv = H * Dh, Hkv * Dh
         fk = dict(device=device, dtype=dtype)
@@ -190,6 +222,32 @@ class MultiHeadAttention(nn.Module):
         """Parameter count; ``4*E**2 + 4*E`` for the default MHA (the seeds' count)."""
         return sum(p.numel() for p in self.parameters())
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As :meth:`torch.nn.Module.load_state_dict`, but all or nothing: the keys and
+        shapes are checked before any tensor is copied, so a checkpoint of other sizes
+        leaves the module as it was (torch's copies the tensors that fit, then raises).
+
+        Raises:
+            RuntimeError: naming each key missing, unexpected (``strict``) or of another
+                shape, and this module's sizes; nothing is loaded.
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> gqa = mh.MultiHeadAttention(16, 4, num_kv_heads=2)
+            >>> before = gqa.out_proj.weight.clone()
+            >>> try:
+            ...     gqa.load_state_dict(torch.nn.MultiheadAttention(16, 4).state_dict())
+            ... except RuntimeError as e:
+            ...     print(str(e)[:60])
+            MultiHeadAttention.load_state_dict: in_proj_weight has shape
+            >>> torch.equal(gqa.out_proj.weight, before)
+            True
+        """
+        from collections.abc import Mapping
+        if isinstance(state_dict, Mapping):
+            _check_loadable(self, state_dict, strict)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def extra_repr(self) -> str:
         kind = "MHA" if self.num_kv_heads == self.num_heads else (
             "MQA" if self.num_kv_heads == 1 else "GQA")
@@ -239,9 +297,6 @@ class MultiHeadAttention(nn.Module):
         elif context is False:
             return self._heads(F.linear(x, *self.q_proj), self.num_heads), None, None
         else:
-            if self.kdim != self.vdim:
-                raise ValueError("kdim != vdim: this module takes keys and values from one context "
-                                 "of width kdim; build it with kdim == vdim")
             self._check_input("context", context, self.kdim)
             if context.shape[0] != x.shape[0]:
                 raise ValueError(f"context batch ({context.shape[0]}) != x batch ({x.shape[0]})")
