@@ -31,6 +31,8 @@ import inspect
 import torch
 from torch._functorch.utils import unwrap_dead_wrappers
 
+from .._second_order import refuse_second_order
+
 from . import _ahead
 from ._band import check_inputs, empty_outputs, launch_config
 from .decode import decode_forward
@@ -101,6 +103,7 @@ def _setup(ctx, inputs, output):
 
 
 def _gradients(ctx, dout, dlse, backward=flash_attention_backward):
+    refuse_second_order("triton")
     q, k, v, out, lse, kv_lengths = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout      # the kernels take any strides
     dq, dk, dv = backward(dout, dlse, q, k, v, out, lse, *ctx.args, kv_lengths, ctx.documents)
@@ -270,6 +273,7 @@ def _sparse_setup(ctx, inputs, output):
 
 
 def _sparse_gradients(ctx, dout, dlse):
+    refuse_second_order("triton")
     q, k, v, out, lse, *rest = ctx.saved_tensors
     scale, source, n, ints, configs, n_lists = ctx.args
     dout = torch.zeros_like(out) if dout is None else dout
@@ -301,6 +305,7 @@ class _Sparse(_Direct):
     @staticmethod
     def backward(ctx, dout, dlse):
         _refuse_transforms(dout, dlse)
+        refuse_second_order("triton")
         _ahead.wait()                          # its kernels, if compiling ahead
         ctx.mask._check_unchanged(ctx.versions, "triton backward")
         q, k, v, out, lse = ctx.saved_tensors

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..._cache import BoundedCache
+from ..._second_order import second_order_message
 from ...masks.base import Index, bias_as
 from .._call import AttentionCall
 from ..capabilities import Capabilities
@@ -276,6 +277,19 @@ def _scatter(dst: torch.Tensor, part: torch.Tensor, step: Step, flat, g: _Geo) -
     dst.view(-1, g.tk, x).index_add_(0, flat, part.reshape(-1, g.tk, x))
 
 
+def _differentiable_gradients(ctx, q, k, v, dout, dlse):
+    """dq, dk, dv as the reference backend's differentiable ops compute them, on the
+    forward's own inputs (whose history the backward sees when it builds a graph): what
+    double backward, gradient penalties and hessians differentiate. O(Sq * Sk) memory."""
+    from ..dispatch import attention
+    q, k, v = (t.view_as(t) for t in (q, k, v))      # one handle each (k may be v itself)
+    out, lse = attention(q, k, v, mask=ctx.geo.mask, scale=ctx.scale, backend="reference",
+                         return_lse=True)
+    pairs = [(out, dout)] + ([(lse, dlse)] if dlse is not None else [])
+    return torch.autograd.grad([o for o, _ in pairs], (q, k, v), [g for _, g in pairs],
+                               create_graph=True, allow_unused=True)
+
+
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, geo, scale):
@@ -293,8 +307,14 @@ class _BlockSparseAttention(torch.autograd.Function):
             ctx.geo.mask._check_unchanged(ctx.geo.versions, "blocksparse backward")
         if dout is None:
             dout = torch.zeros_like(out)
+        if torch.is_grad_enabled():           # create_graph=True: gradients to differentiate
+            return (*_differentiable_gradients(ctx, q, k, v, dout, dlse), None, None)
         dq, dk, dv = _backward(ctx.geo, q, k, v, out, lse, dout.contiguous(), dlse, ctx.scale)
         return dq, dk, dv, None, None
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(second_order_message("blocksparse", "forward-mode AD (jvp, jacfwd)"))
 
 
 #: per (query, key) pair the kernel computes: fp32 bytes of its elementwise passes over the
@@ -331,6 +351,13 @@ class BlockSparse(Backend):
     name = "blocksparse"
     summary = "tiled online softmax that skips the tiles a mask rules out; returns lse"
     capabilities = Capabilities(lse=True, traceable=False)
+
+    def check(self, call):
+        if torch._C._are_functorch_transforms_active():
+            return ("does not run under torch.func transforms (grad, vmap, jacrev, ...): its "
+                    "autograd Function writes tiles in place, which functorch cannot batch "
+                    "or differentiate; auto picks another backend")
+        return None
 
     def plan(self, call, profile):
         est = _tiles.estimate(call)
