@@ -2,9 +2,10 @@
 
 The ``reference`` backend computes attention with differentiable torch ops, so its
 gradients can be differentiated again (``create_graph=True``, gradient penalties,
-``torch.autograd.functional.hessian``). The tiled backends' backward passes (blocksparse,
-the Triton kernels) are first-order only; a backward asked to build a graph raises this
-module's error at once instead of failing deep inside torch.
+``torch.autograd.functional.hessian``); ``blocksparse`` gives the same by recomputing the
+reference's gradients when a backward builds a graph. The Triton kernels' backward is
+first-order only, and forward-mode AD runs on ``reference`` (and ``sdpa``, as torch's own);
+the others raise this module's error at once instead of failing deep inside torch.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ def refuse_second_order(backend: str) -> None:
     """Raise when a backward runs with ``create_graph=True`` (grad mode is on inside it).
 
     Example:
-        >>> refuse_second_order("blocksparse")          # a plain backward: grad mode is off
+        >>> import torch
+        >>> with torch.no_grad():                   # as in a plain backward
+        ...     refuse_second_order("triton")
     """
     if torch.is_grad_enabled():
         raise RuntimeError(second_order_message(backend, "a backward with create_graph=True"))
