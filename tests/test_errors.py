@@ -43,6 +43,12 @@ BAD = [
      r"scale must be finite and > 0, got inf.*0.3536"),
     ("scale zero", lambda: mh.attention(q, k, v, scale=0.0), ValueError, r"scale must be finite and > 0"),
     ("scale type", lambda: mh.attention(q, k, v, scale="1"), TypeError, r"scale must be a float"),
+    ("scale overflows the scores", lambda: mh.attention(q, k, v, scale=1e39), ValueError,
+     r"scale 1e\+39 is past the largest torch.float32 \(3.403e\+38\)"),
+    ("scale past any float", lambda: mh.attention(q, k, v, scale=2 ** 1100), ValueError,
+     r"scale must be finite and > 0, got inf"),
+    ("no heads", lambda: mh.attention(q[:, :0], k[:, :0], v[:, :0]), ValueError,
+     r"q has 0 heads \(\(2, 0, 5, 8\)\)"),
     ("backend name", lambda: mh.attention(q, k, v, backend="flash"), ValueError,
      r"unknown backend 'flash': choose one of auto, blocksparse, reference, rows, sdpa"),
     ("backend cannot", lambda: mh.attention(q, k, v, backend="sdpa", return_weights=True), ValueError,
@@ -65,3 +71,17 @@ BAD = [
 def test_bad_input_message(name, fn, exc, pattern):
     with pytest.raises(exc, match=pattern):
         fn()
+
+
+def test_a_numpy_scale_is_a_number():
+    np = pytest.importorskip("numpy")
+    torch.testing.assert_close(mh.attention(q, k, v, scale=np.float32(0.5)),
+                               mh.attention(q, k, v, scale=0.5), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_an_empty_calls_lse_has_the_dtype_of_any_other(dtype):
+    qq, kk = q.to(dtype), k.to(dtype)
+    full = mh.attention(qq, kk, kk, return_lse=True)[1].dtype
+    empty = mh.attention(qq, kk[:, :, :0], kk[:, :, :0], return_lse=True)[1].dtype
+    assert empty == full

@@ -7,6 +7,8 @@ argument, shows the bad shape or value, and says how to fix it.
 from __future__ import annotations
 
 import math
+import numbers
+
 import torch
 
 from .. import masks as M
@@ -161,6 +163,8 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
     if Hkv != Hv or Sk != Skv:
         raise ValueError(f"k {shape_str(k)} and v {shape_str(v)} must agree on heads (dim 1) and "
                          f"sequence length (dim 2)")
+    if H == 0:
+        raise ValueError(f"q has 0 heads ({shape_str(q)}): give at least one head (dim 1)")
     if Hkv == 0 or H % Hkv != 0:
         divisors = [d for d in range(1, H + 1) if H % d == 0]
         raise ValueError(f"q has {H} heads and k/v have {Hkv}: the number of query heads must be "
@@ -177,11 +181,21 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
                                 + (" that requires grad (it would get no gradient: scale q "
                                    "instead)" if scale.requires_grad else ""))
             scale = float(scale)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+        try:
+            scale = float(scale)
+        except OverflowError:                                    # an int past any float
+            scale = math.inf
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale must be finite and > 0, got {scale} (default: 1/sqrt(D) = "
                              f"{default_scale(D):.4g})")
+        scores = torch.promote_types(q.dtype, torch.float32)          # what scores are in
+        if scale > torch.finfo(scores).max:
+            raise ValueError(f"scale {scale:g} is past the largest {scores} "
+                             f"({torch.finfo(scores).max:.4g}), which the scores are computed "
+                             f"in: every score would overflow; give a smaller scale (default: "
+                             f"1/sqrt(D) = {default_scale(D):.4g})")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     for name, flag in (("return_weights", return_weights), ("return_lse", return_lse)):
