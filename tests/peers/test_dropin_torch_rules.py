@@ -138,10 +138,14 @@ def _bad_calls():
     }
 
 
+@pytest.mark.parametrize("kdim", [None, 12], ids=["packed", "kdim"])
 @pytest.mark.parametrize("case", list(_bad_calls()))
-def test_bad_inputs_raise_torchs_type_and_value_error(case):
-    t, ours = _pair()
+def test_bad_inputs_raise_torchs_type_and_value_error(case, kdim):
+    t, ours = _pair(kdim=kdim, vdim=kdim)
     args = _bad_calls()[case]
+    if kdim is not None:                                  # the keys and values at kdim wide
+        args = (args[0], *(a[..., :kdim] if a.shape[-1] == E else a[..., :kdim - 1]
+                           for a in args[1:]))
     torch_err = _torch_error(t, *args)
     assert type(torch_err) in (AssertionError, RuntimeError)
     with pytest.raises(type(torch_err)) as info:
@@ -453,3 +457,42 @@ def test_output_memory_layout_is_torchs_so_a_following_dropout_agrees(layout):
     a = layer(x)
     torch.manual_seed(1)
     torch.testing.assert_close(with_ours(x), a, atol=1e-5, rtol=1e-5)
+
+
+FLAGS = {"numpy True": "np.True_", "1": 1, "0": 0, "None": None, "tensor": "tensor"}
+
+
+@pytest.mark.parametrize("flag", FLAGS)
+@pytest.mark.parametrize("arg", ["need_weights", "average_attn_weights"])
+def test_flags_are_read_by_their_truth_as_torch_reads_them(arg, flag):
+    value = FLAGS[flag]
+    if value == "np.True_":
+        value = pytest.importorskip("numpy").True_
+    elif value == "tensor":
+        value = torch.tensor(True)
+    t, ours = _pair()
+    q, kv = _seq_first()
+    want, got = t(q, kv, kv, **{arg: value}), ours(q, kv, kv, **{arg: value})
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+    assert (got[1] is None) == (want[1] is None)
+    if want[1] is not None:
+        torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_dropout_of_one_drops_everything_as_torch_does(need_weights):
+    t, ours = (m.train() for m in _pair(dropout=1.0))
+    q, kv = _seq_first()
+    want, got = t(q, kv, kv, need_weights=need_weights), ours(q, kv, kv, need_weights=need_weights)
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)      # the output bias alone
+    if need_weights:
+        torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)    # zeros
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_dropout_past_one_raises_torchs_type(need_weights):
+    t, ours = (m.train() for m in _pair(dropout=1.5))
+    q, kv = _seq_first()
+    err = _torch_error(t, q, kv, kv, need_weights=need_weights)
+    with pytest.raises(type(err), match="dropout probability has to be between 0 and 1"):
+        ours(q, kv, kv, need_weights=need_weights)

@@ -171,6 +171,9 @@ class MultiheadAttention(nn.MultiheadAttention):
                       key_padding_mask: Optional[Tensor], need_weights: bool,
                       attn_mask: Optional[Tensor], average_attn_weights: bool,
                       is_causal: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        # torch reads the flags by their truth (np.True_, 1, a one-element tensor)
+        need_weights, average_attn_weights, is_causal = (
+            bool(f) for f in (need_weights, average_attn_weights, is_causal))
         if query.is_nested or key.is_nested or value.is_nested:
             return self._forward_nested(query, key, value, key_padding_mask, need_weights,
                                         attn_mask, average_attn_weights, is_causal)
@@ -216,8 +219,15 @@ class MultiheadAttention(nn.MultiheadAttention):
         else:
             mask = self._mask(attn_mask, key_padding_mask, B, n_extra)
         p = self.dropout if self.training else 0.0
-        res = mh.attention(q, k, v, mask=mask, dropout_p=p, return_weights=need_weights)
-        out, w = res if need_weights else (res, None)
+        if not 0.0 <= p <= 1.0:
+            raise _RuntimeArgError(f"dropout probability has to be between 0 and 1, but got {p} "
+                                   f"(torch's rule): build the module with dropout in [0, 1]")
+        if p == 1.0:                     # every weight dropped, as torch's dropout does
+            out = q.new_zeros(B, H, L, Dh)
+            w = q.new_zeros(B, H, L, S) if need_weights else None
+        else:
+            res = mh.attention(q, k, v, mask=mask, dropout_p=p, return_weights=need_weights)
+            out, w = res if need_weights else (res, None)
         # torch's memory layout: (L, B, E) contiguous, batch_first a transposed view of it
         # (a Dropout after this module draws its mask in memory order: same layout, same mask)
         out = self.out_proj(out.permute(2, 0, 1, 3).reshape(L, B, E))     # (L, B, E)

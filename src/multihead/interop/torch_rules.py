@@ -164,10 +164,13 @@ def _check_inputs(m: nn.MultiheadAttention, query, key, value, key_padding_mask,
         raise _AssertionArgError(
             f"key's sequence and batch dims {tuple(key.shape[:-1])} do not match value's "
             f"{tuple(value.shape[:-1])}")
+    # torch's packed projection fails in its matmul (RuntimeError), the separate ones on
+    # an assertion of the weights' shapes
+    wrong_width = _RuntimeArgError if m._qkv_same_embed_dim else _AssertionArgError
     for name, t, dim in (("key", key, m.kdim), ("value", value, m.vdim)):
         if t.shape[-1] != dim:
-            raise _RuntimeArgError(f"{name} has shape {tuple(t.shape)}: its last dim must be "
-                                   f"{'kdim' if name == 'key' else 'vdim'} = {dim}")
+            raise wrong_width(f"{name} has shape {tuple(t.shape)}: its last dim must be "
+                              f"{'kdim' if name == 'key' else 'vdim'} = {dim}")
     if batched and key.shape[1 - int(m.batch_first)] != N:
         raise _RuntimeArgError(f"key has batch size {key.shape[1 - int(m.batch_first)]} but "
                                f"query has {N}: shapes {tuple(key.shape)} and "
