@@ -399,3 +399,30 @@ def test_rotation_is_relative_at_large_positions():
     other = (rope(q, 7) * rope(k, 57)).sum()                             # another offset
     assert math.isclose(float(near), float(far), rel_tol=0, abs_tol=3e-3)
     assert not math.isclose(float(near), float(other), abs_tol=0.1)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_base_set_after_construction_is_used_by_every_route(route):
+    x = torch.randn(2, 3, 6, 16, dtype=torch.float64)
+    rope = mh.RotaryEmbedding(16)
+    rope(x, 0), rope(x, torch.arange(6))                  # the old base's table and angles
+    rope.base = 500000.0
+    torch.testing.assert_close(rope(x, ROUTES[route]()), closed_form(x, _as_tensor(ROUTES[route]()),
+                                                                    base=500000.0),
+                               atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("base", ["1e4", float("inf"), True, 1.0])
+def test_a_bad_base_is_named(base):
+    with pytest.raises(ValueError, match=r"base must be a finite number > 1.*got"):
+        mh.RotaryEmbedding(8, base=base)
+    rope = mh.RotaryEmbedding(8)
+    with pytest.raises(ValueError, match="base must be"):
+        rope.base = base
+    assert rope.base == 10000.0
+
+
+def test_head_dim_is_read_only():
+    rope = mh.RotaryEmbedding(8)
+    with pytest.raises(AttributeError):
+        rope.head_dim = 4

@@ -21,6 +21,7 @@ fp32 (fp64 where an input is fp64), and the rotation runs in that precision what
 
 from __future__ import annotations
 
+import math
 import numbers
 import threading
 
@@ -59,6 +60,14 @@ def _angles(pos: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.cat([c, c], -1), torch.cat([-s, s], -1)], -2)  # (..., 2, D)
 
 
+def _check_base(base) -> float:
+    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) \
+            or not base > 1:
+        raise ValueError(f"RotaryEmbedding: base must be a finite number > 1 (10000.0 in most "
+                         f"models), got {base!r}")
+    return float(base)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary embedding applied to ``(B, H, S, D)`` queries/keys at explicit positions.
 
@@ -93,12 +102,34 @@ class RotaryEmbedding(nn.Module):
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
             raise ValueError(f"RotaryEmbedding: head_dim must be a positive even int (channels rotate "
                              f"in pairs), got {head_dim!r}")
-        if not base > 1:
-            raise ValueError(f"RotaryEmbedding: base must be > 1, got {base!r}")
-        self.head_dim, self.base = head_dim, float(base)
+        self._head_dim, self._base = head_dim, _check_base(base)
         self._set_canonical(torch.device("cpu") if device is None else device)
         if device is not None:
             self._table(self.inv_freq.device, torch.float32, FIRST_ROWS)
+
+    @property
+    def head_dim(self) -> int:
+        """D, the channels rotated (in pairs). Read-only: the module's heads are this wide."""
+        return self._head_dim
+
+    @property
+    def base(self) -> float:
+        """The frequencies' base. Setting it recomputes ``inv_freq`` (on its device), so
+        every position, given as an int or a tensor, rotates by the new frequencies.
+
+        Example:
+            >>> rope = RotaryEmbedding(8)
+            >>> rope.base = 500000.0
+            >>> x = torch.randn(1, 1, 4, 8)
+            >>> torch.allclose(rope(x, 0), rope(x, torch.arange(4)), atol=1e-6)
+            True
+        """
+        return self._base
+
+    @base.setter
+    def base(self, value) -> None:
+        self._base = _check_base(value)
+        self._set_canonical(self.inv_freq.device)
 
     def _set_canonical(self, device) -> None:
         """``inv_freq`` := the frequencies of head_dim and base, fp32 on ``device`` (a plain
