@@ -60,6 +60,10 @@ def test_heads_demo_quick_end_to_end(tmp_path, capsys):
                                           "from 2 to 5000"),
     (["demo", "heads", "--steps", "0"], "argument --steps: 0 is out of range: give an integer "
                                         "from 1 to 100000"),
+    (["demo", "scaling", "--draws", "2", "--out", "/tmp/x", "--steps", "5"],
+     "--steps applies to 'demo heads' only, not to 'demo scaling'"),
+    (["demo", "scaling", "--quick"], "--quick applies to 'demo heads' only"),
+    (["demo", "heads", "--draws", "3"], "--draws applies to 'demo scaling' only, not to 'demo heads'"),
 ])
 def test_demo_bad_input(argv, message, capsys):
     assert main(argv) == 2

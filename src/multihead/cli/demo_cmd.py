@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
                        description=__doc__.splitlines()[0])
     p.add_argument("name", choices=["scaling", "heads"], help="which demonstration")
     p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help="random seed (0)")
-    p.add_argument("--draws", type=int_in(2, MAX_DRAWS), default=500,
+    p.add_argument("--draws", type=int_in(2, MAX_DRAWS),
                    help=f"scaling: draws per d_k, 2 to {MAX_DRAWS} (500)")
     p.add_argument("--quick", action="store_true", help="heads: a short run (CI smoke test)")
     p.add_argument("--steps", type=int_in(1, MAX_STEPS),
@@ -36,7 +36,17 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
+#: the options that only one demonstration reads
+ONLY = {"scaling": ("draws",), "heads": ("quick", "steps", "out")}
+DRAWS = 500
+
+
 def run(args) -> int:
+    for name, options in ONLY.items():
+        given = [o for o in options if name != args.name and getattr(args, o) not in (None, False)]
+        if given:
+            raise ValueError(f"--{given[0]} applies to 'demo {name}' only, not to 'demo "
+                             f"{args.name}': drop it, or run 'multihead demo {name}'")
     return _scaling(args) if args.name == "scaling" else _heads(args)
 
 
@@ -44,12 +54,13 @@ def _scaling(args) -> int:
     from rich.table import Table
 
     from ..analysis.scaling import fp16_masking, scaling
-    rows, masks = scaling(draws=args.draws, seed=args.seed), fp16_masking(args.seed)
+    draws = DRAWS if args.draws is None else args.draws
+    rows, masks = scaling(draws=draws, seed=args.seed), fp16_masking(args.seed)
     if args.json:
         print(json.dumps({"scaling": rows, "fp16_masking": masks}, indent=2))
         return 0
     con = console(markup=False)
-    t = Table(title=f"q, k ~ N(0, 1); softmax over 10 keys; mean of {args.draws} draws "
+    t = Table(title=f"q, k ~ N(0, 1); softmax over 10 keys; mean of {draws} draws "
                     f"(seed {args.seed})", title_justify="left")
     for col in ("d_k", "sqrt(d_k)", "std q·k", "seed 004 says", "max prob", "std q·k/sqrt(d_k)",
                 "max prob (scaled)"):
