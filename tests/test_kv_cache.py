@@ -20,6 +20,7 @@ from nosync import NoReadBack
 
 E, H = 32, 4
 CAUSAL = mh.masks.causal()
+M_WINDOW_ALIBI = mh.masks.sliding_window(3) & mh.masks.alibi(H)
 
 
 def _module(kv, rope, dtype=torch.float32, seed=0, device="cpu"):
@@ -384,6 +385,14 @@ def _padded_prefill_decode(m):
     m(_rand(m, 2, 1, E), cache=cache, mask=CAUSAL)
 
 
+def _padded_window_decode(m):
+    """Distances in tokens (masks.at_positions over the cache's padding): no read-back."""
+    cache, mask = m.make_cache(2, 16), M_WINDOW_ALIBI
+    m(_rand(m, 2, 5, E), cache=cache, mask=mask, valid=_left_padded(m, 2, 5))
+    m(_rand(m, 2, 1, E), cache=cache, mask=mask, valid=_left_padded(m, 2, 1))
+    m(_rand(m, 2, 1, E), cache=cache, mask=mask)
+
+
 def _paged_decode_steps(m):
     pool = _pool(m)
     ids = [pool.add_sequence(), pool.add_sequence()]
@@ -425,6 +434,7 @@ SYNC_SCENARIOS = {
     "prefill_causal": _prefill_causal,
     "decode_steps": _decode_steps,
     "padded_prefill_decode": _padded_prefill_decode,
+    "padded_window_decode": _padded_window_decode,
     "paged_decode_steps": _paged_decode_steps,
     "paged_uneven_decode": _paged_uneven_decode,
     "cache_bookkeeping": _cache_bookkeeping,

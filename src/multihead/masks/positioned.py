@@ -90,7 +90,9 @@ class Positioned(Mask):
 
     def _tile_bounds(self, tx: TileIndex):
         # positions need not grow with slots: every tile may be partly allowed (sound)
-        return torch.ones(1, 1, 1, 1, dtype=torch.bool), torch.zeros(1, 1, 1, 1, dtype=torch.bool)
+        dev = tx.q0.device
+        return (torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev),
+                torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=dev))
 
 
 def at_positions(mask: Mask, q_positions: torch.Tensor, k_positions: torch.Tensor) -> Positioned:
