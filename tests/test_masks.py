@@ -356,3 +356,16 @@ def test_at_positions_checks_the_call_sizes():
     q = torch.randn(1, 1, 3, 4)
     with pytest.raises(ValueError, match="k_positions has 4 positions but the call has 5"):
         mh.attention(q, torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4), mask=m)
+
+
+def test_at_positions_is_one_custom_leaf_to_backends_that_compile_masks_by_kind():
+    from multihead.functional._call import make_call
+    from multihead.functional.capabilities import Capabilities
+    inner = mh.masks.sliding_window(2) & mh.masks.alibi(2)
+    m = mh.masks.at_positions(inner, torch.arange(4), torch.arange(4))
+    assert [leaf.kind for leaf in m.leaves()] == ["custom"]
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float16)
+    call = make_call(q, q, q, mask=m, scale=None, dropout_p=0.0, return_weights=False,
+                     return_lse=False)
+    kernels = Capabilities(masks=frozenset({"window", "alibi", "and"}))   # as Triton's
+    assert "does not apply custom masks" in kernels.reasons(call, "cpu")

@@ -18,6 +18,8 @@ from ._common import console, int_in, prepare_out
 MAX_SEED = 2**32 - 1
 #: each draw holds 11 float64 vectors of d_k = 4096 (~360 KB): 5000 draws are ~1.8 GB
 MAX_DRAWS = 5000
+#: draws per d_k when --draws is not given
+DRAWS = 500
 #: the default run is 1000 steps; 100 times that is already far past any use
 MAX_STEPS = 100_000
 
@@ -28,7 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("name", choices=["scaling", "heads"], help="which demonstration")
     p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help="random seed (0)")
     p.add_argument("--draws", type=int_in(2, MAX_DRAWS),
-                   help=f"scaling: draws per d_k, 2 to {MAX_DRAWS} (500)")
+                   help=f"scaling: draws per d_k, 2 to {MAX_DRAWS} ({DRAWS})")
     p.add_argument("--quick", action="store_true", help="heads: a short run (CI smoke test)")
     p.add_argument("--steps", type=int_in(1, MAX_STEPS),
                    help=f"heads: training steps, 1 to {MAX_STEPS} (1000; --quick 150)")
@@ -38,7 +40,6 @@ def add_parser(sub) -> None:
 
 #: the options that only one demonstration reads
 ONLY = {"scaling": ("draws",), "heads": ("quick", "steps", "out")}
-DRAWS = 500
 
 
 def run(args) -> int:

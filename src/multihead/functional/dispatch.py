@@ -385,8 +385,7 @@ def _empty(call: AttentionCall):
     qg = call.q.reshape(call.B, call.Hkv, call.group * call.Sq, call.D)
     w = qg @ call.k.transpose(-1, -2)                     # (B, Hkv, G*Sq, Sk): zeros or empty
     out = (w @ call.v).view(call.B, call.H, call.Sq, call.Dv)
-    lse = call.q.new_full((call.B, call.H, call.Sq), float("-inf"),     # as a call's lse:
-                          dtype=torch.promote_types(call.q.dtype, torch.float32))  # fp32/fp64
+    lse = call.q.new_full((call.B, call.H, call.Sq), float("-inf"), dtype=call.compute_dtype)
     return out, w.view(call.B, call.H, call.Sq, call.Sk), lse
 
 

@@ -32,7 +32,6 @@ import torch
 from torch._functorch.utils import unwrap_dead_wrappers
 
 from .._second_order import refuse_second_order
-
 from . import _ahead
 from ._band import check_inputs, empty_outputs, launch_config
 from .decode import decode_forward

@@ -27,7 +27,11 @@ def _as_positions(t, name: str) -> torch.Tensor:
 
 class Positioned(Mask):
     """``mask`` with query slot ``i`` of sequence ``b`` at position ``q_positions[b, i]`` and
-    key slot ``j`` at ``k_positions[b, j]``. Built by :func:`at_positions`."""
+    key slot ``j`` at ``k_positions[b, j]``. Built by :func:`at_positions`.
+
+    A leaf of kind ``"custom"``: backends that compile the masks they know by kind (the
+    Triton kernels) must not see the slot-indexed mask inside, so they refuse it, and the
+    backends that evaluate any predicate run it."""
 
     kind = "custom"
 
@@ -52,9 +56,6 @@ class Positioned(Mask):
 
     def describe(self) -> str:
         return f"at_positions({self.m.describe()})"
-
-    def leaves(self):
-        yield from self.m.leaves()
 
     def _tensors(self):
         return [self.q_positions, self.k_positions, *self.m._tensors()]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numbers
 import re
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -75,7 +76,7 @@ def _check_loadable(m: "MultiHeadAttention", state_dict, strict: bool) -> None:
             else ""
     if problems:
         raise RuntimeError(f"MultiHeadAttention.load_state_dict: {'; '.join(problems)}. This "
-                           f"module is {m.extra_repr().split(', dropout')[0]}; build it with "
+                           f"module is {m._sizes()}; build it with "
                            f"the checkpoint's sizes{loose}. Nothing was loaded")
 
 
@@ -243,19 +244,20 @@ class MultiHeadAttention(nn.Module):
             >>> torch.equal(gqa.out_proj.weight, before)
             True
         """
-        from collections.abc import Mapping
         if isinstance(state_dict, Mapping):
             _check_loadable(self, state_dict, strict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def extra_repr(self) -> str:
+    def _sizes(self) -> str:
+        """The sizes that shape the parameters, as ``extra_repr`` and errors show them."""
         kind = "MHA" if self.num_kv_heads == self.num_heads else (
             "MQA" if self.num_kv_heads == 1 else "GQA")
         s = (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
              f"num_kv_heads={self.num_kv_heads} ({kind}), head_dim={self.head_dim}")
-        if not self.packed:
-            s += f", kdim={self.kdim}, vdim={self.vdim}"
-        return s + f", dropout={self.dropout}, parameters={self.num_parameters:,}"
+        return s if self.packed else s + f", kdim={self.kdim}, vdim={self.vdim}"
+
+    def extra_repr(self) -> str:
+        return f"{self._sizes()}, dropout={self.dropout}, parameters={self.num_parameters:,}"
 
     # -- forward --------------------------------------------------------------------------
     def _check_input(self, name: str, t, width: int) -> None:

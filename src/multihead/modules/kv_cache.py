@@ -219,14 +219,14 @@ class _CacheBase:
         (unknown: :meth:`rope_positions` takes the device's)."""
         return None
 
-    def _buffers(self) -> tuple[torch.Tensor, ...]:
-        """The tensors the cache writes into."""
-        raise NotImplementedError
+    def _slot_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the cache writes into (each holds zeros where it holds no token)."""
+        return self.k, self.v, self.valid
 
     def _check_writable(self, action: str) -> None:
         """Refuse, before anything changes, a write torch would refuse part way: into
         buffers made under ``torch.inference_mode()`` from outside it."""
-        if torch.is_inference_mode_enabled() or not self._buffers()[0].is_inference():
+        if torch.is_inference_mode_enabled() or not self._slot_tensors()[0].is_inference():
             return
         raise RuntimeError(f"{type(self).__name__}: cannot {action}: the cache was built under "
                            f"torch.inference_mode(), and torch lets its tensors change only "
@@ -307,14 +307,11 @@ class KVCache(_CacheBase):
             (0, 0.0, False)
         """
         self._check_writable("reset")
-        for t in self._buffers():
+        for t in self._slot_tensors():
             self._clear(slice(0, self.seen), t)
         self.lengths.zero_()
         self._journal = None           # a failed call's rollback after this undoes nothing
         self.seen, self.padded, self.cross, self.queries = 0, False, False, 0
-
-    def _buffers(self):
-        return self.k, self.v, self.valid
 
     def _real_counts(self) -> torch.Tensor:
         return self.lengths
@@ -341,8 +338,9 @@ class KVCache(_CacheBase):
 
         def undo():                    # the slots zero again, the counts as they were (the
             try:                       # real tokens of the slots before s), even if a clear fails
-                self._put_back(*(functools.partial(self._clear, s, t) for t in self._buffers()),
-                               lambda: self.lengths.copy_(self.valid[:, :before[0]].sum(1)))
+                self._put_back(
+                    *(functools.partial(self._clear, s, t) for t in self._slot_tensors()),
+                    lambda: self.lengths.copy_(self.valid[:, :before[0]].sum(1)))
             finally:
                 self.seen, self.padded = before
 

@@ -140,14 +140,11 @@ class PagedKVCache(_CacheBase):
             slots = _slot(_longs(pages)[None], torch.arange(len(pages) * self.page_size)[None],
                           self.page_size).flatten()
             slots = to_device(slots, self.device)      # worked out on the host
-            for t in self._buffers():
+            for t in self._slot_tensors():
                 self._clear(slots, t)
         self._free.extend(self._tables.pop(sid))
         del self._written[sid], self._real[sid]
         self._padded.discard(sid)
-
-    def _buffers(self):
-        return self.k, self.v, self.valid
 
     def _return(self, table: list[int], pages: list[int]) -> None:
         """Give a live sequence's ``pages`` (the last a write took, in the order taken) back
@@ -269,8 +266,8 @@ class PagedBatch(_CacheBase):
         for a in ("num_kv_heads", "head_dim", "value_dim", "dtype", "device"):
             setattr(self, a, getattr(pool, a))
 
-    def _buffers(self):
-        return self.pool._buffers()
+    def _slot_tensors(self):
+        return self.pool._slot_tensors()
 
     def _real_counts(self) -> torch.Tensor:
         return torch.stack([self.pool._real[s] for s in self.ids])              # (B,)
@@ -352,7 +349,7 @@ class PagedBatch(_CacheBase):
                     rows = slots.view(B, n) if len(live) == B else slots.view(B, n).index_select(
                         0, to_device(torch.tensor(live), slots.device))     # order, their
                     pool._put_back(*(functools.partial(pool._clear, rows.flatten(), t)  # counts
-                                     for t in pool._buffers()))           # as they were (even
+                                     for t in pool._slot_tensors()))      # as they were (even
             finally:                                                      # if a clear fails)
                 for sid, pages in reversed(list(taken.items())):
                     if sid in pool._tables:
