@@ -575,3 +575,17 @@ def test_a_gather_finds_the_same_keys_on_the_host_and_on_the_device(monkeypatch,
     for a, b in zip(host, device):
         assert torch.equal(a, b)
     assert host[2] is not None and host[2].shape == (3, 14) and not host[2][2].any()
+
+
+def test_token_distances_cost_a_padded_step_one_op_and_only_where_a_mask_measures_them():
+    def cumsums(mask):
+        m = _module(2, True, device="meta")
+        cache = m.make_cache(2, 16)
+        with torch.no_grad():
+            m(_rand(m, 2, 5, E), cache=cache, mask=mask, valid=_left_padded(m, 2, 5))
+            with _DeviceOps() as mode:
+                m(_rand(m, 2, 1, E), cache=cache, mask=mask)
+        return mode.ops.count("cumsum")                  # (RoPE's positions take one too)
+    plain = cumsums(None)
+    assert cumsums(CAUSAL) == plain                      # order needs no positions
+    assert cumsums(M_WINDOW_ALIBI) == plain + 1          # the keys' token positions, once

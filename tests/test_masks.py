@@ -369,3 +369,10 @@ def test_at_positions_is_one_custom_leaf_to_backends_that_compile_masks_by_kind(
                      return_lse=False)
     kernels = Capabilities(masks=frozenset({"window", "alibi", "and"}))   # as Triton's
     assert "does not apply custom masks" in kernels.reasons(call, "cpu")
+
+
+def test_at_positions_refuses_a_non_mask_and_positions_on_two_devices():
+    with pytest.raises(TypeError, match="mask must be a multihead mask, got Tensor"):
+        mh.masks.at_positions(torch.ones(2, 2, dtype=torch.bool), torch.arange(2), torch.arange(2))
+    with pytest.raises(ValueError, match="q_positions is on meta but k_positions on cpu"):
+        mh.masks.at_positions(mh.masks.causal(), torch.arange(2, device="meta"), torch.arange(2))

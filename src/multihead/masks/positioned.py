@@ -123,27 +123,40 @@ def at_positions(mask: Mask, q_positions: torch.Tensor, k_positions: torch.Tenso
     return Positioned(mask, q_positions, k_positions)
 
 
-def distances_at(mask: Mask | None, q_positions: torch.Tensor, k_positions: torch.Tensor):
-    """``mask`` with only its distance leaves (``sliding_window``, ``alibi``) moved to
-    positions (:func:`at_positions`); the rest (causal order, padding, documents, tensors)
-    keep counting slots. What a cache holding padding between tokens needs.
+def _is_distance(m: Mask) -> bool:
+    from .structured import Window
+    from .tensor import ALiBi
+    return (isinstance(m, Window) and m.size is not None) or isinstance(m, ALiBi)
+
+
+def distances_in_tokens(mask: Mask | None, key_valid: torch.Tensor, n: int):
+    """``mask`` for a cached call whose keys ``key_valid`` ``(B, Sk)`` mark real tokens and
+    whose ``n`` queries are the last ``n`` slots: its distance leaves (``sliding_window``,
+    ``alibi``) count tokens (:func:`at_positions`, position = real tokens before the slot);
+    the rest (causal order, padding, documents, tensors) keep counting slots. A mask with
+    no distance leaf is returned as it is, with no device op.
 
     Example:
         >>> import torch, multihead as mh
-        >>> pos = torch.tensor([0, 1, 1, 2])
-        >>> m = distances_at(mh.masks.causal() & mh.masks.sliding_window(2), pos[3:], pos)
-        >>> [leaf.describe() for leaf in (m.a, m.b)]
+        >>> key_valid = torch.tensor([[True, True, False, True]])     # slot 2 is padding
+        >>> m = distances_in_tokens(mh.masks.causal() & mh.masks.sliding_window(2), key_valid, 1)
+        >>> [leaf.describe() for leaf in m.leaves()]
         ["causal(align='lower_right')", "at_positions(sliding_window(2, align='lower_right'))"]
+        >>> m.materialize(1, 4)[0, 0].int().tolist()                  # 2 tokens: slots 1 and 3
+        [[0, 1, 1, 1]]
     """
+    if mask is None or not any(_is_distance(leaf) for leaf in mask.leaves()):
+        return mask
+    k_pos = key_valid.cumsum(-1) - 1                                           # (B, Sk)
+    return _reposition(mask, k_pos[:, k_pos.shape[1] - n:], k_pos)            # q: (B, n)
+
+
+def _reposition(mask: Mask, q_positions: torch.Tensor, k_positions: torch.Tensor) -> Mask:
+    """``mask`` with each distance leaf wrapped in :class:`Positioned`."""
     from .base import And, Not, Or
-    from .structured import Window
-    from .tensor import ALiBi
     if isinstance(mask, (And, Or)):
-        a, b = (distances_at(x, q_positions, k_positions) for x in (mask.a, mask.b))
-        return mask if a is mask.a and b is mask.b else type(mask)(a, b)
+        a, b = (_reposition(x, q_positions, k_positions) for x in (mask.a, mask.b))
+        return type(mask)(a, b)
     if isinstance(mask, Not):
-        m = distances_at(mask.m, q_positions, k_positions)
-        return mask if m is mask.m else Not(m)
-    if (isinstance(mask, Window) and mask.size is not None) or isinstance(mask, ALiBi):
-        return Positioned(mask, q_positions, k_positions)
-    return mask
+        return Not(_reposition(mask.m, q_positions, k_positions))
+    return Positioned(mask, q_positions, k_positions) if _is_distance(mask) else mask

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import masks
-from ..masks.positioned import distances_at
+from ..masks.positioned import distances_in_tokens
 from ..functional import attention
 from ..functional._call import as_mask
 from .kv_cache import KVCache
@@ -450,10 +450,8 @@ class MultiHeadAttention(nn.Module):
         k, v, key_valid = cache.update(k, v, valid)
         if key_valid is not None:
             pad = masks.padding(key_valid)
-            mask = as_mask(mask)                 # (a tensor mask combines with the padding)
-            if mask is not None:          # distances count tokens, not the padded slots
-                k_pos = key_valid.cumsum(-1) - 1                               # (B, Sk)
-                mask = distances_at(mask, k_pos[:, -q.shape[2]:], k_pos)
+            # (a tensor mask combines with the padding; distances count tokens, not slots)
+            mask = distances_in_tokens(as_mask(mask), key_valid, q.shape[2])
             mask = pad if mask is None else mask & pad
         return q, k, v, mask
 
