@@ -43,6 +43,8 @@ def atomic_write_all(files: dict[Path, str | bytes]) -> list[Path]:
     staged in a temporary file first, and only when all are staged are they renamed over
     their targets.
 
+    Missing directories are made for the files, and removed again if the write fails.
+
     Raises:
         IsADirectoryError: a target is a directory (checked before anything is replaced).
         OSError: a file could not be staged; the error's ``filename`` names its target.
@@ -53,11 +55,11 @@ def atomic_write_all(files: dict[Path, str | bytes]) -> list[Path]:
         >>> [p.name for p in atomic_write_all({d / "a.txt": "1", d / "b.txt": b"2"})]
         ['a.txt', 'b.txt']
     """
-    staged = []
+    staged, made = [], []                      # made: directories created here, outermost first
     try:
         for path, data in files.items():
             path = Path(path)
-            path.parent.mkdir(parents=True, exist_ok=True)
+            made += _make_dirs(path.parent)
             if path.is_dir():
                 raise IsADirectoryError(21, "Is a directory", str(path))
             try:
@@ -73,8 +75,24 @@ def atomic_write_all(files: dict[Path, str | bytes]) -> list[Path]:
                 os.unlink(tmp)
             except OSError:
                 pass
+        for d in reversed(made):
+            try:
+                d.rmdir()
+            except OSError:                       # (not empty: something else wrote there)
+                pass
         raise
     return [path for _, path in staged]
+
+
+def _make_dirs(d: Path) -> list[Path]:
+    """Create ``d`` and its missing ancestors; returns those created, outermost first."""
+    missing = []
+    while not d.exists() and not d.is_symlink() and d != d.parent:
+        missing.append(d)
+        d = d.parent
+    for m in reversed(missing):
+        m.mkdir(exist_ok=True)
+    return missing[::-1]
 
 
 def _stage(path: Path, data: str | bytes) -> Path:

@@ -144,6 +144,18 @@ def test_an_interrupted_write_leaves_the_old_file_and_no_temporary(tmp_path):
     assert target.read_text() == "new" and os.listdir(tmp_path) == ["results.json"]
 
 
+def test_a_failed_write_removes_the_directories_it_made_and_only_those(tmp_path):
+    from multihead import _files as F
+    (tmp_path / "kept").mkdir()
+    files = {tmp_path / "kept" / "new" / "deeper" / "a.json": "{}",
+             tmp_path / "kept" / "b.json": "{}"}
+    with mock.patch.object(F.os, "replace", side_effect=KeyboardInterrupt), \
+            pytest.raises(KeyboardInterrupt):
+        F.atomic_write_all(files)
+    assert os.listdir(tmp_path) == ["kept"] and os.listdir(tmp_path / "kept") == []
+    assert [p.name for p in F.atomic_write_all(files)] == ["a.json", "b.json"]
+
+
 def test_written_files_get_the_usual_permissions(tmp_path):
     from multihead import _files as F
     old = os.umask(0o022)
