@@ -548,6 +548,26 @@ def test_opposite_extreme_biases_cancel_as_in_the_oracle():
         torch.testing.assert_close(out.double(), ref, atol=4e-3, rtol=4e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "posinf"])
+@pytest.mark.parametrize("tiles", [1, 2], ids=["one-tile", "two-tiles"])
+def test_a_nan_or_posinf_bias_entry_gives_its_row_nan_as_the_oracle_does(bad, dtype, tiles):
+    """A device bias is never scanned, so a NaN or +inf entry written into it reaches the
+    kernel: its row is NaN, as in the oracle and torch, not clamped to a finite row; the
+    other rows are untouched."""
+    q, k, v = _inputs(1, 2, 2, 32, 32, 16, seed=12)
+    b = torch.zeros(1, 1, 32, 32, dtype=dtype, device=DEV)
+    m = M.bias(b) if tiles == 1 else M.bias(b) & M.bias(torch.zeros_like(b))
+    b[0, 0, 3, 5] = bad                              # after the build: as a GPU bias may be
+    out, lse = sparse_forward(q, k, v, m, scale=0.25, config=TILES)
+    ref, ref_lse = mh.attention(q.double(), k.double(), v.double(), mask=m, scale=0.25,
+                                backend="reference", return_lse=True)
+    assert out[0, :, 3].isnan().all() and lse[0, :, 3].isnan().all()
+    assert ref[0, :, 3].isnan().all()
+    rest = [i for i in range(32) if i != 3]
+    torch.testing.assert_close(out[0, :, rest].double(), ref[0, :, rest], atol=4e-3, rtol=4e-3)
+
+
 def test_the_backend_routes_non_band_masks_to_the_block_lists_and_says_so():
     q = torch.empty(2, 16, 4096, 128, dtype=torch.bfloat16)
     ids = torch.arange(4096) // 512                       # 8 documents on the host

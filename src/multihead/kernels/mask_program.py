@@ -29,6 +29,8 @@ to ``±3e38`` (``finfo.min * log2(e)`` would overflow to ``-inf`` and mask the p
 tile is saturated at float32's range first, as every backend does), and so
 is the sum of a program's biases when it adds two tiles or more (``finfo.max`` and
 ``finfo.min`` tiles would overflow to a NaN sum; ALiBi's bias is far from overflowing).
+A NaN or ``+inf`` bias entry (a device bias is never scanned for them) is NaN through the
+clamps, so its row is NaN, as on every other backend, never a silently finite row.
 
 Only the *structure* is in the code (which leaves, how composed, which dims broadcast);
 sizes, offsets and pointers are arguments. The source is registered with ``linecache`` (no
@@ -194,11 +196,13 @@ def _leaf(w: _Writer, m: MB.Mask, sq: int, sk: int) -> tuple[str | None, str | N
         if m.kind == "dense":
             return w.var(f"{tile} != 0"), None
         ok = w.var(f"{tile} != float('-inf')")
+        bad = w.var(f"({tile} != {tile}) | ({tile} == float('inf'))")   # NaN, +inf: NaN rows
         if t.dtype == torch.float64:    # saturate past fp32's range: a finite bias never masks
             tile = w.var(f"tl.minimum(tl.maximum({tile}, -3.4e38), 3.4e38)")
         x = w.var(f"{tile}.to(tl.float32)")
         w.tiles += 1
         x2 = w.var(f"tl.minimum(tl.maximum({x} * {LOG2E!r}, -3.0e38), 3.0e38)")
+        x2 = w.var(f"tl.where({bad}, float('nan'), {x2})")          # the clamps drop NaN
         return ok, w.var(f"tl.where({ok}, {x2}, 0.0)")
     if m.kind == "alibi":
         slopes = m.cached("slopes", (str(w.device),),
@@ -261,7 +265,7 @@ def _build(mask, sq, sk, device):
     if ok is None:                      # a pure bias: every pair allowed
         ok = w.var("(R >= 0) & (C >= 0)")
     if w.tiles > 1 and bias is not None:        # a sum of clamped tiles may overflow again
-        bias = w.var(f"tl.minimum(tl.maximum({bias}, -3.0e38), 3.0e38)")
+        bias = w.var(f"tl.clamp({bias}, -3.0e38, 3.0e38, propagate_nan=tl.PropagateNan.ALL)")
     body = "\n".join(w.lines)
     source = (f"@triton.jit\ndef mask_fn(b, h, R, C, Sq, Sk, T, I):\n{body}\n"
               f"    return {ok}, {bias if bias is not None else _NO_BIAS}\n")

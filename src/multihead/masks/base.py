@@ -132,7 +132,9 @@ def _dims(t: torch.Tensor | None) -> str:
 def bias_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``a + b`` (finite biases) at the widest of their precisions and ``dtype`` (the
     scores'), saturating at that dtype's largest magnitude: two biases in half precision
-    are not rounded to it, and two ``finfo.min`` add to a number, not ``-inf``.
+    are not rounded to it, and two ``finfo.min`` add to a number, not ``-inf``. Only an
+    overflow saturates: a ``+inf`` (or NaN) entry of either, which a device bias may hold
+    (it is never scanned), sums to NaN, so its row is NaN as with one bias.
 
     Example:
         >>> import torch
@@ -149,7 +151,8 @@ def bias_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     wide = torch.promote_types(torch.promote_types(a.dtype, b.dtype),
                                torch.promote_types(dtype, torch.float32))
     most = torch.finfo(wide).max
-    return (a.to(wide) + b.to(wide)).nan_to_num(nan=math.nan, posinf=most, neginf=-most)
+    total = (a.to(wide) + b.to(wide)).nan_to_num(nan=math.nan, posinf=most, neginf=-most)
+    return total.masked_fill(torch.isposinf(a) | torch.isposinf(b), math.nan)
 
 
 def bias_as(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -129,7 +129,7 @@ class Bias(Mask):
     between calls, and gradients reach it every time). A host (CPU) bias is checked for NaN
     and +inf when the mask is built (not while ``torch.compile`` traces, where reading it
     would break the graph); a GPU bias is not read (that would synchronize), so a
-    NaN in it gives NaN rows, as in torch.
+    NaN or +inf in it gives NaN rows on every backend, as in torch.
     """
 
     kind = "bias"
