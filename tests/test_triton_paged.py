@@ -53,6 +53,33 @@ def test_paged_decoding_equals_the_fp64_oracle_on_each_sequence(band, page_size)
         torch.testing.assert_close(lse[b:b + 1].double(), ref_lse, atol=1e-4, rtol=1e-4)
 
 
+def _three_sequences(splits):
+    """A pool of sequences of 150, 37 and 64 keys, one decoding query each, and a step over
+    them with the given table and lengths (``splits`` as decode_forward takes it; None: the
+    public paged_decode_forward)."""
+    pool, ids = _pool(64, [150, 37, 64])
+    lens, table, *_ = pool._device_tables(ids)
+    q = torch.randn(3, 4, 1, 16, generator=torch.Generator().manual_seed(1)).to(DEV, torch.float16)
+    k, v = (x.permute(1, 0, 2)[None].expand(3, -1, -1, -1)[:, :, :150]   # (3, Hkv, 150, D)
+            for x in (pool.k, pool.v))
+
+    def run(table, lens):
+        if splits is None:
+            return paged_decode_forward(q, pool.k, pool.v, table, lens, max_len=150,
+                                        page_size=64, scale=0.25, causal=True)
+        return decode_forward(q, k, v, scale=0.25, causal=True, offset=149, kv_lengths=lens,
+                              block_table=table, page_size=64, pages=40, splits=splits)
+
+    return run, table, lens
+
+
+def _only_sequence_1_is_nan(out, lse, good):
+    assert out[1].isnan().all() and lse[1].isnan().all()
+    for b in (0, 2):
+        torch.testing.assert_close(out[b], good[0][b], atol=0, rtol=0)
+        torch.testing.assert_close(lse[b], good[1][b], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("bad_page", [40, 10**6, -1])
 @pytest.mark.parametrize("splits", [None, 1])
 def test_a_page_id_outside_the_pool_gives_nan_rows_not_other_memory(bad_page, splits):
@@ -60,25 +87,25 @@ def test_a_page_id_outside_the_pool_gives_nan_rows_not_other_memory(bad_page, sp
     sequence's rows are NaN (the kernel checks each id it uses, with no host sync and no
     read outside the pool); the other sequences are untouched, and an entry past a
     sequence's length (padding) is never used."""
-    pool, ids = _pool(64, [150, 37, 64])
-    lens, table, *_ = pool._device_tables(ids)
-    q = torch.randn(3, 4, 1, 16, generator=torch.Generator().manual_seed(1)).to(DEV, torch.float16)
-    k, v = (x.permute(1, 0, 2)[None].expand(3, -1, -1, -1)[:, :, :150]   # (3, Hkv, 150, D)
-            for x in (pool.k, pool.v))
-
-    def run(table):
-        return decode_forward(q, k, v, scale=0.25, causal=True, offset=149, kv_lengths=lens,
-                              block_table=table, page_size=64, pages=40, splits=splits)
-
-    good = run(table)
+    run, table, lens = _three_sequences(splits)
+    good = run(table, lens)
     table = table.clone()
     table[1, 0] = bad_page                  # used by sequence 1 (37 keys: its only page)
     table[2, 2] = bad_page                  # past sequence 2's 64 keys: padding, unused
-    out, lse = run(table)
-    assert out[1].isnan().all() and lse[1].isnan().all()
-    for b in (0, 2):
-        torch.testing.assert_close(out[b], good[0][b], atol=0, rtol=0)
-        torch.testing.assert_close(lse[b], good[1][b], atol=0, rtol=0)
+    _only_sequence_1_is_nan(*run(table, lens), good)
+
+
+@pytest.mark.parametrize("bad_length", [151, 10**6, -3], ids=["past", "far-past", "negative"])
+@pytest.mark.parametrize("splits", [None, 1])
+def test_a_length_past_max_len_gives_nan_rows_not_a_silent_cut(bad_length, splits):
+    """max_len is a host int the kernel trusts for its sizes; a sequence whose device
+    length is past it (its keys after max_len would be dropped) or negative gets NaN rows,
+    and the others are untouched."""
+    run, table, lens = _three_sequences(splits)
+    good = run(table, lens)
+    lens = lens.clone()
+    lens[1] = bad_length
+    _only_sequence_1_is_nan(*run(table, lens), good)
 
 
 def _decode_steps(in_place, monkeypatch, mask):

@@ -132,9 +132,11 @@ def _partial(Q, K, V, PO, PL, O, LSE, CNT, LENS, TBL, qk_scale,
                                                BLOCK_DV, BLOCK_R, BLOCK_N, CAUSAL, WINDOWED,
                                                PAGED, PAGE, True)
     out, lse = _finish(acc, m_i, l_i)
-    if PAGED:                      # a table entry outside the pool: NaN rows, nothing read
-        out = tl.where(outside > 0, float("nan"), out)
-        lse = tl.where(outside > 0, float("nan"), lse)
+    if PAGED:   # a table entry outside the pool, or a length past max_len (whose keys
+        n = tl.load(LENS + b)       # past it would be cut silently): NaN rows, nothing read
+        bad = (outside > 0) | (n > Sk) | (n < 0)
+        out = tl.where(bad, float("nan"), out)
+        lse = tl.where(bad, float("nan"), lse)
     if SPLIT:
         # scratch layout: PO (splits, B, H, Sq, DV), PL (splits, B, H, Sq), contiguous; the
         # rows of (b, hk) are the G * Sq consecutive (head, query) rows from hk * G * Sq
@@ -326,7 +328,9 @@ def paged_decode_forward(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
             pages include one outside the pool gets NaN rows (and lse), and no memory
             outside the pool is read. :class:`multihead.PagedKVCache` keeps ids in range.
         lengths: ``(B,)`` keys of each sequence, on q's device.
-        max_len: the longest sequence (a host int; sizes the splits, reads nothing).
+        max_len: the longest sequence (a host int; sizes the splits, reads nothing). A
+            sequence whose length is past it (or negative) gets NaN rows (and lse): its
+            keys past ``max_len`` are never cut off silently.
         page_size: slots per page, a multiple of 16 (pages of a multiple of 64 run
             64-key blocks, others 16-key blocks: a block never crosses a page).
 
