@@ -470,12 +470,18 @@ def test_auto_trains_windows_on_the_kernel_and_keeps_sdpa_for_causal_training():
 # -- bad input: a clear error naming the argument, nothing launched ---------------------------
 
 @pytest.mark.parametrize("config, splits", [((24, 16, 4, 1), None), ((64, 64, 0, 1), None),
-                                           ((16, 4, 1), -1), ((16, 4, 1), 0)])
+                                           ((2**20, 16, 4, 1), None), ((16, 4, 1), None),
+                                           ((16, 4, 1), -1), ((16, 4, 1), 0),
+                                           ((16, 16, 4, 1), 2), ((512, 4, 1), 2)])
 def test_the_kernels_refuse_a_bad_config_or_split_count_by_name(config, splits):
-    """Tiles that are not powers of two from 16, no warps, or no splits: an error naming
-    the argument, not the interpreter's or the compiler's (or a division by zero)."""
+    """Tiles that are not powers of two from 16 to 256, no warps, a tuple of the other
+    kernel's length, or no splits: an error naming the argument, not the interpreter's or
+    the compiler's (or an unpacking error, or a division by zero)."""
     q, k, v = _inputs(1, 4, 2, 8, 8, 16, 16, torch.float16)
-    if len(config) == 4:
+    if splits is not None and splits >= 1:
+        with pytest.raises(ValueError, match=r"decode_forward: config must be \(BLOCK_N, "):
+            decode_forward(q[:, :, :1], k, v, scale=0.25, config=config, splits=splits)
+    elif splits is None:
         with pytest.raises(ValueError, match=r"flash_forward: config must be .* got \("):
             flash_forward(q, k, v, scale=0.25, config=config)
         out, lse = flash_forward(q, k, v, scale=0.25)
@@ -567,6 +573,10 @@ def test_numpy_and_fraction_arguments_run_as_python_numbers():
     (dict(scale=float("nan")), "scale must be a finite number, got nan"),
     (dict(scale="x"), "scale must be a finite number, got 'x'"),
     (dict(offset=1.5), "offset must be an integer, got 1.5"),
+    (dict(scale=None), "scale must be a finite number, got None: pass head_dim"),
+    (dict(causal="no"), "causal must be True or False, got 'no'"),
+    (dict(causal=None), "causal must be True or False, got None"),
+    (dict(k=(1, 0, 8, 16), v=(1, 0, 8, 16)), r"k and v have 0 K/V heads \(k \(1, 0, 8, 16\)\)"),
 ])
 def test_the_kernels_refuse_bad_input_by_name(bad, match):
     shapes = dict(q=(1, 4, 8, 16), k=(1, 2, 8, 16), v=(1, 2, 8, 16))
@@ -578,11 +588,41 @@ def test_the_kernels_refuse_bad_input_by_name(bad, match):
     for fn in (flash_forward, decode_forward):
         with pytest.raises(ValueError, match=match):
             fn(q[:, :, :4] if fn is decode_forward and q.dim() == 4 else q, k, v,
-               scale=bad.get("scale", 0.25), kv_lengths=lens, causal=True, **kw)
+               scale=bad.get("scale", 0.25), kv_lengths=lens, causal=bad.get("causal", True),
+               **kw)
     good_q, good_k, good_v = _inputs(1, 4, 2, 8, 8, 16, 16, torch.float16)
     out, lse = flash_forward(good_q, good_k, good_v, scale=0.25)
     with pytest.raises(ValueError, match="flash_backward: dout must have shape"):
         flash_backward(out[:, :, :4], good_q, good_k, good_v, out, lse, scale=0.25)
+
+
+@pytest.mark.parametrize("offset, window", [
+    (2**31 - 1, None), (2**31 - 10, None), (2**40, None), (-2**31, None),
+    (2**31 - 1, 2**31 - 1), (0, 2**40), (5, 2**31 - 3), (2**40, 2**40 + 3),
+    (-2**31 + 5, 2**31 - 1), (-3, 2), (50, 20), (30, 10**12)])
+def test_a_band_near_or_past_int32_selects_the_keys_it_names(offset, window):
+    """Offsets and windows are added to int32 positions in the kernels: one near 2**31
+    wrapped and selected the wrong keys. Every row must see exactly the keys
+    ``i + offset - window < j <= i + offset``, as the fp64 oracle of that dense mask does."""
+    q, k, v = _inputs(1, 2, 2, 32, 40, 16, 16, torch.float16, seed=4)
+    i, j = torch.arange(32)[:, None], torch.arange(40)[None]
+    allowed = (j <= i + offset) & ((j > i + offset - window) if window else True)
+    for fn, rows in ((flash_forward, 32), (decode_forward, 3)):
+        out, lse = fn(q[:, :, :rows], k, v, scale=0.25, causal=True, offset=offset,
+                      window=window)
+        ref, ref_lse = mh.attention(q[:, :, :rows].double(), k.double(), v.double(),
+                                    mask=M.dense(allowed[:rows].to(DEV)), scale=0.25,
+                                    backend="reference", return_lse=True)
+        torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
+    band = dict(scale=0.25, causal=True, offset=offset, window=window)
+    out, lse = flash_forward(q, k, v, **band)
+    dout = torch.randn_like(out)
+    grads = flash_backward(dout, q, k, v, out, lse, **band)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = mh.attention(*leaves, mask=M.dense(allowed.to(DEV)), scale=0.25, backend="reference")
+    for got, want in zip(grads, torch.autograd.grad(ref, leaves, dout.double())):
+        torch.testing.assert_close(got.double(), want, atol=5e-3, rtol=5e-3)
 
 
 def test_a_bad_launch_table_file_is_named_in_the_error(tmp_path, monkeypatch):

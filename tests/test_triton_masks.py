@@ -147,10 +147,20 @@ def test_the_sparse_operators_refuse_a_plan_that_does_not_fit_the_call():
            "lists": dict(lists=lists[:2]),
            "list dtype": dict(lists=[lists[0].long()] + lists[1:]),
            "no ints": dict(ints=[])}
+    if DEV == "cpu":            # host lists are read (a device's would cost a sync)
+        cols = lists[2].shape[-1]
+        bad.update({"block id past the keys": dict(lists=lists[:2] + [lists[2] + cols] + lists[3:]),
+                    "negative block id": dict(lists=lists[:2] + [lists[2] - cols] + lists[3:]),
+                    "count past the row": dict(lists=[lists[0] + cols + 1] + lists[1:]),
+                    "negative count": dict(lists=[lists[0]] + [lists[1] - 10**6] + lists[2:])})
     base = dict(source=source, tensors=tensors, ints=ints, lists=lists, configs=configs)
     for name, change in bad.items():
         with pytest.raises(ValueError, match="flash_sparse: .*(plan|config must be|block lists)"):
             ops.flash_sparse(q, k, v, 0.25, **{**base, **change})
+        if "lists" in change and DEV == "cpu":
+            with pytest.raises(ValueError, match="flash_sparse_backward: .*(block lists|plan)"):
+                ops.flash_sparse_backward(torch.ones_like(out), None, q, k, v, out, lse, 0.25,
+                                          **{**base, **change})
     forward_only = flatten(prog, launches[:1], Sq, Sk)
     args = (q, k, v, out, lse, 0.25)
     with pytest.raises(ValueError, match="flash_sparse_backward: the plan must hold"):
@@ -587,6 +597,12 @@ def test_the_sparse_kernels_refuse_bad_input_by_name():
         sparse_forward(q, q, q, M.padding(torch.tensor([1, 2, 3])), scale=1.0)
     with pytest.raises(ValueError, match="sparse_forward: q is torch.float32"):
         sparse_forward(q.float(), q, q, M.alibi(2), scale=1.0)
+    with pytest.raises(TypeError, match="sparse_forward: mask must be a multihead.masks.Mask, "
+                                        "got NoneType: without a mask, call .*flash_forward"):
+        sparse_forward(q, q, q, None, scale=1.0)
+    with pytest.raises(ValueError, match="sparse_forward: scale must be a finite number, got "
+                                         "None"):
+        sparse_forward(q, q, q, M.alibi(2), scale=None)
     out, lse = sparse_forward(q, q, q, M.alibi(2), scale=1.0)
     with pytest.raises(ValueError, match="sparse_backward: lse must have shape"):
         sparse_backward(out, q, q, q, out, lse[:, :1], M.alibi(2), scale=1.0)

@@ -105,16 +105,19 @@ def integral(t: torch.Tensor) -> bool:
 
 
 def check_inputs(fn: str, q, k, v, kv_lengths=None, documents=None, offset=0, *,
-                 scale=None, window=None, config=None, splits=None) -> Arguments:
+                 scale, causal=False, window=None, config=None, config_len=4,
+                 splits=None) -> Arguments:
     """Raise a ValueError naming ``fn``'s bad argument unless ``q (B, H, Sq, D)``,
-    ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` and ``kv_lengths (B,)`` fit the kernels;
-    returns the other arguments as :func:`check_arguments` does.
+    ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)`` and ``kv_lengths (B,)`` fit the kernels,
+    ``scale`` is a finite number and ``causal`` a bool; returns the other arguments as
+    :func:`check_arguments` does (``config`` of ``config_len`` ints), with the band's
+    offset and window as :func:`band` makes them safe for the kernels' int32 arithmetic.
 
     Example:
         >>> import torch
         >>> q = torch.zeros(1, 3, 4, 16, dtype=torch.float16)
         >>> k = torch.zeros(1, 2, 4, 16, dtype=torch.float16)
-        >>> check_inputs("flash_forward", q, k, k)  # doctest: +ELLIPSIS
+        >>> check_inputs("flash_forward", q, k, k, scale=0.25)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         ValueError: flash_forward: q has 3 heads, not a multiple of k's 2 K/V heads: ...
@@ -133,6 +136,9 @@ def check_inputs(fn: str, q, k, v, kv_lengths=None, documents=None, offset=0, *,
     if k.shape[:3] != v.shape[:3] or k.shape[0] != B or k.shape[-1] != D:
         raise ValueError(f"{fn}: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} "
                          f"must share B, k and v their heads and length, q and k their head dim")
+    if k.shape[1] == 0:
+        raise ValueError(f"{fn}: k and v have 0 K/V heads (k {tuple(k.shape)}): attention "
+                         f"needs at least one")
     if H % k.shape[1]:
         raise ValueError(f"{fn}: q has {H} heads, not a multiple of k's {k.shape[1]} K/V "
                          f"heads: repeat K/V or pass matching head counts")
@@ -143,13 +149,46 @@ def check_inputs(fn: str, q, k, v, kv_lengths=None, documents=None, offset=0, *,
         raise ValueError(f"{fn}: kv_lengths must be an integer tensor of shape ({B},) on "
                          f"{q.device}, got {kv_lengths.dtype} {tuple(kv_lengths.shape)} on "
                          f"{kv_lengths.device}")
-    plain = check_arguments(fn, scale, window, offset, config, splits)
+    if scale is None:
+        raise ValueError(f"{fn}: scale must be a finite number, got None: pass "
+                         f"head_dim ** -0.5 for the usual 1/sqrt(d_k)")
+    if isinstance(causal, str) or causal not in (True, False):
+        raise ValueError(f"{fn}: causal must be True or False, got {causal!r}")
+    plain = check_arguments(fn, scale, window, offset, config, splits, config_len)
     if documents is not None:
         if kv_lengths is not None:
             raise ValueError(f"{fn}: pass documents or kv_lengths, not both (padding inside "
                              f"packed documents: give the padding its own document)")
         _check_documents(fn, documents, B, q.shape[2], k.shape[2], offset)
-    return plain
+    causal = bool(causal) or plain.window is not None
+    offset, window = band(causal, plain.window, plain.offset, q.shape[2], k.shape[2])
+    return plain._replace(offset=offset, window=window, causal=causal)
+
+
+def band(causal: bool, window: int | None, offset: int, sq: int, sk: int
+         ) -> tuple[int, int | None]:
+    """``(offset, window)`` of a band that selects, for every query ``i < sq``, exactly the
+    keys ``j < sk`` that ``j <= i + offset`` (and ``j > i + offset - window``) selects, with
+    every value within a few lengths of zero: the kernels add them to int32 positions,
+    where an offset or window near 2**31 would wrap. Unchanged without a band.
+
+    Example:
+        >>> band(True, None, 2**40, 8, 8), band(True, 10**12, 3, 8, 8), band(True, 4, -99, 8, 8)
+        ((16, None), (3, 11), (-8, 1))
+    """
+    if not causal:
+        return offset, window
+    if offset <= -sq:                                   # every key after every query: none
+        return -sq, None if window is None else 1
+    if window is not None and offset >= sk - 1 + window:    # every key before the window
+        return sk, 1
+    top = sk + sq                  # past it, "j <= i + offset" holds for every key
+    if offset > top:
+        window = None if window is None else window - (offset - top)   # same lower edge
+        offset = top
+    if window is not None:         # wider than offset + sq, its lower edge is below key 0
+        window = min(window, offset + sq)
+    return offset, window
 
 
 class Arguments(NamedTuple):
@@ -161,20 +200,22 @@ class Arguments(NamedTuple):
     offset: int
     config: tuple[int, ...] | None
     splits: int | None
+    causal: bool = False
 
 
 def check_arguments(fn: str, scale=None, window=None, offset=0, config=None,
-                    splits=None) -> Arguments:
+                    splits=None, config_len=4) -> Arguments:
     """Raise a ValueError naming ``fn``'s bad argument unless ``scale`` is a finite number,
     ``window`` a positive number of keys (or None), ``offset`` an integer, ``config``
-    ``(BLOCK_M, BLOCK_N, warps, stages)`` (or ``(BLOCK_N, warps, stages)``) of positive
-    integers with blocks powers of two from 16, and ``splits`` a positive integer (or
-    None); returns them as Python numbers (:class:`Arguments`).
+    ``(BLOCK_M, BLOCK_N, warps, stages)`` (``config_len`` 4; 3: ``(BLOCK_N, warps,
+    stages)``) of positive integers with blocks powers of two from 16 to
+    :data:`MAX_BLOCK`, and ``splits`` a positive integer (or None); returns them as Python
+    numbers (:class:`Arguments`).
 
     Example:
         >>> import numpy as np
         >>> check_arguments("flash_forward", scale=np.float32(0.5), offset=np.int64(3))
-        Arguments(scale=0.5, window=None, offset=3, config=None, splits=None)
+        Arguments(scale=0.5, window=None, offset=3, config=None, splits=None, causal=False)
         >>> check_arguments("flash_forward", scale=0.125, window=0)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -196,11 +237,12 @@ def check_arguments(fn: str, scale=None, window=None, offset=0, config=None,
     if splits is not None and not (is_int(splits) and splits >= 1):
         raise ValueError(f"{fn}: splits must be a positive integer (None: as many as fill "
                          f"the GPU), got {splits!r}")
-    if config is not None and not _tiles(config):
-        raise ValueError(f"{fn}: config must be (BLOCK_M, BLOCK_N, num_warps, num_stages) "
-                         f"(the decode kernel: (BLOCK_N, num_warps, num_stages)) of positive "
-                         f"integers, blocks powers of two from 16 and warps a power of two "
-                         f"up to 32, got {config!r}")
+    if config is not None and not _tiles(config, config_len):
+        shape = ("(BLOCK_M, BLOCK_N, num_warps, num_stages)" if config_len == 4
+                 else "(BLOCK_N, num_warps, num_stages)")
+        raise ValueError(f"{fn}: config must be {shape} of positive integers, blocks powers "
+                         f"of two from 16 to {MAX_BLOCK} and warps a power of two up to 32, "
+                         f"got {config!r}")
     return Arguments(None if scale is None else float(scale),
                      None if window is None else int(window), int(offset),
                      None if config is None else tuple(int(c) for c in config),
@@ -226,15 +268,21 @@ def check_pair(fn: str, config) -> tuple | None:
     return tuple(check_arguments(fn, config=tiles).config for tiles in config)
 
 
-def _tiles(config) -> bool:
-    # (BLOCK_M, BLOCK_N, warps, stages) or (BLOCK_N, warps, stages): positive integers,
-    # blocks powers of two from 16, warps a power of two up to 32
-    if not isinstance(config, (tuple, list)) or len(config) not in (3, 4):
+#: the largest block (BLOCK_M or BLOCK_N) a launch takes: a tile of 512 rows or more
+#: passes Triton's limit on a tensor's elements at the wider head dims
+MAX_BLOCK = 256
+
+
+def _tiles(config, length: int) -> bool:
+    # (BLOCK_M, BLOCK_N, warps, stages) (length 4) or (BLOCK_N, warps, stages) (3):
+    # positive integers, blocks powers of two from 16 to MAX_BLOCK, warps a power of two
+    # up to 32
+    if not isinstance(config, (tuple, list)) or len(config) != length:
         return False
     *blocks, warps, stages = config
     if not all(is_int(c) and c >= 1 for c in config):
         return False
-    return all(c >= 16 and not c & (c - 1) for c in blocks) and warps <= 32 \
+    return all(16 <= c <= MAX_BLOCK and not c & (c - 1) for c in blocks) and warps <= 32 \
         and not warps & (warps - 1)
 
 
@@ -395,10 +443,10 @@ def _load(path: str) -> dict:
             merged[kernel].update({int(w): tuple(c) for w, c in widths.items()})
             arity = 3 if kernel == "decode" else 4
             for c in merged[kernel].values():
-                if len(c) != arity or not _tiles(c):
+                if not _tiles(c, arity):
                     raise ValueError(f"{kernel}: each entry is [{'BLOCK_M, ' * (arity == 4)}"
                                      f"BLOCK_N, warps, stages], blocks powers of two from "
-                                     f"16, got {list(c)}")
+                                     f"16 to {MAX_BLOCK}, got {list(c)}")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"MULTIHEAD_TRITON_LAUNCH={path!r}: not a launch table ({e}); write "
                          f"one with python -m benchmarks.triton_tune --write FILE, or unset "

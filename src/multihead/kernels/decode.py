@@ -391,9 +391,9 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         >>> kv = torch.randn(2, 2, 4096, 64, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
         >>> out, lse = decode_forward(q, kv, kv, scale=0.125, causal=True, offset=4095)  # doctest: +SKIP
     """
-    scale, window, offset, config, splits = check_inputs(
-        "decode_forward", q, k, v, kv_lengths, offset=offset, scale=scale, window=window,
-        config=config, splits=splits)
+    scale, window, offset, config, splits, causal = check_inputs(
+        "decode_forward", q, k, v, kv_lengths, offset=offset, scale=scale, causal=causal,
+        window=window, config=config, config_len=3, splits=splits)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
     config = config or launch_config("decode", D, Dv)
@@ -428,7 +428,7 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         B, Hkv, G, Sq, Sk, offset, window if window is not None else 0, chunk,
         table.stride(0) if block_table is not None else 0,
         pages if block_table is not None else 0, n,
-        CAUSAL=causal or window is not None, WINDOWED=window is not None,
+        CAUSAL=causal, WINDOWED=window is not None,
         HAS_LENS=kv_lengths is not None, PAGED=block_table is not None, PAGE=int(page_size),
         D=D, DV=Dv, BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv),
         BLOCK_R=pow2(G * Sq), BLOCK_N=block_n, SPLIT=n > 1,

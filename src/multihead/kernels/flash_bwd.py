@@ -422,8 +422,9 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         >>> dq, dk, dv = flash_backward(torch.ones_like(out), q, k, v, out, lse,
         ...                             scale=0.25, causal=True)                   # doctest: +SKIP
     """
-    scale, window, offset, _, _ = check_inputs(
-        "flash_backward", q, k, v, kv_lengths, documents, offset, scale=scale, window=window)
+    scale, window, offset, _, _, causal = check_inputs(
+        "flash_backward", q, k, v, kv_lengths, documents, offset, scale=scale, causal=causal,
+        window=window)
     config = check_pair("flash_backward", config)
     check_backward("flash_backward", dout, q, v, out, lse, dlse)
     B, H, Sq, D = q.shape
@@ -434,7 +435,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     if delta is None:                                  # nothing to compute: zeros
         return dq, dk, dv
     lens = kv_lengths.contiguous() if kv_lengths is not None else delta  # unused: HAS_LENS off
-    common = dict(CAUSAL=causal or window is not None, WINDOWED=window is not None,
+    common = dict(CAUSAL=causal, WINDOWED=window is not None,
                   HAS_LENS=kv_lengths is not None, VARLEN=documents is not None, D=D, DV=Dv,
                   BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv))
     args = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(),

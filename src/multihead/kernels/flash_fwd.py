@@ -206,9 +206,9 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         >>> q = k = v = torch.randn(1, 2, 8, 16, device="cuda", dtype=torch.float16)  # doctest: +SKIP
         >>> out, lse = flash_forward(q, k, v, scale=0.25, causal=True)             # doctest: +SKIP
     """
-    scale, window, offset, config, _ = check_inputs(
-        "flash_forward", q, k, v, kv_lengths, documents, offset, scale=scale, window=window,
-        config=config)
+    scale, window, offset, config, _, causal = check_inputs(
+        "flash_forward", q, k, v, kv_lengths, documents, offset, scale=scale, causal=causal,
+        window=window, config=config)
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
     out, lse = empty_outputs(q, v)
@@ -221,7 +221,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         _forward, grid, q, k, v, out, lse, lens, segs, scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         H, H // Hkv, Sq, Sk, offset, window if window is not None else 0,
-        CAUSAL=causal or window is not None, WINDOWED=window is not None,
+        CAUSAL=causal, WINDOWED=window is not None,
         HAS_LENS=kv_lengths is not None, VARLEN=documents is not None, D=D, DV=Dv,
         BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
         num_stages=stages)

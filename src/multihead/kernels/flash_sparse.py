@@ -323,6 +323,10 @@ def _dq_sparse(Q, K, V, DO, O, LSE, DLSE, DELTA, GQ, NF, NP, IDX, scale, qk_scal
 
 
 def _check_mask(fn: str, mask: MB.Mask, q, k) -> None:
+    if not isinstance(mask, MB.Mask):
+        raise TypeError(f"{fn}: mask must be a multihead.masks.Mask, got "
+                        f"{type(mask).__name__}: without a mask, call "
+                        f"multihead.kernels.flash_fwd.flash_forward")
     B, H, Sq, _ = q.shape
     try:
         mask.check(B, H, Sq, k.shape[2], q.device)
@@ -445,7 +449,21 @@ def unflatten(fn: str, q: torch.Tensor, k: torch.Tensor, source: str, tensors, i
         if t.device != q.device:
             raise ValueError(f"{fn}: the plan's tensors must be on q's device {q.device}, "
                              f"one is on {t.device}: plan on q's device")
+    if q.device.type == "cpu" and not torch.compiler.is_compiling():
+        for i, launch in enumerate(launches):       # host lists: reading them costs no sync
+            _check_list_values(fn, i, *launch.lists)
     return MaskProgram(source, tuple(tensors), tuple(ints)), tuple(launches)
+
+
+def _check_list_values(fn: str, i: int, n_full, n_part, index) -> None:
+    # Counts and block ids a kernel would follow outside its lists or its tensors (a device
+    # plan's lists are not read here, which would wait for the device: plan() makes them)
+    cols = index.shape[-1]
+    if ((n_full < 0).any() or (n_part < 0).any() or (n_full + n_part > cols).any()
+            or (index < 0).any() or (index >= cols).any()):
+        raise ValueError(f"{fn}: the block lists of kernel {i} hold a count or a block id "
+                         f"outside [0, {cols}], which the kernel would follow out of bounds: "
+                         f"build them with flash_sparse.plan and flatten")
 
 
 def _launch(kernel, spec: Launch, by_key: bool, q, v, prog: MaskProgram, pointers: tuple,
@@ -543,8 +561,8 @@ def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MB.M
         >>> ids = torch.arange(64, device="cuda") // 20                          # doctest: +SKIP
         >>> out, lse = sparse_forward(q, q, q, mh.masks.document(ids), scale=0.25)  # doctest: +SKIP
     """
-    scale, _, _, config, _ = check_inputs("sparse_forward", q, k, v, scale=scale,
-                                          config=config)
+    args = check_inputs("sparse_forward", q, k, v, scale=scale, config=config)
+    scale, config = args.scale, args.config
     prog, (fwd,) = plan(mask, q, k, v, kernels=("fwd",),
                         configs=None if config is None else (config,), fn="sparse_forward")
     return run_forward(q, k, v, scale, prog, fwd)

@@ -228,14 +228,14 @@ def flash_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         >>> args = flatten(*plan(mh.masks.alibi(2), q, q, q, kernels=("fwd",)), 32, 32)  # doctest: +SKIP
         >>> out, lse = torch.ops.multihead.flash_sparse(q, q, q, 0.25, *args)   # doctest: +SKIP
     """
-    check_inputs("flash_sparse", q, k, v)
+    check_inputs("flash_sparse", q, k, v, scale=scale)
     prog, launches = unflatten("flash_sparse", q, k, source, tensors, ints, lists, configs)
     return run_forward(q, k, v, scale, prog, launches[0])
 
 
 @flash_sparse.register_fake
 def _(q, k, v, scale, source, tensors, ints, lists, configs):
-    check_inputs("flash_sparse", q, k, v)
+    check_inputs("flash_sparse", q, k, v, scale=scale)
     return empty_outputs(q, v)
 
 
@@ -250,7 +250,7 @@ def flash_sparse_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torc
     whose plan must hold all three kernels (``kernels=tuple(KERNELS)``); ``dout (B, H, Sq,
     Dv)``, ``dlse (B, H, Sq)`` or None."""
     fn = "flash_sparse_backward"
-    check_inputs(fn, q, k, v)
+    check_inputs(fn, q, k, v, scale=scale)
     check_backward(fn, dout, q, v, out, lse, dlse)
     prog, launches = unflatten(fn, q, k, source, tensors, ints, lists, configs)
     if len(launches) != 3:
