@@ -376,3 +376,83 @@ def test_at_positions_refuses_a_non_mask_and_positions_on_two_devices():
         mh.masks.at_positions(torch.ones(2, 2, dtype=torch.bool), torch.arange(2), torch.arange(2))
     with pytest.raises(ValueError, match="q_positions is on meta but k_positions on cpu"):
         mh.masks.at_positions(mh.masks.causal(), torch.arange(2, device="meta"), torch.arange(2))
+
+
+# -- the mask methods and compositions refuse sizes no call fits -----------------------------
+
+_SQUARE = torch.tensor([[True, False, True, True]] * 4)                  # (4, 4)
+
+
+@pytest.mark.parametrize("mask, sq, sk", [
+    (M.dense(_SQUARE), 2, 2),                   # used to come back cropped to (2, 2)
+    (M.dense(_SQUARE), 8, 8),                   # used to fail deep in an index
+    (M.bias(torch.zeros(4, 4)), 2, 3),
+    (M.padding(torch.ones(2, 5, dtype=torch.bool)), 5, 3),
+], ids=["dense-smaller", "dense-larger", "bias", "padding-row"])
+def test_materialize_additive_and_tiles_refuse_lengths_the_mask_does_not_cover(mask, sq, sk):
+    """A call with these lengths is refused by attention; so are the mask's own dense forms
+    (a cropped dense mask is a different mask), naming the method."""
+    q = torch.zeros(mask.batch_size or 1, 1, sq, 8)
+    k = torch.zeros(mask.batch_size or 1, 1, sk, 8)
+    with pytest.raises(ValueError, match="does not broadcast|covers"):
+        mh.attention(q, k, k, mask=mask)
+    for method in ("materialize", "additive", "tiles"):
+        with pytest.raises(ValueError, match=f"^{method}: mask: .*(does not broadcast|covers)"):
+            getattr(mask, method)(sq, sk)
+    assert mask.materialize(4, 4 if mask.kind != "padding" else 5).shape[-2:] in ((4, 4), (4, 5))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: M.causal().materialize(-1, 4), r"materialize: sq must be an integer of at least 0, got -1"),
+    (lambda: M.causal().materialize(2.5, 4), r"materialize: sq must be an integer of at least 0, got 2.5"),
+    (lambda: M.causal().additive(3, "4"), r"additive: sk must be an integer of at least 0, got '4'"),
+    (lambda: M.causal().tiles(8, 8, tile_q=0), r"tiles: tile_q must be an integer of at least 1, got 0"),
+    (lambda: M.causal().tiles(8, 8, tile_k=2.5), r"tiles: tile_k must be an integer of at least 1, got 2.5"),
+    (lambda: M.causal().tiles(8, 8, batch=-1), r"tiles: batch must be an integer of at least 0, got -1"),
+    (lambda: M.alibi_slopes(0), r"alibi_slopes: num_heads must be a positive int, got 0"),
+    (lambda: M.alibi_slopes(2.0), r"alibi_slopes: num_heads must be a positive int, got 2.0"),
+], ids=["negative", "float", "str", "tile-0", "tile-float", "batch-negative", "slopes-0",
+        "slopes-float"])
+def test_mask_methods_refuse_bad_sizes_by_name(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, "float32"])
+def test_additive_refuses_a_dtype_that_cannot_hold_minus_inf(dtype):
+    with pytest.raises(TypeError, match=r"additive: dtype must be a floating-point dtype .* got"):
+        M.causal().additive(2, 2, dtype=dtype)
+    assert M.causal().additive(2, 2, dtype=torch.float16).dtype == torch.float16
+
+
+def test_numpy_lengths_are_lengths():
+    np = pytest.importorskip("numpy")
+    want = M.causal().materialize(3, 5)
+    assert torch.equal(M.causal().materialize(np.int64(3), np.int32(5)), want)
+    assert M.causal().tiles(np.int64(64), 64, tile_q=np.int64(16)).state.shape == (1, 1, 4, 1)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: M.padding(torch.tensor([1, 2])) & M.padding(torch.tensor([1, 2, 3])),
+     "built for batch size 2 and 3, which no call fits"),
+    (lambda: M.alibi(2) & M.alibi(3), "built for heads 2 and 3, which no call fits"),
+    (lambda: M.dense(_SQUARE) & M.dense(torch.ones(5, 5, dtype=torch.bool)),
+     "one needs Sq = 4, the other Sq = 5"),
+    (lambda: ~M.document(torch.zeros(1, 6, dtype=torch.long)) & M.bias(torch.zeros(3, 7)),
+     "one needs Sk = 6, the other Sk = 7"),
+    (lambda: M.causal() & M.padding(torch.ones(2, 5, dtype=torch.bool)) & M.dense(_SQUARE),
+     "one needs Sk = 5, the other Sk = 4"),
+], ids=["batch", "heads", "dense-lengths", "document-bias", "nested"])
+def test_a_composition_no_call_fits_is_refused_when_built(build, message):
+    """Not at the first call, after the model was built: the operator's line names both."""
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_compositions_that_broadcast_are_still_built():
+    built = [M.padding(torch.tensor([3])) & M.padding(torch.tensor([1, 2])),    # batch 1
+             M.alibi(1) & M.alibi(4),
+             M.dense(torch.ones(4, 1, dtype=torch.bool)) | M.dense(_SQUARE),
+             M.document(torch.zeros(1, 6, dtype=torch.long)) & M.bias(torch.zeros(3, 6))]
+    assert [m.additive(*((3, 6) if i == 3 else (4, 4))).shape for i, m in enumerate(built)] \
+        == [(2, 1, 4, 4), (1, 4, 4, 4), (1, 1, 4, 4), (1, 1, 3, 6)]

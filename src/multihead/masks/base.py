@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -427,6 +428,16 @@ class Mask:
         k = torch.arange(sk, device=device).view(1, 1, 1, sk)
         return Index(b, h, q, k, sq, sk, dtype)
 
+    def _check_sizes(self, fn: str, sq, sk) -> tuple:
+        """``(sq, sk)`` as ints, after checking they are lengths the mask applies to (a
+        dense mask's tensor is never cropped or overrun): a ValueError naming ``fn``."""
+        sq, sk = _length(fn, "sq", sq), _length(fn, "sk", sk)
+        try:
+            self._check(_size(self.batch_size), _size(self.num_heads), sq, sk)
+        except ValueError as e:
+            raise ValueError(f"{fn}: {e}") from None
+        return sq, sk
+
     def materialize(self, sq: int, sk: int, device=None) -> torch.Tensor:
         """The dense bool tensor ``(B', H', Sq, Sk)``; True = may attend.
 
@@ -438,6 +449,7 @@ class Mask:
             >>> mh.masks.causal().materialize(2, 3)[0, 0].int().tolist()
             [[1, 1, 0], [1, 1, 1]]
         """
+        sq, sk = self._check_sizes("materialize", sq, sk)
         ix = self.index(sq, sk, device)
         full = torch.ones(len(ix.b), len(ix.h), sq, sk, dtype=torch.bool, device=ix.q.device)
         if not self.has_predicate:
@@ -452,6 +464,10 @@ class Mask:
             >>> mh.masks.causal().additive(2, 2)[0, 0].tolist()
             [[0.0, -inf], [0.0, 0.0]]
         """
+        sq, sk = self._check_sizes("additive", sq, sk)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"additive: dtype must be a floating-point dtype (the form holds "
+                            f"-inf where masked), got {dtype!r}: use materialize() for bool")
         ix = self.index(sq, sk, device, torch.promote_types(dtype, torch.float32))
         out = torch.zeros(len(ix.b), len(ix.h), sq, sk, dtype=dtype, device=ix.q.device)
         bias = self._bias(ix) if self.has_bias else None
@@ -480,8 +496,11 @@ class Mask:
             >>> mh.masks.sliding_window(64).tiles(256, 256).counts()
             {'empty': 9, 'partial': 7, 'full': 0}
         """
-        if tile_q <= 0 or tile_k <= 0:
-            raise ValueError(f"tile_q and tile_k must be positive, got {tile_q} and {tile_k}")
+        tile_q, tile_k = (_length("tiles", name, n, least=1)
+                          for name, n in (("tile_q", tile_q), ("tile_k", tile_k)))
+        batch, heads = (None if n is None else _length("tiles", name, n)
+                        for name, n in (("batch", batch), ("heads", heads)))
+        sq, sk = self._check_sizes("tiles", sq, sk)
         device = torch.device(device) if device is not None else self._device()
         args = (sq, sk, tile_q, tile_k, batch, heads)
         if self.cache_key() is not None and device.type != "cpu":
@@ -572,6 +591,11 @@ class Mask:
         """The largest (Sq, Sk) a tensor of the mask covers (None: any size)."""
         return None, None
 
+    def _lengths(self) -> tuple[int | None, int | None]:
+        """The (Sq, Sk) every call of the mask must have (None: any), for composition to
+        refuse masks no call fits."""
+        return None, None
+
     def describe(self) -> str:
         """One-line description, e.g. ``causal(align='lower_right')``."""
         return type(self).__name__
@@ -608,6 +632,16 @@ def _max_opt(a: int | None, b: int | None) -> int | None:
     return (0 if 0 in sizes else max(sizes)) if sizes else (1 if 1 in (a, b) else None)
 
 
+def _length(fn: str, name: str, n, least: int = 0):
+    """``n`` as an int of at least ``least`` (a traced symbolic size passes as it is), or
+    a ValueError naming ``fn``'s argument ``name``."""
+    if isinstance(n, torch.SymInt):
+        return n
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < least:
+        raise ValueError(f"{fn}: {name} must be an integer of at least {least}, got {n!r}")
+    return int(n)
+
+
 def _size(n: int | None) -> int:
     """A dim's length on an index grid: 1 where the mask does not depend on it."""
     return 1 if n is None else n
@@ -617,6 +651,16 @@ class _Binary(Mask):
     op = "?"
 
     def __init__(self, a: Mask, b: Mask):
+        for what, x, y in (("batch size", a.batch_size, b.batch_size),
+                           ("heads", a.num_heads, b.num_heads)):
+            if None not in (x, y) and 1 not in (x, y) and x != y:
+                raise ValueError(f"mask: {a.describe()} {self.op} {b.describe()}: built for "
+                                 f"{what} {x} and {y}, which no call fits: build both for "
+                                 f"the call's {what}")
+        for what, x, y in zip(("Sq", "Sk"), a._lengths(), b._lengths()):
+            if None not in (x, y) and x != y:
+                raise ValueError(f"mask: {a.describe()} {self.op} {b.describe()}: one needs "
+                                 f"{what} = {x}, the other {what} = {y}, which no call fits")
         self.a, self.b = a, b
         self.kind = {"&": "and", "|": "or"}[self.op]
         self.batch_size = _max_opt(a.batch_size, b.batch_size)
@@ -660,6 +704,9 @@ class _Binary(Mask):
         (a0, a1), (b0, b1) = self.a._preview_cap(), self.b._preview_cap()
         smaller = lambda x, y: y if x is None else x if y is None else min(x, y)
         return smaller(a0, b0), smaller(a1, b1)
+
+    def _lengths(self):
+        return tuple(x if y is None else y for x, y in zip(self.a._lengths(), self.b._lengths()))
 
     def describe(self) -> str:
         return f"({self.a.describe()} {self.op} {self.b.describe()})"
@@ -768,6 +815,9 @@ class Not(Mask):
 
     def _preview_cap(self):
         return self.m._preview_cap()
+
+    def _lengths(self):
+        return self.m._lengths()
 
     def describe(self):
         return f"~{self.m.describe()}"

@@ -252,6 +252,8 @@ class Padding(Mask):
             return None, None
         return (None, self.real.shape[1]) if self.side == "key" else (self.real.shape[1], None)
 
+    _lengths = _preview_cap         # a (B, S) row covers exactly its side's length
+
     def _check(self, batch, heads, sq, sk):
         super()._check(batch, heads, sq, sk)
         s, what = (sk, "Sk") if self.side == "key" else (sq, "Sq")
@@ -452,6 +454,9 @@ class Document(Mask):
     def _preview_cap(self):
         kv = self.ids if self.kv_ids is None else self.kv_ids
         return self.ids.shape[1], kv.shape[1]
+
+    def _lengths(self):            # without kv_ids, the queries are any last Sq of the keys
+        return None if self.kv_ids is None else self.ids.shape[1], self._preview_cap()[1]
 
     def _check(self, batch, heads, sq, sk):
         super()._check(batch, heads, sq, sk)

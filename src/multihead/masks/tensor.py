@@ -90,6 +90,9 @@ class Dense(Mask):
     def _preview_cap(self):
         return _cap(self.t)
 
+    def _lengths(self):
+        return _cap(self.t)
+
     def _check(self, batch, heads, sq, sk):
         _check_broadcast(self, self.t, batch, heads, sq, sk)
 
@@ -174,6 +177,9 @@ class Bias(Mask):
     def _preview_cap(self):
         return _cap(self.raw)
 
+    def _lengths(self):
+        return _cap(self.raw)
+
     def _check(self, batch, heads, sq, sk):
         _check_broadcast(self, self.raw, batch, heads, sq, sk)
 
@@ -211,7 +217,14 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
         >>> mh.masks.alibi_slopes(4).tolist()
         [0.25, 0.0625, 0.015625, 0.00390625]
     """
-    return torch.tensor(_slope_values(num_heads), dtype=torch.float32)
+    return torch.tensor(_slope_values(_check_heads("alibi_slopes", num_heads)),
+                        dtype=torch.float32)
+
+
+def _check_heads(fn: str, num_heads) -> int:
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"{fn}: num_heads must be a positive int, got {num_heads!r}")
+    return num_heads
 
 
 def _slope_values(num_heads: int) -> list[float]:
@@ -236,10 +249,8 @@ class ALiBi(Mask):
     _immutable = True
 
     def __init__(self, num_heads: int, align: str = "lower_right"):
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            raise ValueError(f"alibi: num_heads must be a positive int, got {num_heads!r}")
         from .structured import _check_align
-        self._heads, self._align = num_heads, _check_align(align)
+        self._heads, self._align = _check_heads("alibi", num_heads), _check_align(align)
         self._slopes = tuple(_slope_values(num_heads))
 
     @property
