@@ -187,6 +187,21 @@ def test_a_new_backend_is_one_class_and_its_capabilities_explain_themselves(cuda
     assert e.chosen == cuda_only.name
 
 
+@pytest.mark.parametrize("empty", ["Sq", "Sk", "B"])
+def test_explain_of_an_empty_call_asks_the_profiles_device_not_the_inputs(cuda_only, empty):
+    """A cuda-only backend, named for an h100 profile from host inputs, is explained with
+    or without queries: the empty call's check used to ask the inputs' device (cpu)."""
+    sizes = dict(B=1, Sq=64, Sk=64)
+    sizes[empty] = 0
+    q, k, v = (torch.zeros(sizes["B"], 2, n, 64, dtype=BF16)
+               for n in (sizes["Sq"], sizes["Sk"], sizes["Sk"]))
+    e = mh.explain(q, k, v, mask=M.causal(), backend=cuda_only.name, profile="h100")
+    assert e.chosen == "empty" and "B, Sq or Sk is 0" in str(e)
+    assert next(r for r in e.rows if r.name == cuda_only.name).reasons == ()
+    with pytest.raises(ValueError, match="cannot run this call: it runs on cuda, not cpu"):
+        mh.explain(q, k, v, mask=M.causal(), backend=cuda_only.name)       # the cpu profile
+
+
 def test_registering_a_backend_drops_cached_decisions():
     q = torch.randn(1, 2, 64, 16)
     mh.attention(q, q, q, mask=M.causal(), return_lse=True)          # cached: blocksparse

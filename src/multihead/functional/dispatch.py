@@ -196,9 +196,11 @@ def _structure(call: AttentionCall):
             profiles.generation, registry.generation)
 
 
-def _decide(call: AttentionCall, backend: str, profile: DeviceProfile):
-    """(backend, plan) for a validated call; (None, "empty") when B, Sq or Sk is 0."""
-    device_type = call.q.device.type
+def _decide(call: AttentionCall, backend: str, profile: DeviceProfile,
+            device_type: str | None = None):
+    """(backend, plan) for a validated call on ``device_type`` (default: the inputs');
+    (None, "empty") when B, Sq or Sk is 0."""
+    device_type = device_type or call.q.device.type
     if call.B == 0 or call.Sq == 0 or call.Sk == 0:     # nothing to plan; still: could it run?
         reasons = [] if backend == AUTO else registry.get(backend).unsupported(call, device_type)
         if reasons:
@@ -422,7 +424,7 @@ def explain(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
                         f"DeviceProfile, got {type(profile).__name__}")
     device_type = profile.device_type
     if call.B == 0 or call.Sq == 0 or call.Sk == 0:     # nothing to plan
-        _decide(call, backend, profile)             # raises if a requested backend cannot run
+        _decide(call, backend, profile, device_type)    # raises if the backend cannot run
         rows = [Row(n, tuple(b.unsupported(call, device_type)))
                 for n, b in registry.all_backends().items()]
         return Explanation(_EMPTY, backend, tuple(rows), _describe(call), profile)
