@@ -102,3 +102,71 @@ def test_do_lower_case_is_followed_as_sentence_transformers_does(tmp_path):
     ours = load(d)
     assert ours.sentence.lower_case and ours.tokenize(texts[1]).tokens[1] == "[UNK]"   # cased
     torch.testing.assert_close(ours.embed(texts), want.cpu(), atol=2e-6, rtol=1e-5)
+
+
+def _copy_of_the_model(d):
+    """The embedded model's folder at ``d``, its weights linked (not copied)."""
+    import shutil
+    src = default_model_dir()
+    shutil.copytree(src, d, ignore=shutil.ignore_patterns("model.safetensors"))
+    (d / "model.safetensors").symlink_to(src / "model.safetensors")
+    return d
+
+
+def _modules(*entries):
+    kinds = {"Transformer": "", "Pooling": "1_Pooling", "Normalize": "2_Normalize"}
+    return [{"idx": i, "name": str(i), "path": path if path is not None else kinds[kind],
+             "type": f"sentence_transformers.models.{kind}"}
+            for i, (kind, path) in enumerate(entries)]
+
+
+@pytest.mark.parametrize("change", ["pooling-folder", "no-sentence-config", "no-normalize"])
+def test_the_side_files_are_read_as_sentence_transformers_reads_them(tmp_path, change):
+    """The Pooling folder modules.json names (its own config, [CLS] here), the tokenizer's
+    model_max_length when sentence_bert_config.json is missing, and a pipeline without
+    Normalize: each gives sentence-transformers' embeddings (the first two used to give
+    1_Pooling's mean pooling, and 512 tokens)."""
+    import json
+    st = pytest.importorskip("sentence_transformers")
+    d = _copy_of_the_model(tmp_path / change)
+    if change == "pooling-folder":
+        (d / "1_Pooling").rename(d / "pool")
+        cfg = json.loads((d / "pool" / "config.json").read_text())
+        cfg.update(pooling_mode_cls_token=True, pooling_mode_mean_tokens=False)
+        (d / "pool" / "config.json").write_text(json.dumps(cfg))
+        modules = _modules(("Transformer", None), ("Pooling", "pool"), ("Normalize", None))
+    elif change == "no-sentence-config":
+        (d / "sentence_bert_config.json").unlink()
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "model_max_length": 128}))
+        modules = _modules(("Transformer", None), ("Pooling", None), ("Normalize", None))
+    else:
+        modules = _modules(("Transformer", None), ("Pooling", None))
+    (d / "modules.json").write_text(json.dumps(modules))
+    texts = TEXTS + [" ".join(["attention"] * 300)]
+    want = st.SentenceTransformer(str(d), device="cpu").encode(texts, convert_to_tensor=True)
+    ours = load(d)
+    assert ours.sentence.max_seq_length == (128 if change == "no-sentence-config" else 256)
+    torch.testing.assert_close(ours.embed(texts), want.cpu(), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("entries, message", [
+    ([("Transformer", None), ("Normalize", None), ("Pooling", None)],
+     "runs Transformer -> Normalize -> Pooling, but multihead runs Transformer -> Pooling"),
+    ([("Transformer", None), ("Normalize", None)], "runs Transformer -> Normalize, but"),
+    ([], "runs no module, but"),
+    ([("Transformer", None), ("Pooling", "missing"), ("Normalize", None)],
+     "names the Pooling module's folder 'missing', but .* does not exist"),
+    ([("Transformer", None), ("Pooling", "../elsewhere")],
+     "the Pooling module's path is '../elsewhere', but it must name a folder inside"),
+], ids=["normalize-first", "no-pooling", "empty", "missing-folder", "outside"])
+def test_a_pipeline_multihead_would_run_differently_is_refused(tmp_path, entries, message):
+    """sentence-transformers pools after normalizing here (or fails without Pooling): we
+    would pool and then normalize, so the load is refused, naming the file."""
+    import json
+    from multihead.models import ModelLoadError
+    d = _copy_of_the_model(tmp_path / "m")
+    (d / "modules.json").write_text(json.dumps(_modules(*entries)))
+    with pytest.raises(ModelLoadError, match="modules.json " + message
+                       if not message.startswith("the") else "modules.json: " + message):
+        load(d)

@@ -1,11 +1,15 @@
 """How sentence embeddings are made: sentence-transformers' side files, checked.
 
-Three optional files describe it: ``modules.json`` (the pipeline: Transformer, Pooling,
-Normalize), ``1_Pooling/config.json`` (mean or [CLS] pooling) and
+Three optional files describe it: ``modules.json`` (the pipeline: Transformer, then
+Pooling, then optionally Normalize, in that order; the Pooling entry's ``path`` names its
+folder), the Pooling folder's ``config.json`` (mean or [CLS] pooling) and
 ``sentence_bert_config.json`` (the longest input, and whether texts are lower-cased before
-the tokenizer sees them). A missing file means the defaults (mean pooling, normalized, the
-model's positions, texts as given); a file of the wrong shape, or one asking for
-something multihead does not compute, raises :class:`ModelLoadError` naming the file and field.
+the tokenizer sees them). A missing file means the defaults (``1_Pooling``, mean pooling,
+normalized, texts as given); without a ``max_seq_length``, the longest input is the
+tokenizer's ``model_max_length`` (``tokenizer_config.json``) within the model's positions,
+as sentence-transformers takes it. A file of the wrong shape, a pipeline in another order,
+or one asking for something multihead does not compute, raises :class:`ModelLoadError`
+naming the file and field.
 """
 
 from __future__ import annotations
@@ -32,15 +36,22 @@ class SentenceConfig:
     lower_case: bool = False   # texts lower-cased before tokenizing (do_lower_case)
 
 
-def _normalize(path: Path) -> bool:
-    """Whether ``modules.json`` ends the pipeline with Normalize (true when there is no file)."""
+#: the pipelines multihead runs, as the last part of each module's type
+PIPELINES = (("Transformer", "Pooling"), ("Transformer", "Pooling", "Normalize"))
+
+
+def _pipeline(d: Path) -> tuple[Path, bool]:
+    """The Pooling config's path and whether the pipeline normalizes, from ``modules.json``
+    (``1_Pooling`` and normalized when there is no file)."""
+    path = d / "modules.json"
     if not path.is_file():
-        return True
+        return d / "1_Pooling" / "config.json", True
     modules = read_json(path)
     if not isinstance(modules, list):
         raise ModelLoadError(f"{path} must hold a JSON array of modules ([{{\"type\": ...}}, ...]), "
                              f"got {describe(modules)}: fix it, or delete it to use "
                              f"the defaults (mean pooling, normalized)")
+    kinds = []
     for i, m in enumerate(modules):
         kind = m.get("type") if isinstance(m, dict) else None
         if not isinstance(kind, str):
@@ -50,7 +61,20 @@ def _normalize(path: Path) -> bool:
             raise ModelLoadError(f"{path}: module {i} has type {show(kind)}, which multihead does not "
                                  f"run (only {', '.join(MODULES)}): its sentence embeddings would be "
                                  f"wrong")
-    return not modules or any(m["type"].rsplit(".", 1)[-1] == "Normalize" for m in modules)
+        kinds.append(kind.rsplit(".", 1)[-1])
+    if tuple(kinds) not in PIPELINES:
+        raise ModelLoadError(f"{path} runs {' -> '.join(kinds) or 'no module'}, but multihead runs "
+                             f"Transformer -> Pooling, then optionally Normalize: its sentence "
+                             f"embeddings would be wrong in another order")
+    folder = modules[1].get("path", "1_Pooling")
+    if not isinstance(folder, str) or Path(folder).is_absolute() or ".." in Path(folder).parts:
+        raise ModelLoadError(f"{path}: the Pooling module's path is {show(folder)}, but it must "
+                             f"name a folder inside the model directory, e.g. \"1_Pooling\"")
+    pooling = d / folder / "config.json"
+    if "path" in modules[1] and not pooling.is_file():
+        raise ModelLoadError(f"{path} names the Pooling module's folder {show(folder)}, but "
+                             f"{pooling} does not exist: restore it, or fix the path")
+    return pooling, len(kinds) == 3
 
 
 def _pooling(path: Path, c: BertConfig) -> str:
@@ -75,18 +99,35 @@ def _pooling(path: Path, c: BertConfig) -> str:
     return POOLINGS[on[0]] if on else "mean"
 
 
-def _input_settings(path: Path, c: BertConfig) -> tuple[int, bool]:
+def _tokenizer_limit(d: Path, limit: int) -> int:
+    """``limit`` (the model's positions), or the tokenizer's ``model_max_length`` when
+    ``tokenizer_config.json`` gives a smaller one (sentence-transformers' fallback)."""
+    path = d / "tokenizer_config.json"
+    if not path.is_file():
+        return limit
+    value = read_object(path, hint="fix it, or delete it").get("model_max_length")
+    if value is None:
+        return limit
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
+            or value <= 0):
+        raise ModelLoadError(f"{path}: model_max_length is {show(value)}, but it must be a "
+                             f"positive number (or absent)")
+    return min(limit, int(min(value, limit)))
+
+
+def _input_settings(d: Path, c: BertConfig) -> tuple[int, bool]:
     """The longest input (``max_seq_length``, at most the model's positions) and whether
     texts are lower-cased first (``do_lower_case``, as sentence-transformers does)."""
+    path = d / "sentence_bert_config.json"
     limit = c.max_position_embeddings
     if not path.is_file():
-        return limit, False
+        return _tokenizer_limit(d, limit), False
     settings = read_object(path, hint="fix it, or delete it to use the model's positions")
     value, lower = settings.get("max_seq_length"), settings.get("do_lower_case", False)
     if not isinstance(lower, bool):
         raise ModelLoadError(f"{path}: do_lower_case is {show(lower)}, but it must be true or false")
     if value is None:
-        return limit, lower
+        return _tokenizer_limit(d, limit), lower
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ModelLoadError(f"{path}: max_seq_length is {show(value)}, but it must be a positive "
                              f"integer (at most max_position_embeddings, {limit})")
@@ -102,6 +143,6 @@ def sentence_config(d: Path, c: BertConfig) -> SentenceConfig:
         >>> sentence_config(default_model_dir(), cfg)
         SentenceConfig(max_seq_length=256, pooling='mean', normalize=True, lower_case=False)
     """
-    longest, lower = _input_settings(d / "sentence_bert_config.json", c)
-    return SentenceConfig(longest, _pooling(d / "1_Pooling" / "config.json", c),
-                          _normalize(d / "modules.json"), lower)
+    longest, lower = _input_settings(d, c)
+    pooling, normalize = _pipeline(d)
+    return SentenceConfig(longest, _pooling(pooling, c), normalize, lower)
