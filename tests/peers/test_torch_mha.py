@@ -122,8 +122,37 @@ def test_from_torch_and_back(kdim, bias):
     torch.testing.assert_close(back(x, ctx, ctx)[0], t(x, ctx, ctx)[0])
 
 
+def test_from_torch_refuses_a_sequence_first_module_instead_of_mixing_the_batch():
+    """torch's default layout is (L, N, E); ours is (N, L, E). Converted silently, code fed
+    as before attends across the batch (outputs off by about 1): refused, naming the fix."""
+    t = nn.MultiheadAttention(E, H)                        # batch_first=False
+    with pytest.raises(ValueError, match=r"from_torch: the torch module has batch_first=False "
+                                         r"\(inputs \(L, N, E\)\).*batch_first=True.*"
+                                         r"multihead.nn.MultiheadAttention"):
+        mh.MultiHeadAttention.from_torch(t)
+    keeps = mh.nn.MultiheadAttention(E, H)                 # the advice works
+    keeps.load_state_dict(t.state_dict())
+    x = torch.randn(L, B, E)
+    torch.testing.assert_close(keeps(x, x, x)[0], t(x, x, x)[0], atol=1e-6, rtol=1e-5)
+
+
+def test_from_torch_keeps_frozen_parameters_frozen_and_names_itself_in_errors():
+    t = nn.MultiheadAttention(E, H, batch_first=True)
+    t.in_proj_weight.requires_grad_(False)
+    ours = mh.MultiHeadAttention.from_torch(t)
+    assert {n: p.requires_grad for n, p in ours.named_parameters()} == \
+        {n: p.requires_grad for n, p in t.named_parameters()}
+    assert not ours.in_proj_weight.requires_grad and ours.out_proj.weight.requires_grad
+    with pytest.raises(ValueError, match=r"from_torch: .*dropout must be a float in \[0, 1\), "
+                                         r"got 1.0; use multihead.nn.MultiheadAttention"):
+        mh.MultiHeadAttention.from_torch(nn.MultiheadAttention(E, H, dropout=1.0,
+                                                                batch_first=True))
+    with pytest.raises(TypeError, match="to_torch takes a multihead.MultiHeadAttention, got Linear"):
+        mh.interop.to_torch(nn.Linear(2, 2))
+
+
 def test_from_torch_refuses_bias_kv_clearly():
-    t = nn.MultiheadAttention(E, H, add_bias_kv=True)
+    t = nn.MultiheadAttention(E, H, add_bias_kv=True, batch_first=True)
     with pytest.raises(ValueError, match="bias_k.*multihead.nn.MultiheadAttention"):
         mh.MultiHeadAttention.from_torch(t)
     with pytest.raises(ValueError, match="add_zero_attn"):

@@ -40,6 +40,12 @@ def _refuse_extras(m: nn.MultiheadAttention) -> None:
     if m.add_zero_attn:
         raise ValueError("from_torch: add_zero_attn=True has no counterpart in "
                          "multihead.MultiHeadAttention; use multihead.nn.MultiheadAttention")
+    if not m.batch_first:
+        raise ValueError("from_torch: the torch module has batch_first=False (inputs (L, N, E)), "
+                         "but multihead.MultiHeadAttention takes (N, L, E), so code fed as "
+                         "before would attend across the batch: build the torch module with "
+                         "batch_first=True, or keep torch's layout with "
+                         "multihead.nn.MultiheadAttention(E, H).load_state_dict(m.state_dict())")
 
 
 def _copy_weights(dst, src, packed: bool) -> None:
@@ -48,6 +54,9 @@ def _copy_weights(dst, src, packed: bool) -> None:
     for name in names + (["in_proj_bias"] if src.in_proj_bias is not None else []):
         getattr(dst, name).copy_(getattr(src, name))
     dst.out_proj.load_state_dict(src.out_proj.state_dict())
+    frozen = {name: p.requires_grad for name, p in src.named_parameters()}
+    for name, p in dst.named_parameters():          # a frozen layer stays frozen
+        p.requires_grad_(frozen.get(name, p.requires_grad))
 
 
 @torch.no_grad()
@@ -66,9 +75,13 @@ def from_torch(m: nn.MultiheadAttention) -> "mh.MultiHeadAttention":
         raise TypeError(f"from_torch takes a torch.nn.MultiheadAttention, got {type(m).__name__}")
     _refuse_extras(m)
     p = m.out_proj.weight
-    ours = mh.MultiHeadAttention(m.embed_dim, m.num_heads, bias=m.in_proj_bias is not None,
-                                 dropout=m.dropout, kdim=m.kdim, vdim=m.vdim,
-                                 device=p.device, dtype=p.dtype)
+    try:
+        ours = mh.MultiHeadAttention(m.embed_dim, m.num_heads, bias=m.in_proj_bias is not None,
+                                     dropout=m.dropout, kdim=m.kdim, vdim=m.vdim,
+                                     device=p.device, dtype=p.dtype)
+    except ValueError as e:
+        raise ValueError(f"from_torch: the torch module's settings have no counterpart: {e}; "
+                         f"use multihead.nn.MultiheadAttention, which takes torch's") from None
     _copy_weights(ours, m, packed=m._qkv_same_embed_dim)
     return ours.train(m.training)
 
@@ -76,6 +89,9 @@ def from_torch(m: nn.MultiheadAttention) -> "mh.MultiHeadAttention":
 @torch.no_grad()
 def to_torch(ours: "mh.MultiHeadAttention") -> nn.MultiheadAttention:
     """An equivalent ``torch.nn.MultiheadAttention(batch_first=True)`` with copied weights."""
+    if not isinstance(ours, mh.MultiHeadAttention):
+        raise TypeError(f"to_torch takes a multihead.MultiHeadAttention, got "
+                        f"{type(ours).__name__}")
     if ours.num_kv_heads != ours.num_heads or ours.head_dim * ours.num_heads != ours.embed_dim:
         raise ValueError(f"to_torch: torch.nn.MultiheadAttention has no GQA/MQA and needs "
                          f"head_dim == embed_dim / num_heads; this module has {ours.num_heads} "
