@@ -428,3 +428,34 @@ def test_report_in_a_browser_says_causal_and_na(dirs, tmp_path):
             assert errors == []
         finally:
             browser.close()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bart"])
+def test_attention_weights_refuse_ids_the_network_would_fail_on(dirs, kind):
+    """Out of the vocabulary, negative, past the positions, empty (GPT-2 tokenizes "" to no
+    token) or 1-D: a ValueError naming input_ids, never an IndexError or reshape error from
+    inside transformers, nor hidden states of the wrong shape."""
+    m = load(dirs[kind])
+    vocab, positions = m.config.vocab_size, m.config.max_position_embeddings
+    for ids, message in [(torch.tensor([[1, vocab]]), rf"input_ids must lie in \[0, {vocab}\)"),
+                         (torch.tensor([[-1, 2]]), r"got values in \[-1, 2\]"),
+                         (torch.ones(1, positions + 1, dtype=torch.long),
+                          f"has {positions + 1} tokens but the model has {positions} positions"),
+                         (torch.ones(1, 0, dtype=torch.long), r"input_ids has no tokens \(shape \(1, 0\)\)"),
+                         (torch.ones(3, dtype=torch.long), r"input_ids must be \(1, S\), got shape \(3,\)"),
+                         (torch.ones(1, 3), "input_ids must be an integer tensor")]:
+        with pytest.raises((ValueError, TypeError), match=message):
+            m.attention_weights(ids)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bart"])
+def test_attention_weights_are_evaluated_in_eval_mode_whatever_the_network_is_in(dirs, kind):
+    m = load(dirs[kind])
+    ids = m.tokenize(TEXT).ids[None]
+    want = m.attention_weights(ids)
+    m.network.train()
+    for _ in range(2):                       # dropout would differ from call to call
+        got = m.attention_weights(ids)
+        torch.testing.assert_close(got.hidden, want.hidden, rtol=0, atol=0)
+        assert all(torch.equal(a, b) for a, b in zip(got.weights, want.weights))
+    assert m.network.training                # the caller's mode is left as it was

@@ -141,3 +141,58 @@ def test_truncation_keeps_the_first_tokens_and_an_end_marker_if_any(tmp_path, po
     assert tok.truncated and tok.original_length == len(full.ids) > 64
     assert tok.ids.tolist() == want.ids and tok.tokens == want.tokens
     assert (tok.tokens[-1] == "[SEP]") == (post_processor is not None)
+
+
+def test_embed_and_weights_run_in_eval_mode_and_leave_the_callers_mode(tmp_path):
+    """A caller's encoder.train() (dropout 0.1 in the tiny config) used to make every embed
+    differ; sentence-transformers encodes in eval mode, and so do we, restoring the mode."""
+    m = load(tiny_checkpoint(tmp_path / "m", hidden_dropout_prob=0.1,
+                             attention_probs_dropout_prob=0.1))
+    texts = ["a cat sat on the mat", "dogs"]
+    want, weights = m.embed(texts), m.attention_weights(m.tokenize(texts[0]).ids[None])
+    m.encoder.train()
+    for _ in range(2):
+        torch.testing.assert_close(m.embed(texts), want, rtol=0, atol=0)
+        again = m.attention_weights(m.tokenize(texts[0]).ids[None])
+        assert all(torch.equal(a, b) for a, b in zip(again.weights, weights.weights))
+    assert m.encoder.training and all(x.training for x in m.encoder.modules())
+
+
+@pytest.mark.parametrize("types, error, message", [
+    (lambda ids: torch.full_like(ids, 2), ValueError,
+     r"token_type_ids must lie in \[0, 2\) \(the segment types\), got values in \[2, 2\]"),
+    (lambda ids: torch.zeros(ids.shape), TypeError,
+     r"token_type_ids must be an integer tensor of input_ids' shape \(1, \d+\), got torch.float32"),
+    (lambda ids: torch.zeros(1, 2, dtype=torch.long), ValueError,
+     r"token_type_ids must have input_ids' shape \(1, \d+\), got \(1, 2\)"),
+], ids=["out-of-range", "float", "shape"])
+def test_token_type_ids_are_checked_as_input_ids_are(tmp_path, types, error, message):
+    m = load(tiny_checkpoint(tmp_path / "m"))
+    ids = m.tokenize("a cat sat").ids[None]
+    with pytest.raises(error, match=message):
+        m.encoder(ids, token_type_ids=types(ids))
+    ones = m.encoder(ids, token_type_ids=torch.ones_like(ids)).hidden
+    assert not torch.equal(ones, m.encoder(ids).hidden)      # type 1 is read, not ignored
+
+
+@pytest.mark.parametrize("ids, cu, error, message", [
+    (torch.arange(6), [0.0, 2.7, 6.0], TypeError, "cu_seqlens must hold integers .* got torch.float32"),
+    (torch.arange(6), torch.tensor([0.0, 3.0, 6.0]), TypeError, "cu_seqlens must hold integers"),
+    (torch.zeros(0, dtype=torch.long), [0], ValueError, "there is no token to encode"),
+    (torch.arange(6), [0, 6, 6], ValueError, "strictly increasing, got \\[0, 6, 6\\]"),
+], ids=["float-list", "float-tensor", "empty", "empty-text"])
+def test_forward_packed_refuses_offsets_it_would_round_or_fail_on(tmp_path, ids, cu, error,
+                                                                   message):
+    m = load(tiny_checkpoint(tmp_path / "m"))
+    with pytest.raises(error, match=message):
+        m.encoder.forward_packed(ids, cu)
+
+
+@pytest.mark.parametrize("max_length", [0, -1, 2.5, "8", True])
+def test_tokenize_refuses_a_max_length_that_is_not_a_positive_integer(tmp_path, max_length):
+    """0 used to mean "no limit" and -1 an IndexError."""
+    m = load(tiny_checkpoint(tmp_path / "m"))
+    with pytest.raises(ValueError, match=f"max_length must be a positive integer .* got "
+                                         f"{max_length!r}"):
+        m.tokenize("a cat sat", max_length=max_length)
+    assert len(m.tokenize("a cat sat on the mat", max_length=3).ids) == 3

@@ -193,6 +193,35 @@ class BertLayer(nn.Module):
         return h, w
 
 
+def check_ids(ids, dims: int, legend: str, vocab: int, name: str = "input_ids",
+              what: str = "the vocabulary") -> None:
+    """Raise unless ``ids`` is an integer tensor of ``dims`` dims with values in
+    ``[0, vocab)``: a TypeError or ValueError naming ``name``, its dtype, shape or values.
+
+    Example:
+        >>> import torch
+        >>> check_ids(torch.tensor([[3, 9]]), 2, "(B, S)", 5)
+        Traceback (most recent call last):
+        ...
+        ValueError: input_ids must lie in [0, 5) (the vocabulary), got values in [3, 9]
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must be an integer tensor {legend}, got "
+                        f"{getattr(ids, 'dtype', type(ids).__name__)}")
+    if ids.dim() != dims:
+        raise ValueError(f"{name} must be {legend}, got shape {tuple(ids.shape)}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"{name} must lie in [0, {vocab}) ({what}), got values in "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
+
+
+def check_length(longest: int, limit: int) -> None:
+    """Raise a ValueError when a sequence of ``longest`` tokens passes ``limit`` positions."""
+    if longest > limit:
+        raise ValueError(f"a sequence has {longest} tokens but the model has {limit} positions: "
+                         f"truncate it to {limit}")
+
+
 class BertEncoder(nn.Module):
     """The BERT encoder stack; load pretrained weights with :func:`multihead.models.load`.
 
@@ -220,20 +249,10 @@ class BertEncoder(nn.Module):
         self.layers = nn.ModuleList(BertLayer(config, **fk) for _ in range(config.num_hidden_layers))
 
     def _check_ids(self, ids: torch.Tensor, dims: int, legend: str) -> None:
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"input_ids must be an integer tensor {legend}, got "
-                            f"{getattr(ids, 'dtype', type(ids).__name__)}")
-        if ids.dim() != dims:
-            raise ValueError(f"input_ids must be {legend}, got shape {tuple(ids.shape)}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}) (the vocabulary), "
-                             f"got values in [{int(ids.min())}, {int(ids.max())}]")
+        check_ids(ids, dims, legend, self.config.vocab_size)
 
     def _check_length(self, longest: int) -> None:
-        limit = self.config.max_position_embeddings
-        if longest > limit:
-            raise ValueError(f"a sequence has {longest} tokens but the model has {limit} positions: "
-                             f"truncate it to {limit}")
+        check_length(longest, self.config.max_position_embeddings)
 
     def _run(self, h, mask, return_weights):
         weights = [] if return_weights else None
@@ -250,6 +269,12 @@ class BertEncoder(nn.Module):
         self._check_ids(input_ids, 2, "(B, S)")
         B, S = input_ids.shape
         self._check_length(S)
+        if token_type_ids is not None:
+            check_ids(token_type_ids, 2, f"of input_ids' shape {(B, S)}",
+                      self.config.type_vocab_size, "token_type_ids", "the segment types")
+            if token_type_ids.shape != input_ids.shape:
+                raise ValueError(f"token_type_ids must have input_ids' shape {(B, S)}, got "
+                                 f"{tuple(token_type_ids.shape)}")
         positions = torch.arange(S, device=input_ids.device)                    # (S,)
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         h = self.embeddings(input_ids, positions, types)                        # (B, S, E)
@@ -264,10 +289,17 @@ class BertEncoder(nn.Module):
         first lets the ``varlen`` backend read each group of equal lengths as one view.
         """
         self._check_ids(input_ids, 1, "(N,)")
-        cu = torch.as_tensor(cu_seqlens, dtype=torch.long, device=input_ids.device)
-        if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != input_ids.numel() or bool((cu.diff() <= 0).any()):
+        cu = torch.as_tensor(cu_seqlens, device=input_ids.device)
+        if cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
+            raise TypeError(f"cu_seqlens must hold integers (token offsets), got {cu.dtype} "
+                            f"{cu.tolist()[:8]}: pass a list of ints or an integer tensor")
+        cu = cu.long()
+        if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != input_ids.numel() \
+                or bool((cu.diff() <= 0).any()):
             raise ValueError(f"cu_seqlens must be [0, ..., N={input_ids.numel()}], strictly "
-                             f"increasing, got {cu.tolist()[:8]}{'...' if len(cu) > 8 else ''}")
+                             f"increasing, got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}"
+                             + (": there is no token to encode (pass at least one text)"
+                                if input_ids.numel() == 0 else ""))
         lengths = cu.diff()                                                     # (n,)
         self._check_length(int(lengths.max()))
         starts = torch.repeat_interleave(cu[:-1], lengths)                      # (N,)

@@ -35,9 +35,9 @@ import torch
 
 from ._files import (ModelLoadError, check_model_dir, first_line, is_library_error, read_json,
                      read_object, show)
-from .bert import EncoderOutput
+from .bert import EncoderOutput, check_ids, check_length
 from .checkpoint import _check_finite, read_header
-from .pretrained import Tokens, check_texts, kept
+from .pretrained import Tokens, check_max_length, check_texts, evaluating, kept
 from .tokenizer import display, load_tokenizer
 
 __all__ = ["DECODER_TYPES", "ENCODER_DECODER_TYPES", "HF_TYPES", "Decoder", "EncoderDecoder",
@@ -137,7 +137,7 @@ class HFModel:
     def tokenize_batch(self, texts: Sequence[str], *, max_length: int | None = None) -> list[Tokens]:
         """:meth:`tokenize` for many texts at once (the tokenizer's batch encoder)."""
         texts = check_texts(texts)
-        limit = max_length or self.config.max_position_embeddings
+        limit = check_max_length(max_length, self.config.max_position_embeddings)
         out = []
         for enc in self.tokenizer.encode_batch(texts):
             keep, n = kept(enc, limit), len(enc.ids)
@@ -168,8 +168,15 @@ class HFModel:
     def _run(self, module: torch.nn.Module, ids: torch.Tensor, **kwargs) -> EncoderOutput:
         """``module`` (the network, or its encoder) on ``ids`` ``(1, S)``: the last hidden
         states ``(1, S, E)`` and every layer's attention weights, each ``(1, H, S, S)``."""
+        check_ids(ids, 2, "(1, S)", self.config.vocab_size)
+        if ids.shape[1] == 0:
+            raise ValueError(f"input_ids has no tokens (shape {tuple(ids.shape)}): an empty "
+                             f"text can tokenize to no token (a tokenizer that adds no BOS); pass "
+                             f"some text")
+        check_length(ids.shape[1], self.config.max_position_embeddings)
         device = next(module.parameters()).device
-        out = module(input_ids=ids.to(device), output_attentions=True, **kwargs)
+        with evaluating(module):
+            out = module(input_ids=ids.to(device), output_attentions=True, **kwargs)
         weights = list(out.attentions or ())
         if len(weights) != self.config.num_hidden_layers or any(w is None for w in weights):
             raise RuntimeError(f"{type(module).__name__} returned {len(weights)} attention "

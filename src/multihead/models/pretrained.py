@@ -5,6 +5,8 @@ Notation used for tensor shapes: n texts, S tokens of one text, N packed tokens,
 
 from __future__ import annotations
 
+import contextlib
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, NamedTuple, Sequence
@@ -29,6 +31,49 @@ class Tokens(NamedTuple):
     truncated: bool
     original_length: int
     words: list[int | None] | None = None
+
+
+def check_max_length(max_length, positions: int) -> int:
+    """The tokens a text keeps: ``max_length`` (a positive int), or ``positions`` for None.
+
+    Example:
+        >>> check_max_length(None, 512), check_max_length(8, 512)
+        (512, 8)
+        >>> check_max_length(0, 512)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_length must be a positive integer (or None: the model's 512 positions), got 0
+    """
+    if max_length is None:
+        return positions
+    if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral) \
+            or max_length < 1:
+        raise ValueError(f"max_length must be a positive integer (or None: the model's "
+                         f"{positions} positions), got {max_length!r}")
+    return int(max_length)
+
+
+@contextlib.contextmanager
+def evaluating(module: torch.nn.Module):
+    """``module`` in eval mode for the block (no dropout: the same text gives the same
+    numbers whatever mode a caller left it in), then back in the mode it was.
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Dropout().train()
+        >>> with evaluating(m):
+        ...     m.training
+        False
+        >>> m.training
+        True
+    """
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield module
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 def check_texts(texts) -> list[str]:
@@ -110,7 +155,7 @@ class Pretrained:
             [3, 4]
         """
         texts = check_texts(texts)
-        limit = max_length or self.config.max_position_embeddings
+        limit = check_max_length(max_length, self.config.max_position_embeddings)
         full = self.tokenizer.encode_batch(texts)
         out = []
         for enc in full:
@@ -138,14 +183,16 @@ class Pretrained:
     @torch.inference_mode()
     def attention_weights(self, ids: torch.Tensor) -> EncoderOutput:
         """The encoder on ``ids`` ``(1, S)``: hidden states ``(1, S, E)`` and every layer's
-        attention weights, each ``(1, H, S, S)``."""
-        return self.encoder(ids, return_weights=True)
+        attention weights, each ``(1, H, S, S)`` (in eval mode, whatever the encoder's)."""
+        with evaluating(self.encoder):
+            return self.encoder(ids, return_weights=True)
 
     @torch.inference_mode()
     def embed(self, texts: Sequence[str], *, progress: bool = False,
               pack_tokens: int = PACK_TOKENS) -> torch.Tensor:
         """Sentence embeddings ``(n, E)``: pooled (mean over tokens for MiniLM) and normalized
-        as the model's sentence-transformers files say, computed packed with no padding.
+        as the model's sentence-transformers files say, computed packed with no padding, in
+        eval mode (the encoder's mode is restored after).
 
         Texts are sorted longest first and packed back to back into forwards of at most
         ``pack_tokens`` tokens; each text attends only to itself (a document mask run by the
@@ -175,12 +222,13 @@ class Pretrained:
             size += int(lengths[i])
         if cur:
             packs.append(cur)
-        for pack in track(packs, progress, len(texts), "embedding", weight=len):
-            ids = torch.cat([toks[i].ids for i in pack]).to(device)              # (N,)
-            ln = lengths[pack].to(device)                                        # (m,)
-            cu = torch.nn.functional.pad(ln.cumsum(0), (1, 0))                   # (m + 1,)
-            h = self.encoder.forward_packed(ids, cu)                             # (N, E)
-            result[pack] = self._pool(h, ln).cpu()
+        with evaluating(self.encoder):              # dropout would make embeddings random
+            for pack in track(packs, progress, len(texts), "embedding", weight=len):
+                ids = torch.cat([toks[i].ids for i in pack]).to(device)          # (N,)
+                ln = lengths[pack].to(device)                                    # (m,)
+                cu = torch.nn.functional.pad(ln.cumsum(0), (1, 0))               # (m + 1,)
+                h = self.encoder.forward_packed(ids, cu)                         # (N, E)
+                result[pack] = self._pool(h, ln).cpu()
         return result
 
     def _pool(self, h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
