@@ -4,6 +4,8 @@ no host-device sync in a forward (on the meta device, under NoReadBack).
 
 gqa_and_repeated_mha and split_forward also serve tests/test_cuda_modules.py."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -148,6 +150,44 @@ def test_a_failed_load_leaves_every_parameter_as_it_was(case):
     assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
     m.load_state_dict({**good, "rope.inv_freq": torch.zeros(2)}, strict=False)   # loads
     assert all(torch.equal(m.state_dict()[k], v) for k, v in good.items())
+
+
+def _bert():
+    from multihead.models import BertConfig, BertEncoder
+    return BertEncoder(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64))
+
+
+@pytest.mark.parametrize("holder, bad_key", [
+    (lambda: torch.nn.Sequential(mh.MultiHeadAttention(16, 4)), "0.out_proj.bias"),
+    (lambda: torch.nn.Sequential(torch.nn.Linear(16, 16), mh.MultiHeadAttention(16, 4)),
+     "1.out_proj.weight"),
+    (lambda: mh.nn.MultiheadAttention(16, 4), "out_proj.weight"),
+    (_bert, "layers.1.output.weight"),
+], ids=["sequential", "after-a-sibling", "drop-in", "bert-encoder"])
+def test_a_failed_load_through_a_parent_leaves_the_attention_as_it_was(holder, bad_key):
+    """torch's load copies what fits, then raises: our modules check their whole subtree
+    before copying, also when a parent's load reaches them, so none is left half-loaded."""
+    m = holder()
+    sd = {k: torch.randn_like(v) for k, v in m.state_dict().items()}
+    sd[bad_key] = torch.zeros(3, 3)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(RuntimeError, match=rf"load_state_dict.*{re.escape(bad_key)} has shape "
+                                           rf"\(3, 3\) in the checkpoint.*Nothing (of it )?was loaded"):
+        m.load_state_dict(sd)
+    ours = [n for n, x in m.named_modules()
+            if isinstance(x, (mh.MultiHeadAttention, mh.nn.MultiheadAttention))
+            or type(x).__name__ == "BertEncoder"]
+    for k, v in before.items():
+        if any(k.startswith(f"{n}.") or not n for n in ours):
+            assert torch.equal(m.state_dict()[k], v), k
+    del sd[bad_key]
+    if ours[0] == "":                  # our load_state_dict: strict misses refused first too
+        with pytest.raises(RuntimeError, match=r"missing keys \[" + re.escape(repr(bad_key))):
+            m.load_state_dict(sd)
+        assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
+    m.load_state_dict(sd, strict=False)                        # the rest loads
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in sd.items())
 
 
 def test_torch_compile_fullgraph_parity():

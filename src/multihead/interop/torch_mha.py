@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 import multihead as mh
 from multihead.modules.attention import _divisors
+from multihead.modules.loading import AllOrNothing
 
 from .torch_rules import (_AssertionArgError, _check_inputs, _check_nested, _lengths,
                           _RuntimeArgError, _torch_mask)
@@ -106,7 +107,7 @@ def to_torch(ours: "mh.MultiHeadAttention") -> nn.MultiheadAttention:
     return t.train(ours.training)
 
 
-class MultiheadAttention(nn.MultiheadAttention):
+class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
     """Drop-in for ``torch.nn.MultiheadAttention``: same constructor, forward, parameters and
     ``state_dict``; computed by :func:`multihead.attention`.
 

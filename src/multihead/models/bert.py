@@ -31,6 +31,7 @@ from torch import nn
 from .. import masks
 from ..modules import MultiHeadAttention
 from ..modules.attention import _divisors
+from ..modules.loading import AllOrNothing
 from ._files import ModelLoadError, describe, is_real, read_json, show
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu,
@@ -222,7 +223,7 @@ def check_length(longest: int, limit: int) -> None:
                          f"truncate it to {limit}")
 
 
-class BertEncoder(nn.Module):
+class BertEncoder(AllOrNothing):
     """The BERT encoder stack; load pretrained weights with :func:`multihead.models.load`.
 
     Example:

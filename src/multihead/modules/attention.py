@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import numbers
 import re
-from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -25,6 +24,7 @@ from ..masks.positioned import distances_in_tokens
 from ..functional import attention
 from ..functional._call import as_mask
 from .kv_cache import KVCache
+from .loading import AllOrNothing
 from .paged_cache import PagedBatch, PagedView
 from .rope import RotaryEmbedding
 
@@ -54,32 +54,6 @@ def _check_cached_mask(mask, cross: bool, n: int) -> None:
                 f"(the default, as in mh.masks.causal()), which is the same in a full forward")
 
 
-def _check_loadable(m: "MultiHeadAttention", state_dict, strict: bool) -> None:
-    """Raise before :meth:`MultiHeadAttention.load_state_dict` copies anything if it would
-    fail part way: a key of another shape, or (``strict``) one missing or unexpected."""
-    own = m.state_dict(keep_vars=True)
-    problems = []
-    for key, mine in own.items():
-        theirs = state_dict.get(key)
-        if isinstance(theirs, torch.Tensor) and theirs.shape != mine.shape:
-            problems.append(f"{key} has shape {tuple(theirs.shape)} in the checkpoint but "
-                            f"{tuple(mine.shape)} here")
-        elif key in state_dict and not isinstance(theirs, torch.Tensor):
-            problems.append(f"{key} is a {type(theirs).__name__} in the checkpoint, not a tensor")
-    loose = ""
-    if strict:
-        missing = [k for k in own if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in own]
-        problems += [f"{what} keys {keys}" for what, keys in
-                     (("missing", missing), ("unexpected", unexpected)) if keys]
-        loose = " (or pass strict=False to load the keys that match)" if missing or unexpected \
-            else ""
-    if problems:
-        raise RuntimeError(f"MultiHeadAttention.load_state_dict: {'; '.join(problems)}. This "
-                           f"module is {m._sizes()}; build it with "
-                           f"the checkpoint's sizes{loose}. Nothing was loaded")
-
-
 def _refused_by_torch_func(e: BaseException) -> bool:
     """Whether ``e`` is torch.func refusing an in-place change (what a cache write is)
     inside one of its transforms; other errors (running out of memory, say) go on as
@@ -105,7 +79,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(AllOrNothing):
     """Multi-head attention (Vaswani et al. 2017) with GQA/MQA, RoPE and cross-attention.
 
     Args:
@@ -222,31 +196,6 @@ class MultiHeadAttention(nn.Module):
     def num_parameters(self) -> int:
         """Parameter count; ``4*E**2 + 4*E`` for the default MHA (the seeds' count)."""
         return sum(p.numel() for p in self.parameters())
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """As :meth:`torch.nn.Module.load_state_dict`, but all or nothing: the keys and
-        shapes are checked before any tensor is copied, so a checkpoint of other sizes
-        leaves the module as it was (torch's copies the tensors that fit, then raises).
-
-        Raises:
-            RuntimeError: naming each key missing, unexpected (``strict``) or of another
-                shape, and this module's sizes; nothing is loaded.
-
-        Example:
-            >>> import torch, multihead as mh
-            >>> gqa = mh.MultiHeadAttention(16, 4, num_kv_heads=2)
-            >>> before = gqa.out_proj.weight.clone()
-            >>> try:
-            ...     gqa.load_state_dict(torch.nn.MultiheadAttention(16, 4).state_dict())
-            ... except RuntimeError as e:
-            ...     print(str(e)[:60])
-            MultiHeadAttention.load_state_dict: in_proj_weight has shape
-            >>> torch.equal(gqa.out_proj.weight, before)
-            True
-        """
-        if isinstance(state_dict, Mapping):
-            _check_loadable(self, state_dict, strict)
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _sizes(self) -> str:
         """The sizes that shape the parameters, as ``extra_repr`` and errors show them."""
