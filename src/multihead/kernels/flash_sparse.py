@@ -450,8 +450,8 @@ def unflatten(fn: str, q: torch.Tensor, k: torch.Tensor, source: str, tensors, i
             raise ValueError(f"{fn}: the plan's tensors must be on q's device {q.device}, "
                              f"one is on {t.device}: plan on q's device")
     if q.device.type == "cpu" and not torch.compiler.is_compiling():
-        for i, launch in enumerate(launches):       # host lists: reading them costs no sync
-            _check_list_values(fn, i, *launch.lists)
+        for i, spec in enumerate(launches):       # host lists: reading them costs no sync
+            _check_list_values(fn, i, *spec.lists)
     return MaskProgram(source, tuple(tensors), tuple(ints)), tuple(launches)
 
 
