@@ -33,11 +33,6 @@ def _refuse_extras(m: nn.MultiheadAttention) -> None:
         raise ValueError("from_torch: add_bias_kv=True (bias_k/bias_v) has no counterpart in "
                          "multihead.MultiHeadAttention; use multihead.nn.MultiheadAttention, "
                          "which supports it")
-    if m.kdim != m.vdim:
-        raise ValueError(f"from_torch: kdim ({m.kdim}) != vdim ({m.vdim}): "
-                         f"multihead.MultiHeadAttention takes keys and values from one context "
-                         f"of width kdim; use multihead.nn.MultiheadAttention, which takes "
-                         f"separate key and value inputs")
     if m.add_zero_attn:
         raise ValueError("from_torch: add_zero_attn=True has no counterpart in "
                          "multihead.MultiHeadAttention; use multihead.nn.MultiheadAttention")
@@ -74,15 +69,15 @@ def from_torch(m: nn.MultiheadAttention) -> "mh.MultiHeadAttention":
     """
     if not isinstance(m, nn.MultiheadAttention):
         raise TypeError(f"from_torch takes a torch.nn.MultiheadAttention, got {type(m).__name__}")
-    _refuse_extras(m)
     p = m.out_proj.weight
-    try:
+    try:                                  # what our constructor refuses (kdim != vdim, ...)
         ours = mh.MultiHeadAttention(m.embed_dim, m.num_heads, bias=m.in_proj_bias is not None,
                                      dropout=m.dropout, kdim=m.kdim, vdim=m.vdim,
                                      device=p.device, dtype=p.dtype)
     except ValueError as e:
-        raise ValueError(f"from_torch: the torch module's settings have no counterpart: {e}; "
-                         f"use multihead.nn.MultiheadAttention, which takes torch's") from None
+        raise ValueError(f"from_torch: {e}; use multihead.nn.MultiheadAttention, which "
+                         f"takes every setting of torch's") from None
+    _refuse_extras(m)
     _copy_weights(ours, m, packed=m._qkv_same_embed_dim)
     return ours.train(m.training)
 
