@@ -132,8 +132,8 @@ def _partial(Q, K, V, PO, PL, O, LSE, CNT, LENS, TBL, qk_scale,
                                                BLOCK_DV, BLOCK_R, BLOCK_N, CAUSAL, WINDOWED,
                                                PAGED, PAGE, True)
     out, lse = _finish(acc, m_i, l_i)
-    if PAGED:   # a table entry outside the pool, or a length past max_len (whose keys
-        n = tl.load(LENS + b)       # past it would be cut silently): NaN rows, nothing read
+    if PAGED:   # NaN rows, nothing read: a table entry outside the pool, or a length n
+        # (loaded above: PAGED has lengths) past max_len, whose keys would be cut silently
         bad = (outside > 0) | (n > Sk) | (n < 0)
         out = tl.where(bad, float("nan"), out)
         lse = tl.where(bad, float("nan"), lse)
