@@ -84,15 +84,29 @@ def atomic_write_all(files: dict[Path, str | bytes]) -> list[Path]:
     return [path for _, path in staged]
 
 
-def _make_dirs(d: Path) -> list[Path]:
-    """Create ``d`` and its missing ancestors; returns those created, outermost first."""
+def missing_dirs(d: Path) -> list[Path]:
+    """``d`` and its ancestors that do not exist, outermost first (``[]`` when ``d``
+    exists); the parent of the first is the nearest existing ancestor.
+
+    Example:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> [p.relative_to(root).as_posix() for p in missing_dirs(root / "a" / "b")]
+        ['a', 'a/b']
+    """
     missing = []
     while not d.exists() and not d.is_symlink() and d != d.parent:
         missing.append(d)
         d = d.parent
-    for m in reversed(missing):
-        m.mkdir(exist_ok=True)
     return missing[::-1]
+
+
+def _make_dirs(d: Path) -> list[Path]:
+    """Create ``d`` and its missing ancestors; returns those created, outermost first."""
+    made = missing_dirs(d)
+    for m in made:
+        m.mkdir(exist_ok=True)
+    return made
 
 
 def _stage(path: Path, data: str | bytes) -> Path:

@@ -8,13 +8,20 @@ import re
 import sys
 from pathlib import Path
 
-from .._files import probe_writable
+from .._files import missing_dirs, probe_writable
 
 
 def console(width: int = 120, markup: bool = True):
     """A rich console on stdout: the terminal's width, or ``width`` columns when piped."""
     from rich.console import Console
     return Console(width=None if sys.stdout.isatty() else width, markup=markup)
+
+
+def wrote(con, *paths) -> None:
+    """Say on ``con`` (a rich console) which files were written, as plain text: a path is
+    never read as markup or highlighted, and a long one is not broken across lines."""
+    con.print(f"wrote {' and '.join(str(p) for p in paths)}", style="dim", markup=False,
+              highlight=False, soft_wrap=True)
 
 
 def int_in(lo: int, hi: int):
@@ -81,9 +88,8 @@ def prepare_out(out: Path | None, names: tuple[str, ...] = ()) -> None:
     if out is None:
         return
     try:
-        there = out
-        while not there.exists() and not there.is_symlink() and there != there.parent:
-            there = there.parent                    # (the ancestor it will be made in)
+        missing = missing_dirs(out)
+        there = missing[0].parent if missing else out     # (the ancestor it will be made in)
         if not there.is_dir():
             what = "it" if there == out else repr(str(there))
             kind = "is a file, not a directory" if there.is_file() else "is not a directory"

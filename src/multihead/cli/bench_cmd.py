@@ -18,7 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ._common import console, prepare_out
+from ._common import console, prepare_out, wrote
 
 
 def add_parser(sub) -> None:
@@ -97,7 +97,7 @@ def _save(result, out: Path, err) -> None:
             paths = write(result, out, plot=False)
         err.print(f"results.png in {out} was not updated", markup=False)
     for p in paths:
-        err.print(f"wrote {p}", markup=False, highlight=False, soft_wrap=True)
+        wrote(err, p)
 
 
 @contextlib.contextmanager

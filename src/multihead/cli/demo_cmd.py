@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from .._files import atomic_write_all
-from ._common import console, int_in, prepare_out
+from ._common import console, int_in, prepare_out, wrote
 
 #: seeds are 32-bit (the experiment derives seed + 1 and seed + 2 from it)
 MAX_SEED = 2**32 - 1
@@ -127,8 +127,7 @@ def _heads(args) -> int:
     con.print(f"Prediction ({hx.PREDICTION})", style="dim")
     con.print(f"Finding: {text}")
     if args.out is not None:
-        con.print(f"wrote {args.out / 'heads.png'} and {args.out / 'heads.json'}", style="dim",
-                  markup=False, highlight=False, soft_wrap=True)
+        wrote(con, args.out / "heads.png", args.out / "heads.json")
     return 0
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import codecs
 from pathlib import Path
 
-from ._common import console, int_in, prepare_out
+from ._common import console, int_in, prepare_out, wrote
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired."
 FORMATS = ("html", "json", "png", "svg")
@@ -175,5 +175,5 @@ def run(args) -> int:
     show(result, console(), full=args.metrics)
     if args.out is not None:
         for p in write(result, args.out, formats):
-            err.print(f"wrote {p}", markup=False, highlight=False, soft_wrap=True)
+            wrote(err, p)
     return 0
