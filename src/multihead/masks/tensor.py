@@ -90,8 +90,7 @@ class Dense(Mask):
     def _preview_cap(self):
         return _cap(self.t)
 
-    def _lengths(self):
-        return _cap(self.t)
+    _lengths = _preview_cap         # a dim the tensor does not broadcast is a call's length
 
     def _check(self, batch, heads, sq, sk):
         _check_broadcast(self, self.t, batch, heads, sq, sk)
@@ -177,8 +176,7 @@ class Bias(Mask):
     def _preview_cap(self):
         return _cap(self.raw)
 
-    def _lengths(self):
-        return _cap(self.raw)
+    _lengths = _preview_cap         # a dim the tensor does not broadcast is a call's length
 
     def _check(self, batch, heads, sq, sk):
         _check_broadcast(self, self.raw, batch, heads, sq, sk)

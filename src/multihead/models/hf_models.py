@@ -174,9 +174,8 @@ class HFModel:
                              f"text can tokenize to no token (a tokenizer that adds no BOS); pass "
                              f"some text")
         check_length(ids.shape[1], self.config.max_position_embeddings)
-        device = next(module.parameters()).device
         with evaluating(module):
-            out = module(input_ids=ids.to(device), output_attentions=True, **kwargs)
+            out = module(input_ids=ids.to(self.device), output_attentions=True, **kwargs)
         weights = list(out.attentions or ())
         if len(weights) != self.config.num_hidden_layers or any(w is None for w in weights):
             raise RuntimeError(f"{type(module).__name__} returned {len(weights)} attention "

@@ -112,7 +112,7 @@ def _tokenizer_limit(d: Path, limit: int) -> int:
             or value <= 0):
         raise ModelLoadError(f"{path}: model_max_length is {show(value)}, but it must be a "
                              f"positive number (or absent)")
-    return min(limit, int(min(value, limit)))
+    return int(min(value, limit))
 
 
 def _input_settings(d: Path, c: BertConfig) -> tuple[int, bool]:
