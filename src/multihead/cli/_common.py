@@ -19,7 +19,12 @@ def console(width: int = 120, markup: bool = True):
 
 def wrote(con, *paths) -> None:
     """Say on ``con`` (a rich console) which files were written, as plain text: a path is
-    never read as markup or highlighted, and a long one is not broken across lines."""
+    never read as markup or highlighted, and a long one is not broken across lines.
+
+    Example:
+        >>> wrote(console(), Path("out/[b]report[/b].html"))
+        wrote out/[b]report[/b].html
+    """
     con.print(f"wrote {' and '.join(str(p) for p in paths)}", style="dim", markup=False,
               highlight=False, soft_wrap=True)
 

@@ -217,7 +217,15 @@ def check_ids(ids, dims: int, legend: str, vocab: int, name: str = "input_ids",
 
 
 def check_length(longest: int, limit: int) -> None:
-    """Raise a ValueError when a sequence of ``longest`` tokens passes ``limit`` positions."""
+    """Raise a ValueError when a sequence of ``longest`` tokens passes ``limit`` positions.
+
+    Example:
+        >>> check_length(512, 512)
+        >>> check_length(513, 512)
+        Traceback (most recent call last):
+        ...
+        ValueError: a sequence has 513 tokens but the model has 512 positions: truncate it to 512
+    """
     if longest > limit:
         raise ValueError(f"a sequence has {longest} tokens but the model has {limit} positions: "
                          f"truncate it to {limit}")
