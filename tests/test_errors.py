@@ -66,6 +66,32 @@ BAD = [
     ("explain too", lambda: mh.explain(q, k, v, backend="nope"), ValueError, r"unknown backend"),
 ]
 
+F8 = torch.float8_e4m3fn
+SUPPORTED = r"must be torch.float16, torch.bfloat16, torch.float32 or torch.float64, got "
+#: dtypes refused where they are passed, not later deep inside torch
+DTYPES = [
+    ("module int", lambda: mh.MultiHeadAttention(16, 2, dtype=torch.int64), "dtype " + SUPPORTED
+     + r"torch.int64: attention computes in a floating-point dtype"),
+    ("module str", lambda: mh.MultiHeadAttention(16, 2, dtype="bfloat16"), "dtype " + SUPPORTED
+     + r"'bfloat16' \(a str\): pass torch.bfloat16"),
+    ("module complex", lambda: mh.MultiHeadAttention(16, 2, dtype=torch.complex64),
+     "dtype " + SUPPORTED + "torch.complex64"),
+    ("module float8", lambda: mh.MultiHeadAttention(16, 2, dtype=F8), "dtype " + SUPPORTED
+     + r"torch.float8_e4m3fn: float8_e4m3fn is a storage format .* use torch.bfloat16"),
+    ("cache float8", lambda: mh.KVCache(1, 8, 2, 8, dtype=F8), "dtype " + SUPPORTED + "torch.float8"),
+    ("paged float8", lambda: mh.PagedKVCache(4, 16, 2, 8, dtype=torch.float8_e5m2),
+     "dtype " + SUPPORTED + "torch.float8_e5m2"),
+    ("converted module", lambda: mh.MultiHeadAttention(16, 2).to(F8)(torch.ones(1, 3, 16).to(F8)),
+     r"the module's weights are torch.float8_e4m3fn, which attention cannot compute in: convert "
+     r"the module with module.to\(torch.bfloat16\)"),
+]
+
+
+@pytest.mark.parametrize("name,fn,pattern", DTYPES, ids=[d[0] for d in DTYPES])
+def test_a_dtype_attention_cannot_compute_in_is_refused_where_it_is_passed(name, fn, pattern):
+    with pytest.raises(TypeError, match=pattern):
+        fn()
+
 
 @pytest.mark.parametrize("name,fn,exc,pattern", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_message(name, fn, exc, pattern):

@@ -418,9 +418,13 @@ def test_mask_methods_refuse_bad_sizes_by_name(call, message):
         call()
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, "float32"])
-def test_additive_refuses_a_dtype_that_cannot_hold_minus_inf(dtype):
-    with pytest.raises(TypeError, match=r"additive: dtype must be a floating-point dtype .* got"):
+@pytest.mark.parametrize("dtype,words", [
+    (torch.bool, r"floating-point dtype .* got torch.bool: use materialize\(\) for bool"),
+    (torch.int64, r"torch.float64, got torch.int64"),
+    ("float32", r"torch.float64, got 'float32' \(a str\): pass torch.float32"),
+    (torch.float8_e4m3fn, r"got torch.float8_e4m3fn: float8_e4m3fn is a storage format")])
+def test_additive_refuses_a_dtype_it_cannot_compute_in(dtype, words):
+    with pytest.raises(TypeError, match=r"additive: dtype must be .*" + words):
         M.causal().additive(2, 2, dtype=dtype)
     assert M.causal().additive(2, 2, dtype=torch.float16).dtype == torch.float16
 

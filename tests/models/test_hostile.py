@@ -318,15 +318,23 @@ def test_vocab_txt_alone_is_not_read(tmp_path):
         load(d)
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, "float32", None])
+@pytest.mark.parametrize("dtype", [torch.int64, "float32", None, torch.float8_e4m3fn])
 def test_dtype_must_be_a_float_dtype(tmp_path, dtype):
-    with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):
+    with pytest.raises(TypeError, match=r"dtype must be torch.float16, torch.bfloat16, "
+                                        r"torch.float32 or torch.float64, got"):
         load(tmp_path, dtype=dtype)
 
 
 def test_device_must_be_a_device(tmp_path):
     with pytest.raises(ValueError, match="device must be a torch.device or a name such as 'cpu'"):
         load(tmp_path, device="gpu")
+
+
+def test_the_meta_device_is_refused_before_any_file_is_read(tmp_path):
+    """A model on "meta" has no values: its first text would fail deep inside torch."""
+    with pytest.raises(ValueError, match=r"device 'meta' holds shapes, not values: .* pass "
+                                         r"device='cpu'"):
+        load(tmp_path / "nothing here", device="meta")
 
 
 def test_a_device_this_machine_lacks_is_refused_before_reading(tmp_path, monkeypatch):

@@ -185,6 +185,31 @@ def test_indivisible_embed_dim_is_assertion_and_value_error_with_suggestions():
     assert isinstance(info.value, AssertionError)
 
 
+@pytest.mark.parametrize("how", ["keyword", "positional"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e4m3fn])
+def test_a_dtype_torch_fails_to_build_in_is_a_runtime_and_type_error_naming_it(dtype, how):
+    """torch fails deep inside its init (no gradients for integers, no uniform init for
+    float8); ours refuses the argument first, as either exception."""
+    args = (E, H) + ((0.0, True, False, False, None, None, False, None, dtype)
+                     if how == "positional" else ())
+    kwargs = {} if how == "positional" else {"dtype": dtype}
+    with pytest.raises(RuntimeError):
+        nn.MultiheadAttention(*args, **kwargs)
+    with pytest.raises(TypeError, match=rf"dtype must be torch.float16, .* got {dtype}") as info:
+        mh.nn.MultiheadAttention(*args, **kwargs)
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_weights_converted_to_float8_are_named_before_the_projection():
+    _, ours = _pair()
+    ours.to(torch.float8_e4m3fn)
+    q, kv = (t.to(torch.float8_e4m3fn) for t in _seq_first())
+    with pytest.raises(TypeError, match=r"the module's weights are torch.float8_e4m3fn, .* "
+                                        r"module.to\(torch.bfloat16\)") as info:
+        ours(q, kv, kv)
+    assert isinstance(info.value, RuntimeError)
+
+
 # ------------------------------------------------------------------ dtype tolerance
 
 @torch.no_grad()

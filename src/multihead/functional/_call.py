@@ -12,9 +12,8 @@ import numbers
 import torch
 
 from .. import masks as M
+from .._dtypes import SUPPORTED_DTYPES
 from ..masks.structured import _offset
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def shape_str(t: torch.Tensor) -> str:

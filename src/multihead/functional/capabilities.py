@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .._dtypes import SUPPORTED_DTYPES
 from ._call import AttentionCall
 
 #: leaf mask structures a backend can declare (compositions are "and", "or", "not")
 MASK_KINDS = frozenset({"causal", "window", "padding", "document", "dense", "bias", "alibi",
                         "custom"})
-ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+ALL_DTYPES = frozenset(SUPPORTED_DTYPES)
 
 
 def _dtype_name(dt: torch.dtype) -> str:

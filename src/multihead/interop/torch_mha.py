@@ -14,6 +14,7 @@ a finite value past the query's range becomes ``-inf`` and hides its key).
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional, Tuple
 
 import torch
@@ -24,8 +25,8 @@ import multihead as mh
 from multihead.modules.attention import _divisors
 from multihead.modules.loading import AllOrNothing
 
-from .torch_rules import (_AssertionArgError, _check_inputs, _check_nested, _lengths,
-                          _RuntimeArgError, _torch_mask)
+from .torch_rules import (_AssertionArgError, _as_torch_raises, _check_inputs, _check_nested,
+                          _lengths, _RuntimeArgError, _torch_mask, check_dtype)
 
 
 def _refuse_extras(m: nn.MultiheadAttention) -> None:
@@ -102,6 +103,10 @@ def to_torch(ours: "mh.MultiHeadAttention") -> nn.MultiheadAttention:
     return t.train(ours.training)
 
 
+#: torch's constructor, whose arguments ours takes as they are
+_SIGNATURE = inspect.signature(nn.MultiheadAttention.__init__)
+
+
 class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
     """Drop-in for ``torch.nn.MultiheadAttention``: same constructor, forward, parameters and
     ``state_dict``; computed by :func:`multihead.attention`.
@@ -145,6 +150,11 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
             fits = _divisors(embed_dim)[:12]
             raise _AssertionArgError(f"embed_dim ({embed_dim}) must be divisible by num_heads "
                                      f"({num_heads}): try num_heads in {fits}")
+        try:      # torch's signature: dtype is its 11th argument, or a keyword
+            dtype = _SIGNATURE.bind(self, embed_dim, num_heads, *args, **kwargs).arguments.get("dtype")
+        except TypeError:
+            dtype = None                  # torch's own constructor says what is wrong
+        _as_torch_raises(check_dtype, "dtype", dtype, optional=True)
         super().__init__(embed_dim, num_heads, *args, **kwargs)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor,

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import multihead as mh
+from multihead._dtypes import check_dtype, check_weights
 
 
 # -- errors: torch's exception type and ours at once ------------------------------------
@@ -26,8 +27,22 @@ class _RuntimeArgError(ValueError, RuntimeError):
     """A bad argument where torch raises ``RuntimeError``: catch it as either."""
 
 
+class _RuntimeTypeError(TypeError, RuntimeError):
+    """A dtype torch fails on with ``RuntimeError`` (an integer weight cannot require
+    gradients; float8 has no uniform init): catch it as either."""
+
+
 class _DtypeArgError(TypeError, AssertionError):
     """A mask of a dtype torch refuses (with ``AssertionError``): catch it as either."""
+
+
+def _as_torch_raises(check, *args, **kwargs):
+    """``check(...)``, one of multihead's dtype checks, whose ``TypeError`` is raised as a
+    :class:`_RuntimeTypeError` (torch fails on these dtypes with ``RuntimeError``)."""
+    try:
+        return check(*args, **kwargs)
+    except TypeError as e:
+        raise _RuntimeTypeError(str(e)) from None
 
 
 def _torch_mask(mask, name: str) -> "mh.masks.Mask | None":
@@ -66,6 +81,7 @@ def _check_mask_dtypes(key_padding_mask, attn_mask) -> None:
 def _check_input_dtypes(m: nn.MultiheadAttention, query, key, value) -> None:
     """query, key and value in the dtype of the weights that project them (torch's
     projection refuses others, except under autocast, which casts them)."""
+    _as_torch_raises(check_weights, m.out_proj.weight.dtype)
     if torch.is_autocast_enabled(query.device.type):
         return
     fused = m._qkv_same_embed_dim

@@ -27,6 +27,7 @@ import torch
 from .._cache import BoundedCache
 from .. import _device as devices
 from .._device import to_device
+from .._dtypes import check_dtype
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -465,9 +466,10 @@ class Mask:
             [[0.0, -inf], [0.0, 0.0]]
         """
         sq, sk = self._check_sizes("additive", sq, sk)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"additive: dtype must be a floating-point dtype (the form holds "
-                            f"-inf where masked), got {dtype!r}: use materialize() for bool")
+        if dtype == torch.bool:
+            raise TypeError("additive: dtype must be a floating-point dtype (the form holds "
+                            "-inf where masked), got torch.bool: use materialize() for bool")
+        check_dtype("additive: dtype", dtype)
         ix = self.index(sq, sk, device, torch.promote_types(dtype, torch.float32))
         out = torch.zeros(len(ix.b), len(ix.h), sq, sk, dtype=dtype, device=ix.q.device)
         bias = self._bias(ix) if self.has_bias else None

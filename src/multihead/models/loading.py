@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .._dtypes import check_dtype
 from .._init import skip_init
 from ._files import ModelLoadError, check_model_dir, first_line, read_json, show
 from .bert import BertConfig, BertEncoder, UnsupportedModel
@@ -76,8 +77,9 @@ def load(model_dir: str | Path | None = None, *, dtype: torch.dtype = torch.floa
             invalid or disagrees with the checkpoint; a missing, misshaped, non-float or
             non-finite tensor; an unusable tokenizer; or an unsupported architecture or
             pooling. The message names the file and field or tensor; nothing is half-loaded.
-        TypeError: ``dtype`` is not a floating-point dtype, or ``model_dir`` is not a path.
-        ValueError: ``device`` is not a device.
+        TypeError: ``dtype`` is not float16, bfloat16, float32 or float64, or ``model_dir``
+            is not a path.
+        ValueError: ``device`` is not a device, one this machine has, or is ``"meta"``.
 
     Example:
         >>> from multihead.models import load
@@ -85,14 +87,15 @@ def load(model_dir: str | Path | None = None, *, dtype: torch.dtype = torch.floa
         >>> model.config.num_hidden_layers, model.config.num_attention_heads, model.config.hidden_size
         (6, 12, 384)
     """
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype such as torch.float32, "
-                        f"got {show(dtype)}")
+    check_dtype("dtype", dtype)
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device must be a torch.device or a name such as 'cpu' or 'cuda:0', "
                          f"got {show(device)}") from None
+    if device.type == "meta":
+        raise ValueError("device 'meta' holds shapes, not values: a model loaded there cannot "
+                         "run, and its checkpoint could not be checked; pass device='cpu' or a GPU")
     try:                                     # reachable? (before any file is read)
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as e:   # (a CPU-only torch asserts on "cuda")

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import masks
+from .._dtypes import check_dtype, check_weights
 from ..masks.positioned import distances_in_tokens
 from ..functional import attention
 from ..functional._call import as_mask
@@ -143,7 +144,7 @@ class MultiHeadAttention(AllOrNothing):
                              f"inputs of different widths")
         self.dropout, self.backend, self.rope = float(dropout), backend, rope
         nq, nkv = H * Dh, Hkv * Dh
-        fk = dict(device=device, dtype=dtype)
+        fk = dict(device=device, dtype=check_dtype("dtype", dtype, optional=True))
         self.packed = self.kdim == self.vdim == E
         if self.packed:   # rows: [W_Q; W_K; W_V], one GEMM for self-attention
             self.in_proj_weight = nn.Parameter(torch.empty(nq + 2 * nkv, E, **fk))
@@ -216,6 +217,7 @@ class MultiHeadAttention(AllOrNothing):
             raise ValueError(f"{name} must be (B, S, {width}), got shape {tuple(t.shape)}"
                              + (" (add a batch dim with x.unsqueeze(0))" if t.dim() == 2 else ""))
         p = self.out_proj.weight
+        check_weights(p.dtype)
         if t.dtype != p.dtype or t.device != p.device:
             raise TypeError(f"{name} is {t.dtype} on {t.device} but the module is {p.dtype} on "
                             f"{p.device}: use module.to({name}.device, {name}.dtype) or convert {name}")

@@ -43,6 +43,7 @@ import functools
 import torch
 
 from .._device import to_device
+from .._dtypes import check_dtype
 
 
 def _pos_int(name: str, v) -> int:
@@ -67,9 +68,7 @@ class _CacheBase:
         self.num_kv_heads = _pos_int("num_kv_heads", num_kv_heads)
         self.head_dim = _pos_int("head_dim", head_dim)
         self.value_dim = head_dim if value_dim is None else _pos_int("value_dim", value_dim)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-        self.dtype = dtype
+        self.dtype = check_dtype("dtype", dtype)
         # the concrete device ("cuda" -> "cuda:0"), so it compares equal to the module's
         self.device = torch.empty(0, device=device).device
         return dict(dtype=dtype, device=self.device)

@@ -1,0 +1,61 @@
+"""The dtypes multihead computes attention in, and one check of a ``dtype`` argument.
+
+A module, a cache, an additive mask or a loaded model made in another dtype would fail
+later, deep inside torch (float8 has no matmul or sum on most devices; an integer weight
+cannot require gradients), so each refuses it where it is passed, naming the argument.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: the dtypes every backend computes in (float8 is a storage format: no softmax, no sum)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: the same, for messages
+SUPPORTED_NAMES = "torch.float16, torch.bfloat16, torch.float32 or torch.float64"
+
+
+def check_dtype(name: str, dtype, *, optional: bool = False) -> torch.dtype | None:
+    """``dtype``, after checking it is one of :data:`SUPPORTED_DTYPES` (or None when
+    ``optional``: torch's default dtype then applies).
+
+    Raises:
+        TypeError: another dtype (float8, an integer or complex one), or not a dtype at all
+            (a string such as ``"float32"``); the message names ``name``.
+
+    Example:
+        >>> check_dtype("dtype", torch.bfloat16)
+        torch.bfloat16
+        >>> check_dtype("dtype", "float32")
+        Traceback (most recent call last):
+        ...
+        TypeError: dtype must be torch.float16, torch.bfloat16, torch.float32 or torch.float64, got 'float32' (a str): pass torch.float32
+    """
+    if dtype is None and optional:
+        return None
+    if isinstance(dtype, torch.dtype) and dtype in SUPPORTED_DTYPES:
+        return dtype
+    if isinstance(dtype, str):
+        hint = f" (a str): pass torch.{dtype.removeprefix('torch.')}"
+    elif isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        hint = (f": {str(dtype).removeprefix('torch.')} is a storage format attention cannot "
+                f"compute in (no softmax, no matmul); use torch.bfloat16 or torch.float16")
+    else:
+        hint = ": attention computes in a floating-point dtype"
+    raise TypeError(f"{name} must be {SUPPORTED_NAMES}, got {dtype!r}{hint}")
+
+
+def check_weights(dtype: torch.dtype) -> None:
+    """Refuse a module whose weights were converted to a dtype attention cannot compute in
+    (``module.to(torch.float8_e4m3fn)``), before its forward projects anything.
+
+    Example:
+        >>> check_weights(torch.float8_e5m2)
+        Traceback (most recent call last):
+        ...
+        TypeError: the module's weights are torch.float8_e5m2, which attention cannot compute in: convert the module with module.to(torch.bfloat16) (or torch.float16, torch.float32, torch.float64)
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"the module's weights are {dtype}, which attention cannot compute in: "
+                        f"convert the module with module.to(torch.bfloat16) (or torch.float16, "
+                        f"torch.float32, torch.float64)")
