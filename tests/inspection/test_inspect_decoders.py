@@ -9,6 +9,7 @@ refused."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import sys
@@ -356,6 +357,26 @@ def test_fewer_layers_than_the_checkpoint_are_refused(dirs, kind, field, tmp_pat
         load(d)
 
 
+@pytest.mark.parametrize("kind,field,value,tensor,held,want", [
+    ("gpt2", "n_positions", 32, "wpe.weight", (64, 32), (32, 32)),
+    ("gpt2", "n_positions", 128, "wpe.weight", (64, 32), (128, 32)),     # a larger network
+    ("llama", "head_dim", 4, "layers.0.self_attn.q_proj.weight", (32, 32), (16, 32)),
+    ("llama", "num_key_value_heads", 4, "layers.0.self_attn.k_proj.weight", (16, 32), (32, 32)),
+    ("bart", "encoder_ffn_dim", 32, "encoder.layers.0.fc1.weight", (64, 32), (32, 32))])
+def test_a_size_config_json_disagrees_on_is_named_with_the_tensor_and_both_shapes(
+        dirs, tmp_path, kind, field, value, tensor, held, want):
+    """transformers' own message points at a load report that is not shown; ours names the
+    tensor (as the file names it), the checkpoint's shape and the shape config.json makes."""
+    d = _copy(dirs, kind, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, field: value}))
+    shapes = (re.escape(f" is {held} there, but ") + ".*"
+              + re.escape(f"config.json's sizes make it {want}: config.json"))
+    with pytest.raises(ModelLoadError, match=rf"model\.safetensors: tensor '(\w+\.)?{tensor}'"
+                       + shapes + " does not describe this checkpoint"):
+        load(d)
+
+
 @pytest.mark.parametrize("kind,wrong", [("gpt2", "llama"), ("bart", "gpt2")])
 def test_a_config_describing_a_larger_network_is_refused_before_building_it(
         dirs, kind, wrong, tmp_path):
@@ -391,10 +412,14 @@ def test_a_sharded_checkpoint_is_counted_over_its_shards(dirs, tmp_path):
     ours = load(d).attention_weights(torch.tensor([[1, 5, 9]])).weights
     assert len(ours) == 2
     cfg = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
+    (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
     held = sum(t.numel() for t in w.values())                          # every shard's
     with pytest.raises(ModelLoadError, match=rf"index\.json holds {held:,} values"):
         load(d)
+    (d / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
+    with pytest.raises(ModelLoadError, match=r"index\.json: tensor 'model\.layers\.0\.mlp\."
+                                             r"\w+_proj\.weight' is \((64, 32|32, 64)\) there"):
+        load(d)                                         # shapes are read from every shard
 
 
 def test_nan_weights_are_refused(dirs, tmp_path):

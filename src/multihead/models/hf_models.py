@@ -328,34 +328,56 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
 
 
 def _check_size(transformers, hf_config, weights: Path, kind: str) -> None:
-    """Refuse a config.json that describes a larger network than the checkpoint holds
-    values for (the wrong ``model_type`` takes its architecture's defaults: a GPT-2
-    checkpoint read as a Llama describes 6.5 billion parameters), before ``transformers``
-    builds it: it is built here on the meta device (no memory) and its parameters counted
-    against the checkpoint's headers (a task's head may add to the latter)."""
-    if weights.name.endswith(".json"):             # shards: each file its index names once
-        index = read_json(weights)
-        names = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(names, dict) or not all(isinstance(f, str) and Path(f).name == f
-                                                  for f in names.values()):
-            return                                 # transformers' own error says what is wrong
-        files = [weights.parent / f for f in sorted(set(names.values()))]
-        if not all(f.is_file() for f in files):
-            return
-    else:
-        files = [weights]
-    held = sum(math.prod(t.shape) for f in files for t in read_header(f).values())
+    """Refuse a config.json that does not describe the checkpoint, before ``transformers``
+    builds the network and reads its tensors: the network is built here on the meta device
+    (no memory) and compared with the checkpoint's headers.
+
+    Each tensor both hold must have one shape (a wrong ``n_positions`` or ``head_dim`` is
+    named with the tensor and its two shapes); and the network must not need more values than the checkpoint holds (the wrong
+    ``model_type`` takes its architecture's defaults: a GPT-2 checkpoint read as a Llama
+    describes 6.5 billion parameters; a task's head may add to the checkpoint's count)."""
+    header = _headers(weights)
+    if header is None:
+        return                                     # transformers' own error says what is wrong
+    config_file = weights.parent / "config.json"
     try:
         with torch.device("meta"):
             network = transformers.AutoModel.from_config(hf_config)
     except BaseException as e:
         if not is_library_error(e):
             raise
-        raise ModelLoadError(f"{weights.parent / 'config.json'} is not a usable {kind} config.json "
+        raise ModelLoadError(f"{config_file} is not a usable {kind} config.json "
                              f"({first_line(e)})") from None
+    prefix = getattr(network, "base_model_prefix", "")
+    for name, p in network.named_parameters():
+        key = name if name in header else f"{prefix}.{name}"     # (the file's name for it)
+        info = header.get(key)
+        if info is not None and info.shape != tuple(p.shape):
+            raise ModelLoadError(f"{weights}: tensor {key!r} is {info.shape} there, but "
+                                 f"{config_file}'s sizes make it {tuple(p.shape)}: config.json "
+                                 f"does not describe this checkpoint (was a size edited, or is "
+                                 f"it another model's config.json?)")
     need = sum(p.numel() for p in network.parameters())
+    held = sum(math.prod(t.shape) for t in header.values())
     if need > held:
-        raise ModelLoadError(f"{weights.parent / 'config.json'} describes a {kind} network of "
+        raise ModelLoadError(f"{config_file} describes a {kind} network of "
                              f"{need:,} parameters, but {weights} holds {held:,} values: the "
                              f"checkpoint does not match config.json (is model_type right? are "
                              f"its sizes?)")
+
+
+def _headers(weights: Path) -> dict | None:
+    """Every tensor of the checkpoint (name -> :class:`TensorInfo`), from its one file or
+    from each shard its index names; None for an index ``transformers`` will refuse."""
+    if not weights.name.endswith(".json"):
+        return read_header(weights)
+    index = read_json(weights)
+    names = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(names, dict) or not all(isinstance(f, str) and Path(f).name == f
+                                              for f in names.values()):
+        return None
+    files = [weights.parent / f for f in sorted(set(names.values()))]
+    if not all(f.is_file() for f in files):
+        return None
+    return {name: info for f in files for name, info in read_header(f).items()}
+
