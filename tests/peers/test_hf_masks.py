@@ -98,6 +98,25 @@ def test_pieces_we_do_not_read_fall_back_to_transformers_own_dense_mask(make):
     assert _ours(ours, 1, 8, 8).equal(_theirs(1, 8, 8, 0, 0, fn, am))
 
 
+def test_a_0_1_integer_padding_mask_falls_back_exactly_too():
+    """Tokenizers give attention_mask as 0/1 ints; the dense fallback reads them as bools."""
+    fn = mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
+    am = torch.tensor([[1] * 6, [0] + [1] * 5])
+    ours = build_mask(2, 6, 6, 0, 0, fn, am)
+    assert ours.dense
+    assert _ours(ours, 2, 6, 6).equal(_theirs(2, 6, 6, 0, 0, fn, am.bool()))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_padding_mask_with_another_number_of_rows_is_refused_naming_it(rows):
+    """transformers reads rows 0..B-1 of it (3 rows: the last ignored; 1 row: an IndexError
+    deep in its mask function); ours names it with its shape and the batch size."""
+    am = torch.ones(rows, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"attention_mask has {rows} rows \(shape \({rows}, 4\)\) "
+                                         r"but the batch has 2 sequences: pass one row per"):
+        build_mask(2, 4, 4, 0, 0, mu.causal_mask_function, am)
+
+
 def test_a_mask_prepared_by_generate_passes_through_unchanged():
     m = build_mask(2, 1, 6, 5, 0, mu.causal_mask_function, None)
     assert build_mask(2, 1, 6, 5, 0, mu.causal_mask_function, m) is m
@@ -139,6 +158,10 @@ def test_a_model_using_the_mask_as_a_tensor_gets_a_clear_error():
         m[:, :, :2]
     with pytest.raises(AttributeError, match="no 'dtype'.*AttentionInterface"):
         m.dtype
+    for use in (lambda: torch.zeros(2, 1, 4, 4).masked_fill(m, 0.0),      # MPT's, say
+                lambda: torch.where(m, 1.0, 0.0)):
+        with pytest.raises(TypeError, match="outside transformers' AttentionInterface"):
+            use()
     assert not hasattr(m, "device") and m.to("cpu").mask is not None
 
 

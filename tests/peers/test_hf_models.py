@@ -364,3 +364,69 @@ def test_training_applies_attention_dropout_and_evaluation_does_not():
         assert torch.equal(e, output(m(**inputs)))
         torch.testing.assert_close(e[real], output(model("llama", "sdpa")(**inputs))[real],
                                    atol=1e-5, rtol=0)
+
+
+def test_training_arguments_that_reach_attention_through_kwargs_are_run_not_refused():
+    """Trainer passes num_items_in_batch with labels, padding-free collators shift_labels,
+    a mixture of experts output_router_logits: all reach the attention layer through the
+    model's **kwargs, none changes attention; the losses equal eager's."""
+    inputs, real = batch("llama", "right")
+    labels = inputs["input_ids"].masked_fill(~real, -100)
+    extras = [dict(num_items_in_batch=torch.tensor(int(real.sum()))),
+              dict(shift_labels=torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100))]
+    for extra in extras:
+        ours, theirs = (model("llama", impl)(**inputs, labels=labels, **extra).loss
+                        for impl in ("multihead", "eager"))
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    cfg = dict(_SMALL, num_local_experts=2, num_experts_per_tok=1, output_router_logits=True)
+    losses = []
+    for impl in ("multihead", "eager"):
+        torch.manual_seed(0)
+        m = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **cfg, attn_implementation=impl)).eval()
+        out = m(**inputs, labels=labels)
+        losses.append((out.loss, out.aux_loss))
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-5, rtol=0)
+
+
+def test_a_model_passing_its_mask_to_a_torch_function_gets_the_clear_error():
+    """MPT masks its scores with ``scores.masked_fill(mask, ...)``: a torch function, not an
+    operator; the error says to load it with sdpa or eager, not torch's argument parser's."""
+    torch.manual_seed(0)
+    m = transformers.MptForCausalLM(transformers.MptConfig(
+        vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, attn_implementation="multihead"))
+    with pytest.raises(TypeError, match=r"uses its attention mask as a tensor outside "
+                                        r"transformers' AttentionInterface.*'sdpa' or 'eager'"):
+        m(input_ids=torch.randint(3, VOCAB, (2, 6)))
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_compiled_fullgraph_with_a_padding_mask_equals_eager_mode(side):
+    """The mask builder traces: no read of the padding mask's values, no code object as a
+    guard's constant (transformers' mask pieces are recognized by where their code is)."""
+    inputs, real = batch("llama", side)
+    m = model("llama", "multihead")
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            got = output(torch.compile(m, backend="eager", fullgraph=True)(**inputs))
+            want = output(m(**inputs))
+    finally:
+        torch._dynamo.reset()
+    assert_close_at(got, want, real)
+
+
+@pytest.mark.parametrize("cls,config,kwargs", [
+    ("GPTJForCausalLM", "GPTJConfig", dict(n_embd=32, n_layer=1, n_head=4, rotary_dim=4)),
+    ("GPTNeoForCausalLM", "GPTNeoConfig", dict(hidden_size=32, num_layers=1, num_heads=4,
+                                               attention_types=[[["global"], 1]])),
+    ("FalconForCausalLM", "FalconConfig", dict(hidden_size=32, num_hidden_layers=1,
+                                               num_attention_heads=4))])
+def test_models_that_look_their_attention_class_up_by_name_fail_as_the_readme_says(
+        cls, config, kwargs):
+    """README: these fail while they are built, with transformers' own KeyError, before any
+    of our code runs (if transformers changes that, the README must change too)."""
+    cfg = getattr(transformers, config)(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2,
+                                        **kwargs, attn_implementation="multihead")
+    with pytest.raises(KeyError, match="multihead"):
+        getattr(transformers, cls)(cfg)

@@ -62,12 +62,15 @@ def _refuse(what: str, where: str):
 
 
 #: arguments models pass to every attention function that do not change what it computes
-#: (the mask builder already folded sliding windows and packing into the mask)
+#: (the mask builder already folded sliding windows and packing into the mask; the loss's
+#: token count and shifted labels, a mixture of experts' router logits and the sequence
+#: ids of a flattening collator reach the attention layer through a model's ``**kwargs``)
 HARMLESS = frozenset({
     "position_ids", "output_attentions", "output_hidden_states", "use_cache", "return_dict",
     "sliding_window", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
     "deterministic", "cache_position", "past_key_values", "layer_idx", "token_type_ids",
-    "cache", "position_embeddings", "encoder_hidden_states", "logits_to_keep"})
+    "cache", "position_embeddings", "encoder_hidden_states", "logits_to_keep",
+    "num_items_in_batch", "shift_labels", "output_router_logits", "seq_idx"})
 
 
 def _check_options(module, kwargs):

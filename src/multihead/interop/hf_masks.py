@@ -62,6 +62,11 @@ class HFMask:
     def _misuse(self, *args, **kwargs):
         raise TypeError(self.MISUSE)
 
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """A torch function given the mask (``scores.masked_fill(mask, ...)``, MPT's)."""
+        raise TypeError(cls.MISUSE)
+
     __getitem__ = __add__ = __radd__ = __mul__ = __and__ = __invert__ = _misuse
 
     def __getattr__(self, name):            # only for names HFMask does not have
@@ -108,19 +113,26 @@ def _closure(fn) -> dict:
     return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells)))
 
 
+def _where(fn) -> tuple | None:
+    """Where a function's code is (file, line, name): how ``transformers``' mask pieces are
+    recognized (strings, not code objects: ``torch.compile`` guards on them as constants)."""
+    code = getattr(fn, "__code__", None)
+    return None if code is None else (code.co_filename, code.co_firstlineno, code.co_name)
+
+
 def _codes():
-    """The code objects of ``transformers``' mask pieces, to recognize their closures."""
+    """Where the code of each of ``transformers``' mask pieces is, to recognize their closures."""
     from transformers import masking_utils as mu
     t = torch.zeros(1, 1)
     return {
-        mu.causal_mask_function.__code__: "causal",
-        mu.bidirectional_mask_function.__code__: "full",
-        mu.and_masks(mu.causal_mask_function).__code__: "and",
-        mu.or_masks(mu.causal_mask_function).__code__: "or",
-        mu.sliding_window_overlay(1).__code__: "overlay",
-        mu.padding_mask_function(t).__code__: "padding",
-        mu.packed_sequence_mask_function(t).__code__: "packed",
-        mu.remap_positions_for_packed_sequence(mu.causal_mask_function, t).__code__: "remap",
+        _where(mu.causal_mask_function): "causal",
+        _where(mu.bidirectional_mask_function): "full",
+        _where(mu.and_masks(mu.causal_mask_function)): "and",
+        _where(mu.or_masks(mu.causal_mask_function)): "or",
+        _where(mu.sliding_window_overlay(1)): "overlay",
+        _where(mu.padding_mask_function(t)): "padding",
+        _where(mu.packed_sequence_mask_function(t)): "packed",
+        _where(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, t)): "remap",
     }
 
 
@@ -143,7 +155,7 @@ def _read(fn, offsets: bool = False, packed: bool = False):
     global _CODES
     if _CODES is None:
         _CODES = _codes()
-    kind = _CODES.get(getattr(fn, "__code__", None))
+    kind = _CODES.get(_where(fn))
     if kind == "causal":
         return M.causal()
     if kind == "full":
@@ -164,7 +176,7 @@ def _read(fn, offsets: bool = False, packed: bool = False):
     if kind in ("and", "or"):
         parts = _closure(fn)["mask_functions"]
         is_packed = kind == "and" and any(
-            _CODES.get(getattr(p, "__code__", None)) == "packed" for p in parts)
+            _CODES.get(_where(p)) == "packed" for p in parts)
         return _combine(kind, [_read(p, offsets, is_packed) for p in parts])
     raise _Unknown(getattr(fn, "__qualname__", repr(fn)))
 
@@ -221,7 +233,7 @@ def _padding(attention_mask, kv_offset: int, keys: int):
     pm = attention_mask[:, kv_offset:kv_offset + keys].bool()           # (B, <= keys)
     if pm.shape[1] < keys:
         pm = torch.nn.functional.pad(pm, (0, keys - pm.shape[1]))       # (B, keys)
-    if pm.device.type == "cpu":
+    if pm.device.type == "cpu" and not torch.compiler.is_compiling():   # (reads values)
         lengths = pm.sum(1)                                             # (B,)
         if bool(pm.all()):
             return None
@@ -259,9 +271,14 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     check_config(kwargs.get("config"))
     if isinstance(attention_mask, HFMask):          # prepared ahead by generate()
         return attention_mask
-    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
-                                       or attention_mask.dim() != 2):
-        raise unreadable_mask(attention_mask, "a 2-D padding mask (B, S) here")
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+            raise unreadable_mask(attention_mask, "a 2-D padding mask (B, S) here")
+        if attention_mask.shape[0] != batch_size:       # (transformers reads rows 0..B-1)
+            raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows (shape "
+                             f"{tuple(attention_mask.shape)}) but the batch has {batch_size} "
+                             f"sequences: pass one row per sequence (1 = real token)")
+        attention_mask = attention_mask.bool()          # (0/1 ints, as tokenizers give)
     q_offset, kv_offset = int(q_offset), int(kv_offset)
     shape = (batch_size, 1, q_length, kv_length)
     try:
