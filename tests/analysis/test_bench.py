@@ -50,10 +50,13 @@ def test_quick_suite_writes_results(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--suite", "huge"], "unknown suite 'huge': choose one of quick, standard, full"),
+    (["--suite", "huge"], "--suite 'huge' is unknown: choose one of quick, standard, full"),
     (["--dtype", "fp16"], "--dtype fp16 is not supported on the CPU"),
-    (["--dtype", "int8"], "unknown dtype 'int8'"),
-    (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--dtype", "int8"], "--dtype 'int8' is unknown"),
+    (["--device", "tpu"], "--device 'tpu' is unknown"),
+    (["--family", "hf model"], "--family 'hf model' is not in the quick suite on cpu (it is in "
+                               "--suite standard): choose from"),
+    (["--out", ""], "argument --out: the path is empty (an unset shell variable?)"),
     (["--cold-l2"], "--cold-l2 needs --device cuda"),
 ])
 def test_bad_options(argv, message, capsys):
@@ -308,7 +311,7 @@ def test_cuda_suites_are_gpu_sized():
     assert {c.seq for c in standard if c.family == "masks"} == {4096}
     quick = suite_cases("quick", "cuda")
     assert {c.name for c in quick if c.family == "decode"} == {decode[0], decode[2]}
-    with pytest.raises(ValueError, match="unknown device 'tpu': choose cpu or cuda"):
+    with pytest.raises(ValueError, match="--device 'tpu' is unknown: choose cpu or cuda"):
         suite_cases("quick", "tpu")
 
 

@@ -201,3 +201,27 @@ def test_demo_heads_refuses_a_bad_out_before_training(tmp_path, capsys):
         assert main(["demo", "heads", "--quick", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "heads.json there is a directory" in err and err.count("\n") == 1
+
+
+def test_a_failed_write_of_the_results_leaves_no_directory_it_made(tmp_path, tiny_suite, capsys):
+    """The disk fills while results.png is staged: no empty --out is left behind."""
+    from multihead import _files as F
+    real = F._stage
+
+    def full_at_png(path, data):
+        if path.name == "results.png":
+            raise OSError(28, "No space left on device")
+        return real(path, data)
+    with mock.patch.object(F, "_stage", side_effect=full_at_png):
+        assert main(["bench", "--out", str(tmp_path / "new" / "b")]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_results_say_which_families_were_run(tmp_path, tiny_suite, capsys):
+    assert main(["bench", "--family", "dense", "--family", "causal", "--out", str(tmp_path)]) == 0
+    assert _results(tmp_path)["families"] == ["dense", "causal"]
+    md = (tmp_path / "results.md").read_text()
+    assert "multihead bench --suite quick --family dense --family causal --device cpu" in md
+    assert main(["bench", "--out", str(tmp_path)]) == 0
+    assert _results(tmp_path)["families"] is None

@@ -5,6 +5,7 @@ show the tables' characters (``PYTHONIOENCODING=ascii``)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -46,6 +47,8 @@ BAD_NUMBERS = [
      "99999999999999999999999", "0 to 4294967295"),
     (["demo", "heads", "--steps", "999999999999"], "--steps", "999999999999", "1 to 100000"),
     (["demo", "heads", "--steps", "-5"], "--steps", "-5", "1 to 100000"),
+    ([*PARAMS, "--layers", "1_0"], "--layers", "'1_0'", "1 to 100000"),        # int() takes it
+    ([*PARAMS, "--layers", "\u0668"], "--layers", "'\u0668'", "1 to 100000"),  # an Arabic-Indic 8
 ]
 
 
@@ -131,3 +134,49 @@ def test_an_ascii_stdout_gets_escapes_not_a_crash(args, shown):
     r = _cli(*args, env={"PYTHONIOENCODING": "ascii"})
     assert r.returncode == 0 and r.stderr == b"", r.stderr.decode()
     assert shown in r.stdout
+
+
+class _ReaderGone(io.StringIO):
+    """A stdout whose reader has left (``multihead ... | head -1`` after its line)."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+@pytest.mark.parametrize("argv", [["params", "--table"],                     # rich tables
+                                  ["params", "--preset", "gpt2-small", "--json"]])   # print
+def test_a_reader_that_left_ends_the_command_quietly_as_sigpipe_does(argv, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdout", _ReaderGone())
+    assert main(argv) == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_version_and_python_dash_m(capsys):
+    from multihead import __version__
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"multihead {__version__}\n"
+    run = subprocess.run([sys.executable, "-m", "multihead", "params", "--preset", "gpt2-small",
+                          "--json"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and json.loads(run.stdout)["params_match_module"]
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["demo", "heads", "--quick", "--out", ""], "--out"),
+    (["bench", "--out", ""], "--out"),
+    (["inspect", "--out", ""], "--out"),
+    (["inspect", "--model", ""], "--model"),
+    (["inspect", "--file", ""], "--file")])
+def test_an_empty_path_is_an_error_not_the_current_directory(argv, option, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: the path is empty (an unset shell variable?)" in err
+    assert _one_line(err)
+
+
+def test_help_descriptions_are_plain_text(capsys):
+    for command in ("params", "demo", "bench", "inspect"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = capsys.readouterr().out
+        assert "``" not in out and f"multihead {command}:" in out

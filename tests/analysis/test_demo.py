@@ -55,6 +55,32 @@ def test_heads_demo_quick_end_to_end(tmp_path, capsys):
     assert 0 <= by["h=8"]["accuracy"] <= 1 and d["finding"].startswith("h=8: accuracy")
 
 
+def _result(kind, accuracy, profile):
+    from multihead.analysis.heads_experiment import Result
+    return Result(kind, 1000, 1.0, accuracy, 0.1, profile)
+
+
+def test_the_finding_claims_nothing_about_heads_when_no_model_beat_chance():
+    """40 steps learn nothing (chance is 1/12): no "best" model, no split of the work."""
+    flat = [[0.15] * 6 for _ in range(8)]
+    from multihead.analysis.heads_experiment import finding
+    text = finding([_result("h=8", 0.09, flat), _result("h=1", 0.08, flat[:1])])
+    assert "No model learned the task (chance is 8.3%)" in text
+    assert "Best" not in text and "split" not in text and "weight on" not in text
+
+
+def test_the_finding_counts_only_heads_with_most_of_their_weight_on_a_relation():
+    from multihead.analysis.heads_experiment import finding
+    one, three, spread = ([0, 0.9, 0, 0.1, 0, 0], [0, 0.1, 0, 0.8, 0, 0.1],
+                          [0.2, 0.3, 0.1, 0.2, 0.1, 0.1])           # top x[t-1] at 0.3 only
+    h8 = _result("h=8", 0.97, [one, one, three, three, three, spread, spread, spread])
+    text = finding([h8, _result("h=1", 0.40, [spread])])
+    assert "Best: h=8." in text
+    assert ("Of the 8 heads, 2 put most of their weight on x[t-1] and 3 on x[t-3] (the heads "
+            "split the work).") in text
+    assert "Eight heads beat one full-width head by +57.0% accuracy" in text
+
+
 @pytest.mark.parametrize("argv,message", [
     (["demo", "scaling", "--draws", "1"], "argument --draws: 1 is out of range: give an integer "
                                           "from 2 to 5000"),

@@ -73,16 +73,32 @@ def test_a_changed_preset_says_so(capsys):
     assert d["config"]["source"].endswith("changed here (d_model=4096, layers=2)")
     assert main(["params", "--preset", "llama2-70b", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["config"]["name"] == "LLaMA-2-70B"
+    assert main(["params", "--preset", "llama2-70b", "--d-model", "8192", "--no-bias",
+                 "--json"]) == 0                        # its own values: nothing changed
+    assert json.loads(capsys.readouterr().out)["config"]["name"] == "LLaMA-2-70B"
+
+
+def test_the_table_has_one_row_per_kind_of_kv_heads(capsys):
+    assert main(["params", "--table", "--d-model", "64", "--heads", "1", "--json"]) == 0
+    kinds = [r["config"]["kind"] for r in json.loads(capsys.readouterr().out)["kv_variants"]]
+    assert kinds == ["MHA"]
+    assert main(["params", "--table", "--d-model", "512", "--heads", "16", "--kv-heads", "4",
+                 "--json"]) == 0
+    kv = [r["config"]["kv_heads"] for r in json.loads(capsys.readouterr().out)["kv_variants"]]
+    assert kv == [16, 4, 8, 1]
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--preset", "gpt5"], "unknown preset 'gpt5': choose one of transformer-base"),
-    (["--d-model", "770", "--heads", "12"], "d_model (770) must be divisible by heads (12)"),
+    (["--d-model", "770", "--heads", "12"], "--d-model (770) must be divisible by --heads (12) "
+                                            "when --head-dim is not given: try --heads in"),
     (["--d-model", "-4", "--heads", "2"],
      "argument --d-model: -4 is out of range: give an integer from 1 to 1048576"),
-    (["--d-model", "512", "--heads", "8", "--kv-heads", "3"], "multiple of kv_heads (3)"),
+    (["--d-model", "512", "--heads", "8", "--kv-heads", "3"], "multiple of --kv-heads (3)"),
     (["--d-model", "512"], "give --preset NAME, or --d-model and --heads"),
-    (["--preset", "gpt2-small", "--dtype", "int3"], "unknown dtype 'int3'"),
+    (["--table", "--heads", "16"], "give --preset NAME, or --d-model and --heads"),
+    (["--table", "--layers", "4"], "give --preset NAME, or --d-model and --heads"),
+    (["--preset", "gpt2-small", "--dtype", "int3"], "--dtype 'int3' is unknown: choose one of"),
     (["--preset", "gpt2-small", "--seq", "0"], "argument --seq: 0 is out of range"),
 ])
 def test_bad_input(argv, message, capsys):

@@ -102,6 +102,29 @@ def test_bad_input_is_one_line(argv, message, capsys):
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+def test_a_look_at_the_next_token_is_not_called_long_range(capsys):
+    """In "hello world" no word is more than one token from another."""
+    assert main(["inspect", "hello world"]) == 0
+    out = capsys.readouterr().out
+    assert "strongest head from the query token: " in out and "long-range" not in out
+    assert main(["inspect"]) == 0                          # the default text: "it → animal"
+    assert "strongest long-range head from the query token: " in capsys.readouterr().out
+
+
+def test_format_without_out_is_refused(capsys):
+    assert main(["inspect", "--format", "png"]) == 2
+    err = capsys.readouterr().err
+    assert "--format 'png' says what --out gets, and no --out was given" in err
+    assert err.count("\n") == 1
+
+
+def test_a_directory_where_a_report_file_goes_is_refused_before_the_model_runs(tmp_path, capsys):
+    (tmp_path / "report.html").mkdir()
+    assert main(["inspect", "--out", str(tmp_path), "--format", "html"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "report.html there is a directory" in err
+
+
 def test_unwritable_out(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -194,18 +194,40 @@ def _split(r: Result, a: int, b: int, head: int = 0) -> str:
     return f"{p[a]:.2f} on x[t-{a}], {p[b]:.2f} on x[t-{b}]"
 
 
-def finding(results: list[Result], offsets: tuple = Setup.offsets) -> str:
-    """The outcome in words, from the measured numbers (nothing assumed)."""
-    a, b = offsets
+#: accuracy above chance (1 / vocab) that counts as having learned something
+LEARNED = 0.05
+#: the weight on one offset above which a head "attends mainly" to it
+MAINLY = 0.5
+
+
+def finding(results: list[Result], setup: Setup = Setup()) -> str:
+    """The outcome in words, from the measured numbers (nothing assumed): which model is
+    best and how the heads split the work only when some model learned more than chance
+    (``1 / vocab`` + :data:`LEARNED`), and a head counts for a relation only when more than
+    :data:`MAINLY` of its weight is on it.
+
+    Example:
+        >>> flat = [[0.25] * 4] * 8                     # untrained: weight spread evenly
+        >>> r = [Result(k, 1, 2.5, 0.09, 0.1, flat) for k in ("h=8", "h=1")]
+        >>> finding(r)
+        'h=8: accuracy 9.0%, loss 2.500; h=1: accuracy 9.0%, loss 2.500. No model learned the task (chance is 8.3%): train longer (--steps) before reading the heads.'
+    """
+    a, b = setup.offsets
     by = {r.kind: r for r in results}
     best = max(results, key=lambda r: r.accuracy)
     text = "; ".join(f"{r.kind}: accuracy {r.accuracy:.1%}, loss {r.loss:.3f}" for r in results)
+    chance = 1 / setup.vocab
+    if best.accuracy < chance + LEARNED:
+        return (f"{text}. No model learned the task (chance is {chance:.1%}): train longer "
+                f"(--steps) before reading the heads.")
     text += f". Best: {best.kind}."
     if "h=8" in by:
-        rel = by["h=8"].relations()
-        text += (f" The 8 heads split the work: {sum(x.startswith(f'x[t-{a}]') for x in rel)} "
-                 f"attend mainly to x[t-{a}], {sum(x.startswith(f'x[t-{b}]') for x in rel)} to "
-                 f"x[t-{b}].")
+        tops = [max(range(len(p)), key=p.__getitem__) for p in by["h=8"].offset_profile]
+        mainly = [k for k, p in zip(tops, by["h=8"].offset_profile) if p[k] > MAINLY]
+        text += (f" Of the 8 heads, {mainly.count(a)} put most of their weight on x[t-{a}] "
+                 f"and {mainly.count(b)} on x[t-{b}]"
+                 + (" (the heads split the work)." if mainly.count(a) and mainly.count(b)
+                    else "."))
     if {"h=8", "h=1"} <= by.keys():
         gap = by["h=8"].accuracy - by["h=1"].accuracy
         text += (f" Eight heads beat one full-width head by {gap:+.1%} accuracy"

@@ -37,17 +37,20 @@ def suite_cases(suite: str, device: str | torch.device = "cpu", families=None) -
         ['GQA decode step, H=32 Hkv=8 D=128, cache 4096', 'GQA decode step, B=8 H=32 Hkv=8 D=128, cache 4096']
     """
     if suite not in SUITES:
-        raise ValueError(f"unknown suite {suite!r}: choose one of {', '.join(SUITES)}")
+        raise ValueError(f"--suite {suite!r} is unknown: choose one of {', '.join(SUITES)}")
     kind = getattr(device, "type", device)
     if kind not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device {device!r}: choose cpu or cuda")
+        raise ValueError(f"--device {device!r} is unknown: choose cpu or cuda")
     cases = _cpu(suite) if kind == "cpu" else _cuda(suite)
     if families:
         known = sorted({c.family for c in cases})
         unknown = [f for f in families if f not in known]
         if unknown:
-            raise ValueError(f"--family {unknown[0]!r} is not in the {suite} suite on {kind}: "
-                             f"choose from {', '.join(known)}")
+            elsewhere = [s for s in SUITES if s != suite and unknown[0] in
+                         {c.family for c in (_cpu(s) if kind == "cpu" else _cuda(s))}]
+            where = f" (it is in --suite {elsewhere[0]})" if elsewhere else ""
+            raise ValueError(f"--family {unknown[0]!r} is not in the {suite} suite on {kind}"
+                             f"{where}: choose from {', '.join(known)}")
         cases = [c for c in cases if c.family in families]
     return cases
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shlex
 from dataclasses import asdict
 from pathlib import Path
 
@@ -61,7 +62,9 @@ def header_text(run) -> str:
     """The run's first line: command, machine, and the limits measured."""
     lim = run.limits
     cold = " --cold-l2" if run.cold_l2 else ""
-    return (f"multihead bench --suite {run.suite} --device {run.device} --dtype {run.dtype}{cold}: "
+    only = "".join(f" --family {shlex.quote(f)}" for f in run.families or ())
+    return (f"multihead bench --suite {run.suite}{only} --device {run.device} --dtype "
+            f"{run.dtype}{cold}: "
             f"{run.machine}. Limits measured in this run: matmul {si(lim.gemm_flops, 'FLOP/s')}, "
             f"memory read {si(lim.read_bw, 'B/s')}."
             + (f" {run.timing}" if run.timing else "")
@@ -84,9 +87,10 @@ FILES = ("results.json", "results.md", "results.png")
 def write(run, out: Path, *, plot: bool = True) -> list[Path]:
     """Write results.json, results.md and (with ``plot``) results.png into ``out``, all or
     none (every content is rendered and staged before any file is replaced; a reader never
-    sees half a file; a symlink there is replaced, not followed); returns their paths."""
-    out.mkdir(parents=True, exist_ok=True)
-    data = {"suite": run.suite, "device": run.device, "dtype": run.dtype, "machine": run.machine,
+    sees half a file; a symlink there is replaced, not followed); returns their paths. A
+    missing ``out`` is made, and removed again if the write fails."""
+    data = {"suite": run.suite, "families": run.families, "device": run.device,
+            "dtype": run.dtype, "machine": run.machine,
             "limits": asdict(run.limits), "cold_l2": run.cold_l2, "timing": run.timing,
             "interrupted": run.interrupted, "seconds": run.seconds, "notes": NOTES,
             "rows": run.rows}

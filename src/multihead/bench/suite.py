@@ -40,6 +40,7 @@ class Run:
     seconds: float = 0.0
     cold_l2: bool = False
     timing: str = ""          # how the times were taken (one sentence)
+    families: list | None = None   # the --family options: only these cases were run
 
 
 def check_target(device: str, dtype: str, cold_l2: bool = False) -> tuple[torch.device, torch.dtype]:
@@ -50,12 +51,12 @@ def check_target(device: str, dtype: str, cold_l2: bool = False) -> tuple[torch.
         (device(type='cpu'), torch.bfloat16)
     """
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device {device!r}: choose cpu or cuda")
+        raise ValueError(f"--device {device!r} is unknown: choose cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device cuda: CUDA is not available here (torch {torch.__version__}, "
                          f"no GPU found): use --device cpu")
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        raise ValueError(f"--dtype {dtype!r} is unknown: choose one of {', '.join(DTYPES)}")
     if device == "cpu" and dtype == "fp16":
         raise ValueError("--dtype fp16 is not supported on the CPU (emulated, not a fast path "
                          "anyone would use): use fp32 or bf16 on the CPU, fp16 on cuda")
@@ -174,7 +175,8 @@ def run_suite(suite: str = "quick", device: str = "cpu", dtype: str = "fp32",
     cases = suite_cases(suite, dev, families)
     start = time.perf_counter()
     run = Run(suite, device, dtype, describe(dev), machine_limits(dev, dt, quick=suite == "quick"),
-              cold_l2=cold_l2, timing=describe_timing(dev, cold_l2))
+              cold_l2=cold_l2, timing=describe_timing(dev, cold_l2),
+              families=list(families) if families else None)
     reps = 3 if suite == "quick" else 5
     try:
         with compile_limits():

@@ -12,9 +12,19 @@ from .._files import missing_dirs, probe_writable
 
 
 def console(width: int = 120, markup: bool = True):
-    """A rich console on stdout: the terminal's width, or ``width`` columns when piped."""
+    """A rich console on stdout: the terminal's width, or ``width`` columns when piped.
+
+    When stdout's reader leaves (``| head -1``) it raises ``BrokenPipeError``, which the
+    command line turns into a quiet exit, as for ``print`` (rich would exit with status 1).
+    """
     from rich.console import Console
-    return Console(width=None if sys.stdout.isatty() else width, markup=markup)
+    con = Console(width=None if sys.stdout.isatty() else width, markup=markup)
+    con.on_broken_pipe = _broken_pipe
+    return con
+
+
+def _broken_pipe():
+    raise BrokenPipeError(32, "Broken pipe: stdout's reader left")
 
 
 def wrote(con, *paths) -> None:
@@ -27,6 +37,34 @@ def wrote(con, *paths) -> None:
     """
     con.print(f"wrote {' and '.join(str(p) for p in paths)}", style="dim", markup=False,
               highlight=False, soft_wrap=True)
+
+
+def summary(doc: str) -> str:
+    """A subcommand's ``--help`` description: its module docstring's first line, without
+    reST's double backticks.
+
+    Example:
+        >>> summary("``multihead params``: parameters.\\n\\nMore.")
+        'multihead params: parameters.'
+    """
+    return doc.splitlines()[0].replace("``", "")
+
+
+def path(text: str) -> Path:
+    """An argparse ``type`` for a path option: an empty one (an unset shell variable in
+    ``--out "$DIR"``) is an error, not the current directory.
+
+    Example:
+        >>> path("out")
+        PosixPath('out')
+        >>> path("")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: the path is empty (an unset shell variable?): give a path
+    """
+    if not text:
+        raise argparse.ArgumentTypeError("the path is empty (an unset shell variable?): give a path")
+    return Path(text)
 
 
 def int_in(lo: int, hi: int):
@@ -54,13 +92,12 @@ def int_in(lo: int, hi: int):
 
     def parse(text: str) -> int:
         shown = text if len(text) <= 40 else text[:37] + "..."
+        if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", text):   # (int() also takes 5_12 and ٨)
+            raise argparse.ArgumentTypeError(f"{shown!r} is not a whole number: {accepted}")
         try:
             value = int(text)
-        except ValueError:
-            if re.fullmatch(r"\s*[+-]?\d[\d_]*\s*", text):     # digits beyond int()'s limit
-                raise argparse.ArgumentTypeError(f"{shown} is out of range: {accepted}") from None
-            raise argparse.ArgumentTypeError(f"{shown!r} is not a whole number: {accepted}") \
-                from None
+        except ValueError:                                  # digits beyond int()'s limit
+            raise argparse.ArgumentTypeError(f"{shown} is out of range: {accepted}") from None
         if not lo <= value <= hi:
             raise argparse.ArgumentTypeError(f"{shown.strip()} is out of range: {accepted}")
         return value

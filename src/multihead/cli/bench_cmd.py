@@ -18,12 +18,12 @@ import sys
 import threading
 from pathlib import Path
 
-from ._common import console, prepare_out, wrote
+from ._common import console, path, prepare_out, summary, wrote
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark against torch, HF and the tutorial on this machine",
-                       description=__doc__.splitlines()[0])
+                       description=summary(__doc__))
     p.add_argument("--suite", default="quick", help="quick (< 1 min on 2 CPU cores), standard "
                    "or full (default quick)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
@@ -32,8 +32,8 @@ def add_parser(sub) -> None:
                    "timed call and time calls singly (default: batches of back-to-back calls, "
                    "warm caches)")
     p.add_argument("--family", action="append", help="run only the suite's cases of this family "
-                   "(e.g. 'hf model', 'decode'; repeatable)")
-    p.add_argument("--out", type=Path, help="directory for results.json, results.md, results.png")
+                   "(e.g. 'decode'; 'hf model' is in --suite standard; repeatable)")
+    p.add_argument("--out", type=path, help="directory for results.json, results.md, results.png")
 
 
 def run(args) -> int:

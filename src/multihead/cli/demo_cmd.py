@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from .._files import atomic_write_all
-from ._common import console, int_in, prepare_out, wrote
+from ._common import console, int_in, path, prepare_out, summary, wrote
 
 #: seeds are 32-bit (the experiment derives seed + 1 and seed + 2 from it)
 MAX_SEED = 2**32 - 1
@@ -26,7 +26,7 @@ MAX_STEPS = 100_000
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="reproduce the seeds' claims (scaling, heads)",
-                       description=__doc__.splitlines()[0])
+                       description=summary(__doc__))
     p.add_argument("name", choices=["scaling", "heads"], help="which demonstration")
     p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help="random seed (0)")
     p.add_argument("--draws", type=int_in(2, MAX_DRAWS),
@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="heads: a short run (CI smoke test)")
     p.add_argument("--steps", type=int_in(1, MAX_STEPS),
                    help=f"heads: training steps, 1 to {MAX_STEPS} (1000; --quick 150)")
-    p.add_argument("--out", type=Path, help="heads: write heads.png and heads.json here")
+    p.add_argument("--out", type=path, help="heads: write heads.png and heads.json here")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -107,7 +107,7 @@ def _heads(args) -> int:
     from .._progress import track
     kinds = ("h=8", "h=1", "h=8 shared")
     results = [hx.train(k, setup) for k in track(kinds, not args.json, len(kinds), "training")]
-    text = hx.finding(results, setup.offsets)
+    text = hx.finding(results, setup)
     data = {"setup": setup.__dict__, "prediction": hx.PREDICTION, "finding": text,
             "results": [r.__dict__ for r in results]}
     if args.out is not None:

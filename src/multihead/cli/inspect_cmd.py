@@ -13,7 +13,7 @@ from __future__ import annotations
 import codecs
 from pathlib import Path
 
-from ._common import console, int_in, prepare_out, wrote
+from ._common import console, int_in, path, prepare_out, summary, wrote
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired."
 FORMATS = ("html", "json", "png", "svg")
@@ -21,11 +21,11 @@ FORMATS = ("html", "json", "png", "svg")
 
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="show what each attention head does for a text",
-                       description=__doc__.splitlines()[0])
+                       description=summary(__doc__))
     p.add_argument("text", nargs="?", help=f"the text (default: {DEFAULT_TEXT!r})")
-    p.add_argument("--file", type=Path, help="texts, one per line: head metrics are averaged over "
+    p.add_argument("--file", type=path, help="texts, one per line: head metrics are averaged over "
                    "all of them (the first, or TEXT, is shown in detail)")
-    p.add_argument("--model", type=Path, help="a model directory (config.json, model.safetensors, "
+    p.add_argument("--model", type=path, help="a model directory (config.json, model.safetensors, "
                    "tokenizer.json): a BERT-family encoder, a GPT-2, Llama, Mistral or Qwen2 "
                    "decoder, or a BART encoder-decoder (its encoder's attention is shown); all "
                    "but BERT need transformers: pip install 'multihead[hf]'; default: the "
@@ -37,8 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--head", type=int, help="head shown large (0-based)")
     p.add_argument("--top", type=int_in(1, 100000), default=8,
                    help="heads listed for the query token (8)")
-    p.add_argument("--out", type=Path, help="directory for the report files")
-    p.add_argument("--format", default=",".join(FORMATS),
+    p.add_argument("--out", type=path, help="directory for the report files")
+    p.add_argument("--format",
                    help=f"what --out gets, comma-separated from {','.join(FORMATS)} (all)")
     p.add_argument("--metrics", action="store_true",
                    help="print every metric of every head (one row per head)")
@@ -127,9 +127,13 @@ def _select(args, looks, query: int, tokens: list[str], L: int, H: int) -> tuple
 
 
 def run(args) -> int:
-    formats = _formats(args.format)
+    formats = _formats(",".join(FORMATS) if args.format is None else args.format)
+    if args.out is None and args.format is not None:
+        raise ValueError(f"--format {args.format!r} says what --out gets, and no --out was "
+                         f"given: add --out DIR, or drop --format")
     shown, rest = _texts(args)
-    prepare_out(args.out)
+    from ..inspect.report import known_names
+    prepare_out(args.out, known_names(formats))
 
     from rich.console import Console
     from ..inspect.capture import InspectError, capture, find_query, strongest_looks

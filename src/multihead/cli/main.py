@@ -37,8 +37,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
     p = _Parser(prog="multihead", description="Multi-head attention: see what the heads of a "
                 "real model do, and check the seeds' claims.")
+    p.add_argument("--version", action="version", version=f"multihead {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for mod in SUBCOMMANDS.values():
         mod.add_parser(sub)
@@ -98,7 +100,7 @@ def _lenient_output():
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``multihead COMMAND ...``; returns the exit status (0, 2 for a user error, 130
-    when interrupted)."""
+    when interrupted, 141 when stdout's reader left, as after SIGPIPE)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     with _lenient_output():
         try:
@@ -107,12 +109,19 @@ def main(argv: list[str] | None = None) -> int:
         except UsageError as e:
             print(str(e), file=sys.stderr)
             return 2
-        return _run(args)
+        status = _run(args)
+        try:
+            sys.stdout.flush()      # (a reader that left during the last lines: seen here)
+        except BrokenPipeError:
+            return _reader_gone()
+        return status
 
 
 def _run(args) -> int:
     try:
         return SUBCOMMANDS[args.command].run(args)
+    except BrokenPipeError:         # the reader left (``multihead params --table | head -1``)
+        return _reader_gone()
     except KeyboardInterrupt:
         print(f"multihead {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -122,6 +131,14 @@ def _run(args) -> int:
         msg = " ".join(str(e).split()) or type(e).__name__
         print(f"multihead {args.command}: error: {msg}", file=sys.stderr)
         return 2
+
+
+def _reader_gone() -> int:
+    """Stop quietly, as a Unix tool killed by SIGPIPE does (status 128 + 13): what is still
+    buffered for stdout goes nowhere, instead of failing again when Python exits."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
 
 
 if __name__ == "__main__":

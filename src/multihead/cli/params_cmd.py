@@ -7,8 +7,9 @@ matrices naive attention materializes, and how MQA/GQA shrink the KV cache.
 from __future__ import annotations
 
 import json
+import re
 
-from ._common import console, int_in
+from ._common import console, int_in, summary
 
 
 #: the accepted range of each numeric option: far beyond any real model, small enough that
@@ -19,7 +20,7 @@ LIMITS = {"d-model": 2**20, "heads": 2**16, "kv-heads": 2**16, "head-dim": 2**16
 
 def add_parser(sub) -> None:
     p = sub.add_parser("params", help="parameter, memory and FLOP counts of attention layers",
-                       description=__doc__.splitlines()[0])
+                       description=summary(__doc__))
     n = {k: int_in(1, hi) for k, hi in LIMITS.items()}
     p.add_argument("--preset", help="a named configuration (see --table)")
     p.add_argument("--d-model", type=n["d-model"], help="model width d")
@@ -38,42 +39,67 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
+#: the options that shape the layer, by their field in AttentionShape
+SHAPE_OPTIONS = {"d_model": "--d-model", "heads": "--heads", "kv_heads": "--kv-heads",
+                 "head_dim": "--head-dim", "layers": "--layers"}
+
+
+def _options_named(e: ValueError) -> ValueError:
+    """AttentionShape's message with its fields spelled as this command's options.
+
+    Example:
+        >>> str(_options_named(ValueError("heads (8) must be a multiple of kv_heads (3)")))
+        '--heads (8) must be a multiple of --kv-heads (3)'
+    """
+    names = "|".join(sorted(SHAPE_OPTIONS, key=len, reverse=True))
+    return ValueError(re.sub(rf"(?<![\w-])({names})\b", lambda m: SHAPE_OPTIONS[m[1]], str(e)))
+
+
 def _shape(args):
     from dataclasses import asdict
 
     from ..analysis.params import AttentionShape, preset
-    if args.preset is not None:
-        s = preset(args.preset)
-        over = {k: v for k, v in (("d_model", args.d_model), ("heads", args.heads),
-                                  ("kv_heads", args.kv_heads), ("head_dim", args.head_dim),
-                                  ("layers", args.layers)) if v is not None}
-        if args.no_bias:
-            over["bias"] = False
-        if not over:
-            return s
-        changed = ", ".join(f"{k}={v}" for k, v in over.items())     # no longer the preset
-        return AttentionShape(**{**asdict(s), **over, "name": f"{s.name} (changed: {changed})",
-                                 "source": f"{s.source}, changed here ({changed})"})
-    if args.d_model is None or args.heads is None:
-        raise ValueError("give --preset NAME, or --d-model and --heads (see --table for presets)")
-    return AttentionShape(args.d_model, args.heads, kv_heads=args.kv_heads,
-                          head_dim=args.head_dim, layers=args.layers or 1, bias=not args.no_bias)
+    given = {k: getattr(args, k) for k in SHAPE_OPTIONS if getattr(args, k) is not None}
+    try:
+        if args.preset is not None:
+            s = preset(args.preset)
+            if args.no_bias:
+                given["bias"] = False
+            now = {**asdict(s), "kv_heads": s.hkv, "head_dim": s.dk}     # (its effective sizes)
+            over = {k: v for k, v in given.items() if now[k] != v}
+            if not over:
+                return s
+            changed = ", ".join(f"{k}={v}" for k, v in over.items())  # no longer the preset
+            return AttentionShape(**{**asdict(s), **over, "name": f"{s.name} (changed: {changed})",
+                                     "source": f"{s.source}, changed here ({changed})"})
+        if args.d_model is None or args.heads is None:
+            raise ValueError("give --preset NAME, or --d-model and --heads (see --table for "
+                             "presets)")
+        return AttentionShape(args.d_model, args.heads, kv_heads=args.kv_heads,
+                              head_dim=args.head_dim, layers=args.layers or 1,
+                              bias=not args.no_bias)
+    except ValueError as e:
+        raise _options_named(e) from None
 
 
 def _variants(s):
-    """The same model as MHA, GQA (8 groups where possible) and MQA."""
+    """The same model as MHA, GQA (8 groups where possible) and MQA, each once."""
     kvs = [s.heads] + ([8] if s.heads % 8 == 0 and s.heads > 8 else []) + [1]
     if s.hkv not in kvs:
         kvs.insert(1, s.hkv)
-    return [s.with_kv_heads(k) for k in kvs]
+    return [s.with_kv_heads(k) for k in dict.fromkeys(kvs)]
 
 
 def run(args) -> int:
-    from ..analysis.params import PRESETS, human_bytes, human_count, report
+    from ..analysis.params import DTYPES, PRESETS, human_bytes, human_count, report
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype {args.dtype!r} is unknown: choose one of {', '.join(DTYPES)}")
     kw = dict(seq=args.seq, batch=args.batch, dtype=args.dtype)
     if args.table:
         rows = [report(s, **kw) for s in PRESETS.values()]
-        focus = _shape(args) if (args.preset or args.d_model) else PRESETS["llama2-70b"]
+        shaped = args.preset is not None or args.no_bias or any(
+            getattr(args, k) is not None for k in SHAPE_OPTIONS)
+        focus = _shape(args) if shaped else PRESETS["llama2-70b"]
         variants = [report(v, **kw) for v in _variants(focus)]
         if args.json:
             print(json.dumps({"presets": rows, "kv_variants": variants}, indent=2))
@@ -110,10 +136,10 @@ def _print_one(r, hb, hc) -> None:
         ("KV cache per token, all layers", hb(r["kv_cache_bytes_per_token"])),
         ("KV cache per sequence (n tokens)", hb(r["kv_cache_bytes_per_sequence"])),
         ("KV cache for the batch", hb(r["kv_cache_bytes_batch"])),
-        ("FLOPs per token, projections", hc(r["flops_per_token_projections"])),
-        ("FLOPs per token, attention core (causal, average)",
+        ("FLOPs per token, projections, all layers", hc(r["flops_per_token_projections"])),
+        ("FLOPs per token, attention core (causal, average), all layers",
          hc(r["flops_per_token_attention_core_avg"])),
-        ("FLOPs per sequence", hc(r["flops_per_sequence"])),
+        ("FLOPs per sequence, all layers", hc(r["flops_per_sequence"])),
     ]
     for q, v in rows:
         t.add_row(q, v)

@@ -77,7 +77,8 @@ class Inspection:
         best = headline(self.looks, self.query, c.tokens)
         if best is not None:
             back = " (looking back)" if c.causal else ""
-            s += (f"; strongest long-range head from the query token{back}: "
+            far = "long-range " if best.distance(self.query) > 1 else ""   # (none is further)
+            s += (f"; strongest {far}head from the query token{back}: "
                   + best.label(c.tokens, self.query))
         elif c.causal:
             s += (f"; the query token {c.tokens[self.query]!r} has no word before it, and a "
@@ -104,13 +105,29 @@ def html(inspection: Inspection) -> str:
     return template.replace("__DATA__", _safe_json(inspection.to_dict(curve="linear")))
 
 
+#: the file each text format is written to
+TEXT_FILES = {"json": "inspect.json", "html": "report.html"}
+
+
+def known_names(formats: set[str]) -> tuple[str, ...]:
+    """The files :func:`write` makes for ``formats`` whatever the text: all but the selected
+    head's image, whose name says which head (``head_L3H1.png``).
+
+    Example:
+        >>> known_names({"json", "png"})
+        ('inspect.json', 'heads.png')
+    """
+    return (tuple(TEXT_FILES[f] for f in TEXT_FILES if f in formats)
+            + tuple(f"heads.{f}" for f in ("png", "svg") if f in formats))
+
+
 def render(inspection: Inspection, formats: set[str]) -> dict[str, bytes]:
     """Every requested file (html, json, png, svg) as ``{file name: content}``, in memory."""
     files = {}
     if "json" in formats:
-        files["inspect.json"] = _json(inspection.to_dict()).encode("utf-8")
+        files[TEXT_FILES["json"]] = _json(inspection.to_dict()).encode("utf-8")
     if "html" in formats:
-        files["report.html"] = html(inspection).encode("utf-8")
+        files[TEXT_FILES["html"]] = html(inspection).encode("utf-8")
     images = formats & {"png", "svg"}
     if images:
         from .plots import render_figures
