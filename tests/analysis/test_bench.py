@@ -559,3 +559,18 @@ def test_cuda_timing_batches_small_calls_and_times_cold_calls_singly():
     assert warm.calls > 1 and warm.median * warm.calls >= 0.9e-3
     cold = T.measure(lambda: x.mul_(1.0), dev, cold_l2=True)
     assert cold.calls == 1 and cold.reps >= T.MIN_GPU_REPS
+
+
+def test_the_cpu_peak_memory_is_measured_without_the_profilers_native_chatter(capfd):
+    """Kineto prints profiler_start/stop lines to file descriptor 2 on every start and stop;
+    a bench run would show two per case. What the measured call itself prints still shows."""
+    import sys
+    from multihead.bench.measure import peak_memory
+
+    def call():
+        print("from the call", file=sys.stderr, flush=True)
+        return torch.ones(256, 1024) + 1                   # 1 MiB, twice
+
+    assert peak_memory(call, torch.device("cpu")) >= 2 * 2**20
+    err = capfd.readouterr().err
+    assert "profiler_st" not in err and "from the call" in err

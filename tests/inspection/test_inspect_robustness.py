@@ -130,9 +130,15 @@ def test_out_never_writes_through_symlinks(tmp_path):
 def test_unwritable_name_is_one_line_and_leaves_no_temporary(tmp_path, capsys):
     (tmp_path / "inspect.json").mkdir()                         # a directory in the way
     assert main(["inspect", "--out", str(tmp_path), "--format", "json"]) == 2
+    err = _one_line_error(capsys)                               # (before the model runs)
+    assert "inspect.json there is a directory, so it cannot be written" in err
+    (tmp_path / "inspect.json").rmdir()
+    (tmp_path / "head_L0H0.png").mkdir()             # a name known only once a head is chosen
+    assert main(["inspect", "--out", str(tmp_path), "--format", "json,png", "--layer", "0",
+                 "--head", "0"]) == 2
     err = _one_line_error(capsys)
-    assert "cannot write" in err and "inspect.json" in err
-    assert [p.name for p in tmp_path.iterdir()] == ["inspect.json"]
+    assert "cannot write" in err and "head_L0H0.png" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["head_L0H0.png"]
 
 
 # D. text that is not UTF-8

@@ -6,7 +6,10 @@ Peak memory is the allocator's high-water mark above the memory in use before th
 
 from __future__ import annotations
 
+import contextlib
+import os
 import platform
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +29,14 @@ def peak_memory(fn, device: torch.device) -> int:
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _native_stderr_silenced():
+        prof.start()
+    try:
         fn()
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
     events = sorted((e for e in prof.events() if e.cpu_memory_usage),
                     key=lambda e: e.time_range.start)
     cur = peak = 0
@@ -35,6 +44,28 @@ def peak_memory(fn, device: torch.device) -> int:
         cur += e.cpu_memory_usage
         peak = max(peak, cur)
     return peak
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """File descriptor 2 to /dev/null for the block: the profiler's C++ side prints
+    "profiler_start"/"profiler_stop" lines there on every start and stop, which no
+    setting turns off (only its start and stop are inside; the measured call is not)."""
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:                         # (no fd 2 at all: nothing to silence)
+        yield
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import shlex
+import textwrap
 from dataclasses import asdict
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def lines(run) -> list[list[str]]:
         frac = r["fraction_of_limit"]
         out.append([r["case"], r["mode"], duration(o["median_ms"] / 1e3), _spread(o),
                     _rate(r), "-" if frac is None else f"{frac:.0%}",
-                    f"{o['peak_bytes'] / 2**20:.1f}", f"{r['naive_bytes'] / 2**20:.0f}",
+                    f"{o['peak_bytes'] / 2**20:.1f}", f"{r['naive_bytes'] / 2**20:.1f}",
                     "; ".join(_peers(r))])
     return out
 
@@ -138,7 +139,8 @@ def _plot(run) -> bytes:
         _mask_bars(axes[0][-1], masks)
     if not fams and not masks:
         axes[0][0].text(0.5, 0.5, "no multi-length cases measured", ha="center")
-    fig.suptitle(header_text(run)[:110], fontsize=7)
+    head = header_text(run).split(". Limits")[0]              # the command and the machine
+    fig.suptitle(textwrap.fill(head, 80 * panels), fontsize=7)   # (~80 characters an inch of 5.5)
     fig.tight_layout()
     png = io.BytesIO()
     try:
