@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-from pathlib import Path
 
 from .._files import atomic_write_all
 from ._common import console, int_in, path, prepare_out, summary, wrote

@@ -22,11 +22,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import multihead as mh
+from multihead._dtypes import check_dtype
 from multihead.modules.attention import _divisors
 from multihead.modules.loading import AllOrNothing
 
 from .torch_rules import (_AssertionArgError, _as_torch_raises, _check_inputs, _check_nested,
-                          _lengths, _RuntimeArgError, _torch_mask, check_dtype)
+                          _lengths, _RuntimeArgError, _torch_mask)
 
 
 def _refuse_extras(m: nn.MultiheadAttention) -> None:

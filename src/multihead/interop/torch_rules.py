@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import multihead as mh
-from multihead._dtypes import check_dtype, check_weights
+from multihead._dtypes import check_weights
 
 
 # -- errors: torch's exception type and ours at once ------------------------------------
