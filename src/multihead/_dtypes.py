@@ -12,7 +12,12 @@ import torch
 #: the dtypes every backend computes in (float8 is a storage format: no softmax, no sum)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: the same, for messages
-SUPPORTED_NAMES = "torch.float16, torch.bfloat16, torch.float32 or torch.float64"
+SUPPORTED_NAMES = ", ".join(map(str, SUPPORTED_DTYPES[:-1])) + f" or {SUPPORTED_DTYPES[-1]}"
+#: names a str may give a supported dtype by (torch's own and the usual short ones)
+_BY_NAME = {**{str(d).removeprefix("torch."): d for d in SUPPORTED_DTYPES},
+            "fp16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16,
+            "fp32": torch.float32, "float": torch.float32, "fp64": torch.float64,
+            "double": torch.float64}
 
 
 def check_dtype(name: str, dtype, *, optional: bool = False) -> torch.dtype | None:
@@ -21,22 +26,24 @@ def check_dtype(name: str, dtype, *, optional: bool = False) -> torch.dtype | No
 
     Raises:
         TypeError: another dtype (float8, an integer or complex one), or not a dtype at all
-            (a string such as ``"float32"``); the message names ``name``.
+            (a string such as ``"float32"``, for which the dtype it names is suggested);
+            the message names ``name``.
 
     Example:
         >>> check_dtype("dtype", torch.bfloat16)
         torch.bfloat16
-        >>> check_dtype("dtype", "float32")
+        >>> check_dtype("dtype", "bf16")
         Traceback (most recent call last):
         ...
-        TypeError: dtype must be torch.float16, torch.bfloat16, torch.float32 or torch.float64, got 'float32' (a str): pass torch.float32
+        TypeError: dtype must be torch.float16, torch.bfloat16, torch.float32 or torch.float64, got 'bf16' (a str): pass torch.bfloat16
     """
     if dtype is None and optional:
         return None
     if isinstance(dtype, torch.dtype) and dtype in SUPPORTED_DTYPES:
         return dtype
     if isinstance(dtype, str):
-        hint = f" (a str): pass torch.{dtype.removeprefix('torch.')}"
+        named = _BY_NAME.get(dtype.lower().removeprefix("torch."))
+        hint = f" (a str): pass {named}" if named else " (a str): pass a torch.dtype"
     elif isinstance(dtype, torch.dtype) and dtype.is_floating_point:
         hint = (f": {str(dtype).removeprefix('torch.')} is a storage format attention cannot "
                 f"compute in (no softmax, no matmul); use torch.bfloat16 or torch.float16")
@@ -53,9 +60,9 @@ def check_weights(dtype: torch.dtype) -> None:
         >>> check_weights(torch.float8_e5m2)
         Traceback (most recent call last):
         ...
-        TypeError: the module's weights are torch.float8_e5m2, which attention cannot compute in: convert the module with module.to(torch.bfloat16) (or torch.float16, torch.float32, torch.float64)
+        TypeError: the module's weights are torch.float8_e5m2, which attention cannot compute in: convert the module with module.to(torch.bfloat16) (or another of torch.float16, torch.bfloat16, torch.float32 or torch.float64)
     """
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"the module's weights are {dtype}, which attention cannot compute in: "
-                        f"convert the module with module.to(torch.bfloat16) (or torch.float16, "
-                        f"torch.float32, torch.float64)")
+                        f"convert the module with module.to(torch.bfloat16) (or another of "
+                        f"{SUPPORTED_NAMES})")

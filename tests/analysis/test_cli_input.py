@@ -5,11 +5,12 @@ show the tables' characters (``PYTHONIOENCODING=ascii``)."""
 
 from __future__ import annotations
 
-import io
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 
@@ -136,19 +137,36 @@ def test_an_ascii_stdout_gets_escapes_not_a_crash(args, shown):
     assert shown in r.stdout
 
 
-class _ReaderGone(io.StringIO):
-    """A stdout whose reader has left (``multihead ... | head -1`` after its line)."""
-
-    def write(self, text):
-        raise BrokenPipeError(32, "Broken pipe")
+@contextlib.contextmanager
+def _stdout_reader_gone(monkeypatch):
+    """stdout is a pipe whose reader has left (``multihead ... | head -1`` after its line);
+    set inside the test (pytest's capture sets sys.stdout again when the test starts)."""
+    r, w = os.pipe()
+    os.close(r)
+    out = os.fdopen(w, "w")
+    monkeypatch.setattr(sys, "stdout", out)
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+        with contextlib.suppress(OSError):
+            out.close()
 
 
 @pytest.mark.parametrize("argv", [["params", "--table"],                     # rich tables
                                   ["params", "--preset", "gpt2-small", "--json"]])   # print
 def test_a_reader_that_left_ends_the_command_quietly_as_sigpipe_does(argv, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "stdout", _ReaderGone())
-    assert main(argv) == 141
+    with _stdout_reader_gone(monkeypatch):
+        assert main(argv) == 141
     assert capsys.readouterr().err == ""
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
+    """A worker process's pipe (say) breaking is a failure to report, not a reader leaving."""
+    from multihead.cli import params_cmd
+    monkeypatch.setattr(params_cmd, "run", mock.Mock(side_effect=BrokenPipeError(32, "Broken pipe")))
+    assert main(["params", "--table"]) == 2
+    assert "multihead params: error: [Errno 32] Broken pipe" in capsys.readouterr().err
 
 
 def test_version_and_python_dash_m(capsys):

@@ -76,6 +76,11 @@ def test_a_changed_preset_says_so(capsys):
     assert main(["params", "--preset", "llama2-70b", "--d-model", "8192", "--no-bias",
                  "--json"]) == 0                        # its own values: nothing changed
     assert json.loads(capsys.readouterr().out)["config"]["name"] == "LLaMA-2-70B"
+    for argv, want in ((["--heads", "24", "--kv-heads", "12"], dict(heads=24, kv_heads=12)),
+                       (["--d-model", "1536", "--head-dim", "64"], dict(d_model=1536, head_dim=64))):
+        assert main(["params", "--preset", "gpt2-small", *argv, "--json"]) == 0   # 12 heads of 64
+        config = json.loads(capsys.readouterr().out)["config"]
+        assert {k: config[k] for k in want} == want        # every size given, changed or not
 
 
 def test_the_table_has_one_row_per_kind_of_kv_heads(capsys):
@@ -98,7 +103,8 @@ def test_the_table_has_one_row_per_kind_of_kv_heads(capsys):
     (["--d-model", "512"], "give --preset NAME, or --d-model and --heads"),
     (["--table", "--heads", "16"], "give --preset NAME, or --d-model and --heads"),
     (["--table", "--layers", "4"], "give --preset NAME, or --d-model and --heads"),
-    (["--preset", "gpt2-small", "--dtype", "int3"], "--dtype 'int3' is unknown: choose one of"),
+    (["--preset", "gpt2-small", "--dtype", "int3"], "argument --dtype: invalid choice: 'int3' "
+                                                    "(choose from 'fp32', 'float32', 'bf16'"),
     (["--preset", "gpt2-small", "--seq", "0"], "argument --seq: 0 is out of range"),
 ])
 def test_bad_input(argv, message, capsys):

@@ -93,6 +93,8 @@ def test_long_text_truncates_with_warning_or_refuses(capsys):
     (["--query-token", "zebra"], "--query-token 'zebra' (tokens ['zebra']) is not in the text"),
     (["--layer", "6"], "--layer 6 is out of range: the model has 6 layers (0..5)"),
     (["--head", "-1"], "--head -1 is out of range: the model has 12 heads per layer (0..11)"),
+    (["--layer", "\u0661"], "argument --layer: '\u0661' is not a whole number: give an integer"),
+    (["--head", "1_0"], "argument --head: '1_0' is not a whole number: give an integer"),
     (["--format", "pdf"], "--format 'pdf': unknown ['pdf']"),
     (["--file", "/nonexistent/texts.txt"], "cannot be read"),
 ])

@@ -133,13 +133,13 @@ class Result:
     confidence: list = field(default_factory=list)        # [head]
     curve: list = field(default_factory=list)             # (step, train loss)
 
+    def tops(self) -> list[tuple[int, float]]:
+        """Each head's top offset and the mean weight there: ``[(k, weight)]``."""
+        return [max(enumerate(prof), key=lambda kw: kw[1]) for prof in self.offset_profile]
+
     def relations(self) -> list[str]:
         """Each head's dominant relation: 'x[t-k] 0.93' (mean weight at its top offset)."""
-        out = []
-        for prof in self.offset_profile:
-            k = max(range(len(prof)), key=lambda i: prof[i])
-            out.append(("itself" if k == 0 else f"x[t-{k}]") + f" {prof[k]:.2f}")
-        return out
+        return [("itself" if k == 0 else f"x[t-{k}]") + f" {w:.2f}" for k, w in self.tops()]
 
 
 def train(kind: str, s: Setup) -> Result:
@@ -220,12 +220,12 @@ def finding(results: list[Result], setup: Setup = Setup()) -> str:
     if best.accuracy < chance + LEARNED:
         return (f"{text}. No model learned the task (chance is {chance:.1%}): train longer "
                 f"(--steps) before reading the heads.")
-    text += f". Best: {best.kind}."
+    text += f". Best: {best.kind}." if len(results) > 1 else "."
     if "h=8" in by:
-        tops = [max(range(len(p)), key=p.__getitem__) for p in by["h=8"].offset_profile]
-        mainly = [k for k, p in zip(tops, by["h=8"].offset_profile) if p[k] > MAINLY]
-        text += (f" Of the 8 heads, {mainly.count(a)} put most of their weight on x[t-{a}] "
-                 f"and {mainly.count(b)} on x[t-{b}]"
+        tops = by["h=8"].tops()
+        mainly = [k for k, w in tops if w > MAINLY]
+        text += (f" Of the {len(tops)} heads, {mainly.count(a)} put most of their weight on "
+                 f"x[t-{a}] and {mainly.count(b)} on x[t-{b}]"
                  + (" (the heads split the work)." if mainly.count(a) and mainly.count(b)
                     else "."))
     if {"h=8", "h=1"} <= by.keys():

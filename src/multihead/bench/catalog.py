@@ -24,6 +24,19 @@ MASK_KINDS = (("dense", 0), ("causal", 0), ("window", 256), ("window", 2048), ("
 QUICK_MASK_KINDS = (("window", 256), ("documents", 0), ("causal&padding", 0), ("alibi", 0))
 
 
+def device_type(device: str | torch.device) -> str:
+    """``"cpu"`` or ``"cuda"``: the kind of device a suite is sized for (``--device``).
+
+    Example:
+        >>> device_type("cuda"), device_type(torch.device("cpu"))
+        ('cuda', 'cpu')
+    """
+    kind = getattr(device, "type", device)
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r} is unknown: choose cpu or cuda")
+    return kind
+
+
 def suite_cases(suite: str, device: str | torch.device = "cpu", families=None) -> list[Case]:
     """The cases of ``quick`` (< 1 min on 2 CPU cores), ``standard`` or ``full`` on ``device``,
     only those of ``families`` when given.
@@ -38,9 +51,7 @@ def suite_cases(suite: str, device: str | torch.device = "cpu", families=None) -
     """
     if suite not in SUITES:
         raise ValueError(f"--suite {suite!r} is unknown: choose one of {', '.join(SUITES)}")
-    kind = getattr(device, "type", device)
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"--device {device!r} is unknown: choose cpu or cuda")
+    kind = device_type(device)
     cases = _cpu(suite) if kind == "cpu" else _cuda(suite)
     if families:
         known = sorted({c.family for c in cases})

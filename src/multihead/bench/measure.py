@@ -50,7 +50,9 @@ def peak_memory(fn, device: torch.device) -> int:
 def _native_stderr_silenced():
     """File descriptor 2 to /dev/null for the block: the profiler's C++ side prints
     "profiler_start"/"profiler_stop" lines there on every start and stop, which no
-    setting turns off (only its start and stop are inside; the measured call is not)."""
+    setting turns off (only its start and stop are inside; the measured call is not).
+    The descriptor is the process's: for that moment another thread's stderr (a progress
+    bar's refresh) goes nowhere too."""
     with contextlib.suppress(AttributeError, ValueError, OSError):
         sys.stderr.flush()
     try:
@@ -58,14 +60,16 @@ def _native_stderr_silenced():
     except OSError:                         # (no fd 2 at all: nothing to silence)
         yield
         return
-    null = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(null, 2)
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, 2)
+        finally:
+            os.close(null)
         yield
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-        os.close(null)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 
 from .._device import available_memory
 from .cases import Case
-from .catalog import suite_cases
+from .catalog import device_type, suite_cases
 from .flex import NotComparable, compile_limits, forbid_recompiles
 from .measure import DTYPES, Limits, describe, machine_limits, peak_memory
 from .timing import describe_timing, measure
@@ -50,8 +50,7 @@ def check_target(device: str, dtype: str, cold_l2: bool = False) -> tuple[torch.
         >>> check_target("cpu", "bf16")
         (device(type='cpu'), torch.bfloat16)
     """
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"--device {device!r} is unknown: choose cpu or cuda")
+    device_type(device)
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device cuda: CUDA is not available here (torch {torch.__version__}, "
                          f"no GPU found): use --device cpu")

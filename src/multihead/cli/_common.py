@@ -11,14 +11,16 @@ from pathlib import Path
 from .._files import missing_dirs, probe_writable
 
 
-def console(width: int = 120, markup: bool = True):
-    """A rich console on stdout: the terminal's width, or ``width`` columns when piped.
+def console(width: int = 120, markup: bool = True, *, stderr: bool = False):
+    """A rich console on stdout: the terminal's width, or ``width`` columns when piped
+    (``stderr``: rich's own console on stderr, for progress, warnings and file names).
 
-    When stdout's reader leaves (``| head -1``) it raises ``BrokenPipeError``, which the
-    command line turns into a quiet exit, as for ``print`` (rich would exit with status 1).
+    When its reader leaves (``| head -1``) it raises ``BrokenPipeError``, which the command
+    line turns into a quiet exit, as for ``print`` (rich would exit with status 1).
     """
     from rich.console import Console
-    con = Console(width=None if sys.stdout.isatty() else width, markup=markup)
+    con = (Console(stderr=True) if stderr else
+           Console(width=None if sys.stdout.isatty() else width, markup=markup))
     con.on_broken_pipe = _broken_pipe
     return con
 
@@ -47,7 +49,7 @@ def summary(doc: str) -> str:
         >>> summary("``multihead params``: parameters.\\n\\nMore.")
         'multihead params: parameters.'
     """
-    return doc.splitlines()[0].replace("``", "")
+    return (doc or "").split("\n", 1)[0].replace("``", "")     # (None under python -OO)
 
 
 def path(text: str) -> Path:
@@ -67,18 +69,19 @@ def path(text: str) -> Path:
     return Path(text)
 
 
-def int_in(lo: int, hi: int):
+def int_in(lo: int | None, hi: int | None):
     """An argparse ``type``: a whole number from ``lo`` to ``hi``, else a one-line error.
 
     argparse puts the option's name in front of the message, so the user reads e.g.
     ``argument --d-model: '1e18' is not a whole number: give an integer from 1 to 1048576``.
 
     Args:
-        lo: the smallest value accepted.
+        lo: the smallest value accepted (None with ``hi`` None: any integer; a command
+            that knows the range only later checks it then, as ``inspect --layer`` does).
         hi: the largest value accepted.
 
     Returns:
-        A function from the option's text to its int value.
+        A function from the option's text (ASCII digits, an optional sign) to its int value.
 
     Example:
         >>> int_in(1, 8)("3")
@@ -88,7 +91,7 @@ def int_in(lo: int, hi: int):
         ...
         argparse.ArgumentTypeError: 9 is out of range: give an integer from 1 to 8
     """
-    accepted = f"give an integer from {lo} to {hi}"
+    accepted = "give an integer" + ("" if lo is None else f" from {lo} to {hi}")
 
     def parse(text: str) -> int:
         shown = text if len(text) <= 40 else text[:37] + "..."
@@ -98,7 +101,7 @@ def int_in(lo: int, hi: int):
             value = int(text)
         except ValueError:                                  # digits beyond int()'s limit
             raise argparse.ArgumentTypeError(f"{shown} is out of range: {accepted}") from None
-        if not lo <= value <= hi:
+        if lo is not None and not lo <= value <= hi:
             raise argparse.ArgumentTypeError(f"{shown.strip()} is out of range: {accepted}")
         return value
 

@@ -44,9 +44,8 @@ def run(args) -> int:
     cases = suite_cases(args.suite, args.device, args.family)
     prepare_out(args.out, FILES)
 
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    err = Console(stderr=True)
+    err = console(stderr=True)
     result = None
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

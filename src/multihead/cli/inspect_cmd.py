@@ -32,9 +32,9 @@ def add_parser(sub) -> None:
                    "embedded all-MiniLM-L6-v2")
     p.add_argument("--query-token", help="the word whose attention is followed "
                    "(default: the first pronoun)")
-    p.add_argument("--layer", type=int,
+    p.add_argument("--layer", type=int_in(None, None),
                    help="layer of the head shown large (0-based)")
-    p.add_argument("--head", type=int, help="head shown large (0-based)")
+    p.add_argument("--head", type=int_in(None, None), help="head shown large (0-based)")
     p.add_argument("--top", type=int_in(1, 100000), default=8,
                    help="heads listed for the query token (8)")
     p.add_argument("--out", type=path, help="directory for the report files")
@@ -135,14 +135,13 @@ def run(args) -> int:
     from ..inspect.report import known_names
     prepare_out(args.out, known_names(formats))
 
-    from rich.console import Console
     from ..inspect.capture import InspectError, capture, find_query, strongest_looks
     from ..inspect.metrics import HeadMetrics
     from ..inspect.report import Inspection, write
     from ..models import load
     from .._progress import track
 
-    err = Console(stderr=True)
+    err = console(stderr=True)
     model = load(args.model)
     cap = capture(model, shown, truncate=not args.no_truncate)
     if cap.truncated:

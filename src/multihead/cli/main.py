@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import select
 import sys
 
 from . import bench_cmd, demo_cmd, inspect_cmd, params_cmd
@@ -110,34 +111,57 @@ def main(argv: list[str] | None = None) -> int:
             print(str(e), file=sys.stderr)
             return 2
         status = _run(args)
-        try:
-            sys.stdout.flush()      # (a reader that left during the last lines: seen here)
-        except BrokenPipeError:
-            return _reader_gone()
+        if _stdout_gone():          # (a reader that left during the last lines: seen here)
+            return _reader_gone() if status == 0 else status
         return status
 
 
 def _run(args) -> int:
     try:
         return SUBCOMMANDS[args.command].run(args)
-    except BrokenPipeError:         # the reader left (``multihead params --table | head -1``)
-        return _reader_gone()
+    except BrokenPipeError as e:    # the reader left (``multihead params --table | head -1``)?
+        if _stdout_gone():
+            return _reader_gone()
+        return _failed(args, e)     # (another pipe: a worker process, say)
     except KeyboardInterrupt:
         print(f"multihead {args.command}: interrupted", file=sys.stderr)
         return 130
     except (CLIError, ValueError, TypeError, OSError) as e:
-        if os.environ.get("MULTIHEAD_DEBUG"):
-            raise
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"multihead {args.command}: error: {msg}", file=sys.stderr)
-        return 2
+        return _failed(args, e)
+
+
+def _failed(args, e: Exception) -> int:
+    """One line on stderr, status 2 (``MULTIHEAD_DEBUG=1``: the traceback instead)."""
+    if os.environ.get("MULTIHEAD_DEBUG"):
+        raise e
+    msg = " ".join(str(e).split()) or type(e).__name__
+    print(f"multihead {args.command}: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has left (its write end polls as an error; a
+    broken pipe elsewhere, to a worker process, leaves stdout as it was). False where it
+    cannot be told (no ``poll``, or a stdout without a file descriptor)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poll.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 def _reader_gone() -> int:
-    """Stop quietly, as a Unix tool killed by SIGPIPE does (status 128 + 13): what is still
-    buffered for stdout goes nowhere, instead of failing again when Python exits."""
+    """Stop quietly, as a Unix tool killed by SIGPIPE does (status 128 + 13): stdout's file
+    descriptor goes to /dev/null, so what is still buffered for it does not fail again
+    when Python exits."""
     with contextlib.suppress(OSError, ValueError):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        fd = sys.stdout.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, fd)
+        finally:
+            os.close(null)
     return 141
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 
+from ..analysis.params import DTYPES
 from ._common import console, int_in, summary
 
 
@@ -32,7 +33,8 @@ def add_parser(sub) -> None:
                    help="attention layers (default: 1, or the preset's)")
     p.add_argument("--seq", type=n["seq"], default=2048, help="sequence length n (2048)")
     p.add_argument("--batch", type=n["batch"], default=1, help="batch size (1)")
-    p.add_argument("--dtype", default="bf16", help="bytes per element: fp32, bf16, fp16 (bf16)")
+    p.add_argument("--dtype", default="bf16", choices=DTYPES, metavar="DTYPE",
+                   help=f"bytes per element: {', '.join(DTYPES)} (bf16)")
     p.add_argument("--no-bias", action="store_true", help="projections without biases")
     p.add_argument("--table", action="store_true",
                    help="every preset side by side, and MHA vs GQA vs MQA cache sizes")
@@ -66,11 +68,11 @@ def _shape(args):
             if args.no_bias:
                 given["bias"] = False
             now = {**asdict(s), "kv_heads": s.hkv, "head_dim": s.dk}     # (its effective sizes)
-            over = {k: v for k, v in given.items() if now[k] != v}
+            over = {k: v for k, v in given.items() if now[k] != v}     # (named as changed)
             if not over:
                 return s
             changed = ", ".join(f"{k}={v}" for k, v in over.items())  # no longer the preset
-            return AttentionShape(**{**asdict(s), **over, "name": f"{s.name} (changed: {changed})",
+            return AttentionShape(**{**asdict(s), **given, "name": f"{s.name} (changed: {changed})",
                                      "source": f"{s.source}, changed here ({changed})"})
         if args.d_model is None or args.heads is None:
             raise ValueError("give --preset NAME, or --d-model and --heads (see --table for "
@@ -91,9 +93,7 @@ def _variants(s):
 
 
 def run(args) -> int:
-    from ..analysis.params import DTYPES, PRESETS, human_bytes, human_count, report
-    if args.dtype not in DTYPES:
-        raise ValueError(f"--dtype {args.dtype!r} is unknown: choose one of {', '.join(DTYPES)}")
+    from ..analysis.params import PRESETS, human_bytes, human_count, report
     kw = dict(seq=args.seq, batch=args.batch, dtype=args.dtype)
     if args.table:
         rows = [report(s, **kw) for s in PRESETS.values()]

@@ -269,6 +269,10 @@ class Look:
         """How many tokens separate the target from the query."""
         return abs(self.target - query)
 
+    def long_range(self, query: int) -> bool:
+        """Beyond the neighbouring tokens (previous/next-token looks are positional)."""
+        return self.distance(query) > 1
+
     def label(self, tokens: list[str], query: int) -> str:
         """``"L3H1: it → animal 0.68"``."""
         return f"L{self.layer}H{self.head}: {tokens[query]} → {tokens[self.target]} {self.weight:.2f}"
@@ -285,7 +289,7 @@ def headline(looks: list[Look], query: int, tokens: list[str] | None = None) -> 
         >>> headline(looks, 3, toks).label(toks, 3)
         'L2H5: it → dog 0.70'
     """
-    far = [k for k in looks if k.distance(query) > 1]
+    far = [k for k in looks if k.long_range(query)]
     if tokens is not None and tokens[query].lower() in PRONOUNS:
         far = [k for k in far if k.target < query] or far
     return far[0] if far else (looks[0] if looks else None)

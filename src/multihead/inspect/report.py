@@ -77,7 +77,7 @@ class Inspection:
         best = headline(self.looks, self.query, c.tokens)
         if best is not None:
             back = " (looking back)" if c.causal else ""
-            far = "long-range " if best.distance(self.query) > 1 else ""   # (none is further)
+            far = "long-range " if best.long_range(self.query) else ""   # (none is further)
             s += (f"; strongest {far}head from the query token{back}: "
                   + best.label(c.tokens, self.query))
         elif c.causal:

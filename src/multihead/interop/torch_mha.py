@@ -115,7 +115,10 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
     Masks follow torch's convention here (bool ``True`` = ignore, or additive float), and
     inputs are checked by torch's rules: what torch refuses is refused, with an exception that
     is both torch's type (``AssertionError`` or ``RuntimeError``) and ``ValueError`` (or
-    ``TypeError`` for a mask's dtype), and a message that shows the shape it wanted.
+    ``TypeError`` for a mask's dtype), and a message that shows the shape it wanted. A
+    ``dtype`` attention cannot compute in (float8, integer, complex), given to the
+    constructor or reached by ``module.to(...)``, is refused before any weight is made or
+    projected, as ``TypeError`` and ``RuntimeError``.
     ``is_causal=True`` with ``need_weights=False`` and no ``key_padding_mask`` applies the
     (upper-left) causal mask instead of ``attn_mask``, as torch does; otherwise ``attn_mask``
     is used. NestedTensor inputs (``batch_first=True``, no masks) are padded, computed with a

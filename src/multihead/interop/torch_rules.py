@@ -28,8 +28,10 @@ class _RuntimeArgError(ValueError, RuntimeError):
 
 
 class _RuntimeTypeError(TypeError, RuntimeError):
-    """A dtype torch fails on with ``RuntimeError`` (an integer weight cannot require
-    gradients; float8 has no uniform init): catch it as either."""
+    """A dtype attention cannot compute in, refused where it is passed: torch fails on most
+    of these later with ``RuntimeError`` (an integer weight cannot require gradients; float8
+    has no uniform init; a complex module builds, then fails in its forward): catch it as
+    either."""
 
 
 class _DtypeArgError(TypeError, AssertionError):

@@ -351,14 +351,14 @@ def _check_size(transformers, hf_config, weights: Path, kind: str) -> None:
     prefix = getattr(network, "base_model_prefix", "")
     for name, p in network.named_parameters():
         key = name if name in header else f"{prefix}.{name}"     # (the file's name for it)
-        info = header.get(key)
+        info, where = header.get(key, (None, None))
         if info is not None and info.shape != tuple(p.shape):
-            raise ModelLoadError(f"{weights}: tensor {key!r} is {info.shape} there, but "
+            raise ModelLoadError(f"{where}: tensor {key!r} is {info.shape} there, but "
                                  f"{config_file}'s sizes make it {tuple(p.shape)}: config.json "
                                  f"does not describe this checkpoint (was a size edited, or is "
                                  f"it another model's config.json?)")
     need = sum(p.numel() for p in network.parameters())
-    held = sum(math.prod(t.shape) for t in header.values())
+    held = sum(math.prod(t.shape) for t, _ in header.values())
     if need > held:
         raise ModelLoadError(f"{config_file} describes a {kind} network of "
                              f"{need:,} parameters, but {weights} holds {held:,} values: the "
@@ -367,10 +367,11 @@ def _check_size(transformers, hf_config, weights: Path, kind: str) -> None:
 
 
 def _headers(weights: Path) -> dict | None:
-    """Every tensor of the checkpoint (name -> :class:`TensorInfo`), from its one file or
-    from each shard its index names; None for an index ``transformers`` will refuse."""
+    """Every tensor of the checkpoint, ``{name: (TensorInfo, the file holding it)}``, from
+    its one file or from each shard its index names; None for an index ``transformers``
+    will refuse."""
     if not weights.name.endswith(".json"):
-        return read_header(weights)
+        return {name: (info, weights) for name, info in read_header(weights).items()}
     index = read_json(weights)
     names = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(names, dict) or not all(isinstance(f, str) and Path(f).name == f
@@ -379,5 +380,5 @@ def _headers(weights: Path) -> dict | None:
     files = [weights.parent / f for f in sorted(set(names.values()))]
     if not all(f.is_file() for f in files):
         return None
-    return {name: info for f in files for name, info in read_header(f).items()}
+    return {name: (info, f) for f in files for name, info in read_header(f).items()}
 
