@@ -52,13 +52,14 @@ def suite_cases(suite: str, device: str | torch.device = "cpu", families=None) -
     if suite not in SUITES:
         raise ValueError(f"--suite {suite!r} is unknown: choose one of {', '.join(SUITES)}")
     kind = device_type(device)
-    cases = _cpu(suite) if kind == "cpu" else _cuda(suite)
+    sized = _cpu if kind == "cpu" else _cuda
+    cases = sized(suite)
     if families:
         known = sorted({c.family for c in cases})
         unknown = [f for f in families if f not in known]
         if unknown:
             elsewhere = [s for s in SUITES if s != suite and unknown[0] in
-                         {c.family for c in (_cpu(s) if kind == "cpu" else _cuda(s))}]
+                         {c.family for c in sized(s)}]
             where = f" (it is in --suite {elsewhere[0]})" if elsewhere else ""
             raise ValueError(f"--family {unknown[0]!r} is not in the {suite} suite on {kind}"
                              f"{where}: choose from {', '.join(known)}")

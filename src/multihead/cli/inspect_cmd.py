@@ -127,7 +127,7 @@ def _select(args, looks, query: int, tokens: list[str], L: int, H: int) -> tuple
 
 
 def run(args) -> int:
-    formats = _formats(",".join(FORMATS) if args.format is None else args.format)
+    formats = set(FORMATS) if args.format is None else _formats(args.format)
     if args.out is None and args.format is not None:
         raise ValueError(f"--format {args.format!r} says what --out gets, and no --out was "
                          f"given: add --out DIR, or drop --format")

@@ -257,12 +257,6 @@ class BertEncoder(AllOrNothing):
         self.embeddings = BertEmbeddings(config, **fk)
         self.layers = nn.ModuleList(BertLayer(config, **fk) for _ in range(config.num_hidden_layers))
 
-    def _check_ids(self, ids: torch.Tensor, dims: int, legend: str) -> None:
-        check_ids(ids, dims, legend, self.config.vocab_size)
-
-    def _check_length(self, longest: int) -> None:
-        check_length(longest, self.config.max_position_embeddings)
-
     def _run(self, h, mask, return_weights):
         weights = [] if return_weights else None
         for layer in self.layers:
@@ -275,9 +269,9 @@ class BertEncoder(AllOrNothing):
                 token_type_ids: torch.Tensor | None = None,
                 return_weights: bool = False) -> EncoderOutput:
         """Encode a padded batch; ``lengths`` (B,) marks the real tokens (default: all)."""
-        self._check_ids(input_ids, 2, "(B, S)")
+        check_ids(input_ids, 2, "(B, S)", self.config.vocab_size)
         B, S = input_ids.shape
-        self._check_length(S)
+        check_length(S, self.config.max_position_embeddings)
         if token_type_ids is not None:
             check_ids(token_type_ids, 2, f"of input_ids' shape {(B, S)}",
                       self.config.type_vocab_size, "token_type_ids", "the segment types")
@@ -297,7 +291,7 @@ class BertEncoder(AllOrNothing):
         text, and attention stays inside each text (a document mask). Packing the texts longest
         first lets the ``varlen`` backend read each group of equal lengths as one view.
         """
-        self._check_ids(input_ids, 1, "(N,)")
+        check_ids(input_ids, 1, "(N,)", self.config.vocab_size)
         cu = torch.as_tensor(cu_seqlens, device=input_ids.device)
         if cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
             raise TypeError(f"cu_seqlens must hold integers (token offsets), got {cu.dtype} "
@@ -310,7 +304,7 @@ class BertEncoder(AllOrNothing):
                              + (": there is no token to encode (pass at least one text)"
                                 if input_ids.numel() == 0 else ""))
         lengths = cu.diff()                                                     # (n,)
-        self._check_length(int(lengths.max()))
+        check_length(int(lengths.max()), self.config.max_position_embeddings)
         starts = torch.repeat_interleave(cu[:-1], lengths)                      # (N,)
         positions = torch.arange(input_ids.numel(), device=cu.device) - starts  # (N,)
         h = self.embeddings(input_ids, positions, torch.zeros_like(input_ids))  # (N, E)

@@ -333,9 +333,10 @@ def _check_size(transformers, hf_config, weights: Path, kind: str) -> None:
     (no memory) and compared with the checkpoint's headers.
 
     Each tensor both hold must have one shape (a wrong ``n_positions`` or ``head_dim`` is
-    named with the tensor and its two shapes); and the network must not need more values than the checkpoint holds (the wrong
-    ``model_type`` takes its architecture's defaults: a GPT-2 checkpoint read as a Llama
-    describes 6.5 billion parameters; a task's head may add to the checkpoint's count)."""
+    named with the tensor and its two shapes); and the network must not need more values
+    than the checkpoint holds (the wrong ``model_type`` takes its architecture's defaults: a
+    GPT-2 checkpoint read as a Llama describes 6.5 billion parameters; a task's head may add
+    to the checkpoint's count)."""
     header = _headers(weights)
     if header is None:
         return                                     # transformers' own error says what is wrong
