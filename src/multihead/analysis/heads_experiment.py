@@ -134,7 +134,13 @@ class Result:
     curve: list = field(default_factory=list)             # (step, train loss)
 
     def tops(self) -> list[tuple[int, float]]:
-        """Each head's top offset and the mean weight there: ``[(k, weight)]``."""
+        """Each head's top offset and the mean weight there: ``[(k, weight)]``, one per head
+        of ``offset_profile`` ``[head][offset]``.
+
+        Example:
+            >>> Result("h=2", 1, 1.0, 0.5, 0.1, [[0.1, 0.9, 0.0], [0.2, 0.3, 0.5]]).tops()
+            [(1, 0.9), (2, 0.5)]
+        """
         return [max(enumerate(prof), key=lambda kw: kw[1]) for prof in self.offset_profile]
 
     def relations(self) -> list[str]:

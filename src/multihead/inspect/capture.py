@@ -270,7 +270,12 @@ class Look:
         return abs(self.target - query)
 
     def long_range(self, query: int) -> bool:
-        """Beyond the neighbouring tokens (previous/next-token looks are positional)."""
+        """Beyond the neighbouring tokens (previous/next-token looks are positional).
+
+        Example:
+            >>> Look(0, 0, 4, 0.5).long_range(3), Look(0, 0, 1, 0.5).long_range(3)
+            (False, True)
+        """
         return self.distance(query) > 1
 
     def label(self, tokens: list[str], query: int) -> str:
