@@ -430,3 +430,15 @@ def test_models_that_look_their_attention_class_up_by_name_fail_as_the_readme_sa
                                         **kwargs, attn_implementation="multihead")
     with pytest.raises(KeyError, match="multihead"):
         getattr(transformers, cls)(cfg)
+
+
+@torch.inference_mode()
+def test_an_attention_mask_of_other_rows_is_refused_before_the_cache_is_written():
+    m = model("llama", "multihead")
+    cache = transformers.DynamicCache(config=m.config)
+    ids = torch.randint(3, VOCAB, (2, 6))
+    with pytest.raises(ValueError, match=r"attention_mask has 3 rows \(shape \(3, 6\)\) but the "
+                                         r"batch has 2 sequences"):
+        m(input_ids=ids, attention_mask=torch.ones(3, 6, dtype=torch.long),
+          past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 0
