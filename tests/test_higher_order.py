@@ -33,6 +33,29 @@ def test_auto_leaves_blocksparse_under_torch_func(mask):
     torch.testing.assert_close(out, torch.stack(want), atol=2e-6, rtol=1e-5)
 
 
+def test_vmap_over_per_sample_masks():
+    """A mask that is itself vmapped (one padding per sample): auto leaves the backends
+    that read the mask back to the host (rows) and gives what a loop over samples gives,
+    as does the drop-in with a vmapped key_padding_mask, equal to torch's module."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 2, 4, 5, 8, generator=g)                   # (vmapped, B, H, S, D)
+    keep = torch.ones(3, 2, 5, dtype=torch.bool)
+    keep[0, 1, 3:] = keep[2, 0, 1:] = False
+
+    def one(t, m):
+        return mh.attention(t, t, t, mask=M.dense(m[:, None, None, :]))
+    want = torch.stack([one(t, m) for t, m in zip(q, keep)])
+    torch.testing.assert_close(torch.func.vmap(one)(q, keep), want)
+    torch.manual_seed(0)
+    theirs = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+    ours = mh.nn.MultiheadAttention(16, 4, batch_first=True)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 2, 5, 16, generator=g)
+    want, got = (torch.func.vmap(lambda t, m: module(t, t, t, key_padding_mask=m)[0])(x, ~keep)
+                 for module in (theirs, ours))                    # (3, B, S, E) each
+    torch.testing.assert_close(got, want)
+
+
 def test_blocksparse_named_under_torch_func_is_refused_with_the_reason():
     q = torch.randn(1, 2, 64, 16)
     with pytest.raises(ValueError, match="blocksparse.*does not run under torch.func transforms"):

@@ -51,6 +51,9 @@ class Capabilities:
         dropout: applies dropout on the weights.
         bias_grad: propagates gradients into a bias tensor.
         traceable: runs inside ``torch.compile(fullgraph=True)``.
+        transforms: runs under ``torch.func`` transforms (grad, vmap, jacrev, ...); False
+            for a backend that reads tensors back to the host or into its own kernels,
+            which functorch's wrapped tensors do not allow.
         cross_attention: accepts Sq != Sk.
         backward: gives gradients (a call that needs them goes elsewhere when it does not).
 
@@ -69,6 +72,7 @@ class Capabilities:
     dropout: bool = False
     bias_grad: bool = False
     traceable: bool = True
+    transforms: bool = True
     cross_attention: bool = True
     backward: bool = True
 
@@ -113,4 +117,7 @@ class Capabilities:
             out.append("has no backward (gradients are needed)")
         if not self.traceable and torch.compiler.is_compiling():
             out.append("is not traceable by torch.compile (a data-dependent host loop)")
+        if not self.transforms and torch._C._are_functorch_transforms_active():
+            out.append("does not run under torch.func transforms (grad, vmap, jacrev, ...): "
+                       "it reads tensors that functorch wraps")
         return out

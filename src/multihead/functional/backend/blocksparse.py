@@ -350,14 +350,7 @@ def _work(call: AttentionCall, est: _tiles.Estimate) -> Work:
 class BlockSparse(Backend):
     name = "blocksparse"
     summary = "tiled online softmax that skips the tiles a mask rules out; returns lse"
-    capabilities = Capabilities(lse=True, traceable=False)
-
-    def check(self, call):
-        if torch._C._are_functorch_transforms_active():
-            return ("does not run under torch.func transforms (grad, vmap, jacrev, ...): its "
-                    "autograd Function writes tiles in place, which functorch cannot batch "
-                    "or differentiate; auto picks another backend")
-        return None
+    capabilities = Capabilities(lse=True, traceable=False, transforms=False)
 
     def plan(self, call, profile):
         est = _tiles.estimate(call)

@@ -65,7 +65,8 @@ def _row(x: torch.Tensor | None, b: int, lo: int, hi: int):
 class Rows(Backend):
     name = "rows"
     summary = "materialized scores one sequence at a time, cropped to its live keys; weights"
-    capabilities = Capabilities(weights=True, lse=True, backward=False, traceable=False)
+    capabilities = Capabilities(weights=True, lse=True, backward=False, traceable=False,
+                                transforms=False)
 
     def plan(self, call, profile):
         size = call.compute_dtype.itemsize

@@ -166,13 +166,10 @@ class TritonFlash(Backend):
                                 dtypes=frozenset({torch.float16, torch.bfloat16}),
                                 max_head_dim=256, lse=True,
                                 masks=frozenset({"causal", "window", "padding", "document",
-                                                 "dense", "bias", "alibi"}))
+                                                 "dense", "bias", "alibi"}),
+                                transforms=False)
 
     def check(self, call):
-        if torch._C._are_functorch_transforms_active():
-            return ("does not run under torch.func transforms (grad, vmap, jacrev, ...): its "
-                    "kernels read device memory, which functorch's wrapped tensors do not "
-                    "expose; auto picks another backend")
         band = _band(call)
         return band if isinstance(band, str) else None
 
