@@ -205,6 +205,7 @@ def attention(q, k, v, scale: float, causal: bool, window: int, offset: int,
     """
     if torch.compiler.is_compiling():
         return flash_attention(q, k, v, scale, causal, window, offset, kv_lengths, documents)
+    _refuse_transforms()                # (before the backward ahead builds anything)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         _backward_ahead(q, k, v, scale, causal, window, offset, kv_lengths, documents)
     return _Flash.apply(q, k, v, scale, causal, window, offset, kv_lengths, documents)
@@ -328,6 +329,7 @@ def sparse(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         prog, launches = plan(mask, q, k, v, kernels=tuple(KERNELS) if grad else ("fwd",))
         return flash_sparse(q, k, v, scale, *flatten(prog, launches, q.shape[2], k.shape[2]))
+    _refuse_transforms()                # (before the mask's program is built and kept)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         _sparse_backward_ahead(q, k, v, mask, scale)
     return _Sparse.apply(q, k, v, mask, scale)
