@@ -183,3 +183,15 @@ def test_torch_compile_fullgraph_matches_eager(mask_dtype):
                dict(attn_mask=am, key_padding_mask=kpm, need_weights=False),
                dict(attn_mask=am, key_padding_mask=kpm, average_attn_weights=False)):
         torch.testing.assert_close(compiled(q, k, v, **kw), ours(q, k, v, **kw))
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "kpm", "both"])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_on_the_meta_device_the_shapes_are_torchs(mask_kind, need_weights):
+    """Shape inference (deferred init, FLOP counters) runs the module on meta tensors."""
+    t, ours = (m.to("meta") for m in _pair(True, None, None, True))
+    q, k, v = (x.detach().to("meta") for x in _inputs(True, None, None))
+    kw = {name: m.to("meta") for name, m in _masks(mask_kind, "bool").items()}
+    got, want = (m(q, k, v, need_weights=need_weights, **kw) for m in (ours, t))
+    assert [None if x is None else (x.shape, x.device.type) for x in got] == \
+        [None if x is None else (x.shape, x.device.type) for x in want]

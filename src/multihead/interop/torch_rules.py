@@ -84,7 +84,8 @@ def _check_input_dtypes(m: nn.MultiheadAttention, query, key, value) -> None:
     """query, key and value in the dtype of the weights that project them (torch's
     projection refuses others, except under autocast, which casts them)."""
     _as_torch_raises(check_weights, m.out_proj.weight.dtype)
-    if torch.is_autocast_enabled(query.device.type):
+    kind = query.device.type                  # (meta has no autocast: asking it raises)
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
         return
     fused = m._qkv_same_embed_dim
     for name, t, w in (("query", query, m.in_proj_weight if fused else m.q_proj_weight),
