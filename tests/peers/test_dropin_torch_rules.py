@@ -374,6 +374,35 @@ def test_torchscript_of_the_drop_in_matches_eager(batch_first, kdim):
     torch.testing.assert_close(scripted(q, kv, kv)[0], ours(q, kv, kv)[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace")
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_a_trace_of_the_drop_in_runs_torchs_forward_for_masks_it_did_not_see():
+    torch.manual_seed(0)
+    theirs = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    _, ours = _pair(batch_first=True, kdim=None, vdim=None)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(B, L, E)
+    am, kpm = _masks_seq_first()
+
+    class SelfAttention(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x, am, kpm):
+            return self.m(x, x, x, attn_mask=am, key_padding_mask=kpm, need_weights=False)[0]
+    traced = torch.jit.trace(SelfAttention(ours), (x, torch.zeros_like(am),
+                                                   torch.zeros_like(kpm)))     # no mask seen
+    torch.testing.assert_close(traced(x, am, kpm), SelfAttention(theirs)(x, am, kpm))
+
+
+def test_a_trace_of_multihead_attention_is_refused_with_what_to_use():
+    m = mh.MultiHeadAttention(E, H).eval()
+    with pytest.raises(RuntimeError, match="torch.jit.trace.*use torch.export.export or "
+                       "torch.compile"), pytest.warns(match="deprecated"):
+        torch.jit.trace(m, (torch.randn(B, L, E),))
+
+
 class _EncoderLayerWithOurs(nn.TransformerEncoderLayer):
     """A user's layer that builds our attention itself."""
 

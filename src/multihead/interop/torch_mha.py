@@ -124,10 +124,11 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
     is used. NestedTensor inputs (``batch_first=True``, no masks) are padded, computed with a
     key padding mask, and returned nested, with the padded-query rows of the weights zero.
 
-    ``torch.jit.script`` of this module, or of a module holding it (a
-    ``TransformerEncoderLayer`` whose ``self_attn`` it is), compiles torch's
-    ``F.multi_head_attention_forward`` on the same parameters: the scripted module runs
-    torch's implementation, not multihead's (TorchScript cannot compile the dispatch).
+    ``torch.jit.script`` or ``torch.jit.trace`` of this module, or of a module holding it
+    (a ``TransformerEncoderLayer`` whose ``self_attn`` it is), compiles torch's
+    ``F.multi_head_attention_forward`` on the same parameters: the scripted or traced
+    module runs torch's implementation, not multihead's (TorchScript cannot compile the
+    dispatch, and a trace would freeze the plan of the one mask it saw).
 
     Deliberate differences: a query whose keys are all masked gets zeros, not NaN; a float
     mask holding NaN or +inf is refused; a float mask of another dtype than the query's is
@@ -165,7 +166,7 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
                 key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
                 attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-        if torch.jit.is_scripting():
+        if torch.jit.is_scripting() or torch.jit.is_tracing():
             return self._forward_scripted(query, key, value, key_padding_mask, need_weights,
                                           attn_mask, average_attn_weights, is_causal)
         return self._forward_ours(query, key, value, key_padding_mask, need_weights, attn_mask,
@@ -175,7 +176,8 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
                           key_padding_mask: Optional[Tensor], need_weights: bool,
                           attn_mask: Optional[Tensor], average_attn_weights: bool,
                           is_causal: bool) -> Tuple[Tensor, Optional[Tensor]]:
-        """What TorchScript compiles: torch's functional forward on this module's parameters."""
+        """What TorchScript compiles or traces: torch's functional forward on this module's
+        parameters."""
         batch_first = self.batch_first and query.dim() == 3
         if batch_first:                                   # (N, L, E) -> (L, N, E)
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
