@@ -397,10 +397,22 @@ def test_a_trace_of_the_drop_in_runs_torchs_forward_for_masks_it_did_not_see():
 
 
 def test_a_trace_of_multihead_attention_is_refused_with_what_to_use():
-    m = mh.MultiHeadAttention(E, H).eval()
-    with pytest.raises(RuntimeError, match="torch.jit.trace.*use torch.export.export or "
-                       "torch.compile"), pytest.warns(match="deprecated"):
-        torch.jit.trace(m, (torch.randn(B, L, E),))
+    m = mh.MultiHeadAttention(E, H, num_kv_heads=2, rope=mh.RotaryEmbedding(E // H)).eval()
+    x = torch.randn(B, L, E)
+    heads = x.view(B, L, H, E // H).transpose(1, 2)                  # (B, H, L, E/H)
+    for what, traced, args in (("MultiHeadAttention", m, (x,)),
+                               ("RotaryEmbedding", m.rope, (heads, torch.arange(L))),
+                               ("multihead.attention", lambda t: mh.attention(t, t, t), (heads,))):
+        with pytest.raises(RuntimeError, match=f"{what} cannot be recorded by torch.jit.trace"
+                           ".*use torch.export.export or torch.compile"), pytest.warns():
+            torch.jit.trace(traced, args)
+
+    class Causal(nn.Module):                       # what it advises works
+        def forward(self, x):
+            return m(x, mask=mh.masks.causal())
+    exported = torch.export.export(Causal(), (x,)).module()
+    y = torch.randn(B, L, E)
+    torch.testing.assert_close(exported(y), m(y, mask=mh.masks.causal()))
 
 
 class _EncoderLayerWithOurs(nn.TransformerEncoderLayer):

@@ -30,6 +30,7 @@ import torch
 
 from .. import masks as M
 from .._cache import BoundedCache
+from .._tracing import refuse_jit_trace
 from ..analysis.params import human_bytes
 from . import nonfinite, profiles, registry
 from ._call import AttentionCall, default_scale, in_effect, make_call
@@ -332,14 +333,7 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
         B batch, H query heads, Hkv key/value heads, Sq queries, Sk keys,
         D query/key head dim, Dv value head dim.
     """
-    if torch.jit.is_tracing():
-        raise RuntimeError(
-            "multihead.attention cannot be recorded by torch.jit.trace: a trace keeps the "
-            "plan of the one call it saw (its backend, and the tiles its mask rules out), so "
-            "other masks or lengths would run it wrongly; use torch.export.export or "
-            "torch.compile, which trace it exactly (or, for a drop-in for "
-            "torch.nn.MultiheadAttention, multihead.nn.MultiheadAttention: its trace runs "
-            "torch's implementation)")
+    refuse_jit_trace("multihead.attention")
     key = None
     if not (_uncached() or isinstance(scale, torch.Tensor)):
         try:     # what determines the plan besides the mask (a miss validates all of it)

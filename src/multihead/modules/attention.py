@@ -21,6 +21,7 @@ from torch import nn
 
 from .. import masks
 from .._dtypes import check_dtype, check_weights
+from .._tracing import refuse_jit_trace
 from ..masks.positioned import distances_in_tokens
 from ..functional import attention
 from ..functional._call import as_mask
@@ -304,6 +305,7 @@ class MultiHeadAttention(AllOrNothing):
         Returns ``out`` (B, Sq, E), or ``(out, weights)`` when ``return_weights``; weights are
         per head ``(B, H, Sq, Sk)``, or their head mean ``(B, Sq, Sk)`` with ``average_weights``.
         """
+        refuse_jit_trace("MultiHeadAttention")
         p = self.dropout if self.training else 0.0
         if cache is None:
             if valid is not None:

@@ -30,6 +30,7 @@ from torch import nn
 
 from .._cache import BoundedCache
 from .._device import to_device
+from .._tracing import refuse_jit_trace
 
 #: rows of a table when first built (it doubles past them)
 FIRST_ROWS = 2048
@@ -179,6 +180,7 @@ class RotaryEmbedding(nn.Module):
             >>> rq.shape, rk.shape
             (torch.Size([1, 4, 3, 8]), torch.Size([1, 2, 3, 8]))
         """
+        refuse_jit_trace("RotaryEmbedding")
         if not xs:
             raise TypeError("RotaryEmbedding.rotate: pass the tensors to rotate, e.g. "
                             "rotate(q, k, positions=p)")
