@@ -525,6 +525,36 @@ def test_output_memory_layout_is_torchs_so_a_following_dropout_agrees(layout):
     torch.testing.assert_close(with_ours(x), a, atol=1e-5, rtol=1e-5)
 
 
+FAST_PATH_CASES = {                   # (grad mode, self-attention, key padding mask dtype)
+    "no_grad": (torch.no_grad, True, None), "inference_mode": (torch.inference_mode, True, None),
+    "no_grad bool kpm": (torch.no_grad, True, torch.bool),
+    "no_grad float kpm": (torch.no_grad, True, torch.float32),     # torch's slow path
+    "no_grad cross": (torch.no_grad, False, None), "grad": (torch.enable_grad, True, None)}
+
+
+@pytest.mark.parametrize("case", FAST_PATH_CASES)
+@pytest.mark.parametrize("fastpath", [True, False])
+def test_output_layout_follows_torchs_fused_inference_path(case, fastpath):
+    """In eval, without gradients, torch's fused kernel returns a contiguous (N, L, E): so
+    does ours, so ``out.view(N, -1)`` works on both; elsewhere both return a view."""
+    mode, self_attention, kpm_dtype = FAST_PATH_CASES[case]
+    t, ours = _pair(batch_first=True)
+    g = torch.Generator().manual_seed(4)
+    x, c = torch.randn(B, L, E, generator=g), torch.randn(B, L, E, generator=g)
+    kv = x if self_attention else c
+    kpm = None if kpm_dtype is None else torch.zeros(B, L, dtype=kpm_dtype)
+    was = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(fastpath)
+    try:
+        with mode():
+            want, got = (m(x, kv, kv, key_padding_mask=kpm)[0] for m in (t, ours))
+    finally:
+        torch.backends.mha.set_fastpath_enabled(was)
+    fused = fastpath and case in ("no_grad", "inference_mode", "no_grad bool kpm")
+    assert got.stride() == want.stride() and got.is_contiguous() == fused
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 FLAGS = {"numpy True": "np.True_", "1": 1, "0": 0, "None": None, "tensor": "tensor"}
 
 

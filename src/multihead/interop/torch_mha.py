@@ -27,7 +27,7 @@ from multihead.modules.attention import _divisors
 from multihead.modules.loading import AllOrNothing
 
 from .torch_rules import (_AssertionArgError, _as_torch_raises, _check_inputs, _check_nested,
-                          _lengths, _RuntimeArgError, _torch_mask)
+                          _lengths, _RuntimeArgError, _takes_fast_path, _torch_mask)
 
 
 def _refuse_extras(m: nn.MultiheadAttention) -> None:
@@ -206,6 +206,7 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
             return self._forward_nested(query, key, value, key_padding_mask, need_weights,
                                         attn_mask, average_attn_weights, is_causal)
         causal = is_causal and key_padding_mask is None and not need_weights
+        fast = _takes_fast_path(self, query, key, value, key_padding_mask, attn_mask)
         unbatched = not _check_inputs(self, query, key, value, key_padding_mask, attn_mask,
                                       causal)
         if is_causal and attn_mask is None:
@@ -257,11 +258,15 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
             res = mh.attention(q, k, v, mask=mask, dropout_p=p, return_weights=need_weights)
             out, w = res if need_weights else (res, None)
         # torch's memory layout: (L, B, E) contiguous, batch_first a transposed view of it
-        # (a Dropout after this module draws its mask in memory order: same layout, same mask)
-        out = self.out_proj(out.permute(2, 0, 1, 3).reshape(L, B, E))     # (L, B, E)
+        # (a Dropout after this module draws its mask in memory order: same layout, same
+        # mask), except where torch's fused inference kernel answers: (B, L, E) contiguous
+        if fast:
+            out = self.out_proj(out.transpose(1, 2).reshape(B, L, E))      # (B, L, E)
+        else:
+            out = self.out_proj(out.permute(2, 0, 1, 3).reshape(L, B, E))  # (L, B, E)
         if unbatched:
             out = out.squeeze(1)                                            # (L, E)
-        elif self.batch_first:
+        elif self.batch_first and not fast:
             out = out.transpose(0, 1)                                       # (B, L, E)
         if w is not None:
             if average_attn_weights:

@@ -237,3 +237,33 @@ def _check_nested(m: nn.MultiheadAttention, query, key, value, key_padding_mask,
 def _lengths(nt: torch.Tensor) -> list[int]:
     """The length of each sequence of a nested ``(N, L*, E)`` tensor."""
     return [t.shape[0] for t in nt.unbind()]
+
+
+def _takes_fast_path(m: nn.MultiheadAttention, query, key, value, key_padding_mask,
+                     attn_mask) -> bool:
+    """Whether torch's module would answer this call with its fused inference kernel,
+    whose output is a contiguous ``(N, L, E)`` (its other path returns a transposed view of
+    a contiguous ``(L, N, E)``): torch's conditions, in its order."""
+    if any(t is not None and t.is_floating_point() for t in (key_padding_mask, attn_mask)):
+        return False
+    proj = (m.in_proj_weight, m.in_proj_bias, m.out_proj.weight, m.out_proj.bias)
+    if not (torch.backends.mha.get_fastpath_enabled() and query.dim() == 3
+            and query is key and key is value and m.in_proj_weight is not None
+            and m.in_proj_bias is not None and query.dtype == m.in_proj_bias.dtype
+            and query.dtype == m.in_proj_weight.dtype and not m.training
+            and m.num_heads % 2 == 0 and m.batch_first and m.bias_k is None
+            and m.bias_v is None and not m.add_zero_attn and m._qkv_same_embed_dim
+            and not torch.is_autocast_enabled()):
+        return False
+    devices = ("cpu", "cuda", torch.utils.backend_registration._privateuse1_backend_name)
+    return (all(t is None or t.device.type in devices for t in (query, *proj))
+            and not (torch.is_grad_enabled()
+                     and any(t is not None and t.requires_grad for t in (query, *proj)))
+            and not _make_fx_tracing())
+
+
+def _make_fx_tracing() -> bool:
+    """torch's own test (its fused kernel is not traced by make_fx); False where this torch
+    does not have it."""
+    test = getattr(nn.modules.activation, "_is_make_fx_tracing", None)
+    return bool(test()) if test is not None else False
