@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from multihead.analysis.scaling import fp16_masking, scaling
 from multihead.cli.main import main
@@ -65,8 +66,28 @@ def test_the_finding_claims_nothing_about_heads_when_no_model_beat_chance():
     flat = [[0.15] * 6 for _ in range(8)]
     from multihead.analysis.heads_experiment import finding
     text = finding([_result("h=8", 0.09, flat), _result("h=1", 0.08, flat[:1])])
-    assert "No model learned the task (chance is 8.3%)" in text
+    assert "No model learned the task (chance is 8.3%, and x[t-1] alone gives 16.7%)" in text
     assert "Best" not in text and "split" not in text and "weight on" not in text
+
+
+def test_one_relation_alone_is_not_learning_the_task():
+    """x[t-1] alone leaves 2·x[t-3] mod 12 unknown (6 values): 1/6 correct, from a model
+    that learned half the task; a too-short run lands there (--quick, 150 steps)."""
+    from multihead.analysis.heads_experiment import Setup, finding, make_batch
+    x, y = make_batch(Setup(), 4000, torch.Generator().manual_seed(0))
+    guess = x[:, 2:-1]                          # x[t-1] + 2·0: the best guess from x[t-1]
+    hit = (guess == y[:, 3:]).float().mean().item()                   # targets t = 3 ...
+    assert hit == pytest.approx(1 / 6, abs=0.02)                      # what such a model gets
+    flat = [[0.15] * 6 for _ in range(8)]
+    text = finding([_result("h=8", 0.177, flat), _result("h=1", 0.164, flat[:1])])
+    assert "No model learned the task" in text and "Best" not in text
+
+
+def test_a_model_is_named_best_only_clearly_ahead():
+    from multihead.analysis.heads_experiment import finding
+    flat = [[0.15] * 6 for _ in range(8)]
+    text = finding([_result("h=8", 0.61, flat), _result("h=1", 0.60, flat[:1])])
+    assert "Best" not in text and "No clear best: h=8 and h=1 are within 2% of each other" in text
 
 
 def test_the_finding_counts_only_heads_with_most_of_their_weight_on_a_relation():

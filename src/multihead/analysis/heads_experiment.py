@@ -21,6 +21,7 @@ Notation used for tensor shapes: B batch, T sequence length, V vocabulary, d mod
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -194,39 +195,60 @@ def run(s: Setup, kinds=("h=8", "h=1", "h=8 shared")) -> list[Result]:
     return [train(k, s) for k in kinds]
 
 
+def one_relation(s: Setup) -> float:
+    """The accuracy a model that fetches only ``x[t-a]`` (the better of the two relations
+    alone) can reach: ``2·x[t-b] mod V`` is left unknown, one of ``V / gcd(2, V)`` values.
+
+    Example:
+        >>> one_relation(Setup())                       # V = 12: 6 values left, 1/6
+        0.16666666666666666
+    """
+    return math.gcd(2, s.vocab) / s.vocab
+
+
 def _split(r: Result, a: int, b: int, head: int = 0) -> str:
     """``"0.98 on x[t-1], 0.00 on x[t-3]"``: one head's weight on the two relations."""
     p = r.offset_profile[head]
     return f"{p[a]:.2f} on x[t-{a}], {p[b]:.2f} on x[t-{b}]"
 
 
-#: accuracy above chance (1 / vocab) that counts as having learned something
+#: accuracy above what one relation alone gives that counts as having learned the task
 LEARNED = 0.05
+#: an accuracy difference between two models that counts as one beating the other
+CLEAR = 0.02
 #: the weight on one offset above which a head "attends mainly" to it
 MAINLY = 0.5
 
 
 def finding(results: list[Result], setup: Setup = Setup()) -> str:
     """The outcome in words, from the measured numbers (nothing assumed): which model is
-    best and how the heads split the work only when some model learned more than chance
-    (``1 / vocab`` + :data:`LEARNED`), and a head counts for a relation only when more than
-    :data:`MAINLY` of its weight is on it.
+    best and how the heads split the work only when some model learned more than one
+    relation alone gives (:func:`one_relation`) by :data:`LEARNED`; a model is named best
+    only :data:`CLEAR` ahead of the next, and a head counts for a relation only when more
+    than :data:`MAINLY` of its weight is on it.
 
     Example:
         >>> flat = [[0.25] * 4] * 8                     # untrained: weight spread evenly
         >>> r = [Result(k, 1, 2.5, 0.09, 0.1, flat) for k in ("h=8", "h=1")]
         >>> finding(r)
-        'h=8: accuracy 9.0%, loss 2.500; h=1: accuracy 9.0%, loss 2.500. No model learned the task (chance is 8.3%): train longer (--steps) before reading the heads.'
+        'h=8: accuracy 9.0%, loss 2.500; h=1: accuracy 9.0%, loss 2.500. No model learned the task (chance is 8.3%, and x[t-1] alone gives 16.7%): train longer (--steps) before reading the heads.'
     """
     a, b = setup.offsets
     by = {r.kind: r for r in results}
-    best = max(results, key=lambda r: r.accuracy)
+    ranked = sorted(results, key=lambda r: r.accuracy, reverse=True)
+    best = ranked[0]
     text = "; ".join(f"{r.kind}: accuracy {r.accuracy:.1%}, loss {r.loss:.3f}" for r in results)
-    chance = 1 / setup.vocab
-    if best.accuracy < chance + LEARNED:
-        return (f"{text}. No model learned the task (chance is {chance:.1%}): train longer "
-                f"(--steps) before reading the heads.")
-    text += f". Best: {best.kind}." if len(results) > 1 else "."
+    one = one_relation(setup)
+    if best.accuracy < one + LEARNED:
+        return (f"{text}. No model learned the task (chance is {1 / setup.vocab:.1%}, and "
+                f"x[t-{a}] alone gives {one:.1%}): train longer (--steps) before reading the "
+                f"heads.")
+    if len(ranked) > 1:
+        text += (f". Best: {best.kind}." if best.accuracy - ranked[1].accuracy > CLEAR else
+                 f". No clear best: {best.kind} and {ranked[1].kind} are within "
+                 f"{CLEAR:.0%} of each other.")
+    else:
+        text += "."
     if "h=8" in by:
         tops = by["h=8"].tops()
         mainly = [k for k, w in tops if w > MAINLY]
@@ -237,7 +259,7 @@ def finding(results: list[Result], setup: Setup = Setup()) -> str:
     if {"h=8", "h=1"} <= by.keys():
         gap = by["h=8"].accuracy - by["h=1"].accuracy
         text += (f" Eight heads beat one full-width head by {gap:+.1%} accuracy"
-                 if gap > 0.02 else f" Eight heads did not clearly beat one head ({gap:+.1%})")
+                 if gap > CLEAR else f" Eight heads did not clearly beat one head ({gap:+.1%})")
         text += f" (the single head: {_split(by['h=1'], a, b)})."
     if {"h=8 shared", "h=1"} <= by.keys():
         sh = by["h=8 shared"]
@@ -246,7 +268,7 @@ def finding(results: list[Result], setup: Setup = Setup()) -> str:
         text += (f" Heads sharing W_Q/W_K/W_V computed one pattern (largest difference between "
                  f"heads {same:.3f}: {_split(sh, a, b)}) "
                  f"and ended {gap:+.1%} from the single full-width head")
-        text += (": as predicted, no better." if gap <= 0.02 else
+        text += (": as predicted, no better." if gap <= CLEAR else
                  ": better than predicted. One pattern that mixes both relations with unequal "
                  "weights can still be partly decoded by the read-out, which the single head, "
                  "trained from its own start, did not find.")
