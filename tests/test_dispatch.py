@@ -468,3 +468,27 @@ def test_masked_gqa_folds_query_heads_only_when_decoding():
     mask = M.padding(torch.tensor([100, 256])) & M.causal()
     assert "enable_gqa" in str(mh.explain(q, k, v, mask=mask, backend="sdpa"))
     assert "folded" in str(mh.explain(q[:, :, -1:], k, v, mask=mask, backend="sdpa"))
+
+
+def test_a_choice_one_calls_content_cannot_use_stays_for_the_calls_that_can():
+    """Auto shares its choice among calls of one mask structure; varlen's, for documents,
+    also needs the ids to be contiguous runs. A call whose ids are not runs runs another
+    backend without replacing varlen's choice, and explain() says what it runs."""
+    pytest.importorskip("multihead.functional.backend.varlen")
+    q, k, v = _qkv(S=512, D=16)
+    packed, interleaved = torch.arange(512) // 64, torch.arange(512) % 8     # 8 docs each
+    mh.functional.dispatch.clear_cache()
+    ran = []
+    for b in registry.all_backends().values():
+        mock.patch.object(b, "run", side_effect=lambda c, p, _o=b.run, _n=b.name:
+                          ran.append(_n) or _o(c, p)).start()
+    try:
+        mh.attention(q, k, v, mask=M.document(packed))
+        assert ran[-1] == "varlen"
+        e = mh.explain(q, k, v, mask=M.document(interleaved))
+        mh.attention(q, k, v, mask=M.document(interleaved))
+        assert ran[-1] == e.chosen != "varlen" and e.reused is None and "note:" not in str(e)
+        mh.attention(q, k, v, mask=M.document(packed))
+        assert ran[-1] == "varlen"
+    finally:
+        mock.patch.stopall()

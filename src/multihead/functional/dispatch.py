@@ -224,9 +224,9 @@ def _decide(call: AttentionCall, backend: str, profile: DeviceProfile,
         if row is not None and row.plan is not None:
             return b, row.plan
     row = _choose(_rows(call, profile, device_type), backend, profile)
-    if structure is not None:
-        _CHOICES.put(structure, row.name)
-    return registry.get(row.name), row.plan
+    if structure is not None and chosen is None:    # (a choice this call's content cannot
+        _CHOICES.put(structure, row.name)           # use, varlen's for documents that are
+    return registry.get(row.name), row.plan         # not runs, stays for the calls that can)
 
 
 def _length_free_key(key: tuple, shapes: tuple, mask):
@@ -435,8 +435,9 @@ def explain(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
     structure = _structure(call) if backend == AUTO and device_type == call.q.device.type \
         and profile is profiles.profile_for(call.q.device) and not _uncached() else None
     reused = _CHOICES.get(structure) if structure is not None else None
+    runs = any(r.name == reused and r.plan is not None for r in rows)   # (else: chosen runs)
     return Explanation(chosen, backend, tuple(rows), _describe(call), profile,
-                       reused if reused not in (None, chosen) else None)
+                       reused if runs and reused != chosen else None)
 
 
 __all__ = ["attention", "explain", "Explanation", "Row", "Backend", "clear_cache"]
