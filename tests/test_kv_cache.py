@@ -107,6 +107,32 @@ def test_token_by_token_equals_full_forward_fp32(kv, rope, side, kind):
         torch.testing.assert_close(g, w, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_a_compiled_module_decodes_with_a_cache_as_eager_does(kind, grad):
+    """A cached forward runs eagerly inside torch.compile (a graph break): same outputs,
+    same cache; in grad mode a traced write failed inside torch and left the cache's counts
+    behind its tensors. fullgraph=True says why it cannot, and writes nothing."""
+    lengths, steps = [5, 3], 3
+    m = _module(2, True)
+    seqs = _data(lengths, steps, torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend="aot_eager")
+    with torch.set_grad_enabled(grad):
+        got = _decode(compiled, seqs, lengths, steps, cache := _cache(kind, m, 2), "left")
+        want = _decode(m, seqs, lengths, steps, eager := _cache(kind, m, 2), "left")
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    if kind == "static":
+        assert cache.seen == eager.seen and torch.equal(cache.k, eager.k)
+        torch.testing.assert_close(cache.lengths, eager.lengths)
+        before = copy.deepcopy(cache)
+        with pytest.raises(Exception, match="cache= writes the cache.*runs eagerly"):
+            torch.compile(m, backend="aot_eager", fullgraph=True)(
+                seqs[0][None, :1], cache=cache, mask=CAUSAL)
+        assert cache.seen == before.seen and torch.equal(cache.valid, before.valid)
+
+
 DISTANCE = {"window": mh.masks.sliding_window(3), "alibi": mh.masks.alibi(H) & CAUSAL,
             "window and alibi": mh.masks.sliding_window(2) & mh.masks.alibi(H)}
 

@@ -81,6 +81,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+#: why a cached forward runs eagerly under ``torch.compile``: its writes, their undo on a
+#: failed call, and its counts live in Python; traced, a step's write could be lost from the
+#: journal (or fail inside torch's functionalization in grad mode), and the count each step
+#: changes would recompile the graph every step anyway
+_CACHED_NOT_COMPILED = ("a forward with cache= writes the cache and keeps its counts in "
+                        "Python, so it runs eagerly (a graph break); compile the model's "
+                        "other layers, or capture the decoding step in a CUDA graph")
+
+
 class MultiHeadAttention(AllOrNothing):
     """Multi-head attention (Vaswani et al. 2017) with GQA/MQA, RoPE and cross-attention.
 
@@ -315,29 +324,37 @@ class MultiHeadAttention(AllOrNothing):
             res = attention(q, k, v, mask=mask, dropout_p=p, backend=self.backend,
                             return_weights=return_weights)
         else:
-            self._check_cache(cache)
-            cache.begin()                # what this forward writes, rollback() undoes
-            try:
-                q, k, v, mask = self._cached(x, context, cache, mask, valid, positions,
-                                             in_place=not return_weights and p == 0.0)
-                if isinstance(k, PagedView):   # a decoding step reading pages in place
-                    res = _paged_decode(q, k, mask)
-                else:
-                    res = attention(q, k, v, mask=mask, dropout_p=p, backend=self.backend,
-                                    return_weights=return_weights)
-                y = self._output(res, return_weights, average_weights)
-            except BaseException as e:   # a failed call (to its last op) leaves the cache
-                cache.rollback()         # as it found it
-                if _refused_by_torch_func(e):
-                    raise RuntimeError(
-                        "a cached forward writes its new keys and values into the cache in "
-                        "place, which torch.func's transforms (grad, vmap, jacrev, ...) refuse; "
-                        "the cache is unchanged. Run the cached step outside the transform, or "
-                        f"call without cache= inside it ({e})") from e
-                raise
-            cache.commit()
-            return y
+            return self._forward_cached(x, context, mask, return_weights, average_weights,
+                                        positions, cache, valid, p)
         return self._output(res, return_weights, average_weights)
+
+    @torch.compiler.disable(reason=_CACHED_NOT_COMPILED)
+    def _forward_cached(self, x, context, mask, return_weights, average_weights, positions,
+                        cache, valid, p):
+        """:meth:`forward` with a cache: written, and put back if the call fails. Always
+        eager: under ``torch.compile`` it is a graph break (see :data:`_CACHED_NOT_COMPILED`)."""
+        self._check_cache(cache)
+        cache.begin()                # what this forward writes, rollback() undoes
+        try:
+            q, k, v, mask = self._cached(x, context, cache, mask, valid, positions,
+                                         in_place=not return_weights and p == 0.0)
+            if isinstance(k, PagedView):   # a decoding step reading pages in place
+                res = _paged_decode(q, k, mask)
+            else:
+                res = attention(q, k, v, mask=mask, dropout_p=p, backend=self.backend,
+                                return_weights=return_weights)
+            y = self._output(res, return_weights, average_weights)
+        except BaseException as e:   # a failed call (to its last op) leaves the cache
+            cache.rollback()         # as it found it
+            if _refused_by_torch_func(e):
+                raise RuntimeError(
+                    "a cached forward writes its new keys and values into the cache in "
+                    "place, which torch.func's transforms (grad, vmap, jacrev, ...) refuse; "
+                    "the cache is unchanged. Run the cached step outside the transform, or "
+                    f"call without cache= inside it ({e})") from e
+            raise
+        cache.commit()
+        return y
 
     def _output(self, res, return_weights: bool, average_weights: bool):
         """The output projection of attention's result ``res`` (and the weights asked)."""
