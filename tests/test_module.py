@@ -152,6 +152,23 @@ def test_a_failed_load_leaves_every_parameter_as_it_was(case):
     assert all(torch.equal(m.state_dict()[k], v) for k, v in good.items())
 
 
+@pytest.mark.parametrize("bad,message", [
+    (lambda t: torch.empty_like(t, device="meta"), "out_proj.bias is on the meta device in "
+     "the checkpoint"),
+    (lambda t: torch.ones_like(t, dtype=torch.complex64), "out_proj.bias is torch.complex64 "
+     "in the checkpoint but torch.float32 here")], ids=["meta", "complex"])
+def test_a_tensor_torch_would_fail_on_or_mangle_part_way_is_refused_first(bad, message):
+    """torch copies key by key: a meta tensor (no values) fails at its copy, after the
+    keys before it were copied; a complex one is copied without its imaginary part."""
+    m = mh.MultiHeadAttention(16, 4, num_kv_heads=2)
+    sd = {k: torch.randn_like(v) for k, v in m.state_dict().items()}
+    sd["out_proj.bias"] = bad(sd["out_proj.bias"])             # the last key torch copies
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(RuntimeError, match=re.escape(message) + r".*Nothing was loaded"):
+        m.load_state_dict(sd)
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
+
+
 def _bert():
     from multihead.models import BertConfig, BertEncoder
     return BertEncoder(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,

@@ -20,7 +20,9 @@ from torch import nn
 def load_problems(module: nn.Module, state_dict: Mapping, strict: bool,
                   prefix: str = "") -> list[str]:
     """What a load of ``state_dict`` into ``module`` (its keys under ``prefix``) would fail
-    on: a key of another shape or not a tensor, and (``strict``) keys missing or unexpected.
+    on: a key of another shape or not a tensor, a tensor with no values (on the meta device)
+    or a complex one for a real tensor (torch would drop its imaginary part), and
+    (``strict``) keys missing or unexpected.
 
     Example:
         >>> import torch
@@ -38,6 +40,12 @@ def load_problems(module: nn.Module, state_dict: Mapping, strict: bool,
         elif prefix + key in state_dict and not isinstance(theirs, torch.Tensor):
             problems.append(f"{prefix}{key} is a {type(theirs).__name__} in the checkpoint, "
                             f"not a tensor")
+        elif theirs is not None and theirs.is_meta and not mine.is_meta:
+            problems.append(f"{prefix}{key} is on the meta device in the checkpoint (it holds "
+                            f"no values: save the model after its weights are materialised)")
+        elif theirs is not None and theirs.is_complex() and not mine.is_complex():
+            problems.append(f"{prefix}{key} is {theirs.dtype} in the checkpoint but "
+                            f"{mine.dtype} here (its imaginary part would be dropped)")
     if strict:
         missing = [prefix + k for k in own if prefix + k not in state_dict]
         unexpected = [k for k in state_dict
@@ -58,14 +66,16 @@ class AllOrNothing(nn.Module):
         problems = load_problems(self, state_dict, strict, prefix)
         if not problems:
             return
-        loose = (" (or pass strict=False to load the keys that match)"
-                 if any(p.startswith(("missing", "unexpected")) for p in problems) else "")
-        sizes = getattr(self, "_sizes", None)
-        what = f"This module is {sizes()}; build it" if sizes else "Build the module"
+        keys = any(p.startswith(("missing", "unexpected")) for p in problems)
+        advice = ""
+        if keys or any(" has shape " in p for p in problems):     # (else the problems say it)
+            loose = " (or pass strict=False to load the keys that match)" if keys else ""
+            sizes = getattr(self, "_sizes", None)
+            what = f"This module is {sizes()}; build it" if sizes else "Build the module"
+            advice = f"{what} with the checkpoint's sizes{loose}. "
         where = f" at {prefix[:-1]!r}" if prefix else ""
         raise RuntimeError(f"{type(self).__name__}.load_state_dict{where}: {'; '.join(problems)}. "
-                           f"{what} with the checkpoint's sizes{loose}. Nothing "
-                           f"{'of it ' if prefix else ''}was loaded")
+                           f"{advice}Nothing {'of it ' if prefix else ''}was loaded")
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """As :meth:`torch.nn.Module.load_state_dict`, but all or nothing: the keys and
