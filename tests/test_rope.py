@@ -426,3 +426,92 @@ def test_head_dim_is_read_only():
     rope = mh.RotaryEmbedding(8)
     with pytest.raises(AttributeError):
         rope.head_dim = 4
+
+
+def _rotation_ops(rope: mh.RotaryEmbedding) -> list[str]:
+    """The device ops of one rotation by ``rope`` (moved to meta, a stand-in for a GPU)."""
+    import copy
+    rope = copy.deepcopy(rope).to("meta")
+    x = torch.empty(1, 2, 3, 8, device="meta")
+    with _DeviceOps() as mode:
+        rope(x, 4)
+    return mode.ops
+
+
+def test_written_frequencies_survive_a_checkpoint_and_copies_keep_the_table():
+    """Scaled RoPE saved, loaded and copied: the frequencies travel (state_dict, deepcopy,
+    pickle, torch.save) and the built ones are neither saved nor lose the shared table."""
+    import copy
+    import io
+    import pickle
+    torch.manual_seed(0)
+    m = mh.MultiHeadAttention(32, 4, rope=mh.RotaryEmbedding(8))
+    x = torch.randn(1, 6, 32)
+    assert "rope.inv_freq" not in m.state_dict()                      # built: not saved
+    m.rope.inv_freq.mul_(0.25)
+    want = m(x)
+    loaded = mh.MultiHeadAttention(32, 4, rope=mh.RotaryEmbedding(8))
+    loaded.load_state_dict(m.state_dict())
+    torch.testing.assert_close(loaded(x), want, atol=0, rtol=0)
+
+    def saved(o):
+        buf = io.BytesIO()
+        torch.save(o, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+    plain = mh.RotaryEmbedding(8)
+    _rotation_ops(plain)                                               # builds the table
+    fast = _rotation_ops(plain)
+    for copied in (copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o)), saved):
+        torch.testing.assert_close(copied(m)(x), want, atol=0, rtol=0)
+        assert _rotation_ops(copied(plain)) == fast                    # the table still serves
+    assert len(_rotation_ops(m.rope)) > len(fast)                      # angles computed
+
+
+def test_a_checkpoint_holding_inv_freq_loads_strictly_where_there_is_a_rope():
+    """Older exports (and Hugging Face's before 4.3x) saved the built frequencies: accepted,
+    and equal ones keep the table; a module without RoPE still refuses the key."""
+    m = mh.MultiHeadAttention(32, 4, rope=mh.RotaryEmbedding(8))
+    sd = {**m.state_dict(), "rope.inv_freq": m.rope.inv_freq.clone()}
+    fresh = mh.RotaryEmbedding(8)
+    _rotation_ops(fresh)                                               # builds the table
+    fast = _rotation_ops(fresh)
+    m.load_state_dict(sd)
+    assert _rotation_ops(m.rope) == fast
+    with pytest.raises(RuntimeError, match=r"rope.inv_freq has shape \(3,\) in the checkpoint "
+                                           r"but \(4,\) here.*Nothing was loaded"):
+        m.load_state_dict({**sd, "rope.inv_freq": torch.zeros(3)})
+    with pytest.raises(RuntimeError, match=r"unexpected keys \['rope.inv_freq'\]"):
+        mh.MultiHeadAttention(32, 4).load_state_dict(sd)
+
+
+def test_learned_frequencies_get_gradients_from_every_kind_of_position():
+    x = torch.randn(1, 2, 4, 8)
+    grads = []
+    for positions in (3, torch.arange(3, 7), torch.arange(3, 7).float()):
+        rope = mh.RotaryEmbedding(8)
+        rope.inv_freq.requires_grad_()
+        rope(x, positions).pow(2).mul(torch.arange(8.0)).sum().backward()
+        grads.append(rope.inv_freq.grad)
+    assert grads[0] is not None and grads[0].abs().sum() > 0
+    for g in grads[1:]:
+        torch.testing.assert_close(g, grads[0])
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda r, x: r(x, torch.tensor([0.0, float("nan"), 2.0])), ValueError,
+     r"positions must be finite, got \[nan\] at index \[\(1,\)\]"),
+    (lambda r, x: r(x, torch.tensor([True, False, True])), TypeError,
+     r"positions must be an integer or float tensor, got torch.bool"),
+    (lambda r, x: r(x, torch.tensor([1j, 2j, 3j])), TypeError, r"got torch.complex64"),
+    (lambda r, x: r(x.long(), 0), TypeError, r"must be floating point .* got torch.int64"),
+    (lambda r, x: r(x, 2 ** 70), ValueError, r"past 2\*\*53"),
+    (lambda r, x: mh.MultiHeadAttention(16, 2, rope=r)(torch.randn(1, 3, 16), positions="abc"),
+     TypeError, r"positions must be an int .* got 'abc'"),
+    (lambda r, x: mh.MultiHeadAttention(16, 2, rope=r)(
+        torch.randn(1, 3, 16), positions=torch.tensor([0.0, float("inf"), 1.0])),
+     ValueError, r"positions must be finite, got \[inf\]"),
+], ids=["nan", "bool", "complex", "int x", "huge", "str", "module inf"])
+def test_positions_and_inputs_that_are_not_positions_or_numbers_are_named(call, error, match):
+    with pytest.raises(error, match=match):
+        call(mh.RotaryEmbedding(8), torch.randn(1, 1, 3, 8))

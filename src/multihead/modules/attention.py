@@ -280,7 +280,12 @@ class MultiHeadAttention(AllOrNothing):
             raise TypeError("positions must be an int (the first of Sq consecutive positions) "
                             "or an integer tensor (Sq,) or (B, Sq), got a bool")
         elif not isinstance(positions, numbers.Integral):
-            positions = torch.as_tensor(positions)  # host ints stay on the host: no sync
+            try:
+                positions = torch.as_tensor(positions)  # host ints stay on the host: no sync
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(f"positions must be an int (the first of Sq consecutive "
+                                f"positions) or integer positions (Sq,) or (B, Sq) (a tensor, "
+                                f"list or array), got {positions!r:.60}") from None
             if positions.shape[-1:] != (Sq,) or positions.dim() not in (1, 2) or (
                     positions.dim() == 2 and positions.shape[0] not in (1, B)):
                 raise ValueError(f"positions must be an int (the first of Sq consecutive "

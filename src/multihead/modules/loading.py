@@ -22,7 +22,8 @@ def load_problems(module: nn.Module, state_dict: Mapping, strict: bool,
     """What a load of ``state_dict`` into ``module`` (its keys under ``prefix``) would fail
     on: a key of another shape or not a tensor, a tensor with no values (on the meta device)
     or a complex one for a real tensor (torch would drop its imaginary part), and
-    (``strict``) keys missing or unexpected.
+    (``strict``) keys missing or unexpected. A submodule's ``_optional_keys`` (RoPE's
+    ``inv_freq``) may be present or not.
 
     Example:
         >>> import torch
@@ -31,6 +32,10 @@ def load_problems(module: nn.Module, state_dict: Mapping, strict: bool,
         ['weight has shape (3, 3) in the checkpoint but (3, 2) here']
     """
     own = module.state_dict(keep_vars=True)
+    optional = {f"{name}.{key}" if name else key: getattr(sub, key)   # a submodule's
+                for name, sub in module.named_modules()               # _optional_keys: kept
+                for key in getattr(sub, "_optional_keys", ())}        # where present
+    own = {**own, **optional}
     problems = []
     for key, mine in own.items():
         theirs = state_dict.get(prefix + key)
@@ -47,7 +52,7 @@ def load_problems(module: nn.Module, state_dict: Mapping, strict: bool,
             problems.append(f"{prefix}{key} is {theirs.dtype} in the checkpoint but "
                             f"{mine.dtype} here (its imaginary part would be dropped)")
     if strict:
-        missing = [prefix + k for k in own if prefix + k not in state_dict]
+        missing = [prefix + k for k in own if prefix + k not in state_dict and k not in optional]
         unexpected = [k for k in state_dict
                       if isinstance(k, str) and k.startswith(prefix) and k[len(prefix):] not in own]
         problems += [f"{what} keys {keys}" for what, keys in

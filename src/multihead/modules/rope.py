@@ -61,6 +61,28 @@ def _angles(pos: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.cat([c, c], -1), torch.cat([-s, s], -1)], -2)  # (..., 2, D)
 
 
+#: positions past this are not exact in float64 (nor in int64 arithmetic's reach of fp64)
+EXACT = 2 ** 53
+
+
+def _check_values(positions: torch.Tensor) -> None:
+    """Refuse positions of a dtype that is not a position (bool, complex), and, where
+    the host holds them, non-finite float ones (they would make the rows NaN). Positions on
+    a device are not read back: a NaN there gives NaN rows."""
+    if positions.dtype == torch.bool or positions.is_complex():
+        raise TypeError(f"RotaryEmbedding: positions must be an integer or float tensor, got "
+                        f"{positions.dtype}: pass integer positions (torch.arange(S) + start)")
+    if (positions.is_floating_point() and positions.device.type == "cpu"
+            and type(positions) is torch.Tensor and not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active()):
+        bad = ~positions.isfinite()
+        if bad.any():
+            raise ValueError(f"RotaryEmbedding: positions must be finite, got "
+                             f"{positions[bad][:4].tolist()} at index "
+                             f"{[tuple(i) for i in bad.nonzero()[:4].tolist()]}: a position "
+                             f"that is not finite rotates its row into NaN")
+
+
 def _check_base(base) -> float:
     if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) \
             or not base > 1:
@@ -81,7 +103,12 @@ class RotaryEmbedding(nn.Module):
     ``inv_freq`` (a buffer, fp32 whatever the module is cast to) holds the frequencies;
     writing other ones into it (scaled RoPE, say: in place, or assigning a new tensor) is
     honoured: this module then computes its angles from them on every call instead of
-    reading the shared table, and casts of the module move them without rounding them.
+    reading the shared table, casts of the module move them without rounding them, and
+    ``state_dict`` saves them (as ``inv_freq``; the built ones are not saved, as in
+    Hugging Face's models). A checkpoint's ``inv_freq`` is loaded where present (strict
+    loads accept it, from ours or an older export); one equal to the built frequencies
+    keeps the table. Learned frequencies (``inv_freq.requires_grad_()``) get gradients
+    from every kind of position.
 
     Example:
         >>> import torch, multihead as mh
@@ -150,7 +177,58 @@ class RotaryEmbedding(nn.Module):
         seen; write in place or assign a new tensor.)"""
         ref, version, ptr, values = self._canonical
         return (self.inv_freq is ref and ref._version == version and ref.data_ptr() == ptr
-                and (values is None or torch.equal(ref, values)))
+                and not ref.requires_grad and (values is None or torch.equal(ref, values)))
+
+    # -- copies and checkpoints ----------------------------------------------------------
+    #: a key a checkpoint may hold or not (see :func:`multihead.modules.loading.load_problems`)
+    _optional_keys = ("inv_freq",)
+
+    def __getstate__(self):
+        # pickle, deepcopy, torch.save: the memory address noted in _canonical is not
+        # copied, so the copy is told only whether the frequencies are still the built ones
+        state = super().__getstate__()
+        state["_canonical"] = self._unchanged()
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self.__dict__["_canonical"] is True:
+            self._set_canonical(self.inv_freq.device)
+        else:                                         # written frequencies, kept
+            self._canonical = (None, -1, -1, None)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not self._unchanged():                     # written frequencies are saved
+            freq = self.inv_freq
+            destination[prefix + "inv_freq"] = freq if keep_vars else freq.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+        key = prefix + "inv_freq"
+        if key not in state_dict:
+            return
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        freq, want = state_dict[key], (self.head_dim // 2,)
+        if not isinstance(freq, torch.Tensor) or freq.shape != want or freq.is_meta \
+                or not freq.is_floating_point():
+            error_msgs.append(f"{key}: the frequencies must be a float tensor of shape {want} "
+                              f"(head_dim {self.head_dim} / 2), got "
+                              f"{getattr(freq, 'dtype', type(freq).__name__)} "
+                              f"{tuple(getattr(freq, 'shape', ()))}")
+            return
+        device = self.inv_freq.device
+        built = _frequencies(self.head_dim, self.base, torch.float32, device)
+        with torch.no_grad():
+            freq = freq.detach().to(device, torch.float32 if freq.dtype != torch.float64
+                                    else freq.dtype)
+        if torch.equal(freq, built):
+            self._set_canonical(device)               # the built ones: the table serves
+        else:
+            self._buffers["inv_freq"] = freq.clone()
 
     def _apply(self, fn, *args, **kwargs):
         # .to(), .cuda(), .half(): inv_freq moves, but its frequencies keep their precision
@@ -191,6 +269,10 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"RotaryEmbedding({self.head_dim}): inputs must be (..., S, "
                                  f"{self.head_dim}) with one S, got "
                                  f"{[tuple(getattr(a, 'shape', ())) for a in xs]}")
+            if not t.is_floating_point():
+                raise TypeError(f"RotaryEmbedding: the inputs to rotate must be floating "
+                                f"point (queries and keys), got {t.dtype}: pass them as "
+                                f"float32, bfloat16, float16 or float64")
         wide = any(t.dtype == torch.float64 for t in xs)    # fp64 anywhere: fp64 angles
         cos, sin = self._cos_sin(positions, x, torch.float64 if wide else _precision(x.dtype))
         if len(xs) > 1 and all(t.dim() == 4 and t.shape[0] == x.shape[0] and t.dtype == x.dtype
@@ -213,6 +295,10 @@ class RotaryEmbedding(nn.Module):
         if type(positions) is int or (isinstance(positions, numbers.Integral)
                                       and not isinstance(positions, bool)):
             start = int(positions)
+            if abs(start) + S > EXACT:
+                raise ValueError(f"RotaryEmbedding: positions {start} .. {start + S - 1} are "
+                                 f"past 2**53, where positions stop being exact even in "
+                                 f"float64: pass positions below it")
             table = self._table(device, dtype, start + S) if tables and start >= 0 else None
             if table is not None:
                 return self._split(table[start:start + S])               # (S, 2, D): a view
@@ -221,6 +307,7 @@ class RotaryEmbedding(nn.Module):
             raise TypeError(f"RotaryEmbedding: positions must be an int (the first of S "
                             f"consecutive positions) or an integer or float tensor (S,) or "
                             f"(B, S), got {type(positions).__name__}")
+        _check_values(positions)
         B = x.shape[0] if x.dim() == 4 else 1
         if positions.dim() not in (1, 2) or positions.shape[-1] != S or (
                 positions.dim() == 2 and positions.shape[0] not in (1, B)):
