@@ -490,3 +490,47 @@ def test_only_torch_funcs_refusal_is_reworded():
             torch.OutOfMemoryError("in-place"), RuntimeError("shape mismatch"))])
     assert torch.func.vmap(seen)(torch.zeros(1))[0].tolist() == [True, True, True, False, False]
     assert not _refused_by_torch_func(RuntimeError("in-place"))   # outside a transform
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda c: c.update(torch.zeros(2, 4), torch.zeros(2, 4)), ValueError,
+     r"k must be a tensor \(B, Hkv, n, D\) = \(2, 2, n, 8\), got \(2, 4\)"),
+    (lambda c: c.update([[0.0]], torch.zeros(2, 2, 1, 8)), ValueError, r"k must be .* got list"),
+    (lambda c: c.update(torch.zeros(2, 2, 1, 8), None), ValueError, r"v must be .* got NoneType"),
+    (lambda c: c.positions(-1), ValueError, r"n must be an int >= 0 .* got -1"),
+    (lambda c: c.rope_positions(-1), ValueError, r"n must be an int >= 0 .* got -1"),
+], ids=["k 2-D", "k list", "v None", "positions", "rope_positions"])
+def test_public_cache_methods_name_what_is_wrong_and_change_nothing(call, error, match):
+    cache = mh.KVCache(2, 16, num_kv_heads=2, head_dim=8)
+    cache.update(torch.ones(2, 2, 3, 8), torch.ones(2, 2, 3, 8))
+    before = (cache.seen, cache.k.clone(), cache.lengths.clone(), cache.cross)
+    with pytest.raises(error, match=match):
+        call(cache)
+    assert cache.seen == before[0] and torch.equal(cache.k, before[1])
+    assert torch.equal(cache.lengths, before[2]) and cache.cross == before[3]
+
+
+@pytest.mark.parametrize("device, match", [
+    ("gpu", r"device must be a torch.device or a name such as 'cpu' or 'cuda:0', got 'gpu'"),
+    ("cuda:99", r"device 'cuda:99' cannot be used here \(.+\): pass device='cpu'")])
+def test_a_cache_on_a_device_this_machine_lacks_is_refused_by_name(device, match):
+    for build in (lambda: mh.KVCache(1, 8, num_kv_heads=1, head_dim=4, device=device),
+                  lambda: mh.PagedKVCache(num_pages=2, page_size=4, num_kv_heads=1,
+                                          head_dim=4, device=device)):
+        with pytest.raises(ValueError, match=match):
+            build()
+
+
+def test_a_context_longer_than_the_cache_says_so():
+    cache = mh.KVCache(2, 16, num_kv_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match=r"context has 20 tokens but the cache holds "
+                                         r"max_len=16; nothing was written"):
+        cache.store_context(torch.zeros(2, 2, 20, 8), torch.zeros(2, 2, 20, 8))
+    assert cache.seen == 0 and not cache.cross
+
+
+def test_numpy_sizes_build_a_cache():
+    np = pytest.importorskip("numpy")
+    cache = mh.KVCache(np.int64(2), np.int32(8), num_kv_heads=np.int64(1), head_dim=4)
+    assert (cache.batch_size, cache.max_len, cache.num_kv_heads) == (2, 8, 1)
+    assert type(cache.batch_size) is int

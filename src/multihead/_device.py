@@ -104,6 +104,29 @@ def hold(value):
     return value
 
 
+def usable_device(name: str, device) -> torch.device:
+    """``device`` as the concrete device tensors made on it report (``"cuda"`` ->
+    ``cuda:0``; None: torch's default device), or a ValueError naming the argument: not a
+    device, or not one this machine has (a CPU-only torch asserts on ``"cuda"``; that is a
+    ValueError here too).
+
+    Example:
+        >>> usable_device("device", "cpu")
+        device(type='cpu')
+    """
+    try:
+        device = None if device is None else torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{name} must be a torch.device or a name such as 'cpu' or 'cuda:0', "
+                         f"got {device!r:.60}") from None
+    try:
+        return torch.empty(0, device=device).device
+    except (RuntimeError, AssertionError) as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{name} {str(device)!r} cannot be used here ({why}): pass "
+                         f"{name}='cpu', or a device this machine has") from None
+
+
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """``t`` on ``device``; a host tensor is copied without synchronizing the device.
 

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
+from .._device import usable_device
 from .._dtypes import check_dtype
 from .._init import skip_init
-from ._files import ModelLoadError, check_model_dir, first_line, read_json, show
+from ._files import ModelLoadError, check_model_dir, read_json, show
 from .bert import BertConfig, BertEncoder, UnsupportedModel
 from .checkpoint import check_header, expected_tensors, read_header, read_weights, to_ours
 from .hf_models import DECODER_TYPES, ENCODER_DECODER_TYPES, HF_TYPES
@@ -88,19 +89,10 @@ def load(model_dir: str | Path | None = None, *, dtype: torch.dtype = torch.floa
         (6, 12, 384)
     """
     check_dtype("dtype", dtype)
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be a torch.device or a name such as 'cpu' or 'cuda:0', "
-                         f"got {show(device)}") from None
+    device = usable_device("device", device)        # (before any file is read)
     if device.type == "meta":
         raise ValueError("device 'meta' holds shapes, not values: a model loaded there cannot "
                          "run, and its checkpoint could not be checked; pass device='cpu' or a GPU")
-    try:                                     # reachable? (before any file is read)
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as e:   # (a CPU-only torch asserts on "cuda")
-        raise ValueError(f"device {str(device)!r} cannot be used here ({first_line(e)}): pass "
-                         f"device='cpu', or one this machine has") from None
     if model_dir is not None and not isinstance(model_dir, (str, os.PathLike)):
         raise TypeError(f"model_dir must be a path (str or pathlib.Path), got {show(model_dir)}")
     d = default_model_dir() if model_dir is None else Path(model_dir)

@@ -39,17 +39,25 @@ Notation used for tensor shapes:
 from __future__ import annotations
 
 import functools
+import numbers
 
 import torch
 
-from .._device import to_device
+from .._device import to_device, usable_device
 from .._dtypes import check_dtype
 
 
 def _pos_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return v
+    return int(v)
+
+
+def _count(name: str, n) -> int:
+    """A number of new tokens or queries: an int >= 0 (numpy's ints too)."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        raise ValueError(f"{name} must be an int >= 0 (how many new tokens), got {n!r:.60}")
+    return int(n)
 
 
 class _CacheBase:
@@ -70,7 +78,7 @@ class _CacheBase:
         self.value_dim = head_dim if value_dim is None else _pos_int("value_dim", value_dim)
         self.dtype = check_dtype("dtype", dtype)
         # the concrete device ("cuda" -> "cuda:0"), so it compares equal to the module's
-        self.device = torch.empty(0, device=device).device
+        self.device = usable_device("device", device)
         return dict(dtype=dtype, device=self.device)
 
     def check_compatible(self, num_kv_heads: int, head_dim: int, value_dim: int,
@@ -187,6 +195,7 @@ class _CacheBase:
     def positions(self, n: int, valid: torch.Tensor | None = None) -> torch.Tensor:
         """RoPE positions ``(B, n)`` of ``n`` new tokens: each sequence's count of real tokens
         continues (padding does not advance it)."""
+        n = _count("n", n)
         valid = self._check_valid(valid, n)
         steps = torch.ones(self.batch_size, n, dtype=torch.long, device=self.device) \
             if valid is None else valid.long()
@@ -206,6 +215,7 @@ class _CacheBase:
             >>> cache.rope_positions(2), cache.positions(2).tolist()
             (3, [[3, 4], [3, 4]])
         """
+        n = _count("n", n)
         counts = self._host_counts() if valid is None else None
         if counts is None:
             return self.positions(n, valid)
@@ -235,6 +245,13 @@ class _CacheBase:
 
     def _check_new(self, k, v, valid):
         self._check_writable("write new tokens")
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"cache update: {name} must be a tensor (B, Hkv, n, "
+                                 f"{'D' if name == 'k' else 'Dv'}) = ({self.batch_size}, "
+                                 f"{self.num_kv_heads}, n, "
+                                 f"{self.head_dim if name == 'k' else self.value_dim}), got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
         n, batch = k.shape[2], self.batch_size
         want_k, want_v = (batch, self.num_kv_heads, n, self.head_dim), \
             (batch, self.num_kv_heads, n, self.value_dim)
@@ -369,6 +386,11 @@ class KVCache(_CacheBase):
         if self.seen:
             raise ValueError("this cache already holds tokens or a context: call reset() before "
                              "caching a new cross-attention context")
+        n = k.shape[2] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
+        if n > self.max_len:
+            raise ValueError(f"the cross-attention context has {n} tokens but the cache holds "
+                             f"max_len={self.max_len}; nothing was written. Build it with "
+                             f"max_len >= {n} (module.make_cache(batch_size, {n}))")
         self._record(lambda: setattr(self, "cross", False))
         self.update(k, v)
         self.cross = True
@@ -394,7 +416,7 @@ class KVCache(_CacheBase):
             >>> cache.cross_positions(2).tolist(), cache.cross_positions(1).tolist()
             ([0, 1], [2])
         """
-        start = self._serve_queries(n)
+        start = self._serve_queries(_count("n", n))
         return torch.arange(start, start + n, device=self.device)
 
     def _serve_queries(self, n: int) -> int:
