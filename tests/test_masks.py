@@ -363,12 +363,33 @@ def test_at_positions_is_one_custom_leaf_to_backends_that_compile_masks_by_kind(
     from multihead.functional.capabilities import Capabilities
     inner = mh.masks.sliding_window(2) & mh.masks.alibi(2)
     m = mh.masks.at_positions(inner, torch.arange(4), torch.arange(4))
-    assert [leaf.kind for leaf in m.leaves()] == ["custom"]
+    assert [leaf.kind for leaf in m.leaves()] == ["custom", "custom"]
     q = torch.randn(1, 2, 4, 8, dtype=torch.float16)
     call = make_call(q, q, q, mask=m, scale=None, dropout_p=0.0, return_weights=False,
                      return_lse=False)
     kernels = Capabilities(masks=frozenset({"window", "alibi", "and"}))   # as Triton's
     assert "does not apply custom masks" in kernels.reasons(call, "cpu")
+
+
+def test_at_positions_moves_order_and_distance_leaves_and_leaves_per_slot_data_on_slots():
+    """A left-padded row: positions -1, 0, 1, 2, 3 (cumsum - 1). The window counts
+    positions; the padding and a dense mask keep naming slots (they were indexed by the
+    positions: a raw IndexError past their size, a silent wrap-around for -1)."""
+    valid = torch.tensor([[False, True, True, True, True]])
+    pos = valid.long().cumsum(-1) - 1                                   # (1, 5)
+    rows = torch.tensor([[True, True, False, True, True], [True] * 5])  # (Sq=2, Sk=5)
+    m = M.at_positions(M.sliding_window(2) & M.padding(valid) & M.dense(rows), pos[:, 3:], pos)
+    assert [leaf.describe().split("(")[0] for leaf in m.leaves()] == \
+        ["at_positions", "padding", "dense"]
+    want = torch.tensor([[False, False, False, True, False],            # positions 1, 2:
+                         [False, False, False, True, True]])            # slots 2 (dense: no), 3
+    assert torch.equal(m.materialize(2, 5)[0, 0], want)
+    with pytest.raises(ValueError, match=r"padding\(lengths=\[3\]\) has no leaf that measures "
+                                         r"order or distance.*use the mask as it is"):
+        M.at_positions(M.padding(torch.tensor([3])), torch.arange(2), torch.arange(4))
+    with pytest.raises(ValueError, match=r"one needs Sq = 3, the other Sq = 4, which no call fits"):
+        M.at_positions(M.causal(), torch.arange(3), torch.arange(5)) & M.dense(
+            torch.ones(4, 5, dtype=torch.bool))
 
 
 def test_at_positions_refuses_a_non_mask_and_positions_on_two_devices():

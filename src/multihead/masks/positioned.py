@@ -57,6 +57,9 @@ class Positioned(Mask):
     def describe(self) -> str:
         return f"at_positions({self.m.describe()})"
 
+    def _lengths(self):
+        return self.q_positions.shape[1], self.k_positions.shape[1]
+
     def _tensors(self):
         return [self.q_positions, self.k_positions, *self.m._tensors()]
 
@@ -96,22 +99,30 @@ class Positioned(Mask):
                 torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=dev))
 
 
-def at_positions(mask: Mask, q_positions: torch.Tensor, k_positions: torch.Tensor) -> Positioned:
+def at_positions(mask: Mask, q_positions: torch.Tensor, k_positions: torch.Tensor) -> Mask:
     """``mask`` evaluated at token positions instead of slot indices.
 
     A distance mask counts the slots between a query and a key. Where slots are not tokens
     (padding after a prompt, then generated tokens), give each slot's position: the window
-    or ALiBi distance is then ``q_positions[b, i] - k_positions[b, j]``. The masks'
-    alignment no longer applies (the positions place queries and keys). Tiles are not
-    skipped (positions need not grow with the slots).
+    or ALiBi distance is then ``q_positions[b, i] - k_positions[b, j]``. The leaves that
+    measure order or distance (``causal``, ``sliding_window``, ``alibi``, a custom
+    predicate) see the positions, and their alignment no longer applies (the positions
+    place queries and keys); the leaves that hold one value per slot (``padding``,
+    ``document``, ``dense``, ``bias``) keep indexing slots. Tiles of a repositioned leaf
+    are not skipped (positions need not grow with the slots). Positions may be negative
+    (``cumsum - 1`` of a left-padded row starts at -1).
 
     Args:
-        mask: the mask to evaluate (its leaves see positions where they saw slots).
+        mask: the mask to evaluate.
         q_positions: ``(Sq,)`` or ``(B, Sq)`` integer positions of the query slots.
         k_positions: ``(Sk,)`` or ``(B, Sk)`` integer positions of the key slots.
 
     Returns:
-        A mask that may be combined as any other.
+        A mask that may be combined as any other; calls must have ``Sq`` and ``Sk`` slots.
+
+    Raises:
+        ValueError: ``mask`` has no leaf that measures order or distance (positions would
+            change nothing), or the positions are not integer tensors of one batch size.
 
     Example:
         >>> import torch, multihead as mh
@@ -120,7 +131,21 @@ def at_positions(mask: Mask, q_positions: torch.Tensor, k_positions: torch.Tenso
         >>> m.materialize(1, 4)[0, 0].int().tolist()  # the last token sees 2 tokens back
         [[0, 1, 1, 1]]
     """
-    return Positioned(mask, q_positions, k_positions)
+    if not isinstance(mask, Mask):
+        raise TypeError(f"at_positions: mask must be a multihead mask, got "
+                        f"{type(mask).__name__}")
+    if not any(_measures_positions(leaf) for leaf in mask.leaves()):
+        raise ValueError(f"at_positions: {mask.describe()} has no leaf that measures order or "
+                         f"distance (causal, sliding_window, alibi, a custom predicate): its "
+                         f"leaves index slots, so positions would change nothing; use the mask "
+                         f"as it is")
+    return _reposition(mask, q_positions, k_positions, _measures_positions)
+
+
+def _measures_positions(m: Mask) -> bool:
+    """A leaf whose predicate compares query and key indices (not one holding a value per
+    slot, nor one already placed at positions)."""
+    return m.kind in ("causal", "window", "alibi", "custom") and not isinstance(m, Positioned)
 
 
 def _is_distance(m: Mask) -> bool:
@@ -148,15 +173,17 @@ def distances_in_tokens(mask: Mask | None, key_valid: torch.Tensor, n: int):
     if mask is None or not any(_is_distance(leaf) for leaf in mask.leaves()):
         return mask
     k_pos = key_valid.cumsum(-1) - 1                                           # (B, Sk)
-    return _reposition(mask, k_pos[:, k_pos.shape[1] - n:], k_pos)            # q: (B, n)
+    return _reposition(mask, k_pos[:, k_pos.shape[1] - n:], k_pos,            # q: (B, n)
+                       _is_distance)
 
 
-def _reposition(mask: Mask, q_positions: torch.Tensor, k_positions: torch.Tensor) -> Mask:
-    """``mask`` with each distance leaf wrapped in :class:`Positioned`."""
+def _reposition(mask: Mask, q_positions: torch.Tensor, k_positions: torch.Tensor,
+                moves) -> Mask:
+    """``mask`` with each leaf ``moves`` picks wrapped in :class:`Positioned`."""
     from .base import And, Not, Or
     if isinstance(mask, (And, Or)):
-        a, b = (_reposition(x, q_positions, k_positions) for x in (mask.a, mask.b))
+        a, b = (_reposition(x, q_positions, k_positions, moves) for x in (mask.a, mask.b))
         return type(mask)(a, b)
     if isinstance(mask, Not):
-        return Not(_reposition(mask.m, q_positions, k_positions))
-    return Positioned(mask, q_positions, k_positions) if _is_distance(mask) else mask
+        return Not(_reposition(mask.m, q_positions, k_positions, moves))
+    return Positioned(mask, q_positions, k_positions) if moves(mask) else mask
