@@ -107,6 +107,18 @@ def test_on_a_gpu_auto_takes_a_plan_that_never_reads_the_mask_back(kind):
     assert gpu.chosen not in syncing
 
 
+def test_a_gpu_profile_asked_from_host_inputs_prices_the_rows_sync():
+    """rows reads its crop's spans back from the device the call runs on: asked for an
+    H100 from a CPU (explain's profile), that is a sync, which auto avoids there."""
+    q = torch.randn(8, 8, 512, 64)
+    mask = M.padding(torch.tensor([512] + [64] * 7))
+    gpu = mh.explain(q, q, q, mask=mask, return_weights=True, profile="h100")
+    assert next(r for r in gpu.rows if r.name == "rows").plan.work.syncs == 1
+    assert gpu.chosen != "rows"
+    cpu = mh.explain(q, q, q, mask=mask, return_weights=True)
+    assert next(r for r in cpu.rows if r.name == "rows").plan.work.syncs == 0
+
+
 def test_documents_with_host_runs_go_to_a_per_document_kernel_on_a_gpu():
     """With Triton, our kernel scheduled per (document, block) (one launch) beats varlen's
     SDPA call per length group; without it, varlen; neither reads the device."""

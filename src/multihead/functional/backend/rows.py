@@ -77,7 +77,7 @@ class Rows(Backend):
                     bytes=SCORE_PASSES * size * pairs + call.io_bytes()
                     + (size * call.pairs if call.return_weights else 0),    # weights written
                     launches=4 + ROW_OPS * call.B + mask_launches(call),
-                    syncs=0 if call.effective_mask is None or call.q.device.type == "cpu" else 1,
+                    syncs=0 if call.effective_mask is None or profile.device_type == "cpu" else 1,
                     memory=3 * size * pairs / max(call.B, 1))
         return Plan(work, f"computes {frac:.1%} of the keys, one sequence at a time")
 
