@@ -235,3 +235,17 @@ def test_registering_a_backend_drops_cached_decisions():
         registry.unregister("free-test")
     mh.attention(q, q, q, mask=M.causal(), return_lse=True)
     assert ran == [1]
+
+
+def test_the_cpu_profile_follows_the_thread_count():
+    q = torch.randn(1, 2, 64, 16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = mh.explain(q, q, q).profile
+        torch.set_num_threads(2)
+        two = mh.explain(q, q, q).profile
+    finally:
+        torch.set_num_threads(threads)
+    assert (one.units, two.units) == (1, 2) and one.flops != two.flops
+    assert one.name.endswith("1 thread)") and two.name.endswith("2 threads)")

@@ -89,7 +89,8 @@ def _cpu_profile() -> DeviceProfile:
     threads = max(1, torch.get_num_threads())
     return dataclasses.replace(_CPU, flops=_scaled(_CPU_PER_THREAD, threads), units=threads,
                                memory=_host_memory(),
-                               name=f"cpu (2-core Xeon figures, {threads} threads)")
+                               name=f"cpu (2-core Xeon figures, {threads} "
+                                    f"thread{'s' if threads > 1 else ''})")
 
 
 def _cuda_profile(device: torch.device) -> DeviceProfile:
@@ -117,14 +118,21 @@ def _device_key(device) -> str:
 
 def profile_for(device) -> DeviceProfile:
     """The profile ``auto`` uses for ``device`` (an installed one first, then the default).
+    The CPU's follows ``torch.set_num_threads`` (seen at the next decision made).
 
     Example:
         >>> profile_for("cpu").device_type
         'cpu'
     """
+    global generation
     key = _device_key(device)
     device = torch.device(key)
     found = _OVERRIDES.get(key) or _OVERRIDES.get(device.type) or _RESOLVED.get(key)
+    if (found is not None and found is _RESOLVED.get(key) and device.type != "cuda"
+            and not torch.compiler.is_compiling()
+            and found.units != max(1, torch.get_num_threads())):
+        found = None                  # torch.set_num_threads since: priced again, and the
+        generation += 1               # decisions made with the old count are dropped
     if found is None and torch.compiler.is_compiling():
         # tracing: take the figures as they are (no thread-count or device query in a graph)
         return _H100 if device.type == "cuda" else dataclasses.replace(
