@@ -320,7 +320,10 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
 
     Returns:
         ``out`` ``(B, H, Sq, Dv)``, or a tuple ``(out, weights?, lse?)`` in that order
-        when either extra is requested.
+        when either extra is requested. ``out`` may be laid out as ``(B, Sq, H, Dv)`` in
+        memory (as SDPA's CUDA kernels and ``varlen`` return it, which the heads' merge
+        reads without a copy): use ``.reshape`` or ``.contiguous()``, not ``.view``, to
+        flatten it.
 
     Example:
         >>> import torch, multihead as mh

@@ -585,7 +585,31 @@ class Mask:
     def __ror__(self, other):
         return Or(_as_mask(other, "|"), self)
 
+    # -- equality: masks determined by their ints are values -------------------------------
+    def __eq__(self, other):
+        """Equal when both have a :meth:`cache_key` and the keys are equal (``causal() ==
+        causal()``); a mask holding tensors equals only itself.
+
+        Example:
+            >>> import multihead as mh
+            >>> mh.masks.causal() == mh.masks.causal(), len({mh.masks.alibi(4), mh.masks.alibi(4)})
+            (True, 1)
+        """
+        if self is other:
+            return True
+        if not isinstance(other, Mask):
+            return NotImplemented
+        key = self.cache_key()
+        return key is not None and key == other.cache_key()
+
+    def __hash__(self):
+        key = self.cache_key()
+        return object.__hash__(self) if key is None else hash(key)
+
     # -- display ---------------------------------------------------------------------------
+    #: the largest Sq or Sk repr draws (a larger mask is described, not drawn)
+    _DRAWN = 32
+
     def _preview_size(self) -> tuple[int, int]:
         return 8, 8
 
@@ -609,6 +633,9 @@ class Mask:
         sq, sk = self._preview_size()
         if self.batch_size == 0:
             return f"{self.describe()} (an empty batch: nothing to draw)"
+        if max(sq, sk) > self._DRAWN:
+            return (f"{self.describe()} (needs Sq={sq}, Sk={sk} or more: too large to draw "
+                    f"here; m.materialize(Sq, Sk) gives it at a call's lengths)")
         try:
             grid = self.materialize(sq, sk, device="cpu")[0, 0]
         except Exception as exc:  # a repr must never raise
@@ -700,7 +727,8 @@ class _Binary(Mask):
         (a0, a1), (b0, b1) = self.a._preview_size(), self.b._preview_size()
         cq, ck = self._preview_cap()
         cq, ck = cq or ck, ck or cq                   # one capped side: keep the preview square
-        return min(max(a0, b0), cq or 16), min(max(a1, b1), ck or 16)
+        q, k = max(a0, b0), max(a1, b1)
+        return (q if cq is None else min(q, cq)), (k if ck is None else min(k, ck))
 
     def _preview_cap(self):
         (a0, a1), (b0, b1) = self.a._preview_cap(), self.b._preview_cap()

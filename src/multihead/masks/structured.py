@@ -78,9 +78,9 @@ class Window(Mask):
             return f"causal(align={self.align!r})"
         return f"sliding_window({self.size}, align={self.align!r})"
 
-    def _preview_size(self):
+    def _preview_size(self):        # fewer queries than keys: the alignment shows
         n = 8 if self.size is None else min(max(self.size + 4, 8), 16)
-        return n, n
+        return n // 2, n
 
     def _allowed(self, ix: Index) -> torch.Tensor:
         d = ix.q + _offset(self.align, ix.sq, ix.sk) - ix.k
@@ -244,8 +244,7 @@ class Padding(Mask):
 
     def _preview_size(self):
         n = self.real.shape[1] if self.real is not None else max(self._max_len or 0, 1)
-        n = min(n, 16)
-        return n, n
+        return n, n                                 # (the lengths must fit: not capped)
 
     def _preview_cap(self):
         if self.real is None:
@@ -447,9 +446,9 @@ class Document(Mask):
         extra = "" if self.kv_ids is None else f", kv_ids of shape {tuple(self.kv_ids.shape)}"
         return f"document(ids of shape {tuple(self.ids.shape)}, {n}{extra})"
 
-    def _preview_size(self):
-        n = min(self.ids.shape[1], 16)
-        return n, (n if self.kv_ids is None else min(self.kv_ids.shape[1], 16))
+    def _preview_size(self):                    # (one id per key: not capped)
+        n = self.ids.shape[1]
+        return n, (n if self.kv_ids is None else self.kv_ids.shape[1])
 
     def _preview_cap(self):
         kv = self.ids if self.kv_ids is None else self.kv_ids
