@@ -64,6 +64,18 @@ BAD = [
     ("and tensor", lambda: M.causal() & torch.ones(2, 2, dtype=torch.bool), TypeError, r"masks.dense"),
     ("negative lengths", lambda: M.padding(torch.tensor([-1, 2])), ValueError, r"lengths must be >= 0"),
     ("explain too", lambda: mh.explain(q, k, v, backend="nope"), ValueError, r"unknown backend"),
+    ("uncalled factory", lambda: mh.attention(q, k, v, mask=M.causal), TypeError,
+     r"got function: call it: multihead.masks.causal\(...\)"),
+    ("uncalled in &", lambda: M.causal() & M.sliding_window, TypeError,
+     r"got function: call it: multihead.masks.sliding_window\(...\)"),
+    ("tiles batch", lambda: M.padding(torch.tensor([3, 5])).tiles(8, 8, batch=3), ValueError,
+     r"tiles: batch=3, but padding\(lengths=\[3, 5\]\) was built for 2: pass batch=2"),
+    ("tiles heads", lambda: M.alibi(2).tiles(8, 8, heads=3), ValueError,
+     r"tiles: heads=3, but .* was built for 2: pass heads=2"),
+    ("bias flag", lambda: mh.MultiHeadAttention(16, 2, bias="no"), TypeError,
+     r"bias must be True or False .* got 'no'"),
+    ("dropout nan", lambda: mh.MultiHeadAttention(16, 2, dropout=float("nan")), ValueError,
+     r"dropout must be a float in \[0, 1\), got nan"),
 ]
 
 F8 = torch.float8_e4m3fn
@@ -111,3 +123,14 @@ def test_an_empty_calls_lse_has_the_dtype_of_any_other(dtype):
     full = mh.attention(qq, kk, kk, return_lse=True)[1].dtype
     empty = mh.attention(qq, kk[:, :, :0], kk[:, :, :0], return_lse=True)[1].dtype
     assert empty == full
+
+
+def test_numpy_numbers_are_numbers_everywhere():
+    """What indexing an array gives (np.int64, np.float32) is accepted, stored as Python's."""
+    np = pytest.importorskip("numpy")
+    torch.testing.assert_close(mh.attention(q, k, v, dropout_p=np.float32(0.0)),
+                               mh.attention(q, k, v), atol=0, rtol=0)
+    assert M.sliding_window(np.int64(4)) == M.sliding_window(4)
+    assert type(M.sliding_window(np.int64(4)).size) is int
+    assert M.alibi(np.int64(2)) == M.alibi(2)
+    assert mh.MultiHeadAttention(16, 2, dropout=np.float64(0.25)).dropout == 0.25

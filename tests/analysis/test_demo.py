@@ -115,3 +115,29 @@ def test_the_finding_counts_only_heads_with_most_of_their_weight_on_a_relation()
 def test_demo_bad_input(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: scaling(keys=0), ValueError, r"keys must be a positive int, got 0"),
+    (lambda: scaling(draws=1), ValueError, r"draws must be an int >= 2, got 1"),
+    (lambda: scaling(dks=8), TypeError, r"dks must be a sequence of d_k values"),
+    (lambda: scaling(dks=("8",)), ValueError, r"each d_k must be a positive int, got '8'"),
+])
+def test_the_scaling_demo_names_bad_arguments(call, error, match):
+    """draws=0 returned rows of NaN; keys=0 failed inside torch."""
+    with pytest.raises(error, match=match):
+        call()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(offsets=(3, 1)), r"offsets must be two ints 0 < a < b < length \(16\)"),
+    (dict(offsets=(1, 20)), r"offsets must be two ints"),
+    (dict(vocab=1), r"vocab must be an int >= 2, got 1"),
+    (dict(d_model=60), r"d_model must be a multiple of 8"),
+])
+def test_the_heads_experiment_refuses_a_setup_it_cannot_run(kw, match):
+    from multihead.analysis.heads_experiment import Setup, build
+    with pytest.raises(ValueError, match=match):
+        Setup(**kw)
+    with pytest.raises(ValueError, match=r"unknown model kind 'h=4': choose one of h=8, h=1"):
+        build("h=4", Setup())

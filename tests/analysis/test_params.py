@@ -111,3 +111,13 @@ def test_bad_input(argv, message, capsys):
     assert main(["params", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_library_arguments_are_named_without_cli_spelling_and_numpy_sizes_work():
+    np = pytest.importorskip("numpy")
+    from multihead.analysis.params import preset, report
+    assert AttentionShape(np.int64(512), np.int32(8)) == AttentionShape(512, 8)
+    with pytest.raises(ValueError, match=r"^seq must be a positive int, got 0"):
+        report(preset("gpt2-small"), seq=0)
+    with pytest.raises(TypeError, match=r"preset name must be a str, one of transformer-base"):
+        preset(None)

@@ -31,6 +31,8 @@ from torch import nn
 
 import multihead as mh
 
+from .._args import positive_int
+
 PREDICTION = ("seed 004: one head can produce only one attention pattern, so h=1 cannot attend "
               "to both relations at once; heads sharing W_Q/W_K/W_V compute identical patterns and "
               "converge like a single head; h=8 separate heads can each take one relation.")
@@ -49,6 +51,20 @@ class Setup:
     seed: int = 0
     eval_sequences: int = 2000
     offsets: tuple = (1, 3)            # the two relations: x[t-1] and x[t-3]
+
+    def __post_init__(self):
+        for f, least in (("vocab", 2), ("length", 2), ("d_model", 8), ("steps", 1),
+                         ("batch", 1), ("eval_sequences", 1)):
+            positive_int(f, getattr(self, f), least=least)
+        offs = self.offsets
+        if (not isinstance(offs, (tuple, list)) or len(offs) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+                or not 0 < offs[0] < offs[1] < self.length):
+            raise ValueError(f"offsets must be two ints 0 < a < b < length ({self.length}): the "
+                             f"target is (x[t-a] + 2 * x[t-b]) mod vocab; got {offs!r:.60}")
+        if self.d_model % 8:
+            raise ValueError(f"d_model must be a multiple of 8 (the h=8 models split it into 8 "
+                             f"heads), got {self.d_model}")
 
     @classmethod
     def quick(cls) -> "Setup":
@@ -113,11 +129,13 @@ class TinyModel(nn.Module):
 
 def build(kind: str, s: Setup) -> TinyModel:
     """``"h=8"``, ``"h=1"`` or ``"h=8 shared"``, initialized under ``s.seed``."""
+    makers = {"h=8": lambda: mh.MultiHeadAttention(s.d_model, 8),
+              "h=1": lambda: mh.MultiHeadAttention(s.d_model, 1),
+              "h=8 shared": lambda: SharedQKVAttention(s.d_model, 8)}
+    if kind not in makers:
+        raise ValueError(f"unknown model kind {kind!r:.40}: choose one of {', '.join(makers)}")
     torch.manual_seed(s.seed)
-    attn = {"h=8": lambda: mh.MultiHeadAttention(s.d_model, 8),
-            "h=1": lambda: mh.MultiHeadAttention(s.d_model, 1),
-            "h=8 shared": lambda: SharedQKVAttention(s.d_model, 8)}[kind]()
-    return TinyModel(s, attn)
+    return TinyModel(s, makers[kind]())
 
 
 @dataclass

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .._args import positive_int
+
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp64": torch.float64}
@@ -38,14 +40,10 @@ class AttentionShape:
     source: str = ""
 
     def __post_init__(self):
-        for f in ("d_model", "heads", "layers"):
+        for f in ("d_model", "heads", "layers", "kv_heads", "head_dim"):
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{f} must be a positive int, got {v!r}")
-        for f in ("kv_heads", "head_dim"):
-            v = getattr(self, f)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                raise ValueError(f"{f} must be a positive int, got {v!r}")
+            if v is not None or f in ("d_model", "heads", "layers"):      # (frozen: set once)
+                object.__setattr__(self, f, positive_int(f, v))
         if self.head_dim is None and self.d_model % self.heads:
             divisors = [d for d in range(1, self.d_model + 1) if self.d_model % d == 0][:12]
             raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads}) "
@@ -96,6 +94,9 @@ def preset(name: str) -> AttentionShape:
         >>> preset("gpt2-small").dk
         64
     """
+    if not isinstance(name, str):
+        raise TypeError(f"preset name must be a str, one of {', '.join(PRESETS)}; got "
+                        f"{type(name).__name__}")
     key = name.lower()
     if key not in PRESETS:
         raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
@@ -141,9 +142,7 @@ def report(s: AttentionShape, *, seq: int = 2048, batch: int = 1, dtype: str = "
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    for name, v in (("seq", seq), ("batch", batch)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"--{name} must be a positive int, got {v!r}")
+    seq, batch = positive_int("seq", seq), positive_int("batch", batch)
     nbytes = torch.empty((), dtype=DTYPES[dtype]).element_size()
     p_layer = formula_params(s)
     p_module = module_params(s)

@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from .._args import positive_int
+
 SEED_004_UNSCALED_STD = {8: 2.8, 64: 8.0, 512: 22.6, 4096: 64.0}
 
 
@@ -28,11 +30,14 @@ def scaling(dks=(8, 64, 512, 4096), keys: int = 10, draws: int = 500, seed: int 
         >>> round(rows[0]["unscaled_std"]), round(rows[0]["scaled_std"])
         (8, 1)
     """
+    keys = positive_int("keys", keys, hint="the keys a query's softmax spreads over")
+    draws = positive_int("draws", draws, least=2, hint="the samples a std is taken over")
+    if isinstance(dks, (str, bytes)) or not hasattr(dks, "__iter__"):
+        raise TypeError(f"dks must be a sequence of d_k values such as (8, 64), got {dks!r:.60}")
+    dks = [positive_int("each d_k", dk) for dk in dks]
     g = torch.Generator().manual_seed(seed)
     rows = []
     for dk in dks:
-        if isinstance(dk, bool) or not isinstance(dk, int) or dk <= 0:
-            raise ValueError(f"d_k values must be positive ints, got {dk!r}")
         q = torch.randn(draws, 1, dk, generator=g, dtype=torch.float64)          # (N, 1, d_k)
         k = torch.randn(draws, keys, dk, generator=g, dtype=torch.float64)       # (N, keys, d_k)
         dots = (q @ k.transpose(1, 2)).squeeze(1)                                # (N, keys)

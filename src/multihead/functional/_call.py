@@ -12,7 +12,9 @@ import numbers
 import torch
 
 from .. import masks as M
+from .._args import fraction
 from .._dtypes import SUPPORTED_DTYPES
+from ..masks.base import uncalled
 from ..masks.structured import _offset
 
 
@@ -44,7 +46,7 @@ def as_mask(mask) -> M.Mask | None:
         raise TypeError(f"mask has dtype {mask.dtype}: pass a bool tensor (True = may attend), a "
                         f"float tensor (additive bias), or a multihead.masks object")
     raise TypeError(f"mask must be a multihead.masks object, a bool/float tensor or None, got "
-                    f"{type(mask).__name__}")
+                    f"{type(mask).__name__}{uncalled(mask)}")
 
 
 class AttentionCall:
@@ -195,8 +197,7 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
                              f"({torch.finfo(scores).max:.4g}), which the scores are computed "
                              f"in: every score would overflow; give a smaller scale (default: "
                              f"1/sqrt(D) = {default_scale(D):.4g})")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (0.0 <= dropout_p < 1.0):
-        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    fraction("dropout_p", dropout_p)
     for name, flag in (("return_weights", return_weights), ("return_lse", return_lse)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")

@@ -502,6 +502,10 @@ class Mask:
                           for name, n in (("tile_q", tile_q), ("tile_k", tile_k)))
         batch, heads = (None if n is None else _length("tiles", name, n)
                         for name, n in (("batch", batch), ("heads", heads)))
+        for name, n, own in (("batch", batch, self.batch_size), ("heads", heads, self.num_heads)):
+            if n is not None and own not in (None, 1, n):
+                raise ValueError(f"tiles: {name}={n}, but {self!s} was built for {own}: pass "
+                                 f"{name}={own} (or leave it out: the mask's own)")
         sq, sk = self._check_sizes("tiles", sq, sk)
         device = torch.device(device) if device is not None else self._device()
         args = (sq, sk, tile_q, tile_k, batch, heads)
@@ -650,8 +654,24 @@ class Mask:
 def _as_mask(other, op: str) -> Mask:
     if isinstance(other, Mask):
         return other
-    raise TypeError(f"masks combine with {op} only with other masks, got {type(other).__name__}: "
-                    f"wrap tensors in multihead.masks.dense(...) or multihead.masks.bias(...)")
+    raise TypeError(f"masks combine with {op} only with other masks, got {type(other).__name__}"
+                    + (uncalled(other) or ": wrap tensors in multihead.masks.dense(...) or "
+                       "multihead.masks.bias(...)"))
+
+
+def uncalled(obj) -> str:
+    """``": call it: ..."`` for one of our mask factories passed where its mask belongs
+    (``mask=mh.masks.causal``), else ``""``.
+
+    Example:
+        >>> import multihead as mh
+        >>> uncalled(mh.masks.causal)
+        ': call it: multihead.masks.causal(...)'
+    """
+    module = getattr(obj, "__module__", None) or ""
+    if callable(obj) and not isinstance(obj, type) and module.startswith("multihead.masks"):
+        return f": call it: multihead.masks.{getattr(obj, '__name__', 'causal')}(...)"
+    return ""
 
 
 def _max_opt(a: int | None, b: int | None) -> int | None:

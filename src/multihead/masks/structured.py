@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._args import positive_int
 from .base import Index, Mask, TileIndex, versioned
 
 _ALIGNS = ("lower_right", "upper_left")
@@ -43,9 +44,9 @@ class Window(Mask):
     _immutable = True
 
     def __init__(self, size: int | None, align: str = "lower_right"):
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ValueError(f"sliding_window size must be a positive int, got {size!r}: "
-                             f"a query sees itself and the size-1 keys before it")
+        if size is not None:
+            size = positive_int("sliding_window size", size, hint="a query sees itself and "
+                                "the size-1 keys before it")
         self._size, self._align = size, _check_align(align)
         ours = type(self) is Window           # a user's subclass is a mask of its own kind
         self.kind = ("causal" if size is None else "window") if ours else "custom"

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from .._args import positive_int
 from .._device import to_device
 from .base import Index, Mask, TileIndex, _dims
 
@@ -220,9 +221,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 
 
 def _check_heads(fn: str, num_heads) -> int:
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"{fn}: num_heads must be a positive int, got {num_heads!r}")
-    return num_heads
+    return positive_int(f"{fn}: num_heads", num_heads)
 
 
 def _slope_values(num_heads: int) -> list[float]:

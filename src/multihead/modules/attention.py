@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import masks
+from .._args import fraction, positive_int
 from .._dtypes import check_dtype, check_weights
 from .._tracing import refuse_jit_trace
 from ..masks.positioned import distances_in_tokens
@@ -71,12 +72,6 @@ class Projection(NamedTuple):
     bias: torch.Tensor | None
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -124,20 +119,22 @@ class MultiHeadAttention(AllOrNothing):
                  rope: RotaryEmbedding | None = None, backend: str = "auto",
                  device=None, dtype=None):
         super().__init__()
-        E = _positive_int("embed_dim", embed_dim)
-        H = _positive_int("num_heads", num_heads)
-        Hkv = H if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+        E = positive_int("embed_dim", embed_dim)
+        H = positive_int("num_heads", num_heads)
+        Hkv = H if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
         if head_dim is None:
             if E % H:
                 raise ValueError(f"embed_dim ({E}) must be divisible by num_heads ({H}): try "
                                  f"num_heads in {_divisors(E)[:12]}, or pass head_dim explicitly")
             head_dim = E // H
-        Dh = _positive_int("head_dim", head_dim)
+        Dh = positive_int("head_dim", head_dim)
         if H % Hkv:
             raise ValueError(f"num_heads ({H}) must be a multiple of num_kv_heads ({Hkv}): try "
                              f"num_kv_heads in {_divisors(H)}")
-        if not (isinstance(dropout, (int, float)) and 0.0 <= dropout < 1.0):
-            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+        dropout = fraction("dropout", dropout)
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be True or False (whether the projections have "
+                            f"biases), got {bias!r:.60}")
         if rope is not None:
             if not isinstance(rope, RotaryEmbedding):
                 raise TypeError(f"rope must be a multihead.RotaryEmbedding, got {type(rope).__name__}")
@@ -145,8 +142,8 @@ class MultiHeadAttention(AllOrNothing):
                 raise ValueError(f"rope was built for head_dim {rope.head_dim} but the module's "
                                  f"head_dim is {Dh}: use RotaryEmbedding({Dh})")
         self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = E, H, Hkv, Dh
-        self.kdim = E if kdim is None else _positive_int("kdim", kdim)
-        self.vdim = E if vdim is None else _positive_int("vdim", vdim)
+        self.kdim = E if kdim is None else positive_int("kdim", kdim)
+        self.vdim = E if vdim is None else positive_int("vdim", vdim)
         if self.kdim != self.vdim:
             raise ValueError(f"kdim ({self.kdim}) != vdim ({self.vdim}): this module takes keys "
                              f"and values from one context, of width kdim; give kdim == vdim, or "

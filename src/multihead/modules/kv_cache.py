@@ -39,25 +39,17 @@ Notation used for tensor shapes:
 from __future__ import annotations
 
 import functools
-import numbers
 
 import torch
 
+from .._args import positive_int
 from .._device import to_device, usable_device
 from .._dtypes import check_dtype
 
 
-def _pos_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return int(v)
-
-
 def _count(name: str, n) -> int:
     """A number of new tokens or queries: an int >= 0 (numpy's ints too)."""
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-        raise ValueError(f"{name} must be an int >= 0 (how many new tokens), got {n!r:.60}")
-    return int(n)
+    return positive_int(name, n, least=0, hint="how many new tokens")
 
 
 class _CacheBase:
@@ -73,9 +65,9 @@ class _CacheBase:
 
     def _geometry(self, num_kv_heads, head_dim, value_dim, dtype, device) -> dict:
         """Validate and store the per-token geometry; returns the buffers' dtype/device kwargs."""
-        self.num_kv_heads = _pos_int("num_kv_heads", num_kv_heads)
-        self.head_dim = _pos_int("head_dim", head_dim)
-        self.value_dim = head_dim if value_dim is None else _pos_int("value_dim", value_dim)
+        self.num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
+        self.head_dim = positive_int("head_dim", head_dim)
+        self.value_dim = head_dim if value_dim is None else positive_int("value_dim", value_dim)
         self.dtype = check_dtype("dtype", dtype)
         # the concrete device ("cuda" -> "cuda:0"), so it compares equal to the module's
         self.device = usable_device("device", device)
@@ -290,7 +282,7 @@ class KVCache(_CacheBase):
 
     def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, *,
                  value_dim: int | None = None, dtype: torch.dtype = torch.float32, device=None):
-        B, T = _pos_int("batch_size", batch_size), _pos_int("max_len", max_len)
+        B, T = positive_int("batch_size", batch_size), positive_int("max_len", max_len)
         self.batch_size, self.max_len = B, T
         fk = self._geometry(num_kv_heads, head_dim, value_dim, dtype, device)
         self.k = torch.zeros(B, self.num_kv_heads, T, self.head_dim, **fk)     # (B, Hkv, T, D)

@@ -28,7 +28,8 @@ from typing import NamedTuple
 import torch
 
 from .._device import to_device
-from .kv_cache import _CacheBase, _pos_int
+from .._args import positive_int
+from .kv_cache import _CacheBase
 
 
 def _slot(table: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -96,7 +97,7 @@ class PagedKVCache(_CacheBase):
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
                  value_dim: int | None = None, dtype: torch.dtype = torch.float32, device=None):
-        P, p = _pos_int("num_pages", num_pages), _pos_int("page_size", page_size)
+        P, p = positive_int("num_pages", num_pages), positive_int("page_size", page_size)
         self.num_pages, self.page_size = P, p
         fk = self._geometry(num_kv_heads, head_dim, value_dim, dtype, device)
         self.k = torch.zeros(P * p, self.num_kv_heads, self.head_dim, **fk)     # (P*p, Hkv, D)

@@ -1,0 +1,41 @@
+"""Checks of plain arguments (counts, sizes, probabilities), one wording everywhere.
+
+NumPy's integers (``np.int64(8)``, what indexing an array gives) and floats are numbers too:
+they are accepted and returned as Python ints and floats, so what is stored, hashed and printed is the same
+whichever kind the caller passed. ``bool`` is refused (``True`` is not a count).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+
+def positive_int(name: str, value, *, least: int = 1, hint: str = "") -> int:
+    """``value`` as an int of at least ``least``, or a ValueError naming ``name`` and
+    showing ``value`` (then ``hint``, what the number means or how to pick it).
+
+    Example:
+        >>> import numpy as np
+        >>> positive_int("num_heads", np.int64(8))
+        8
+        >>> positive_int("n", 0, least=0)
+        0
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        what = "a positive int" if least == 1 else f"an int >= {least}"
+        raise ValueError(f"{name} must be {what}, got {value!r:.60}" + (f": {hint}" if hint else ""))
+    return int(value)
+
+
+def fraction(name: str, value) -> float:
+    """``value`` as a float in ``[0, 1)`` (a dropout probability; NumPy's floats too), or a
+    ValueError naming ``name`` and showing ``value``.
+
+    Example:
+        >>> import numpy as np
+        >>> fraction("dropout_p", np.float32(0.25))
+        0.25
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be a float in [0, 1), got {value!r:.60}")
+    return float(value)
