@@ -497,8 +497,8 @@ def test_only_torch_funcs_refusal_is_reworded():
      r"k must be a tensor \(B, Hkv, n, D\) = \(2, 2, n, 8\), got \(2, 4\)"),
     (lambda c: c.update([[0.0]], torch.zeros(2, 2, 1, 8)), ValueError, r"k must be .* got list"),
     (lambda c: c.update(torch.zeros(2, 2, 1, 8), None), ValueError, r"v must be .* got NoneType"),
-    (lambda c: c.positions(-1), ValueError, r"n must be an int >= 0 .* got -1"),
-    (lambda c: c.rope_positions(-1), ValueError, r"n must be an int >= 0 .* got -1"),
+    (lambda c: c.positions(-1), ValueError, r"n must be an int >= 0, got -1: how many new tokens"),
+    (lambda c: c.rope_positions(-1), ValueError, r"n must be an int >= 0, got -1: how many new tokens"),
 ], ids=["k 2-D", "k list", "v None", "positions", "rope_positions"])
 def test_public_cache_methods_name_what_is_wrong_and_change_nothing(call, error, match):
     cache = mh.KVCache(2, 16, num_kv_heads=2, head_dim=8)

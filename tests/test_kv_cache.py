@@ -133,6 +133,16 @@ def test_a_compiled_module_decodes_with_a_cache_as_eager_does(kind, grad):
         assert cache.seen == before.seen and torch.equal(cache.valid, before.valid)
 
 
+def test_importing_multihead_does_not_import_the_compiler():
+    """torch._dynamo takes about a second to import: the cached step's graph break is made
+    on its first traced call, not when the module is defined (every CLI call paid it)."""
+    import subprocess
+    import sys
+    code = "import sys, multihead; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 DISTANCE = {"window": mh.masks.sliding_window(3), "alibi": mh.masks.alibi(H) & CAUSAL,
             "window and alibi": mh.masks.sliding_window(2) & mh.masks.alibi(H)}
 

@@ -334,8 +334,11 @@ def test_tiles_of_an_empty_side_are_empty():
     m = M.padding(torch.tensor([5, 7]))
     t = m.tiles(0, 64, tile_q=16, tile_k=16)
     assert tuple(t.state.shape) == (2, 1, 0, 4)
-    both = (M.causal() & m).tiles(32, 32, tile_q=16, tile_k=16, batch=0)
+    one = M.padding(torch.tensor([5]))                        # one row broadcasts to none
+    both = (M.causal() & one).tiles(32, 32, tile_q=16, tile_k=16, batch=0)
     assert both.state.shape[0] == 0 and both.state.numel() == 0
+    with pytest.raises(ValueError, match=r"tiles: batch=0, but .* was built for 2"):
+        m.tiles(32, 32, batch=0)                              # as a call of B=0 is refused
 
 
 def test_at_positions_measures_distances_between_the_given_positions():

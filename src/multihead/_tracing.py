@@ -1,4 +1,5 @@
-"""``torch.jit.trace`` and multihead: refused, with what to use instead.
+"""Tracers and multihead: ``torch.jit.trace`` refused, with what to use instead, and code
+that ``torch.compile`` must run eagerly.
 
 A trace records the tensor ops of one call and replays them for every later input. Our
 calls choose a backend, a tile plan and RoPE's table rows from the sizes and the mask they
@@ -9,6 +10,8 @@ exactly (with guards), so the refusal points there. The drop-in for
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -27,3 +30,31 @@ def refuse_jit_trace(what: str) -> None:
             f"torch.compile, which trace it exactly (or, for a drop-in for "
             f"torch.nn.MultiheadAttention, multihead.nn.MultiheadAttention: its trace runs "
             f"torch's implementation)")
+
+
+def eager_under_compile(reason: str):
+    """Decorator: ``fn`` runs as written; under ``torch.compile`` it is a graph break
+    (``torch.compiler.disable`` with ``reason``, which ``fullgraph=True`` reports), the
+    wrapper built on the first traced call, so importing multihead does not import
+    ``torch._dynamo`` (a second, at a decorator's definition).
+
+    Example:
+        >>> @eager_under_compile("keeps a count in Python")
+        ... def step(x):
+        ...     return x + 1
+        >>> step(1)
+        2
+    """
+    def wrap(fn):
+        disabled = None
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            nonlocal disabled
+            if not torch.compiler.is_compiling():
+                return fn(*args, **kwargs)
+            if disabled is None:
+                disabled = torch.compiler.disable(fn, reason=reason)
+            return disabled(*args, **kwargs)
+        return call
+    return wrap

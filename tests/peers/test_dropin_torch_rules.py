@@ -555,6 +555,22 @@ def test_output_layout_follows_torchs_fused_inference_path(case, fastpath):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_output_layout_under_a_torch_function_mode_and_compile_is_torchs():
+    """A TorchFunctionMode (``with torch.device(...)``) sends torch's module down its other
+    path; a compiled one takes its fused kernel. A mask that is not a tensor is still named
+    before the layout is decided."""
+    t, ours = _pair(batch_first=True)
+    x = torch.randn(B, L, E)
+    with torch.no_grad():
+        with torch.device("cpu"):
+            assert ours(x, x, x)[0].stride() == t(x, x, x)[0].stride() != (L * E, E, 1)
+        torch._dynamo.reset()
+        want, got = (torch.compile(m, backend="aot_eager")(x, x, x)[0] for m in (t, ours))
+        assert got.stride() == want.stride()
+        with pytest.raises(TypeError, match="key_padding_mask must be a tensor or None, got list"):
+            ours(x, x, x, key_padding_mask=[[False] * L] * B)
+
+
 FLAGS = {"numpy True": "np.True_", "1": 1, "0": 0, "None": None, "tensor": "tensor"}
 
 

@@ -206,9 +206,9 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
             return self._forward_nested(query, key, value, key_padding_mask, need_weights,
                                         attn_mask, average_attn_weights, is_causal)
         causal = is_causal and key_padding_mask is None and not need_weights
-        fast = _takes_fast_path(self, query, key, value, key_padding_mask, attn_mask)
         unbatched = not _check_inputs(self, query, key, value, key_padding_mask, attn_mask,
                                       causal)
+        fast = _takes_fast_path(self, query, key, value, key_padding_mask, attn_mask)
         if is_causal and attn_mask is None:
             raise _RuntimeArgError(
                 "Need attn_mask if specifying the is_causal hint (torch's rule): pass "

@@ -243,7 +243,9 @@ def _takes_fast_path(m: nn.MultiheadAttention, query, key, value, key_padding_ma
                      attn_mask) -> bool:
     """Whether torch's module would answer this call with its fused inference kernel,
     whose output is a contiguous ``(N, L, E)`` (its other path returns a transposed view of
-    a contiguous ``(L, N, E)``): torch's conditions, in its order."""
+    a contiguous ``(L, N, E)``): torch's conditions, in its order (while ``torch.compile``
+    traces, torch's make_fx test is not asked: it reads as tracing there, but torch's
+    compiled module takes its fused kernel)."""
     if any(t is not None and t.is_floating_point() for t in (key_padding_mask, attn_mask)):
         return False
     proj = (m.in_proj_weight, m.in_proj_bias, m.out_proj.weight, m.out_proj.bias)
@@ -255,11 +257,13 @@ def _takes_fast_path(m: nn.MultiheadAttention, query, key, value, key_padding_ma
             and m.bias_v is None and not m.add_zero_attn and m._qkv_same_embed_dim
             and not torch.is_autocast_enabled()):
         return False
+    tensors = (query, *proj)
     devices = ("cpu", "cuda", torch.utils.backend_registration._privateuse1_backend_name)
-    return (all(t is None or t.device.type in devices for t in (query, *proj))
+    return (not torch.overrides.has_torch_function(tensors)
+            and all(t is None or t.device.type in devices for t in tensors)
             and not (torch.is_grad_enabled()
-                     and any(t is not None and t.requires_grad for t in (query, *proj)))
-            and not _make_fx_tracing())
+                     and any(t is not None and t.requires_grad for t in tensors))
+            and (torch.compiler.is_compiling() or not _make_fx_tracing()))
 
 
 def _make_fx_tracing() -> bool:

@@ -22,7 +22,7 @@ from torch import nn
 from .. import masks
 from .._args import fraction, positive_int
 from .._dtypes import check_dtype, check_weights
-from .._tracing import refuse_jit_trace
+from .._tracing import eager_under_compile, refuse_jit_trace
 from ..masks.positioned import distances_in_tokens
 from ..functional import attention
 from ..functional._call import as_mask
@@ -330,7 +330,7 @@ class MultiHeadAttention(AllOrNothing):
                                         positions, cache, valid, p)
         return self._output(res, return_weights, average_weights)
 
-    @torch.compiler.disable(reason=_CACHED_NOT_COMPILED)
+    @eager_under_compile(_CACHED_NOT_COMPILED)
     def _forward_cached(self, x, context, mask, return_weights, average_weights, positions,
                         cache, valid, p):
         """:meth:`forward` with a cache: written, and put back if the call fails. Always
