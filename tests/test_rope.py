@@ -432,7 +432,7 @@ def _rotation_ops(rope: mh.RotaryEmbedding) -> list[str]:
     """The device ops of one rotation by ``rope`` (moved to meta, a stand-in for a GPU)."""
     import copy
     rope = copy.deepcopy(rope).to("meta")
-    x = torch.empty(1, 2, 3, 8, device="meta")
+    x = torch.empty(1, 2, 3, rope.head_dim, device="meta")
     with _DeviceOps() as mode:
         rope(x, 4)
     return mode.ops
@@ -478,9 +478,12 @@ def test_a_checkpoint_holding_inv_freq_loads_strictly_where_there_is_a_rope():
     fast = _rotation_ops(fresh)
     m.load_state_dict(sd)
     assert _rotation_ops(m.rope) == fast
-    with pytest.raises(RuntimeError, match=r"rope.inv_freq has shape \(3,\) in the checkpoint "
-                                           r"but \(4,\) here.*Nothing was loaded"):
-        m.load_state_dict({**sd, "rope.inv_freq": torch.zeros(3)})
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    for bad in (torch.zeros(3), torch.arange(4)):                     # refused before copying
+        with pytest.raises(RuntimeError, match=r"rope.inv_freq: the frequencies must be a float "
+                                               r"tensor of shape \(4,\).*Nothing was loaded"):
+            m.load_state_dict({k: v + 1 for k, v in sd.items()} | {"rope.inv_freq": bad})
+        assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
     with pytest.raises(RuntimeError, match=r"unexpected keys \['rope.inv_freq'\]"):
         mh.MultiHeadAttention(32, 4).load_state_dict(sd)
 
@@ -515,3 +518,38 @@ def test_learned_frequencies_get_gradients_from_every_kind_of_position():
 def test_positions_and_inputs_that_are_not_positions_or_numbers_are_named(call, error, match):
     with pytest.raises(error, match=match):
         call(mh.RotaryEmbedding(8), torch.randn(1, 1, 3, 8))
+
+
+def test_built_frequencies_in_other_precisions_or_formulas_keep_the_table():
+    """An fp16/bf16 export of the built frequencies, or Hugging Face's 1 / base^(2i/D)
+    (an ulp away in fp32), are the built ones: not adopted as scaled RoPE."""
+    fresh = mh.RotaryEmbedding(64)
+    _rotation_ops(fresh)
+    fast = _rotation_ops(fresh)
+    hf = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    for saved in (fresh.inv_freq.bfloat16(), fresh.inv_freq.half(), hf):
+        rope = mh.RotaryEmbedding(64)
+        rope.load_state_dict({"inv_freq": saved})
+        assert _rotation_ops(rope) == fast, saved.dtype
+
+
+def test_loading_into_learned_frequencies_copies_into_them_and_copies_share_nothing():
+    import copy
+    rope = mh.RotaryEmbedding(8)
+    rope.inv_freq.requires_grad_()
+    held = rope.inv_freq                                  # what an optimizer holds
+    rope.load_state_dict({"inv_freq": torch.tensor([1.0, 0.5, 0.25, 0.125])})
+    assert rope.inv_freq is held and held.requires_grad and held[1].item() == 0.5
+    plain = mh.RotaryEmbedding(8)
+    shallow = copy.copy(plain)
+    assert "inv_freq" not in plain.state_dict() and "inv_freq" not in shallow.state_dict()
+    assert _rotation_ops(plain) == _rotation_ops(shallow)
+
+
+def test_a_meta_module_takes_written_frequencies_with_assign():
+    src = mh.MultiHeadAttention(32, 4, rope=mh.RotaryEmbedding(8))
+    src.rope.inv_freq.mul_(0.5)
+    meta = mh.MultiHeadAttention(32, 4, rope=mh.RotaryEmbedding(8)).to("meta")
+    meta.load_state_dict(src.state_dict(), assign=True)
+    x = torch.randn(1, 5, 32)
+    torch.testing.assert_close(meta(x), src(x), atol=0, rtol=0)

@@ -39,6 +39,12 @@ def load_problems(module: nn.Module, state_dict: Mapping, strict: bool,
     problems = []
     for key, mine in own.items():
         theirs = state_dict.get(prefix + key)
+        if key in optional and prefix + key in state_dict:
+            owner, _, local = key.rpartition(".")
+            problem = module.get_submodule(owner)._optional_problem(local, theirs)
+            if problem:
+                problems.append(f"{prefix}{owner}{'.' if owner else ''}{problem}")
+                continue
         if isinstance(theirs, torch.Tensor) and theirs.shape != mine.shape:
             problems.append(f"{prefix}{key} has shape {tuple(theirs.shape)} in the checkpoint "
                             f"but {tuple(mine.shape)} here")

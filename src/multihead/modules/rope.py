@@ -106,9 +106,11 @@ class RotaryEmbedding(nn.Module):
     reading the shared table, casts of the module move them without rounding them, and
     ``state_dict`` saves them (as ``inv_freq``; the built ones are not saved, as in
     Hugging Face's models). A checkpoint's ``inv_freq`` is loaded where present (strict
-    loads accept it, from ours or an older export); one equal to the built frequencies
-    keeps the table. Learned frequencies (``inv_freq.requires_grad_()``) get gradients
-    from every kind of position.
+    loads accept it, from ours or an older export, checked before anything is copied); the
+    built frequencies in any precision or formula (an fp16 export, Hugging Face's
+    ``1 / base^(2i/D)``) keep the table, and loading into written or learned frequencies
+    copies into them (an optimizer holding them goes on). Learned frequencies
+    (``inv_freq.requires_grad_()``) get gradients from every kind of position.
 
     Example:
         >>> import torch, multihead as mh
@@ -166,6 +168,10 @@ class RotaryEmbedding(nn.Module):
         with torch.inference_mode(False):
             freq = _frequencies(self.head_dim, self.base, torch.float32, device)  # (D/2,)
         self.register_buffer("inv_freq", freq, persistent=False)
+        self._note_canonical(freq)
+
+    def _note_canonical(self, freq: torch.Tensor) -> None:
+        """Note ``freq`` (``inv_freq``, holding the built frequencies) as unchanged."""
         values = freq.clone() if freq.device.type == "cpu" else None
         self._canonical = (freq, freq._version, freq.data_ptr(), values)
 
@@ -192,8 +198,8 @@ class RotaryEmbedding(nn.Module):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        if self.__dict__["_canonical"] is True:
-            self._set_canonical(self.inv_freq.device)
+        if self.__dict__["_canonical"] is True:       # (the tensor it has: a shallow copy
+            self._note_canonical(self.inv_freq)       # shares it with the original)
         else:                                         # written frequencies, kept
             self._canonical = (None, -1, -1, None)
 
@@ -212,23 +218,48 @@ class RotaryEmbedding(nn.Module):
             return
         if key in unexpected_keys:
             unexpected_keys.remove(key)
-        freq, want = state_dict[key], (self.head_dim // 2,)
-        if not isinstance(freq, torch.Tensor) or freq.shape != want or freq.is_meta \
-                or not freq.is_floating_point():
-            error_msgs.append(f"{key}: the frequencies must be a float tensor of shape {want} "
-                              f"(head_dim {self.head_dim} / 2), got "
-                              f"{getattr(freq, 'dtype', type(freq).__name__)} "
-                              f"{tuple(getattr(freq, 'shape', ()))}")
+        freq = state_dict[key]
+        problem = self._optional_problem("inv_freq", freq)
+        if problem:
+            error_msgs.append(f"{prefix}{problem}")
             return
-        device = self.inv_freq.device
-        built = _frequencies(self.head_dim, self.base, torch.float32, device)
-        with torch.no_grad():
-            freq = freq.detach().to(device, torch.float32 if freq.dtype != torch.float64
-                                    else freq.dtype)
-        if torch.equal(freq, built):
-            self._set_canonical(device)               # the built ones: the table serves
+        mine = self.inv_freq
+        if freq.is_meta or mine.is_meta:              # shapes only: nothing to compare
+            self._buffers["inv_freq"] = freq if local_metadata.get(
+                "assign_to_params_buffers") else freq.to(mine.device)
+            self._canonical = (None, -1, -1, None)
+            return
+        if self._built(freq):                         # the table serves them
+            self._set_canonical(mine.device)
+        elif local_metadata.get("assign_to_params_buffers"):
+            self._buffers["inv_freq"] = freq
+        elif not self._unchanged():                   # written or learned: copied into, so
+            with torch.no_grad():                     # an optimizer holding it goes on
+                mine.copy_(freq)
         else:
-            self._buffers["inv_freq"] = freq.clone()
+            with torch.no_grad():
+                wide = torch.float64 if freq.dtype == torch.float64 else torch.float32
+                self._buffers["inv_freq"] = freq.detach().to(mine.device, wide).clone()
+
+    def _optional_problem(self, key: str, value) -> str | None:
+        """Why a checkpoint's ``value`` for ``key`` (``inv_freq``) cannot be loaded, or None
+        (asked by :func:`~multihead.modules.loading.load_problems` before anything is
+        copied)."""
+        want = (self.head_dim // 2,)
+        if isinstance(value, torch.Tensor) and value.shape == want and value.is_floating_point():
+            return None
+        return (f"{key}: the frequencies must be a float tensor of shape {want} (head_dim "
+                f"{self.head_dim} / 2), got {getattr(value, 'dtype', type(value).__name__)} "
+                f"{tuple(getattr(value, 'shape', ()))}")
+
+    def _built(self, freq: torch.Tensor) -> bool:
+        """Whether ``freq`` holds the built frequencies in its own precision: rounded to it
+        (fp16/bf16 exports), or within a few ulps in fp32/fp64 (Hugging Face computes
+        ``1 / base^(2i/D)``, one rounding apart from ``base^(-2i/D)``)."""
+        built = _frequencies(self.head_dim, self.base, torch.float64, freq.device)
+        if freq.dtype in (torch.float32, torch.float64):
+            return torch.allclose(freq.double(), built, rtol=1e-6, atol=0)
+        return torch.equal(freq, built.to(freq.dtype))
 
     def _apply(self, fn, *args, **kwargs):
         # .to(), .cuda(), .half(): inv_freq moves, but its frequencies keep their precision
