@@ -162,6 +162,20 @@ def test_masks_made_of_ints_are_values_and_repr_shows_alignment_and_long_masks()
         r = repr(long)
         assert "unavailable" not in r and "too large to draw" in r, r
     assert "1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1" in repr(M.padding(torch.tensor([20, 7])))
+    for drawn in (M.dense(torch.ones(40, 40, dtype=torch.bool)), M.bias(torch.zeros(20, 40)),
+                  M.at_positions(M.causal(), torch.arange(3), torch.arange(6))):
+        assert "unavailable" not in repr(drawn), repr(drawn)
+
+    class Keyed(mh.masks.Window):
+        def cache_key(self):
+            return ["a list", "does not hash"]
+    assert hash(Keyed(None)) == hash(Keyed(None)) and Keyed(None) == Keyed(None)
+
+
+def test_at_positions_of_a_placed_mask_says_so():
+    placed = M.at_positions(M.causal(), torch.arange(2), torch.arange(2))
+    with pytest.raises(ValueError, match=r"already placed at positions: give the positions once"):
+        M.at_positions(placed, torch.arange(2), torch.arange(2))
 
 
 def test_masks_move_between_devices_and_check_them():

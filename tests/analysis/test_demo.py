@@ -141,3 +141,9 @@ def test_the_heads_experiment_refuses_a_setup_it_cannot_run(kw, match):
         Setup(**kw)
     with pytest.raises(ValueError, match=r"unknown model kind 'h=4': choose one of h=8, h=1"):
         build("h=4", Setup())
+
+
+def test_numpy_offsets_are_offsets():
+    np = pytest.importorskip("numpy")
+    from multihead.analysis.heads_experiment import Setup
+    assert Setup(offsets=(np.int64(1), np.int64(3))).offsets == (1, 3)

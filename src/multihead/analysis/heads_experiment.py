@@ -22,6 +22,7 @@ Notation used for tensor shapes: B batch, T sequence length, V vocabulary, d mod
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -58,10 +59,12 @@ class Setup:
             positive_int(f, getattr(self, f), least=least)
         offs = self.offsets
         if (not isinstance(offs, (tuple, list)) or len(offs) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+                or not all(isinstance(o, numbers.Integral) and not isinstance(o, bool)
+                           for o in offs)
                 or not 0 < offs[0] < offs[1] < self.length):
             raise ValueError(f"offsets must be two ints 0 < a < b < length ({self.length}): the "
                              f"target is (x[t-a] + 2 * x[t-b]) mod vocab; got {offs!r:.60}")
+        object.__setattr__(self, "offsets", tuple(int(o) for o in offs))
         if self.d_model % 8:
             raise ValueError(f"d_model must be a multiple of 8 (the h=8 models split it into 8 "
                              f"heads), got {self.d_model}")

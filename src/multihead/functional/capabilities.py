@@ -52,8 +52,9 @@ class Capabilities:
         bias_grad: propagates gradients into a bias tensor.
         traceable: runs inside ``torch.compile(fullgraph=True)``.
         transforms: runs under ``torch.func`` transforms (grad, vmap, jacrev, ...); False
-            for a backend that reads tensors back to the host or into its own kernels,
-            which functorch's wrapped tensors do not allow.
+            for a backend that reads a mask back to the host (rows), writes its tiles in
+            place from an autograd Function (blocksparse) or launches its own kernels
+            (triton): functorch's wrapped tensors allow none of these.
         cross_attention: accepts Sq != Sk.
         backward: gives gradients (a call that needs them goes elsewhere when it does not).
 
@@ -118,6 +119,5 @@ class Capabilities:
         if not self.traceable and torch.compiler.is_compiling():
             out.append("is not traceable by torch.compile (a data-dependent host loop)")
         if not self.transforms and torch._C._are_functorch_transforms_active():
-            out.append("does not run under torch.func transforms (grad, vmap, jacrev, ...): "
-                       "it reads tensors that functorch wraps")
+            out.append("does not run under torch.func transforms (grad, vmap, jacrev, ...)")
         return out

@@ -608,7 +608,12 @@ class Mask:
 
     def __hash__(self):
         key = self.cache_key()
-        return object.__hash__(self) if key is None else hash(key)
+        if key is None:
+            return object.__hash__(self)
+        try:
+            return hash(key)
+        except TypeError:           # a user's key that does not hash: equal masks must
+            return hash(type(self))  # still hash alike
 
     # -- display ---------------------------------------------------------------------------
     #: the largest Sq or Sk repr draws (a larger mask is described, not drawn)
@@ -638,8 +643,8 @@ class Mask:
         if self.batch_size == 0:
             return f"{self.describe()} (an empty batch: nothing to draw)"
         if max(sq, sk) > self._DRAWN:
-            return (f"{self.describe()} (needs Sq={sq}, Sk={sk} or more: too large to draw "
-                    f"here; m.materialize(Sq, Sk) gives it at a call's lengths)")
+            return (f"{self.describe()} (Sq={sq}, Sk={sk}: too large to draw here; "
+                    f"m.materialize(Sq, Sk) gives it at a call's lengths)")
         try:
             grid = self.materialize(sq, sk, device="cpu")[0, 0]
         except Exception as exc:  # a repr must never raise

@@ -60,6 +60,8 @@ class Positioned(Mask):
     def _lengths(self):
         return self.q_positions.shape[1], self.k_positions.shape[1]
 
+    _preview_size = _lengths        # one position per slot: drawn at those lengths
+
     def _tensors(self):
         return [self.q_positions, self.k_positions, *self.m._tensors()]
 
@@ -134,6 +136,9 @@ def at_positions(mask: Mask, q_positions: torch.Tensor, k_positions: torch.Tenso
     if not isinstance(mask, Mask):
         raise TypeError(f"at_positions: mask must be a multihead mask, got "
                         f"{type(mask).__name__}")
+    if any(isinstance(leaf, Positioned) for leaf in mask.leaves()):
+        raise ValueError(f"at_positions: {mask.describe()} is already placed at positions: "
+                         f"give the positions once, in one at_positions of the whole mask")
     if not any(_measures_positions(leaf) for leaf in mask.leaves()):
         raise ValueError(f"at_positions: {mask.describe()} has no leaf that measures order or "
                          f"distance (causal, sliding_window, alibi, a custom predicate): its "

@@ -85,8 +85,8 @@ class Dense(Mask):
     def describe(self):
         return f"dense(shape {_dims(self.t)})"
 
-    def _preview_size(self):
-        return min(self.t.shape[2], 16), min(self.t.shape[3], 16)
+    def _preview_size(self):        # the tensor's own lengths (repr says when too large)
+        return self.t.shape[2], self.t.shape[3]
 
     def _preview_cap(self):
         return _cap(self.t)
@@ -171,8 +171,8 @@ class Bias(Mask):
     def describe(self):
         return f"bias(shape {_dims(self.raw)})"
 
-    def _preview_size(self):
-        return min(self.raw.shape[2], 16), min(self.raw.shape[3], 16)
+    def _preview_size(self):        # the tensor's own lengths (repr says when too large)
+        return self.raw.shape[2], self.raw.shape[3]
 
     def _preview_cap(self):
         return _cap(self.raw)
