@@ -458,12 +458,12 @@ def test_materialize_additive_and_tiles_refuse_lengths_the_mask_does_not_cover(m
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: M.causal().materialize(-1, 4), r"materialize: sq must be an integer of at least 0, got -1"),
-    (lambda: M.causal().materialize(2.5, 4), r"materialize: sq must be an integer of at least 0, got 2.5"),
-    (lambda: M.causal().additive(3, "4"), r"additive: sk must be an integer of at least 0, got '4'"),
-    (lambda: M.causal().tiles(8, 8, tile_q=0), r"tiles: tile_q must be an integer of at least 1, got 0"),
-    (lambda: M.causal().tiles(8, 8, tile_k=2.5), r"tiles: tile_k must be an integer of at least 1, got 2.5"),
-    (lambda: M.causal().tiles(8, 8, batch=-1), r"tiles: batch must be an integer of at least 0, got -1"),
+    (lambda: M.causal().materialize(-1, 4), r"materialize: sq must be an int >= 0, got -1"),
+    (lambda: M.causal().materialize(2.5, 4), r"materialize: sq must be an int >= 0, got 2.5"),
+    (lambda: M.causal().additive(3, "4"), r"additive: sk must be an int >= 0, got '4'"),
+    (lambda: M.causal().tiles(8, 8, tile_q=0), r"tiles: tile_q must be a positive int, got 0"),
+    (lambda: M.causal().tiles(8, 8, tile_k=2.5), r"tiles: tile_k must be a positive int, got 2.5"),
+    (lambda: M.causal().tiles(8, 8, batch=-1), r"tiles: batch must be an int >= 0, got -1"),
     (lambda: M.alibi_slopes(0), r"alibi_slopes: num_heads must be a positive int, got 0"),
     (lambda: M.alibi_slopes(2.0), r"alibi_slopes: num_heads must be a positive int, got 2.0"),
 ], ids=["negative", "float", "str", "tile-0", "tile-float", "batch-negative", "slopes-0",

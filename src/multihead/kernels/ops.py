@@ -132,9 +132,10 @@ class _Direct(torch.autograd.Function):
     """An autograd Function whose ``apply`` skips torch's per-call argument binding when
     every argument is passed positionally (binding then returns them unchanged; it rebuilt
     the forward's signature each call: about 40 of a 100 us eager call on a 2-core Xeon).
-    For any other call torch's own ``apply`` runs. Under a ``torch.func`` transform it
-    raises: the kernels cannot read functorch's wrapped tensors (the backward would fail
-    deep inside Triton's launcher)."""
+    For any other call torch's own ``apply`` runs. Its callers refuse ``torch.func``
+    transforms first (:func:`_refuse_transforms`, before any work ahead of the call): the
+    kernels cannot read functorch's wrapped tensors (the backward would fail deep inside
+    Triton's launcher)."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -144,7 +145,6 @@ class _Direct(torch.autograd.Function):
 
     @classmethod
     def apply(cls, *args, **kwargs):
-        _refuse_transforms()
         if kwargs or len(args) != cls._arity:
             return super().apply(*args, **kwargs)
         # as torch's apply does: tensors left over from a finished torch.func transform

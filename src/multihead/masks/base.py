@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ import torch
 from .._cache import BoundedCache
 from .. import _device as devices
 from .._device import to_device
+from .._args import positive_int
 from .._dtypes import check_dtype
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -689,11 +689,7 @@ def _max_opt(a: int | None, b: int | None) -> int | None:
 def _length(fn: str, name: str, n, least: int = 0):
     """``n`` as an int of at least ``least`` (a traced symbolic size passes as it is), or
     a ValueError naming ``fn``'s argument ``name``."""
-    if isinstance(n, torch.SymInt):
-        return n
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < least:
-        raise ValueError(f"{fn}: {name} must be an integer of at least {least}, got {n!r}")
-    return int(n)
+    return n if isinstance(n, torch.SymInt) else positive_int(f"{fn}: {name}", n, least=least)
 
 
 def _size(n: int | None) -> int:
