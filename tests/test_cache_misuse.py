@@ -523,8 +523,8 @@ def test_a_cache_on_a_device_this_machine_lacks_is_refused_by_name(device, match
 
 def test_a_context_longer_than_the_cache_says_so():
     cache = mh.KVCache(2, 16, num_kv_heads=2, head_dim=8)
-    with pytest.raises(ValueError, match=r"context has 20 tokens but the cache holds "
-                                         r"max_len=16; nothing was written"):
+    with pytest.raises(ValueError, match=r"it holds 0 of max_len=16 slots and 20 more do not "
+                                         r"fit; nothing was written. Build it with max_len >= 20"):
         cache.store_context(torch.zeros(2, 2, 20, 8), torch.zeros(2, 2, 20, 8))
     assert cache.seen == 0 and not cache.cross
 

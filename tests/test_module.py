@@ -264,3 +264,13 @@ BAD = [
 def test_bad_input(fn, exc, pattern):
     with pytest.raises(exc, match=pattern):
         fn()
+
+
+def test_from_torch_names_the_drop_in_once():
+    """Our constructor's refusal may already advise the drop-in; from_torch adds it only
+    where it does not (torch allows dropout=1.0, ours does not)."""
+    for torch_module in (torch.nn.MultiheadAttention(16, 4, kdim=6, vdim=5, batch_first=True),
+                         torch.nn.MultiheadAttention(16, 4, dropout=1.0, batch_first=True)):
+        with pytest.raises(ValueError, match=r"^from_torch: ") as info:
+            mh.MultiHeadAttention.from_torch(torch_module)
+        assert str(info.value).count("multihead.nn.MultiheadAttention") == 1, info.value

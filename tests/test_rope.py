@@ -553,3 +553,15 @@ def test_a_meta_module_takes_written_frequencies_with_assign():
     meta.load_state_dict(src.state_dict(), assign=True)
     x = torch.randn(1, 5, 32)
     torch.testing.assert_close(meta(x), src(x), atol=0, rtol=0)
+
+
+def test_meta_frequencies_are_refused_by_a_rope_with_values():
+    rope = mh.RotaryEmbedding(8)
+    rope.inv_freq.mul_(0.5)
+    before = rope.inv_freq.clone()
+    with pytest.raises(RuntimeError, match=r"inv_freq is on the meta device in the checkpoint"):
+        rope.load_state_dict({"inv_freq": torch.empty(4, device="meta")})
+    assert torch.equal(rope.inv_freq, before)
+    meta = mh.RotaryEmbedding(8).to("meta")
+    meta.load_state_dict({"inv_freq": torch.rand(4)})       # shapes only, as torch's copy
+    assert meta.inv_freq.is_meta

@@ -1,8 +1,9 @@
 """Checks of plain arguments (counts, sizes, probabilities), one wording everywhere.
 
-NumPy's integers (``np.int64(8)``, what indexing an array gives) and floats are numbers too:
-they are accepted and returned as Python ints and floats, so what is stored, hashed and printed is the same
-whichever kind the caller passed. ``bool`` is refused (``True`` is not a count).
+NumPy's integers (``np.int64(8)``, what indexing an array gives) and floats are numbers
+too: they are accepted and returned as Python ints and floats, so what is stored, hashed
+and printed is the same whichever kind the caller passed. ``bool`` is refused (``True``
+is not a count).
 """
 
 from __future__ import annotations

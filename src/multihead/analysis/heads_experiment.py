@@ -22,7 +22,6 @@ Notation used for tensor shapes: B batch, T sequence length, V vocabulary, d mod
 from __future__ import annotations
 
 import math
-import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -55,16 +54,17 @@ class Setup:
 
     def __post_init__(self):
         for f, least in (("vocab", 2), ("length", 2), ("d_model", 8), ("steps", 1),
-                         ("batch", 1), ("eval_sequences", 1)):
-            positive_int(f, getattr(self, f), least=least)
+                         ("batch", 1), ("eval_sequences", 1)):           # (frozen: set once)
+            object.__setattr__(self, f, positive_int(f, getattr(self, f), least=least))
         offs = self.offsets
-        if (not isinstance(offs, (tuple, list)) or len(offs) != 2
-                or not all(isinstance(o, numbers.Integral) and not isinstance(o, bool)
-                           for o in offs)
-                or not 0 < offs[0] < offs[1] < self.length):
+        if not isinstance(offs, (tuple, list)) or len(offs) != 2:
             raise ValueError(f"offsets must be two ints 0 < a < b < length ({self.length}): the "
                              f"target is (x[t-a] + 2 * x[t-b]) mod vocab; got {offs!r:.60}")
-        object.__setattr__(self, "offsets", tuple(int(o) for o in offs))
+        a, b = (positive_int("each offset", o) for o in offs)
+        if not a < b < self.length:
+            raise ValueError(f"offsets must be two ints 0 < a < b < length ({self.length}): the "
+                             f"target is (x[t-a] + 2 * x[t-b]) mod vocab; got {offs!r:.60}")
+        object.__setattr__(self, "offsets", (a, b))
         if self.d_model % 8:
             raise ValueError(f"d_model must be a multiple of 8 (the h=8 models split it into 8 "
                              f"heads), got {self.d_model}")

@@ -42,8 +42,9 @@ class AttentionShape:
     def __post_init__(self):
         for f in ("d_model", "heads", "layers", "kv_heads", "head_dim"):
             v = getattr(self, f)
-            if v is not None or f in ("d_model", "heads", "layers"):      # (frozen: set once)
-                object.__setattr__(self, f, positive_int(f, v))
+            if v is None and f in ("kv_heads", "head_dim"):                # (the defaults)
+                continue
+            object.__setattr__(self, f, positive_int(f, v))                # (frozen: set once)
         if self.head_dim is None and self.d_model % self.heads:
             divisors = [d for d in range(1, self.d_model + 1) if self.d_model % d == 0][:12]
             raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads}) "

@@ -77,8 +77,9 @@ def from_torch(m: nn.MultiheadAttention) -> "mh.MultiHeadAttention":
                                      dropout=m.dropout, kdim=m.kdim, vdim=m.vdim,
                                      device=p.device, dtype=p.dtype)
     except ValueError as e:
-        raise ValueError(f"from_torch: {e}; use multihead.nn.MultiheadAttention, which "
-                         f"takes every setting of torch's") from None
+        advice = "" if "multihead.nn.MultiheadAttention" in str(e) else (
+            "; use multihead.nn.MultiheadAttention, which takes every setting of torch's")
+        raise ValueError(f"from_torch: {e}{advice}") from None
     _refuse_extras(m)
     _copy_weights(ours, m, packed=m._qkv_same_embed_dim)
     return ours.train(m.training)

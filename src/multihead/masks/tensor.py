@@ -248,7 +248,7 @@ class ALiBi(Mask):
     def __init__(self, num_heads: int, align: str = "lower_right"):
         from .structured import _check_align
         self._heads, self._align = _check_heads("alibi", num_heads), _check_align(align)
-        self._slopes = tuple(_slope_values(num_heads))
+        self._slopes = tuple(_slope_values(self._heads))
 
     @property
     def num_heads(self) -> int:

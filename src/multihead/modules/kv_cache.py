@@ -237,13 +237,11 @@ class _CacheBase:
 
     def _check_new(self, k, v, valid):
         self._check_writable("write new tokens")
-        for name, t in (("k", k), ("v", v)):
+        for name, t, d, width in (("k", k, "D", self.head_dim), ("v", v, "Dv", self.value_dim)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                raise ValueError(f"cache update: {name} must be a tensor (B, Hkv, n, "
-                                 f"{'D' if name == 'k' else 'Dv'}) = ({self.batch_size}, "
-                                 f"{self.num_kv_heads}, n, "
-                                 f"{self.head_dim if name == 'k' else self.value_dim}), got "
-                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"cache update: {name} must be a tensor (B, Hkv, n, {d}) = "
+                                 f"({self.batch_size}, {self.num_kv_heads}, n, {width}), got {got}")
         n, batch = k.shape[2], self.batch_size
         want_k, want_v = (batch, self.num_kv_heads, n, self.head_dim), \
             (batch, self.num_kv_heads, n, self.value_dim)
@@ -338,8 +336,8 @@ class KVCache(_CacheBase):
         n = k.shape[2]
         if self.seen + n > self.max_len:
             raise ValueError(f"KVCache is full: it holds {self.seen} of max_len={self.max_len} "
-                             f"slots and {n} more were appended; nothing was written. Build it "
-                             f"with a larger max_len, or reset() it")
+                             f"slots and {n} more do not fit; nothing was written. Build it "
+                             f"with max_len >= {self.seen + n}, or reset() it")
         s = slice(self.seen, self.seen + n)                 # slots holding no token: zeros
         added = n if valid is None else valid.sum(1)                           # (B,) or n
         before = (self.seen, self.padded)
@@ -378,11 +376,6 @@ class KVCache(_CacheBase):
         if self.seen:
             raise ValueError("this cache already holds tokens or a context: call reset() before "
                              "caching a new cross-attention context")
-        n = k.shape[2] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
-        if n > self.max_len:
-            raise ValueError(f"the cross-attention context has {n} tokens but the cache holds "
-                             f"max_len={self.max_len}; nothing was written. Build it with "
-                             f"max_len >= {n} (module.make_cache(batch_size, {n}))")
         self._record(lambda: setattr(self, "cross", False))
         self.update(k, v)
         self.cross = True

@@ -223,16 +223,16 @@ class RotaryEmbedding(nn.Module):
         if problem:
             error_msgs.append(f"{prefix}{problem}")
             return
-        mine = self.inv_freq
-        if freq.is_meta or mine.is_meta:              # shapes only: nothing to compare
-            self._buffers["inv_freq"] = freq if local_metadata.get(
-                "assign_to_params_buffers") else freq.to(mine.device)
+        mine, assign = self.inv_freq, local_metadata.get("assign_to_params_buffers", False)
+        device = freq.device if assign else mine.device     # where it ends up, as torch's
+        if device.type == "meta":                     # shapes only: nothing to compare
+            self._buffers["inv_freq"] = torch.empty_like(freq, device="meta")
             self._canonical = (None, -1, -1, None)
-            return
-        if self._built(freq):                         # the table serves them
-            self._set_canonical(mine.device)
-        elif local_metadata.get("assign_to_params_buffers"):
+        elif self._built(freq):                       # the table serves them
+            self._set_canonical(device)
+        elif assign:
             self._buffers["inv_freq"] = freq
+            self._canonical = (None, -1, -1, None)
         elif not self._unchanged():                   # written or learned: copied into, so
             with torch.no_grad():                     # an optimizer holding it goes on
                 mine.copy_(freq)
@@ -246,11 +246,14 @@ class RotaryEmbedding(nn.Module):
         (asked by :func:`~multihead.modules.loading.load_problems` before anything is
         copied)."""
         want = (self.head_dim // 2,)
-        if isinstance(value, torch.Tensor) and value.shape == want and value.is_floating_point():
-            return None
-        return (f"{key}: the frequencies must be a float tensor of shape {want} (head_dim "
-                f"{self.head_dim} / 2), got {getattr(value, 'dtype', type(value).__name__)} "
-                f"{tuple(getattr(value, 'shape', ()))}")
+        if not (isinstance(value, torch.Tensor) and value.shape == want
+                and value.is_floating_point()):
+            return (f"{key}: the frequencies must be a float tensor of shape {want} (head_dim "
+                    f"{self.head_dim} / 2), got {getattr(value, 'dtype', type(value).__name__)} "
+                    f"{tuple(getattr(value, 'shape', ()))}")
+        if value.is_meta and not self.inv_freq.is_meta:
+            return f"{key} is on the meta device in the checkpoint (it holds no values)"
+        return None
 
     def _built(self, freq: torch.Tensor) -> bool:
         """Whether ``freq`` holds the built frequencies in its own precision: rounded to it
