@@ -100,6 +100,10 @@ def test_the_table_has_one_row_per_kind_of_kv_heads(capsys):
     (["--d-model", "-4", "--heads", "2"],
      "argument --d-model: -4 is out of range: give an integer from 1 to 1048576"),
     (["--d-model", "512", "--heads", "8", "--kv-heads", "3"], "multiple of --kv-heads (3)"),
+    (["--d-model", "512", "--heads", "7", "--kv-heads", "4"],      # (suggestions that fit h_kv)
+     "try --heads in [4, 8, 16, 32, 64, 128, 256, 512], or pass --head-dim"),
+    (["--d-model", "512", "--heads", "7", "--kv-heads", "3"],
+     "no multiple of --kv-heads (3) divides it, so pass --head-dim"),
     (["--d-model", "512"], "give --preset NAME, or --d-model and --heads"),
     (["--table", "--heads", "16"], "give --preset NAME, or --d-model and --heads"),
     (["--table", "--layers", "4"], "give --preset NAME, or --d-model and --heads"),

@@ -46,9 +46,12 @@ class AttentionShape:
                 continue
             object.__setattr__(self, f, positive_int(f, v))                # (frozen: set once)
         if self.head_dim is None and self.d_model % self.heads:
-            divisors = [d for d in range(1, self.d_model + 1) if self.d_model % d == 0][:12]
+            kv = self.kv_heads or 1                                        # (heads must fit it too)
+            divisors = [d for d in range(kv, self.d_model + 1, kv) if self.d_model % d == 0][:12]
+            fix = (f"try heads in {divisors}, or pass head_dim" if divisors else
+                   f"no multiple of kv_heads ({kv}) divides it, so pass head_dim")
             raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads}) "
-                             f"when head_dim is not given: try heads in {divisors}, or pass head_dim")
+                             f"when head_dim is not given: {fix}")
         if self.heads % self.hkv:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.hkv}): try "
                              f"kv_heads in {[d for d in range(1, self.heads + 1) if self.heads % d == 0]}")
