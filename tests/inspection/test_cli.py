@@ -91,6 +91,7 @@ def test_long_text_truncates_with_warning_or_refuses(capsys):
     (["   "], "the text is empty"),
     (["\u200b\x07"], "has no token but the model's markers ([CLS] [SEP]): it holds nothing"),
     (["--query-token", "zebra"], "--query-token 'zebra' (tokens ['zebra']) is not in the text"),
+    (["--query-token", "🐱", "a 🚀 flew"], "--query-token '🐱' (tokens ['[UNK]']) is not in the"),
     (["--layer", "6"], "--layer 6 is out of range: the model has 6 layers (0..5)"),
     (["--head", "-1"], "--head -1 is out of range: the model has 12 heads per layer (0..11)"),
     (["--layer", "\u0661"], "argument --layer: '\u0661' is not a whole number: give an integer"),
@@ -208,6 +209,77 @@ def test_long_file_text_warns_or_is_refused_naming_its_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--file '{f}' line 3: the text has 602 tokens but the model has 512" in err
     assert err.count("\n") == 1
+
+
+def test_the_first_line_of_a_file_is_named_and_counted_as_the_others(tmp_path, capsys):
+    f = tmp_path / "t.txt"
+    f.write_text("\n" + "word " * 600 + "\n" + "more " * 600 + "\n", encoding="utf-8")
+    assert main(["inspect", "--file", str(f)]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "2 line(s) of --file are longer than the model's 512 positions (line 2: 602 tokens, " \
+           "and 1 more)" in err and "the text has" not in err
+    assert main(["inspect", "--file", str(f), "--no-truncate"]) == 2
+    err = capsys.readouterr().err
+    assert f"--file '{f}' line 2: the text has 602 tokens" in err and err.count("\n") == 1
+    assert main(["inspect", "word " * 600]) == 0                  # TEXT: no line to name
+    assert "warning: the text has 602 tokens" in capsys.readouterr().err
+
+
+def test_a_head_named_in_full_is_checked_before_the_model_runs(tmp_path, capsys):
+    (tmp_path / "head_L3H1.png").mkdir()
+    assert main(["inspect", "--layer", "3", "--head", "1", "--out", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "head_L3H1.png there is a directory" in err
+
+
+@pytest.mark.parametrize("option,value", [("--layer", 4), ("--head", 7)])
+def test_one_of_layer_and_head_shows_its_strongest_look(option, value, tmp_path, capsys):
+    """None of the default text's top 8 looks is in layer 4 or by head 7: the head shown is
+    the one whose weight from "it" to an earlier word, beyond its neighbour, is largest."""
+    from multihead.inspect.packing import unpack_weights
+    assert main(["inspect", option, str(value), "--out", str(tmp_path), "--format", "json"]) == 0
+    d = json.loads((tmp_path / "inspect.json").read_text())
+    fixed, q = option[2:], d["query"]["position"]
+    assert all(h[fixed] != value for h in d["query"]["heads"])
+    w = unpack_weights(d["weights"])[:, :, q, 1:q - 1]      # (L, H, earlier words but the next)
+    w = w[value] if fixed == "layer" else w[:, value]                     # (H or L, keys)
+    best = int(w.amax(-1).argmax())
+    assert d["selected"] == ({"layer": value, "head": best} if fixed == "layer"
+                             else {"layer": best, "head": value})
+
+
+POSITIONAL = {"previous token": "prev", "next token": "next", "self": "self", "[CLS]": "cls",
+              "[SEP]": "sep", "punctuation": "punct"}
+
+
+@pytest.mark.parametrize("text", ["hello world", "She said he left.", "The cat sat on the mat."])
+def test_the_numbers_shown_give_the_roles_shown(text, capsys):
+    """Every role follows from the rounded numbers beside it, by the printed rules (each a
+    'metric >= threshold': 0.4996 must not show as a 0.50 that would have made a role)."""
+    assert main(["inspect", text, "--metrics"]) == 0
+    rows = [[c.strip() for c in ln.split("│")[1:-1]] for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith("│ L") and ln.count("│") == 12]
+    assert len(rows) == 72
+    for head, role, score, *values in rows:
+        m = dict(zip(("cls", "sep", "punct", "prev", "next", "self", "entropy", "confidence"),
+                     map(float, values)))
+        reached = {r: m[k] for r, k in POSITIONAL.items() if m[k] >= 0.5}
+        if role in POSITIONAL:
+            assert reached[role] == max(reached.values()) == float(score), head
+        else:
+            assert not reached, (head, reached)
+            want = ("broad" if m["entropy"] >= 0.8 else
+                    "focused" if m["confidence"] >= 0.5 else "mixed")
+            assert role == want, (head, role, m)
+
+
+def test_terminal_control_characters_in_the_text_are_shown_not_obeyed(tmp_path, capsys):
+    f = tmp_path / "t.txt"
+    f.write_text("it\x1b[2J was \x1b]0;owned\x07 \u202edone\n", encoding="utf-8")
+    assert main(["inspect", "--file", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\u202e" not in out and "\x07" not in out
+    assert "text: it\\x1b[2J was \\x1b]0;owned\\x07 \\u202edone" in out
 
 
 def test_out_paths_are_printed_as_they_are(tmp_path, capsys):

@@ -133,12 +133,11 @@ def test_unwritable_name_is_one_line_and_leaves_no_temporary(tmp_path, capsys):
     err = _one_line_error(capsys)                               # (before the model runs)
     assert "inspect.json there is a directory, so it cannot be written" in err
     (tmp_path / "inspect.json").rmdir()
-    (tmp_path / "head_L0H0.png").mkdir()             # a name known only once a head is chosen
-    assert main(["inspect", "--out", str(tmp_path), "--format", "json,png", "--layer", "0",
-                 "--head", "0"]) == 2
-    err = _one_line_error(capsys)
-    assert "cannot write" in err and "head_L0H0.png" in err
-    assert [p.name for p in tmp_path.iterdir()] == ["head_L0H0.png"]
+    (tmp_path / "head_L3H1.png").mkdir()             # a name known only once a head is chosen
+    assert main(["inspect", "--out", str(tmp_path), "--format", "json,png"]) == 2
+    err = _one_line_error(capsys)                    # (the default text's: L3H1, it → animal)
+    assert "cannot write" in err and "head_L3H1.png" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["head_L3H1.png"]
 
 
 # D. text that is not UTF-8

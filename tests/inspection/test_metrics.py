@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -79,6 +80,28 @@ def test_find_query(minilm_tokens):
     assert find_query(model, toks, "street") == toks.index("street")
     with pytest.raises(ValueError, match="not in the text; its tokens are: the animal"):
         find_query(model, toks, "zebra")
+    words = model.tokenize("The animal didn't cross the street because it was too tired.").words
+    assert words[3:6] == [2, 3, 4]                  # (didn|'|t: the tokenizer's three words)
+    assert find_query(model, toks, "didn't", words) == 3
+    assert find_query(model, toks, "t", words) == 5
+    with pytest.raises(ValueError, match=re.escape("'didn' (tokens ['didn']) is not in the text")):
+        find_query(model, ["didn", "t"], "didn", [0, 0])          # (a piece of a longer word)
+
+
+def test_a_word_the_vocabulary_lacks_matches_only_its_own_text():
+    """🚀 and 😀 are both [UNK] to MiniLM: the query finds the one the text has there."""
+    from multihead.inspect.capture import capture
+    from multihead.models import load
+    model = load()
+    c = capture(model, "🚀 launched and then 😀 smiled")
+    assert c.tokens.count("[UNK]") == 2
+    at = dict(text=c.text, spans=c.spans)
+    assert find_query(model, c.tokens, "😀", c.words, **at) == 5
+    assert find_query(model, c.tokens, "🚀", c.words, **at) == 1
+    with pytest.raises(ValueError, match=re.escape("'🐱' (tokens ['[UNK]']) is not in the text")):
+        find_query(model, c.tokens, "🐱", c.words, **at)
+    with pytest.raises(ValueError, match="is not in the text"):          # (no text to tell by)
+        find_query(model, c.tokens, "😀", c.words)
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,16 @@ def test_report_is_offline_and_interactive(browser, tmp_path, capsys):
     assert errors == []
 
 
+def test_scores_are_cut_not_rounded_up_across_a_threshold(browser, tmp_path, capsys):
+    """The roles' rules are 'metric >= 0.5' (and entropy >= 0.8): a 0.4999 shows as 0.49."""
+    page, errors, _, _ = _open(browser, _report(tmp_path))
+    assert page.evaluate("[down(0.4999, 2), down(0.29, 2), down(0.7999, 3), down(0.5, 2)]") == [
+        "0.49", "0.29", "0.799", "0.50"]
+    titles = page.eval_on_selector_all(".cell", "cs => cs.map(c => c.title)")
+    assert len(titles) == 72 and all(t.split()[-1][1] == "." for t in titles)
+    assert errors == []
+
+
 def test_text_is_escaped(browser, tmp_path, capsys):
     evil = "<script>alert(1)</script> it <img src=x onerror=alert(2)> & </script>"
     report = _report(tmp_path, evil)

@@ -29,6 +29,22 @@ def _broken_pipe():
     raise BrokenPipeError(32, "Broken pipe: stdout's reader left")
 
 
+#: control characters (C0, DEL, C1) and the bidirectional overrides and isolates, which a
+#: terminal would obey (clear the screen, set its title, reorder the line) rather than show
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def plain(text: str) -> str:
+    r"""``text`` for a terminal: control and bidirectional-override characters escaped
+    (``\x1b``), so that a user's text is shown, never obeyed; the rest unchanged.
+
+    Example:
+        >>> plain("it\x1b[2J is \u202eon; caf\u00e9 \U0001f600")
+        'it\\x1b[2J is \\u202eon; café 😀'
+    """
+    return _CONTROLS.sub(lambda m: m[0].encode("unicode_escape").decode("ascii"), text)
+
+
 def wrote(con, *paths) -> None:
     """Say on ``con`` (a rich console) which files were written, as plain text: a path is
     never read as markup or highlighted, and a long one is not broken across lines.
@@ -37,7 +53,7 @@ def wrote(con, *paths) -> None:
         >>> wrote(console(), Path("out/[b]report[/b].html"))
         wrote out/[b]report[/b].html
     """
-    con.print(f"wrote {' and '.join(str(p) for p in paths)}", style="dim", markup=False,
+    con.print(f"wrote {' and '.join(plain(str(p)) for p in paths)}", style="dim", markup=False,
               highlight=False, soft_wrap=True)
 
 

@@ -54,9 +54,9 @@ def _formats(spec: str) -> set[str]:
     return got
 
 
-def _texts(args) -> tuple[str, list[tuple[int, str]]]:
-    """The text shown in detail, and the others the metrics average over with it, each with
-    its line number in ``--file``."""
+def _texts(args) -> list[tuple[int | None, str]]:
+    """The texts the metrics average over, the one shown in detail first, each with its
+    line number in ``--file`` (None: TEXT, or the default text)."""
     from ..inspect.capture import check_utf8
     others = []
     if args.text is not None:
@@ -67,12 +67,12 @@ def _texts(args) -> tuple[str, list[tuple[int, str]]]:
         others = [(i + 1, ln) for i, ln in enumerate(_read_lines(args.file)) if ln.strip()]
         if not others:
             raise ValueError(f"--file {str(args.file)!r} holds no text (one text per line)")
-    shown = args.text if args.text is not None else (others[0][1] if others else DEFAULT_TEXT)
-    if not shown.strip():
+    if args.text is not None or not others:
+        others.insert(0, (None, DEFAULT_TEXT if args.text is None else args.text))
+    if not others[0][1].strip():
         raise ValueError("the text is empty: give some words to inspect, e.g. "
                          f"multihead inspect {DEFAULT_TEXT!r}")
-    rest = others[1:] if args.text is None else others     # the first line is the one shown
-    return shown, rest
+    return others
 
 
 def _read_lines(path: Path) -> list[str]:
@@ -113,17 +113,35 @@ def _check_index(name: str, value: int | None, size: int, what: str) -> None:
                          f"(0..{size - 1})")
 
 
-def _select(args, looks, query: int, tokens: list[str], L: int, H: int) -> tuple[int, int]:
+def _select(args, cap, looks, query: int) -> tuple[int, int]:
+    """The head shown large: ``--layer`` and ``--head``; with one of them, the strongest
+    look from the query token among that layer's (or that head's) heads; with neither,
+    the headline of ``looks``."""
+    L, H = cap.weights.shape[:2]
     _check_index("layer", args.layer, L, "layers")
     _check_index("head", args.head, H, "heads per layer")
     if args.layer is not None and args.head is not None:
         return args.layer, args.head
-    from ..inspect.capture import headline
-    fits = [k for k in looks if args.layer in (None, k.layer) and args.head in (None, k.head)]
-    best = headline(fits, query, tokens)
+    from ..inspect.capture import headline, strongest_looks
+    if args.layer is not None or args.head is not None:         # (beyond the top looks too)
+        looks = [k for k in strongest_looks(cap.weights, cap.tokens, query, top=L * H,
+                                            causal=cap.causal)
+                 if args.layer in (None, k.layer) and args.head in (None, k.head)]
+    best = headline(looks, query, cap.tokens)
     if best is not None:
         return best.layer, best.head
     return (args.layer or 0), (args.head or 0)
+
+
+def _capture(model, text: str, line: int | None, args):
+    """:func:`multihead.inspect.capture.capture`, its errors saying which ``--file`` line."""
+    from ..inspect.capture import InspectError, capture
+    try:
+        return capture(model, text, truncate=not args.no_truncate)
+    except InspectError as e:
+        if line is None:
+            raise
+        raise type(e)(f"--file {str(args.file)!r} line {line}: {e}") from None
 
 
 def run(args) -> int:
@@ -131,11 +149,12 @@ def run(args) -> int:
     if args.out is None and args.format is not None:
         raise ValueError(f"--format {args.format!r} says what --out gets, and no --out was "
                          f"given: add --out DIR, or drop --format")
-    shown, rest = _texts(args)
+    (first, shown), *rest = _texts(args)
     from ..inspect.report import known_names
-    prepare_out(args.out, known_names(formats))
+    chosen = None if args.layer is None or args.head is None else (args.layer, args.head)
+    prepare_out(args.out, known_names(formats, chosen))
 
-    from ..inspect.capture import InspectError, capture, find_query, strongest_looks
+    from ..inspect.capture import InspectError, find_query, strongest_looks
     from ..inspect.metrics import HeadMetrics
     from ..inspect.report import Inspection, write
     from ..models import load
@@ -143,20 +162,17 @@ def run(args) -> int:
 
     err = console(stderr=True)
     model = load(args.model)
-    cap = capture(model, shown, truncate=not args.no_truncate)
-    if cap.truncated:
+    cap = _capture(model, shown, first, args)
+    if cap.truncated and first is None:
         err.print(f"[yellow]warning:[/] the text has {cap.original_length} tokens; keeping the first "
                   f"{len(cap.tokens)} (the model's positions). Pass --no-truncate to refuse instead.")
     metrics = HeadMetrics.of(cap.weights, cap.tokens, causal=cap.causal, windows=cap.windows)
-    cut = []                                         # (line of --file, its tokens)
+    cut = [(first, cap.original_length)] if cap.truncated and first is not None else []
     for line, text in track(rest, len(rest) > 20, len(rest), "inspecting"):
-        try:
-            c = capture(model, text, truncate=not args.no_truncate)
-        except InspectError as e:                    # (the same error, with where it is)
-            raise type(e)(f"--file {str(args.file)!r} line {line}: {e}") from None
+        c = _capture(model, text, line, args)
         metrics.add(c.weights, c.tokens)
         if c.truncated:
-            cut.append((line, c.original_length))
+            cut.append((line, c.original_length))                  # (line of --file, its tokens)
     if cut:
         (line, n), more = cut[0], len(cut) - 1
         err.print(f"[yellow]warning:[/] {len(cut)} line(s) of --file are longer than the "
@@ -167,10 +183,10 @@ def run(args) -> int:
         metrics.check_measured()
     except ValueError as e:
         raise InspectError(str(e)) from None
-    query = find_query(model, cap.tokens, args.query_token, cap.words)
+    query = find_query(model, cap.tokens, args.query_token, cap.words, text=cap.text,
+                       spans=cap.spans)
     looks = strongest_looks(cap.weights, cap.tokens, query, top=args.top, causal=cap.causal)
-    L, H = cap.weights.shape[:2]
-    selected = _select(args, looks, query, cap.tokens, L, H)
+    selected = _select(args, cap, looks, query)
     result = Inspection(model.name, cap, metrics, query, looks, selected,
                         attention=getattr(model, "attention_note", ""))
 

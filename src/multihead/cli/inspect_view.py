@@ -5,7 +5,14 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
-from ..inspect.metrics import METRICS, thresholds_text
+from ..inspect.metrics import METRICS, round_down, thresholds_text
+from ._common import plain
+
+
+def _text(s: str) -> str:
+    """A user's or a model's text as rich markup that shows it as written: markup and
+    terminal control characters escaped."""
+    return escape(plain(s))
 
 
 SHORT = {"previous token": "prev", "next token": "next", "punctuation": "punct",
@@ -14,26 +21,26 @@ SHORT = {"previous token": "prev", "next token": "next", "punctuation": "punct",
 
 def _cell(role: str, score: float, selected: bool) -> str:
     """A grid cell: the role, short, and its score (bold when it is the selected head)."""
-    text = f"{escape(SHORT.get(role, role))}\n{score:.2f}"
+    text = f"{escape(SHORT.get(role, role))}\n{round_down(score):.2f}"
     return f"[bold reverse]{text}[/]" if selected else text
 
 
 def show(result, console, full: bool = False) -> None:
     """Print the query token's strongest heads and a table of every head's role and metrics."""
     c, toks = result.capture, result.capture.tokens
-    console.print(f"[bold]{escape(result.model)}[/]: {escape(result.summary())}")
+    console.print(f"[bold]{_text(result.model)}[/]: {_text(result.summary())}")
     if result.attention:
         console.print(escape(result.attention), style="bold" if c.causal else None)
-    console.print("text: " + escape(c.text), soft_wrap=True)
+    console.print("text: " + _text(c.text), soft_wrap=True)
 
     back = ", to earlier tokens only" if c.causal else ""
-    q = Table(title=f"Heads attending most from {escape(repr(toks[result.query]))} "
+    q = Table(title=f"Heads attending most from {_text(repr(toks[result.query]))} "
                     f"(token {result.query}{back})", title_justify="left")
     for col in ("head", "from → to", "weight", "distance"):
         q.add_column(col, justify="left" if col in ("head", "from → to") else "right")
     for k in result.looks:
         far = (k.layer, k.head) == tuple(result.selected)
-        q.add_row(f"L{k.layer}H{k.head}", escape(f"{toks[result.query]} → {toks[k.target]}"),
+        q.add_row(f"L{k.layer}H{k.head}", _text(f"{toks[result.query]} → {toks[k.target]}"),
                   f"{k.weight:.2f}", str(k.distance(result.query)),
                   style="bold green" if far and k.weight >= 0.5 else None)
     console.print(q)
@@ -49,8 +56,9 @@ def show(result, console, full: bool = False) -> None:
         for l in range(L):
             for h in range(H):
                 role, score = roles[l][h]
-                t.add_row(f"L{l}H{h}", escape(role), f"{score:.2f}",
-                          *("n/a" if n in na else f"{float(table[n][l, h]):.2f}" for n in METRICS),
+                t.add_row(f"L{l}H{h}", escape(role), f"{round_down(score):.2f}",
+                          *("n/a" if n in na else f"{round_down(float(table[n][l, h])):.2f}"
+                            for n in METRICS),
                           style="bold" if (l, h) == tuple(result.selected) else None,
                           end_section=h == H - 1)
     else:

@@ -20,6 +20,8 @@ from .._device import available_memory
 from ..analysis.params import human_bytes
 from .metrics import all_finite, is_special
 
+#: the tokens a tokenizer writes for text its vocabulary lacks (any such text)
+UNKNOWN = {"[UNK]", "<unk>", "<|unk|>"}
 PRONOUNS = ("it", "he", "she", "they", "him", "her", "them", "its", "his", "their", "this",
             "that", "who", "which", "we", "you", "i")
 
@@ -71,6 +73,8 @@ class Capture:
     windows: dict = field(default_factory=dict)
     #: each token's word (pieces of one word share it; None: a special token), if known
     words: list | None = None
+    #: each token's characters in ``text``, ``(start, end)`` (a special token's: (0, 0)), if known
+    spans: list | None = None
 
 
 @torch.inference_mode()
@@ -104,7 +108,7 @@ def capture(model: Inspectable, text: str, *, truncate: bool = True) -> Capture:
     check_finite(w, out.hidden, tok.tokens, getattr(model, "directory", None))
     return Capture(text, tok.tokens, w, tok.truncated, tok.original_length,
                    bool(getattr(model, "causal", False)), dict(getattr(model, "windows", {})),
-                   getattr(tok, "words", None))
+                   getattr(tok, "words", None), getattr(tok, "spans", None))
 
 
 def _check_memory(model: Inspectable, S: int) -> None:
@@ -202,14 +206,18 @@ def _ranges(xs: list[int]) -> str:
 
 
 def find_query(model: Inspectable, tokens: list[str], word: str | None,
-               words: list | None = None) -> int:
+               words: list | None = None, *, text: str | None = None,
+               spans: list | None = None) -> int:
     """Position of ``word``'s first word piece in ``tokens`` (default: the first pronoun).
 
     For a decoder the default is the first pronoun with a word before it (a decoder's token
     sees only earlier tokens), else the last word, which sees the whole text. With the
     tokens' ``words`` (the tokenizer's word ids), only whole words match: "it" is not the
     last piece of "bandit" (b|an|d|it), which a byte-level tokenizer's shown pieces cannot
-    tell apart.
+    tell apart; a word the tokenizer splits at its punctuation ("didn't": didn|'|t) is
+    still one. A word the vocabulary lacks becomes an unknown token ([UNK]), which stands
+    for any such word: it matches only where the ``text`` under the token's ``spans`` is
+    the word itself (without them, nowhere).
 
     Example:
         >>> from multihead.models import load
@@ -219,6 +227,9 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
         ('it', 2)
         >>> find_query(model, ["b", "it", "it"], "it", words=[0, 0, 1])    # a whole word
         2
+        >>> c = capture(model, "A 🚀 and a 😀.")
+        >>> find_query(model, c.tokens, "😀", c.words, text=c.text, spans=c.spans)
+        5
     """
     whole = _whole_words(tokens, words)
     content = [(i, t) for i, t in enumerate(tokens) if not is_special(t)]
@@ -233,9 +244,17 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
     found = model.query_pieces(word)
     if not found or not any(found):
         raise InspectError(f"--query-token {word!r} has no tokens: pass a word from the text")
+    def written(i: int, n: int) -> bool:               # (an unknown token's text is the word)
+        if not any(p in UNKNOWN for p in tokens[i:i + n]):
+            return True
+        if text is None or spans is None or len(spans) != len(tokens):
+            return False
+        return text[spans[i][0]:spans[i + n - 1][1]].casefold() == word.strip().casefold()
+
     for i in range(len(tokens)):
         for pieces in found:
-            if tokens[i:i + len(pieces)] == pieces and whole(i, len(pieces)):
+            n = len(pieces)
+            if tokens[i:i + n] == pieces and whole(i, n) and written(i, n):
                 return i
     shown = " ".join(t for _, t in content[:60]) + (" ..." if len(content) > 60 else "")
     raise InspectError(f"--query-token {word!r} (tokens {found[0]}) is not in the text; its tokens "
@@ -243,16 +262,23 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
 
 
 def _whole_words(tokens: list[str], words: list | None):
-    """``whole(i, n)``: whether ``tokens[i:i + n]`` are the pieces of one whole word (a
-    word's leading space marker "␣" aside); without ``words``, every span is."""
+    """``whole(i, n)``: whether ``tokens[i:i + n]`` start and end where words do (a word's
+    leading space marker "␣" aside): neither the piece before nor the one after belongs to
+    a word they hold; without ``words``, every span does.
+
+    Example:
+        >>> whole = _whole_words(["b", "an", "it", "didn", "'", "t"], [0, 0, 0, 1, 2, 3])
+        >>> whole(2, 1), whole(0, 3), whole(3, 3)           # "it" in "banit"; "didn't"
+        (False, True, True)
+    """
     if words is None or len(words) != len(tokens):
         return lambda i, n: True
 
     def whole(i: int, n: int) -> bool:
-        w = words[i]
+        first, last = words[i], words[i + n - 1]
         before = words[i - 1] if i > 0 and tokens[i - 1] != "␣" else None
         after = words[i + n] if i + n < len(words) else None
-        return w is None or (before != w and after != w and set(words[i:i + n]) == {w})
+        return first is None or (before != first and after != last)
     return whole
 
 

@@ -48,6 +48,22 @@ ROLE_RULES = (("previous token", "prev", 0.5), ("next token", "next", 0.5),
 #: at confidence >= FOCUSED, else "mixed".
 BROAD, FOCUSED = 0.8, 0.5
 
+
+def round_down(x, digits: int = 2):
+    """``x`` (a float or a tensor) cut to ``digits`` decimals, never rounded up: every rule
+    in :data:`ROLE_RULES` is ``metric >= threshold``, so a shown value reaches a threshold
+    exactly when the value does (0.4996 shows as 0.49, not as a 0.50 that "should" be a
+    role). Shown scores and the JSON's metrics use it.
+
+    Example:
+        >>> round_down(0.4996), round_down(0.29), round_down(torch.tensor([0.49996]), 4).tolist()
+        (0.49, 0.29, [0.4999])
+    """
+    scale = 10 ** digits
+    if isinstance(x, torch.Tensor):                    # (+1e-9: a value a decimal already is)
+        return torch.floor(x.double() * scale + 1e-9) / scale
+    return math.floor(x * scale + 1e-9) / scale
+
 SPECIAL = {"[CLS]", "[SEP]", "[PAD]", "[MASK]", "<s>", "</s>"}
 #: tokens that open a text (the ``cls`` metric) and close one (``sep``)
 OPENERS = {"[CLS]", "<s>", "<|begin_of_text|>"}

@@ -17,6 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .metrics import round_down
+
 #: pixels per side of a head's thumbnail in the grid figure (larger texts are pooled)
 THUMB = 128
 #: pixels per side of the large heatmap (larger texts are pooled)
@@ -110,10 +112,20 @@ def _big(plt, inspection, w: torch.Tensor):
     ax.set_xlabel("key" + every)
     ax.set_ylabel("query")
     pooled_note = "" if image.shape[-1] == S else ", max over blocks of tokens"
-    ax.set_title(f"L{l}H{h}: {role} ({score:.2f}{pooled_note})", fontsize=9)
+    ax.set_title(f"L{l}H{h}: {role} ({round_down(score):.2f}{pooled_note})", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.046)
     fig.tight_layout()
     return fig
+
+
+def head_image(layer: int, head: int, fmt: str) -> str:
+    """The file name of one head's large heatmap.
+
+    Example:
+        >>> head_image(3, 1, "png")
+        'head_L3H1.png'
+    """
+    return f"head_L{layer}H{head}.{fmt}"
 
 
 def render_figures(inspection, formats: set[str]) -> dict[str, bytes]:
@@ -134,14 +146,14 @@ def render_figures(inspection, formats: set[str]) -> dict[str, bytes]:
     l, h = inspection.selected
     files = {}
     with matplotlib.rc_context(LITERAL_TEXT):
-        figures = ((_grid(plt, inspection, w), "heads"),
-                   (_big(plt, inspection, w), f"head_L{l}H{h}"))
+        figures = ((_grid(plt, inspection, w), "heads.{}".format),
+                   (_big(plt, inspection, w), lambda fmt: head_image(l, h, fmt)))
         try:
             for fmt in sorted(formats):
-                for fig, stem in figures:
+                for fig, name in figures:
                     buf = io.BytesIO()
                     fig.savefig(buf, format=fmt, dpi=_dpi(fig) if fmt == "png" else None)
-                    files[f"{stem}.{fmt}"] = buf.getvalue()
+                    files[name(fmt)] = buf.getvalue()
         finally:
             for fig, _ in figures:
                 plt.close(fig)

@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-import torch
-
 from .capture import Capture, Look, headline
 from .files import write_all
-from .metrics import METRICS, HeadMetrics, thresholds_text
+from .metrics import METRICS, HeadMetrics, round_down, thresholds_text
 from .packing import pack_weights
+from .plots import head_image
 
 
 @dataclass
@@ -45,7 +44,7 @@ class Inspection:
         where not applicable, with the reason in ``not_applicable``), roles, query looks;
         ``causal`` and ``attention`` say whether tokens see only earlier tokens (a decoder)."""
         c, toks = self.capture, self.capture.tokens
-        rnd = lambda t: torch.round(t.double(), decimals=digits).tolist()
+        rnd = lambda t: round_down(t, digits).tolist()       # (never up across a threshold)
         L, H = c.weights.shape[:2]
         roles = self.metrics.roles()
         na = self.metrics.not_applicable()
@@ -58,7 +57,7 @@ class Inspection:
             "metrics": {name: None if name in na else rnd(self.metrics.value(name))
                         for name in METRICS},
             "not_applicable": na,
-            "roles": [[[r, round(s, digits)] for r, s in row] for row in roles],
+            "roles": [[[r, round_down(s, digits)] for r, s in row] for row in roles],
             "thresholds": thresholds_text(skip=na),
             "query": {"position": self.query, "token": toks[self.query],
                       "heads": [{"layer": k.layer, "head": k.head, "target": k.target,
@@ -109,16 +108,19 @@ def html(inspection: Inspection) -> str:
 TEXT_FILES = {"json": "inspect.json", "html": "report.html"}
 
 
-def known_names(formats: set[str]) -> tuple[str, ...]:
-    """The files :func:`write` makes for ``formats`` whatever the text: all but the selected
-    head's image, whose name says which head (``head_L3H1.png``).
+def known_names(formats: set[str], selected: tuple[int, int] | None = None) -> tuple[str, ...]:
+    """The files :func:`write` makes for ``formats`` before the text is read: all of them
+    when the head shown large is ``selected`` (layer, head), else all but its image, whose
+    name says which head (``head_L3H1.png``).
 
     Example:
-        >>> known_names({"json", "png"})
-        ('inspect.json', 'heads.png')
+        >>> known_names({"json", "png"}), known_names({"svg"}, (3, 1))
+        (('inspect.json', 'heads.png'), ('heads.svg', 'head_L3H1.svg'))
     """
+    images = [f for f in ("png", "svg") if f in formats]
     return (tuple(TEXT_FILES[f] for f in TEXT_FILES if f in formats)
-            + tuple(f"heads.{f}" for f in ("png", "svg") if f in formats))
+            + tuple(f"heads.{f}" for f in images)
+            + (tuple(head_image(*selected, f) for f in images) if selected else ()))
 
 
 def render(inspection: Inspection, formats: set[str]) -> dict[str, bytes]:

@@ -145,7 +145,7 @@ class HFModel:
             toks = [enc.tokens[i] if enc.special_tokens_mask[i]
                     else display(self.tokenizer, enc.ids[i], enc.tokens[i]) for i in keep]
             out.append(Tokens(torch.tensor(ids, dtype=torch.long), toks, n > limit, n,
-                              [enc.word_ids[i] for i in keep]))
+                              [enc.word_ids[i] for i in keep], [enc.offsets[i] for i in keep]))
         return out
 
     def query_pieces(self, word: str) -> list[list[str]]:

@@ -24,13 +24,14 @@ PACK_TOKENS = 16384
 class Tokens(NamedTuple):
     """One tokenized text: ``ids`` (S,), the token strings, whether it was truncated, and
     each token's word (the tokenizer's word ids: the pieces of one word share one; None for
-    a special token)."""
+    a special token) and characters in the text (``(start, end)``; a special token's: (0, 0))."""
 
     ids: torch.Tensor
     tokens: list[str]
     truncated: bool
     original_length: int
     words: list[int | None] | None = None
+    spans: list[tuple[int, int]] | None = None
 
 
 def check_max_length(max_length, positions: int) -> int:
@@ -162,7 +163,7 @@ class Pretrained:
             keep, n = kept(enc, limit), len(enc.ids)
             ids, toks = [enc.ids[i] for i in keep], [enc.tokens[i] for i in keep]
             out.append(Tokens(torch.tensor(ids, dtype=torch.long), toks, n > limit, n,
-                              [enc.word_ids[i] for i in keep]))
+                              [enc.word_ids[i] for i in keep], [enc.offsets[i] for i in keep]))
         return out
 
     def query_pieces(self, word: str) -> list[list[str]]:
