@@ -163,6 +163,9 @@ HOSTILE = [
     pytest.param(write(ST, {"max_seq_length": -5}), [ST, "max_seq_length", "-5"], id="seq-negative"),
     pytest.param(write(ST, {"max_seq_length": "256"}), [ST, "max_seq_length", "'256'"], id="seq-str"),
     pytest.param(write(ST, {"max_seq_length": 0}), [ST, "max_seq_length", "0"], id="seq-zero"),
+    pytest.param(write("tokenizer_config.json", {"model_max_length": 0.5}),     # (int() is 0)
+                 ["tokenizer_config.json", "model_max_length is 0.5", "a number >= 1"],
+                 id="tokenizer-max-length-fraction"),
     pytest.param(write(ST, {"do_lower_case": "yes"}), [ST, "do_lower_case", "'yes'", "true or false"],
                  id="lower-case-str"),
     # 2. side files of the wrong JSON type, or with fields of the wrong type

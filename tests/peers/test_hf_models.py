@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -442,3 +443,37 @@ def test_an_attention_mask_of_other_rows_is_refused_before_the_cache_is_written(
         m(input_ids=ids, attention_mask=torch.ones(3, 6, dtype=torch.long),
           past_key_values=cache, use_cache=True)
     assert cache.get_seq_length() == 0
+
+
+@torch.inference_mode()
+def test_a_sliding_window_of_zero_no_layer_uses_runs_as_sdpa():
+    """Qwen2-MoE without use_sliding_window has sliding_window=0 and still builds a
+    "sliding_attention" mask, which none of its layers reads."""
+    kwargs = dict(_SMALL, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+                  shared_expert_intermediate_size=16)
+    outs = {}
+    for impl in ("multihead", "sdpa"):
+        cfg = transformers.Qwen2MoeConfig(**kwargs)
+        cfg._attn_implementation = impl
+        torch.manual_seed(0)
+        outs[impl] = transformers.Qwen2MoeForCausalLM(cfg).eval()
+    assert outs["sdpa"].config.sliding_window == 0
+    inputs, real = batch("llama", "left")
+    want = outs["sdpa"](**inputs).logits
+    assert_close_at(outs["multihead"](**inputs).logits, want, real)
+
+
+@torch.inference_mode()
+def test_a_4d_mask_wider_than_the_keys_is_refused_not_cut():
+    """Its first columns would be read as this call's keys: a prefix's become the future's."""
+    m = model("llama", "multihead")
+    ids = torch.randint(3, VOCAB, (2, 6))
+    prefix_and_causal = torch.cat([torch.ones(6, 3, dtype=torch.bool),
+                                   torch.ones(6, 6, dtype=torch.bool).tril()], 1)    # (6, 9)
+    with pytest.raises(ValueError, match=re.escape(
+            "attention_mask has 9 key columns (shape (2, 1, 6, 9)) but the layer has 6 keys")):
+        m(input_ids=ids, attention_mask=prefix_and_causal.expand(2, 1, 6, 9))
+    fits = prefix_and_causal[:, 3:].expand(2, 1, 6, 6)                  # one column per key
+    assert torch.allclose(m(input_ids=ids, attention_mask=fits).logits,
+                          model("llama", "sdpa")(input_ids=ids, attention_mask=fits).logits,
+                          atol=ATOL)

@@ -119,9 +119,14 @@ def _mask_for(module, attention_mask, q_len: int, k_len: int, is_causal):
             return M.causal(align="upper_left"), k_len
         return None, k_len
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        if attention_mask.shape[-1] > k_len:          # (its first columns may be other keys')
+            raise ValueError(f"attention_mask has {attention_mask.shape[-1]} key columns "
+                             f"(shape {tuple(attention_mask.shape)}) but the layer has {k_len} "
+                             f"keys: a 4-D mask has one column per key the layer attends to "
+                             f"(its cache's and this call's), (B, 1, {q_len}, {k_len})")
         if attention_mask.dtype == torch.bool:        # a model's own 4-D mask, True = attend
-            return M.dense(attention_mask[..., :k_len]), k_len
-        return M.bias(attention_mask[..., :k_len]), k_len     # additive, as eager adds it
+            return M.dense(attention_mask), k_len
+        return M.bias(attention_mask), k_len          # additive, as eager adds it
     raise unreadable_mask(attention_mask, "its own masks, None or a 4-D mask in attention")
 
 

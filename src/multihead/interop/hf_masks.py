@@ -161,7 +161,10 @@ def _read(fn, offsets: bool = False, packed: bool = False):
     if kind == "full":
         return None
     if kind == "overlay":
-        return _Overlay(int(_closure(fn)["sliding_window"]))
+        size = int(_closure(fn)["sliding_window"])
+        if size < 1:                 # (Qwen2-MoE builds one of 0 that no layer uses: as given)
+            raise _Unknown(f"a sliding-window overlay of {size} tokens")
+        return _Overlay(size)
     if kind in ("padding", "packed") and offsets:
         raise _Unknown(f"a {kind} tensor in the mask function of a call with offsets")
     if kind == "padding":

@@ -62,6 +62,18 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def whole_message(e: BaseException, limit: int = 600) -> str:
+    """An exception's whole message on one line (a validator's detail is often on its
+    second), at most ``limit`` characters; its type's name when it has none.
+
+    Example:
+        >>> whole_message(ValueError("validation error:\\n  heads (5) must divide 32"))
+        'validation error: heads (5) must divide 32'
+    """
+    text = " ".join(str(e).split())
+    return (text if len(text) <= limit else text[:limit - 3] + "...") or type(e).__name__
+
+
 def is_library_error(e: BaseException) -> bool:
     """An error a file-parsing library raised: any ``Exception``, and the ``PanicException``
     of Rust extensions (safetensors, tokenizers), which is a ``BaseException``; not

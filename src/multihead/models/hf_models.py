@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +35,9 @@ from typing import ClassVar, Sequence
 import torch
 
 from ._files import (ModelLoadError, check_model_dir, first_line, is_library_error, read_json,
-                     read_object, show)
+                     read_object, show, whole_message)
 from .bert import EncoderOutput, check_ids, check_length
-from .checkpoint import _check_finite, read_header
+from .checkpoint import FLOAT_DTYPES, _check_finite, read_header
 from .pretrained import Tokens, check_max_length, check_texts, evaluating, kept
 from .tokenizer import display, load_tokenizer
 
@@ -53,7 +54,21 @@ HF_TYPES = DECODER_TYPES + ENCODER_DECODER_TYPES
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 HINT = "pip install 'multihead[hf]'"
 #: a tensor of one numbered layer (GPT-2's ``h.3.``, Llama's ``layers.3.``, BERT's ``layer.3.``)
-LAYER_TENSOR = re.compile(r"(?:^|\.)(?:h|layers|layer)\.\d+\.")
+LAYER_TENSOR = re.compile(r"(?:^|\.)(?:h|layers|layer)\.(\d+)\.")
+#: the model types whose ``sliding_window`` their layers use (Llama's config may carry one
+#: that LlamaModel ignores)
+WINDOWED_TYPES = ("mistral", "qwen2")
+#: config.json's sizes that must be positive integers when given (null: the model's default)
+POSITIVE_SIZES = ("vocab_size", "hidden_size", "n_embd", "d_model", "num_hidden_layers",
+                  "n_layer", "encoder_layers", "decoder_layers", "num_attention_heads", "n_head",
+                  "encoder_attention_heads", "decoder_attention_heads", "num_key_value_heads",
+                  "head_dim", "intermediate_size", "n_inner", "encoder_ffn_dim",
+                  "decoder_ffn_dim", "max_position_embeddings", "n_positions")
+#: ... and the layer counts among them, which the checkpoint's tensors must cover
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "encoder_layers", "decoder_layers")
+#: config.json's numbers that must be positive and finite when given: a norm's epsilon of
+#: 0 or less, or a RoPE base of 0 or less, turns every output into NaN
+POSITIVE_NUMBERS = ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "rope_theta")
 
 
 @dataclass(frozen=True)
@@ -93,15 +108,77 @@ class HFConfig:
         for name, v in values.items():
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ModelLoadError(f"{source}: {name} is {show(v)}, but it must be a positive integer")
+        for name in POSITIVE_NUMBERS:
+            _check_positive_number(source, name, _setting(c, name))
+        if c.model_type not in WINDOWED_TYPES:
+            return cls(c.model_type, **values)
         window = getattr(c, "sliding_window", None)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window <= 0):
+            raise ModelLoadError(f"{source}: sliding_window is {show(window)}, but it must be a "
+                                 f"positive integer, the tokens a query sees (or null: no window)")
         types = getattr(c, "layer_types", None)
-        if not window:
+        sliding = tuple(i for i, t in enumerate(types or ()) if t == "sliding_attention")
+        if sliding and window is None:
+            raise ModelLoadError(f"{source}: layer_types makes layers {list(sliding[:8])} "
+                                 f"sliding_attention, but there is no sliding_window (is "
+                                 f"use_sliding_window false?): give the window, or make those "
+                                 f"layers full_attention")
+        if window is None:
             layers = ()
         elif types is not None:
-            layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+            layers = sliding
         else:                                   # Mistral: every layer when sliding_window is set
             layers = tuple(range(values["num_hidden_layers"]))
         return cls(c.model_type, **values, window=window if layers else None, window_layers=layers)
+
+
+def _setting(c, name: str):
+    """A config's value for ``name``, or None; ``rope_theta`` may sit in ``rope_parameters``
+    (transformers 5)."""
+    rope = getattr(c, "rope_parameters", None)
+    if name == "rope_theta" and isinstance(rope, dict) and rope.get(name) is not None:
+        return rope[name]
+    return getattr(c, name, None)
+
+
+def _check_positive_number(source: str, name: str, value) -> None:
+    """Refuse a given ``value`` that is not a finite number above 0, naming ``name``."""
+    if value is None:
+        return
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value <= 0):
+        raise ModelLoadError(f"{source}: {name} is {show(value)}, but it must be a finite "
+                             f"number above 0 (every output would be NaN): copy the original "
+                             f"model's config.json")
+
+
+def check_raw_config(raw: dict, source: str) -> None:
+    """config.json's sizes and activation, checked before ``transformers`` reads them (whose
+    errors would name neither the field nor the value): each size in :data:`POSITIVE_SIZES`
+    a positive integer or null, an activation one ``transformers`` knows.
+
+    Example:
+        >>> check_raw_config({"n_head": 12, "n_inner": None}, "config.json")
+        >>> check_raw_config({"n_head": "12"}, "config.json")
+        Traceback (most recent call last):
+        ...
+        multihead.models._files.ModelLoadError: config.json: n_head is '12', but it must be a positive integer (or null: the model's default)
+    """
+    for name in POSITIVE_SIZES:
+        v = raw.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ModelLoadError(f"{source}: {name} is {show(v)}, but it must be a positive "
+                                 f"integer (or null: the model's default)")
+    for name in ("hidden_act", "activation_function"):
+        v = raw.get(name)
+        if v is None:
+            continue
+        from transformers.activations import ACT2FN
+        if not isinstance(v, str) or v not in ACT2FN:
+            known = ", ".join(sorted(k for k in ACT2FN if isinstance(k, str))[:12])
+            raise ModelLoadError(f"{source}: {name} is {show(v)}, which transformers does not "
+                                 f"know: use one of {known}, ...")
 
 
 @dataclass
@@ -281,11 +358,13 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
     d = Path(d)
     check_model_dir(d, WEIGHT_FILES)
     config_file = d / "config.json"
-    kind = read_object(config_file, hint="copy config.json from the original model").get("model_type")
+    raw = read_object(config_file, hint="copy config.json from the original model")
+    kind = raw.get("model_type")
     if kind not in HF_TYPES:
         raise ModelLoadError(f"{config_file}: model_type is {show(kind)}, not one multihead "
                              f"runs on transformers ({', '.join(map(repr, HF_TYPES))})")
     transformers, implementation = _transformers(d, kind)
+    check_raw_config(raw, str(config_file))
     with _quiet(transformers):
         try:
             hf_config = transformers.AutoConfig.from_pretrained(
@@ -294,11 +373,11 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
             if not is_library_error(e):
                 raise
             raise ModelLoadError(f"{config_file} is not a usable {kind} config.json "
-                                 f"({first_line(e)})") from None
+                                 f"({whole_message(e)})") from None
         config = HFConfig.from_hf(hf_config, source=str(config_file))
         tokenizer = load_tokenizer(d / "tokenizer.json", config.vocab_size)
         weights = next(d / w for w in WEIGHT_FILES if (d / w).is_file())
-        _check_size(transformers, hf_config, weights, kind)
+        header = _check_size(transformers, hf_config, weights, kind)
         try:
             network, info = transformers.AutoModel.from_pretrained(
                 str(d), config=hf_config, attn_implementation=implementation, dtype=dtype,
@@ -316,31 +395,62 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
                                  f"tensor(s) for config.json's {kind} model, e.g. "
                                  f"{show(bad[:3], 200)}: the checkpoint does not match "
                                  f"config.json (is model_type right?)")
-    extra = sorted(str(k) for k in info.get("unexpected_keys") or () if LAYER_TENSOR.search(str(k)))
-    if extra:                               # (a task's head, say lm_head, is left out: fine)
+    layers = {_layer(k) for k in network.state_dict()} - {None}     # ("h.0", "layers.3", ...)
+    extra = sorted(str(k) for k in info.get("unexpected_keys") or ()
+                   if _layer(str(k)) not in layers | {None})
+    if extra:              # (a task's head, say lm_head, or an old buffer of a layer: fine)
         raise ModelLoadError(f"{weights}: {len(extra)} tensor(s) of layers that config.json's "
                              f"{kind} model has not, e.g. {show(extra[:3], 200)}: is "
                              f"config.json's layer count right?")
+    prefix = getattr(network, "base_model_prefix", "")
     for name, p in network.named_parameters():
-        _check_finite(weights, name, p.detach(), "the checkpoint is corrupt; re-export it")
+        key = name if header is None or name in header else f"{prefix}.{name}"  # (the file's)
+        held = header.get(key, (None,))[0] if header is not None else None
+        narrower = (held is not None and held.dtype in FLOAT_DTYPES
+                    and torch.finfo(p.dtype).max < torch.finfo(FLOAT_DTYPES[held.dtype]).max)
+        _check_finite(weights, key, p.detach(),
+                      f"{p.dtype} cannot hold the checkpoint's values ({held.dtype} there): "
+                      f"load with dtype=torch.float32" if narrower else
+                      "the checkpoint is corrupt; re-export it")
     model = Decoder if kind in DECODER_TYPES else EncoderDecoder
     return model(network.to(device).eval(), tokenizer, config, d, d.name)
 
 
-def _check_size(transformers, hf_config, weights: Path, kind: str) -> None:
+def _layer(name: str) -> str | None:
+    """The numbered layer a tensor belongs to (``"h.3"``, ``"layers.3"``), or None.
+
+    Example:
+        >>> _layer("transformer.h.3.attn.c_attn.weight"), _layer("wte.weight")
+        ('h.3', None)
+    """
+    m = LAYER_TENSOR.search(name)
+    return m[0].strip(".") if m else None
+
+
+def _check_size(transformers, hf_config, weights: Path, kind: str) -> dict | None:
     """Refuse a config.json that does not describe the checkpoint, before ``transformers``
-    builds the network and reads its tensors: the network is built here on the meta device
-    (no memory) and compared with the checkpoint's headers.
+    builds the network and reads its tensors: the layer counts are compared with the
+    checkpoint's numbered layers first (a config of 10**9 layers is refused at once, not
+    built), then the network is built on the meta device (no memory) and compared with the
+    checkpoint's headers. Returns the headers (see :func:`_headers`).
 
     Each tensor both hold must have one shape (a wrong ``n_positions`` or ``head_dim`` is
-    named with the tensor and its two shapes); and the network must not need more values
-    than the checkpoint holds (the wrong ``model_type`` takes its architecture's defaults: a
-    GPT-2 checkpoint read as a Llama describes 6.5 billion parameters; a task's head may add
-    to the checkpoint's count)."""
+    named with the tensor and its two shapes) and a float dtype; and the network must not
+    need more values than the checkpoint holds (the wrong ``model_type`` takes its
+    architecture's defaults: a GPT-2 checkpoint read as a Llama describes 6.5 billion
+    parameters; a task's head may add to the checkpoint's count)."""
     header = _headers(weights)
     if header is None:
-        return                                     # transformers' own error says what is wrong
+        return None                                # transformers' own error says what is wrong
     config_file = weights.parent / "config.json"
+    held = max((int(m[1]) + 1 for m in map(LAYER_TENSOR.search, header) if m), default=0)
+    for name in LAYER_COUNTS:
+        n = getattr(hf_config, name, None)
+        if isinstance(n, int) and n > held:
+            raise ModelLoadError(f"{config_file}: {name} is {n}, but {weights} holds the "
+                                 f"tensors of {held} layer(s): config.json does not describe "
+                                 f"this checkpoint (is model_type right? was the layer count "
+                                 f"edited?)")
     try:
         with torch.device("meta"):
             network = transformers.AutoModel.from_config(hf_config)
@@ -353,6 +463,10 @@ def _check_size(transformers, hf_config, weights: Path, kind: str) -> None:
     for name, p in network.named_parameters():
         key = name if name in header else f"{prefix}.{name}"     # (the file's name for it)
         info, where = header.get(key, (None, None))
+        if info is not None and info.dtype not in FLOAT_DTYPES:
+            raise ModelLoadError(f"{where}: tensor {key!r} has dtype {info.dtype}, but weights "
+                                 f"must be floats ({', '.join(FLOAT_DTYPES)}): re-export the "
+                                 f"checkpoint")
         if info is not None and info.shape != tuple(p.shape):
             raise ModelLoadError(f"{where}: tensor {key!r} is {info.shape} there, but "
                                  f"{config_file}'s sizes make it {tuple(p.shape)}: config.json "
@@ -365,20 +479,31 @@ def _check_size(transformers, hf_config, weights: Path, kind: str) -> None:
                              f"{need:,} parameters, but {weights} holds {held:,} values: the "
                              f"checkpoint does not match config.json (is model_type right? are "
                              f"its sizes?)")
+    return header
 
 
 def _headers(weights: Path) -> dict | None:
     """Every tensor of the checkpoint, ``{name: (TensorInfo, the file holding it)}``, from
     its one file or from each shard its index names; None for an index ``transformers``
-    will refuse."""
+    will refuse (no ``weight_map``, a shard that is not there).
+
+    Raises:
+        ModelLoadError: a shard named outside the model's directory (``"../x"``, an absolute
+            path), which would load weights from elsewhere.
+    """
     if not weights.name.endswith(".json"):
         return {name: (info, weights) for name, info in read_header(weights).items()}
     index = read_json(weights)
     names = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(names, dict) or not all(isinstance(f, str) and Path(f).name == f
-                                              for f in names.values()):
+    if not isinstance(names, dict) or not all(isinstance(f, str) for f in names.values()):
         return None
-    files = [weights.parent / f for f in sorted(set(names.values()))]
+    for f in sorted(set(names.values())):
+        inside = os.path.normpath(f)                 # ("./a" is "a"; the directory itself ".")
+        if os.path.isabs(f) or inside == "." or inside.split(os.sep)[0] == "..":
+            raise ModelLoadError(f"{weights}: its weight_map names the shard {f!r}, outside the "
+                                 f"model's directory: name the shards as files beside the index, "
+                                 f"e.g. 'model-00001-of-00002.safetensors'")
+    files = [weights.parent / os.path.normpath(f) for f in sorted(set(names.values()))]
     if not all(f.is_file() for f in files):
         return None
     return {name: (info, f) for f in files for name, info in read_header(f).items()}

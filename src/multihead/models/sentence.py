@@ -109,9 +109,9 @@ def _tokenizer_limit(d: Path, limit: int) -> int:
     if value is None:
         return limit
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
-            or value <= 0):
+            or value < 1):
         raise ModelLoadError(f"{path}: model_max_length is {show(value)}, but it must be a "
-                             f"positive number (or absent)")
+                             f"number >= 1, the most tokens a text keeps (or absent)")
     return int(min(value, limit))
 
 
