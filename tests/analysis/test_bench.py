@@ -574,3 +574,19 @@ def test_the_cpu_peak_memory_is_measured_without_the_profilers_native_chatter(ca
     assert peak_memory(call, torch.device("cpu")) >= 2 * 2**20
     err = capfd.readouterr().err
     assert "profiler_st" not in err and "from the call" in err
+
+
+def test_the_cpu_peak_counts_each_allocation_once_and_sees_freed_scratch():
+    """zeros and linear nest ops (empty inside zeros, mm inside linear): each allocation is
+    counted once; 16 MiB allocated and freed before a 4 MiB result is a 16 MiB peak."""
+    from multihead.bench.measure import peak_memory
+    cpu, a = torch.device("cpu"), torch.randn(512, 512)
+
+    def scratch_then_result():
+        t = torch.empty(1 << 22)                                       # 16 MiB
+        del t
+        return torch.empty(1 << 20)                                    # 4 MiB
+
+    assert peak_memory(lambda: torch.zeros(1 << 20), cpu) == 4 * 2**20
+    assert peak_memory(lambda: torch.nn.functional.linear(a, a), cpu) == 2**20
+    assert peak_memory(scratch_then_result, cpu) == 16 * 2**20

@@ -37,11 +37,21 @@ def peak_memory(fn, device: torch.device) -> int:
     finally:
         with _native_stderr_silenced():
             prof.stop()
-    events = sorted((e for e in prof.events() if e.cpu_memory_usage),
-                    key=lambda e: e.time_range.start)
+    return _cpu_peak(prof)
+
+
+def _cpu_peak(prof) -> int:
+    """The highest running total of the profiler's CPU allocation records (each allocation
+    +bytes, each release -bytes, in time order): one count per allocation, scratch freed
+    inside an op included. An op event's ``cpu_memory_usage`` would not do: it counts its
+    children's allocations again at every level of nesting."""
+    cpu = torch.autograd.DeviceType.CPU
+    records = sorted((e for e in prof.profiler.kineto_results.events()
+                      if e.name() == "[memory]" and e.device_type() == cpu),
+                     key=lambda e: e.start_ns())
     cur = peak = 0
-    for e in events:
-        cur += e.cpu_memory_usage
+    for e in records:
+        cur += e.nbytes()
         peak = max(peak, cur)
     return peak
 
