@@ -534,3 +534,72 @@ def test_numpy_sizes_build_a_cache():
     cache = mh.KVCache(np.int64(2), np.int32(8), num_kv_heads=np.int64(1), head_dim=4)
     assert (cache.batch_size, cache.max_len, cache.num_kv_heads) == (2, 8, 1)
     assert type(cache.batch_size) is int
+
+
+@pytest.mark.parametrize("sid, error, match", [
+    (True, TypeError, r"a sequence id is the int add_sequence\(\) returned, got True \(bool\)"),
+    (1.0, TypeError, r"got 1.0 \(float\)"),
+    (torch.tensor(1), TypeError, r"got tensor\(1\) \(Tensor\): pass int\(...\) of it"),
+    (7, KeyError, r"unknown sequence id 7: live sequences are \[0, 1\]")])
+def test_a_sequence_id_must_be_a_live_int(sid, error, match):
+    """True == 1 == 1.0 in Python: read as ids, a bool would write into (or free) sequence 1."""
+    pool = mh.PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4)
+    pool.add_sequence(), pool.add_sequence()
+    for call in (lambda: pool.batch([sid]), lambda: pool.free(sid), lambda: pool.length(sid)):
+        with pytest.raises(error, match=match):
+            call()
+    assert pool.sequences == [0, 1] and pool.pages_used == 0
+    with pytest.raises(TypeError, match=r"batch takes a list of sequence ids, got 1 \(int\): "
+                                        r"e.g. pool.batch\(\[sid\]\)"):
+        pool.batch(1)
+
+
+def test_a_batch_of_a_freed_sequence_is_refused_by_its_own_methods():
+    pool = mh.PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4)
+    a, b = pool.add_sequence(), pool.add_sequence()
+    batch = pool.batch([a, b])
+    pool.free(a)
+    gone = r"sequence\(s\) \[0\] of this PagedKVCache batch were freed \(live sequences: \[1\]\)"
+    for call in (lambda: batch.update(torch.ones(2, 1, 1, 4), torch.ones(2, 1, 1, 4)),
+                 lambda: batch.positions(1), lambda: batch.rope_positions(1)):
+        with pytest.raises(ValueError, match=gone):
+            call()
+    assert pool.length(b) == 0 and pool.pages_used == 0
+
+
+def test_a_cross_attention_cache_keeps_an_empty_context_as_any_other():
+    """A context of 0 tokens is a context: a second one needs reset(), and the queries'
+    RoPE positions do not run on from the first context's."""
+    m = mh.MultiHeadAttention(16, 4, rope=mh.RotaryEmbedding(4)).eval()
+    cache = m.make_cache(1, 8)
+    with torch.no_grad():
+        m(torch.randn(1, 2, 16), torch.randn(1, 0, 16), cache=cache)
+        with pytest.raises(ValueError, match=r"already holds tokens or a context: call reset\(\)"):
+            m(torch.randn(1, 1, 16), torch.randn(1, 3, 16), cache=cache)
+        assert cache.cross and cache.seen == 0 and cache.queries == 2
+        cache.reset()
+        x, ctx = torch.randn(1, 1, 16), torch.randn(1, 3, 16)
+        assert torch.allclose(m(x, ctx, cache=cache), m(x, ctx), atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_new_tokens_on_another_device_are_refused_not_copied(kind):
+    cache = mh.KVCache(1, 8, num_kv_heads=1, head_dim=4)
+    if kind == "paged":
+        pool = mh.PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4)
+        cache = pool.batch([pool.add_sequence()])
+    with pytest.raises(ValueError, match=r"k/v are on meta/cpu, the cache on cpu: build the cache "
+                                         r"on the module's device"):
+        cache.update(torch.ones(1, 1, 2, 4, device="meta"), torch.ones(1, 1, 2, 4))
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: mh.KVCache(10**9, 10**9, 8, 128), r"KVCache: batch_size=1000000000 x max_len="
+                                                r"1000000000 make 1,000,000,000,000,000,000 "
+                                                r"token slots of 8.0 KiB each"),
+    (lambda: mh.PagedKVCache(10**12, 16, 8, 128), r"PagedKVCache: num_pages=1000000000000 x "
+                                                   r"page_size=16 make .* TiB in all, but cpu "
+                                                   r"has .* free: build a smaller cache")])
+def test_a_cache_larger_than_free_memory_is_refused_by_its_sizes(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()

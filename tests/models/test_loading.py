@@ -4,6 +4,7 @@ unsupported architectures, pickles. Nothing half-loaded comes back."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -120,6 +121,10 @@ def test_encoder_and_embed_bad_input(tmp_path):
     with pytest.raises(TypeError, match="texts must be a list of str, got str"):
         m.embed("one text")
     assert m.embed([]).shape == (0, 32)
+    for bad in (0, 2.5, True, "512", None):          # (0 and 2.5 ran every text alone)
+        with pytest.raises(ValueError, match=rf"pack_tokens must be a positive int, got "
+                                             rf"{re.escape(repr(bad))}: the most tokens"):
+            m.embed(["a text"], pack_tokens=bad)
 
 
 @pytest.mark.parametrize("post_processor", ["bert", None])

@@ -20,6 +20,8 @@ from typing import NamedTuple
 import torch
 
 from .._args import positive_int
+from .._device import available_memory
+from ..analysis.params import human_bytes
 from .base import Index, Mask, TileIndex, versioned
 
 _ALIGNS = ("lower_right", "upper_left")
@@ -124,7 +126,11 @@ def sliding_window(size: int, *, align: str = "lower_right") -> Window:
 
 
 def _as_long_1d_or_2d(x, name: str) -> torch.Tensor:
-    t = torch.as_tensor(x)
+    try:
+        t = torch.as_tensor(x)
+    except (TypeError, ValueError, RuntimeError, OverflowError):    # a str, a None inside, ...
+        raise TypeError(f"{name} must be integers (a list or an integer tensor), got "
+                        f"{x!r:.60} ({type(x).__name__})") from None
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
     if t.dim() not in (1, 2):
@@ -355,7 +361,14 @@ class Document(Mask):
             if cu.dim() != 1 or len(cu) < 1 or int(cu[0]) != 0 or bool((cu.diff() < 0).any()):
                 raise ValueError(f"document: cu_seqlens must be 1-D, start at 0 and never "
                                  f"decrease, got {cu.tolist()[:10]}")
-            pos = torch.arange(int(cu[-1]), device=cu.device)
+            total = int(cu[-1])
+            need = 16 * total                                          # (positions and ids)
+            if need > 2**30 and need > (free := available_memory(cu.device)):
+                raise ValueError(f"document: cu_seqlens ends at {total:,} tokens, whose ids "
+                                 f"would take {human_bytes(need)} but {cu.device} has "
+                                 f"{human_bytes(free)} free: is its last entry the total "
+                                 f"length of the packed documents?")
+            pos = torch.arange(total, device=cu.device)
             ids = torch.bucketize(pos, cu[1:], right=True)
         self._runs = None                                  # DocumentRuns, once known
         with versioned():

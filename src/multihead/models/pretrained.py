@@ -13,6 +13,7 @@ from typing import ClassVar, NamedTuple, Sequence
 
 import torch
 
+from .._args import positive_int
 from .._progress import track
 from .bert import BertConfig, BertEncoder, EncoderOutput
 from .sentence import SentenceConfig
@@ -206,6 +207,8 @@ class Pretrained:
             (torch.Size([2, 384]), [1.0, 1.0])
         """
         texts = check_texts(texts)
+        pack_tokens = positive_int("pack_tokens", pack_tokens,
+                                   hint="the most tokens one packed forward holds")
         if self.sentence.lower_case:                  # sentence_bert_config's do_lower_case
             texts = [t.lower() for t in texts]
         E = self.config.hidden_size

@@ -43,8 +43,9 @@ import functools
 import torch
 
 from .._args import positive_int
-from .._device import to_device, usable_device
+from .._device import available_memory, to_device, usable_device
 from .._dtypes import check_dtype
+from ..analysis.params import human_bytes
 
 
 def _count(name: str, n) -> int:
@@ -63,14 +64,27 @@ class _CacheBase:
     dtype: torch.dtype
     device: torch.device
 
-    def _geometry(self, num_kv_heads, head_dim, value_dim, dtype, device) -> dict:
-        """Validate and store the per-token geometry; returns the buffers' dtype/device kwargs."""
+    def _geometry(self, num_kv_heads, head_dim, value_dim, dtype, device, slots: int,
+                  sizes: str) -> dict:
+        """Validate and store the per-token geometry; returns the buffers' dtype/device kwargs.
+
+        ``slots`` tokens' buffers must fit in the device's free memory (``sizes`` names the
+        arguments that made them): a cache too large is refused by name, not by the allocator.
+        """
         self.num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
         self.head_dim = positive_int("head_dim", head_dim)
         self.value_dim = head_dim if value_dim is None else positive_int("value_dim", value_dim)
         self.dtype = check_dtype("dtype", dtype)
         # the concrete device ("cuda" -> "cuda:0"), so it compares equal to the module's
         self.device = usable_device("device", device)
+        need = slots * (self.num_kv_heads * (self.head_dim + self.value_dim)
+                        * self.dtype.itemsize + 1)                      # k, v and valid
+        free = None if self.device.type == "meta" else available_memory(self.device)
+        if free is not None and need > free:
+            raise ValueError(f"{type(self).__name__}: {sizes} make {slots:,} token slots of "
+                             f"{human_bytes(need // slots)} each, {human_bytes(need)} in all, "
+                             f"but {self.device} has {human_bytes(free)} free: build a smaller "
+                             f"cache")
         return dict(dtype=dtype, device=self.device)
 
     def check_compatible(self, num_kv_heads: int, head_dim: int, value_dim: int,
@@ -250,6 +264,10 @@ class _CacheBase:
                              f"{want_k} / {want_v}")
         if k.dtype != self.dtype or v.dtype != self.dtype:
             raise TypeError(f"cache update: k/v are {k.dtype}/{v.dtype}, the cache is {self.dtype}")
+        if k.device != self.device or v.device != self.device:     # (a copy across would hide it)
+            raise ValueError(f"cache update: k/v are on {k.device}/{v.device}, the cache on "
+                             f"{self.device}: build the cache on the module's device "
+                             f"(module.make_cache does)")
         return self._check_valid(valid, n)
 
 
@@ -282,7 +300,8 @@ class KVCache(_CacheBase):
                  value_dim: int | None = None, dtype: torch.dtype = torch.float32, device=None):
         B, T = positive_int("batch_size", batch_size), positive_int("max_len", max_len)
         self.batch_size, self.max_len = B, T
-        fk = self._geometry(num_kv_heads, head_dim, value_dim, dtype, device)
+        fk = self._geometry(num_kv_heads, head_dim, value_dim, dtype, device, B * T,
+                            f"batch_size={B} x max_len={T}")
         self.k = torch.zeros(B, self.num_kv_heads, T, self.head_dim, **fk)     # (B, Hkv, T, D)
         self.v = torch.zeros(B, self.num_kv_heads, T, self.value_dim, **fk)    # (B, Hkv, T, Dv)
         self.valid = torch.zeros(B, T, dtype=torch.bool, device=self.device)   # (B, T)
@@ -373,7 +392,7 @@ class KVCache(_CacheBase):
 
     def store_context(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep a cross-attention context's keys/values (once; reset() to replace them)."""
-        if self.seen:
+        if self.seen or self.cross:                   # (a context may be of 0 tokens)
             raise ValueError("this cache already holds tokens or a context: call reset() before "
                              "caching a new cross-attention context")
         self._record(lambda: setattr(self, "cross", False))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import array
 import functools
 import itertools
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -99,7 +100,8 @@ class PagedKVCache(_CacheBase):
                  value_dim: int | None = None, dtype: torch.dtype = torch.float32, device=None):
         P, p = positive_int("num_pages", num_pages), positive_int("page_size", page_size)
         self.num_pages, self.page_size = P, p
-        fk = self._geometry(num_kv_heads, head_dim, value_dim, dtype, device)
+        fk = self._geometry(num_kv_heads, head_dim, value_dim, dtype, device, P * p,
+                            f"num_pages={P} x page_size={p}")
         self.k = torch.zeros(P * p, self.num_kv_heads, self.head_dim, **fk)     # (P*p, Hkv, D)
         self.v = torch.zeros(P * p, self.num_kv_heads, self.value_dim, **fk)    # (P*p, Hkv, Dv)
         self.valid = torch.zeros(P * p, dtype=torch.bool, device=self.device)   # (P*p,)
@@ -118,9 +120,16 @@ class PagedKVCache(_CacheBase):
         self._tables[sid], self._written[sid], self._real[sid] = [], 0, self._zero
         return sid
 
-    def _check_id(self, sid) -> None:
+    def _check_id(self, sid) -> int:
+        """``sid`` as the int :meth:`add_sequence` gave, if live: a bool, a float or a tensor
+        is refused (``True == 1`` would name sequence 1)."""
+        if isinstance(sid, bool) or not isinstance(sid, numbers.Integral):
+            hint = ": pass int(...) of it" if isinstance(sid, torch.Tensor) else ""
+            raise TypeError(f"a sequence id is the int add_sequence() returned, got {sid!r} "
+                            f"({type(sid).__name__}){hint}")
         if sid not in self._tables:
             raise KeyError(f"unknown sequence id {sid!r}: live sequences are {sorted(self._tables)}")
+        return int(sid)
 
     def free(self, sid: int) -> None:
         """Return a sequence's pages to the pool, zeroed (every slot holding no token holds
@@ -134,7 +143,7 @@ class PagedKVCache(_CacheBase):
             >>> pool.free(sid); pool.pages_used, pool.k.abs().sum().item()
             (0, 0.0)
         """
-        self._check_id(sid)
+        sid = self._check_id(sid)
         self._check_writable(f"free sequence {sid}")
         pages = self._tables[sid]
         if pages:                                  # every slot of its pages (m*p,)
@@ -175,8 +184,7 @@ class PagedKVCache(_CacheBase):
         An explicit host query: the count lives on the device (it depends on ``valid``), so
         this reads it back and synchronizes; forwards never call it.
         """
-        self._check_id(sid)
-        return int(self._real[sid])
+        return int(self._real[self._check_id(sid)])
 
     @property
     def sequences(self) -> list[int]:
@@ -195,12 +203,17 @@ class PagedKVCache(_CacheBase):
         return self.pages_used * self.page_size * per_slot
 
     def batch(self, seq_ids) -> "PagedBatch":
-        """The cache view a forward uses for these sequences (rows of x in this order)."""
-        ids = list(seq_ids)
+        """The cache view a forward uses for these sequences (rows of x in this order).
+
+        Args:
+            seq_ids: a list (or tuple) of distinct ids from :meth:`add_sequence`.
+        """
+        if not isinstance(seq_ids, (list, tuple)):
+            raise TypeError(f"batch takes a list of sequence ids, got {seq_ids!r} "
+                            f"({type(seq_ids).__name__}): e.g. pool.batch([sid])")
+        ids = [self._check_id(sid) for sid in seq_ids]
         if not ids or len(set(ids)) != len(ids):
             raise ValueError(f"batch needs distinct sequence ids, got {ids}")
-        for sid in ids:
-            self._check_id(sid)
         return PagedBatch(self, ids)
 
     def __repr__(self) -> str:
@@ -271,18 +284,24 @@ class PagedBatch(_CacheBase):
         return self.pool._slot_tensors()
 
     def _real_counts(self) -> torch.Tensor:
+        self._check_live()
         return torch.stack([self.pool._real[s] for s in self.ids])              # (B,)
 
     def _host_counts(self) -> list[int] | None:
+        self._check_live()
         return None if self.padded else [self.pool._written[s] for s in self.ids]
 
-    def check_compatible(self, *sizes) -> None:
-        """Also refuses a batch whose sequences were freed since it was made."""
+    def _check_live(self) -> None:
+        """Refuse a batch whose sequences were freed since it was made."""
         gone = [s for s in self.ids if s not in self.pool._tables]
         if gone:
             raise ValueError(f"cache: sequence(s) {gone} of this PagedKVCache batch were freed "
                              f"(live sequences: {self.pool.sequences}); make a new batch of live "
                              f"ids with pool.batch([...])")
+
+    def check_compatible(self, *sizes) -> None:
+        """Also refuses a batch whose sequences were freed since it was made."""
+        self._check_live()
         super().check_compatible(*sizes)
 
     def store_context(self, k, v) -> None:
@@ -331,6 +350,7 @@ class PagedBatch(_CacheBase):
     def _write(self, k, v, valid):
         """Write the new tokens; returns the device lengths ``(B,)`` and block table."""
         pool, p = self.pool, self.pool.page_size
+        self._check_live()
         valid = self._check_new(k, v, valid)
         n = k.shape[2]
         need = [-(-(pool._written[s] + n) // p) - len(pool._tables[s]) for s in self.ids]
