@@ -79,7 +79,8 @@ class _CacheBase:
         self.device = usable_device("device", device)
         need = slots * (self.num_kv_heads * (self.head_dim + self.value_dim)
                         * self.dtype.itemsize + 1)                      # k, v and valid
-        free = None if self.device.type == "meta" else available_memory(self.device)
+        free = (None if self.device.type == "meta" or need <= 2**30     # (small: no query)
+                else available_memory(self.device))
         if free is not None and need > free:
             raise ValueError(f"{type(self).__name__}: {sizes} make {slots:,} token slots of "
                              f"{human_bytes(need // slots)} each, {human_bytes(need)} in all, "
