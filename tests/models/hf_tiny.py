@@ -76,3 +76,31 @@ def hf_checkpoint(path: Path, kind: str) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     tok.save(str(path / "tokenizer.json"))
     return path
+
+
+def rewrite_weights(d: Path, change) -> dict:
+    """Apply ``change(w)`` to the tensors ``w`` of ``d``'s model.safetensors (a dict, edited
+    in place) and save them back; returns them."""
+    from safetensors.torch import load_file, save_file
+    w = load_file(str(d / "model.safetensors"))
+    change(w)
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return w
+
+
+def refused_cheaply(call, match: str, limit: int) -> None:
+    """``call()`` raises :class:`multihead.models.ModelLoadError` matching ``match`` before
+    allocating ``limit`` bytes (as Python's tracemalloc counts them, torch's CPU tensors too)."""
+    import tracemalloc
+
+    import pytest
+
+    from multihead.models import ModelLoadError
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelLoadError, match=match):
+            call()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < limit, f"{peak / 2**20:.0f} MiB"

@@ -12,7 +12,6 @@ import json
 import re
 import shutil
 import sys
-import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from multihead.models import ModelLoadError, load  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_tiny import hf_checkpoint  # noqa: E402
+from hf_tiny import hf_checkpoint, refused_cheaply, rewrite_weights  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -88,26 +87,15 @@ def test_a_layer_count_far_beyond_the_checkpoint_is_refused_before_building(dirs
     """Building 10**9 layers on the meta device would take weeks; the checkpoint's header says
     at once that it holds 2."""
     d = _edited(dirs, "llama", tmp_path, num_hidden_layers=10**9)
-    tracemalloc.start()
-    try:
-        with pytest.raises(ModelLoadError, match=re.escape(
-                "num_hidden_layers is 1000000000, but ") + r".*model\.safetensors holds the "
-                r"tensors of 2 layer\(s\)"):
-            load(d)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 16 * 2**20, f"{peak / 2**20:.0f} MiB"
+    refused_cheaply(lambda: load(d), re.escape("num_hidden_layers is 1000000000, but ")
+                    + r".*model\.safetensors holds the tensors of 2 layer\(s\)", 16 * 2**20)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
 def test_weights_that_are_not_floats_are_refused(dirs, tmp_path, dtype):
-    from safetensors.torch import load_file, save_file
     d = _edited(dirs, "llama", tmp_path)
-    w = load_file(str(d / "model.safetensors"))
     name = "model.layers.0.self_attn.q_proj.weight"
-    w[name] = w[name].to(dtype)
-    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    rewrite_weights(d, lambda w: w.update({name: w[name].to(dtype)}))
     with pytest.raises(ModelLoadError, match=re.escape(f"tensor {name!r} has dtype ")
                        + r"(I32|BOOL|C64), but weights must be floats"):
         load(d)
@@ -148,30 +136,27 @@ def test_a_shard_outside_the_directory_is_refused(dirs, tmp_path, name):
 def test_old_gpt2_mask_buffers_of_existing_layers_load(dirs, tmp_path):
     """transformers 3.x-4.2x saved each layer's causal mask (attn.bias, attn.masked_bias):
     transformers skips them, and so do we; a layer the config has not is still refused."""
-    from safetensors.torch import load_file, save_file
     d = _edited(dirs, "gpt2", tmp_path)
-    w = load_file(str(d / "model.safetensors"))
     ids = torch.tensor([[1, 5, 9]])
     want = load(d).attention_weights(ids).weights
-    for i in (0, 1):
-        w[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
-        w[f"transformer.h.{i}.attn.bias"] = torch.ones(1, 1, 64, 64).tril()
-    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+    def old_buffers(w, layers):
+        for i in layers:
+            w[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+            w[f"transformer.h.{i}.attn.bias"] = torch.ones(1, 1, 64, 64).tril()
+
+    rewrite_weights(d, lambda w: old_buffers(w, (0, 1)))
     got = load(d).attention_weights(ids).weights
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    w["transformer.h.2.attn.masked_bias"] = torch.tensor(-1e4)
-    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match=r"1 tensor\(s\) of layers that config\.json's gpt2 "
-                                             r"model has not, e\.g\. .*h\.2\.attn\.masked_bias"):
+    rewrite_weights(d, lambda w: old_buffers(w, (2,)))
+    with pytest.raises(ModelLoadError, match=r"\d tensor\(s\) of layers that config\.json's gpt2 "
+                                             r"model has not, e\.g\. .*h\.2\.attn\.(masked_)?bias"):
         load(d)
 
 
 def test_values_float16_cannot_hold_are_named_as_such(dirs, tmp_path):
-    from safetensors.torch import load_file, save_file
     d = _edited(dirs, "llama", tmp_path)
-    w = load_file(str(d / "model.safetensors"))
-    w["model.norm.weight"][0] = 1e5                                    # > 65504
-    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    rewrite_weights(d, lambda w: w["model.norm.weight"].__setitem__(0, 1e5))      # > 65504
     assert load(d).network.norm.weight[0] == 1e5                       # fine in float32
     with pytest.raises(ModelLoadError, match=re.escape(
             "tensor model.norm.weight holds 1 non-finite value(s), e.g. inf at index (0,): "
