@@ -588,7 +588,7 @@ def test_new_tokens_on_another_device_are_refused_not_copied(kind):
     if kind == "paged":
         pool = mh.PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4)
         cache = pool.batch([pool.add_sequence()])
-    with pytest.raises(ValueError, match=r"k/v are on meta/cpu, the cache on cpu: build the cache "
+    with pytest.raises(TypeError, match=r"k/v are on meta/cpu, the cache on cpu: build the cache "
                                          r"on the module's device"):
         cache.update(torch.ones(1, 1, 2, 4, device="meta"), torch.ones(1, 1, 2, 4))
 
@@ -603,3 +603,24 @@ def test_new_tokens_on_another_device_are_refused_not_copied(kind):
 def test_a_cache_larger_than_free_memory_is_refused_by_its_sizes(build, match):
     with pytest.raises(ValueError, match=match):
         build()
+
+
+def test_free_memory_unknown_is_no_reason_to_refuse(monkeypatch):
+    """Without /proc/meminfo (macOS, Windows) free memory is not known: the check is
+    skipped, not made against a guess."""
+    import builtins
+
+    from multihead._device import free_memory
+    real = builtins.open
+
+    def no_meminfo(path, *args, **kwargs):
+        if str(path) == "/proc/meminfo":
+            raise FileNotFoundError(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_meminfo)
+    assert free_memory(torch.device("cpu")) is None
+    assert free_memory(torch.device("meta")) is None
+    cache = mh.KVCache(2**12, 2**12, 8, 128, device="meta")            # 64 GiB, on meta
+    assert cache.k.shape == (2**12, 8, 2**12, 128)
+

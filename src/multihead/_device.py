@@ -232,16 +232,20 @@ class StreamUse:
 _CUDA = _Cuda
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes free on ``device``: the CPU's ``MemAvailable`` (8 GiB where /proc/meminfo is
-    missing), or CUDA's free memory.
+def free_memory(device: torch.device) -> int | None:
+    """Bytes an allocation on ``device`` can still take, or None where that is not known
+    (no /proc/meminfo, an MPS or meta device): CUDA's free memory plus what torch's caching
+    allocator holds unused (it is reused first), or the CPU's ``MemAvailable``.
 
     Example:
-        >>> available_memory(torch.device("cpu")) > 0
+        >>> free_memory(torch.device("meta")) is None
         True
     """
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + unused
+    if device.type != "cpu":
+        return None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -249,4 +253,15 @@ def available_memory(device: torch.device) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 8 * 2**30
+    return None
+
+
+def available_memory(device: torch.device) -> int:
+    """:func:`free_memory`, or 8 GiB where it is not known.
+
+    Example:
+        >>> available_memory(torch.device("cpu")) > 0
+        True
+    """
+    free = free_memory(device)
+    return 8 * 2**30 if free is None else free

@@ -219,6 +219,24 @@ def test_query_words_are_whole_words(dirs, kind, capsys):
     assert f"Heads attending most from 'it' (token {real}," in out
 
 
+def test_an_unknown_word_after_letters_is_found_by_its_text(dirs):
+    """SentencePiece-style spans start at the word's space: "dog😀" is dog|<unk>."""
+    model = load(dirs["llama"])
+    c = capture(model, "The dog😀 ran, a cat😀 sat.")
+    at = dict(text=c.text, spans=c.spans)
+    assert c.tokens[2:4] == ["dog", "<unk>"]
+    assert find_query(model, c.tokens, "dog😀", c.words, **at) == 2
+    assert c.tokens[find_query(model, c.tokens, "cat😀", c.words, **at)] == "cat"
+
+
+def test_an_error_shows_a_texts_control_characters_escaped(dirs, capsys):
+    """A byte-level tokenizer keeps ESC in its tokens; the error lists them."""
+    assert main(["inspect", "The cat \x1b[31mred", "--model", str(dirs["gpt2"]),
+                 "--query-token", "zebra"]) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\\x1b" in err and "is not in the text" in err
+
+
 def test_first_token_query_says_why_it_looks_nowhere(dirs, capsys):
     assert main(["inspect", "It was tired.", "--model", str(dirs["gpt2"]),
                  "--query-token", "It"]) == 0

@@ -73,6 +73,17 @@ def test_qwen2_sliding_layers_without_a_window_are_refused(dirs, tmp_path):
         load(d)
 
 
+def test_a_mistral_config_with_layer_types_keeps_its_window(dirs, tmp_path):
+    """transformers reads it as Ministral's, which windows the sliding layers."""
+    d = _edited(dirs, "mistral", tmp_path, sliding_window=2,
+                layer_types=["sliding_attention", "full_attention"])
+    model = load(d)
+    assert model.windows == {0: 2} and "sliding window in 1 of 2 layers" in model.attention_note
+    w = model.attention_weights(torch.tensor([[1, 5, 9, 12, 7, 3]])).weights   # (1, H, S, S)
+    assert float(w[0][0, :, -1, :4].abs().max()) == 0            # layer 0: the last 2 only
+    assert float(w[1][0, :, -1, :4].sum(-1).min()) > 0            # layer 1: every key
+
+
 def test_a_window_only_windowed_models_use_is_not_reported(dirs, tmp_path):
     """LlamaModel ignores a sliding_window in its config: every key stays visible."""
     d = _edited(dirs, "llama", tmp_path, sliding_window=3)
@@ -83,12 +94,25 @@ def test_a_window_only_windowed_models_use_is_not_reported(dirs, tmp_path):
     assert float(w[0, :, -1, :3].sum(-1).min()) > 0         # the last query sees the first keys
 
 
-def test_a_layer_count_far_beyond_the_checkpoint_is_refused_before_building(dirs, tmp_path):
-    """Building 10**9 layers on the meta device would take weeks; the checkpoint's header says
-    at once that it holds 2."""
-    d = _edited(dirs, "llama", tmp_path, num_hidden_layers=10**9)
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_layer_count_far_beyond_the_checkpoint_is_refused_before_building(dirs, tmp_path, kind):
+    """Building 10**9 layers on the meta device would take weeks, and Qwen2's config lists
+    every layer's kind when it is read; the checkpoint's header says at once that it holds 2."""
+    d = _edited(dirs, "llama", tmp_path, model_type=kind, num_hidden_layers=10**9)
     refused_cheaply(lambda: load(d), re.escape("num_hidden_layers is 1000000000, but ")
                     + r".*model\.safetensors holds the tensors of 2 layer\(s\)", 16 * 2**20)
+
+
+def test_a_stack_with_more_layers_than_its_config_is_refused(tmp_path):
+    """BART's encoder has 2 layers and its decoder 1: a second decoder layer in the file is
+    one config.json has not, though the encoder has a layer 1."""
+    d = hf_checkpoint(tmp_path / "bart", "bart")
+    rewrite_weights(d, lambda w: w.update({
+        k.replace("decoder.layers.0.", "decoder.layers.1."): t.clone()
+        for k, t in list(w.items()) if "decoder.layers.0." in k}))
+    with pytest.raises(ModelLoadError, match=r"tensor\(s\) of layers that config\.json's bart "
+                                             r"model has not, e\.g\. .*decoder\.layers\.1\."):
+        load(d)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
@@ -148,6 +172,11 @@ def test_old_gpt2_mask_buffers_of_existing_layers_load(dirs, tmp_path):
     rewrite_weights(d, lambda w: old_buffers(w, (0, 1)))
     got = load(d).attention_weights(ids).weights
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    rewrite_weights(d, lambda w: w.update({"transformer.h.0.attn.scale": torch.ones(1)}))
+    with pytest.raises(ModelLoadError, match=r"1 tensor\(s\) that config\.json's gpt2 model's "
+                                             r"layers have not, e\.g\. .*h\.0\.attn\.scale.*is "
+                                             r"model_type right"):
+        load(d)                          # (a tensor of a layer it has, not an old buffer)
     rewrite_weights(d, lambda w: old_buffers(w, (2,)))
     with pytest.raises(ModelLoadError, match=r"\d tensor\(s\) of layers that config\.json's gpt2 "
                                              r"model has not, e\.g\. .*h\.2\.attn\.(masked_)?bias"):

@@ -46,12 +46,15 @@ def _cpu_peak(prof) -> int:
     inside an op included. An op event's ``cpu_memory_usage`` would not do: it counts its
     children's allocations again at every level of nesting."""
     cpu = torch.autograd.DeviceType.CPU
-    records = sorted((e for e in prof.profiler.kineto_results.events()
-                      if e.name() == "[memory]" and e.device_type() == cpu),
-                     key=lambda e: e.start_ns())
+    try:                                 # (the records are kineto's: a torch without them
+        events = prof.profiler.kineto_results.events()       # gets each op's own allocations)
+        steps = sorted((e.start_ns(), e.nbytes()) for e in events
+                       if e.name() == "[memory]" and e.device_type() == cpu)
+    except AttributeError:
+        steps = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events())
     cur = peak = 0
-    for e in records:
-        cur += e.nbytes()
+    for _, n in steps:
+        cur += n
         peak = max(peak, cur)
     return peak
 

@@ -29,9 +29,11 @@ def _broken_pipe():
     raise BrokenPipeError(32, "Broken pipe: stdout's reader left")
 
 
-#: control characters (C0, DEL, C1) and the bidirectional overrides and isolates, which a
-#: terminal would obey (clear the screen, set its title, reorder the line) rather than show
-_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+#: control characters (C0, DEL, C1), the bidirectional marks, overrides and isolates, and
+#: the line and paragraph separators, which a terminal would obey (clear the screen, set
+#: its title, reorder or break the line) rather than show
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029"
+                       "\u202a-\u202e\u2066-\u2069]")
 
 
 def plain(text: str) -> str:

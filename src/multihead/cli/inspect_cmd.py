@@ -114,9 +114,9 @@ def _check_index(name: str, value: int | None, size: int, what: str) -> None:
 
 
 def _select(args, cap, looks, query: int) -> tuple[int, int]:
-    """The head shown large: ``--layer`` and ``--head``; with one of them, the strongest
-    look from the query token among that layer's (or that head's) heads; with neither,
-    the headline of ``looks``."""
+    """The head shown large: ``--layer`` and ``--head``; with one of them, the headline
+    (:func:`multihead.inspect.capture.headline`) of every look from the query token by that
+    layer's heads (or by that head in every layer); with neither, the headline of ``looks``."""
     L, H = cap.weights.shape[:2]
     _check_index("layer", args.layer, L, "layers")
     _check_index("head", args.head, H, "heads per layer")

@@ -41,7 +41,7 @@ def show(result, console, full: bool = False) -> None:
     for k in result.looks:
         far = (k.layer, k.head) == tuple(result.selected)
         q.add_row(f"L{k.layer}H{k.head}", _text(f"{toks[result.query]} → {toks[k.target]}"),
-                  f"{k.weight:.2f}", str(k.distance(result.query)),
+                  f"{round_down(k.weight):.2f}", str(k.distance(result.query)),
                   style="bold green" if far and k.weight >= 0.5 else None)
     console.print(q)
 

@@ -17,6 +17,7 @@ import select
 import sys
 
 from . import bench_cmd, demo_cmd, inspect_cmd, params_cmd
+from ._common import plain
 
 SUBCOMMANDS = {"inspect": inspect_cmd, "params": params_cmd, "demo": demo_cmd,
                "bench": bench_cmd}
@@ -134,7 +135,7 @@ def _failed(args, e: Exception) -> int:
     """One line on stderr, status 2 (``MULTIHEAD_DEBUG=1``: the traceback instead)."""
     if os.environ.get("MULTIHEAD_DEBUG"):
         raise e
-    msg = " ".join(str(e).split()) or type(e).__name__
+    msg = plain(" ".join(str(e).split()) or type(e).__name__)     # (a text's control chars)
     print(f"multihead {args.command}: error: {msg}", file=sys.stderr)
     return 2
 

@@ -20,7 +20,8 @@ from .._device import available_memory
 from ..analysis.params import human_bytes
 from .metrics import all_finite, is_special
 
-#: the tokens a tokenizer writes for text its vocabulary lacks (any such text)
+#: the tokens tokenizers write for text their vocabulary lacks (any such text); a model's
+#: tokenizer may name its own
 UNKNOWN = {"[UNK]", "<unk>", "<|unk|>"}
 PRONOUNS = ("it", "he", "she", "they", "him", "her", "them", "its", "his", "their", "this",
             "that", "who", "which", "we", "you", "i")
@@ -244,12 +245,14 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
     found = model.query_pieces(word)
     if not found or not any(found):
         raise InspectError(f"--query-token {word!r} has no tokens: pass a word from the text")
+    unknown = UNKNOWN | {_unknown_token(model)}
+
     def written(i: int, n: int) -> bool:               # (an unknown token's text is the word)
-        if not any(p in UNKNOWN for p in tokens[i:i + n]):
+        if not any(p in unknown for p in tokens[i:i + n]):
             return True
         if text is None or spans is None or len(spans) != len(tokens):
-            return False
-        return text[spans[i][0]:spans[i + n - 1][1]].casefold() == word.strip().casefold()
+            return False                               # (a span may start at its space)
+        return text[spans[i][0]:spans[i + n - 1][1]].strip().casefold() == word.strip().casefold()
 
     for i in range(len(tokens)):
         for pieces in found:
@@ -259,6 +262,12 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
     shown = " ".join(t for _, t in content[:60]) + (" ..." if len(content) > 60 else "")
     raise InspectError(f"--query-token {word!r} (tokens {found[0]}) is not in the text; its tokens "
                        f"are: {shown}")
+
+
+def _unknown_token(model) -> str | None:
+    """The token ``model``'s tokenizer writes for text its vocabulary lacks, if it says."""
+    tokenizer = getattr(getattr(model, "tokenizer", None), "model", None)
+    return getattr(tokenizer, "unk_token", None)
 
 
 def _whole_words(tokens: list[str], words: list | None):

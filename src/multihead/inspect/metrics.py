@@ -56,13 +56,13 @@ def round_down(x, digits: int = 2):
     role). Shown scores and the JSON's metrics use it.
 
     Example:
-        >>> round_down(0.4996), round_down(0.29), round_down(torch.tensor([0.49996]), 4).tolist()
-        (0.49, 0.29, [0.4999])
+        >>> round_down(0.4996), round_down(torch.tensor([0.29, 0.49999997]), 2).tolist()
+        (0.49, [0.29, 0.49])
     """
-    scale = 10 ** digits
-    if isinstance(x, torch.Tensor):                    # (+1e-9: a value a decimal already is)
-        return torch.floor(x.double() * scale + 1e-9) / scale
-    return math.floor(x * scale + 1e-9) / scale
+    scale = 10 ** digits                 # (+1e-6: float32's 0.29 is 0.2899999916, shown 0.29;
+    if isinstance(x, torch.Tensor):      # float32's largest below 0.5 or 0.8 stays below)
+        return torch.floor(x.double() * scale + 1e-6) / scale
+    return math.floor(x * scale + 1e-6) / scale
 
 SPECIAL = {"[CLS]", "[SEP]", "[PAD]", "[MASK]", "<s>", "</s>"}
 #: tokens that open a text (the ``cls`` metric) and close one (``sep``)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .._args import positive_int
-from .._device import available_memory
+from .._device import free_memory
 from ..analysis.params import human_bytes
 from .base import Index, Mask, TileIndex, versioned
 
@@ -363,7 +363,8 @@ class Document(Mask):
                                  f"decrease, got {cu.tolist()[:10]}")
             total = int(cu[-1])
             need = 16 * total                                          # (positions and ids)
-            if need > 2**30 and need > (free := available_memory(cu.device)):
+            free = free_memory(cu.device) if need > 2**30 else None    # (None: not known)
+            if free is not None and need > free:
                 raise ValueError(f"document: cu_seqlens ends at {total:,} tokens, whose ids "
                                  f"would take {human_bytes(need)} but {cu.device} has "
                                  f"{human_bytes(free)} free: is its last entry the total "

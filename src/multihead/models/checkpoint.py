@@ -215,10 +215,15 @@ def check_header(path: Path, header: dict[str, TensorInfo], c: BertConfig, confi
         if info.shape != shape:
             raise ModelLoadError(f"{path}: tensor {name} has shape {info.shape}, "
                                  f"config.json implies {shape}")
-        if info.dtype not in FLOAT_DTYPES:
-            raise ModelLoadError(f"{path}: tensor {name} has dtype {info.dtype}, but weights must "
-                                 f"be floats ({', '.join(FLOAT_DTYPES)}): re-export the checkpoint")
+        check_float(path, name, info)
     return prefix
+
+
+def check_float(path: Path, name: str, info: TensorInfo) -> None:
+    """Refuse a weight the header says is not a float (an integer, a bool, float8, complex)."""
+    if info.dtype not in FLOAT_DTYPES:
+        raise ModelLoadError(f"{path}: tensor {name} has dtype {info.dtype}, but weights must "
+                             f"be floats ({', '.join(FLOAT_DTYPES)}): re-export the checkpoint")
 
 
 def _check_finite(path: Path, name: str, t: torch.Tensor, why: str) -> None:

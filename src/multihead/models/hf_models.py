@@ -37,7 +37,7 @@ import torch
 from ._files import (ModelLoadError, check_model_dir, first_line, is_library_error, read_json,
                      read_object, show, whole_message)
 from .bert import EncoderOutput, check_ids, check_length
-from .checkpoint import FLOAT_DTYPES, _check_finite, read_header
+from .checkpoint import FLOAT_DTYPES, _check_finite, check_float, read_header
 from .pretrained import Tokens, check_max_length, check_texts, evaluating, kept
 from .tokenizer import display, load_tokenizer
 
@@ -55,9 +55,12 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 HINT = "pip install 'multihead[hf]'"
 #: a tensor of one numbered layer (GPT-2's ``h.3.``, Llama's ``layers.3.``, BERT's ``layer.3.``)
 LAYER_TENSOR = re.compile(r"(?:^|\.)(?:h|layers|layer)\.(\d+)\.")
+#: a layer's buffers older checkpoints hold and ``transformers`` skips (GPT-2's causal mask,
+#: Llama's RoPE frequencies)
+LEGACY_BUFFER = re.compile(r"\.(?:attn\.(?:masked_)?bias|rotary_emb\.inv_freq)$")
 #: the model types whose ``sliding_window`` their layers use (Llama's config may carry one
-#: that LlamaModel ignores)
-WINDOWED_TYPES = ("mistral", "qwen2")
+#: that LlamaModel ignores; a Mistral config with ``layer_types`` is read as Ministral's)
+WINDOWED_TYPES = ("mistral", "ministral", "qwen2")
 #: config.json's sizes that must be positive integers when given (null: the model's default)
 POSITIVE_SIZES = ("vocab_size", "hidden_size", "n_embd", "d_model", "num_hidden_layers",
                   "n_layer", "encoder_layers", "decoder_layers", "num_attention_heads", "n_head",
@@ -106,8 +109,7 @@ class HFConfig:
         values["num_key_value_heads"] = (getattr(c, "num_key_value_heads", None)
                                          or values["num_attention_heads"])
         for name, v in values.items():
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ModelLoadError(f"{source}: {name} is {show(v)}, but it must be a positive integer")
+            _check_size_value(source, name, v, "")
         for name in POSITIVE_NUMBERS:
             _check_positive_number(source, name, _setting(c, name))
         if c.model_type not in WINDOWED_TYPES:
@@ -142,6 +144,14 @@ def _setting(c, name: str):
     return getattr(c, name, None)
 
 
+def _check_size_value(source: str, name: str, value, otherwise: str) -> None:
+    """Refuse a size that is not a positive integer, naming ``name`` (``otherwise``: what
+    else it may be)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ModelLoadError(f"{source}: {name} is {show(value)}, but it must be a positive "
+                             f"integer{otherwise}")
+
+
 def _check_positive_number(source: str, name: str, value) -> None:
     """Refuse a given ``value`` that is not a finite number above 0, naming ``name``."""
     if value is None:
@@ -166,10 +176,8 @@ def check_raw_config(raw: dict, source: str) -> None:
         multihead.models._files.ModelLoadError: config.json: n_head is '12', but it must be a positive integer (or null: the model's default)
     """
     for name in POSITIVE_SIZES:
-        v = raw.get(name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-            raise ModelLoadError(f"{source}: {name} is {show(v)}, but it must be a positive "
-                                 f"integer (or null: the model's default)")
+        if raw.get(name) is not None:
+            _check_size_value(source, name, raw[name], " (or null: the model's default)")
     for name in ("hidden_act", "activation_function"):
         v = raw.get(name)
         if v is None:
@@ -365,7 +373,10 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
                              f"runs on transformers ({', '.join(map(repr, HF_TYPES))})")
     transformers, implementation = _transformers(d, kind)
     check_raw_config(raw, str(config_file))
-    with _quiet(transformers):
+    weights = next(d / w for w in WEIGHT_FILES if (d / w).is_file())
+    header = _headers(weights)
+    _check_layer_counts(raw.get, header, weights)            # (before a config builds lists
+    with _quiet(transformers):                               # of its layers: Qwen2's)
         try:
             hf_config = transformers.AutoConfig.from_pretrained(
                 str(d), local_files_only=True, trust_remote_code=False)
@@ -376,8 +387,7 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
                                  f"({whole_message(e)})") from None
         config = HFConfig.from_hf(hf_config, source=str(config_file))
         tokenizer = load_tokenizer(d / "tokenizer.json", config.vocab_size)
-        weights = next(d / w for w in WEIGHT_FILES if (d / w).is_file())
-        header = _check_size(transformers, hf_config, weights, kind)
+        _check_size(transformers, hf_config, weights, kind, header)
         try:
             network, info = transformers.AutoModel.from_pretrained(
                 str(d), config=hf_config, attn_implementation=implementation, dtype=dtype,
@@ -395,16 +405,21 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
                                  f"tensor(s) for config.json's {kind} model, e.g. "
                                  f"{show(bad[:3], 200)}: the checkpoint does not match "
                                  f"config.json (is model_type right?)")
-    layers = {_layer(k) for k in network.state_dict()} - {None}     # ("h.0", "layers.3", ...)
-    extra = sorted(str(k) for k in info.get("unexpected_keys") or ()
-                   if _layer(str(k)) not in layers | {None})
-    if extra:              # (a task's head, say lm_head, or an old buffer of a layer: fine)
-        raise ModelLoadError(f"{weights}: {len(extra)} tensor(s) of layers that config.json's "
-                             f"{kind} model has not, e.g. {show(extra[:3], 200)}: is "
-                             f"config.json's layer count right?")
     prefix = getattr(network, "base_model_prefix", "")
+    layers = {_layer(k, prefix) for k in network.state_dict()} - {None}  # ("encoder.layers.3")
+    unexpected = [str(k) for k in info.get("unexpected_keys") or () if _layer(str(k), prefix)]
+    beyond = sorted(k for k in unexpected if _layer(k, prefix) not in layers)
+    if beyond:                           # (a task's head, say lm_head, is left out: fine)
+        raise ModelLoadError(f"{weights}: {len(beyond)} tensor(s) of layers that config.json's "
+                             f"{kind} model has not, e.g. {show(beyond[:3], 200)}: is "
+                             f"config.json's layer count right?")
+    strange = sorted(k for k in unexpected if not LEGACY_BUFFER.search(k))
+    if strange:                          # (old checkpoints' mask and RoPE buffers: skipped)
+        raise ModelLoadError(f"{weights}: {len(strange)} tensor(s) that config.json's {kind} "
+                             f"model's layers have not, e.g. {show(strange[:3], 200)}: is "
+                             f"model_type right?")
     for name, p in network.named_parameters():
-        key = name if header is None or name in header else f"{prefix}.{name}"  # (the file's)
+        key = _file_key(name, header, prefix)
         held = header.get(key, (None,))[0] if header is not None else None
         narrower = (held is not None and held.dtype in FLOAT_DTYPES
                     and torch.finfo(p.dtype).max < torch.finfo(FLOAT_DTYPES[held.dtype]).max)
@@ -416,41 +431,60 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
     return model(network.to(device).eval(), tokenizer, config, d, d.name)
 
 
-def _layer(name: str) -> str | None:
-    """The numbered layer a tensor belongs to (``"h.3"``, ``"layers.3"``), or None.
+def _layer(name: str, prefix: str = "") -> str | None:
+    """The numbered layer a tensor belongs to, with its stack (``"h.3"``,
+    ``"encoder.layers.3"``) and without the base model's ``prefix``, or None.
 
     Example:
-        >>> _layer("transformer.h.3.attn.c_attn.weight"), _layer("wte.weight")
+        >>> _layer("transformer.h.3.attn.c_attn.weight", "transformer"), _layer("wte.weight")
         ('h.3', None)
+        >>> _layer("model.decoder.layers.1.fc1.weight", "model")
+        'decoder.layers.1'
     """
+    if prefix and name.startswith(prefix + "."):
+        name = name[len(prefix) + 1:]
     m = LAYER_TENSOR.search(name)
-    return m[0].strip(".") if m else None
+    return name[:m.end() - 1] if m else None
 
 
-def _check_size(transformers, hf_config, weights: Path, kind: str) -> dict | None:
+def _file_key(name: str, header: dict | None, prefix: str) -> str:
+    """The checkpoint's name for the network's parameter ``name``: as it is, or under the
+    base model's ``prefix`` (a task model's file: ``model.norm.weight``)."""
+    return name if header is None or name in header else f"{prefix}.{name}"
+
+
+def _check_layer_counts(get, header: dict | None, weights: Path) -> None:
+    """Refuse a layer count (``get(name)`` of :data:`LAYER_COUNTS`) beyond the numbered
+    layers the checkpoint's ``header`` holds, before anything is built from it."""
+    if header is None:
+        return
+    held = max((int(m[1]) + 1 for m in map(LAYER_TENSOR.search, header) if m), default=0)
+    for name in LAYER_COUNTS:
+        n = get(name)
+        if isinstance(n, int) and not isinstance(n, bool) and n > held:
+            raise ModelLoadError(f"{weights.parent / 'config.json'}: {name} is {n}, but "
+                                 f"{weights} holds the tensors of {held} layer(s): config.json "
+                                 f"does not describe this checkpoint (is model_type right? was "
+                                 f"the layer count edited?)")
+
+
+def _check_size(transformers, hf_config, weights: Path, kind: str, header: dict | None) -> None:
     """Refuse a config.json that does not describe the checkpoint, before ``transformers``
     builds the network and reads its tensors: the layer counts are compared with the
     checkpoint's numbered layers first (a config of 10**9 layers is refused at once, not
-    built), then the network is built on the meta device (no memory) and compared with the
-    checkpoint's headers. Returns the headers (see :func:`_headers`).
+    built; the defaults of a wrong ``model_type`` too), then the network is built on the
+    meta device (no memory) and compared with the checkpoint's ``header`` (see
+    :func:`_headers`).
 
     Each tensor both hold must have one shape (a wrong ``n_positions`` or ``head_dim`` is
     named with the tensor and its two shapes) and a float dtype; and the network must not
     need more values than the checkpoint holds (the wrong ``model_type`` takes its
     architecture's defaults: a GPT-2 checkpoint read as a Llama describes 6.5 billion
     parameters; a task's head may add to the checkpoint's count)."""
-    header = _headers(weights)
     if header is None:
-        return None                                # transformers' own error says what is wrong
+        return                                     # transformers' own error says what is wrong
     config_file = weights.parent / "config.json"
-    held = max((int(m[1]) + 1 for m in map(LAYER_TENSOR.search, header) if m), default=0)
-    for name in LAYER_COUNTS:
-        n = getattr(hf_config, name, None)
-        if isinstance(n, int) and n > held:
-            raise ModelLoadError(f"{config_file}: {name} is {n}, but {weights} holds the "
-                                 f"tensors of {held} layer(s): config.json does not describe "
-                                 f"this checkpoint (is model_type right? was the layer count "
-                                 f"edited?)")
+    _check_layer_counts(lambda name: getattr(hf_config, name, None), header, weights)
     try:
         with torch.device("meta"):
             network = transformers.AutoModel.from_config(hf_config)
@@ -461,12 +495,10 @@ def _check_size(transformers, hf_config, weights: Path, kind: str) -> dict | Non
                              f"({first_line(e)})") from None
     prefix = getattr(network, "base_model_prefix", "")
     for name, p in network.named_parameters():
-        key = name if name in header else f"{prefix}.{name}"     # (the file's name for it)
+        key = _file_key(name, header, prefix)
         info, where = header.get(key, (None, None))
-        if info is not None and info.dtype not in FLOAT_DTYPES:
-            raise ModelLoadError(f"{where}: tensor {key!r} has dtype {info.dtype}, but weights "
-                                 f"must be floats ({', '.join(FLOAT_DTYPES)}): re-export the "
-                                 f"checkpoint")
+        if info is not None:
+            check_float(where, repr(key), info)
         if info is not None and info.shape != tuple(p.shape):
             raise ModelLoadError(f"{where}: tensor {key!r} is {info.shape} there, but "
                                  f"{config_file}'s sizes make it {tuple(p.shape)}: config.json "
@@ -479,7 +511,6 @@ def _check_size(transformers, hf_config, weights: Path, kind: str) -> dict | Non
                              f"{need:,} parameters, but {weights} holds {held:,} values: the "
                              f"checkpoint does not match config.json (is model_type right? are "
                              f"its sizes?)")
-    return header
 
 
 def _headers(weights: Path) -> dict | None:

@@ -43,7 +43,7 @@ import functools
 import torch
 
 from .._args import positive_int
-from .._device import available_memory, to_device, usable_device
+from .._device import free_memory, to_device, usable_device
 from .._dtypes import check_dtype
 from ..analysis.params import human_bytes
 
@@ -79,9 +79,8 @@ class _CacheBase:
         self.device = usable_device("device", device)
         need = slots * (self.num_kv_heads * (self.head_dim + self.value_dim)
                         * self.dtype.itemsize + 1)                      # k, v and valid
-        free = (None if self.device.type == "meta" or need <= 2**30     # (small: no query)
-                else available_memory(self.device))
-        if free is not None and need > free:
+        free = None if need <= 2**30 else free_memory(self.device)   # (small: no query)
+        if free is not None and need > free:                         # (None: not known)
             raise ValueError(f"{type(self).__name__}: {sizes} make {slots:,} token slots of "
                              f"{human_bytes(need // slots)} each, {human_bytes(need)} in all, "
                              f"but {self.device} has {human_bytes(free)} free: build a smaller "
@@ -266,7 +265,7 @@ class _CacheBase:
         if k.dtype != self.dtype or v.dtype != self.dtype:
             raise TypeError(f"cache update: k/v are {k.dtype}/{v.dtype}, the cache is {self.dtype}")
         if k.device != self.device or v.device != self.device:     # (a copy across would hide it)
-            raise ValueError(f"cache update: k/v are on {k.device}/{v.device}, the cache on "
+            raise TypeError(f"cache update: k/v are on {k.device}/{v.device}, the cache on "
                              f"{self.device}: build the cache on the module's device "
                              f"(module.make_cache does)")
         return self._check_valid(valid, n)
