@@ -57,11 +57,9 @@ class Setup:
                          ("batch", 1), ("eval_sequences", 1)):           # (frozen: set once)
             object.__setattr__(self, f, positive_int(f, getattr(self, f), least=least))
         offs = self.offsets
-        if not isinstance(offs, (tuple, list)) or len(offs) != 2:
-            raise ValueError(f"offsets must be two ints 0 < a < b < length ({self.length}): the "
-                             f"target is (x[t-a] + 2 * x[t-b]) mod vocab; got {offs!r:.60}")
-        a, b = (positive_int("each offset", o) for o in offs)
-        if not a < b < self.length:
+        pair = isinstance(offs, (tuple, list)) and len(offs) == 2
+        a, b = (positive_int("each offset", o) for o in offs) if pair else (0, 0)
+        if not 0 < a < b < self.length:
             raise ValueError(f"offsets must be two ints 0 < a < b < length ({self.length}): the "
                              f"target is (x[t-a] + 2 * x[t-b]) mod vocab; got {offs!r:.60}")
         object.__setattr__(self, "offsets", (a, b))

@@ -64,6 +64,7 @@ def round_down(x, digits: int = 2):
         return torch.floor(x.double() * scale + 1e-6) / scale
     return math.floor(x * scale + 1e-6) / scale
 
+
 SPECIAL = {"[CLS]", "[SEP]", "[PAD]", "[MASK]", "<s>", "</s>"}
 #: tokens that open a text (the ``cls`` metric) and close one (``sep``)
 OPENERS = {"[CLS]", "<s>", "<|begin_of_text|>"}

@@ -675,7 +675,7 @@ def uncalled(obj) -> str:
     """
     module = getattr(obj, "__module__", None) or ""
     if callable(obj) and not isinstance(obj, type) and module.startswith("multihead.masks"):
-        return f": call it: multihead.masks.{getattr(obj, '__name__', 'causal')}(...)"
+        return f": call it: multihead.masks.{obj.__name__}(...)"
     return ""
 
 

@@ -528,13 +528,14 @@ def _headers(weights: Path) -> dict | None:
     names = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(names, dict) or not all(isinstance(f, str) for f in names.values()):
         return None
+    files = []
     for f in sorted(set(names.values())):
         inside = os.path.normpath(f)                 # ("./a" is "a"; the directory itself ".")
         if os.path.isabs(f) or inside == "." or inside.split(os.sep)[0] == "..":
             raise ModelLoadError(f"{weights}: its weight_map names the shard {f!r}, outside the "
                                  f"model's directory: name the shards as files beside the index, "
                                  f"e.g. 'model-00001-of-00002.safetensors'")
-    files = [weights.parent / os.path.normpath(f) for f in sorted(set(names.values()))]
+        files.append(weights.parent / inside)
     if not all(f.is_file() for f in files):
         return None
     return {name: (info, f) for f in files for name, info in read_header(f).items()}

@@ -112,6 +112,7 @@ class PagedKVCache(_CacheBase):
         self._padded: set[int] = set()         # sequences written with `valid` (host flags)
         self._zero = torch.zeros((), dtype=torch.long, device=self.device)   # never written to
         self._ids = itertools.count()
+        self._frees = 0                        # sequences freed so far (a batch's check)
 
     # -- sequences ---------------------------------------------------------------------
     def add_sequence(self) -> int:
@@ -153,6 +154,7 @@ class PagedKVCache(_CacheBase):
             for t in self._slot_tensors():
                 self._clear(slots, t)
         self._free.extend(self._tables.pop(sid))
+        self._frees += 1
         del self._written[sid], self._real[sid]
         self._padded.discard(sid)
 
@@ -277,6 +279,7 @@ class PagedBatch(_CacheBase):
 
     def __init__(self, pool: PagedKVCache, ids: list[int]):
         self.pool, self.ids, self.batch_size = pool, ids, len(ids)
+        self._frees = pool._frees              # none of ids is freed before this count
         for a in ("num_kv_heads", "head_dim", "value_dim", "dtype", "device"):
             setattr(self, a, getattr(pool, a))
 
@@ -292,12 +295,16 @@ class PagedBatch(_CacheBase):
         return None if self.padded else [self.pool._written[s] for s in self.ids]
 
     def _check_live(self) -> None:
-        """Refuse a batch whose sequences were freed since it was made."""
+        """Refuse a batch whose sequences were freed since it was made (looked up only
+        when the pool freed any since the last look: a step asks several times)."""
+        if self._frees == self.pool._frees:
+            return
         gone = [s for s in self.ids if s not in self.pool._tables]
         if gone:
             raise ValueError(f"cache: sequence(s) {gone} of this PagedKVCache batch were freed "
                              f"(live sequences: {self.pool.sequences}); make a new batch of live "
                              f"ids with pool.batch([...])")
+        self._frees = self.pool._frees
 
     def check_compatible(self, *sizes) -> None:
         """Also refuses a batch whose sequences were freed since it was made."""
