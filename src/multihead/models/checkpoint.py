@@ -220,7 +220,15 @@ def check_header(path: Path, header: dict[str, TensorInfo], c: BertConfig, confi
 
 
 def check_float(path: Path, name: str, info: TensorInfo) -> None:
-    """Refuse a weight the header says is not a float (an integer, a bool, float8, complex)."""
+    """Refuse a weight the header says is not a float (an integer, a bool, float8, complex).
+
+    Example:
+        >>> check_float(Path("m.safetensors"), "w", TensorInfo("BF16", (2, 2)))
+        >>> check_float(Path("m.safetensors"), "w", TensorInfo("I32", (2, 2)))
+        Traceback (most recent call last):
+        ...
+        multihead.models._files.ModelLoadError: m.safetensors: tensor w has dtype I32, but weights must be floats (F16, BF16, F32, F64): re-export the checkpoint
+    """
     if info.dtype not in FLOAT_DTYPES:
         raise ModelLoadError(f"{path}: tensor {name} has dtype {info.dtype}, but weights must "
                              f"be floats ({', '.join(FLOAT_DTYPES)}): re-export the checkpoint")

@@ -209,6 +209,16 @@ class PagedKVCache(_CacheBase):
 
         Args:
             seq_ids: a list (or tuple) of distinct ids from :meth:`add_sequence`.
+
+        Example:
+            >>> pool = PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4)
+            >>> a, b = pool.add_sequence(), pool.add_sequence()
+            >>> pool.batch([b, a]).ids
+            [1, 0]
+            >>> pool.batch([True])
+            Traceback (most recent call last):
+            ...
+            TypeError: a sequence id is the int add_sequence() returned, got True (bool)
         """
         if not isinstance(seq_ids, (list, tuple)):
             raise TypeError(f"batch takes a list of sequence ids, got {seq_ids!r} "
