@@ -338,6 +338,22 @@ def test_is_causal_hint_is_ignored_when_weights_or_padding_need_the_mask():
         torch.testing.assert_close(a, ours(q, kv, kv, **plain))
 
 
+@torch.no_grad()
+def test_is_causal_hint_is_ignored_where_torchs_fused_kernel_runs():
+    """Self-attention in eval mode without gradients: torch's fused kernel applies attn_mask
+    and never reads the hint; a wrong hint gives torch's answer there too."""
+    t, ours = _pair(batch_first=True)
+    t.eval(), ours.eval()
+    x = torch.randn(B, L, E, generator=torch.Generator().manual_seed(6))
+    only_key_1 = torch.ones(L, L, dtype=torch.bool)
+    only_key_1[:, 1] = False                                # True = may not attend
+    kw = dict(attn_mask=only_key_1, is_causal=True, need_weights=False)
+    a, b = ours(x, x, x, **kw)[0], t(x, x, x, **kw)[0]
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    plain = ours(x, x, x, attn_mask=only_key_1, need_weights=False)[0]
+    torch.testing.assert_close(a, plain)
+
+
 # ------------------------------------------------------------------ TorchScript
 
 def _masks_seq_first():
@@ -502,6 +518,10 @@ def test_nested_inputs_torch_cannot_take_are_refused_clearly():
         _pair(batch_first=False)[1](x, x, x)
     with pytest.raises(ValueError, match="NestedTensor"):
         ours(x, x.to_padded_tensor(0.0), x)
+    # torch's fused kernel drops the hint (no causal mask) and nested inputs take no mask
+    with pytest.raises(ValueError, match="is_causal.*NestedTensor.*to_padded_tensor") as info:
+        ours(x, x, x, is_causal=True, need_weights=False)
+    assert isinstance(info.value, RuntimeError)
 
 
 # ------------------------------------------------------------------ memory layout

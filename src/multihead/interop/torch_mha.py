@@ -121,8 +121,9 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
     constructor or reached by ``module.to(...)``, is refused before any weight is made or
     projected, as ``TypeError`` and ``RuntimeError``.
     ``is_causal=True`` with ``need_weights=False`` and no ``key_padding_mask`` applies the
-    (upper-left) causal mask instead of ``attn_mask``, as torch does; otherwise ``attn_mask``
-    is used. NestedTensor inputs (``batch_first=True``, no masks) are padded, computed with a
+    (upper-left) causal mask instead of ``attn_mask`` where torch's slower path would run,
+    as torch does; where torch's fused inference kernel would run (see torch's docs), and
+    otherwise, ``attn_mask`` is used, so a wrong hint gives torch's result on either path. NestedTensor inputs (``batch_first=True``, no masks) are padded, computed with a
     key padding mask, and returned nested, with the padded-query rows of the weights zero.
 
     ``torch.jit.script`` or ``torch.jit.trace`` of this module, or of a module holding it
@@ -206,10 +207,15 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
         if query.is_nested or key.is_nested or value.is_nested:
             return self._forward_nested(query, key, value, key_padding_mask, need_weights,
                                         attn_mask, average_attn_weights, is_causal)
+        # torch's other path applies the causal mask in place of attn_mask when it returns no
+        # weights and has no padding mask; its fused kernel ignores the hint
         causal = is_causal and key_padding_mask is None and not need_weights
         unbatched = not _check_inputs(self, query, key, value, key_padding_mask, attn_mask,
                                       causal)
         fast = _takes_fast_path(self, query, key, value, key_padding_mask, attn_mask)
+        if causal and fast:
+            causal = False
+            _check_inputs(self, query, key, value, key_padding_mask, attn_mask, causal)
         if is_causal and attn_mask is None:
             raise _RuntimeArgError(
                 "Need attn_mask if specifying the is_causal hint (torch's rule): pass "
@@ -280,6 +286,14 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
                         average_attn_weights, is_causal):
         """Nested ``(N, L*, E)`` inputs: pad, mask the padded keys, and return nested output."""
         _check_nested(self, query, key, value, key_padding_mask, attn_mask)
+        if is_causal:
+            raise _RuntimeArgError(
+                "is_causal=True with NestedTensor inputs: torch's fused kernel ignores the hint "
+                "(no causal mask), and nested inputs take no attn_mask. For causal attention, "
+                "pad them (torch.nested.to_padded_tensor(x, 0.0)) and pass attn_mask="
+                "torch.nn.Transformer.generate_square_subsequent_mask(L) with a "
+                "key_padding_mask, or use multihead.MultiHeadAttention with "
+                "mask=multihead.masks.causal() & multihead.masks.padding(lengths)")
         q_len, kv_len, v_len = _lengths(query), _lengths(key), _lengths(value)
         if v_len != kv_len:
             raise _AssertionArgError(f"NestedTensor inputs to MultiheadAttention: key and value "

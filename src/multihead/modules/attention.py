@@ -24,7 +24,7 @@ from .._args import fraction, positive_int
 from .._dtypes import check_dtype, check_weights
 from .._tracing import eager_under_compile, refuse_jit_trace
 from ..masks.positioned import distances_in_tokens
-from ..functional import attention
+from ..functional import attention, registry
 from ..functional._call import as_mask
 from .kv_cache import KVCache
 from .loading import AllOrNothing
@@ -149,6 +149,12 @@ class MultiHeadAttention(AllOrNothing):
                              f"and values from one context, of width kdim; give kdim == vdim, or "
                              f"use multihead.nn.MultiheadAttention for separate key and value "
                              f"inputs of different widths")
+        if backend != "auto":
+            try:
+                registry.get(backend)
+            except ValueError as e:
+                raise ValueError(f"backend: {e} (or register it before building the module)") \
+                    from None
         self.dropout, self.backend, self.rope = float(dropout), backend, rope
         nq, nkv = H * Dh, Hkv * Dh
         fk = dict(device=device, dtype=check_dtype("dtype", dtype, optional=True))
@@ -283,6 +289,11 @@ class MultiHeadAttention(AllOrNothing):
                 raise TypeError(f"positions must be an int (the first of Sq consecutive "
                                 f"positions) or integer positions (Sq,) or (B, Sq) (a tensor, "
                                 f"list or array), got {positions!r:.60}") from None
+            if positions.dim() == 0:
+                raise TypeError(f"positions must be an int (the first of Sq consecutive "
+                                f"positions) or (Sq,) or (B, Sq) = ({Sq},) or ({B}, {Sq}) "
+                                f"positions, got the scalar {positions.tolist()!r:.40}: pass "
+                                f"an int, or one position per query")
             if positions.shape[-1:] != (Sq,) or positions.dim() not in (1, 2) or (
                     positions.dim() == 2 and positions.shape[0] not in (1, B)):
                 raise ValueError(f"positions must be an int (the first of Sq consecutive "
