@@ -94,9 +94,55 @@ def test_a_gradient_penalty_through_the_module():
     torch.testing.assert_close(pens["auto"], pens["reference"], atol=1e-9, rtol=1e-9)
 
 
-def test_forward_mode_ad_through_blocksparse_names_the_backend_that_has_it():
+def _plain(q, k, v, allowed):
+    """torch's own ops, whose forward-mode rules torch wrote: the oracle for tangents."""
+    scores = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "padding"])
+def test_forward_mode_ad_equals_torchs_own_ops(mask):
+    """jvp, jacfwd and dual tensors through auto: what torch's forward-mode rules give on
+    the formula written with plain ops (fp64), masked or not."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 2, 5, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    tq, tk, tv = (torch.randn_like(t) for t in (q, k, v))
+    m = {"none": None, "causal": M.causal(), "padding": M.padding(torch.tensor([5, 3]))}[mask]
+    allowed = torch.ones(2, 1, 5, 5, dtype=torch.bool) if m is None else m.materialize(5, 5)
+    ours = lambda q, k, v: mh.attention(q, k, v, mask=m)
+    _, want = torch.func.jvp(lambda *t: _plain(*t, allowed), (q, k, v), (tq, tk, tv))
+    _, got = torch.func.jvp(ours, (q, k, v), (tq, tk, tv))
+    torch.testing.assert_close(got, want)
+    with forward_ad.dual_level():
+        duals = [forward_ad.make_dual(t, d) for t, d in ((q, tq), (k, tk), (v, tv))]
+        assert "forward-mode derivatives" in str(mh.explain(*duals, mask=m))
+        torch.testing.assert_close(forward_ad.unpack_dual(ours(*duals)).tangent, want)
+    jac = torch.func.jacfwd(lambda q: ours(q, k, v))(q)           # (B, H, Sq, Dv, B, H, Sq, D)
+    torch.testing.assert_close(jac, torch.func.jacfwd(lambda q: _plain(q, k, v, allowed))(q))
+
+
+def test_forward_mode_ad_ignores_a_hidden_nan_key():
+    """The rule for non-finite inputs holds for tangents too: a NaN in a key no query may
+    see changes neither the output nor its tangent."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(1, 1, 4, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[0, 0, 3], v_bad[0, 0, 3] = float("nan"), float("nan")
+    pad = M.padding(torch.tensor([3]))
+    tangents = tuple(torch.randn_like(t) for t in (q, k, v))
+    f = lambda k, v: (lambda *t: mh.attention(*t, mask=pad))
+    _, want = torch.func.jvp(f(k, v), (q, k, v), tangents)
+    _, got = torch.func.jvp(f(k_bad, v_bad), (q, k_bad, v_bad), tangents)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", ["blocksparse", "sdpa"])
+def test_forward_mode_ad_through_a_fused_backend_names_the_backend_that_has_it(backend):
     q = torch.randn(1, 2, 64, 16)
     with forward_ad.dual_level():
         dual = forward_ad.make_dual(q, torch.randn_like(q))
-        with pytest.raises(RuntimeError, match="first-order only.*backend='reference'"):
-            mh.attention(dual, q, q, backend="blocksparse")
+        with pytest.raises(ValueError, match=f"backend='{backend}' cannot run this call: it "
+                                             f"gives no forward-mode derivatives"):
+            mh.attention(dual, q, q, backend=backend)
+        assert mh.attention(q, q, q, backend=backend).shape == q.shape   # no tangent: runs

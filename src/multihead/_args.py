@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import numbers
 
+#: the largest count a tensor's size or index can hold (int64)
+INT64_MAX = 2**63 - 1
+
 
 def positive_int(name: str, value, *, least: int = 1, hint: str = "") -> int:
-    """``value`` as an int of at least ``least``, or a ValueError naming ``name`` and
-    showing ``value`` (then ``hint``, what the number means or how to pick it).
+    """``value`` as an int of at least ``least`` and at most :data:`INT64_MAX` (every count
+    becomes a tensor size or index), or a ValueError naming ``name`` and showing ``value``
+    (then ``hint``, what the number means or how to pick it).
 
     Example:
         >>> import numpy as np
@@ -21,10 +25,17 @@ def positive_int(name: str, value, *, least: int = 1, hint: str = "") -> int:
         8
         >>> positive_int("n", 0, least=0)
         0
+        >>> positive_int("sliding_window size", 2**63)
+        Traceback (most recent call last):
+        ...
+        ValueError: sliding_window size must be at most 2**63 - 1 (an int64), got 9223372036854775808
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         what = "a positive int" if least == 1 else f"an int >= {least}"
         raise ValueError(f"{name} must be {what}, got {value!r:.60}" + (f": {hint}" if hint else ""))
+    if value > INT64_MAX:
+        raise ValueError(f"{name} must be at most 2**63 - 1 (an int64), got {value!r:.60}"
+                         + (f": {hint}" if hint else ""))
     return int(value)
 
 

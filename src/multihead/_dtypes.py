@@ -1,4 +1,6 @@
-"""The dtypes multihead computes attention in, and one check of a ``dtype`` argument.
+"""The dtypes multihead computes attention in, one check of a ``dtype`` argument, and one
+of a tensor's layout (sparse tensors have no views, reshapes or expands: refused where
+passed, not deep inside a kernel).
 
 A module, a cache, an additive mask or a loaded model made in another dtype would fail
 later, deep inside torch (float8 has no matmul or sum on most devices; an integer weight
@@ -66,3 +68,17 @@ def check_weights(dtype: torch.dtype) -> None:
         raise TypeError(f"the module's weights are {dtype}, which attention cannot compute in: "
                         f"convert the module with module.to(torch.bfloat16) (or another of "
                         f"{SUPPORTED_NAMES})")
+
+
+def check_strided(name: str, t: torch.Tensor) -> None:
+    """Refuse a sparse (or other non-strided) tensor with a TypeError naming ``name``.
+
+    Example:
+        >>> check_strided("q", torch.zeros(2, 2).to_sparse())
+        Traceback (most recent call last):
+        ...
+        TypeError: q is a torch.sparse_coo tensor; attention takes dense (strided) tensors: convert it with .to_dense()
+    """
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} is a {t.layout} tensor; attention takes dense (strided) "
+                        f"tensors: convert it with .to_dense()")

@@ -4,8 +4,11 @@ The ``reference`` backend computes attention with differentiable torch ops, so i
 gradients can be differentiated again (``create_graph=True``, gradient penalties,
 ``torch.autograd.functional.hessian``); ``blocksparse`` gives the same by recomputing the
 reference's gradients when a backward builds a graph. The Triton kernels' backward is
-first-order only, and forward-mode AD runs on ``reference`` (and ``sdpa``, as torch's own);
-the others raise this module's error at once instead of failing deep inside torch.
+first-order only and raises this module's error at once instead of failing deep inside
+torch; ``sdpa`` (``auto``'s usual choice) runs torch's fused kernels, whose backward torch
+cannot differentiate again (torch's error, as with ``F.scaled_dot_product_attention``).
+Forward-mode AD (jvp, jacfwd, dual tensors) runs on ``reference`` and ``rows``; the
+capability ``forward_ad`` keeps ``auto`` on them.
 """
 
 from __future__ import annotations

@@ -10,12 +10,19 @@ import math
 import numbers
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from .. import masks as M
 from .._args import fraction
-from .._dtypes import SUPPORTED_DTYPES
+from .._dtypes import SUPPORTED_DTYPES, check_strided
 from ..masks.base import uncalled
 from ..masks.structured import _offset
+
+
+def forward_ad_active() -> bool:
+    """A forward-mode AD level is open (``forward_ad.dual_level``), or a ``torch.func``
+    transform runs (``jvp`` opens its own): a cheap test before looking for tangents."""
+    return fwAD._current_level >= 0 or torch._C._are_functorch_transforms_active()
 
 
 def shape_str(t: torch.Tensor) -> str:
@@ -25,6 +32,7 @@ def shape_str(t: torch.Tensor) -> str:
 def _check_tensor(name: str, t, legend: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor {legend}, got {type(t).__name__}")
+    check_strided(name, t)
     if t.dim() != 4:
         hint = (" (for (B, S, E) inputs use multihead.MultiHeadAttention, or split heads with "
                 "x.view(B, S, H, D).transpose(1, 2))" if t.dim() == 3 else "")
@@ -82,6 +90,13 @@ class AttentionCall:
         bias_grad = self.mask is not None and self.mask.requires_grad
         return torch.is_grad_enabled() and (
             self.q.requires_grad or self.k.requires_grad or self.v.requires_grad or bias_grad)
+
+    @property
+    def forward_ad(self) -> bool:
+        """Whether q, k or v carries a forward-mode tangent (``torch.func.jvp``, ``jacfwd``,
+        a ``torch.autograd.forward_ad`` dual tensor)."""
+        return forward_ad_active() and any(
+            fwAD.unpack_dual(t).tangent is not None for t in (self.q, self.k, self.v))
 
     def memo(self, name: str, compute):
         """A fact derived from this call, computed once (backends cache their analyses here)."""

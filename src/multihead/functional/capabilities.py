@@ -57,6 +57,9 @@ class Capabilities:
             (triton): functorch's wrapped tensors allow none of these.
         cross_attention: accepts Sq != Sk.
         backward: gives gradients (a call that needs them goes elsewhere when it does not).
+        forward_ad: gives forward-mode derivatives (``torch.func.jvp``, ``jacfwd``,
+            ``torch.autograd.forward_ad`` dual tensors); False where torch's fused kernels
+            or our own autograd Functions have no forward-mode rule.
 
     Example:
         >>> Capabilities(devices=frozenset({"cuda"}), lse=True).lse
@@ -76,6 +79,7 @@ class Capabilities:
     transforms: bool = True
     cross_attention: bool = True
     backward: bool = True
+    forward_ad: bool = True
 
     def reasons(self, call: AttentionCall, device_type: str) -> list[str]:
         """Why this backend cannot run ``call`` on ``device_type`` (empty when it can).
@@ -116,6 +120,8 @@ class Capabilities:
                 out.append("gives no gradient w.r.t. a bias tensor")
         if not self.backward and call.requires_grad:
             out.append("has no backward (gradients are needed)")
+        if not self.forward_ad and call.forward_ad:
+            out.append("gives no forward-mode derivatives (jvp, jacfwd, dual tensors)")
         if not self.traceable and torch.compiler.is_compiling():
             out.append("is not traceable by torch.compile (a data-dependent host loop)")
         if not self.transforms and torch._C._are_functorch_transforms_active():

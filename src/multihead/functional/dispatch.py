@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from .. import masks as M
 from .._cache import BoundedCache
@@ -123,7 +124,8 @@ def _describe(call: AttentionCall) -> str:
              + (" (allows every pair: dropped)" if call.mask is not None and mask is None else "")]
     wants = [w for w, on in (("weights", call.return_weights), ("lse", call.return_lse),
                              (f"dropout {call.dropout_p}", call.dropout_p > 0),
-                             ("gradients", call.requires_grad)) if on]
+                             ("gradients", call.requires_grad),
+                             ("forward-mode derivatives", call.forward_ad)) if on]
     if wants:
         parts.append("needs " + ", ".join(wants))
     return "; ".join(parts)
@@ -193,7 +195,7 @@ def _structure(call: AttentionCall):
     q, Sq, Sk = call.q, call.Sq, call.Sk
     return (_bucket(call.B), call.H, call.Hkv, call.D, call.Dv, _bucket(Sq), _bucket(Sk),
             Sq == 1, Sq == Sk, Sq < Sk, q.dtype, q.device, call.dropout_p > 0,
-            call.return_weights, call.return_lse, call.requires_grad, shape,
+            call.return_weights, call.return_lse, call.requires_grad, call.forward_ad, shape,
             profiles.generation, registry.generation)
 
 
@@ -345,6 +347,7 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
                    scale.__class__, dropout_p, dropout_p.__class__, backend, return_weights,
                    return_weights.__class__, return_lse, return_lse.__class__,
                    torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad,
+                   fwAD._current_level,
                    profiles.generation, registry.generation)
             hash(key)
         except (AttributeError, TypeError):         # the miss path says what is wrong

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .._args import positive_int
+from .._dtypes import check_strided
 from .._device import free_memory
 from ..analysis.params import human_bytes
 from .base import Index, Mask, TileIndex, versioned
@@ -131,6 +132,7 @@ def _as_long_1d_or_2d(x, name: str) -> torch.Tensor:
     except (TypeError, ValueError, RuntimeError, OverflowError):    # a str, a None inside, ...
         raise TypeError(f"{name} must be integers (a list or an integer tensor), got "
                         f"{x!r:.60} ({type(x).__name__})") from None
+    check_strided(name, t)
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
     if t.dim() not in (1, 2):
@@ -168,6 +170,7 @@ class Padding(Mask):
             raise ValueError(f"side must be 'key' or 'query', got {side!r}")
         self.side = side
         t = torch.as_tensor(lengths_or_mask)
+        check_strided("padding", t)
         if t.dtype == torch.bool:
             if t.dim() != 2:
                 raise ValueError(f"padding: a bool mask must be (B, S) with True = real token, "

@@ -12,11 +12,13 @@ import math
 import torch
 
 from .._args import positive_int
+from .._dtypes import check_strided
 from .._device import to_device
 from .base import Index, Mask, TileIndex, _dims
 
 
 def _as_4d(t: torch.Tensor, name: str) -> torch.Tensor:
+    check_strided(name, t)
     if t.dim() == 0 or t.dim() > 4:
         raise ValueError(f"{name} must have 1 to 4 dims broadcastable to (B, H, Sq, Sk), "
                          f"got shape {_dims(t)}")

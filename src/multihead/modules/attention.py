@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import masks
 from .._args import fraction, positive_int
-from .._dtypes import check_dtype, check_weights
+from .._dtypes import check_dtype, check_strided, check_weights
 from .._tracing import eager_under_compile, refuse_jit_trace
 from ..masks.positioned import distances_in_tokens
 from ..functional import attention, registry
@@ -226,6 +226,7 @@ class MultiHeadAttention(AllOrNothing):
     def _check_input(self, name: str, t, width: int) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor (B, S, {width}), got {type(t).__name__}")
+        check_strided(name, t)
         if t.dim() != 3 or t.shape[-1] != width:
             raise ValueError(f"{name} must be (B, S, {width}), got shape {tuple(t.shape)}"
                              + (" (add a batch dim with x.unsqueeze(0))" if t.dim() == 2 else ""))

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from ..._cache import BoundedCache
-from ..._second_order import second_order_message
 from ...masks.base import Index, bias_as
 from .._call import AttentionCall
 from ..capabilities import Capabilities
@@ -314,7 +313,8 @@ class _BlockSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, *tangents):
-        raise RuntimeError(second_order_message("blocksparse", "forward-mode AD (jvp, jacfwd)"))
+        raise RuntimeError("the blocksparse backend gives no forward-mode derivatives (jvp, "
+                           "jacfwd, dual tensors): pass backend='reference'")
 
 
 #: per (query, key) pair the kernel computes: fp32 bytes of its elementwise passes over the
@@ -350,7 +350,7 @@ def _work(call: AttentionCall, est: _tiles.Estimate) -> Work:
 class BlockSparse(Backend):
     name = "blocksparse"
     summary = "tiled online softmax that skips the tiles a mask rules out; returns lse"
-    capabilities = Capabilities(lse=True, traceable=False, transforms=False)
+    capabilities = Capabilities(lse=True, traceable=False, transforms=False, forward_ad=False)
 
     def plan(self, call, profile):
         est = _tiles.estimate(call)

@@ -167,7 +167,7 @@ class TritonFlash(Backend):
                                 max_head_dim=256, lse=True,
                                 masks=frozenset({"causal", "window", "padding", "document",
                                                  "dense", "bias", "alibi"}),
-                                transforms=False)
+                                transforms=False, forward_ad=False)
 
     def check(self, call):
         band = _band(call)

@@ -43,7 +43,7 @@ def _segments(call: AttentionCall):
 def _find_segments(call: AttentionCall):
     seg = call.effective_mask.segments(call.B)                       # (documents, 3) host
     if seg is None:
-        return "document ids are not contiguous runs (an id occurs in two separate places)"
+        return "needs document ids in contiguous runs (an id occurs in two separate places)"
     b, first, length = seg.unbind(1)
     return b * call.Sk + first, length
 
@@ -125,7 +125,8 @@ class VarLen(Backend):
     zero_rows_for_nan_scores = True         # torch's fused kernel (see nonfinite)
     summary = "packed documents: one fused SDPA call per group of equal-length documents"
     capabilities = Capabilities(masks=frozenset({"document"}), compositions=False,
-                                cross_attention=False, dropout=True, traceable=False)
+                                cross_attention=False, dropout=True, traceable=False,
+                                forward_ad=False)
 
     def check(self, call):
         m = call.effective_mask
