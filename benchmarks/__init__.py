@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+
+
+def no_options(doc: str) -> None:
+    """The command line of a script that takes no options: ``--help`` prints ``doc`` and
+    exits; anything else is refused (exit 2) instead of starting a long run.
+
+    Example:
+        >>> no_options.__name__
+        'no_options'
+    """
+    argparse.ArgumentParser(description=doc,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 
 
 def save_json(path: str | None, data) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import multihead as mh
+from benchmarks import no_options
 from multihead.bench.measure import describe, measure
 
 
@@ -115,4 +116,5 @@ def main():
 
 
 if __name__ == "__main__":
+    no_options(__doc__)
     main()

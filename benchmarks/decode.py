@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import multihead as mh
+from benchmarks import no_options
 from benchmarks.core import machine, timeit
 from multihead.bench.peers import hf_gqa_eager as hf_eager, repeat_kv
 
@@ -71,4 +72,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    no_options(__doc__)
     main()

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from benchmarks import no_options
 from benchmarks.core import machine, timeit
 from multihead.bench.corpus import corpus
 from multihead.bench.peers import hf_embed
@@ -66,4 +67,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    no_options(__doc__)
     main()

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import multihead as mh
+from benchmarks import no_options
 from benchmarks.core import machine, timeit
 
 
@@ -40,4 +41,5 @@ def main():
 
 
 if __name__ == "__main__":
+    no_options(__doc__)
     main()

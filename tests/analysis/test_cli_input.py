@@ -179,6 +179,14 @@ def test_version_and_python_dash_m(capsys):
     assert run.returncode == 0 and json.loads(run.stdout)["params_match_module"]
 
 
+@pytest.mark.parametrize("command", ["params", "inspect", "bench"])
+def test_an_unknown_option_is_reported_by_its_subcommand(command, capsys):
+    """Its help, not the top level's, lists the options the subcommand takes."""
+    assert main([command, "--bogus"]) == 2
+    assert capsys.readouterr().err == (f"multihead {command}: error: unrecognized arguments: "
+                                       f"--bogus (see multihead {command} --help)\n")
+
+
 @pytest.mark.parametrize("argv,option", [
     (["demo", "heads", "--quick", "--out", ""], "--out"),
     (["bench", "--out", ""], "--out"),

@@ -114,6 +114,24 @@ def test_a_look_at_the_next_token_is_not_called_long_range(capsys):
     assert "strongest long-range head from the query token: " in capsys.readouterr().out
 
 
+def test_the_headline_shows_the_weight_its_table_row_shows(capsys):
+    """Both cut to two decimals (the default text's L3H1 weighs 0.6768: 0.67 in both)."""
+    import re
+    assert main(["inspect"]) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"query token: (L\d+H\d+): it →\s+animal\s+(\d\.\d\d)", out)
+    head, weight = found.groups()                            # (the console wraps at 80)
+    row = next(ln for ln in out.splitlines() if ln.startswith(f"│ {head} "))
+    assert [c.strip() for c in row.split("│")[1:-1]][2] == weight
+
+
+def test_a_text_with_no_other_word_says_so(capsys):
+    assert main(["inspect", "hi"]) == 0
+    out = capsys.readouterr().out
+    assert "Heads attending most from 'hi' (token 1): none to show" in out
+    assert "from → to" not in out                            # no empty table
+
+
 def test_format_without_out_is_refused(capsys):
     assert main(["inspect", "--format", "png"]) == 2
     err = capsys.readouterr().err

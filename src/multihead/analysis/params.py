@@ -178,24 +178,25 @@ def human_bytes(n: float) -> str:
     """``1536 -> '1.5 KiB'``.
 
     Example:
-        >>> human_bytes(3 * 2**30)
-        '3.0 GiB'
+        >>> human_bytes(3 * 2**30), human_bytes(2**67)
+        ('3.0 GiB', '128.0 EiB')
     """
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
+    for unit in units:
+        if abs(n) < 1024 or unit == units[-1]:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def human_count(n: float) -> str:
     """``12_582_912 -> '12.58M'``.
 
     Example:
-        >>> human_count(12_582_912), human_count(950)
-        ('12.58M', '950')
+        >>> human_count(12_582_912), human_count(950), human_count(2.4e17)
+        ('12.58M', '950', '240.00P')
     """
-    for unit, f in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+    for unit, f in (("Y", 1e24), ("Z", 1e21), ("E", 1e18), ("P", 1e15), ("T", 1e12),
+                    ("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= f:
             return f"{n / f:.2f}{unit}"
     return str(int(n))

@@ -34,6 +34,11 @@ def show(result, console, full: bool = False) -> None:
     console.print("text: " + _text(c.text), soft_wrap=True)
 
     back = ", to earlier tokens only" if c.causal else ""
+    if not result.looks:
+        other = "earlier token" if c.causal else "other token"
+        console.print(f"Heads attending most from {_text(repr(toks[result.query]))} (token "
+                      f"{result.query}): none to show, the text has no {other} to look at "
+                      f"besides special tokens; give a longer text")
     q = Table(title=f"Heads attending most from {_text(repr(toks[result.query]))} "
                     f"(token {result.query}{back})", title_justify="left")
     for col in ("head", "from → to", "weight", "distance"):
@@ -43,7 +48,8 @@ def show(result, console, full: bool = False) -> None:
         q.add_row(f"L{k.layer}H{k.head}", _text(f"{toks[result.query]} → {toks[k.target]}"),
                   f"{round_down(k.weight):.2f}", str(k.distance(result.query)),
                   style="bold green" if far and k.weight >= 0.5 else None)
-    console.print(q)
+    if result.looks:
+        console.print(q)
 
     table, roles = result.metrics.table(), result.metrics.roles()
     na = result.metrics.not_applicable()

@@ -37,13 +37,24 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
 
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, but an option no parser knows is reported by the subcommand's parser
+        (``multihead params: error: ...``), whose help lists the options it takes."""
+        args, extra = self.parse_known_args(args, namespace)
+        if extra:
+            subcommands = getattr(self, "subcommands", None)
+            owner = subcommands.choices.get(getattr(args, "command", None)) if subcommands \
+                else None
+            (owner or self).error(f"unrecognized arguments: {' '.join(extra)}")
+        return args
+
 
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
     p = _Parser(prog="multihead", description="Multi-head attention: see what the heads of a "
                 "real model do, and check the seeds' claims.")
     p.add_argument("--version", action="version", version=f"multihead {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.subcommands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for mod in SUBCOMMANDS.values():
         mod.add_parser(sub)
     return p

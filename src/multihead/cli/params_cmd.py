@@ -152,7 +152,7 @@ def _print_table(rows, variants, focus, args, hb, hc) -> None:
     from rich.table import Table
     con = console(markup=False)
     t = Table(title=f"Seed 003's configurations (n={args.seq}, {args.dtype})", title_justify="left")
-    for col in ("model", "d", "h", "h_kv", "d_k", "layers", "params/layer", "= 4d²", "module",
+    for col in ("model", "d", "h", "h_kv", "d_k", "layers", "params/layer", "= 4d²\n(+4d)", "module",
                 "KV/token", "scores/layer"):
         t.add_column(col, justify="left" if col == "model" else "right")
     for r in rows:
@@ -164,7 +164,9 @@ def _print_table(rows, variants, focus, args, hb, hc) -> None:
                   "ok" if r["params_match_module"] else "MISMATCH",
                   hb(r["kv_cache_bytes_per_token"]), hb(r["naive_scores_bytes_per_layer_per_sequence"]))
     con.print(t)
-    con.print("params/layer by the formula; module = the same count from sum(p.numel()) of a real "
+    con.print("params/layer by the formula; = 4d² (+4d): the count MHA with d_k = d/h has (4d² "
+              "weights, + 4d biases where the model has biases); module = the same count from "
+              "sum(p.numel()) of a real "
               "MultiHeadAttention; KV/token over all layers; scores/layer = the h·n² matrix naive "
               "attention materializes per sequence.", style="dim")
     v = Table(title=f"{focus.name or 'this model'}: the KV cache as MHA, GQA and MQA "

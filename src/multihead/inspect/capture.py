@@ -18,7 +18,7 @@ import torch
 
 from .._device import available_memory
 from ..analysis.params import human_bytes
-from .metrics import all_finite, is_special
+from .metrics import all_finite, is_special, round_down
 
 #: the tokens tokenizers write for text their vocabulary lacks (any such text); a model's
 #: tokenizer may name its own
@@ -314,8 +314,14 @@ class Look:
         return self.distance(query) > 1
 
     def label(self, tokens: list[str], query: int) -> str:
-        """``"L3H1: it → animal 0.68"``."""
-        return f"L{self.layer}H{self.head}: {tokens[query]} → {tokens[self.target]} {self.weight:.2f}"
+        """``"L3H1: it → animal 0.67"`` (the weight cut to two decimals, as every shown score).
+
+        Example:
+            >>> Look(3, 1, 1, 0.6768).label(["it", "animal"], 0)
+            'L3H1: it → animal 0.67'
+        """
+        weight = round_down(self.weight)
+        return f"L{self.layer}H{self.head}: {tokens[query]} → {tokens[self.target]} {weight:.2f}"
 
 
 def headline(looks: list[Look], query: int, tokens: list[str] | None = None) -> Look | None:

@@ -55,14 +55,26 @@ def round_down(x, digits: int = 2):
     exactly when the value does (0.4996 shows as 0.49, not as a 0.50 that "should" be a
     role). Shown scores and the JSON's metrics use it.
 
+    Values computed in float32 (weights, metrics) are read as the two-decimal number they
+    stand for: float32 stores 0.7 as 0.69999998, which shows as 0.70, while its largest
+    value below 0.5 (0.49999997) still shows as 0.49.
+
     Example:
-        >>> round_down(0.4996), round_down(torch.tensor([0.29, 0.49999997]), 2).tolist()
-        (0.49, [0.29, 0.49])
+        >>> round_down(0.4996), round_down(torch.tensor([0.29, 0.7, 0.49999997]), 2).tolist()
+        (0.49, [0.29, 0.7, 0.49])
+        >>> round_down(float(torch.tensor(0.78)))       # float32: 0.77999997
+        0.78
     """
-    scale = 10 ** digits                 # (+1e-6: float32's 0.29 is 0.2899999916, shown 0.29;
-    if isinstance(x, torch.Tensor):      # float32's largest below 0.5 or 0.8 stays below)
-        return torch.floor(x.double() * scale + 1e-6) / scale
-    return math.floor(x * scale + 1e-6) / scale
+    scale = 10 ** digits
+    if isinstance(x, torch.Tensor):
+        return torch.floor((x.double() + FLOAT32_SLACK) * scale) / scale
+    return math.floor((x + FLOAT32_SLACK) * scale) / scale
+
+
+#: float32 stores a two-decimal value in [0, 1] at most 2.87e-8 below it (0.78); its
+#: largest value below 0.5 is 2.98e-8 below: a slack between the two reads the first as
+#: the value it stands for and keeps the second below the threshold
+FLOAT32_SLACK = 2.93e-8
 
 
 SPECIAL = {"[CLS]", "[SEP]", "[PAD]", "[MASK]", "<s>", "</s>"}
