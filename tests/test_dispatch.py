@@ -492,3 +492,18 @@ def test_a_choice_one_calls_content_cannot_use_stays_for_the_calls_that_can():
         assert ran[-1] == "varlen"
     finally:
         mock.patch.stopall()
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compiled_attention_follows_changing_head_counts(dynamic):
+    """Heads that change between calls become symbolic: the fused kernel's GQA flag must
+    still be a plain bool (MHA, GQA and MQA in one compiled function)."""
+    torch._dynamo.reset()
+    f = torch.compile(mh.attention, backend="eager", fullgraph=True, dynamic=dynamic)
+    g = torch.Generator().manual_seed(5)
+    for H, Hkv in ((4, 4), (8, 2), (2, 1)):
+        q = torch.randn(2, H, 16, 8, generator=g)
+        k, v = (torch.randn(2, Hkv, 16, 8, generator=g) for _ in range(2))
+        for mask in (None, mh.masks.causal()):
+            torch.testing.assert_close(f(q, k, v, mask=mask),
+                                       mh.attention(q, k, v, mask=mask, backend="reference"))

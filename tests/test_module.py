@@ -216,6 +216,16 @@ def test_torch_compile_fullgraph_parity():
     torch.testing.assert_close(compiled(x, mask=mh.masks.causal()), m(x, mask=mh.masks.causal()))
 
 
+def test_torch_compile_fullgraph_training_with_weights():
+    """The reference backend (what returns weights) traces in one graph with gradients."""
+    m = mh.MultiHeadAttention(32, 4, num_kv_heads=2)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    step = lambda x: m(x, mask=mh.masks.causal(), return_weights=True)[1].square().sum()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    want = torch.autograd.grad(step(x), x)[0]
+    torch.testing.assert_close(torch.autograd.grad(compiled(x), x)[0], want)
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_seed_tutorial_parity(masked):
     torch.manual_seed(0)

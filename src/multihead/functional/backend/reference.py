@@ -52,17 +52,25 @@ class _Product(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs)
-        ctx.save_for_forward(*inputs)
 
     @staticmethod
     def backward(ctx, grad):
         a, b = (t.nan_to_num(0.0, 0.0, 0.0) for t in ctx.saved_tensors)
         return grad @ b.transpose(-2, -1), a.transpose(-2, -1) @ grad
 
+
+class _TangentProduct(_Product):
+    """:class:`_Product` with forward-mode AD (jvp, jacfwd, dual tensors), used only where a
+    tangent is present: torch.compile cannot trace a Function that defines ``jvp``."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
+
     @staticmethod
     def jvp(ctx, da, db):
-        """Forward-mode AD (jvp, jacfwd): ``da @ b + a @ db``, non-finite entries read as 0
-        as in the backward."""
+        """``da @ b + a @ db``, non-finite entries read as 0 as in the backward."""
         a, b = (t.nan_to_num(0.0, 0.0, 0.0) for t in ctx.saved_tensors)
         out = None
         if da is not None:
@@ -95,7 +103,8 @@ class Reference(Backend):
         q, k, v = q.to(work), k.to(work), v.to(work)
         k = k.repeat_interleave(call.group, dim=1)                    # (B, H, Sk, D)
         v = v.repeat_interleave(call.group, dim=1)                    # (B, H, Sk, Dv)
-        scores = _Product.apply(q, k.transpose(-2, -1)) * call.scale  # (B, H, Sq, Sk)
+        product = _TangentProduct.apply if call.forward_ad else _Product.apply
+        scores = product(q, k.transpose(-2, -1)) * call.scale         # (B, H, Sq, Sk)
         allowed, bias = mask_terms(call, q.device)
         if bias is not None:
             scores = scores + bias_as(bias, work)
@@ -104,7 +113,7 @@ class Reference(Backend):
         weights, lse = safe_softmax(scores)
         if call.dropout_p > 0:
             weights = torch.nn.functional.dropout(weights, p=call.dropout_p)
-        out = _Product.apply(weights, v)                              # (B, H, Sq, Dv)
+        out = product(weights, v)                                     # (B, H, Sq, Dv)
         dt = call.q.dtype
         return (out.to(dt), weights.to(dt) if call.return_weights else None,
                 lse if call.return_lse else None)

@@ -168,7 +168,8 @@ class SDPA(Backend):
             out = out.reshape(B, H, Sq, call.Dv)                          # (B, H, Sq, Dv)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                                 enable_gqa=G > 1, **kw)
+                                                 enable_gqa=True if G > 1 else False,  # a bool,
+                                                 **kw)         # also where G is symbolic
         if row_ok is not None:
             out = out * row_ok.to(out.dtype)
         return out.to(call.q.dtype), None, None

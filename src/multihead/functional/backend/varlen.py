@@ -193,7 +193,9 @@ class VarLen(Backend):
                 keys = None if bucket.exact else keep[:, None, None, :]  # (n, 1, 1, L)
             og = F.scaled_dot_product_attention(
                 qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=keys,
-                dropout_p=call.dropout_p, scale=call.scale, enable_gqa=H != Hkv)  # (n, H, L, Dv)
+                dropout_p=call.dropout_p, scale=call.scale,
+                enable_gqa=True if H != Hkv else False)    # a bool, also where H is symbolic
+                                                           # og: (n, H, L, Dv)
             og = og.transpose(1, 2).reshape(n * L, H, Dv)              # (n*L, H, Dv)
             if bucket.contiguous:
                 out[s0:s0 + n * L] = og
