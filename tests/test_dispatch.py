@@ -507,3 +507,14 @@ def test_compiled_attention_follows_changing_head_counts(dynamic):
         for mask in (None, mh.masks.causal()):
             torch.testing.assert_close(f(q, k, v, mask=mask),
                                        mh.attention(q, k, v, mask=mask, backend="reference"))
+
+
+@pytest.mark.parametrize("mask", [None, M.sliding_window(64), M.document(torch.arange(600) // 100)])
+def test_an_explanation_can_be_copied_and_saved(mask):
+    """Its plans hold caches (with locks): copies and pickles carry them empty."""
+    import copy
+    import pickle
+    q = torch.randn(1, 2, 600, 16)
+    e = mh.explain(q, q, q, mask=mask, backend="blocksparse")
+    for twin in (pickle.loads(pickle.dumps(e)), copy.deepcopy(e)):
+        assert str(twin) == str(e) and twin.chosen == "blocksparse"

@@ -289,3 +289,15 @@ def test_from_torch_names_the_drop_in_once():
         with pytest.raises(ValueError, match=r"^from_torch: ") as info:
             mh.MultiHeadAttention.from_torch(torch_module)
         assert str(info.value).count("multihead.nn.MultiheadAttention") == 1, info.value
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_dynamic_quantization_of_a_model_around_the_module():
+    """quantize_dynamic swaps every nn.Linear for a packed one; the module's out_proj, whose
+    weight its forward reads, stays float (as torch's own MHA does) and the model runs."""
+    net = torch.nn.Sequential(mh.MultiHeadAttention(32, 4, num_kv_heads=2), torch.nn.Linear(32, 8))
+    net.eval()
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(2))
+    quantized = torch.ao.quantization.quantize_dynamic(net, {torch.nn.Linear}, dtype=torch.qint8)
+    assert type(quantized[1]) is not torch.nn.Linear                     # the Linear was packed
+    torch.testing.assert_close(quantized(x), net(x), atol=0.05, rtol=0.05)

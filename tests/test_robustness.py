@@ -194,3 +194,70 @@ def test_the_cache_counts_each_storage_once_and_survives_cycles():
     for n in nodes:
         n.others = nodes                                          # 200-wide cycles
     assert nbytes(nodes[0]) == 0
+
+
+# ------------------------------------------------------------------ torch's defaults
+
+_HOST_MASKS = {
+    "causal": lambda: mh.masks.causal(),
+    "padding": lambda: mh.masks.padding(torch.tensor([30, 40])),
+    "documents": lambda: mh.masks.document(torch.arange(40) // 13),
+    "scattered documents": lambda: mh.masks.document(torch.tensor([0, 0, 1, 1, 0, 0] * 6 + [2] * 4)),
+    "alibi and window": lambda: mh.masks.alibi(4) & mh.masks.sliding_window(5),
+}
+
+
+@pytest.mark.parametrize("name", _HOST_MASKS)
+@pytest.mark.parametrize("backend", ["auto", "blocksparse", "rows", "sdpa", "varlen"])
+def test_another_default_device_does_not_move_the_host_work(name, backend):
+    """``torch.set_default_device`` (here a ``torch.device`` context) changes where tensors
+    made without a device go: the plans, runs and tiles worked out on the host must stay on
+    it (a meta default device stands for a GPU one; its tensors hold no data, so work that
+    strayed there fails)."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, h, 40, 16, generator=g) for h in (4, 2, 2))
+    mask = _HOST_MASKS[name]()
+    want = oracle(q, k, v, mask)
+    try:
+        with torch.device("meta"):
+            out = mh.attention(q, k, v, mask=mask, backend=backend)
+            assert mh.explain(q, k, v, mask=mask, backend=backend).chosen
+    except ValueError as e:                       # a backend that cannot run this mask
+        assert "cannot run this call" in str(e) and backend != "auto"
+        return
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)
+
+
+def test_another_default_device_and_dtype_through_the_module_and_caches():
+    """Positions given as a list and the caches' host bookkeeping stay on the host; a cache
+    built without a dtype takes torch's default dtype, as the module's parameters do."""
+    g = torch.Generator().manual_seed(9)
+    m = mh.MultiHeadAttention(32, 4, num_kv_heads=2, rope=mh.RotaryEmbedding(8))
+    x = torch.randn(2, 12, 32, generator=g)
+    full = m(x, mask=mh.masks.causal())
+    rotated = m(x[:, 3:6], positions=torch.arange(3, 6))
+    with torch.device("meta"):
+        torch.testing.assert_close(m(x[:, 3:6], positions=[3, 4, 5]), rotated)
+        cache = m.make_cache(batch_size=2, max_len=16)
+        steps = [m(x[:, :9], cache=cache, mask=mh.masks.causal())]
+        steps += [m(x[:, i:i + 1], cache=cache, mask=mh.masks.causal()) for i in range(9, 12)]
+        pool = mh.PagedKVCache(num_pages=8, page_size=16, num_kv_heads=2, head_dim=8,
+                               device="cpu")
+        ids = [pool.add_sequence(), pool.add_sequence()]
+        paged = [m(x[:, :9], cache=pool.batch(ids), mask=mh.masks.causal())]
+        paged += [m(x[:, i:i + 1], cache=pool.batch(ids), mask=mh.masks.causal())
+                  for i in range(9, 12)]
+        pool.free(ids[0])
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(paged, 1), full, atol=1e-5, rtol=1e-5)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        m64 = mh.MultiHeadAttention(32, 4, num_kv_heads=2)
+        pool = mh.PagedKVCache(num_pages=4, page_size=16, num_kv_heads=2, head_dim=8)
+        assert mh.KVCache(2, 8, 2, 8).dtype == pool.dtype == torch.float64
+        y = m64(torch.randn(1, 3, 32), cache=pool.batch([pool.add_sequence()]),
+                mask=mh.masks.causal())
+        assert y.dtype == torch.float64
+    finally:
+        torch.set_default_dtype(previous)

@@ -137,6 +137,14 @@ class BoundedCache:
         self._lock = threading.Lock()
         self._noted: set | None = set() if keep_on_repeat else None   # keys put once
 
+    def __getstate__(self):
+        """Copied or pickled empty (what it holds is recomputed on use; a lock cannot be
+        pickled): a plan or an ``explain()`` result that holds one can be saved."""
+        return self.max_entries, self.max_bytes, self._noted is not None
+
+    def __setstate__(self, state):
+        self.__init__(*state)
+
     def __contains__(self, key) -> bool:
         with self._lock:
             return key in self._data

@@ -318,7 +318,7 @@ def _check_documents(fn, docs, B, Sq, Sk, offset) -> None:
 def _covers(docs, B, Sq) -> bool:
     """Whether the rows (b, first, length) tile each of B sequences of Sq tokens once."""
     b, first, n = docs.long().unbind(1)
-    covered = torch.zeros(B, Sq + 1, dtype=torch.long)
+    covered = torch.zeros(B, Sq + 1, dtype=torch.long, device=docs.device)
     ok = bool(((b >= 0) & (b < B) & (first >= 0) & (n >= 0) & (first + n <= Sq)).all())
     if ok:
         covered.index_put_((b, first), torch.ones_like(b), accumulate=True)
@@ -607,7 +607,7 @@ def document_blocks(docs: torch.Tensor, block: int) -> torch.Tensor:
     count = (docs[:, 2] + block - 1) // block                            # (n,) blocks each
     rows = docs.repeat_interleave(count, dim=0)                          # (E, 3)
     before = torch.cumsum(count, 0) - count                              # (n,) first entry
-    local = torch.arange(len(rows)) - before.repeat_interleave(count)   # (E,) block in doc
+    local = torch.arange(len(rows), device=docs.device) - before.repeat_interleave(count)  # (E,)
     return torch.cat([rows, (local * block)[:, None]], 1).to(torch.int32)
 
 

@@ -128,7 +128,7 @@ def sliding_window(size: int, *, align: str = "lower_right") -> Window:
 
 def _as_long_1d_or_2d(x, name: str) -> torch.Tensor:
     try:
-        t = torch.as_tensor(x)
+        t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x, device="cpu")  # a list: host
     except (TypeError, ValueError, RuntimeError, OverflowError):    # a str, a None inside, ...
         raise TypeError(f"{name} must be integers (a list or an integer tensor), got "
                         f"{x!r:.60} ({type(x).__name__})") from None
@@ -169,7 +169,8 @@ class Padding(Mask):
         if side not in ("key", "query"):
             raise ValueError(f"side must be 'key' or 'query', got {side!r}")
         self.side = side
-        t = torch.as_tensor(lengths_or_mask)
+        t = lengths_or_mask if isinstance(lengths_or_mask, torch.Tensor) else \
+            torch.as_tensor(lengths_or_mask, device="cpu")           # a list: host lengths
         check_strided("padding", t)
         if t.dtype == torch.bool:
             if t.dim() != 2:
@@ -338,7 +339,7 @@ def _find_runs(ids: torch.Tensor) -> DocumentRuns:
     change[:, 1:] = ids[:, 1:] != ids[:, :-1]
     starts = [row.nonzero().flatten() for row in change]
     contiguous = all(len(st) == row.unique().numel() for st, row in zip(starts, ids))
-    lengths = [torch.diff(st, append=torch.tensor([S])) for st in starts]
+    lengths = [torch.diff(st, append=torch.tensor([S], device=st.device)) for st in starts]
     return DocumentRuns(contiguous, starts, lengths)
 
 
@@ -440,11 +441,12 @@ class Document(Mask):
         runs = self.runs()
         if not runs.contiguous:
             return None
-        rows = [torch.zeros(0, 3, dtype=torch.long)]
+        rows = [torch.zeros(0, 3, dtype=torch.long, device="cpu")]              # host runs
         for b in range(batch):                    # runs of one row (shared) or of B rows
             r = b if len(runs.starts) > 1 else 0
             n = len(runs.starts[r])
-            rows.append(torch.stack([torch.full((n,), b), runs.starts[r], runs.lengths[r]], 1))
+            rows.append(torch.stack([torch.full((n,), b, device="cpu"), runs.starts[r],
+                                     runs.lengths[r]], 1))
         return torch.cat(rows)                                        # (documents, 3)
 
     def may_have_empty_rows(self, sq: int, sk: int) -> bool:

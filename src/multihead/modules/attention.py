@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .. import masks
 from .._args import fraction, positive_int
@@ -167,7 +168,9 @@ class MultiHeadAttention(AllOrNothing):
             self.k_proj_weight = nn.Parameter(torch.empty(nkv, self.kdim, **fk))
             self.v_proj_weight = nn.Parameter(torch.empty(nkv, self.vdim, **fk))
             self.in_proj_bias = nn.Parameter(torch.empty(nq + 2 * nkv, **fk)) if bias else None
-        self.out_proj = nn.Linear(nq, E, bias=bias, **fk)
+        # as torch's MHA: forward reads out_proj.weight, which dynamic quantization (it
+        # swaps each nn.Linear for a packed one) would take away
+        self.out_proj = NonDynamicallyQuantizableLinear(nq, E, bias=bias, **fk)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -285,7 +288,8 @@ class MultiHeadAttention(AllOrNothing):
                             "or an integer tensor (Sq,) or (B, Sq), got a bool")
         elif not isinstance(positions, numbers.Integral):
             try:
-                positions = torch.as_tensor(positions)  # host ints stay on the host: no sync
+                positions = torch.as_tensor(positions, device="cpu") if not isinstance(
+                    positions, torch.Tensor) else positions    # host ints: no sync
             except (TypeError, ValueError, RuntimeError):
                 raise TypeError(f"positions must be an int (the first of Sq consecutive "
                                 f"positions) or integer positions (Sq,) or (B, Sq) (a tensor, "

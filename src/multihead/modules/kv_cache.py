@@ -74,7 +74,8 @@ class _CacheBase:
         self.num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
         self.head_dim = positive_int("head_dim", head_dim)
         self.value_dim = head_dim if value_dim is None else positive_int("value_dim", value_dim)
-        self.dtype = check_dtype("dtype", dtype)
+        # None: torch's default dtype, as for the module's parameters
+        self.dtype = check_dtype("dtype", dtype, optional=True) or torch.get_default_dtype()
         # the concrete device ("cuda" -> "cuda:0"), so it compares equal to the module's
         self.device = usable_device("device", device)
         need = slots * (self.num_kv_heads * (self.head_dim + self.value_dim)
@@ -85,7 +86,7 @@ class _CacheBase:
                              f"{human_bytes(need // slots)} each, {human_bytes(need)} in all, "
                              f"but {self.device} has {human_bytes(free)} free: build a smaller "
                              f"cache")
-        return dict(dtype=dtype, device=self.device)
+        return dict(dtype=self.dtype, device=self.device)
 
     def check_compatible(self, num_kv_heads: int, head_dim: int, value_dim: int,
                          dtype: torch.dtype, device: torch.device) -> None:
@@ -227,7 +228,7 @@ class _CacheBase:
             return self.positions(n, valid)
         if len(set(counts)) == 1:
             return counts[0]
-        return torch.tensor(counts)[:, None] + torch.arange(n)                # (B, n)
+        return torch.tensor(counts, device="cpu")[:, None] + torch.arange(n, device="cpu")  # (B, n)
 
     def _host_counts(self) -> list[int] | None:
         """Each sequence's real tokens where the host knows them (no padding), else None
@@ -297,7 +298,7 @@ class KVCache(_CacheBase):
     """
 
     def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, *,
-                 value_dim: int | None = None, dtype: torch.dtype = torch.float32, device=None):
+                 value_dim: int | None = None, dtype: torch.dtype | None = None, device=None):
         B, T = positive_int("batch_size", batch_size), positive_int("max_len", max_len)
         self.batch_size, self.max_len = B, T
         fk = self._geometry(num_kv_heads, head_dim, value_dim, dtype, device, B * T,

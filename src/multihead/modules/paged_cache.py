@@ -54,7 +54,7 @@ def _longs(values: list[int]) -> torch.Tensor:
         ([3, 1, 4], torch.Size([0]))
     """
     if not values:
-        return torch.empty(0, dtype=torch.long)
+        return torch.empty(0, dtype=torch.long, device="cpu")
     return torch.frombuffer(array.array("q", values), dtype=torch.long)
 
 
@@ -97,7 +97,7 @@ class PagedKVCache(_CacheBase):
     """
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
-                 value_dim: int | None = None, dtype: torch.dtype = torch.float32, device=None):
+                 value_dim: int | None = None, dtype: torch.dtype | None = None, device=None):
         P, p = positive_int("num_pages", num_pages), positive_int("page_size", page_size)
         self.num_pages, self.page_size = P, p
         fk = self._geometry(num_kv_heads, head_dim, value_dim, dtype, device, P * p,
@@ -148,8 +148,8 @@ class PagedKVCache(_CacheBase):
         self._check_writable(f"free sequence {sid}")
         pages = self._tables[sid]
         if pages:                                  # every slot of its pages (m*p,)
-            slots = _slot(_longs(pages)[None], torch.arange(len(pages) * self.page_size)[None],
-                          self.page_size).flatten()
+            ar = torch.arange(len(pages) * self.page_size, device="cpu")
+            slots = _slot(_longs(pages)[None], ar[None], self.page_size).flatten()
             slots = to_device(slots, self.device)      # worked out on the host
             for t in self._slot_tensors():
                 self._clear(slots, t)
@@ -259,7 +259,7 @@ class PagedKVCache(_CacheBase):
             host = _longs(after + flat + slots + after)
         else:                                 # a prefill's many: the vectorized formula
             head = _longs(after + flat)                                   # (B + B*Pmax,)
-            pos = _longs(written)[:, None] + torch.arange(n)                        # (B, n)
+            pos = _longs(written)[:, None] + torch.arange(n, device="cpu")          # (B, n)
             slots = _slot(head[B:].view(B, pmax), pos, self.page_size)               # (B, n)
             host = torch.cat([head, slots.flatten(), head[:B]])
         dev = to_device(host, self.device)

@@ -356,7 +356,7 @@ class RotaryEmbedding(nn.Module):
             table = self._table(device, dtype, hi + 1) if lo >= 0 else None
             if table is not None:
                 if positions.dim() == 1 and hi - lo == S - 1 and torch.equal(
-                        positions, torch.arange(lo, hi + 1, dtype=positions.dtype)):
+                        positions, torch.arange(lo, hi + 1, dtype=positions.dtype, device="cpu")):
                     return self._split(table[lo:hi + 1])                 # (S, 2, D): a view
                 idx = to_device(positions.long(), device)                # (S,) or (B, S)
                 return self._split(table[idx])                           # gathered rows

@@ -109,7 +109,7 @@ def estimate(call: AttentionCall) -> Estimate:
     chunks = -(-nq // g.per_chunk)
     pad = chunks * g.per_chunk - nq
     kc = F.pad(count, (0, pad)).view(chunks, g.per_chunk).amax(1)           # (chunks,)
-    rows = torch.full((chunks,), g.per_chunk)
+    rows = torch.full((chunks,), g.per_chunk, device=count.device)       # (chunks,) host
     rows[-1] -= pad
     masked = F.pad(partial, (0, pad)).view(chunks, g.per_chunk).any(1)       # (chunks,)
     steps_c = -(-kc // g.width)

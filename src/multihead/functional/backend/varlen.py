@@ -69,11 +69,12 @@ class Bucket(NamedTuple):
 def _bucket(length: int, starts: torch.Tensor, lengths: torch.Tensor) -> Bucket:
     n = len(starts)
     exact = bool((lengths == length).all())
-    contiguous = exact and bool((starts == starts[0] + length * torch.arange(n)).all())
-    ar = torch.arange(length)
+    host = starts.device                                                    # the runs: host
+    contiguous = exact and bool((starts == starts[0] + length * torch.arange(n, device=host)).all())
+    ar = torch.arange(length, device=host)
     keep = ar[None, :] < lengths[:, None]                                  # (n, L)
     gather = torch.where(keep, starts[:, None] + ar[None, :], starts[:, None])
-    slots = (torch.arange(n)[:, None] * length + ar[None, :])[keep]        # (real,)
+    slots = (torch.arange(n, device=host)[:, None] * length + ar[None, :])[keep]  # (real,)
     return Bucket(length, starts, lengths, exact, contiguous, int(starts[0]), gather, keep,
                   gather[keep], slots)
 
