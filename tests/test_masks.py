@@ -526,3 +526,23 @@ def test_compositions_that_broadcast_are_still_built():
              M.document(torch.zeros(1, 6, dtype=torch.long)) & M.bias(torch.zeros(3, 6))]
     assert [m.additive(*((3, 6) if i == 3 else (4, 4))).shape for i, m in enumerate(built)] \
         == [(2, 1, 4, 4), (1, 4, 4, 4), (1, 1, 4, 4), (1, 1, 3, 6)]
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+@pytest.mark.parametrize("kind", ["padding", "document"])
+def test_masks_built_in_a_compiled_forward_follow_the_batch(kind, dynamic):
+    """A batch size that changes becomes symbolic: the masks' size checks must read it as
+    the number it stands for (no false "built for batch size 3, inputs have 3")."""
+    torch._dynamo.reset()
+    m = mh.MultiHeadAttention(32, 4, num_kv_heads=2).eval()
+
+    def forward(x, t):
+        return m(x, mask=M.padding(t) if kind == "padding" else M.document(t))
+    compiled = torch.compile(forward, backend="eager", fullgraph=True, dynamic=dynamic)
+    g = torch.Generator().manual_seed(3)
+    for B in (2, 3, 4):
+        x = torch.randn(B, 8, 32, generator=g)
+        t = torch.randint(1, 9, (B,), generator=g) if kind == "padding" else \
+            torch.randint(0, 3, (B, 8), generator=g).sort(-1).values
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x, t), forward(x, t))

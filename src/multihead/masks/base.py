@@ -366,11 +366,12 @@ class Mask:
 
     def _check(self, batch: int, heads: int, sq: int, sk: int) -> None:
         """Raise ValueError when the mask cannot apply to a call of these sizes."""
-        if self.batch_size is not None and self.batch_size not in (1, batch):
+        # (== and != only: under torch.compile `n not in (1, batch)` misreads a symbolic batch)
+        if self.batch_size is not None and self.batch_size != 1 and self.batch_size != batch:
             raise ValueError(
                 f"mask: {self!s} was built for batch size {self.batch_size}, but the inputs "
                 f"have batch size {batch}: build the mask from this batch's lengths/ids")
-        if self.num_heads is not None and self.num_heads not in (1, heads):
+        if self.num_heads is not None and self.num_heads != 1 and self.num_heads != heads:
             raise ValueError(
                 f"mask: {self!s} was built for {self.num_heads} heads, but q has {heads} "
                 f"heads: build it with num_heads={heads}")

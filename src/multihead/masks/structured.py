@@ -186,7 +186,7 @@ class Padding(Mask):
                                 f"bool tensor, got dtype {t.dtype} and shape {tuple(t.shape)}")
             with versioned():
                 self.lengths, self.real = t.long().clone(), None    # a private copy, as above
-        self.batch_size = len(t)
+        self.batch_size = t.shape[0]       # (not len(t): a symbolic batch stays symbolic)
         self._lengths_read = self._longest = self._fewest = None
         if not torch.compiler.is_compiling():  # built while tracing: the values are unknown
             self._read_facts()
@@ -386,10 +386,12 @@ class Document(Mask):
                 self.kv_ids = _as_long_1d_or_2d(kv_ids, "kv_ids").clone()
             if self.kv_ids.dim() == 1:
                 self.kv_ids = self.kv_ids.unsqueeze(0)                # (1, Sk)
-        sizes = {len(self.ids)} | ({len(self.kv_ids)} if self.kv_ids is not None else set())
-        if len(sizes - {1}) > 1:
-            raise ValueError(f"document: ids and kv_ids have different batch sizes {sorted(sizes)}")
-        self.batch_size = max(sizes) if max(sizes) > 1 else None
+        # sizes by shape and ==/!= only: a batch traced as symbolic by torch.compile stays so
+        b_q, b_k = self.ids.shape[0], 1 if self.kv_ids is None else self.kv_ids.shape[0]
+        if b_q != 1 and b_k != 1 and b_q != b_k:
+            raise ValueError(f"document: ids and kv_ids have different batch sizes {b_q} and "
+                             f"{b_k}: give both one row per sequence, or one row for all")
+        self.batch_size = b_q if b_q != 1 else b_k if b_k != 1 else None
 
     def _tensors(self):
         return [self.ids] + ([self.kv_ids] if self.kv_ids is not None else [])

@@ -53,7 +53,7 @@ def _tile_reduce(allowed: torch.Tensor, tile_q: int, tile_k: int):
 
 def _check_broadcast(mask: Mask, t: torch.Tensor, batch, heads, sq, sk) -> None:
     want = (batch, heads, sq, sk)
-    if any(n not in (1, w) for n, w in zip(t.shape, want)):
+    if any(n != 1 and n != w for n, w in zip(t.shape, want)):     # (symbolic sizes: no `in`)
         raise ValueError(f"mask: {mask.describe()} does not broadcast to (B, H, Sq, Sk) = "
                          f"{want}: each dim must be 1 or equal to the inputs'")
 

@@ -300,7 +300,7 @@ class MultiHeadAttention(AllOrNothing):
                                 f"positions, got the scalar {positions.tolist()!r:.40}: pass "
                                 f"an int, or one position per query")
             if positions.shape[-1:] != (Sq,) or positions.dim() not in (1, 2) or (
-                    positions.dim() == 2 and positions.shape[0] not in (1, B)):
+                    positions.dim() == 2 and positions.shape[0] != 1 and positions.shape[0] != B):
                 raise ValueError(f"positions must be an int (the first of Sq consecutive "
                                  f"positions) or (Sq,) or (B, Sq) = ({Sq},) or ({B}, {Sq}), "
                                  f"got shape {tuple(positions.shape)}")

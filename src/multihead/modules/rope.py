@@ -344,7 +344,7 @@ class RotaryEmbedding(nn.Module):
         _check_values(positions)
         B = x.shape[0] if x.dim() == 4 else 1
         if positions.dim() not in (1, 2) or positions.shape[-1] != S or (
-                positions.dim() == 2 and positions.shape[0] not in (1, B)):
+                positions.dim() == 2 and positions.shape[0] != 1 and positions.shape[0] != B):
             raise ValueError(f"RotaryEmbedding: positions must be (S,) or (B, S) = ({S},) or "
                              f"({B}, {S}) for x of shape {tuple(x.shape)}, got shape "
                              f"{tuple(positions.shape)}")
