@@ -518,3 +518,26 @@ def test_an_explanation_can_be_copied_and_saved(mask):
     e = mh.explain(q, q, q, mask=mask, backend="blocksparse")
     for twin in (pickle.loads(pickle.dumps(e)), copy.deepcopy(e)):
         assert str(twin) == str(e) and twin.chosen == "blocksparse"
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "sdpa", "blocksparse", "rows"])
+def test_autocast_computes_float32_inputs_in_its_dtype_on_every_backend(backend):
+    """As torch's F.scaled_dot_product_attention under autocast: bfloat16 in, bfloat16 out,
+    on every backend alike; float32 gradients reach float32 leaves; nothing changes outside."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 4, 40, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 40, 16, generator=g) for _ in range(2))
+    mask = M.causal()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                enable_gqa=True)
+        grad_free = backend == "rows"                            # (rows: inference only)
+        out = mh.attention(q.detach() if grad_free else q, k, v, mask=mask, backend=backend)
+        assert "bfloat16" in str(mh.explain(q, k, v, mask=mask))
+    assert out.dtype == want.dtype == torch.bfloat16
+    exact = mh.attention(q.double(), k.double(), v.double(), mask=mask)
+    assert (out.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + 1e-3
+    if not grad_free:
+        out.float().sum().backward()
+        assert q.grad.dtype == torch.float32 and q.grad.isfinite().all()
+    assert mh.attention(q.detach(), k, v, mask=mask, backend=backend).dtype == torch.float32

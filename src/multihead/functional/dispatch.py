@@ -182,6 +182,21 @@ def _uncached() -> bool:
     return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
 
 
+def _autocast(q, k, v):
+    """``(q, k, v, on)``: whether ``torch.autocast`` is on for the inputs' device, and the
+    inputs in its dtype where they are float32 (torch's rule for attention: every backend
+    then computes alike, and runs with autocast off, in the compute dtype it picks)."""
+    if not isinstance(q, torch.Tensor):
+        return q, k, v, False
+    device = q.device.type
+    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
+        return q, k, v, False
+    dtype = torch.get_autocast_dtype(device)
+    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 \
+        else t
+    return (*(cast(t) if q.dtype == torch.float32 else t for t in (q, k, v)), True)
+
+
 def _bucket(n: int) -> int:
     return n if n <= 8 else 1 << (n - 1).bit_length()
 
@@ -320,6 +335,9 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
         return_lse: also return the log-sum-exp of each score row ``(B, H, Sq)``
             (``-inf`` for rows with nothing to attend to).
 
+    Under ``torch.autocast``, float32 q, k and v are computed in the autocast dtype on every
+    backend, as ``F.scaled_dot_product_attention`` is (and the results are in it).
+
     Returns:
         ``out`` ``(B, H, Sq, Dv)``, or a tuple ``(out, weights?, lse?)`` in that order
         when either extra is requested. ``out`` may be laid out as ``(B, Sq, H, Dv)`` in
@@ -339,6 +357,7 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
         D query/key head dim, Dv value head dim.
     """
     refuse_jit_trace("multihead.attention")
+    q, k, v, amp = _autocast(q, k, v)
     key = None
     if not (_uncached() or isinstance(scale, torch.Tensor)):
         try:     # what determines the plan besides the mask (a miss validates all of it)
@@ -384,7 +403,13 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
                              else float(scale), float(dropout_p), return_weights, return_lse,
                              shapes)
     backend_obj, plan = decision
-    out, w, lse = _empty(call) if plan is _EMPTY else nonfinite.run(backend_obj, call, plan)
+    if plan is _EMPTY:
+        out, w, lse = _empty(call)
+    elif amp:               # the inputs are in autocast's dtype; each backend picks its own
+        with torch.autocast(q.device.type, enabled=False):      # compute dtype from there
+            out, w, lse = nonfinite.run(backend_obj, call, plan)
+    else:
+        out, w, lse = nonfinite.run(backend_obj, call, plan)
     if not (call.return_weights or call.return_lse):
         return out
     return (out, *(x for x, on in ((w, call.return_weights), (lse, call.return_lse)) if on))
@@ -421,6 +446,7 @@ def explain(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
         as :func:`attention`: q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv).
     """
     _check_backend(backend)
+    q, k, v, _ = _autocast(q, k, v)
     call = make_call(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p,
                      return_weights=return_weights, return_lse=return_lse)
     if profile is None:
