@@ -6,16 +6,20 @@ import argparse
 import json
 
 
-def no_options(doc: str) -> None:
-    """The command line of a script that takes no options: ``--help`` prints ``doc`` and
-    exits; anything else is refused (exit 2) instead of starting a long run.
+def no_options(doc: str, argv: list[str] | None = None) -> None:
+    """The command line of a script that takes no options (``argv``, default
+    ``sys.argv[1:]``): ``--help`` prints ``doc`` and exits; anything else is refused (exit
+    2) instead of starting a long run.
 
     Example:
-        >>> no_options.__name__
-        'no_options'
+        >>> no_options("Times the core call.", [])               # no options: go on
+        >>> no_options("Times the core call.", ["--fast"])
+        Traceback (most recent call last):
+        ...
+        SystemExit: 2
     """
-    argparse.ArgumentParser(description=doc,
-                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+                            ).parse_args(argv)
 
 
 def save_json(path: str | None, data) -> None:

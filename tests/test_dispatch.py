@@ -541,3 +541,17 @@ def test_autocast_computes_float32_inputs_in_its_dtype_on_every_backend(backend)
         out.float().sum().backward()
         assert q.grad.dtype == torch.float32 and q.grad.isfinite().all()
     assert mh.attention(q.detach(), k, v, mask=mask, backend=backend).dtype == torch.float32
+
+
+def test_autocast_casts_mixed_half_and_float_inputs_as_torch_does():
+    """float32 q with float16 k/v under bfloat16 autocast: torch casts all three; so do we
+    (no "q, k, v must share a dtype" about a dtype the caller never passed)."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 2, 8, 16, generator=g)
+    k, v = (torch.randn(1, 2, 8, 16, generator=g).half() for _ in range(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        out = mh.attention(q, k, v)
+        doubles = mh.attention(q.double(), k.double(), v.double())       # float64 stays
+    assert out.dtype == want.dtype == torch.bfloat16 and doubles.dtype == torch.float64
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)

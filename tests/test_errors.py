@@ -70,6 +70,17 @@ BAD = [
      r"ids is a torch.sparse_coo tensor"),
     ("sparse module input", lambda: mh.MultiHeadAttention(8, 2)(torch.randn(1, 3, 8).to_sparse()),
      TypeError, r"x is a torch.sparse_coo tensor"),
+    ("nested module input", lambda: mh.MultiHeadAttention(8, 2)(torch.nested.nested_tensor(
+        [torch.randn(2, 8), torch.randn(3, 8)], layout=torch.jagged)), TypeError,
+     r"x is a nested tensor; .*torch.nested.to_padded_tensor\(t, 0.0\).*masks.padding"),
+    ("sparse positions", lambda: mh.MultiHeadAttention(8, 2, rope=mh.RotaryEmbedding(4))(
+        torch.randn(1, 3, 8), positions=torch.arange(3).to_sparse()), TypeError,
+     r"positions is a torch.sparse_coo tensor"),
+    ("sparse valid", lambda: (lambda m: m(torch.randn(1, 3, 8), cache=m.make_cache(1, 8),
+                                          valid=torch.ones(1, 3, dtype=torch.bool).to_sparse()))(
+        mh.MultiHeadAttention(8, 2)), TypeError, r"valid is a torch.sparse_coo tensor"),
+    ("module backend type", lambda: mh.MultiHeadAttention(8, 2, backend=None), TypeError,
+     r"backend must be a string, got NoneType"),
     ("align", lambda: M.causal(align="top"), ValueError, r"align must be one of"),
     ("document args", lambda: M.document(), ValueError, r"exactly one of ids"),
     ("document len", lambda: mh.attention(q, k, v, mask=M.document(torch.zeros(6, dtype=torch.long))),
@@ -150,3 +161,11 @@ def test_numpy_numbers_are_numbers_everywhere():
     assert type(M.sliding_window(np.int64(4)).size) is int
     assert M.alibi(np.int64(2)) == M.alibi(2)
     assert mh.MultiHeadAttention(16, 2, dropout=np.float64(0.25)).dropout == 0.25
+
+
+def test_a_sparse_input_is_refused_after_dense_calls_of_its_shape():
+    """The plan cache knows the inputs' layout: a warm shape does not let one through."""
+    for _ in range(2):
+        mh.attention(q, k, v)
+    with pytest.raises(TypeError, match="q is a torch.sparse_coo tensor"):
+        mh.attention(q.to_sparse(), k, v)

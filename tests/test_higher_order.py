@@ -146,3 +146,25 @@ def test_forward_mode_ad_through_a_fused_backend_names_the_backend_that_has_it(b
                                              f"gives no forward-mode derivatives"):
             mh.attention(dual, q, q, backend=backend)
         assert mh.attention(q, q, q, backend=backend).shape == q.shape   # no tangent: runs
+
+
+def test_a_plan_made_without_a_tangent_is_not_reused_for_one():
+    """Inside one dual level and at one shape, a plain call's plan (sdpa) must not serve a
+    call whose q, or whose bias, carries a tangent."""
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(1, 2, 6, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    bias = torch.randn(6, 6, dtype=torch.float64, generator=g)
+    tangent = torch.randn_like(q)
+    _, want = torch.func.jvp(lambda q: _plain(q, k, v, torch.ones(6, 6, dtype=torch.bool)),
+                             (q,), (tangent,))
+    with forward_ad.dual_level():
+        for _ in range(2):
+            mh.attention(q, k, v), mh.attention(q, k, v, mask=bias)
+        dual = forward_ad.unpack_dual(mh.attention(forward_ad.make_dual(q, tangent), k, v))
+        torch.testing.assert_close(dual.tangent, want)
+        dual_bias = forward_ad.make_dual(bias, torch.ones_like(bias))
+        assert "forward-mode" in str(mh.explain(q, k, v, mask=dual_bias))
+        out = forward_ad.unpack_dual(mh.attention(q, k, v, mask=dual_bias))
+        assert out.tangent is not None and torch.isfinite(out.tangent).all()
+        with pytest.raises(ValueError, match="gives no forward-mode derivatives"):
+            mh.attention(forward_ad.make_dual(q, tangent), k, v, backend="sdpa")

@@ -264,7 +264,7 @@ BAD = [
                  r"\(Sq,\) or \(B, Sq\) = \(3,\) or \(1, 3\), got shape \(4,\)"),
     (lambda: mh.MultiHeadAttention(16, 4, dropout=1.5), ValueError, r"dropout must be a float in \[0, 1\)"),
     (lambda: mh.MultiHeadAttention(16, 4, backend="SDPA"), ValueError,
-     r"backend: unknown backend 'SDPA': choose one of auto, .*sdpa"),
+     r"unknown backend 'SDPA': choose one of auto, .*sdpa"),
     (lambda: mh.MultiHeadAttention(16, 4, rope=mh.RotaryEmbedding(4))(torch.randn(1, 3, 16),
                                                                    positions=2.5),
      TypeError, r"positions must be an int .* got the scalar 2.5: pass an int"),

@@ -79,6 +79,9 @@ def check_strided(name: str, t: torch.Tensor) -> None:
         ...
         TypeError: q is a torch.sparse_coo tensor; attention takes dense (strided) tensors: convert it with .to_dense()
     """
-    if t.layout != torch.strided:
-        raise TypeError(f"{name} is a {t.layout} tensor; attention takes dense (strided) "
-                        f"tensors: convert it with .to_dense()")
+    if t.layout != torch.strided or t.is_nested:
+        fix = ("pad it (torch.nested.to_padded_tensor(t, 0.0)) and mask the padding "
+               "(multihead.masks.padding(lengths))" if t.is_nested else
+               "convert it with .to_dense()")
+        raise TypeError(f"{name} is a {'nested' if t.is_nested else t.layout} tensor; "
+                        f"attention takes dense (strided) tensors: {fix}")

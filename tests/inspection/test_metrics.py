@@ -162,3 +162,16 @@ def test_no_row_to_measure_has_no_roles():
     m = HeadMetrics.of(torch.ones(2, 3, 1, 1), ["it"], causal=True)   # a decoder's one token
     with pytest.raises(ValueError, match="no head has a role: no query row could be measured"):
         m.roles()
+
+
+def test_every_threshold_shows_as_reached_exactly_when_it_is():
+    """float32 metrics: a threshold's own float32 value shows as the threshold, and the
+    largest float32 below it shows below it (FLOAT32_SLACK fits between the two)."""
+    import numpy as np
+    from multihead.inspect.metrics import BROAD, FOCUSED, ROLE_RULES, round_down
+    for t in {BROAD, FOCUSED, *(rule[2] for rule in ROLE_RULES)}:
+        at = np.float32(t)
+        below = np.nextafter(at, np.float32(0))
+        assert round_down(float(at)) == t and round_down(float(below)) < t
+        pair = torch.tensor([at, below])
+        assert round_down(pair).tolist() == [t, round_down(float(below))]

@@ -35,10 +35,11 @@ def show(result, console, full: bool = False) -> None:
 
     back = ", to earlier tokens only" if c.causal else ""
     if not result.looks:
-        other = "earlier token" if c.causal else "other token"
+        other, fix = ("earlier token", "pick a later --query-token or give a longer text") \
+            if c.causal else ("other token", "give a longer text")
         console.print(f"Heads attending most from {_text(repr(toks[result.query]))} (token "
                       f"{result.query}): none to show, the text has no {other} to look at "
-                      f"besides special tokens; give a longer text")
+                      f"besides special tokens; {fix}")
     q = Table(title=f"Heads attending most from {_text(repr(toks[result.query]))} "
                     f"(token {result.query}{back})", title_justify="left")
     for col in ("head", "from → to", "weight", "distance"):

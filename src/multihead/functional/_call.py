@@ -25,6 +25,16 @@ def forward_ad_active() -> bool:
     return fwAD._current_level >= 0 or torch._C._are_functorch_transforms_active()
 
 
+def has_tangent(*items) -> bool:
+    """Whether a tensor among ``items`` (tensors, or masks: the tensors they hold) carries a
+    forward-mode tangent; False at once where no forward-mode AD runs."""
+    if not forward_ad_active():
+        return False
+    tensors = [t for x in items for t in (
+        [x] if isinstance(x, torch.Tensor) else x._tensors() if isinstance(x, M.Mask) else [])]
+    return any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
+
+
 def shape_str(t: torch.Tensor) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
@@ -93,10 +103,9 @@ class AttentionCall:
 
     @property
     def forward_ad(self) -> bool:
-        """Whether q, k or v carries a forward-mode tangent (``torch.func.jvp``, ``jacfwd``,
-        a ``torch.autograd.forward_ad`` dual tensor)."""
-        return forward_ad_active() and any(
-            fwAD.unpack_dual(t).tangent is not None for t in (self.q, self.k, self.v))
+        """Whether q, k, v or a tensor of the mask carries a forward-mode tangent
+        (``torch.func.jvp``, ``jacfwd``, a ``torch.autograd.forward_ad`` dual tensor)."""
+        return has_tangent(self.q, self.k, self.v, self.mask)
 
     def memo(self, name: str, compute):
         """A fact derived from this call, computed once (backends cache their analyses here)."""

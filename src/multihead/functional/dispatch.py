@@ -34,7 +34,7 @@ from .._cache import BoundedCache
 from .._tracing import refuse_jit_trace
 from ..analysis.params import human_bytes
 from . import nonfinite, profiles, registry
-from ._call import AttentionCall, default_scale, in_effect, make_call
+from ._call import AttentionCall, default_scale, has_tangent, in_effect, make_call
 from .cost import DeviceProfile
 from .registry import Backend, Plan
 
@@ -184,17 +184,18 @@ def _uncached() -> bool:
 
 def _autocast(q, k, v):
     """``(q, k, v, on)``: whether ``torch.autocast`` is on for the inputs' device, and the
-    inputs in its dtype where they are float32 (torch's rule for attention: every backend
-    then computes alike, and runs with autocast off, in the compute dtype it picks)."""
-    if not isinstance(q, torch.Tensor):
-        return q, k, v, False
+    inputs in its dtype where they are in another 16- or 32-bit one (torch's rule for
+    attention: every backend then computes alike, and runs with autocast off, in the
+    compute dtype it picks)."""
+    if not torch._C._is_any_autocast_enabled() or not isinstance(q, torch.Tensor):
+        return q, k, v, False                                     # (the usual case: 0.1 us)
     device = q.device.type
     if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
         return q, k, v, False
     dtype = torch.get_autocast_dtype(device)
-    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 \
-        else t
-    return (*(cast(t) if q.dtype == torch.float32 else t for t in (q, k, v)), True)
+    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in (
+        torch.float16, torch.bfloat16, torch.float32) else t        # float64 stays, as torch's
+    return (*(cast(t) for t in (q, k, v)), True)
 
 
 def _bucket(n: int) -> int:
@@ -274,7 +275,14 @@ def _length_free_key(key: tuple, shapes: tuple, mask):
             qs[2] == ks[2], qs[2] < ks[2], key[1:], mask is None)
 
 
-def _check_backend(backend) -> str:
+def check_backend(backend) -> str:
+    """``backend`` when it is ``"auto"`` or a registered backend's name; else a TypeError
+    (not a str) or a ValueError listing the names.
+
+    Example:
+        >>> check_backend("sdpa")
+        'sdpa'
+    """
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     if backend != AUTO:
@@ -295,7 +303,7 @@ def _shared_decision(full_key, args):
 
 def _new_decision(q, k, v, mask, scale, dropout_p, backend, return_weights, return_lse):
     """Validate the call and decide: ``(call, (backend, plan))``."""
-    _check_backend(backend)
+    check_backend(backend)
     call = make_call(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p,
                      return_weights=return_weights, return_lse=return_lse)
     return call, _decide(call, backend, profiles.profile_for(q.device))
@@ -335,8 +343,9 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
         return_lse: also return the log-sum-exp of each score row ``(B, H, Sq)``
             (``-inf`` for rows with nothing to attend to).
 
-    Under ``torch.autocast``, float32 q, k and v are computed in the autocast dtype on every
-    backend, as ``F.scaled_dot_product_attention`` is (and the results are in it).
+    Under ``torch.autocast``, q, k and v (float32 or another half dtype; float64 stays) are
+    computed in the autocast dtype on every backend, as ``F.scaled_dot_product_attention``
+    is (and the results are in it).
 
     Returns:
         ``out`` ``(B, H, Sq, Dv)``, or a tuple ``(out, weights?, lse?)`` in that order
@@ -362,11 +371,12 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
     if not (_uncached() or isinstance(scale, torch.Tensor)):
         try:     # what determines the plan besides the mask (a miss validates all of it)
             shapes = (q.shape, k.shape, v.shape)
-            key = (shapes, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, scale,
+            key = (shapes, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.layout,
+                   k.layout, v.layout, scale,
                    scale.__class__, dropout_p, dropout_p.__class__, backend, return_weights,
                    return_weights.__class__, return_lse, return_lse.__class__,
                    torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad,
-                   fwAD._current_level,
+                   fwAD._current_level >= 0 and has_tangent(q, k, v, mask),
                    profiles.generation, registry.generation)
             hash(key)
         except (AttributeError, TypeError):         # the miss path says what is wrong
@@ -445,7 +455,7 @@ def explain(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
     Shapes:
         as :func:`attention`: q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv).
     """
-    _check_backend(backend)
+    check_backend(backend)
     q, k, v, _ = _autocast(q, k, v)
     call = make_call(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p,
                      return_weights=return_weights, return_lse=return_lse)

@@ -122,8 +122,10 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
     projected, as ``TypeError`` and ``RuntimeError``.
     ``is_causal=True`` with ``need_weights=False`` and no ``key_padding_mask`` applies the
     (upper-left) causal mask instead of ``attn_mask`` where torch's slower path would run,
-    as torch does; where torch's fused inference kernel would run (see torch's docs), and
-    otherwise, ``attn_mask`` is used, so a wrong hint gives torch's result on either path. NestedTensor inputs (``batch_first=True``, no masks) are padded, computed with a
+    as torch does; where torch's fused inference kernel would run, and otherwise,
+    ``attn_mask`` is used: a wrong hint gives torch's result on either path. The hint
+    without ``attn_mask`` is refused on both paths (torch's fused kernel would ignore it),
+    and so is the hint with NestedTensor inputs, which take no mask. NestedTensor inputs (``batch_first=True``, no masks) are padded, computed with a
     key padding mask, and returned nested, with the padded-query rows of the weights zero.
 
     ``torch.jit.script`` or ``torch.jit.trace`` of this module, or of a module holding it

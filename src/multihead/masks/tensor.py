@@ -278,7 +278,7 @@ class ALiBi(Mask):
         wide = ix.dtype == torch.float64          # slopes such as 2^(-1/2), exact in it
         slopes = self.cached("slopes", (str(ix.q.device), wide), lambda: to_device(
             torch.tensor(self._slopes, dtype=torch.float64 if wide else torch.float32,
-                         device="cpu"), ix.q.device))                                                    # (H,)
+                         device="cpu"), ix.q.device))                         # (H,)
         h = ix.h if self.num_heads > 1 else ix.h * 0    # one slope broadcasts to every head
         return -slopes[h] * dist
 

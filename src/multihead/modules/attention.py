@@ -25,7 +25,8 @@ from .._args import fraction, positive_int
 from .._dtypes import check_dtype, check_strided, check_weights
 from .._tracing import eager_under_compile, refuse_jit_trace
 from ..masks.positioned import distances_in_tokens
-from ..functional import attention, registry
+from ..functional import attention
+from ..functional.dispatch import check_backend
 from ..functional._call import as_mask
 from .kv_cache import KVCache
 from .loading import AllOrNothing
@@ -150,12 +151,7 @@ class MultiHeadAttention(AllOrNothing):
                              f"and values from one context, of width kdim; give kdim == vdim, or "
                              f"use multihead.nn.MultiheadAttention for separate key and value "
                              f"inputs of different widths")
-        if backend != "auto":
-            try:
-                registry.get(backend)
-            except ValueError as e:
-                raise ValueError(f"backend: {e} (or register it before building the module)") \
-                    from None
+        check_backend(backend)            # (a backend registered later: register it first)
         self.dropout, self.backend, self.rope = float(dropout), backend, rope
         nq, nkv = H * Dh, Hkv * Dh
         fk = dict(device=device, dtype=check_dtype("dtype", dtype, optional=True))
@@ -294,6 +290,7 @@ class MultiHeadAttention(AllOrNothing):
                 raise TypeError(f"positions must be an int (the first of Sq consecutive "
                                 f"positions) or integer positions (Sq,) or (B, Sq) (a tensor, "
                                 f"list or array), got {positions!r:.60}") from None
+            check_strided("positions", positions)
             if positions.dim() == 0:
                 raise TypeError(f"positions must be an int (the first of Sq consecutive "
                                 f"positions) or (Sq,) or (B, Sq) = ({Sq},) or ({B}, {Sq}) "

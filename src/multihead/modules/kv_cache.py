@@ -44,7 +44,7 @@ import torch
 
 from .._args import positive_int
 from .._device import free_memory, to_device, usable_device
-from .._dtypes import check_dtype
+from .._dtypes import check_dtype, check_strided
 from ..analysis.params import human_bytes
 
 
@@ -197,6 +197,7 @@ class _CacheBase:
             raise ValueError(f"valid must be a bool tensor (B, n) = ({batch}, {n}) marking the real "
                              f"new tokens, got {getattr(valid, 'dtype', type(valid).__name__)} "
                              f"{tuple(getattr(valid, 'shape', ()))}")
+        check_strided("valid", valid)
         return to_device(valid, self.device)
 
     def positions(self, n: int, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -281,7 +282,8 @@ class KVCache(_CacheBase):
     Args:
         batch_size, max_len, num_kv_heads, head_dim: the buffers' sizes.
         value_dim: Dv (default head_dim).
-        dtype, device: of the buffers (match the module's).
+        dtype, device: of the buffers (match the module's; default: torch's default dtype
+            and device, as for the module's parameters).
 
     Example:
         >>> import torch, multihead as mh

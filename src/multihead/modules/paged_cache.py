@@ -80,6 +80,9 @@ def _host_slots(table: list[int], start: int, n: int, page_size: int) -> list[in
 class PagedKVCache(_CacheBase):
     """A pool of ``num_pages`` pages of ``page_size`` token slots, shared by sequences.
 
+    The buffers' ``dtype`` and ``device`` default to torch's defaults, as a module's
+    parameters do (pass the module's where they differ).
+
     Example:
         >>> import torch, multihead as mh
         >>> attn = mh.MultiHeadAttention(32, 4, num_kv_heads=1).eval()
