@@ -65,7 +65,7 @@ BAD = [
     ("sparse dense mask", lambda: M.dense(torch.ones(5, 7, dtype=torch.bool).to_sparse()),
      TypeError, r"is a torch.sparse_coo tensor"),
     ("sparse lengths", lambda: M.padding(torch.tensor([3, 7]).to_sparse()), TypeError,
-     r"padding is a torch.sparse_coo tensor"),
+     r"padding's lengths_or_mask is a torch.sparse_coo tensor"),
     ("sparse ids", lambda: M.document(torch.tensor([0, 0, 1]).to_sparse()), TypeError,
      r"ids is a torch.sparse_coo tensor"),
     ("sparse module input", lambda: mh.MultiHeadAttention(8, 2)(torch.randn(1, 3, 8).to_sparse()),
@@ -76,6 +76,9 @@ BAD = [
     ("sparse positions", lambda: mh.MultiHeadAttention(8, 2, rope=mh.RotaryEmbedding(4))(
         torch.randn(1, 3, 8), positions=torch.arange(3).to_sparse()), TypeError,
      r"positions is a torch.sparse_coo tensor"),
+    ("sparse positions to RoPE", lambda: mh.RotaryEmbedding(4)(torch.randn(1, 1, 3, 4),
+                                                                positions=torch.arange(3).to_sparse()),
+     TypeError, r"positions is a torch.sparse_coo tensor"),
     ("sparse valid", lambda: (lambda m: m(torch.randn(1, 3, 8), cache=m.make_cache(1, 8),
                                           valid=torch.ones(1, 3, dtype=torch.bool).to_sparse()))(
         mh.MultiHeadAttention(8, 2)), TypeError, r"valid is a torch.sparse_coo tensor"),

@@ -256,6 +256,23 @@ def free_memory(device: torch.device) -> int | None:
     return None
 
 
+def short_of_memory(need: int, device: torch.device) -> int | None:
+    """The bytes free on ``device`` when ``need`` bytes exceed them, else None. Only a need
+    over 1 GiB is checked (a small one asks nothing: no file read, no device query), and
+    where free memory is not known nothing is refused.
+
+    Example:
+        >>> short_of_memory(2**20, torch.device("cpu")) is None       # small: not asked
+        True
+        >>> short_of_memory(2**80, torch.device("cpu")) is not None
+        True
+    """
+    if need <= 2**30:
+        return None
+    free = free_memory(device)
+    return free if free is not None and need > free else None
+
+
 def available_memory(device: torch.device) -> int:
     """:func:`free_memory`, or 8 GiB where it is not known.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
-from ..inspect.metrics import METRICS, round_down, thresholds_text
+from ..inspect.metrics import METRICS, shown, thresholds_text
 from ._common import plain
 
 
@@ -21,7 +21,7 @@ SHORT = {"previous token": "prev", "next token": "next", "punctuation": "punct",
 
 def _cell(role: str, score: float, selected: bool) -> str:
     """A grid cell: the role, short, and its score (bold when it is the selected head)."""
-    text = f"{escape(SHORT.get(role, role))}\n{round_down(score):.2f}"
+    text = f"{escape(SHORT.get(role, role))}\n{shown(score)}"
     return f"[bold reverse]{text}[/]" if selected else text
 
 
@@ -47,7 +47,7 @@ def show(result, console, full: bool = False) -> None:
     for k in result.looks:
         far = (k.layer, k.head) == tuple(result.selected)
         q.add_row(f"L{k.layer}H{k.head}", _text(f"{toks[result.query]} → {toks[k.target]}"),
-                  f"{round_down(k.weight):.2f}", str(k.distance(result.query)),
+                  shown(k.weight), str(k.distance(result.query)),
                   style="bold green" if far and k.weight >= 0.5 else None)
     if result.looks:
         console.print(q)
@@ -63,8 +63,8 @@ def show(result, console, full: bool = False) -> None:
         for l in range(L):
             for h in range(H):
                 role, score = roles[l][h]
-                t.add_row(f"L{l}H{h}", escape(role), f"{round_down(score):.2f}",
-                          *("n/a" if n in na else f"{round_down(float(table[n][l, h])):.2f}"
+                t.add_row(f"L{l}H{h}", escape(role), shown(score),
+                          *("n/a" if n in na else shown(float(table[n][l, h]))
                             for n in METRICS),
                           style="bold" if (l, h) == tuple(result.selected) else None,
                           end_section=h == H - 1)

@@ -18,7 +18,7 @@ import torch
 
 from .._device import available_memory
 from ..analysis.params import human_bytes
-from .metrics import all_finite, is_special, round_down
+from .metrics import all_finite, is_special, shown
 
 #: the tokens tokenizers write for text their vocabulary lacks (any such text); a model's
 #: tokenizer may name its own
@@ -320,8 +320,8 @@ class Look:
             >>> Look(3, 1, 1, 0.6768).label(["it", "animal"], 0)
             'L3H1: it → animal 0.67'
         """
-        weight = round_down(self.weight)
-        return f"L{self.layer}H{self.head}: {tokens[query]} → {tokens[self.target]} {weight:.2f}"
+        target = tokens[self.target]
+        return f"L{self.layer}H{self.head}: {tokens[query]} → {target} {shown(self.weight)}"
 
 
 def headline(looks: list[Look], query: int, tokens: list[str] | None = None) -> Look | None:

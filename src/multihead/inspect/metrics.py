@@ -71,6 +71,16 @@ def round_down(x, digits: int = 2):
     return math.floor((x + FLOAT32_SLACK) * scale) / scale
 
 
+def shown(x) -> str:
+    """``x`` as every score is shown: cut (:func:`round_down`) to two decimals.
+
+    Example:
+        >>> shown(0.6768), shown(0.7)
+        ('0.67', '0.70')
+    """
+    return f"{round_down(x):.2f}"
+
+
 #: float32 stores a two-decimal value in [0, 1] at most 2.87e-8 below it (0.78); its
 #: largest value below 0.5 is 2.98e-8 below: a slack between the two reads the first as
 #: the value it stands for and keeps the second below the threshold. This holds for every

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .metrics import round_down
+from .metrics import shown
 
 #: pixels per side of a head's thumbnail in the grid figure (larger texts are pooled)
 THUMB = 128
@@ -112,7 +112,7 @@ def _big(plt, inspection, w: torch.Tensor):
     ax.set_xlabel("key" + every)
     ax.set_ylabel("query")
     pooled_note = "" if image.shape[-1] == S else ", max over blocks of tokens"
-    ax.set_title(f"L{l}H{h}: {role} ({round_down(score):.2f}{pooled_note})", fontsize=9)
+    ax.set_title(f"L{l}H{h}: {role} ({shown(score)}{pooled_note})", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.046)
     fig.tight_layout()
     return fig

@@ -504,7 +504,7 @@ class Mask:
         batch, heads = (None if n is None else _length("tiles", name, n)
                         for name, n in (("batch", batch), ("heads", heads)))
         for name, n, own in (("batch", batch, self.batch_size), ("heads", heads, self.num_heads)):
-            if n is not None and own not in (None, 1, n):
+            if n is not None and own is not None and own != 1 and own != n:
                 raise ValueError(f"tiles: {name}={n}, but {self!s} was built for {own}: pass "
                                  f"{name}={own} (or leave it out: the mask's own)")
         sq, sk = self._check_sizes("tiles", sq, sk)

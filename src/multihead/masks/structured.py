@@ -21,7 +21,7 @@ import torch
 
 from .._args import positive_int
 from .._dtypes import check_strided
-from .._device import free_memory
+from .._device import short_of_memory
 from ..analysis.params import human_bytes
 from .base import Index, Mask, TileIndex, versioned
 
@@ -171,7 +171,7 @@ class Padding(Mask):
         self.side = side
         t = lengths_or_mask if isinstance(lengths_or_mask, torch.Tensor) else \
             torch.as_tensor(lengths_or_mask, device="cpu")           # a list: host lengths
-        check_strided("padding", t)
+        check_strided("padding's lengths_or_mask", t)
         if t.dtype == torch.bool:
             if t.dim() != 2:
                 raise ValueError(f"padding: a bool mask must be (B, S) with True = real token, "
@@ -367,8 +367,8 @@ class Document(Mask):
                                  f"decrease, got {cu.tolist()[:10]}")
             total = int(cu[-1])
             need = 16 * total                                          # (positions and ids)
-            free = free_memory(cu.device) if need > 2**30 else None    # (None: not known)
-            if free is not None and need > free:
+            free = short_of_memory(need, cu.device)
+            if free is not None:
                 raise ValueError(f"document: cu_seqlens ends at {total:,} tokens, whose ids "
                                  f"would take {human_bytes(need)} but {cu.device} has "
                                  f"{human_bytes(free)} free: is its last entry the total "

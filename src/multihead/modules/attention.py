@@ -290,7 +290,6 @@ class MultiHeadAttention(AllOrNothing):
                 raise TypeError(f"positions must be an int (the first of Sq consecutive "
                                 f"positions) or integer positions (Sq,) or (B, Sq) (a tensor, "
                                 f"list or array), got {positions!r:.60}") from None
-            check_strided("positions", positions)
             if positions.dim() == 0:
                 raise TypeError(f"positions must be an int (the first of Sq consecutive "
                                 f"positions) or (Sq,) or (B, Sq) = ({Sq},) or ({B}, {Sq}) "

@@ -30,6 +30,7 @@ from torch import nn
 
 from .._cache import BoundedCache
 from .._device import to_device
+from .._dtypes import check_strided
 from .._tracing import refuse_jit_trace
 
 #: rows of a table when first built (it doubles past them)
@@ -69,6 +70,7 @@ def _check_values(positions: torch.Tensor) -> None:
     """Refuse positions of a dtype that is not a position (bool, complex), and, where
     the host holds them, non-finite float ones (they would make the rows NaN). Positions on
     a device are not read back: a NaN there gives NaN rows."""
+    check_strided("positions", positions)
     if positions.dtype == torch.bool or positions.is_complex():
         raise TypeError(f"RotaryEmbedding: positions must be an integer or float tensor, got "
                         f"{positions.dtype}: pass integer positions (torch.arange(S) + start)")
