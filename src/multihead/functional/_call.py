@@ -21,13 +21,30 @@ from ..masks.structured import _offset
 
 def forward_ad_active() -> bool:
     """A forward-mode AD level is open (``forward_ad.dual_level``), or a ``torch.func``
-    transform runs (``jvp`` opens its own): a cheap test before looking for tangents."""
+    transform runs (``jvp`` opens its own): a cheap test before looking for tangents.
+
+    Example:
+        >>> import torch.autograd.forward_ad as fwAD
+        >>> forward_ad_active()
+        False
+        >>> with fwAD.dual_level():
+        ...     forward_ad_active()
+        True
+    """
     return fwAD._current_level >= 0 or torch._C._are_functorch_transforms_active()
 
 
 def has_tangent(*items) -> bool:
     """Whether a tensor among ``items`` (tensors, or masks: the tensors they hold) carries a
-    forward-mode tangent; False at once where no forward-mode AD runs."""
+    forward-mode tangent; False at once where no forward-mode AD runs.
+
+    Example:
+        >>> import torch.autograd.forward_ad as fwAD
+        >>> x = torch.zeros(2, 3)                                       # any shapes
+        >>> with fwAD.dual_level():
+        ...     has_tangent(x, M.bias(x)), has_tangent(x, fwAD.make_dual(x, torch.ones(2, 3)))
+        (False, True)
+    """
     if not forward_ad_active():
         return False
     tensors = [t for x in items for t in (
