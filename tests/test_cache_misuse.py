@@ -598,7 +598,7 @@ def test_new_tokens_on_another_device_are_refused_not_copied(kind):
                                                 r"1000000000 make 1,000,000,000,000,000,000 "
                                                 r"token slots of 8.0 KiB each"),
     (lambda: mh.PagedKVCache(10**12, 16, 8, 128), r"PagedKVCache: num_pages=1000000000000 x "
-                                                   r"page_size=16 make .* PiB in all, but cpu "
+                                                   r"page_size=16 make .* each, taking .* PiB, but cpu "
                                                    r"has .* free: build a smaller cache")])
 def test_a_cache_larger_than_free_memory_is_refused_by_its_sizes(build, match):
     with pytest.raises(ValueError, match=match):

@@ -49,7 +49,7 @@ def test_document_ids_and_cu_seqlens_agree():
                          r"'0,2,5' \(str\)"),
     ([0, None, 5], TypeError, r"got \[0, None, 5\] \(list\)"),
     ([0, 10**12], ValueError, r"cu_seqlens ends at 1,000,000,000,000 tokens, whose ids would "
-                              r"take 14.6 TiB but cpu has .* free: is its last entry the total")])
+                              r"take 14.6 TiB, but cpu has .* free: is its last entry the total")])
 def test_cu_seqlens_that_cannot_be_documents_are_named(cu, error, match):
     with pytest.raises(error, match=match):
         M.document(cu_seqlens=cu)

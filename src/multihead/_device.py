@@ -256,21 +256,27 @@ def free_memory(device: torch.device) -> int | None:
     return None
 
 
-def short_of_memory(need: int, device: torch.device) -> int | None:
-    """The bytes free on ``device`` when ``need`` bytes exceed them, else None. Only a need
-    over 1 GiB is checked (a small one asks nothing: no file read, no device query), and
-    where free memory is not known nothing is refused.
+def check_fits(need: int, device: torch.device, what: str, fix: str) -> None:
+    """Raise a ValueError (``"{what} {need}, but {device} has {free} free: {fix}"``) when
+    ``need`` bytes exceed the free memory of ``device``: a buffer too large refused by the
+    arguments that sized it, not by the allocator. Only a need over 1 GiB is checked (a
+    small one asks nothing: no file read, no device query), and where free memory is not
+    known nothing is refused.
 
     Example:
-        >>> short_of_memory(2**20, torch.device("cpu")) is None       # small: not asked
-        True
-        >>> short_of_memory(2**80, torch.device("cpu")) is not None
-        True
+        >>> check_fits(2**20, torch.device("cpu"), "a small buffer takes", "")   # not asked
+        >>> check_fits(2**80, torch.device("cpu"), "ids would take", "is it the total?")
+        Traceback (most recent call last):
+        ...
+        ValueError: ids would take 1.0 YiB, but cpu has ... free: is it the total?
     """
     if need <= 2**30:
-        return None
+        return
     free = free_memory(device)
-    return free if free is not None and need > free else None
+    if free is not None and need > free:
+        from .analysis.params import human_bytes
+        raise ValueError(f"{what} {human_bytes(need)}, but {device} has {human_bytes(free)} "
+                         f"free: {fix}")
 
 
 def available_memory(device: torch.device) -> int:

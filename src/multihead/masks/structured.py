@@ -21,8 +21,7 @@ import torch
 
 from .._args import positive_int
 from .._dtypes import check_strided
-from .._device import short_of_memory
-from ..analysis.params import human_bytes
+from .._device import check_fits
 from .base import Index, Mask, TileIndex, versioned
 
 _ALIGNS = ("lower_right", "upper_left")
@@ -367,12 +366,9 @@ class Document(Mask):
                                  f"decrease, got {cu.tolist()[:10]}")
             total = int(cu[-1])
             need = 16 * total                                          # (positions and ids)
-            free = short_of_memory(need, cu.device)
-            if free is not None:
-                raise ValueError(f"document: cu_seqlens ends at {total:,} tokens, whose ids "
-                                 f"would take {human_bytes(need)} but {cu.device} has "
-                                 f"{human_bytes(free)} free: is its last entry the total "
-                                 f"length of the packed documents?")
+            check_fits(need, cu.device, f"document: cu_seqlens ends at {total:,} tokens, "
+                       f"whose ids would take", "is its last entry the total length of the "
+                       "packed documents?")
             pos = torch.arange(total, device=cu.device)
             ids = torch.bucketize(pos, cu[1:], right=True)
         self._runs = None                                  # DocumentRuns, once known

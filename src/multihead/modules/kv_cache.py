@@ -43,7 +43,7 @@ import functools
 import torch
 
 from .._args import positive_int
-from .._device import short_of_memory, to_device, usable_device
+from .._device import check_fits, to_device, usable_device
 from .._dtypes import check_dtype, check_strided
 from ..analysis.params import human_bytes
 
@@ -80,12 +80,8 @@ class _CacheBase:
         self.device = usable_device("device", device)
         need = slots * (self.num_kv_heads * (self.head_dim + self.value_dim)
                         * self.dtype.itemsize + 1)                      # k, v and valid
-        free = short_of_memory(need, self.device)
-        if free is not None:
-            raise ValueError(f"{type(self).__name__}: {sizes} make {slots:,} token slots of "
-                             f"{human_bytes(need // slots)} each, {human_bytes(need)} in all, "
-                             f"but {self.device} has {human_bytes(free)} free: build a smaller "
-                             f"cache")
+        check_fits(need, self.device, f"{type(self).__name__}: {sizes} make {slots:,} token "
+                   f"slots of {human_bytes(need // slots)} each, taking", "build a smaller cache")
         return dict(dtype=self.dtype, device=self.device)
 
     def check_compatible(self, num_kv_heads: int, head_dim: int, value_dim: int,
