@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 
 import os
 
@@ -142,6 +143,26 @@ MASK_NAMES = list(make_masks(1, 1, 4, 4))
 WORDS = ("the animal didn't cross the street because it was too tired and the river ran fast "
          "under an old bridge while children played near houses, dogs barked; she said he left "
          "early: they watched birds fly over hills, trees and fields.").split()
+
+
+@pytest.fixture
+def stdout_reader_gone(monkeypatch):
+    """A context in which stdout is a pipe whose reader has left (``multihead ... | head -1``
+    after its line); entered inside the test, as pytest's capture sets sys.stdout again when
+    the test starts."""
+    @contextlib.contextmanager
+    def gone():
+        r, w = os.pipe()
+        os.close(r)
+        out = os.fdopen(w, "w")
+        monkeypatch.setattr(sys, "stdout", out)
+        try:
+            yield
+        finally:
+            monkeypatch.undo()
+            with contextlib.suppress(OSError):
+                out.close()
+    return gone
 
 
 @pytest.fixture(scope="session")

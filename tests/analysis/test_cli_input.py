@@ -5,7 +5,6 @@ show the tables' characters (``PYTHONIOENCODING=ascii``)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -137,26 +136,11 @@ def test_an_ascii_stdout_gets_escapes_not_a_crash(args, shown):
     assert shown in r.stdout
 
 
-@contextlib.contextmanager
-def _stdout_reader_gone(monkeypatch):
-    """stdout is a pipe whose reader has left (``multihead ... | head -1`` after its line);
-    set inside the test (pytest's capture sets sys.stdout again when the test starts)."""
-    r, w = os.pipe()
-    os.close(r)
-    out = os.fdopen(w, "w")
-    monkeypatch.setattr(sys, "stdout", out)
-    try:
-        yield
-    finally:
-        monkeypatch.undo()
-        with contextlib.suppress(OSError):
-            out.close()
-
-
 @pytest.mark.parametrize("argv", [["params", "--table"],                     # rich tables
                                   ["params", "--preset", "gpt2-small", "--json"]])   # print
-def test_a_reader_that_left_ends_the_command_quietly_as_sigpipe_does(argv, monkeypatch, capsys):
-    with _stdout_reader_gone(monkeypatch):
+def test_a_reader_that_left_ends_the_command_quietly_as_sigpipe_does(argv, stdout_reader_gone,
+                                                                     capsys):
+    with stdout_reader_gone():
         assert main(argv) == 141
     assert capsys.readouterr().err == ""
 

@@ -164,6 +164,16 @@ def test_a_refused_text_leaves_no_out_directory(tmp_path, capsys):
     assert [p.name for p in out.iterdir()] == ["inspect.json"]
 
 
+def test_a_reader_that_leaves_early_still_gets_the_files(tmp_path, stdout_reader_gone, capsys):
+    """``multihead inspect --out D | head -1``: the files are written before the table."""
+    d = tiny_checkpoint(tmp_path / "tiny")
+    with stdout_reader_gone():
+        assert main(["inspect", "it rains", "--model", str(d), "--out", str(tmp_path / "o"),
+                     "--format", "json"]) == 141
+    assert [p.name for p in (tmp_path / "o").iterdir()] == ["inspect.json"]
+    assert "inspect.json" in capsys.readouterr().err
+
+
 def test_model_dirs(tmp_path, capsys):
     d = tiny_checkpoint(tmp_path / "tiny")
     assert main(["inspect", "it rains", "--model", str(d), "--out", str(tmp_path / "o"),

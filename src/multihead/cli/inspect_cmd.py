@@ -190,9 +190,9 @@ def run(args) -> int:
     result = Inspection(model.name, cap, metrics, query, looks, selected,
                         attention=getattr(model, "attention_note", ""))
 
-    from .inspect_view import show
-    show(result, console(), full=args.metrics)
-    if args.out is not None:
+    if args.out is not None:         # the files first: a reader that leaves (``| head -1``) keeps them
         for p in write(result, args.out, formats):
             wrote(err, p)
+    from .inspect_view import show
+    show(result, console(), full=args.metrics)
     return 0
