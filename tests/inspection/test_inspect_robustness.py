@@ -103,6 +103,28 @@ def test_strict_json_and_metrics_refuse_nan():
         HeadMetrics.of(w, ["[CLS]", "[SEP]"])
 
 
+def test_figures_fall_back_to_installed_fonts_and_say_once_what_none_draws(tmp_path, capsys):
+    """A token DejaVu Sans lacks is drawn with an installed font that has it (matplotlib's
+    STIX has 'の'); a character no font draws is one warning line, not one per glyph."""
+    import warnings
+
+    from multihead.inspect.plots import fonts_for
+    assert fonts_for(["the animal", "L3H1"]) == ([], "")
+    families, missing = fonts_for(["の"])
+    assert families and missing == "" and not any(f.startswith("Last Resort") for f in families)
+    unfontable = fonts_for(["一"])[1]                  # "" where a CJK font is installed
+    d = tiny_checkpoint(tmp_path / "tiny")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["inspect", "の 一 it rains", "--model", str(d), "--out", str(tmp_path / "o"),
+                     "--format", "png,svg"]) == 0
+    assert not [w for w in caught if "Glyph" in str(w.message)]
+    err = " ".join(capsys.readouterr().err.split())
+    said = "warning: no installed font draws '一': the PNG/SVG figures show boxes for it"
+    assert (said in err) == (unfontable == "一") and err.count("no installed font") <= 1
+    assert "'の" not in err
+
+
 # C. symlinks planted in --out
 
 def test_out_never_writes_through_symlinks(tmp_path):

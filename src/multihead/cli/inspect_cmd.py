@@ -11,6 +11,7 @@ PNG/SVG heatmaps and the raw data as JSON.
 from __future__ import annotations
 
 import codecs
+import warnings
 from pathlib import Path
 
 from ._common import console, int_in, path, prepare_out, summary, wrote
@@ -191,7 +192,18 @@ def run(args) -> int:
                         attention=getattr(model, "attention_note", ""))
 
     if args.out is not None:         # the files first: a reader that leaves (``| head -1``) keeps them
-        for p in write(result, args.out, formats):
+        from rich.markup import escape
+
+        from ..inspect.plots import MissingGlyphs
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", MissingGlyphs)
+            paths = write(result, args.out, formats)
+        for w in caught:             # ours as one warning line; any other as Python shows it
+            if issubclass(w.category, MissingGlyphs):
+                err.print(f"[yellow]warning:[/] {escape(str(w.message))}", highlight=False)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        for p in paths:
             wrote(err, p)
     from .inspect_view import show
     show(result, console(), full=args.metrics)

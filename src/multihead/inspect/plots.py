@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,49 @@ def pooled(weights: torch.Tensor, n: int) -> torch.Tensor:
 #: tokens and names are drawn as they are: a ``$`` pair is not TeX math (a token ``$$``
 #: failed to parse), whatever the user's matplotlibrc says
 LITERAL_TEXT = {"text.parse_math": False, "text.usetex": False}
+
+
+#: matplotlib's own last-resort font draws a box for every character: it is no fallback
+PLACEHOLDER_FONT = "Last Resort"
+
+
+class MissingGlyphs(UserWarning):
+    """Characters of a figure's text that no installed font draws (they show as boxes)."""
+
+
+def fonts_for(texts) -> tuple[list[str], str]:
+    """The installed font families that draw the characters of ``texts`` that matplotlib's
+    default font lacks (its fallbacks, in order), and the characters that none draws.
+
+    Example:
+        >>> fonts_for(["the animal", "L3H1"])
+        ([], '')
+    """
+    from matplotlib import font_manager as fm
+    from matplotlib.ft2font import FT2Font
+
+    def drawn(path: str) -> set[str]:
+        return set(map(chr, FT2Font(path).get_charmap()))
+
+    chars = {ch for t in texts for ch in t if ch.isprintable() and not ch.isspace()}
+    missing = chars - drawn(fm.findfont(fm.FontProperties()))
+    upright = {}                    # family: its upright face nearest to normal weight
+    for f in fm.fontManager.ttflist:
+        near = (abs(f.weight - 400) if isinstance(f.weight, int) else 0, f.fname)
+        if f.style == "normal" and not f.name.startswith(PLACEHOLDER_FONT):
+            upright[f.name] = min(upright.get(f.name, near), near)
+    families = []
+    for name, (_, fname) in sorted(upright.items()):
+        if not missing:
+            break
+        try:
+            has = drawn(fname)
+        except (OSError, RuntimeError):
+            continue
+        if missing & has:
+            families.append(name)
+            missing -= has
+    return families, "".join(sorted(missing))
 
 
 def _dpi(fig, want: int = 200) -> float:
@@ -144,8 +188,11 @@ def render_figures(inspection, formats: set[str]) -> dict[str, bytes]:
 
     w = inspection.capture.weights                                              # (L, H, S, S)
     l, h = inspection.selected
+    fallbacks, missing = fonts_for([inspection.model, *inspection.capture.tokens])
+    fonts = {"font.family": [*matplotlib.rcParams["font.family"], *fallbacks]}
     files = {}
-    with matplotlib.rc_context(LITERAL_TEXT):
+    with matplotlib.rc_context({**LITERAL_TEXT, **fonts}), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Glyph .* missing from font", UserWarning)  # (said once)
         figures = ((_grid(plt, inspection, w), "heads.{}".format),
                    (_big(plt, inspection, w), lambda fmt: head_image(l, h, fmt)))
         try:
@@ -157,4 +204,11 @@ def render_figures(inspection, formats: set[str]) -> dict[str, bytes]:
         finally:
             for fig, _ in figures:
                 plt.close(fig)
+    if missing:
+        shown_chars = "".join(missing[:20]) + ("…" if len(missing) > 20 else "")
+        warnings.warn(MissingGlyphs(
+            f"no installed font draws {shown_chars!r}: the PNG/SVG figures show boxes for "
+            f"{'them' if len(missing) > 1 else 'it'} (report.html and inspect.json are "
+            f"unaffected); install a font that has them, such as Noto (Debian: fonts-noto-cjk "
+            f"for Chinese, Japanese and Korean)"), stacklevel=2)
     return files
