@@ -85,3 +85,26 @@ def check_strided(name: str, t: torch.Tensor) -> None:
                "convert it with .to_dense()")
         raise TypeError(f"{name} is a {'nested' if t.is_nested else t.layout} tensor; "
                         f"attention takes dense (strided) tensors: {fix}")
+
+
+def integer_tensor(name: str, x) -> torch.Tensor:
+    """``x`` (an integer tensor, or a list of ints: kept on the host) as an int64 tensor, or
+    a TypeError naming ``name`` that shows what was passed.
+
+    Example:
+        >>> integer_tensor("cu_seqlens", [0, 3, 5])
+        tensor([0, 3, 5])
+        >>> integer_tensor("cu_seqlens", "abc")
+        Traceback (most recent call last):
+        ...
+        TypeError: cu_seqlens must be integers (a list or an integer tensor), got 'abc' (str)
+    """
+    try:
+        t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x, device="cpu")  # a list: host
+    except (TypeError, ValueError, RuntimeError, OverflowError):    # a str, a None inside, 2**64
+        raise TypeError(f"{name} must be integers (a list or an integer tensor), got "
+                        f"{x!r:.60} ({type(x).__name__})") from None
+    check_strided(name, t)
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+    return t.long()

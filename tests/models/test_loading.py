@@ -3,8 +3,11 @@ unsupported architectures, pickles. Nothing half-loaded comes back."""
 
 from __future__ import annotations
 
+import collections
 import json
 import re
+import threading
+import types
 
 import pytest
 import torch
@@ -118,8 +121,19 @@ def test_encoder_and_embed_bad_input(tmp_path):
         enc.forward_packed(torch.ones(4, dtype=torch.long), torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="strictly increasing"):
         enc.forward_packed(torch.ones(4, dtype=torch.long), torch.tensor([0, 0, 4]))
-    with pytest.raises(TypeError, match="texts must be a list of str, got str"):
+    with pytest.raises(TypeError, match=r"texts must be a list of str, got str: wrap one text "
+                                        r"in a list \(\['one text'\]\)"):
         m.embed("one text")
+    for bad, said in ((None, "NoneType"), (b"x", r"bytes: decode it first"), (3, "int")):
+        with pytest.raises(TypeError, match=rf"texts\[1\] must be a str, got {said}"):
+            m.embed(["ok", bad])
+        with pytest.raises(TypeError, match=rf"^text must be a str, got {said}"):
+            m.tokenize(bad)
+    with pytest.raises(TypeError, match="text must be a str, got list: tokenize_batch takes"):
+        m.tokenize(["a", "b"])
+    with pytest.raises(ValueError, match=r"texts\[1\] holds a lone surrogate '\\udc80' at "
+                                         r"character 4, .* errors='replace'"):
+        m.embed(["ok", "bad \udc80"])
     assert m.embed([]).shape == (0, 32)
     for bad in (0, 2.5, True, "512", None):          # (0 and 2.5 ran every text alone)
         with pytest.raises(ValueError, match=rf"pack_tokens must be a positive int, got "
@@ -181,16 +195,92 @@ def test_token_type_ids_are_checked_as_input_ids_are(tmp_path, types, error, mes
 
 
 @pytest.mark.parametrize("ids, cu, error, message", [
-    (torch.arange(6), [0.0, 2.7, 6.0], TypeError, "cu_seqlens must hold integers .* got torch.float32"),
-    (torch.arange(6), torch.tensor([0.0, 3.0, 6.0]), TypeError, "cu_seqlens must hold integers"),
+    (torch.arange(6), [0.0, 2.7, 6.0], TypeError, "cu_seqlens must be an integer tensor, got dtype torch.float32"),
+    (torch.arange(6), torch.tensor([0.0, 3.0, 6.0]), TypeError, "cu_seqlens must be an integer tensor"),
     (torch.zeros(0, dtype=torch.long), [0], ValueError, "there is no token to encode"),
     (torch.arange(6), [0, 6, 6], ValueError, "strictly increasing, got \\[0, 6, 6\\]"),
-], ids=["float-list", "float-tensor", "empty", "empty-text"])
+    (torch.arange(6), 6, ValueError, r"cu_seqlens must be \[0, \.\.\., N=6\].* got \[6\] \(shape \(\)\)"),
+    (torch.arange(6), None, TypeError, r"cu_seqlens must be integers .* got None \(NoneType\)"),
+    (torch.arange(6), "abc", TypeError, r"cu_seqlens must be integers .* got 'abc' \(str\)"),
+    (torch.arange(6), [0, 2**64], TypeError, r"cu_seqlens must be integers .* got \[0, 1844"),
+], ids=["float-list", "float-tensor", "empty", "empty-text", "scalar", "none", "str", "overflow"])
 def test_forward_packed_refuses_offsets_it_would_round_or_fail_on(tmp_path, ids, cu, error,
                                                                    message):
     m = load(tiny_checkpoint(tmp_path / "m"))
     with pytest.raises(error, match=message):
         m.encoder.forward_packed(ids, cu)
+
+
+def test_overlapping_eval_blocks_share_one_eval_period():
+    """Two callers (threads) inside ``evaluating`` at once: the first to leave used to put
+    the module back in train mode under the other's forward (dropout on, silently)."""
+    from multihead.models.pretrained import evaluating
+    m = torch.nn.Sequential(torch.nn.Dropout(), torch.nn.Dropout().eval()).train()
+    m[1].eval()
+    a, b = evaluating(m), evaluating(m)
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert not m.training and not m[0].training                   # b is still inside
+    b.__exit__(None, None, None)
+    assert (m.training, m[0].training, m[1].training) == (True, True, False)
+
+
+def test_embed_in_threads_gives_eval_mode_embeddings_and_keeps_train_mode(tmp_path):
+    m = load(tiny_checkpoint(tmp_path / "m", hidden_dropout_prob=0.5,
+                             attention_probs_dropout_prob=0.5))
+    texts = ["a cat sat on the mat", "the dog ran", "it rains"]
+    want = m.embed(texts)
+    m.encoder.train()
+    got, errors = [], []
+
+    def run():
+        try:
+            for _ in range(4):
+                got.append(m.embed(texts))
+        except Exception as e:                                       # (reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(got) == 12
+    assert all(torch.equal(g, want) for g in got)
+    assert m.encoder.training and all(x.training for x in m.encoder.modules())
+
+
+def test_tokenize_refuses_a_max_length_that_would_cut_the_special_tokens(tmp_path):
+    """max_length=1 used to keep only [SEP]: no [CLS] and no text."""
+    m = load(tiny_checkpoint(tmp_path / "m"))
+    with pytest.raises(ValueError, match=r"max_length=1 is shorter than the 2 special tokens .* "
+                                         r"pass max_length=2 or more"):
+        m.tokenize("a cat sat", max_length=1)
+    assert m.tokenize("a cat sat", max_length=2).tokens == ["[CLS]", "[SEP]"]
+
+
+def test_tokenizing_a_long_text_reads_each_property_of_its_encoding_once(tmp_path):
+    """Each read of an encoding's ``ids`` (or tokens, offsets...) copies all of it: one read
+    per kept token made a 100k-word text take seconds."""
+    m = load(tiny_checkpoint(tmp_path / "m"))
+    reads = collections.Counter()
+
+    class Counting:
+        def __init__(self, enc):
+            self.enc = enc
+
+        def __getattr__(self, name):
+            reads[name] += 1
+            return getattr(self.enc, name)
+
+    real = m.tokenizer
+    fake = types.SimpleNamespace(encode_batch=lambda texts: [Counting(e) for e in real.encode_batch(texts)],
+                                 post_processor=real.post_processor)
+    m.tokenizer = fake
+    t = m.tokenize("word " * 300)
+    m.tokenizer = real
+    assert len(t.ids) == 64 and t.truncated and t.tokens == m.tokenize("word " * 300).tokens
+    assert max(reads.values()) <= 2, reads             # (kept() reads ids once more: its length)
 
 
 @pytest.mark.parametrize("max_length", [0, -1, 2.5, "8", True])

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .._args import positive_int
-from .._dtypes import check_strided
+from .._dtypes import check_strided, integer_tensor
 from .._device import check_fits
 from .base import Index, Mask, TileIndex, versioned
 
@@ -126,17 +126,10 @@ def sliding_window(size: int, *, align: str = "lower_right") -> Window:
 
 
 def _as_long_1d_or_2d(x, name: str) -> torch.Tensor:
-    try:
-        t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x, device="cpu")  # a list: host
-    except (TypeError, ValueError, RuntimeError, OverflowError):    # a str, a None inside, ...
-        raise TypeError(f"{name} must be integers (a list or an integer tensor), got "
-                        f"{x!r:.60} ({type(x).__name__})") from None
-    check_strided(name, t)
-    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+    t = integer_tensor(name, x)
     if t.dim() not in (1, 2):
         raise ValueError(f"{name} must be 1-D (S,) or 2-D (B, S), got shape {tuple(t.shape)}")
-    return t.long()
+    return t
 
 
 def _tile_minmax(ids: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:

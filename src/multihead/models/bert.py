@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import masks
+from .._dtypes import integer_tensor
 from ..modules import MultiHeadAttention
 from ..modules.attention import _divisors
 from ..modules.loading import AllOrNothing
@@ -292,15 +293,13 @@ class BertEncoder(AllOrNothing):
         first lets the ``varlen`` backend read each group of equal lengths as one view.
         """
         check_ids(input_ids, 1, "(N,)", self.config.vocab_size)
-        cu = torch.as_tensor(cu_seqlens, device=input_ids.device)
-        if cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
-            raise TypeError(f"cu_seqlens must hold integers (token offsets), got {cu.dtype} "
-                            f"{cu.tolist()[:8]}: pass a list of ints or an integer tensor")
-        cu = cu.long()
+        cu = integer_tensor("cu_seqlens", cu_seqlens).to(input_ids.device)     # (n + 1,)
         if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != input_ids.numel() \
                 or bool((cu.diff() <= 0).any()):
+            shown = cu.reshape(-1).tolist()                                     # (a 0-d one too)
             raise ValueError(f"cu_seqlens must be [0, ..., N={input_ids.numel()}], strictly "
-                             f"increasing, got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}"
+                             f"increasing, got {shown[:8]}{'...' if len(shown) > 8 else ''}"
+                             f"{f' (shape {tuple(cu.shape)})' if cu.dim() != 1 else ''}"
                              + (": there is no token to encode (pass at least one text)"
                                 if input_ids.numel() == 0 else ""))
         lengths = cu.diff()                                                     # (n,)

@@ -25,6 +25,7 @@ Notation used for tensor shapes: S tokens, E hidden size, H heads, L layers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import re
@@ -38,7 +39,8 @@ from ._files import (ModelLoadError, check_model_dir, first_line, is_library_err
                      read_object, show, whole_message)
 from .bert import EncoderOutput, check_ids, check_length
 from .checkpoint import FLOAT_DTYPES, _check_finite, check_float, read_header
-from .pretrained import Tokens, check_max_length, check_texts, evaluating, kept
+from .pretrained import (Tokens, check_max_length, check_text, check_texts, evaluating,
+                         kept_tokens)
 from .tokenizer import display, load_tokenizer
 
 __all__ = ["DECODER_TYPES", "ENCODER_DECODER_TYPES", "HF_TYPES", "Decoder", "EncoderDecoder",
@@ -217,21 +219,14 @@ class HFModel:
         ``</s>``, where its tokenizer adds them), tokens shown readably (``"Ġanimal"`` ->
         ``"animal"``); longer than ``max_length`` (default: the model's positions) keeps the
         first tokens (and a closing special token), and says so in ``truncated``."""
-        return self.tokenize_batch([text], max_length=max_length)[0]
+        return self.tokenize_batch([check_text("text", text)], max_length=max_length)[0]
 
     def tokenize_batch(self, texts: Sequence[str], *, max_length: int | None = None) -> list[Tokens]:
         """:meth:`tokenize` for many texts at once (the tokenizer's batch encoder)."""
         texts = check_texts(texts)
-        limit = check_max_length(max_length, self.config.max_position_embeddings)
-        out = []
-        for enc in self.tokenizer.encode_batch(texts):
-            keep, n = kept(enc, limit), len(enc.ids)
-            ids = [enc.ids[i] for i in keep]
-            toks = [enc.tokens[i] if enc.special_tokens_mask[i]
-                    else display(self.tokenizer, enc.ids[i], enc.tokens[i]) for i in keep]
-            out.append(Tokens(torch.tensor(ids, dtype=torch.long), toks, n > limit, n,
-                              [enc.word_ids[i] for i in keep], [enc.offsets[i] for i in keep]))
-        return out
+        limit = check_max_length(max_length, self.config.max_position_embeddings, self.tokenizer)
+        show = functools.partial(display, self.tokenizer)
+        return [kept_tokens(enc, limit, show) for enc in self.tokenizer.encode_batch(texts)]
 
     def query_pieces(self, word: str) -> list[list[str]]:
         """How ``word`` can appear among the shown tokens: inside a text (after a space, the

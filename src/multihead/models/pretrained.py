@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, NamedTuple, Sequence
@@ -35,8 +36,9 @@ class Tokens(NamedTuple):
     spans: list[tuple[int, int]] | None = None
 
 
-def check_max_length(max_length, positions: int) -> int:
-    """The tokens a text keeps: ``max_length`` (a positive int), or ``positions`` for None.
+def check_max_length(max_length, positions: int, tokenizer=None) -> int:
+    """The tokens a text keeps: ``max_length`` (a positive int, at least the special tokens
+    ``tokenizer`` adds to a text: fewer would cut its markers), or ``positions`` for None.
 
     Example:
         >>> check_max_length(None, 512), check_max_length(8, 512)
@@ -52,13 +54,29 @@ def check_max_length(max_length, positions: int) -> int:
             or max_length < 1:
         raise ValueError(f"max_length must be a positive integer (or None: the model's "
                          f"{positions} positions), got {max_length!r}")
+    post = getattr(tokenizer, "post_processor", None)
+    added = 0 if post is None else post.num_special_tokens_to_add(False)
+    if max_length < added:
+        raise ValueError(f"max_length={max_length} is shorter than the {added} special tokens "
+                         f"the tokenizer adds to every text (such as [CLS] and [SEP]): pass "
+                         f"max_length={added} or more")
     return int(max_length)
+
+
+#: the modules in an :func:`evaluating` block: id -> (callers inside, the modes to restore)
+_EVALUATING: dict[int, tuple[int, list]] = {}
+_EVALUATING_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
 def evaluating(module: torch.nn.Module):
     """``module`` in eval mode for the block (no dropout: the same text gives the same
     numbers whatever mode a caller left it in), then back in the mode it was.
+
+    Blocks in several threads at once share one eval period: the first saves the modes and
+    the last to leave restores them (each saving and restoring its own would let one
+    thread's restore turn dropout back on under another's forward). A training step in
+    another thread at the same time still sees eval mode, as it would after ``.eval()``.
 
     Example:
         >>> import torch
@@ -69,17 +87,52 @@ def evaluating(module: torch.nn.Module):
         >>> m.training
         True
     """
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
+    key = id(module)                # (alive, so its id is its own, while the block runs)
+    with _EVALUATING_LOCK:
+        inside, modes = _EVALUATING.get(key, (0, None))
+        if not inside:                                  # the first caller saves the modes
+            modes = [(m, m.training) for m in module.modules()]
+            module.eval()
+        _EVALUATING[key] = (inside + 1, modes)
     try:
         yield module
     finally:
-        for m, mode in modes:
-            m.training = mode
+        with _EVALUATING_LOCK:
+            inside, modes = _EVALUATING.pop(key)
+            if inside > 1:
+                _EVALUATING[key] = (inside - 1, modes)
+            else:                                       # the last one restores them
+                for m, mode in modes:
+                    m.training = mode
+
+
+def check_text(name: str, text) -> str:
+    """``text``, after checking that it is a str a tokenizer can read (Unicode text: no lone
+    surrogate, which a str holds after decoding with ``errors="surrogateescape"``).
+
+    Example:
+        >>> check_text("texts[1]", b"hi")
+        Traceback (most recent call last):
+        ...
+        TypeError: texts[1] must be a str, got bytes: decode it first (b.decode("utf-8"))
+    """
+    if not isinstance(text, str):
+        fix = (': decode it first (b.decode("utf-8"))' if isinstance(text, (bytes, bytearray))
+               else ": tokenize_batch takes a list of texts" if isinstance(text, (list, tuple))
+               else "")
+        raise TypeError(f"{name} must be a str, got {type(text).__name__}{fix}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} holds a lone surrogate {text[e.start]!r} at character "
+                         f"{e.start}, which is no Unicode text: decode its bytes with "
+                         f"errors='replace' instead of 'surrogateescape'") from None
+    return text
 
 
 def check_texts(texts) -> list[str]:
-    """``texts`` as a list, after checking that it is a sequence of str (not one str).
+    """``texts`` as a list, after checking that it is a sequence (not one str) of texts a
+    tokenizer can read (see :func:`check_text`).
 
     Example:
         >>> check_texts(("a", "b"))
@@ -87,12 +140,16 @@ def check_texts(texts) -> list[str]:
         >>> check_texts("ab")
         Traceback (most recent call last):
         ...
-        TypeError: texts must be a list of str, got str
+        TypeError: texts must be a list of str, got str: wrap one text in a list (['ab'])
+        >>> check_texts(["a", None])
+        Traceback (most recent call last):
+        ...
+        TypeError: texts[1] must be a str, got NoneType
     """
-    if isinstance(texts, str) or not isinstance(texts, Sequence) or not all(
-            isinstance(t, str) for t in texts):
-        raise TypeError(f"texts must be a list of str, got {type(texts).__name__}")
-    return list(texts)
+    if isinstance(texts, str) or not isinstance(texts, Sequence):
+        fix = f": wrap one text in a list ([{texts!r:.40}])" if isinstance(texts, str) else ""
+        raise TypeError(f"texts must be a list of str, got {type(texts).__name__}{fix}")
+    return [check_text(f"texts[{i}]", t) for i, t in enumerate(texts)]
 
 
 def kept(enc, limit: int) -> list[int]:
@@ -112,6 +169,30 @@ def kept(enc, limit: int) -> list[int]:
     if n > limit and enc.special_tokens_mask[-1]:
         keep[-1] = n - 1
     return keep
+
+
+def kept_tokens(enc, limit: int, show=None) -> Tokens:
+    """The :class:`Tokens` of an encoding at ``limit`` positions (see :func:`kept`); ``show``
+    (``(id, token) -> str``) gives a text token's shown form (special tokens stay as they are).
+
+    Each of the encoding's properties is read once: a read copies the whole encoding into a
+    new list, so reading one per kept token took seconds on a long text.
+
+    Example:
+        >>> from types import SimpleNamespace as E
+        >>> enc = E(ids=[101, 7, 8, 102], tokens=["[CLS]", "a", "b", "[SEP]"],
+        ...         special_tokens_mask=[1, 0, 0, 1], word_ids=[None, 0, 1, None],
+        ...         offsets=[(0, 0), (0, 1), (2, 3), (0, 0)])
+        >>> t = kept_tokens(enc, 3)
+        >>> t.tokens, t.truncated, t.original_length, t.words
+        (['[CLS]', 'a', '[SEP]'], True, 4, [None, 0, None])
+    """
+    ids, tokens, special = enc.ids, enc.tokens, enc.special_tokens_mask
+    words, spans = enc.word_ids, enc.offsets
+    keep = kept(enc, limit)
+    shown = [tokens[i] if show is None or special[i] else show(ids[i], tokens[i]) for i in keep]
+    return Tokens(torch.tensor([ids[i] for i in keep], dtype=torch.long), shown,
+                  len(ids) > limit, len(ids), [words[i] for i in keep], [spans[i] for i in keep])
 
 
 @dataclass
@@ -146,7 +227,7 @@ class Pretrained:
             >>> load().tokenize("The animal didn't cross.").tokens
             ['[CLS]', 'the', 'animal', 'didn', "'", 't', 'cross', '.', '[SEP]']
         """
-        return self.tokenize_batch([text], max_length=max_length)[0]
+        return self.tokenize_batch([check_text("text", text)], max_length=max_length)[0]
 
     def tokenize_batch(self, texts: Sequence[str], *, max_length: int | None = None) -> list[Tokens]:
         """:meth:`tokenize` for many texts at once (the tokenizer's batch encoder).
@@ -157,15 +238,8 @@ class Pretrained:
             [3, 4]
         """
         texts = check_texts(texts)
-        limit = check_max_length(max_length, self.config.max_position_embeddings)
-        full = self.tokenizer.encode_batch(texts)
-        out = []
-        for enc in full:
-            keep, n = kept(enc, limit), len(enc.ids)
-            ids, toks = [enc.ids[i] for i in keep], [enc.tokens[i] for i in keep]
-            out.append(Tokens(torch.tensor(ids, dtype=torch.long), toks, n > limit, n,
-                              [enc.word_ids[i] for i in keep], [enc.offsets[i] for i in keep]))
-        return out
+        limit = check_max_length(max_length, self.config.max_position_embeddings, self.tokenizer)
+        return [kept_tokens(enc, limit) for enc in self.tokenizer.encode_batch(texts)]
 
     def query_pieces(self, word: str) -> list[list[str]]:
         """The word pieces ``word`` becomes in a text (one way for BERT's WordPiece).
