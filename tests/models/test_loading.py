@@ -135,6 +135,10 @@ def test_encoder_and_embed_bad_input(tmp_path):
                                          r"character 4, .* errors='replace'"):
         m.embed(["ok", "bad \udc80"])
     assert m.embed([]).shape == (0, 32)
+    m.sentence.pooling = "max"                        # (used to pool by the mean, silently)
+    with pytest.raises(ValueError, match="sentence.pooling must be 'mean' or 'cls', got 'max'"):
+        m.embed(["a text"])
+    m.sentence.pooling = "mean"
     for bad in (0, 2.5, True, "512", None):          # (0 and 2.5 ran every text alone)
         with pytest.raises(ValueError, match=rf"pack_tokens must be a positive int, got "
                                              rf"{re.escape(repr(bad))}: the most tokens"):

@@ -283,6 +283,9 @@ class Pretrained:
         texts = check_texts(texts)
         pack_tokens = positive_int("pack_tokens", pack_tokens,
                                    hint="the most tokens one packed forward holds")
+        if self.sentence.pooling not in ("mean", "cls"):            # (set after loading?)
+            raise ValueError(f"sentence.pooling must be 'mean' or 'cls', got "
+                             f"{self.sentence.pooling!r}: the poolings multihead runs")
         if self.sentence.lower_case:                  # sentence_bert_config's do_lower_case
             texts = [t.lower() for t in texts]
         E = self.config.hidden_size
