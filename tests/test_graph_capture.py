@@ -58,13 +58,13 @@ def test_facts_of_a_masks_tensors_are_computed_in_the_graph_not_taken_from_the_c
     between replays, and a map from the old ids would skip or leak whole key blocks."""
     ids = torch.tensor([[0, 0, 0, 1, 1, 1, 2, 2]])
     mask = M.document(ids)
-    before = mask.tiles(8, 8, tile_q=2, tile_k=2)
-    assert mask.tiles(8, 8, tile_q=2, tile_k=2) is before            # eager: cached
+    before = mask._tile_map(8, 8, tile_q=2, tile_k=2)
+    assert mask._tile_map(8, 8, tile_q=2, tile_k=2) is before            # eager: cached
     with simulated_capture():
-        during = mask.tiles(8, 8, tile_q=2, tile_k=2)
+        during = mask._tile_map(8, 8, tile_q=2, tile_k=2)
         assert during is not before                                  # computed afresh
         assert torch.equal(during.state, before.state)
-    assert mask.tiles(8, 8, tile_q=2, tile_k=2) is before            # nothing stored
+    assert mask._tile_map(8, 8, tile_q=2, tile_k=2) is before            # nothing stored
 
 
 def test_host_facts_of_a_masks_device_tensors_are_unknown_to_a_graph():
@@ -83,12 +83,12 @@ def test_host_facts_of_a_masks_device_tensors_are_unknown_to_a_graph():
 
 def test_facts_of_a_mask_made_of_integers_are_shared_with_the_graph_and_kept():
     window = M.sliding_window(3)
-    before = window.tiles(16, 16, tile_q=4, tile_k=4)
+    before = window._tile_map(16, 16, tile_q=4, tile_k=4)
     with simulated_capture():
-        assert M.sliding_window(3).tiles(16, 16, tile_q=4, tile_k=4) is before
+        assert M.sliding_window(3)._tile_map(16, 16, tile_q=4, tile_k=4) is before
         assert any(v is before for v in _device._HELD.values())
-        fresh = M.sliding_window(5).tiles(16, 16, tile_q=4, tile_k=4)   # a miss: not kept
-    assert M.sliding_window(5).tiles(16, 16, tile_q=4, tile_k=4) is not fresh
+        fresh = M.sliding_window(5)._tile_map(16, 16, tile_q=4, tile_k=4)   # a miss: not kept
+    assert M.sliding_window(5)._tile_map(16, 16, tile_q=4, tile_k=4) is not fresh
 
 
 def test_a_call_decided_while_a_graph_captures_is_not_remembered():

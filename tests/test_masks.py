@@ -1,5 +1,7 @@
 """The mask model: semantics, composition, tile classification soundness, repr."""
 
+import copy
+import pickle
 import re
 
 import pytest
@@ -154,10 +156,25 @@ def test_repr_draws_the_mask():
     lambda: ~M.dense(torch.ones(1, 1, 5, 5, dtype=torch.bool)) & M.causal(),
     lambda: M.bias(torch.zeros(1, 1, 1, 5)) & M.causal(),
     lambda: M.document(torch.tensor([0, 0, 1, 1, 1])) & M.sliding_window(12),
-], ids=["padding", "query-padding", "dense", "bias", "document"])
+    lambda: M.at_positions(M.causal(), torch.tensor([[4]]), torch.arange(5)[None]) & M.causal(),
+    lambda: M.padding(torch.ones(1, 4, dtype=torch.bool), side="query") & M.padding([5]),
+], ids=["padding", "query-padding", "dense", "bias", "document", "positions", "both-paddings"])
 def test_repr_of_a_composition_fits_the_tensors_of_its_parts(make):
+    """Drawn at lengths every part covers (positions: one query; a query padding of 4 and
+    a key padding of 5: 4 by 5, not squared to 4 by 4, which the lengths do not fit)."""
     r = repr(make())
-    assert "unavailable" not in r and re.search(r"Sq=[45], Sk=5", r), r   # (causal: Sq < Sk)
+    assert "unavailable" not in r and re.search(r"Sq=[145], Sk=5", r), r   # (causal: Sq < Sk)
+
+
+def test_repr_draws_batch_0_and_head_0_alone():
+    """A mask built for many sequences and heads is drawn from one (Sq, Sk) grid, not by
+    building every sequence's (2 million sequences took 11 s and 6 GB)."""
+    t = torch.rand(3, 2, 4, 4) > 0.5
+    m = M.dense(t) & M.padding(torch.tensor([4, 3, 2]))
+    grid = m._grid(4, 4, first=True)
+    assert grid.shape == (1, 1, 4, 4) and torch.equal(grid, m.materialize(4, 4)[:1, :1])
+    assert repr(m).splitlines()[2:] == ["  " + " ".join("1" if x else "." for x in row)
+                                        for row in t[0, 0].tolist()]
 
 
 def test_masks_made_of_ints_are_values_and_repr_shows_alignment_and_long_masks():
@@ -226,6 +243,59 @@ def test_may_have_empty_rows_is_exact_where_it_can_be():
     assert M.padding(torch.tensor([3, 0])).may_have_empty_rows(5, 5)
     assert not (M.causal() & M.alibi(2)).may_have_empty_rows(5, 5)
     assert not (M.causal() | M.dense(torch.zeros(5, 5, dtype=torch.bool))).may_have_empty_rows(5, 5)
+    for m in (M.causal(align="upper_left"), M.alibi(2), M.causal() & M.alibi(2)):   # no keys
+        assert m.may_have_empty_rows(3, 0) and not m.may_have_empty_rows(0, 0)
+
+
+@pytest.mark.parametrize("copy_of", [copy.copy, copy.deepcopy,
+                                     lambda m: pickle.loads(pickle.dumps(m))],
+                         ids=["copy", "deepcopy", "pickle"])
+def test_a_copy_never_trusts_host_facts_of_values_written_over_since(copy_of):
+    """Facts read at version 1, then a second write: a copy's tensors count versions afresh,
+    so the old stamp (1,) matched the copy's counter and vouched for the old runs and
+    lengths (varlen was off by 1.3; a length of 7 passed for Sk = 4)."""
+    doc = M.document(torch.zeros(8, dtype=torch.long))
+    doc.ids.copy_(torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]]))
+    doc.runs()                                                  # found and stamped
+    doc.ids.copy_(torch.tensor([[0, 0, 1, 1, 2, 2, 3, 3]]))
+    c = copy_of(doc)
+    assert [t.tolist() for t in c.runs().lengths] == [[2, 2, 2, 2]]
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64) for _ in range(3))
+    want = mh.attention(q, k, v, mask=c.materialize(8, 8), backend="reference")
+    torch.testing.assert_close(mh.attention(q, k, v, mask=c, backend="varlen"), want)
+    pad = M.padding(torch.tensor([2, 2]))
+    pad.lengths.copy_(torch.tensor([3, 3]))
+    pad.describe()                                              # read again and stamped
+    pad.lengths.copy_(torch.tensor([0, 7]))
+    c = copy_of(pad)
+    assert c.may_have_empty_rows(8, 8) and "lengths=[0, 7]" in c.describe()
+    with pytest.raises(ValueError, match="has a length 7 > Sk = 4"):
+        c.materialize(4, 4)
+    fresh = M.document(cu_seqlens=[0, 3, 8])
+    fresh.runs()
+    assert copy_of(fresh)._facts_hold()                         # facts that hold travel
+
+
+def test_a_tile_map_is_the_callers_own():
+    """Writing into a returned map used to change the cached one, which the kernels' block
+    lists come from (blocksparse causal attention then skipped 64 rows)."""
+    tm = M.causal().tiles(128, 128, tile_q=64, tile_k=64)
+    tm.state.fill_(EMPTY)
+    assert M.causal().tiles(128, 128, tile_q=64, tile_k=64).state[0, 0].tolist() == [
+        [PARTIAL, EMPTY], [FULL, PARTIAL]]
+    q, k, v = (torch.randn(1, 1, 128, 8, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(mh.attention(q, k, v, mask=M.causal(), backend="blocksparse"),
+                               mh.attention(q, k, v, mask=M.causal(), backend="reference"))
+
+
+@pytest.mark.parametrize("build", [lambda t: M.padding(t), lambda t: M.document(cu_seqlens=t)],
+                         ids=["padding", "document"])
+def test_values_on_the_meta_device_that_a_mask_must_read_are_refused_by_name(build):
+    with pytest.raises(ValueError, match=r"(padding's lengths|document's cu_seqlens) are on the "
+                                         r"meta device.*build it from real ones, then move it"):
+        build(torch.tensor([0, 3]).to("meta"))
+    moved = build(torch.tensor([0, 3])).to("meta")                    # as the message says
+    assert moved._tensors()[0].device.type == "meta"
 
 
 def test_moving_a_mask_keeps_its_host_facts_and_reads_nothing_back():
@@ -359,6 +429,10 @@ def test_tiles_of_an_empty_side_are_empty():
     m = M.padding(torch.tensor([5, 7]))
     t = m.tiles(0, 64, tile_q=16, tile_k=16)
     assert tuple(t.state.shape) == (2, 1, 0, 4)
+    for side in ("key", "query"):                             # a (B, 0) bool mask: no tiles
+        none = M.padding(torch.zeros(2, 0, dtype=torch.bool), side=side)
+        sizes = (3, 0) if side == "key" else (0, 3)
+        assert none.tiles(*sizes, tile_q=2, tile_k=2).state.numel() == 0
     one = M.padding(torch.tensor([5]))                        # one row broadcasts to none
     both = (M.causal() & one).tiles(32, 32, tile_q=16, tile_k=16, batch=0)
     assert both.state.shape[0] == 0 and both.state.numel() == 0
@@ -512,7 +586,14 @@ def test_numpy_lengths_are_lengths():
      "one needs Sk = 6, the other Sk = 7"),
     (lambda: M.causal() & M.padding(torch.ones(2, 5, dtype=torch.bool)) & M.dense(_SQUARE),
      "one needs Sk = 5, the other Sk = 4"),
-], ids=["batch", "heads", "dense-lengths", "document-bias", "nested"])
+    (lambda: M.dense(torch.ones(3, 5, dtype=torch.bool)) & M.padding([7]),
+     "one needs Sk = 5, the other Sk >= 7"),
+    (lambda: M.padding([9, 2], side="query") & M.causal() & M.bias(torch.zeros(4, 4)),
+     "one needs Sq = 4, the other Sq >= 9"),
+    (lambda: ~M.document(torch.arange(10)) | (M.padding([20]) & M.causal()),
+     "one needs Sk = 10, the other Sk >= 20"),
+], ids=["batch", "heads", "dense-lengths", "document-bias", "nested", "padding-longer",
+        "query-padding-longer", "nested-padding-longer"])
 def test_a_composition_no_call_fits_is_refused_when_built(build, message):
     """Not at the first call, after the model was built: the operator's line names both."""
     with pytest.raises(ValueError, match=message):

@@ -66,7 +66,7 @@ def block_lists(mask: MB.Mask, sq: int, sk: int, block_m: int, block_n: int, dev
     device = torch.device(device)
 
     def build():
-        state = mask.tiles(sq, sk, tile_q=block_m, tile_k=block_n, device=device).state
+        state = mask._tile_map(sq, sk, tile_q=block_m, tile_k=block_n, device=device).state
         state = state.clone()                                       # (B', H', nQ, nK) int8
         # short last blocks: bounds. While tracing, always (a branch on a symbolic length
         # would compile the graph once per remainder class)

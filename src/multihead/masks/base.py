@@ -18,6 +18,7 @@ Notation used for tensor shapes:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 _SHARED = BoundedCache(max_entries=256, max_bytes=64 << 20)
 #: the same for facts kept on one mask object (tensor masks), per object
 _MEMO_ENTRIES, _MEMO_BYTES = 64, 32 << 20
+#: a pickled mask's stamp (see Mask.__getstate__): its host facts held when it was copied
+_FACTS_HELD = "held when copied"
 
 
 @dataclass(frozen=True)
@@ -255,7 +258,7 @@ class Mask:
             >>> mh.masks.causal().may_have_empty_rows(4, 9), mh.masks.causal().may_have_empty_rows(9, 4)
             (False, True)
         """
-        return self.has_predicate
+        return self.has_predicate or (sq > 0 and sk == 0)     # (no key: every row is empty)
 
     @property
     def memoizable(self) -> bool:
@@ -264,8 +267,19 @@ class Mask:
         return type(self).__dict__.get("_immutable", False)
 
     def __getstate__(self):
-        """Copies and pickles start without this object's cached facts."""
-        return {k: v for k, v in self.__dict__.items() if k != "_memo"}
+        """Copies and pickles start without this object's cached facts; the host facts read
+        from its tensors (lengths, document runs) travel only while they still describe them
+        (a copy's tensors count their versions afresh, so a stamp of the old counters could
+        match the copy's and vouch for facts of values written over since)."""
+        state = {k: v for k, v in self.__dict__.items() if k != "_memo"}
+        if "_facts_at" in state:
+            state["_facts_at"] = _FACTS_HELD if self._facts_hold() else None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if state.get("_facts_at") == _FACTS_HELD:      # the copy's own counters vouch now
+            self.__dict__["_facts_at"] = self._versions()
 
     def cached(self, what: str, args: tuple, compute):
         """``compute()``, cached by what determines it: globally under :meth:`cache_key`, else
@@ -451,12 +465,20 @@ class Mask:
             >>> mh.masks.causal().materialize(2, 3)[0, 0].int().tolist()
             [[1, 1, 0], [1, 1, 1]]
         """
+        return self._grid(sq, sk, device)
+
+    def _grid(self, sq: int, sk: int, device=None, first: bool = False) -> torch.Tensor:
+        """:meth:`materialize`; ``first``: batch 0 and head 0 only, ``(1, 1, Sq, Sk)`` (what
+        repr draws, in memory of one grid however many sequences the mask was built for)."""
         sq, sk = self._check_sizes("materialize", sq, sk)
         ix = self.index(sq, sk, device)
+        if first:
+            ix = dataclasses.replace(ix, b=ix.b[:1], h=ix.h[:1])
         full = torch.ones(len(ix.b), len(ix.h), sq, sk, dtype=torch.bool, device=ix.q.device)
         if not self.has_predicate:
             return full
-        return full & self._allowed(ix)
+        allowed = self._allowed(ix)     # (a tensor mask's own heads and batch may come whole)
+        return full & (allowed[:1, :1] if first else allowed)
 
     def additive(self, sq: int, sk: int, device=None, dtype=torch.float32) -> torch.Tensor:
         """The additive float form ``(B', H', Sq, Sk)``: the bias, and ``-inf`` where masked.
@@ -491,14 +513,22 @@ class Mask:
             batch, heads: sizes to classify for (default: the mask's own).
 
         Returns:
-            A :class:`TileMap` whose ``state`` is ``(B', H', ceil(Sq/tile_q), ceil(Sk/tile_k))``.
-            Results are cached (see :meth:`cached`): treat the map as read-only.
+            A :class:`TileMap` whose ``state`` is ``(B', H', ceil(Sq/tile_q), ceil(Sk/tile_k))``,
+            the caller's own copy: maps are cached (see :meth:`cached`) and the kernels'
+            block lists come from them, so writing into one changes no later call.
 
         Example:
             >>> import multihead as mh
             >>> mh.masks.sliding_window(64).tiles(256, 256).counts()
             {'empty': 9, 'partial': 7, 'full': 0}
         """
+        tm = self._tile_map(sq, sk, tile_q=tile_q, tile_k=tile_k, device=device, batch=batch,
+                            heads=heads)
+        return dataclasses.replace(tm, state=tm.state.clone())
+
+    def _tile_map(self, sq: int, sk: int, *, tile_q: int = 64, tile_k: int = 64,
+                  device=None, batch: int | None = None, heads: int | None = None) -> TileMap:
+        """:meth:`tiles` as cached, shared with every later call: only to read."""
         tile_q, tile_k = (_length("tiles", name, n, least=1)
                           for name, n in (("tile_q", tile_q), ("tile_k", tile_k)))
         batch, heads = (None if n is None else _length("tiles", name, n)
@@ -632,6 +662,11 @@ class Mask:
         refuse masks no call fits."""
         return None, None
 
+    def _least(self) -> tuple[int, int]:
+        """The (Sq, Sk) every call of the mask must reach at least (known from host facts:
+        the longest padding length), for composition to refuse masks no call fits."""
+        return 0, 0
+
     def describe(self) -> str:
         """One-line description, e.g. ``causal(align='lower_right')``."""
         return type(self).__name__
@@ -647,7 +682,7 @@ class Mask:
             return (f"{self.describe()} (Sq={sq}, Sk={sk}: too large to draw here; "
                     f"m.materialize(Sq, Sk) gives it at a call's lengths)")
         try:
-            grid = self.materialize(sq, sk, device="cpu")[0, 0]
+            grid = self._grid(sq, sk, device="cpu", first=True)[0, 0]
         except Exception as exc:  # a repr must never raise
             return f"{self.describe()} (preview unavailable: {exc})"
         rows = [" ".join("1" if x else "." for x in row.tolist()) for row in grid]
@@ -712,6 +747,13 @@ class _Binary(Mask):
             if None not in (x, y) and x != y:
                 raise ValueError(f"mask: {a.describe()} {self.op} {b.describe()}: one needs "
                                  f"{what} = {x}, the other {what} = {y}, which no call fits")
+        for what, exact, least in zip(("Sq", "Sk"), zip(a._lengths(), b._lengths()),
+                                      zip(a._least(), b._least())):
+            for i in (0, 1):            # one's exact length below the other's least
+                if exact[i] is not None and exact[i] < least[1 - i]:
+                    raise ValueError(
+                        f"mask: {a.describe()} {self.op} {b.describe()}: one needs {what} = "
+                        f"{exact[i]}, the other {what} >= {least[1 - i]}, which no call fits")
         self.a, self.b = a, b
         self.kind = {"&": "and", "|": "or"}[self.op]
         self.batch_size = _max_opt(a.batch_size, b.batch_size)
@@ -750,7 +792,9 @@ class _Binary(Mask):
         cq, ck = self._preview_cap()
         cq, ck = cq or ck, ck or cq                   # one capped side: keep the preview square
         q, k = max(a0, b0), max(a1, b1)
-        return (q if cq is None else min(q, cq)), (k if ck is None else min(k, ck))
+        q, k = (q if cq is None else min(q, cq)), (k if ck is None else min(k, ck))
+        (eq, ek), (lq, lk) = self._lengths(), self._least()     # what a call must have
+        return (max(q, lq) if eq is None else eq), (max(k, lk) if ek is None else ek)
 
     def _preview_cap(self):
         (a0, a1), (b0, b1) = self.a._preview_cap(), self.b._preview_cap()
@@ -759,6 +803,9 @@ class _Binary(Mask):
 
     def _lengths(self):
         return tuple(x if y is None else y for x, y in zip(self.a._lengths(), self.b._lengths()))
+
+    def _least(self):
+        return tuple(map(max, self.a._least(), self.b._least()))
 
     def describe(self) -> str:
         return f"({self.a.describe()} {self.op} {self.b.describe()})"
@@ -870,6 +917,9 @@ class Not(Mask):
 
     def _lengths(self):
         return self.m._lengths()
+
+    def _least(self):
+        return self.m._least()
 
     def describe(self):
         return f"~{self.m.describe()}"

@@ -60,6 +60,9 @@ class Positioned(Mask):
     def _lengths(self):
         return self.q_positions.shape[1], self.k_positions.shape[1]
 
+    def _least(self):               # (its leaves that hold a value per slot keep naming slots)
+        return self.m._least()
+
     _preview_size = _lengths        # one position per slot: drawn at those lengths
 
     def _tensors(self):

@@ -72,7 +72,7 @@ class Window(Mask):
         off = _offset(self.align, sq, sk)
         if sq == 0:
             return False
-        if off < 0:                                    # the first query is before every key
+        if off < 0 or sk == 0:                         # the first query is before every key
             return True
         return self.size is not None and (sq - 1 + off) - self.size + 1 > sk - 1
 
@@ -132,6 +132,13 @@ def _as_long_1d_or_2d(x, name: str) -> torch.Tensor:
     return t
 
 
+def _check_readable(name: str, t: torch.Tensor) -> None:
+    """Refuse values the mask must read when built that a meta tensor does not hold."""
+    if t.device.type == "meta":
+        raise ValueError(f"{name} are on the meta device, which holds no values to read when the "
+                         f"mask is built: build it from real ones, then move it with .to('meta')")
+
+
 def _tile_minmax(ids: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tile min and max of ``ids`` (B, S) -> two (B, ceil(S / tile)) tensors."""
     b, s = ids.shape
@@ -176,6 +183,8 @@ class Padding(Mask):
             if t.is_floating_point() or t.is_complex() or t.dim() != 1:
                 raise TypeError(f"padding: lengths must be a 1-D integer tensor (B,) or a (B, S) "
                                 f"bool tensor, got dtype {t.dtype} and shape {tuple(t.shape)}")
+            if not torch.compiler.is_compiling():
+                _check_readable("padding's lengths", t)
             with versioned():
                 self.lengths, self.real = t.long().clone(), None    # a private copy, as above
         self.batch_size = t.shape[0]       # (not len(t): a symbolic batch stays symbolic)
@@ -256,6 +265,10 @@ class Padding(Mask):
 
     _lengths = _preview_cap         # a (B, S) row covers exactly its side's length
 
+    def _least(self):               # lengths: the longest must fit its side
+        n = (self._max_len or 0) if self.real is None else 0
+        return (0, n) if self.side == "key" else (n, 0)
+
     def _check(self, batch, heads, sq, sk):
         super()._check(batch, heads, sq, sk)
         s, what = (sk, "Sk") if self.side == "key" else (sq, "Sq")
@@ -287,7 +300,8 @@ class Padding(Mask):
         tile = tx.tile_k if self.side == "key" else tx.tile_q
         real = self.real.to(first.device).long()
         lo, hi = _tile_minmax(real, tile)           # (B, n): all real iff min == 1
-        shape = (-1, 1, 1, lo.shape[1]) if self.side == "key" else (-1, 1, lo.shape[1], 1)
+        B, n = lo.shape                             # (n = 0 for no positions: no -1 to infer)
+        shape = (B, 1, 1, n) if self.side == "key" else (B, 1, n, 1)
         return (hi == 1).view(shape), (lo == 1).view(shape)
 
 
@@ -354,6 +368,7 @@ class Document(Mask):
                              "cu_seqlens (cumulative lengths starting at 0)")
         if cu_seqlens is not None:
             cu = _as_long_1d_or_2d(cu_seqlens, "cu_seqlens")
+            _check_readable("document's cu_seqlens", cu)
             if cu.dim() != 1 or len(cu) < 1 or int(cu[0]) != 0 or bool((cu.diff() < 0).any()):
                 raise ValueError(f"document: cu_seqlens must be 1-D, start at 0 and never "
                                  f"decrease, got {cu.tolist()[:10]}")

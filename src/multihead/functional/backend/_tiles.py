@@ -134,7 +134,7 @@ def _classify(call: AttentionCall, tq: int, tk: int, nq: int, nk: int, device):
         ones = torch.ones(1, nq, nk, dtype=torch.bool, device=device)
         nonempty, full = ones, ones.clone()
     else:
-        state = mask.tiles(call.Sq, call.Sk, tile_q=tq, tile_k=tk, device=device).state
+        state = mask._tile_map(call.Sq, call.Sk, tile_q=tq, tile_k=tk, device=device).state
         nonempty = (state != M.EMPTY).any(dim=1)                 # (Bm, nQ, nK)
         full = (state == M.FULL).all(dim=1)
     if call.Sk % tk:

@@ -201,7 +201,7 @@ class TritonFlash(Backend):
                     f"every block were visited (counting them would read the device)")
         else:
             if mask.has_predicate:
-                state = mask.tiles(call.Sq, call.Sk, tile_q=bm, tile_k=bn, device="cpu").state
+                state = mask._tile_map(call.Sq, call.Sk, tile_q=bm, tile_k=bn, device="cpu").state
                 pairs = int(float((state != M.EMPTY).float().mean()) * call.pairs)
             note = f"block lists: {_share(pairs, call.pairs)} visited"
         return Plan(_work(call, pairs, bm), note, (sparse, "sparse"))
