@@ -166,6 +166,17 @@ def test_repr_of_a_composition_fits_the_tensors_of_its_parts(make):
     assert "unavailable" not in r and re.search(r"Sq=[145], Sk=5", r), r   # (causal: Sq < Sk)
 
 
+@pytest.mark.parametrize("mask, name", [
+    (M.causal(), "size"), (M.sliding_window(3), "align"), (M.alibi(2), "num_heads"),
+    (M.padding([3]), "side"), (M.causal() & M.alibi(2), "b"), (M.causal() | M.causal(), "a"),
+    (~M.padding([3]), "m")])
+def test_what_a_masks_hash_and_cached_facts_follow_is_read_only(mask, name):
+    """Setting ``padding.side`` left its cached key-side tile map in use; swapping an
+    operand changed a composition's hash (lost from a dict)."""
+    with pytest.raises(AttributeError):
+        setattr(mask, name, getattr(mask, name))
+
+
 def test_repr_draws_batch_0_and_head_0_alone():
     """A mask built for many sequences and heads is drawn from one (Sq, Sk) grid, not by
     building every sequence's (2 million sequences took 11 s and 6 GB)."""

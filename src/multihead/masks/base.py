@@ -754,12 +754,22 @@ class _Binary(Mask):
                     raise ValueError(
                         f"mask: {a.describe()} {self.op} {b.describe()}: one needs {what} = "
                         f"{exact[i]}, the other {what} >= {least[1 - i]}, which no call fits")
-        self.a, self.b = a, b
+        self._a, self._b = a, b
         self.kind = {"&": "and", "|": "or"}[self.op]
         self.batch_size = _max_opt(a.batch_size, b.batch_size)
         self.num_heads = _max_opt(a.num_heads, b.num_heads)
         self.has_bias = a.has_bias or b.has_bias
         self.has_predicate = a.has_predicate or b.has_predicate
+
+    @property
+    def a(self) -> Mask:
+        """The left operand. Read-only (the composition's hash and cached facts follow it)."""
+        return self._a
+
+    @property
+    def b(self) -> Mask:
+        """The right operand. Read-only."""
+        return self._b
 
     def _check(self, batch, heads, sq, sk):
         self.a._check(batch, heads, sq, sk)
@@ -879,7 +889,7 @@ class Not(Mask):
     def __init__(self, m: Mask):
         if m.has_bias or not m.has_predicate:
             raise TypeError(f"~ applies to boolean masks only, not to {m.describe()} (it has a bias)")
-        self.m = m
+        self._m = m
         self.batch_size, self.num_heads = m.batch_size, m.num_heads
 
     def _check(self, batch, heads, sq, sk):
@@ -905,6 +915,11 @@ class Not(Mask):
 
     def may_have_empty_rows(self, sq, sk):
         return True
+
+    @property
+    def m(self) -> Mask:
+        """The mask complemented. Read-only."""
+        return self._m
 
     def to(self, device):
         return Not(self.m.to(device))

@@ -167,7 +167,7 @@ class Padding(Mask):
     def __init__(self, lengths_or_mask, side: str = "key"):
         if side not in ("key", "query"):
             raise ValueError(f"side must be 'key' or 'query', got {side!r}")
-        self.side = side
+        self._side = side
         t = lengths_or_mask if isinstance(lengths_or_mask, torch.Tensor) else \
             torch.as_tensor(lengths_or_mask, device="cpu")           # a list: host lengths
         check_strided("padding's lengths_or_mask", t)
@@ -206,6 +206,11 @@ class Padding(Mask):
         elif self.real.device.type == "cpu":
             self._fewest = int(self.real.sum(1).min()) if self.real.numel() else 0
         self._stamp()
+
+    @property
+    def side(self) -> str:
+        """``"key"`` or ``"query"``. Read-only (a tile map made for one side stays cached)."""
+        return self._side
 
     def _fact(self, name: str):
         # a host fact, None where it may no longer hold (the tensor was written in place on
