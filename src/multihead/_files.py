@@ -60,7 +60,7 @@ def atomic_write_all(files: dict[Path, str | bytes]) -> list[Path]:
         for path, data in files.items():
             path = Path(path)
             made += _make_dirs(path.parent)
-            if path.is_dir():
+            if path.is_dir() and not path.is_symlink():   # (a link is replaced, not followed)
                 raise IsADirectoryError(21, "Is a directory", str(path))
             try:
                 staged.append((_stage(path, data), path))

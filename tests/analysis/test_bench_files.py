@@ -76,11 +76,21 @@ def test_ctrl_c_while_writing_the_json_leaves_results_that_say_interrupted(tmp_p
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
-def test_ctrl_c_while_printing_the_table_still_writes_interrupted_results(tmp_path, tiny_suite):
+def test_ctrl_c_while_printing_the_table_finds_the_results_written(tmp_path, tiny_suite, capsys):
+    """The files are written before the table: every case was measured, so they are whole."""
     with mock.patch("multihead.cli.bench_cmd._show", side_effect=KeyboardInterrupt):
         assert main(["bench", "--out", str(tmp_path)]) == 130
     d = _results(tmp_path)
-    assert d["interrupted"] is True and [r["case"] for r in d["rows"]] == tiny_suite
+    assert d["interrupted"] is False and [r["case"] for r in d["rows"]] == tiny_suite
+    said = " ".join(capsys.readouterr().err.split())                  # (rich wraps lines)
+    assert f"interrupted while printing the table; every result is saved in {tmp_path}" in said
+
+
+def test_a_reader_that_leaves_early_still_gets_the_files(tmp_path, tiny_suite, stdout_reader_gone):
+    """``multihead bench --out D | head -1`` used to lose every measured result."""
+    with stdout_reader_gone():
+        assert main(["bench", "--out", str(tmp_path)]) == 141
+    assert [r["case"] for r in _results(tmp_path)["rows"]] == tiny_suite
 
 
 def test_ctrl_c_during_a_later_case_keeps_the_cases_before_it(tmp_path, tiny_suite):
@@ -124,12 +134,15 @@ def test_results_replace_a_symlink_instead_of_writing_through_it(tmp_path, tiny_
     victim.write_text("precious")
     out = tmp_path / "out"
     out.mkdir()
-    for name in ("results.json", "results.md", "results.png"):
+    for name in ("results.json", "results.md"):
         (out / name).symlink_to(victim)
+    (tmp_path / "somedir").mkdir()
+    (out / "results.png").symlink_to(tmp_path / "somedir")       # (to a directory: replaced too)
     (out / ".multihead-write-test").symlink_to(victim)      # the old fixed probe name
     assert main(["bench", "--out", str(out)]) == 0
-    assert victim.read_text() == "precious"
+    assert victim.read_text() == "precious" and not list((tmp_path / "somedir").iterdir())
     assert not (out / "results.json").is_symlink() and _results(out)["rows"]
+    assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_an_interrupted_write_leaves_the_old_file_and_no_temporary(tmp_path):

@@ -59,12 +59,15 @@ def run(args) -> int:
         pass
     if result is None or (result.interrupted and not result.rows):
         return _nothing_measured(args.out)
+    if args.out is not None:        # the files first: a reader that leaves (``| head -1``),
+        _save(result, args.out, err)    # a full stdout or Ctrl-C while printing keeps them
     try:
         _show(result, console(width=160, markup=False))
     except KeyboardInterrupt:
-        result.interrupted = True
-    if args.out is not None:
-        _save(result, args.out, err)
+        err.print("interrupted while printing the table"
+                  + (f"; every result is saved in {args.out}" if args.out is not None
+                     and not result.interrupted else ""), markup=False)
+        return 130
     if result.interrupted:
         err.print(f"interrupted: {len(result.rows)} of {len(cases)} cases measured"
                   + (f", saved in {args.out}" if args.out is not None else ""), markup=False)
