@@ -109,6 +109,17 @@ def test_a_failing_peer_is_reported_not_fatal():
     assert "ratio" in row["peers"]["sdpa"]
 
 
+def test_a_row_counted_in_texts_keeps_the_count_out_of_its_bytes():
+    """MiniLM's and the hf model's rows stored their text count as "bytes" (256.0)."""
+    from multihead.bench.cases import Built, Case
+    case = Case("minilm", "ten texts", None, "fwd",
+                lambda device, dtype: Built(lambda: sum(range(100)), unit="texts/s", items=10.0))
+    row = S.run_case(case, CPU, torch.float32, LIMITS, reps=3)
+    assert (row["items"], row["bytes"], row["flops"]) == (10.0, None, None)
+    assert row["rate"] == pytest.approx(10.0 / (row["ours"]["median_ms"] / 1e3))
+    assert row["fraction_of_limit"] is None                 # texts/s has no machine limit
+
+
 def test_gpu_sdpa_backend_peers_are_built():
     """The CUDA-only peers (SDPA pinned to flash / cuDNN) are built the same way on any device;
     on the CPU the flash backend runs and equals plain SDPA."""
@@ -470,6 +481,26 @@ def test_cpu_timing_is_single_wall_clock_calls_as_before():
     calls = []
     s = T.measure(lambda: calls.append(1), CPU, reps=5, warmup=1)
     assert len(calls) == 6 and (s.reps, s.calls) == (5, 1)
+
+
+def test_cpu_times_that_scatter_are_reported_unsettled(monkeypatch):
+    """A loaded machine's calls (3 ms, 15 ms, 142 ms) used to be reported settled."""
+    durations = iter([0.0, 0.003, 0.015, 0.142, 0.014, 0.016])
+    clock = [0.0]
+
+    def tick():                                      # perf_counter: each call adds its time
+        return clock[0]
+
+    def call():
+        clock[0] += next(durations)
+    monkeypatch.setattr(T.time, "perf_counter", tick)
+    s = T.measure(call, CPU, reps=5, warmup=1)
+    assert not s.settled and s.spread > T.CPU_SPREAD
+    from multihead.bench.report import _spread
+    assert _spread({"median_ms": s.median * 1e3, "low_ms": s.low * 1e3,
+                    "high_ms": s.high * 1e3, "settled": s.settled}).endswith("(unsettled)")
+    steady = T.measure(lambda: sum(range(1000)), CPU, reps=5)
+    assert steady.settled == (steady.spread <= T.CPU_SPREAD)
 
 
 # -- compiled flex in steady state --------------------------------------------------------

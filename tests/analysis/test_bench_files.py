@@ -103,6 +103,23 @@ def test_ctrl_c_during_a_later_case_keeps_the_cases_before_it(tmp_path, tiny_sui
     assert d["interrupted"] is True and [r["case"] for r in d["rows"]] == tiny_suite[:1]
 
 
+def test_the_plot_of_an_interrupted_run_says_so(tmp_path, tiny_suite):
+    """Its title used to be cut before the word (results.json and .md had it)."""
+    from matplotlib.figure import Figure
+    titles, real = [], Figure.suptitle
+    real_case = S.run_case
+
+    def suptitle(fig, text, **kw):
+        titles.append(text)
+        return real(fig, text, **kw)
+    with mock.patch.object(Figure, "suptitle", suptitle), \
+            mock.patch.object(S, "run_case", side_effect=lambda case, *a, **k: (
+                (_ for _ in ()).throw(KeyboardInterrupt) if case.name == tiny_suite[1]
+                else real_case(case, *a, **k))):
+        assert main(["bench", "--out", str(tmp_path)]) == 130
+    assert titles and "INTERRUPTED: partial results." in " ".join(titles[-1].split())
+
+
 # -- Ctrl-C before any case finished: nothing is replaced -----------------------------------
 
 @pytest.mark.parametrize("where", ["first case", "machine limits"])

@@ -90,6 +90,24 @@ def test_a_model_is_named_best_only_clearly_ahead():
     assert "Best" not in text and "No clear best: h=8 and h=1 are within 2% of each other" in text
 
 
+@pytest.mark.parametrize("top, next_", [(0.50, 0.48), (0.30, 0.28), (0.90, 0.88)])
+def test_an_exact_two_point_lead_is_decided_alike_whatever_floats_round_to(top, next_):
+    """0.50 - 0.48 rounds above 0.02 and 0.30 - 0.28 below it: one said "Best", the other
+    "No clear best"."""
+    from multihead.analysis.heads_experiment import finding
+    flat = [[0.15] * 6 for _ in range(8)]
+    text = finding([_result("h=8", top, flat), _result("h=1", next_, flat[:1])])
+    assert "No clear best: h=8 and h=1 are within 2%" in text and "Best:" not in text
+
+
+def test_heads_of_a_model_that_learned_nothing_are_not_said_to_split_the_work():
+    from multihead.analysis.heads_experiment import finding
+    one, three = [0, 0.9, 0, 0.1, 0, 0], [0, 0.1, 0, 0.8, 0, 0.1]
+    h8 = _result("h=8", 0.17, [one] * 4 + [three] * 4)          # 17%: x[t-1] alone gives 16.7%
+    text = finding([h8, _result("h=1", 0.95, [one])])
+    assert "Best: h=1." in text and "split the work" not in text and "Of the 8 heads" not in text
+
+
 def test_the_finding_counts_only_heads_with_most_of_their_weight_on_a_relation():
     from multihead.analysis.heads_experiment import finding
     one, three, spread = ([0, 0.9, 0, 0.1, 0, 0], [0, 0.1, 0, 0.8, 0, 0.1],

@@ -28,6 +28,7 @@ class Built:
     peers: dict = field(default_factory=dict)      # name -> callable, or a str: why skipped
     flops: float | None = None
     bytes: float | None = None
+    items: float | None = None                     # things done per call (texts), unit "texts/s"
     naive_bytes: int = 0
     unit: str = "FLOP/s"
     compile: dict = field(default_factory=dict)    # peer -> compile-and-check step (see flex)
@@ -210,7 +211,8 @@ def decode_case(L: int, *, B=1, H=32, Hkv=8, D=128) -> Case:
                          q, k, v, enable_gqa=True)),
                       "HF repeat-K/V (eager)": nograd(lambda: P.hf_gqa_eager(q, k, v))},
                      bytes=k.nbytes + v.nbytes, unit="B/s", naive={"HF repeat-K/V (eager)"},
-                     naive_bytes=B * H * L * torch.empty((), dtype=dtype).element_size())
+                     # the scores and the K and V it repeats to H heads: (B, H, L) + 2 (B, H, L, D)
+                     naive_bytes=B * H * L * (1 + 2 * D) * torch.empty((), dtype=dtype).element_size())
     batch = f"B={B} " if B > 1 else ""
     return Case("decode", f"GQA decode step, {batch}H={H} Hkv={Hkv} D={D}, cache {L}", L, "fwd",
                 build)
@@ -238,6 +240,20 @@ def overhead_case(kind: str, *, B=1, H=8, S=128, D=64) -> Case:
                 build)
 
 
+def mha_flops(B: int, S: int, E: int, train: bool) -> float:
+    """FLOPs of the MHA layer on ``(B, S, E)``: four ``E x E`` projections (a backward
+    computes the input's and the weight's gradients, 2x the forward each: 3x in all) and the
+    attention core (3.5x, the FlashAttention count).
+
+    Example:
+        >>> mha_flops(8, 512, 768, True) / 1e9
+        80.530636...
+    """
+    projections = 2 * B * S * 4 * E * E
+    core = 4 * B * S * S * E
+    return projections * (3.0 if train else 1.0) + core * (3.5 if train else 1.0)
+
+
 def mha_case(B: int, S: int, E: int, H: int, *, train=False) -> Case:
     """The MHA layer: ours (copied weights) vs torch.nn.MultiheadAttention and the tutorial."""
     def build(device, dtype) -> Built:
@@ -247,7 +263,7 @@ def mha_case(B: int, S: int, E: int, H: int, *, train=False) -> Case:
         tut = P.SeedTutorialMHA(E, H).to(device, dtype)
         x = torch.randn(B, S, E, device=device).to(dtype).requires_grad_(train)
         first = lambda f: (lambda: f()[0])                               # (out, weights) -> out
-        flops = (2 * B * S * 4 * E * E + 4 * B * S * S * E) * (3.5 if train else 1.0)
+        flops = mha_flops(B, S, E, train)
         wrap = lambda f: _with_backward(f, (x,), train)
         return Built(wrap(lambda: ours(x)),
                      {"torch MHA (need_weights=True, default)": wrap(first(lambda: ref(x, x, x))),
@@ -266,7 +282,7 @@ def minilm_case(n: int = 256) -> Case:
         from .corpus import corpus
         model = load(dtype=dtype, device=device)
         texts = corpus(model, n)
-        b = Built(lambda: model.embed(texts), unit="texts/s", bytes=float(len(texts)))
+        b = Built(lambda: model.embed(texts), unit="texts/s", items=float(len(texts)))
         try:
             from transformers import AutoTokenizer, BertModel
         except ImportError:

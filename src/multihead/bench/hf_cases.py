@@ -73,7 +73,7 @@ def hf_model_case(layout: str, *, weights: bool = False) -> Case:
         packed_in = dict(input_ids=packed, position_ids=pos)
         extra = dict(output_attentions=True) if weights else {}
         b = Built(_runner(ours, **(packed_in if layout == "packed" else padded_in), **extra),
-                  unit="texts/s", bytes=float(N_TEXTS))
+                  unit="texts/s", items=float(N_TEXTS))
         peers = ["eager"] if weights else ["sdpa"] + (["flex_attention"] if device.type == "cuda"
                                                       else [])
         for impl in peers:

@@ -140,6 +140,7 @@ def _plot(run) -> bytes:
     if not fams and not masks:
         axes[0][0].text(0.5, 0.5, "no multi-length cases measured", ha="center")
     head = header_text(run).split(". Limits")[0]              # the command and the machine
+    head += ". INTERRUPTED: partial results." if run.interrupted else ""
     fig.suptitle(textwrap.fill(head, 80 * panels), fontsize=7)   # (~80 characters an inch of 5.5)
     fig.tight_layout()
     png = io.BytesIO()

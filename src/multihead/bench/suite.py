@@ -105,7 +105,7 @@ def run_case(case: Case, device, dtype, limits: Limits, reps: int, *,
     """Time ``case`` and its peers. If the case cannot be built or our call fails, the row
     says why (``skipped``) and has no times; a peer that cannot run says why in its entry."""
     row = {"family": case.family, "case": case.name, "seq": case.seq, "mode": case.mode,
-           "unit": None, "ours": None, "flops": None, "bytes": None, "rate": None,
+           "unit": None, "ours": None, "flops": None, "bytes": None, "items": None, "rate": None,
            "fraction_of_limit": None, "naive_bytes": 0, "peers": {}}
     budget = 15 if device.type == "cpu" else 3
     timed = lambda fn: measure(fn, device, reps=reps, budget_s=budget, cold_l2=cold_l2)
@@ -122,12 +122,12 @@ def run_case(case: Case, device, dtype, limits: Limits, reps: int, *,
     if built is None:               # (released once the traceback, which holds tensors, is gone)
         _release(device)
         return row
-    work = built.flops if built.flops is not None else built.bytes
+    work = next((w for w in (built.flops, built.bytes, built.items) if w is not None), None)
     rate = work / ours.median if work is not None else None
     limit = limits.gemm_flops if built.unit == "FLOP/s" else limits.read_bw if built.unit == "B/s" \
         else None
     row.update({"unit": built.unit, "ours": {**_ms(ours), "peak_bytes": peak},
-                "flops": built.flops, "bytes": built.bytes, "rate": rate,
+                "flops": built.flops, "bytes": built.bytes, "items": built.items, "rate": rate,
                 "fraction_of_limit": rate / limit if rate is not None and limit else None,
                 "naive_bytes": built.naive_bytes})
     free = available_memory(device)

@@ -35,6 +35,9 @@ import torch
 MIN_BATCH_S = 1e-3
 #: batches repeat until (slowest - fastest) / median is at most this, or the budget is spent
 TARGET_SPREAD = 0.05
+#: CPU: single calls whose (slowest - fastest) / median exceeds this are reported as not
+#: settled (a loaded machine: the ratios of such a row may flip)
+CPU_SPREAD = 0.5
 #: CUDA: the fewest batches (or cold calls) behind a median
 MIN_GPU_REPS = 5
 #: the most back-to-back calls in one batch
@@ -274,13 +277,15 @@ def _measure_wall(fn, reps: int, warmup: int, budget_s: float | None) -> Stats:
         times.append(time.perf_counter() - t)
         if budget_s is not None and i >= 2 and time.perf_counter() - start > budget_s:
             break
-    return _stats(times)
+    return _stats(times, settled=spread(times) <= CPU_SPREAD)
 
 
 def describe_timing(device: torch.device, cold_l2: bool = False) -> str:
     """One sentence: how the times of a run on ``device`` were taken."""
     if device.type != "cuda":
-        return "Times: wall clock, median of single calls after a warm-up."
+        return (f"Times: wall clock, median of single calls after a warm-up; a row whose "
+                f"slowest and fastest calls differ by more than {CPU_SPREAD:.0%} of it is "
+                f"marked unsettled.")
     if cold_l2:
         return (f"Times: CUDA events around single calls, L2 cache flushed before each (a "
                 f"{_l2_flush_bytes(device) // 2**20} MiB write); medians of at least "

@@ -100,9 +100,9 @@ def _heads(args) -> int:
     prepare_out(args.out, ("heads.json", "heads.png"))
     con = console(markup=False)
     if not args.json:
+        steps = f"{setup.steps} step{'' if setup.steps == 1 else 's'}"
         con.print(f"Task: y[t] = (x[t-1] + 2·x[t-3]) mod {setup.vocab}, T={setup.length}, "
-                  f"d_model={setup.d_model}, {setup.steps} steps of batch {setup.batch}, "
-                  f"seed {setup.seed}.")
+                  f"d_model={setup.d_model}, {steps} of batch {setup.batch}, seed {setup.seed}.")
     from .._progress import track
     kinds = ("h=8", "h=1", "h=8 shared")
     results = [hx.train(k, setup) for k in track(kinds, not args.json, len(kinds), "training")]
