@@ -97,6 +97,8 @@ REFUSED = {
     "gpt_oss": (Arch("GptOssForCausalLM", "GptOssConfig",
                      dict(_SMALL, head_dim=8, sliding_window=WINDOW, num_local_experts=2,
                           num_experts_per_tok=1), "decoder", 2), "attention sinks"),
+    "granite_swa": (Arch("GraniteSWAForCausalLM", "GraniteSWAConfig",
+                         dict(_SMALL, sliding_window=WINDOW), "decoder", 2), "attention sinks"),
 }
 IMPLS = ["multihead", "sdpa", "eager"]
 
@@ -251,6 +253,59 @@ def test_packed_rows_equal_sequences_one_by_one(name, spy):
             start += n
 
 
+def test_t5s_relative_position_bias_is_added_as_eager_adds_it():
+    """T5 passes a learned (1, H, Sq, Sk) bias to every attention call; it used to be
+    refused. Forward with a padded encoder batch, gradients, and greedy generation."""
+    cfg = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+               relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0)
+    models = {}
+    for impl in ("multihead", "eager"):
+        torch.manual_seed(0)
+        models[impl] = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            **cfg, attn_implementation=impl)).eval()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, VOCAB, (2, 7), generator=g)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0                                               # a padded second text
+    labels = torch.randint(3, VOCAB, (2, 4), generator=g)
+    outs = {impl: m(input_ids=ids, attention_mask=mask, labels=labels)
+            for impl, m in models.items()}
+    torch.testing.assert_close(outs["multihead"].logits, outs["eager"].logits, atol=ATOL, rtol=1e-5)
+    for out in outs.values():
+        out.loss.backward()
+    bias = {impl: m.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.grad
+            for impl, m in models.items()}
+    assert bias["multihead"].abs().sum() > 0                      # the bias learns through us
+    torch.testing.assert_close(bias["multihead"], bias["eager"], atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        made = [m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+                for m in models.values()]
+    assert torch.equal(made[0], made[1])
+
+
+def test_flash_attention_packing_arguments_keep_documents_apart():
+    """``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` without position_ids:
+    only cu_seq_lens_q/k say where documents end. They used to be dropped, so documents
+    attended to each other (off by 4.2); FlashAttention keeps them apart, and so do we.
+    (RoPE is relative, so positions running on across documents change nothing.)"""
+    from transformers import DataCollatorWithFlattening
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 4, 6)]
+    packed = DataCollatorWithFlattening(return_position_ids=False, return_flash_attn_kwargs=True)(
+        [{"input_ids": d} for d in docs])
+    packed.pop("labels")
+    assert "position_ids" not in packed and "cu_seq_lens_k" in packed
+    ours, ref = model("llama", "multihead"), model("llama", "eager")
+    with torch.no_grad():
+        got = ours(**packed, use_cache=False).logits[0]                         # (15, V)
+        want = torch.cat([ref(input_ids=torch.tensor([d])).logits[0] for d in docs])
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+    two_rows = {**packed, "input_ids": packed["input_ids"].expand(2, -1)}
+    with pytest.raises(ValueError, match=r"does not support packed sequences other than one row "
+                                         r"of self-attention .* batch 2"):
+        ours(**two_rows, use_cache=False)
+
+
 # --- attention weights equal eager's; gradients equal sdpa's --------------------------------
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -397,16 +452,20 @@ def test_a_model_passing_its_mask_to_a_torch_function_gets_the_clear_error():
     m = transformers.MptForCausalLM(transformers.MptConfig(
         vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, attn_implementation="multihead"))
     with pytest.raises(TypeError, match=r"uses its attention mask as a tensor outside "
-                                        r"transformers' AttentionInterface.*'sdpa' or 'eager'"):
+                                        r"transformers' AttentionInterface.*'eager' \(or "
+                                        r"'sdpa', where the model supports it\)"):
         m(input_ids=torch.randint(3, VOCAB, (2, 6)))
 
 
-@pytest.mark.parametrize("side", ["right", "left"])
-def test_compiled_fullgraph_with_a_padding_mask_equals_eager_mode(side):
+@pytest.mark.parametrize("name, side", [("llama", "right"), ("llama", "left"),
+                                        ("mistral", "left")])
+def test_compiled_fullgraph_with_a_padding_mask_equals_eager_mode(name, side):
     """The mask builder traces: no read of the padding mask's values, no code object as a
-    guard's constant (transformers' mask pieces are recognized by where their code is)."""
-    inputs, real = batch("llama", side)
-    m = model("llama", "multihead")
+    guard's constant (transformers' mask pieces are recognized by where their code is); a
+    mask function made inside the trace (Mistral's sliding window: its cells cannot be read
+    there) is evaluated as a dense mask instead of failing inside dynamo."""
+    inputs, real = batch(name, side)
+    m = model(name, "multihead")
     torch._dynamo.reset()
     try:
         with torch.no_grad():

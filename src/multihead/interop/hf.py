@@ -17,6 +17,8 @@ Logit softcapping and attention sinks are refused with an error naming the model
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import masks as M
@@ -62,7 +64,8 @@ def _refuse(what: str, where: str):
 
 
 #: arguments models pass to every attention function that do not change what it computes
-#: (the mask builder already folded sliding windows and packing into the mask; the loss's
+#: (the mask builder already folded sliding windows and packing from position_ids into the
+#: mask, and FlashAttention's packing arguments are read by :func:`_flash_packing`; the loss's
 #: token count and shifted labels, a mixture of experts' router logits and the sequence
 #: ids of a flattening collator reach the attention layer through a model's ``**kwargs``)
 HARMLESS = frozenset({
@@ -85,8 +88,6 @@ def _check_options(module, kwargs):
                  getattr(module, "sinks", None))
     if sinks is not None:
         _refuse("attention sinks", f"{layer}.sinks, the learned sink logits of each head")
-    if kwargs.get("position_bias") is not None:
-        _refuse("a per-layer position bias", f"{layer} passes position_bias")
     other = sorted(n for n, x in kwargs.items()
                    if x is not None and x is not False and n not in HARMLESS
                    and n not in ("softcap", "s_aux", "sinks", "position_bias"))
@@ -130,6 +131,44 @@ def _mask_for(module, attention_mask, q_len: int, k_len: int, is_causal):
     raise unreadable_mask(attention_mask, "its own masks, None or a 4-D mask in attention")
 
 
+#: the documents last read from a ``cu_seq_lens_k`` tensor: (a weak reference to it, its
+#: version, the mask), so that every layer of one forward reads its values once
+_PACKED: list = [None, -1, None]
+
+
+def _flash_packing(kwargs, mask, batch: int, q_len: int, k_len: int):
+    """``mask`` with the documents of FlashAttention's packing arguments (``cu_seq_lens_q`` /
+    ``cu_seq_lens_k``, as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
+    gives them without ``position_ids``): documents attend only within themselves, as
+    FlashAttention's varlen kernel runs them. Ignoring them would let every document of
+    the packed row attend to the others."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return mask
+    if mask is not None and any(leaf.kind == "document" for leaf in mask.leaves()):
+        return mask                                     # (position_ids gave them already)
+    if cu_q is None or cu_k is None or batch != 1 or q_len != k_len or (
+            cu_q is not cu_k and not torch.equal(cu_q, cu_k)):
+        _refuse("packed sequences other than one row of self-attention with equal "
+                "cu_seq_lens_q and cu_seq_lens_k",
+                f"cu_seq_lens_q={_show(cu_q)}, cu_seq_lens_k={_show(cu_k)}, batch {batch}, "
+                f"{q_len} queries, {k_len} keys")
+    ref, version, docs = _PACKED
+    now = _version(cu_k)
+    if ref is None or ref() is not cu_k or now is None or version != now:
+        docs = M.document(cu_seqlens=cu_k)             # (reads the offsets: once per forward)
+        _PACKED[:] = [weakref.ref(cu_k), now, docs]
+    return docs if mask is None else mask & docs
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (None for an inference tensor, which keeps none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def _wants_weights(kwargs) -> bool:
     """``output_attentions=True``, passed down (most models) or only to transformers'
     output collector (GPT-2 keeps the flag from its attention function)."""
@@ -157,8 +196,9 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         scaling: score multiplier (the layer's ``scaling``); default ``1/sqrt(D)``.
         dropout: dropout on the weights (transformers passes 0.0 at evaluation).
         is_causal: the layer's causal flag when no mask is given.
-        **kwargs: ``output_attentions`` returns the weights; options we do not run
-            (softcapping, sinks, position biases) raise.
+        **kwargs: ``output_attentions`` returns the weights; ``position_bias`` (T5's) is
+            added to the scores; FlashAttention's ``cu_seq_lens_q/k`` keep documents apart;
+            options we do not run (softcapping, sinks) raise.
 
     Returns:
         ``(out, weights)``: ``out`` ``(B, Sq, H, Dv)``; ``weights`` ``(B, H, Sq, Sk)`` with
@@ -180,6 +220,11 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     _check_options(module, kwargs)
     q_len, k_len = query.shape[2], key.shape[2]
     mask, keys = _mask_for(module, attention_mask, q_len, k_len, is_causal)
+    mask = _flash_packing(kwargs, mask, query.shape[0], q_len, k_len)
+    bias = kwargs.get("position_bias")
+    if bias is not None:            # T5's relative position bias (B or 1, H, Sq, Sk): added
+        bias = M.bias(bias[..., :keys])                 # before the mask, as eager adds it
+        mask = bias if mask is None else mask & bias
     if keys < k_len:                                   # never-visible keys are skipped
         key, value = key[:, :, :keys], value[:, :, :keys]              # (B, Hkv, keys, D)
     want = _wants_weights(kwargs)

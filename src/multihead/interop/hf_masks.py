@@ -57,7 +57,7 @@ class HFMask:
 
     MISUSE = ("this model uses its attention mask as a tensor outside transformers' "
               "AttentionInterface, so attn_implementation='multihead' cannot run it: load it "
-              "with attn_implementation='sdpa' or 'eager'")
+              "with attn_implementation='eager' (or 'sdpa', where the model supports it)")
 
     def _misuse(self, *args, **kwargs):
         raise TypeError(self.MISUSE)
@@ -80,7 +80,8 @@ class HFMask:
 
 
 #: model types whose attention layers add learned sink logits (refused before any layer runs)
-SINK_MODELS = frozenset({"gpt_oss"})
+SINK_MODELS = frozenset({"gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "flint",
+                         "deepseek_v4", "hy_v4", "openai_privacy_filter", "inkling2"})
 
 
 def check_config(config) -> None:
@@ -109,7 +110,10 @@ def unreadable_mask(attention_mask, expected: str) -> TypeError:
 
 def _closure(fn) -> dict:
     """A closure's free variables by name."""
-    cells = fn.__closure__ or ()
+    try:
+        cells = fn.__closure__ or ()
+    except AttributeError:  # torch.compile cannot read the cells of a function made in its trace
+        raise _Unknown("a mask function made while torch.compile traces") from None
     return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells)))
 
 
