@@ -287,6 +287,23 @@ def test_a_copy_never_trusts_host_facts_of_values_written_over_since(copy_of):
     assert copy_of(fresh)._facts_hold()                         # facts that hold travel
 
 
+def test_a_tensor_assigned_in_place_of_a_masks_own_is_read_not_its_old_facts():
+    """A new tensor starts its own version count, which may equal the old one's: the
+    facts read from the old one (lengths, runs, tile maps) used to stay in use."""
+    pad = M.padding(torch.tensor([3, 3]))
+    assert not pad.may_have_empty_rows(8, 8)
+    pad.lengths = torch.tensor([0, 7])
+    assert pad.may_have_empty_rows(8, 8) and "lengths=[0, 7]" in pad.describe()
+    doc = M.document(torch.tensor([0, 0, 1, 1]))
+    doc.runs()
+    doc.ids = torch.tensor([[0, 1, 2, 3]])
+    assert [t.tolist() for t in doc.runs().lengths] == [[1, 1, 1, 1]]
+    dense = M.dense(torch.ones(1, 1, 8, 8, dtype=torch.bool))
+    dense.tiles(8, 8, tile_q=4, tile_k=4)
+    dense.t = torch.zeros(1, 1, 8, 8, dtype=torch.bool)
+    assert dense.tiles(8, 8, tile_q=4, tile_k=4).state.eq(EMPTY).all()
+
+
 def test_a_tile_map_is_the_callers_own():
     """Writing into a returned map used to change the cached one, which the kernels' block
     lists come from (blocksparse causal attention then skipped 64 rows)."""
@@ -389,7 +406,8 @@ def test_a_mask_written_between_forward_and_backward_is_refused_where_backward_r
         out = mh.attention(q, k, v, mask=pad, backend=backend)
         pad.b.lengths.copy_(torch.tensor([10, 32]))
         if backend == "blocksparse":
-            with pytest.raises(RuntimeError, match="written in place after the forward ran"):
+            with pytest.raises(RuntimeError,
+                               match=r"written in place \(or replaced\) after the forward ran"):
                 out.sum().backward()
         else:
             out.sum().backward()

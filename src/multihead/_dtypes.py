@@ -106,5 +106,8 @@ def integer_tensor(name: str, x) -> torch.Tensor:
                         f"{x!r:.60} ({type(x).__name__})") from None
     check_strided(name, t)
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+        shown = (" [" + ", ".join(f"{x:g}" for x in t.reshape(-1)[:8].tolist()) + "]"
+                 if t.device.type == "cpu" and not t.is_complex() else "")
+        raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}{shown}: pass "
+                        f"a list of ints or an integer tensor")
     return t.long()

@@ -199,7 +199,7 @@ def test_token_type_ids_are_checked_as_input_ids_are(tmp_path, types, error, mes
 
 
 @pytest.mark.parametrize("ids, cu, error, message", [
-    (torch.arange(6), [0.0, 2.7, 6.0], TypeError, "cu_seqlens must be an integer tensor, got dtype torch.float32"),
+    (torch.arange(6), [0.0, 2.7, 6.0], TypeError, "cu_seqlens must be an integer tensor, got dtype torch.float32 \\[0, 2.7, 6\\]: pass a list of ints"),
     (torch.arange(6), torch.tensor([0.0, 3.0, 6.0]), TypeError, "cu_seqlens must be an integer tensor"),
     (torch.zeros(0, dtype=torch.long), [0], ValueError, "there is no token to encode"),
     (torch.arange(6), [0, 6, 6], ValueError, "strictly increasing, got \\[0, 6, 6\\]"),
@@ -227,6 +227,13 @@ def test_overlapping_eval_blocks_share_one_eval_period():
     a.__exit__(None, None, None)
     assert not m.training and not m[0].training                   # b is still inside
     b.__exit__(None, None, None)
+    assert (m.training, m[0].training, m[1].training) == (True, True, False)
+    outer, inner = evaluating(m), evaluating(m[0])                # a model and a layer of it
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)
+    assert not m[0].training and m.training                       # the layer's block goes on
+    inner.__exit__(None, None, None)
     assert (m.training, m[0].training, m[1].training) == (True, True, False)
 
 

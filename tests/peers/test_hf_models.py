@@ -304,6 +304,14 @@ def test_flash_attention_packing_arguments_keep_documents_apart():
     with pytest.raises(ValueError, match=r"does not support packed sequences other than one row "
                                          r"of self-attention .* batch 2"):
         ours(**two_rows, use_cache=False)
+    short = torch.tensor([0, 5, 14], dtype=torch.int32)                 # the row has 15 tokens
+    with pytest.raises(ValueError, match="cu_seq_lens_k ends at 14, the row has 15 tokens"):
+        ours(**{**packed, "cu_seq_lens_q": short, "cu_seq_lens_k": short}, use_cache=False)
+    with torch.inference_mode():                 # (no version counter: one read per forward too)
+        cu = torch.tensor([0, 5, 9, 15], dtype=torch.int32)
+        made = [hf._flash_packing({"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}, None, 1, 15, 15)
+                for _ in range(2)]
+    assert made[0] is made[1] and made[0].kind == "document"
 
 
 # --- attention weights equal eager's; gradients equal sdpa's --------------------------------

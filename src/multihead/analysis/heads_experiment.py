@@ -240,8 +240,8 @@ MAINLY = 0.5
 
 
 def ahead(x: float, y: float, margin: float) -> bool:
-    """Whether accuracy ``x`` is more than ``margin`` above ``y``, decided on the numbers as
-    printed, not on float rounding (0.50 - 0.48 and 0.30 - 0.28 both differ by 2 points).
+    """Whether accuracy ``x`` is more than ``margin`` above ``y``, without float rounding
+    deciding a tie (0.50 - 0.48 and 0.30 - 0.28 both differ by exactly 2 points).
 
     Example:
         >>> ahead(0.50, 0.48, 0.02), ahead(0.30, 0.28, 0.02), ahead(0.31, 0.28, 0.02)

@@ -59,15 +59,22 @@ def run(args) -> int:
         pass
     if result is None or (result.interrupted and not result.rows):
         return _nothing_measured(args.out)
+    failed = None                   # a write that fails still shows the table, then says why
     if args.out is not None:        # the files first: a reader that leaves (``| head -1``),
-        _save(result, args.out, err)    # a full stdout or Ctrl-C while printing keeps them
+        try:                        # a full stdout or Ctrl-C while printing keeps them
+            _save(result, args.out, err)
+        except Exception as e:      # noqa: BLE001 (raised again below, after the table)
+            failed = e
     try:
         _show(result, console(width=160, markup=False))
     except KeyboardInterrupt:
+        saved = args.out is not None and failed is None
         err.print("interrupted while printing the table"
-                  + (f"; every result is saved in {args.out}" if args.out is not None
-                     and not result.interrupted else ""), markup=False)
+                  + (f"; the results measured are saved in {args.out}" if saved else ""),
+                  markup=False)
         return 130
+    if failed is not None:
+        raise failed
     if result.interrupted:
         err.print(f"interrupted: {len(result.rows)} of {len(cases)} cases measured"
                   + (f", saved in {args.out}" if args.out is not None else ""), markup=False)

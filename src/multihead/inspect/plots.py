@@ -192,7 +192,8 @@ def render_figures(inspection, formats: set[str]) -> dict[str, bytes]:
     fonts = {"font.family": [*matplotlib.rcParams["font.family"], *fallbacks]}
     files = {}
     with matplotlib.rc_context({**LITERAL_TEXT, **fonts}), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Glyph .* missing from font", UserWarning)  # (said once)
+        for ch in missing:                          # (said once, below; no other is hidden)
+            warnings.filterwarnings("ignore", f"Glyph {ord(ch)} ", UserWarning)
         figures = ((_grid(plt, inspection, w), "heads.{}".format),
                    (_big(plt, inspection, w), lambda fmt: head_image(l, h, fmt)))
         try:

@@ -155,18 +155,27 @@ def _flash_packing(kwargs, mask, batch: int, q_len: int, k_len: int):
                 f"{q_len} queries, {k_len} keys")
     ref, version, docs = _PACKED
     now = _version(cu_k)
-    if ref is None or ref() is not cu_k or now is None or version != now:
+    if ref is None or ref() is not cu_k or version != now:
         docs = M.document(cu_seqlens=cu_k)             # (reads the offsets: once per forward)
-        _PACKED[:] = [weakref.ref(cu_k), now, docs]
+        if docs.ids.shape[1] != k_len:
+            _refuse("packed sequences whose offsets do not cover the row",
+                    f"cu_seq_lens_k ends at {docs.ids.shape[1]}, the row has {k_len} tokens")
+        _PACKED[:] = [weakref.ref(cu_k, _forget_packed), now, docs]
     return docs if mask is None else mask & docs
 
 
-def _version(t: torch.Tensor) -> int | None:
-    """``t``'s version counter (None for an inference tensor, which keeps none)."""
+def _forget_packed(_ref) -> None:
+    """Drop the documents of a ``cu_seq_lens_k`` that is gone (their ids on the device)."""
+    _PACKED[:] = [None, -1, None]
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s version counter (0 for an inference tensor, which keeps none and cannot be
+    written outside inference mode: its identity alone tells it apart)."""
     try:
         return t._version
     except RuntimeError:
-        return None
+        return 0
 
 
 def _wants_weights(kwargs) -> bool:
@@ -223,7 +232,10 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     mask = _flash_packing(kwargs, mask, query.shape[0], q_len, k_len)
     bias = kwargs.get("position_bias")
     if bias is not None:            # T5's relative position bias (B or 1, H, Sq, Sk): added
-        bias = M.bias(bias[..., :keys])                 # before the mask, as eager adds it
+        if bias.shape[-1] not in (1, k_len):            # before the mask, as eager adds it
+            _refuse("a position_bias of another width than the keys",
+                    f"position_bias {_show(bias)}, {k_len} keys")
+        bias = M.bias(bias[..., :keys])
         mask = bias if mask is None else mask & bias
     if keys < k_len:                                   # never-visible keys are skipped
         key, value = key[:, :, :keys], value[:, :, :keys]              # (B, Hkv, keys, D)

@@ -321,10 +321,14 @@ class Mask:
         return store.get_or_compute((what, args, versions), compute)
 
     def _versions(self) -> tuple | None:
-        """The version counters of the tensors this mask holds (None if one keeps none, as
-        inference tensors do)."""
+        """The version counters of the tensors this mask holds, each with the tensor's
+        identity (a tensor assigned in place of another starts its own count, which may
+        equal the old one's); None if one keeps none, as inference tensors do. While
+        ``torch.compile`` traces, the counters alone."""
         try:
-            return tuple(t._version for t in self._tensors())
+            if torch.compiler.is_compiling():
+                return tuple(t._version for t in self._tensors())
+            return tuple((id(t), t._version) for t in self._tensors())
         except RuntimeError:
             return None
 
@@ -336,10 +340,10 @@ class Mask:
         now = self._versions()
         if versions is not None and now is not None and now != versions:
             raise RuntimeError(
-                f"{fn}: a tensor of the mask {self.describe()} was written in place after the "
-                f"forward ran (versions {list(versions)} -> {list(now)}), and the backward "
-                f"evaluates the mask again: build a new mask for each forward (or write into "
-                f"its tensors only after the backward)")
+                f"{fn}: a tensor of the mask {self.describe()} was written in place (or "
+                f"replaced) after the forward ran, and the backward evaluates the mask again: "
+                f"build a new mask for each forward (or write into its tensors only after the "
+                f"backward)")
 
     def _stamp(self) -> None:
         """Record that the host facts just derived (lengths read once, document runs)

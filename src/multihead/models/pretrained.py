@@ -17,7 +17,7 @@ import torch
 from .._args import positive_int
 from .._progress import track
 from .bert import BertConfig, BertEncoder, EncoderOutput
-from .sentence import SentenceConfig
+from .sentence import POOLINGS, SentenceConfig
 
 #: tokens per packed forward in :meth:`Pretrained.embed` (bounds peak memory)
 PACK_TOKENS = 16384
@@ -57,14 +57,14 @@ def check_max_length(max_length, positions: int, tokenizer=None) -> int:
     post = getattr(tokenizer, "post_processor", None)
     added = 0 if post is None else post.num_special_tokens_to_add(False)
     if max_length < added:
-        raise ValueError(f"max_length={max_length} is shorter than the {added} special tokens "
-                         f"the tokenizer adds to every text (such as [CLS] and [SEP]): pass "
-                         f"max_length={added} or more")
+        raise ValueError(f"max_length={max_length} is shorter than the {added} special "
+                         f"token{'s' if added > 1 else ''} the tokenizer adds to every text "
+                         f"(BERT's [CLS] and [SEP], say): pass max_length={added} or more")
     return int(max_length)
 
 
-#: the modules in an :func:`evaluating` block: id -> (callers inside, the modes to restore)
-_EVALUATING: dict[int, tuple[int, list]] = {}
+#: the modules inside an :func:`evaluating` block: id -> (blocks inside, its mode before)
+_EVALUATING: dict[int, tuple[int, bool]] = {}
 _EVALUATING_LOCK = threading.Lock()
 
 
@@ -73,10 +73,12 @@ def evaluating(module: torch.nn.Module):
     """``module`` in eval mode for the block (no dropout: the same text gives the same
     numbers whatever mode a caller left it in), then back in the mode it was.
 
-    Blocks in several threads at once share one eval period: the first saves the modes and
-    the last to leave restores them (each saving and restoring its own would let one
-    thread's restore turn dropout back on under another's forward). A training step in
-    another thread at the same time still sees eval mode, as it would after ``.eval()``.
+    Blocks in several threads at once share one eval period, module by module (a block on
+    a model and one on a layer of it included): the first block to reach a module saves
+    its mode and the last to leave restores it (each block saving and restoring its own
+    would let one thread's restore turn dropout back on under another's forward). A
+    training step in another thread at the same time still sees eval mode, as it would
+    after ``.eval()``.
 
     Example:
         >>> import torch
@@ -87,22 +89,21 @@ def evaluating(module: torch.nn.Module):
         >>> m.training
         True
     """
-    key = id(module)                # (alive, so its id is its own, while the block runs)
+    mods = list(module.modules())   # (alive while the block runs: their ids are their own)
     with _EVALUATING_LOCK:
-        inside, modes = _EVALUATING.get(key, (0, None))
-        if not inside:                                  # the first caller saves the modes
-            modes = [(m, m.training) for m in module.modules()]
-            module.eval()
-        _EVALUATING[key] = (inside + 1, modes)
+        for m in mods:
+            inside, mode = _EVALUATING.get(id(m), (0, m.training))    # the first saves it
+            _EVALUATING[id(m)] = (inside + 1, mode)
+            m.training = False
     try:
         yield module
     finally:
         with _EVALUATING_LOCK:
-            inside, modes = _EVALUATING.pop(key)
-            if inside > 1:
-                _EVALUATING[key] = (inside - 1, modes)
-            else:                                       # the last one restores them
-                for m, mode in modes:
+            for m in mods:
+                inside, mode = _EVALUATING.pop(id(m))
+                if inside > 1:
+                    _EVALUATING[id(m)] = (inside - 1, mode)
+                else:                                   # the last one restores it
                     m.training = mode
 
 
@@ -147,7 +148,8 @@ def check_texts(texts) -> list[str]:
         TypeError: texts[1] must be a str, got NoneType
     """
     if isinstance(texts, str) or not isinstance(texts, Sequence):
-        fix = f": wrap one text in a list ([{texts!r:.40}])" if isinstance(texts, str) else ""
+        cut = repr(texts[:30]) + ("..." if len(texts) > 30 else "") if isinstance(texts, str) else ""
+        fix = f": wrap one text in a list ([{cut}])" if cut else ""
         raise TypeError(f"texts must be a list of str, got {type(texts).__name__}{fix}")
     return [check_text(f"texts[{i}]", t) for i, t in enumerate(texts)]
 
@@ -283,7 +285,7 @@ class Pretrained:
         texts = check_texts(texts)
         pack_tokens = positive_int("pack_tokens", pack_tokens,
                                    hint="the most tokens one packed forward holds")
-        if self.sentence.pooling not in ("mean", "cls"):            # (set after loading?)
+        if self.sentence.pooling not in POOLINGS.values():           # (set after loading?)
             raise ValueError(f"sentence.pooling must be 'mean' or 'cls', got "
                              f"{self.sentence.pooling!r}: the poolings multihead runs")
         if self.sentence.lower_case:                  # sentence_bert_config's do_lower_case
