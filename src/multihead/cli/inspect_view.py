@@ -34,23 +34,23 @@ def show(result, console, full: bool = False) -> None:
     console.print("text: " + _text(c.text), soft_wrap=True)
 
     back = ", to earlier tokens only" if c.causal else ""
-    if not result.looks:
+    if result.looks:
+        q = Table(title=f"Heads attending most from {_text(repr(toks[result.query]))} "
+                        f"(token {result.query}{back})", title_justify="left")
+        for col in ("head", "from → to", "weight", "distance"):
+            q.add_column(col, justify="left" if col in ("head", "from → to") else "right")
+        for k in result.looks:
+            far = (k.layer, k.head) == tuple(result.selected)
+            q.add_row(f"L{k.layer}H{k.head}", _text(f"{toks[result.query]} → {toks[k.target]}"),
+                      shown(k.weight), str(k.distance(result.query)),
+                      style="bold green" if far and k.weight >= 0.5 else None)
+        console.print(q)
+    else:
         other, fix = ("earlier token", "pick a later --query-token or give a longer text") \
             if c.causal else ("other token", "give a longer text")
         console.print(f"Heads attending most from {_text(repr(toks[result.query]))} (token "
                       f"{result.query}): none to show, the text has no {other} to look at "
                       f"besides special tokens; {fix}")
-    q = Table(title=f"Heads attending most from {_text(repr(toks[result.query]))} "
-                    f"(token {result.query}{back})", title_justify="left")
-    for col in ("head", "from → to", "weight", "distance"):
-        q.add_column(col, justify="left" if col in ("head", "from → to") else "right")
-    for k in result.looks:
-        far = (k.layer, k.head) == tuple(result.selected)
-        q.add_row(f"L{k.layer}H{k.head}", _text(f"{toks[result.query]} → {toks[k.target]}"),
-                  shown(k.weight), str(k.distance(result.query)),
-                  style="bold green" if far and k.weight >= 0.5 else None)
-    if result.looks:
-        console.print(q)
 
     table, roles = result.metrics.table(), result.metrics.roles()
     na = result.metrics.not_applicable()

@@ -49,6 +49,14 @@ ROLE_RULES = (("previous token", "prev", 0.5), ("next token", "next", 0.5),
 BROAD, FOCUSED = 0.8, 0.5
 
 
+#: float32 stores a two-decimal value in [0, 1] at most 2.87e-8 below it (0.78); its
+#: largest value below 0.5 is 2.98e-8 below: a slack between the two reads the first as
+#: the value it stands for and keeps the second below the threshold. This holds for every
+#: threshold of 0.5 or more (those of ROLE_RULES, BROAD, FOCUSED: tested); below 0.5,
+#: float32's spacing is finer than the slack.
+FLOAT32_SLACK = 2.93e-8
+
+
 def round_down(x, digits: int = 2):
     """``x`` (a float or a tensor) cut to ``digits`` decimals, never rounded up: every rule
     in :data:`ROLE_RULES` is ``metric >= threshold``, so a shown value reaches a threshold
@@ -79,14 +87,6 @@ def shown(x) -> str:
         ('0.67', '0.70')
     """
     return f"{round_down(x):.2f}"
-
-
-#: float32 stores a two-decimal value in [0, 1] at most 2.87e-8 below it (0.78); its
-#: largest value below 0.5 is 2.98e-8 below: a slack between the two reads the first as
-#: the value it stands for and keeps the second below the threshold. This holds for every
-#: threshold of 0.5 or more (those of ROLE_RULES, BROAD, FOCUSED: tested); below 0.5,
-#: float32's spacing is finer than the slack.
-FLOAT32_SLACK = 2.93e-8
 
 
 SPECIAL = {"[CLS]", "[SEP]", "[PAD]", "[MASK]", "<s>", "</s>"}

@@ -593,15 +593,13 @@ class Mask:
     def _moved(self, device, *names: str) -> "Mask":
         """A shallow copy whose tensor attributes ``names`` are on ``device`` (host facts kept
         while they hold)."""
-        new = object.__new__(type(self))
-        new.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_memo"})
+        state = self.__getstate__()                     # (a copy's: see there)
         for name in names:
-            t = getattr(self, name)
-            if t is not None:
+            if state[name] is not None:
                 with versioned():
-                    setattr(new, name, to_device(t, device))
-        if "_facts_at" in self.__dict__:                # the copies' counters, if facts hold
-            new.__dict__["_facts_at"] = new._versions() if self._facts_hold() else None
+                    state[name] = to_device(state[name], device)
+        new = object.__new__(type(self))
+        new.__setstate__(state)
         return new
 
     def _device(self) -> torch.device:
@@ -747,17 +745,15 @@ class _Binary(Mask):
                 raise ValueError(f"mask: {a.describe()} {self.op} {b.describe()}: built for "
                                  f"{what} {x} and {y}, which no call fits: build both for "
                                  f"the call's {what}")
-        for what, x, y in zip(("Sq", "Sk"), a._lengths(), b._lengths()):
-            if None not in (x, y) and x != y:
+        for what, (xa, xb), (la, lb) in zip(("Sq", "Sk"), zip(a._lengths(), b._lengths()),
+                                            zip(a._least(), b._least())):
+            # two exact lengths that differ, or one's exact length below the other's least
+            clashes = ([(xa, f"{what} = {xb}")] if None not in (xa, xb) and xa != xb else []) + [
+                (x, f"{what} >= {n}") for x, n in ((xa, lb), (xb, la)) if x is not None and x < n]
+            if clashes:
+                x, other = clashes[0]
                 raise ValueError(f"mask: {a.describe()} {self.op} {b.describe()}: one needs "
-                                 f"{what} = {x}, the other {what} = {y}, which no call fits")
-        for what, exact, least in zip(("Sq", "Sk"), zip(a._lengths(), b._lengths()),
-                                      zip(a._least(), b._least())):
-            for i in (0, 1):            # one's exact length below the other's least
-                if exact[i] is not None and exact[i] < least[1 - i]:
-                    raise ValueError(
-                        f"mask: {a.describe()} {self.op} {b.describe()}: one needs {what} = "
-                        f"{exact[i]}, the other {what} >= {least[1 - i]}, which no call fits")
+                                 f"{what} = {x}, the other {other}, which no call fits")
         self._a, self._b = a, b
         self.kind = {"&": "and", "|": "or"}[self.op]
         self.batch_size = _max_opt(a.batch_size, b.batch_size)

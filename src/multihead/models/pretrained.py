@@ -154,21 +154,19 @@ def check_texts(texts) -> list[str]:
     return [check_text(f"texts[{i}]", t) for i, t in enumerate(texts)]
 
 
-def kept(enc, limit: int) -> list[int]:
-    """The indices of the tokens an encoding keeps at ``limit`` positions: the first ones,
-    with an end marker (a special token last, such as ``[SEP]``) kept last, as a tokenizer
-    truncating before it adds its markers keeps them; a text without one is cut.
+def kept(special: list[int], limit: int) -> list[int]:
+    """The indices of the tokens an encoding keeps at ``limit`` positions, from its
+    ``special_tokens_mask``: the first ones, with an end marker (a special token last, such
+    as ``[SEP]``) kept last, as a tokenizer truncating before it adds its markers keeps
+    them; a text without one is cut.
 
     Example:
-        >>> from types import SimpleNamespace as E
-        >>> kept(E(ids=[101, 7, 8, 9, 102], special_tokens_mask=[1, 0, 0, 0, 1]), 4)
-        [0, 1, 2, 4]
-        >>> kept(E(ids=[7, 8, 9], special_tokens_mask=[0, 0, 0]), 2)
-        [0, 1]
+        >>> kept([1, 0, 0, 0, 1], 4), kept([0, 0, 0], 2)
+        ([0, 1, 2, 4], [0, 1])
     """
-    n = len(enc.ids)
+    n = len(special)
     keep = list(range(min(n, limit)))
-    if n > limit and enc.special_tokens_mask[-1]:
+    if n > limit and special[-1]:
         keep[-1] = n - 1
     return keep
 
@@ -191,7 +189,7 @@ def kept_tokens(enc, limit: int, show=None) -> Tokens:
     """
     ids, tokens, special = enc.ids, enc.tokens, enc.special_tokens_mask
     words, spans = enc.word_ids, enc.offsets
-    keep = kept(enc, limit)
+    keep = kept(special, limit)
     shown = [tokens[i] if show is None or special[i] else show(ids[i], tokens[i]) for i in keep]
     return Tokens(torch.tensor([ids[i] for i in keep], dtype=torch.long), shown,
                   len(ids) > limit, len(ids), [words[i] for i in keep], [spans[i] for i in keep])
