@@ -401,6 +401,9 @@ def test_models_with_options_we_do_not_run_are_refused(name):
 @pytest.mark.parametrize("kwargs, words", [
     (dict(softcap=30.0), "softcapping.*attn_logit_softcapping"),
     (dict(s_aux=torch.zeros(4)), "attention sinks"),
+    (dict(position_bias=torch.zeros(1, 4, 3, 7)),                    # 3 keys: cut, silently
+     r"a position_bias of another width than the keys \(position_bias tensor of shape "
+     r"\(1, 4, 3, 7\), 3 keys\)"),
 ])
 def test_attention_forward_refuses(kwargs, words):
     q = torch.randn(1, 4, 3, 8)                                      # (B, H, S, D)
