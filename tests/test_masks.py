@@ -169,7 +169,7 @@ def test_repr_of_a_composition_fits_the_tensors_of_its_parts(make):
 @pytest.mark.parametrize("mask, name", [
     (M.causal(), "size"), (M.sliding_window(3), "align"), (M.alibi(2), "num_heads"),
     (M.padding([3]), "side"), (M.causal() & M.alibi(2), "b"), (M.causal() | M.causal(), "a"),
-    (~M.padding([3]), "m")])
+    (~M.padding([3]), "m"), (M.at_positions(M.causal(), torch.arange(3), torch.arange(3)), "m")])
 def test_what_a_masks_hash_and_cached_facts_follow_is_read_only(mask, name):
     """Setting ``padding.side`` left its cached key-side tile map in use; swapping an
     operand changed a composition's hash (lost from a dict)."""
@@ -580,8 +580,10 @@ def test_materialize_additive_and_tiles_refuse_lengths_the_mask_does_not_cover(m
     (lambda: M.causal().tiles(8, 8, batch=-1), r"tiles: batch must be an int >= 0, got -1"),
     (lambda: M.alibi_slopes(0), r"alibi_slopes: num_heads must be a positive int, got 0"),
     (lambda: M.alibi_slopes(2.0), r"alibi_slopes: num_heads must be a positive int, got 2.0"),
+    (lambda: M.alibi(2**40), r"alibi: num_heads must be at most 65536, got 1099511627776: pass "
+                             r"the number of heads"),
 ], ids=["negative", "float", "str", "tile-0", "tile-float", "batch-negative", "slopes-0",
-        "slopes-float"])
+        "slopes-float", "alibi-huge"])
 def test_mask_methods_refuse_bad_sizes_by_name(call, message):
     with pytest.raises(ValueError, match=message):
         call()

@@ -39,7 +39,7 @@ class Positioned(Mask):
         if not isinstance(mask, Mask):
             raise TypeError(f"at_positions: mask must be a multihead mask, got "
                             f"{type(mask).__name__}")
-        self.m = mask
+        self._m = mask
         self.q_positions = _as_positions(q_positions, "q_positions")      # (Bq, Sq)
         self.k_positions = _as_positions(k_positions, "k_positions")      # (Bk, Sk)
         if self.q_positions.device != self.k_positions.device:
@@ -53,6 +53,11 @@ class Positioned(Mask):
         self.batch_size = sizes.pop() if sizes else mask.batch_size
         self.num_heads = mask.num_heads
         self.has_bias, self.has_predicate = mask.has_bias, mask.has_predicate
+
+    @property
+    def m(self) -> Mask:
+        """The mask evaluated at the positions. Read-only."""
+        return self._m
 
     def describe(self) -> str:
         return f"at_positions({self.m.describe()})"
@@ -70,7 +75,7 @@ class Positioned(Mask):
 
     def to(self, device) -> "Positioned":
         new = self._moved(device, "q_positions", "k_positions")
-        new.m = self.m.to(device)
+        new._m = self.m.to(device)
         return new
 
     def _check(self, batch, heads, sq, sk):

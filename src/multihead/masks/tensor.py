@@ -222,8 +222,16 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
                         dtype=torch.float32)
 
 
+#: more heads than any attention call holds (the slopes are a Python tuple, one per head)
+MAX_ALIBI_HEADS = 2 ** 16
+
+
 def _check_heads(fn: str, num_heads) -> int:
-    return positive_int(f"{fn}: num_heads", num_heads)
+    n = positive_int(f"{fn}: num_heads", num_heads)
+    if n > MAX_ALIBI_HEADS:          # (2**40 heads built a list of 2**40 floats, for hours)
+        raise ValueError(f"{fn}: num_heads must be at most {MAX_ALIBI_HEADS}, got {n}: pass the "
+                         f"number of heads of your attention (H of its (B, H, S, D) queries)")
+    return n
 
 
 def _slope_values(num_heads: int) -> list[float]:
