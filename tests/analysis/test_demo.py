@@ -20,6 +20,30 @@ def test_scaling_matches_seed_004():
         assert 0.2 < r["scaled_max_prob"] < 0.4
     probs = [r["unscaled_max_prob"] for r in rows]
     assert probs == sorted(probs) and probs[1] > 0.8 and probs[-1] > 0.95     # saturation
+    grads = [r["unscaled_grad"] for r in rows]                  # the gradient vanishes ...
+    assert grads == sorted(grads, reverse=True) and grads[-1] < 1e-6
+    assert all(0.3 < r["scaled_grad"] < 0.4 for r in rows)      # ... unless scaled
+
+
+def test_the_softmax_gradient_is_the_norm_of_autograds_jacobian():
+    from multihead.analysis.scaling import _jacobian_norm
+    s = torch.randn(5, 10, dtype=torch.float64)
+    jac = torch.stack([torch.autograd.functional.jacobian(lambda x: torch.softmax(x, -1), r)
+                       for r in s])                                        # (5, 10, 10)
+    assert _jacobian_norm(torch.softmax(s, -1)) == pytest.approx(
+        float(jac.flatten(1).norm(dim=1).median()), rel=1e-12)
+
+
+def test_the_scaling_summary_is_made_from_the_numbers():
+    """Two draws at seed 7 give a scaled std of 0.86-1.54: the words say so (they said
+    'the std stays near 1 ... ~0.32' whatever was measured)."""
+    from multihead.analysis.scaling import summary
+    rows = scaling(draws=2, seed=7)
+    text = summary(rows)
+    lo = min(r["scaled_std"] for r in rows)
+    hi = max(r["scaled_std"] for r in rows)
+    assert f"Scaled, the std is {lo:.3f} to {hi:.3f}" in text and hi - lo > 0.3
+    assert f"{rows[1]['unscaled_max_prob']:.3f} there" in text
 
 
 def test_fp16_masking_cases():
@@ -27,6 +51,8 @@ def test_fp16_masking_cases():
     assert "overflow" in cases["masked_fill(-1e9) in fp16"]["error"]
     assert cases["additive -1e9 mask cast to fp16"]["fully_masked_row"] == [None] * 4     # NaN
     assert cases["-1e9 in fp32 (no overflow)"]["fully_masked_row"] == [0.25] * 4         # leaks
+    assert cases["finfo(fp16).min"]["fully_masked_row"] == [0.25] * 4
+    assert cases["finfo(fp16).min, plus a bias of -32"]["fully_masked_row"] == [None] * 4  # -inf
     ours = cases["multihead.attention (True = may attend)"]
     assert ours["fully_masked_row"] == [0.0] * 4
     assert ours["partly_masked_row"][2:] == [0.0, 0.0]
@@ -87,7 +113,7 @@ def test_a_model_is_named_best_only_clearly_ahead():
     from multihead.analysis.heads_experiment import finding
     flat = [[0.15] * 6 for _ in range(8)]
     text = finding([_result("h=8", 0.61, flat), _result("h=1", 0.60, flat[:1])])
-    assert "Best" not in text and "No clear best: h=8 and h=1 are within 2% of each other" in text
+    assert "Best" not in text and "No clear best: h=8 and h=1 are within 2.0 points of each other" in text
 
 
 @pytest.mark.parametrize("top, next_", [(0.50, 0.48), (0.30, 0.28), (0.90, 0.88)])
@@ -97,7 +123,7 @@ def test_an_exact_two_point_lead_is_decided_alike_whatever_floats_round_to(top, 
     from multihead.analysis.heads_experiment import finding
     flat = [[0.15] * 6 for _ in range(8)]
     text = finding([_result("h=8", top, flat), _result("h=1", next_, flat[:1])])
-    assert "No clear best: h=8 and h=1 are within 2%" in text and "Best:" not in text
+    assert "No clear best: h=8 and h=1 are within 2.0 points" in text and "Best:" not in text
 
 
 def test_heads_of_a_model_that_learned_nothing_are_not_said_to_split_the_work():
@@ -117,7 +143,46 @@ def test_the_finding_counts_only_heads_with_most_of_their_weight_on_a_relation()
     assert "Best: h=8." in text
     assert ("Of the 8 heads, 2 put most of their weight on x[t-1] and 3 on x[t-3] (the heads "
             "split the work).") in text
-    assert "Eight heads beat one full-width head by +57.0% accuracy" in text
+    assert "Eight heads beat one full-width head by 57.0 points (the single head:" in text
+
+
+def test_the_finding_says_which_way_a_clear_gap_goes():
+    """One head far ahead of eight, shared heads far below one head: said as such (it read
+    "did not clearly beat one head (-73.0%)" and "as predicted, no better")."""
+    from multihead.analysis.heads_experiment import finding
+    one, three = [0, 0.9, 0, 0.1, 0, 0], [0, 0.1, 0, 0.8, 0, 0.1]
+    h8 = _result("h=8", 0.17, [one] * 8)
+    text = finding([h8, _result("h=1", 0.90, [one]), _result("h=8 shared", 0.167, [three] * 8)])
+    assert "One full-width head beat eight heads by 73.0 points" in text
+    assert "ended -73.3 points from the single full-width head: worse than predicted" in text
+    assert "as predicted" not in text
+    text = finding([_result("h=8", 0.9, [one] * 8), _result("h=1", 0.89, [one]),
+                    _result("h=8 shared", 0.9, [three] * 8)])
+    assert "Eight heads and one head are within 2.0 points (+1.0 point)" in text
+    assert "ended +1.0 point from the single full-width head: as predicted, within 2.0" in text
+
+
+@pytest.mark.parametrize("h8", [0.5204, 0.5196])
+def test_accuracies_that_print_alike_read_alike(h8):
+    """52.04% and 51.96% both print as 52.0% against 50.0%: one was called best by +2.0%,
+    the other not clearly ahead by +2.0%."""
+    from multihead.analysis.heads_experiment import finding
+    flat = [[0.15] * 6 for _ in range(8)]
+    text = finding([_result("h=8", h8, flat), _result("h=1", 0.50, flat[:1])])
+    assert "h=8: accuracy 52.0%" in text and "No clear best" in text and "Best:" not in text
+
+
+def test_a_head_on_a_far_token_is_read_at_its_offset():
+    """The profile covers every offset: a head on x[t-10] was reported by its weight on the
+    nearest six offsets ('x[t-5] 0.09')."""
+    from multihead.analysis.heads_experiment import Result, Setup, _head_relations
+    T = 16
+    w = torch.zeros(3, 1, T, T)                               # (B, h, T, T)
+    for t in range(T):
+        w[:, 0, t, max(t - 10, 0)] = 1.0                      # x[t-10], else the first token
+    prof, _, _ = _head_relations(w, Setup(length=T))
+    assert len(prof[0]) == T and prof[0][10] == 1.0
+    assert Result("h=1", 1, 1.0, 0.5, 0.1, prof).relations() == ["x[t-10] 1.00"]
 
 
 @pytest.mark.parametrize("argv,message", [

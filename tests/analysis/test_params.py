@@ -107,6 +107,8 @@ def test_the_table_has_one_row_per_kind_of_kv_heads(capsys):
     (["--d-model", "512"], "give --preset NAME, or --d-model and --heads"),
     (["--table", "--heads", "16"], "give --preset NAME, or --d-model and --heads"),
     (["--table", "--layers", "4"], "give --preset NAME, or --d-model and --heads"),
+    (["--table", "--no-bias"], "--no-bias is not enough to describe a configuration: give "
+                               "--preset NAME, or --d-model and --heads"),
     (["--preset", "gpt2-small", "--dtype", "int3"], "argument --dtype: invalid choice: 'int3' "
                                                     "(choose from 'fp32', 'float32', 'bf16'"),
     (["--preset", "gpt2-small", "--seq", "0"], "argument --seq: 0 is out of range"),

@@ -628,3 +628,63 @@ def test_dropout_past_one_raises_torchs_type(need_weights):
     err = _torch_error(t, q, kv, kv, need_weights=need_weights)
     with pytest.raises(type(err), match="dropout probability has to be between 0 and 1"):
         ours(q, kv, kv, need_weights=need_weights)
+
+
+@pytest.mark.parametrize("shape", [(B, H, L, L), (B, L + 1), (L,)], ids=["4-D", "kpm-wide", "1-D"])
+def test_mask_shapes_refused_where_torchs_fused_kernel_runs_raise_its_runtime_error(shape):
+    """Eval, no grad, batch_first self-attention: torch's fused kernel raises RuntimeError
+    for these masks (its other path AssertionError); code catching RuntimeError keeps
+    catching ours."""
+    t, ours = _pair(batch_first=True)
+    x = torch.randn(B, L, E)
+    arg = "attn_mask" if len(shape) == 4 else "key_padding_mask"
+    kw = {arg: torch.zeros(shape, dtype=torch.bool)}
+    with torch.no_grad():
+        want = type(_torch_error(t, x, x, x, **kw))
+        assert want is RuntimeError
+        with pytest.raises(want) as info:
+            ours(x, x, x, **kw)
+    assert isinstance(info.value, ValueError) and arg in str(info.value)
+
+
+def test_out_proj_is_read_as_torch_reads_it_not_called():
+    """torch reads out_proj.weight and .bias: its hooks never run and a parametrization's
+    weight is the one used. Ours called the module (a pre-hook doubled the output)."""
+    t, ours = _pair()
+    q, kv = _seq_first()
+    for m in (t, ours):
+        m.out_proj.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+    torch.testing.assert_close(ours(q, kv, kv)[0], t(q, kv, kv)[0], atol=1e-6, rtol=1e-6)
+    for m in (t, ours):
+        nn.utils.parametrize.register_parametrization(
+            m.out_proj, "weight", type("Half", (nn.Module,), {"forward": lambda self, w: w / 2})())
+    torch.testing.assert_close(ours(q, kv, kv)[0], t(q, kv, kv)[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:torch.quantize_per_tensor")
+def test_eager_static_quantization_names_what_it_did_to_the_drop_in():
+    """prepare/convert swap torch's class by exact type: ours is left whole and only its
+    out_proj is converted (a weight() method); the forward says so instead of failing in
+    AttributeError: 'function' object has no attribute 'dtype'."""
+    aq = torch.ao.quantization
+    _, ours = _pair()
+    net = nn.Sequential(aq.QuantStub(), ours).eval()
+    net.qconfig = aq.get_default_qconfig("fbgemm")
+    aq.prepare(net, inplace=True)
+    q, _ = _seq_first()
+    net[0](q)
+    aq.convert(net, inplace=True)
+    assert not isinstance(ours.out_proj.weight, torch.Tensor)
+    with pytest.raises(RuntimeError, match=r"out_proj is a torch\.ao\.nn\.quantized.*Linear "
+                                           r"whose weight is method, not a tensor.*quantize a "
+                                           r"torch\.nn\.MultiheadAttention holding these weights"):
+        ours(q, q, q)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+def test_a_query_of_a_dtype_no_module_takes_is_not_told_to_convert_the_module(dtype):
+    """module.to(torch.int64) itself raises: the advice is to convert the query alone."""
+    _, ours = _pair()
+    q, _ = _seq_first()
+    with pytest.raises(RuntimeError, match=r"pass query\.to\(torch\.float32\)$"):
+        ours(q.to(dtype), q, q)

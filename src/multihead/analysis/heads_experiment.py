@@ -1,4 +1,5 @@
-"""Why several heads beat one (seed 004, exercise 3): a small controlled experiment.
+"""Why several heads beat one (seed 003's claim; seed 004's exercise on heads that share
+W_Q, W_K, W_V): a small controlled experiment.
 
 The task needs two relations per token at once. Tokens are drawn uniformly from a
 vocabulary of V; the target at position t is ``(x[t-1] + 2 * x[t-3]) mod V``: the model must
@@ -9,8 +10,8 @@ equal d_model:
 
 - ``h=8``: eight heads of width d/8 (the seeds' multi-head attention);
 - ``h=1``: one head of the full width d;
-- ``h=8 shared``: eight heads that share one W_Q, W_K, W_V (seed 004, exercise 3 predicts
-  they compute one pattern and collapse to a single head).
+- ``h=8 shared``: eight heads that share one W_Q, W_K, W_V (seed 004's exercise predicts
+  they compute one pattern and converge to the same loss as a single head).
 
 Which relation each head learned is read off its attention weights: the mean weight at each
 relative offset (0 = itself, 1 = the previous token, ...), plus entropy and confidence
@@ -33,9 +34,10 @@ import multihead as mh
 
 from .._args import positive_int
 
-PREDICTION = ("seed 004: one head can produce only one attention pattern, so h=1 cannot attend "
-              "to both relations at once; heads sharing W_Q/W_K/W_V compute identical patterns and "
-              "converge like a single head; h=8 separate heads can each take one relation.")
+PREDICTION = ("seed 003: one head 'can only produce one pattern of weights', so it must mix "
+              "both relations into one pattern ('severely limiting expressiveness'); seed 004: "
+              "heads sharing W_Q/W_K/W_V compute identical patterns and 'converge to the same "
+              "loss' as one head; h=8 separate heads can each take one relation.")
 
 
 @dataclass(frozen=True)
@@ -196,13 +198,14 @@ def train(kind: str, s: Setup) -> Result:
 
 
 def _head_relations(w: torch.Tensor, s: Setup):
-    """Mean weight by relative offset per head ``[h][offset]`` (queries t >= max offset),
-    and each head's entropy and confidence (multihead.inspect.metrics)."""
+    """Mean weight by relative offset per head ``[h][offset]``, every offset 0..T-1 (over the
+    queries t >= max offset that have a key there), and each head's entropy and confidence
+    (multihead.inspect.metrics)."""
     from ..inspect.metrics import HeadMetrics
     T, start = w.shape[-1], max(s.offsets)
     rows = w[:, :, start:, :]                          # queries t >= start: row r is t = start + r
     prof = [[float(rows.diagonal(offset=start - k, dim1=-2, dim2=-1)[:, h].mean())
-             for k in range(start + 3)] for h in range(w.shape[1])]       # key t - k: col = r + start - k
+             for k in range(T)] for h in range(w.shape[1])]  # key t - k: col r + start - k (rows t >= k)
     m = HeadMetrics()
     for i in range(min(len(w), 200)):
         m.add(w[i][None], [f"t{j}" for j in range(T)])
@@ -255,7 +258,8 @@ def finding(results: list[Result], setup: Setup = Setup()) -> str:
     best and how the heads split the work only when some model learned more than one
     relation alone gives (:func:`one_relation`) by :data:`LEARNED`; a model is named best
     only :data:`CLEAR` ahead of the next, and a head counts for a relation only when more
-    than :data:`MAINLY` of its weight is on it.
+    than :data:`MAINLY` of its weight is on it. Accuracies are compared as printed (to 0.1%),
+    so two runs that print alike read alike; differences are in percentage points.
 
     Example:
         >>> flat = [[0.25] * 4] * 8                     # untrained: weight spread evenly
@@ -265,19 +269,20 @@ def finding(results: list[Result], setup: Setup = Setup()) -> str:
     """
     a, b = setup.offsets
     by = {r.kind: r for r in results}
-    ranked = sorted(results, key=lambda r: r.accuracy, reverse=True)
+    acc = {r.kind: round(r.accuracy, 3) for r in results}   # (decided on the figures shown)
+    ranked = sorted(results, key=lambda r: acc[r.kind], reverse=True)
     best = ranked[0]
     text = "; ".join(f"{r.kind}: accuracy {r.accuracy:.1%}, loss {r.loss:.3f}" for r in results)
     one = one_relation(setup)
-    learned = lambda r: not ahead(one + LEARNED, r.accuracy, 0)      # (5 points above: learned)
+    learned = lambda r: not ahead(one + LEARNED, acc[r.kind], 0)     # (5 points above: learned)
     if not learned(best):
         return (f"{text}. No model learned the task (chance is {1 / setup.vocab:.1%}, and "
                 f"x[t-{a}] alone gives {one:.1%}): train longer (--steps) before reading the "
                 f"heads.")
     if len(ranked) > 1:
-        text += (f". Best: {best.kind}." if ahead(best.accuracy, ranked[1].accuracy, CLEAR) else
+        text += (f". Best: {best.kind}." if ahead(acc[best.kind], acc[ranked[1].kind], CLEAR) else
                  f". No clear best: {best.kind} and {ranked[1].kind} are within "
-                 f"{CLEAR:.0%} of each other.")
+                 f"{_points(CLEAR)} of each other.")
     else:
         text += "."
     if "h=8" in by and learned(by["h=8"]):        # (heads that learned nothing split nothing)
@@ -288,20 +293,27 @@ def finding(results: list[Result], setup: Setup = Setup()) -> str:
                  + (" (the heads split the work)." if mainly.count(a) and mainly.count(b)
                     else "."))
     if {"h=8", "h=1"} <= by.keys():
-        gap = by["h=8"].accuracy - by["h=1"].accuracy
-        text += (f" Eight heads beat one full-width head by {gap:+.1%} accuracy"
-                 if ahead(gap, 0, CLEAR) else
-                 f" Eight heads did not clearly beat one head ({gap:+.1%})")
+        h8, h1 = acc["h=8"], acc["h=1"]
+        text += (f" Eight heads beat one full-width head by {_points(h8 - h1)}" if ahead(h8, h1, CLEAR)
+                 else f" One full-width head beat eight heads by {_points(h1 - h8)}"
+                 if ahead(h1, h8, CLEAR) else
+                 f" Eight heads and one head are within {_points(CLEAR)} ({_points(h8 - h1, '+')})")
         text += f" (the single head: {_split(by['h=1'], a, b)})."
     if {"h=8 shared", "h=1"} <= by.keys():
         sh = by["h=8 shared"]
-        gap = sh.accuracy - by["h=1"].accuracy
+        s, h1 = acc["h=8 shared"], acc["h=1"]
         same = max(max(abs(x - y) for x, y in zip(p, sh.offset_profile[0])) for p in sh.offset_profile)
         text += (f" Heads sharing W_Q/W_K/W_V computed one pattern (largest difference between "
-                 f"heads {same:.3f}: {_split(sh, a, b)}) "
-                 f"and ended {gap:+.1%} from the single full-width head")
-        text += (": as predicted, no better." if not ahead(gap, 0, CLEAR) else
-                 ": better than predicted. One pattern that mixes both relations with unequal "
-                 "weights can still be partly decoded by the read-out, which the single head, "
-                 "trained from its own start, did not find.")
+                 f"heads {same:.3f}: {_split(sh, a, b)}) and ended {_points(s - h1, '+')} from "
+                 f"the single full-width head")
+        text += (": better than predicted. One pattern that puts unequal weights on both "
+                 "relations can still be decoded by the read-out; the single full-width head, "
+                 "trained from its own start, did not find one." if ahead(s, h1, CLEAR) else
+                 ": worse than predicted (the seed expects the same loss as one head)."
+                 if ahead(h1, s, CLEAR) else f": as predicted, within {_points(CLEAR)} of it.")
     return text
+
+
+def _points(gap: float, sign: str = "") -> str:
+    """An accuracy difference in percentage points: ``_points(0.833)`` is '83.3 points'."""
+    return f"{gap * 100:{sign}.1f} point{'' if round(abs(gap) * 100, 1) == 1 else 's'}"

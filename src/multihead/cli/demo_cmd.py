@@ -53,7 +53,7 @@ def run(args) -> int:
 def _scaling(args) -> int:
     from rich.table import Table
 
-    from ..analysis.scaling import fp16_masking, scaling
+    from ..analysis.scaling import fp16_masking, scaling, summary
     draws = DRAWS if args.draws is None else args.draws
     rows, masks = scaling(draws=draws, seed=args.seed), fp16_masking(args.seed)
     if args.json:
@@ -62,18 +62,18 @@ def _scaling(args) -> int:
     con = console(markup=False)
     t = Table(title=f"q, k ~ N(0, 1); softmax over 10 keys; mean of {draws} draws "
                     f"(seed {args.seed})", title_justify="left")
-    for col in ("d_k", "sqrt(d_k)", "std q·k", "seed 004 says", "max prob", "std q·k/sqrt(d_k)",
-                "max prob (scaled)"):
+    for col in ("d_k", "sqrt(d_k)", "std q·k", "seed 004 says", "max prob", "grad",
+                "std q·k/sqrt(d_k)", "max prob (scaled)", "grad (scaled)"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(str(r["d_k"]), f"{r['sqrt_d_k']:.1f}", f"{r['unscaled_std']:.2f}",
                   f"≈ {r['seed_004_unscaled_std']}", f"{r['unscaled_max_prob']:.3f}",
-                  f"{r['scaled_std']:.3f}", f"{r['scaled_max_prob']:.3f}")
+                  f"{r['unscaled_grad']:.2g}", f"{r['scaled_std']:.3f}",
+                  f"{r['scaled_max_prob']:.3f}", f"{r['scaled_grad']:.2g}")
     con.print(t)
-    con.print("Unscaled, the std grows as sqrt(d_k) and one key takes most of the weight (the "
-              "softmax saturates, its gradient vanishes); scaled, the std stays near 1 and the "
-              "largest weight stays near the value for 10 N(0,1) scores (~0.32; seed 004 says "
-              "'0.2 to 0.3').", style="dim")
+    con.print("grad: the median norm of the softmax's Jacobian, how much the weights move when "
+              "the scores do.", style="dim")
+    con.print(summary(rows), style="dim")
     m = Table(title="fp16: masking keys 2-3 of row 0 and every key of row 1", title_justify="left")
     for col in ("mask", "row 0 (keys 2, 3 masked)", "row 1 (all masked)"):
         m.add_column(col)
@@ -85,9 +85,10 @@ def _scaling(args) -> int:
             m.add_row(r["method"], fmt(r["partly_masked_row"]), fmt(r["fully_masked_row"]))
     con.print(m)
     con.print("-1e9 does not fit in float16 (max 65504): masked_fill refuses it and a cast mask "
-              "becomes -inf, so an all-masked row is NaN; large finite negatives instead spread "
-              "the row over the masked keys. multihead masks with -inf and returns zeros for a "
-              "row with nothing to attend to.", style="dim")
+              "becomes -inf, so an all-masked row is NaN; finfo(fp16).min instead spreads that "
+              "row over the masked keys, and a bias below -16 added to it overflows to -inf and "
+              "NaN again. multihead masks with -inf and returns zeros for a row with nothing to "
+              "attend to.", style="dim")
     return 0
 
 

@@ -75,8 +75,12 @@ def _shape(args):
             return AttentionShape(**{**asdict(s), **given, "name": f"{s.name} (changed: {changed})",
                                      "source": f"{s.source}, changed here ({changed})"})
         if args.d_model is None or args.heads is None:
-            raise ValueError("give --preset NAME, or --d-model and --heads (see --table for "
-                             "presets)")
+            named = [f"--{k.replace('_', '-')}" for k in given] + (
+                ["--no-bias"] if args.no_bias else [])       # (what asked for one configuration)
+            said = f"{' and '.join(named)} {'is' if len(named) == 1 else 'are'} not enough to " \
+                   f"describe a configuration: " if named else ""
+            raise ValueError(f"{said}give --preset NAME, or --d-model and --heads (see --table "
+                             f"for presets)")
         return AttentionShape(args.d_model, args.heads, kv_heads=args.kv_heads,
                               head_dim=args.head_dim, layers=args.layers or 1,
                               bias=not args.no_bias)
@@ -126,7 +130,7 @@ def _print_one(r, hb, hc) -> None:
         f"!= module ({r['params_per_layer_module']:,})"
     rows = [
         ("parameters per layer", f"{r['params_per_layer']:,}  ({check})"),
-        ("  MHA with d_k = d/h: 4d² (+4d)", f"{r['mha_equivalent_params_per_layer']:,}"),
+        ("  4d² (+4d): MHA with h·d_k = d", f"{r['mha_equivalent_params_per_layer']:,}"),
         ("parameters, all layers", f"{r['params_all_layers']:,}"),
         ("naive attention scores h·n², per layer per sequence",
          hb(r["naive_scores_bytes_per_layer_per_sequence"])),
@@ -164,7 +168,7 @@ def _print_table(rows, variants, focus, args, hb, hc) -> None:
                   "ok" if r["params_match_module"] else "MISMATCH",
                   hb(r["kv_cache_bytes_per_token"]), hb(r["naive_scores_bytes_per_layer_per_sequence"]))
     con.print(t)
-    con.print("params/layer by the formula; = 4d² (+4d): the count MHA with d_k = d/h has (4d² "
+    con.print("params/layer by the formula; = 4d² (+4d): the count MHA with h·d_k = d has (4d² "
               "weights, + 4d biases where the model has biases); module = the same count from "
               "sum(p.numel()) of a real "
               "MultiHeadAttention; KV/token over all layers; scores/layer = the h·n² matrix naive "

@@ -27,7 +27,8 @@ from multihead.modules.attention import _divisors
 from multihead.modules.loading import AllOrNothing
 
 from .torch_rules import (_AssertionArgError, _as_torch_raises, _check_inputs, _check_nested,
-                          _lengths, _RuntimeArgError, _takes_fast_path, _torch_mask)
+                          _FusedPathArgError, _lengths, _RuntimeArgError, _takes_fast_path,
+                          _torch_mask)
 
 
 def _refuse_extras(m: nn.MultiheadAttention) -> None:
@@ -212,8 +213,13 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
         # torch's other path applies the causal mask in place of attn_mask when it returns no
         # weights and has no padding mask; its fused kernel ignores the hint
         causal = is_causal and key_padding_mask is None and not need_weights
-        unbatched = not _check_inputs(self, query, key, value, key_padding_mask, attn_mask,
-                                      causal)
+        try:
+            unbatched = not _check_inputs(self, query, key, value, key_padding_mask, attn_mask,
+                                          causal)
+        except _AssertionArgError as e:           # torch's fused kernel raises RuntimeError
+            if _takes_fast_path(self, query, key, value, key_padding_mask, attn_mask):
+                raise _FusedPathArgError(str(e)) from None
+            raise
         fast = _takes_fast_path(self, query, key, value, key_padding_mask, attn_mask)
         if causal and fast:
             causal = False
@@ -268,11 +274,14 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
             out, w = res if need_weights else (res, None)
         # torch's memory layout: (L, B, E) contiguous, batch_first a transposed view of it
         # (a Dropout after this module draws its mask in memory order: same layout, same
-        # mask), except where torch's fused inference kernel answers: (B, L, E) contiguous
+        # mask), except where torch's fused inference kernel answers: (B, L, E) contiguous;
+        # out_proj's weight and bias are read, not the module called, as torch does (its
+        # hooks do not run; a parametrization's weight is the one used)
         if fast:
-            out = self.out_proj(out.transpose(1, 2).reshape(B, L, E))      # (B, L, E)
+            out = out.transpose(1, 2).reshape(B, L, E)                      # (B, L, E)
         else:
-            out = self.out_proj(out.permute(2, 0, 1, 3).reshape(L, B, E))  # (L, B, E)
+            out = out.permute(2, 0, 1, 3).reshape(L, B, E)                  # (L, B, E)
+        out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
         if unbatched:
             out = out.squeeze(1)                                            # (L, E)
         elif self.batch_first and not fast:

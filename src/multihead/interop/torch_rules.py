@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import multihead as mh
-from multihead._dtypes import check_weights
+from multihead._dtypes import SUPPORTED_DTYPES, check_weights
 
 
 # -- errors: torch's exception type and ours at once ------------------------------------
@@ -25,6 +25,11 @@ class _AssertionArgError(ValueError, AssertionError):
 
 class _RuntimeArgError(ValueError, RuntimeError):
     """A bad argument where torch raises ``RuntimeError``: catch it as either."""
+
+
+class _FusedPathArgError(_AssertionArgError, RuntimeError):
+    """A bad argument where torch's fused inference kernel would have answered: torch raises
+    ``RuntimeError`` there (its other path ``AssertionError``): catch it as any of them."""
 
 
 class _RuntimeTypeError(TypeError, RuntimeError):
@@ -83,7 +88,15 @@ def _check_mask_dtypes(key_padding_mask, attn_mask) -> None:
 def _check_input_dtypes(m: nn.MultiheadAttention, query, key, value) -> None:
     """query, key and value in the dtype of the weights that project them (torch's
     projection refuses others, except under autocast, which casts them)."""
-    _as_torch_raises(check_weights, m.out_proj.weight.dtype)
+    w = getattr(m.out_proj, "weight", None)
+    if not isinstance(w, torch.Tensor):   # (torch's eager static quantization converts it)
+        raise _RuntimeTypeError(
+            f"out_proj is a {type(m.out_proj).__module__}.{type(m.out_proj).__name__} whose "
+            f"weight is {type(w).__name__}, not a tensor: torch's eager quantization "
+            f"(prepare/convert) swaps torch.nn.MultiheadAttention by its exact type, so it "
+            f"converted this module's out_proj alone; quantize a torch.nn.MultiheadAttention "
+            f"holding these weights (load_state_dict(state_dict())) instead")
+    _as_torch_raises(check_weights, w.dtype)
     kind = query.device.type                  # (meta has no autocast: asking it raises)
     if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
         return
@@ -93,10 +106,11 @@ def _check_input_dtypes(m: nn.MultiheadAttention, query, key, value) -> None:
                        ("value", value, m.in_proj_weight if fused else m.v_proj_weight)):
         want = w.dtype
         if getattr(t, "dtype", want) != want:
+            module = (f" or convert the module with .to({t.dtype})"
+                      if t.dtype in SUPPORTED_DTYPES else "")   # (never to int64 or complex)
             raise _RuntimeArgError(
                 f"{name} is {t.dtype} but the module's weights are {want} (torch's projection "
-                f"refuses mixed dtypes): pass {name}.to({want}) or convert the module with "
-                f".to({t.dtype})")
+                f"refuses mixed dtypes): pass {name}.to({want}){module}")
 
 
 def _attn_mask_error(shape, batched: bool, N: int, H: int, L: int, S: int) -> str:
