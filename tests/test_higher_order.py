@@ -121,6 +121,29 @@ def test_forward_mode_ad_equals_torchs_own_ops(mask):
     torch.testing.assert_close(jac, torch.func.jacfwd(lambda q: _plain(q, k, v, allowed))(q))
 
 
+@pytest.mark.parametrize("weights", [False, True])
+def test_hessian_forward_over_reverse_equals_torchs_own_ops(weights):
+    """torch.func.hessian is jacfwd over jacrev: inside the jacrev the outer tangent is not
+    seen on the inputs, and the reference backend's product without a jvp raised
+    NotImplementedError (the drop-in's need_weights=True runs it)."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(1, 2, 3, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    allowed = M.causal().materialize(3, 3)
+
+    def ours(q):
+        out = mh.attention(q, k, v, mask=M.causal(), return_weights=weights)
+        return (out[0] * out[1].sum()).sum() if weights else out.square().sum()
+
+    def plain(q):
+        out = _plain(q, k, v, allowed)
+        if not weights:
+            return out.square().sum()
+        w = torch.softmax((q @ k.transpose(-2, -1) / 2).masked_fill(~allowed, float("-inf")), -1)
+        return (out * w.sum()).sum()
+
+    torch.testing.assert_close(torch.func.hessian(ours)(q), torch.func.hessian(plain)(q))
+
+
 def test_forward_mode_ad_ignores_a_hidden_nan_key():
     """The rule for non-finite inputs holds for tangents too: a NaN in a key no query may
     see changes neither the output nor its tangent."""

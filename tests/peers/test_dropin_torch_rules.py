@@ -688,3 +688,23 @@ def test_a_query_of_a_dtype_no_module_takes_is_not_told_to_convert_the_module(dt
     q, _ = _seq_first()
     with pytest.raises(RuntimeError, match=r"pass query\.to\(torch\.float32\)$"):
         ours(q.to(dtype), q, q)
+
+
+def test_per_sample_float_masks_under_vmap_and_fake_tensors_run_as_torchs():
+    """A float mask was read for NaN when built: vmap over per-sample masks raised
+    'data-dependent control flow' and FakeTensorMode a DataDependentOutputException."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    t, ours = _pair()
+    g = torch.Generator().manual_seed(5)
+    xs, masks, kpms = (torch.randn(4, L, E, generator=g), torch.randn(4, L, L, generator=g),
+                       torch.randn(4, L, generator=g))
+    for kw in ("attn_mask", "key_padding_mask"):
+        per = masks if kw == "attn_mask" else kpms
+        want, got = (torch.func.vmap(lambda a, m, mod=mod: mod(a, a, a, **{kw: m})[0])(xs, per)
+                     for mod in (t, ours))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.randn(L, B, E)
+        assert ours(x, x, x, attn_mask=torch.randn(L, L))[0].shape == (L, B, E)
+    with pytest.raises(ValueError, match="bias contains NaN or \\+inf"):     # read where it can be
+        ours(xs[0], xs[0], xs[0], attn_mask=torch.full((L, L), float("nan")))

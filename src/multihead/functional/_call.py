@@ -36,7 +36,9 @@ def forward_ad_active() -> bool:
 
 def has_tangent(*items) -> bool:
     """Whether a tensor among ``items`` (tensors, or masks: the tensors they hold) carries a
-    forward-mode tangent; False at once where no forward-mode AD runs.
+    forward-mode tangent; False at once where no forward-mode AD runs, True wherever a
+    ``torch.func`` jvp transform runs (``jacfwd``, ``hessian``: an outer level's tangent is
+    not seen from inside a ``jacrev``).
 
     Example:
         >>> import torch.autograd.forward_ad as fwAD
@@ -47,9 +49,17 @@ def has_tangent(*items) -> bool:
     """
     if not forward_ad_active():
         return False
+    if torch._C._are_functorch_transforms_active() and _jvp_transform_runs():
+        return True
     tensors = [t for x in items for t in (
         [x] if isinstance(x, torch.Tensor) else x._tensors() if isinstance(x, M.Mask) else [])]
     return any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def _jvp_transform_runs() -> bool:
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
 
 
 def shape_str(t: torch.Tensor) -> str:

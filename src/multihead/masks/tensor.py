@@ -133,7 +133,8 @@ class Bias(Mask):
     The mask reads its tensor as it is at each call (a learned bias may be updated in place
     between calls, and gradients reach it every time). A host (CPU) bias is checked for NaN
     and +inf when the mask is built (not while ``torch.compile`` traces, where reading it
-    would break the graph); a GPU bias is not read (that would synchronize), so a
+    would break the graph, nor under ``vmap`` or a fake-tensor mode, where its values
+    cannot be read); a GPU bias is not read (that would synchronize), so a
     NaN or +inf in it gives NaN rows on every backend, as in torch.
     """
 
@@ -148,8 +149,7 @@ class Bias(Mask):
             raise TypeError(f"bias() takes a floating-point tensor, got {what}: use "
                             f"multihead.masks.dense(t) for bool masks")
         t = _as_4d(values, "bias")
-        if (t.device.type == "cpu" and not torch.compiler.is_compiling()
-                and (bool(torch.isnan(t).any()) or bool(torch.isposinf(t).any()))):
+        if t.device.type == "cpu" and not torch.compiler.is_compiling() and _nan_or_posinf(t):
             raise ValueError("bias contains NaN or +inf: only finite values and -inf (masked) "
                              "are allowed")
         self.raw = t                                           # (B|1, H|1, Sq|1, Sk|1)
@@ -205,6 +205,18 @@ def bias(values: torch.Tensor) -> Bias:
         [[1, 0], [1, 1]]
     """
     return Bias(values)
+
+
+def _nan_or_posinf(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds NaN or +inf; False where its values cannot be read now (a tensor
+    batched by ``torch.func.vmap``, a fake tensor): those are not checked, as a GPU bias."""
+    try:
+        return bool(torch.isnan(t).any()) or bool(torch.isposinf(t).any())
+    except RuntimeError:
+        from torch._subclasses.fake_tensor import is_fake
+        if torch._C._are_functorch_transforms_active() or is_fake(t):
+            return False
+        raise
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
