@@ -249,25 +249,32 @@ def test_fp32_inputs_with_an_fp64_bias_are_not_upcast():
     assert "computed in float32" in str(e) and e.plan.detail.upcast
 
 
-@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("where", ["k", "v", "k-minus-inf"])
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_a_hidden_nan_changes_no_gradient(backend, where):
     """A NaN in a key or value padding hides from every row: the gradients of q, k and v
     equal those of the same inputs with that position zeroed (finite: no ``0 * NaN``
-    reaches them through the score or weight products)."""
+    reaches them through the score or weight products). So does a hidden key whose one
+    -inf component makes its scores -inf: the output stayed finite, and q's gradient
+    summed ``0 * -inf`` into NaN on sdpa and blocksparse."""
     S = 12
     mask = M.padding(torch.tensor([S - 3, S]))
     q, k, v = _qkv(B=2, H=2, S=S, D=8, seed=5)
+    q[..., 0] = q[..., 0].abs() + 0.1                        # a -inf k component: score -inf
     skip_unless_runs(backend, q.clone().requires_grad_(), k, v, mask=mask)
 
     def grads(poison):
         q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
         with torch.no_grad():
-            (k_ if where == "k" else v_)[0, :, S - 1] = poison
+            if where == "k-minus-inf":
+                k_[0, :, S - 1, 0] = poison
+            else:
+                (k_ if where == "k" else v_)[0, :, S - 1] = poison
         out = mh.attention(q_, k_, v_, mask=mask, backend=backend)
         out.square().sum().backward()
         return [t.grad for t in (q_, k_, v_)]
-    for name, got, want in zip("qkv", grads(float("nan")), grads(0.0)):
+    bad = float("-inf") if where == "k-minus-inf" else float("nan")
+    for name, got, want in zip("qkv", grads(bad), grads(0.0)):
         assert torch.isfinite(got).all(), (backend, name)
         torch.testing.assert_close(got, want, msg=f"{backend}: d{name}")
 
@@ -356,7 +363,7 @@ def test_blocksparse_gives_a_row_of_minus_inf_scores_no_weight(monkeypatch):
     is zeros with lse -inf, as on every other backend: blocksparse's exp, clamped at -80,
     gave that key all the row's weight."""
     from multihead.functional import nonfinite
-    monkeypatch.setattr(nonfinite, "_finite", lambda q, out, k, zero_rows=False: True)
+    monkeypatch.setattr(nonfinite, "_finite", lambda *args: True)
     q, k, v = _qkv(B=1, H=1, S=3, D=4)
     q = q.abs() + 0.1
     k[0, 0, 0, 0] = float("-inf")
@@ -372,3 +379,18 @@ def test_sdpa_runs_a_sum_of_alibis_in_float32_on_half_inputs():
     two = M.alibi(6) & M.alibi(1, align="upper_left")
     assert mh.explain(h, h, h, mask=two, backend="sdpa").plan.detail.upcast
     assert not mh.explain(h, h, h, mask=M.alibi(6), backend="sdpa").plan.detail.upcast
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_a_bias_written_since_it_was_built_with_a_hidden_nan_keeps_its_row(backend, poison):
+    """bias() reads its values when built; a value written later where causal hides the
+    pair never reaches the row: blocksparse added it to the mask's -inf (NaN) and made the
+    whole row NaN, where the reference and rows kept it."""
+    q, k, v = _qkv(B=1, H=2, S=6, D=8, seed=3)
+    b = torch.zeros(1, 1, 6, 6)
+    mask = M.bias(b) & M.causal()
+    skip_unless_runs(backend, q, k, v, mask=mask)
+    b[0, 0, 0, 5] = poison                                    # hidden from query 0
+    got = mh.attention(q, k, v, mask=mask, backend=backend)
+    torch.testing.assert_close(got, mh.attention(q, k, v, mask=M.causal(), backend="reference"))

@@ -20,6 +20,8 @@ see non-finite values set to NaN. An infinite key component that only ever meets
 with the opposite sign makes its scores ``-inf``, which IEEE arithmetic turns into weight
 0 with a finite output: on every backend such a key is dropped from its rows unless the
 call takes the careful path for another reason (then its rows are NaN, as the rule says).
+A call whose q requires gradients reads k too (q's gradient sums ``0 * inf`` over the
+keys: one hidden infinite key made every row's gradient NaN), so it takes that path.
 On devices where a read-back stalls the queue (GPUs) nothing is inspected, and the fused
 kernels' own NaN handling applies. Our Triton kernels keep the first part of the rule
 themselves where hidden positions may hold anything: a program whose accumulators end non-
@@ -44,10 +46,12 @@ from ._call import AttentionCall
 
 
 def _finite(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor,
-            zero_rows: bool = False) -> bool:
+            zero_rows: bool = False, grad_q: bool = False) -> bool:
     """True when q and the output (and k, in half precision, or with ``zero_rows`` where an
-    output row is all zeros: a kernel that returns zeros for a row of NaN scores) are
-    finite (host reads, free on a CPU; a sum that overflows only takes the careful path).
+    output row is all zeros: a kernel that returns zeros for a row of NaN scores, or with
+    ``grad_q``: an infinite key whose scores are ``-inf`` has weight 0 and leaves the
+    output finite, but q's gradient sums ``0 * inf`` over the keys) are finite (host
+    reads, free on a CPU; a sum that overflows only takes the careful path).
     Inputs it cannot read (``torch.func`` transforms) count as finite: the kernels' own
     handling applies, as on GPUs."""
     half = k.dtype in (torch.float16, torch.bfloat16)
@@ -61,6 +65,8 @@ def _finite(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor,
             if half:                                        # an absorbed +inf score
                 total = total + k.sum(dtype=torch.float32)
             ok = math.isfinite(total.item())
+        if ok and grad_q and not half:
+            ok = math.isfinite(k.sum().item())
         if ok and zero_rows and not half and out.numel():
             # a row of zeros (its largest |value| 0) with a non-finite key: the careful
             # path; the cheaper of the two reads first
@@ -121,7 +127,8 @@ def run(backend, call: AttentionCall, plan):
     on_host = call.q.device.type == "cpu" and not torch.compiler.is_compiling()
     rng = torch.random.get_rng_state() if on_host and call.dropout_p > 0 else None
     out, w, lse = backend.run(call, plan)
-    if not on_host or _finite(call.q, out, call.k, backend.zero_rows_for_nan_scores):
+    grad_q = call.q.requires_grad and torch.is_grad_enabled()
+    if not on_host or _finite(call.q, out, call.k, backend.zero_rows_for_nan_scores, grad_q):
         return out, w, lse
     if rng is not None:                   # the same dropout draws as the first run
         torch.random.set_rng_state(rng)

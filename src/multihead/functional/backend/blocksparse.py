@@ -107,8 +107,10 @@ def _mask_step(s: torch.Tensor, g: _Geo, i0: int, i1: int, step: Step):
         ok = (kpos < g.Sk) & step.valid.repeat_interleave(g.tk, dim=-1).view(-1, 1, nqc, 1, L)
         if allowed is not None:
             ok = ok & allowed
-        neg = torch.zeros(ok.shape, dtype=s.dtype, device=dev).masked_fill_(~ok, NEG_INF)
-        add = neg if add is None else add + neg
+        if add is None:
+            add = torch.zeros(ok.shape, dtype=s.dtype, device=dev).masked_fill_(~ok, NEG_INF)
+        else:     # (a hidden NaN or +inf of a bias written since it was built: -inf, not NaN)
+            add = torch.where(ok, add, NEG_INF)
         keep = _heads6(ok.to(s.dtype), g)                     # (Bx, Hkv|1, nQc, G|1, tq|1, L)
     s.view(g.B, g.Hkv, nqc, g.G, g.tq, L).add_(_heads6(add, g))
     return keep
