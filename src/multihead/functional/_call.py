@@ -227,6 +227,9 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
         scale = default_scale(D)
     else:
         if isinstance(scale, torch.Tensor):
+            if scale.device.type == "meta":
+                raise TypeError("scale is a tensor on the meta device, which holds no value: "
+                                "pass a Python float")
             if scale.numel() != 1 or not scale.is_floating_point() or scale.requires_grad:
                 raise TypeError(f"scale must be a float, got a tensor of shape "
                                 f"{tuple(scale.shape)}, {scale.dtype}"

@@ -370,6 +370,8 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
     key = None
     if not (_uncached() or isinstance(scale, torch.Tensor)):
         try:     # what determines the plan besides the mask (a miss validates all of it)
+            if q.is_nested or k.is_nested or v.is_nested:     # (no sizes to key on)
+                raise TypeError
             shapes = (q.shape, k.shape, v.shape)
             key = (shapes, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.layout,
                    k.layout, v.layout, scale,

@@ -168,8 +168,14 @@ class Padding(Mask):
         if side not in ("key", "query"):
             raise ValueError(f"side must be 'key' or 'query', got {side!r}")
         self._side = side
-        t = lengths_or_mask if isinstance(lengths_or_mask, torch.Tensor) else \
-            torch.as_tensor(lengths_or_mask, device="cpu")           # a list: host lengths
+        t = lengths_or_mask
+        if not isinstance(t, torch.Tensor):
+            try:
+                t = torch.as_tensor(t, device="cpu")                 # a list: host lengths
+            except (TypeError, ValueError, RuntimeError, OverflowError):  # a str, a None inside
+                raise TypeError(f"padding: lengths_or_mask must be lengths (a list of ints or a "
+                                f"1-D integer tensor (B,)) or a (B, S) bool tensor, got "
+                                f"{t!r:.60} ({type(t).__name__})") from None
         check_strided("padding's lengths_or_mask", t)
         if t.dtype == torch.bool:
             if t.dim() != 2:
