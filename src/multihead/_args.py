@@ -53,3 +53,13 @@ def fraction(name: str, value) -> float:
                 if hasattr(value, "item") and not isinstance(value, numbers.Real) else "")
         raise ValueError(f"{name} must be a float in [0, 1), got {value!r:.60}{hint}")
     return float(value)
+
+
+def counted(n, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: how counts read in messages.
+
+    Example:
+        >>> counted(1, "run"), counted(3, "length group")
+        ('1 run', '3 length groups')
+    """
+    return f"{n} {noun}{'' if n == 1 else 's'}"

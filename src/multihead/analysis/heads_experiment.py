@@ -316,4 +316,5 @@ def finding(results: list[Result], setup: Setup = Setup()) -> str:
 
 def _points(gap: float, sign: str = "") -> str:
     """An accuracy difference in percentage points: ``_points(0.833)`` is '83.3 points'."""
-    return f"{gap * 100:{sign}.1f} point{'' if round(abs(gap) * 100, 1) == 1 else 's'}"
+    points = round(gap * 100, 1)
+    return f"{points:{sign}.1f} point{'' if abs(points) == 1 else 's'}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 
+from .._args import counted
 from .._files import atomic_write_all
 from ._common import console, int_in, path, prepare_out, summary, wrote
 
@@ -101,7 +102,7 @@ def _heads(args) -> int:
     prepare_out(args.out, ("heads.json", "heads.png"))
     con = console(markup=False)
     if not args.json:
-        steps = f"{setup.steps} step{'' if setup.steps == 1 else 's'}"
+        steps = counted(setup.steps, "step")
         con.print(f"Task: y[t] = (x[t-1] + 2·x[t-3]) mod {setup.vocab}, T={setup.length}, "
                   f"d_model={setup.d_model}, {steps} of batch {setup.batch}, seed {setup.seed}.")
     from .._progress import track

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._args import positive_int
+from .._args import counted, positive_int
 from .._dtypes import check_strided, integer_tensor
 from .._device import check_fits
 from .base import Index, Mask, TileIndex, versioned
@@ -477,7 +477,7 @@ class Document(Mask):
 
     def describe(self):
         if self.runs_known and self.ids.numel():
-            n = f"{sum(len(s) for s in self.runs().starts)} runs"
+            n = counted(sum(len(s) for s in self.runs().starts), "run")
         else:
             n = f"on {self.ids.device}"
         extra = "" if self.kv_ids is None else f", kv_ids of shape {tuple(self.kv_ids.shape)}"

@@ -87,7 +87,9 @@ class Estimate(NamedTuple):
     masked_steps: int
     chunks: int
     gathered_tiles: int    # key tiles copied per K/V head (0 when steps read slices)
-    density: float         # fraction of the tile pairs computed
+    density: float         # fraction of the tile pairs computed (a chunk of query tiles
+                           # computes as many key tiles for each as its busiest needs)
+    allowed: float         # fraction of the tile pairs holding a pair the mask allows
     exact: bool            # False: an upper bound (the mask's tiles live on a device)
 
 
@@ -101,7 +103,8 @@ def estimate(call: AttentionCall) -> Estimate:
         g = geometry(call, nk)
         chunks = -(-nq // g.per_chunk)
         steps = chunks * -(-nk // g.width)
-        return Estimate(unit * nq * nk, unit * nq * nk, steps, steps, chunks, nq * nk, 1.0, False)
+        return Estimate(unit * nq * nk, unit * nq * nk, steps, steps, chunks, nq * nk, 1.0, 1.0,
+                        False)
     nonempty, full = _classify(call, tq, tk, nq, nk, "cpu")       # (Bm, nQ, nK)
     count = nonempty.sum(-1).amax(0)                              # (nQ,) key tiles per row
     partial = (nonempty & ~full).any(-1).any(0)                   # (nQ,) rows with a mask
@@ -117,7 +120,8 @@ def estimate(call: AttentionCall) -> Estimate:
     gathered = 0 if call.effective_mask is None else int((rows * kc).sum())
     return Estimate(int(pairs_c.sum()), int(pairs_c[masked].sum()), int(steps_c.sum()),
                     int(steps_c[masked].sum()), chunks, gathered,
-                    float(nonempty.float().mean()), True)
+                    float((rows * kc).sum()) / max(nq * nk, 1), float(nonempty.float().mean()),
+                    True)
 
 
 def on_host(call: AttentionCall) -> bool:

@@ -358,7 +358,10 @@ class BlockSparse(Backend):
         est = _tiles.estimate(call)
         work = _work(call, est)
         if est.exact:
-            note = f"computes {est.density:.1%} of the tiles"
+            note = f"computes {est.density:.1%} of the tiles" + (
+                f" ({est.allowed:.1%} hold pairs the mask allows; a chunk of query tiles "
+                f"computes as many for each as its busiest needs)"
+                if round(est.allowed, 3) != round(est.density, 3) else "")
         else:
             note = (f"the mask's tiles are on {call.q.device}: planning reads them back "
                     f"({work.syncs} syncs); estimated as if every tile were computed")

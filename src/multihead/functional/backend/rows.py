@@ -47,14 +47,13 @@ def _spans(allowed: torch.Tensor | None, B: int, Sk: int) -> list[tuple[int, int
 
 
 def _live_fraction(call) -> float:
-    """Share of the keys the crop keeps, from the host tile map (1.0 where unknown)."""
-    if call.effective_mask is None or not _tiles.on_host(call) or call.Sk == 0:
+    """Share of the keys the crop keeps, key by key: the host tile map of one tile of all
+    queries by one key (1.0 where unknown)."""
+    if call.effective_mask is None or not _tiles.on_host(call) or call.Sk == 0 or call.Sq == 0:
         return 1.0
-    tq, tk = _tiles.tile_sizes(call)
-    nq, nk = -(-call.Sq // tq), -(-call.Sk // tk)
-    nonempty, _ = _tiles._classify(call, tq, tk, nq, nk, "cpu")       # (Bm, nQ, nK)
-    first, end = _bounds(nonempty.any(1))                              # (Bm,) key tiles
-    return float((end - first).float().mean()) / nk
+    nonempty, _ = _tiles._classify(call, call.Sq, 1, 1, call.Sk, "cpu")  # (Bm, 1, Sk)
+    first, end = _bounds(nonempty.any(1))                               # (Bm,) keys
+    return float((end - first).float().mean()) / call.Sk
 
 
 def _row(x: torch.Tensor | None, b: int, lo: int, hi: int):

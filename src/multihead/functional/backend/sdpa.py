@@ -32,6 +32,24 @@ from ._common import FUSED_ROWS, KEY_SPLIT, mask_launches, mask_terms
 
 #: the most queries for which a masked GQA call folds its query heads (decoding, verifying)
 FOLD_MASKED_MAX_SQ = 16
+#: passes over the score matrix of torch's unfused math path (write, scale, mask, softmax
+#: read and write, dropout, the product's read)
+MATH_SCORE_PASSES = 8
+
+
+def _unfused(call: AttentionCall, profile) -> str | None:
+    """Why torch's CPU dispatcher would run its unfused math path for this call (its flash
+    kernel takes no dropout, a value head dim other than the query's, or a last dim whose
+    stride is not 1), or None where the flash kernel runs."""
+    if profile.device_type != "cpu":
+        return None
+    if call.dropout_p > 0:
+        return "dropout"
+    if call.Dv != call.D:
+        return f"Dv = {call.Dv} != D = {call.D}"
+    if any(t.stride(-1) != 1 for t in (call.q, call.k, call.v)):
+        return "a last dim with stride != 1"
+    return None
 
 class Detail(NamedTuple):
     mode: str        # "plain", "causal" (is_causal=True) or "masked"
@@ -126,11 +144,14 @@ class SDPA(Backend):
                 call.q.element_size() * (3 + sum(1 for _ in m.leaves()))
             mask_bytes = elems * per
         io = call.io_bytes(kv_reads) * (1 if not upcast else 2 * 4 / call.q.element_size())
-        work = Work(flops=2.0 * pairs * (call.D + call.Dv),
-                    kernel="fused_masked" if mode == "masked" else "fused", dtype=dtype,
-                    bytes=io + mask_bytes,
+        unfused = _unfused(call, profile)
+        scores = 0 if unfused is None else dtype.itemsize * call.pairs   # (every pair)
+        work = Work(flops=2.0 * (call.pairs if unfused else pairs) * (call.D + call.Dv),
+                    kernel="matmul" if unfused else
+                    "fused_masked" if mode == "masked" else "fused", dtype=dtype,
+                    bytes=io + mask_bytes + MATH_SCORE_PASSES * scores,
                     launches=1 + (mask_launches(call) + 4 * row_fix if mode == "masked" else 0),
-                    memory=mask_bytes / 2,
+                    memory=mask_bytes / 2 + 3 * scores,
                     parallel=heads * -(-rows // FUSED_ROWS)
                     * (1 if mode == "masked" else -(-Sk // KEY_SPLIT)))
         if call.requires_grad:
@@ -138,6 +159,10 @@ class SDPA(Backend):
         note = {"plain": "no mask: plain fused kernel",
                 "causal": "is_causal=True: the fused kernel skips the upper triangle",
                 "masked": "mask materialized densely, every pair computed"}[mode]
+        if unfused:
+            note = (f"torch runs its unfused math path ({unfused}): every score materialized"
+                    + {"plain": "", "causal": ", is_causal=True",
+                       "masked": ", mask materialized densely"}[mode])
         if G > 1:
             note += ("; query heads folded into the query axis" if fold else
                      "; enable_gqa" + ("" if native else " (K/V read once per query head)"))

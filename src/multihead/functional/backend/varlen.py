@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..._args import counted
 from ..._cache import BoundedCache
 from ..._device import to_device
 from .._call import AttentionCall
@@ -163,7 +164,8 @@ class VarLen(Backend):
             work = work.times(flops=3.5, bytes=3.0, launches=2.0)
         _, lengths = _segments(call)
         padded = sum(len(b.starts) * b.length for b in buckets)
-        return Plan(work, f"{len(lengths)} documents in {len(buckets)} length groups, "
+        return Plan(work, f"{counted(len(lengths), 'document')} in "
+                          f"{counted(len(buckets), 'length group')}, "
                           f"{1 - int(lengths.sum()) / max(padded, 1):.1%} padding", Groups(buckets))
 
     def run(self, call, plan):
