@@ -60,7 +60,7 @@ def stub_launches(arch: int = 90):
 
     caps, finite = TritonFlash.capabilities, nonfinite._finite
     TritonFlash.capabilities = dataclasses.replace(caps, devices=None)
-    nonfinite._finite = lambda q, out, k, zero_rows=False: True
+    nonfinite._finite = lambda *args: True
     try:
         with stub(arch):
             yield
