@@ -557,7 +557,7 @@ def test_autocast_casts_mixed_half_and_float_inputs_as_torch_does():
     torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("case", ["plain", "dropout", "dv", "stride"])
+@pytest.mark.parametrize("case", ["plain", "dropout", "dv", "stride", "stride-gqa"])
 def test_sdpa_says_which_kernel_torch_runs_on_the_cpu(case):
     """torch's CPU flash kernel takes no dropout, no Dv != D and no last dim of stride != 1:
     it runs its unfused math path, which explain() called 'the fused kernel' (0 bytes of
@@ -565,19 +565,21 @@ def test_sdpa_says_which_kernel_torch_runs_on_the_cpu(case):
     from torch.profiler import profile
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 32, 16, generator=g) for _ in range(3))
+    if case == "stride-gqa":                  # (its q folded into a copy: flash runs)
+        q = torch.randn(1, 4, 32, 16, generator=g)
     kw = {}
     if case == "dropout":
         kw["dropout_p"] = 0.1
     elif case == "dv":
         v = v[..., :8].contiguous()
-    elif case == "stride":
+    elif case.startswith("stride"):
         q = q.transpose(-1, -2).contiguous().transpose(-1, -2)              # stride(-1) = 32
-    note = mh.explain(q, k, v, mask=M.causal(), backend="sdpa", **kw).plan.note
+    mask = None if case == "stride-gqa" else M.causal()      # (no mask: the heads fold)
+    plan = mh.explain(q, k, v, mask=mask, backend="sdpa", **kw).plan
     with profile() as prof:
-        mh.attention(q, k, v, mask=M.causal(), backend="sdpa", **kw)
+        mh.attention(q, k, v, mask=mask, backend="sdpa", **kw)
     ran = {e.name for e in prof.events()}
     math = "aten::_scaled_dot_product_attention_math" in ran
-    assert math == (case != "plain") and math != (
-        "aten::_scaled_dot_product_flash_attention_for_cpu" in ran)
-    assert ("torch runs its unfused math path" in note) == math, note
-    assert ("the fused kernel skips the upper triangle" in note) == (not math), note
+    assert math != ("aten::_scaled_dot_product_flash_attention_for_cpu" in ran)
+    assert math == (case != "plain") if case != "stride-gqa" else math != plan.detail.fold
+    assert ("torch runs its unfused math path" in plan.note) == math, plan.note

@@ -40,7 +40,7 @@ BAD = [
     ("dropout", lambda: mh.attention(q, k, v, dropout_p=1.0), ValueError, r"dropout_p must be.*\[0, 1\).*1.0"),
     ("dropout neg", lambda: mh.attention(q, k, v, dropout_p=-0.1), ValueError, r"dropout_p"),
     ("dropout tensor", lambda: mh.attention(q, k, v, dropout_p=torch.tensor(0.1)), ValueError,
-     r"got tensor\(0.1000\) \(a Tensor\): pass a Python float, e.g. dropout_p.item\(\)"),
+     r"got tensor\(0.1000\) \(a Tensor\): pass a Python float in \[0, 1\) \(a tensor's \.item\(\)\)"),
     ("scale on meta", lambda: mh.attention(q, k, v, scale=torch.tensor(0.5, device="meta")),
      TypeError, r"scale is a tensor on the meta device, which holds no value: pass a Python float"),
     ("nested q", lambda: mh.attention(torch.nested.nested_tensor(
@@ -49,7 +49,11 @@ BAD = [
     *((f"padding of {bad!r}", lambda bad=bad: M.padding(bad), TypeError,
        r"padding: lengths_or_mask must be lengths \(a list of ints or a 1-D integer tensor "
        r"\(B,\)\) or a \(B, S\) bool tensor, got .*\((str|NoneType|list)\)")
-      for bad in ("32", None, [3, None], [[3, 2], [1]])),
+      for bad in ("32", None, [3, None])),
+    ("padding ragged", lambda: M.padding([[3, 2], [1]]), ValueError,
+     r"padding: lengths_or_mask \[\[3, 2\], \[1\]\] cannot be a tensor \(expected sequence"),
+    ("padding overflow", lambda: M.padding([2 ** 70]), ValueError,
+     r"cannot be a tensor \(.*\): pass one length per sequence, each below 2\*\*63"),
     ("scale inf", lambda: mh.attention(q, k, v, scale=float("inf")), ValueError,
      r"scale must be finite and > 0, got inf.*0.3536"),
     ("scale zero", lambda: mh.attention(q, k, v, scale=0.0), ValueError, r"scale must be finite and > 0"),

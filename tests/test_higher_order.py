@@ -144,6 +144,15 @@ def test_hessian_forward_over_reverse_equals_torchs_own_ops(weights):
     torch.testing.assert_close(torch.func.hessian(ours)(q), torch.func.hessian(plain)(q))
 
 
+def test_attention_of_constants_under_a_jvp_is_not_taken_for_a_tangent():
+    """Inputs from outside the transform carry no tangent: sdpa (no forward-mode rule) runs."""
+    q = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(1))
+    const = mh.attention(q, q, q, backend="sdpa").sum()
+    _, tangent = torch.func.jvp(lambda x: x * mh.attention(q, q, q, backend="sdpa").sum(),
+                                (torch.tensor(2.0),), (torch.tensor(1.0),))
+    torch.testing.assert_close(tangent, const)
+
+
 def test_forward_mode_ad_ignores_a_hidden_nan_key():
     """The rule for non-finite inputs holds for tangents too: a NaN in a key no query may
     see changes neither the output nor its tangent."""

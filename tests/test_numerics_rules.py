@@ -237,6 +237,9 @@ def test_a_minus_inf_key_score_hides_that_key_as_a_minus_inf_bias_does():
         got = mh.attention(q, k, v, backend=be)
         torch.testing.assert_close(got, mh.attention(q, k_clean, v, mask=M.bias(hide),
                                                      backend="reference"))
+        # the same with gradients (a training call that reads k for q's gradient)
+        trained = mh.attention(q.clone().requires_grad_(), k, v, backend=be)
+        assert torch.equal(trained.detach(), got), be
 
 
 def test_fp32_inputs_with_an_fp64_bias_are_not_upcast():

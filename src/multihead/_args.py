@@ -49,8 +49,9 @@ def fraction(name: str, value) -> float:
         0.25
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
-        hint = (f" (a {type(value).__name__}): pass a Python float, e.g. {name}.item()"
-                if hasattr(value, "item") and not isinstance(value, numbers.Real) else "")
+        hint = (f" (a {type(value).__name__}): pass a Python float in [0, 1) (a tensor's "
+                f".item())" if hasattr(value, "item") and not isinstance(value, numbers.Real)
+                else "")
         raise ValueError(f"{name} must be a float in [0, 1), got {value!r:.60}{hint}")
     return float(value)
 

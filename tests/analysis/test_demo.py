@@ -154,12 +154,12 @@ def test_the_finding_says_which_way_a_clear_gap_goes():
     h8 = _result("h=8", 0.17, [one] * 8)
     text = finding([h8, _result("h=1", 0.90, [one]), _result("h=8 shared", 0.167, [three] * 8)])
     assert "One full-width head beat eight heads by 73.0 points" in text
-    assert "ended -73.3 points from the single full-width head: worse than predicted" in text
+    assert "ended 73.3 points below the single full-width head: worse than predicted" in text
     assert "as predicted" not in text
     text = finding([_result("h=8", 0.9, [one] * 8), _result("h=1", 0.89, [one]),
                     _result("h=8 shared", 0.9, [three] * 8)])
     assert "Eight heads and one head are within 2.0 points (+1.0 point)" in text
-    assert "ended +1.0 point from the single full-width head: as predicted, within 2.0" in text
+    assert "ended 1.0 point above the single full-width head: as predicted, within 2.0" in text
 
 
 @pytest.mark.parametrize("h8", [0.5204, 0.5196])
@@ -174,15 +174,20 @@ def test_accuracies_that_print_alike_read_alike(h8):
 
 def test_a_head_on_a_far_token_is_read_at_its_offset():
     """The profile covers every offset: a head on x[t-10] was reported by its weight on the
-    nearest six offsets ('x[t-5] 0.09')."""
+    nearest six offsets ('x[t-5] 0.09'). Each offset is averaged over the same queries
+    (t >= 3, 13 of them; 0 where the key does not exist): the first token, at offset t for
+    query t, is not read as 'x[t-15] 0.60' from the one query that has that offset."""
     from multihead.analysis.heads_experiment import Result, Setup, _head_relations
     T = 16
-    w = torch.zeros(3, 1, T, T)                               # (B, h, T, T)
+    w = torch.zeros(3, 2, T, T)                               # (B, h, T, T)
     for t in range(T):
         w[:, 0, t, max(t - 10, 0)] = 1.0                      # x[t-10], else the first token
+        w[:, 1, t, max(t - 1, 0)] += 0.4                      # x[t-1] 0.4, the first token 0.6
+        w[:, 1, t, 0] += 0.6
     prof, _, _ = _head_relations(w, Setup(length=T))
-    assert len(prof[0]) == T and prof[0][10] == 1.0
-    assert Result("h=1", 1, 1.0, 0.5, 0.1, prof).relations() == ["x[t-10] 1.00"]
+    assert len(prof[0]) == T and prof[0][10] == pytest.approx(6 / 13)     # queries 10..15
+    assert prof[1][1] == pytest.approx(0.4) and prof[1][15] == pytest.approx(0.6 / 13)
+    assert Result("h=2", 1, 1.0, 0.5, 0.1, prof).relations() == ["x[t-10] 0.46", "x[t-1] 0.40"]
 
 
 @pytest.mark.parametrize("argv,message", [

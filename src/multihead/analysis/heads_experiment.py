@@ -198,13 +198,15 @@ def train(kind: str, s: Setup) -> Result:
 
 
 def _head_relations(w: torch.Tensor, s: Setup):
-    """Mean weight by relative offset per head ``[h][offset]``, every offset 0..T-1 (over the
-    queries t >= max offset that have a key there), and each head's entropy and confidence
-    (multihead.inspect.metrics)."""
+    """Mean weight by relative offset per head ``[h][offset]``, every offset 0..T-1, over the
+    queries t >= max offset (a query with no key that far back counts 0 there, so the
+    first token, at a different offset for each query, is never read as one far offset),
+    and each head's entropy and confidence (multihead.inspect.metrics)."""
     from ..inspect.metrics import HeadMetrics
     T, start = w.shape[-1], max(s.offsets)
     rows = w[:, :, start:, :]                          # queries t >= start: row r is t = start + r
-    prof = [[float(rows.diagonal(offset=start - k, dim1=-2, dim2=-1)[:, h].mean())
+    n = T - start
+    prof = [[float(rows.diagonal(offset=start - k, dim1=-2, dim2=-1)[:, h].sum(-1).mean()) / n
              for k in range(T)] for h in range(w.shape[1])]  # key t - k: col r + start - k (rows t >= k)
     m = HeadMetrics()
     for i in range(min(len(w), 200)):
@@ -303,12 +305,14 @@ def finding(results: list[Result], setup: Setup = Setup()) -> str:
         sh = by["h=8 shared"]
         s, h1 = acc["h=8 shared"], acc["h=1"]
         same = max(max(abs(x - y) for x, y in zip(p, sh.offset_profile[0])) for p in sh.offset_profile)
+        where = ("above" if s > h1 else "below") if s != h1 else "level with"
         text += (f" Heads sharing W_Q/W_K/W_V computed one pattern (largest difference between "
-                 f"heads {same:.3f}: {_split(sh, a, b)}) and ended {_points(s - h1, '+')} from "
-                 f"the single full-width head")
+                 f"heads {same:.3f}: {_split(sh, a, b)}) and ended {_points(abs(s - h1))} "
+                 f"{where} the single full-width head")
         text += (": better than predicted. One pattern that puts unequal weights on both "
-                 "relations can still be decoded by the read-out; the single full-width head, "
-                 "trained from its own start, did not find one." if ahead(s, h1, CLEAR) else
+                 "relations can still be partly decoded by the read-out; the single "
+                 "full-width head, trained from its own start, did not find one."
+                 if ahead(s, h1, CLEAR) else
                  ": worse than predicted (the seed expects the same loss as one head)."
                  if ahead(h1, s, CLEAR) else f": as predicted, within {_points(CLEAR)} of it.")
     return text

@@ -87,7 +87,7 @@ def _scaling(args) -> int:
     con.print(m)
     con.print("-1e9 does not fit in float16 (max 65504): masked_fill refuses it and a cast mask "
               "becomes -inf, so an all-masked row is NaN; finfo(fp16).min instead spreads that "
-              "row over the masked keys, and a bias below -16 added to it overflows to -inf and "
+              "row over the masked keys, and a bias of -16 or less added to it overflows to -inf and "
               "NaN again. multihead masks with -inf and returns zeros for a row with nothing to "
               "attend to.", style="dim")
     return 0

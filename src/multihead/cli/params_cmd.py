@@ -77,7 +77,9 @@ def _shape(args):
         if args.d_model is None or args.heads is None:
             named = [f"--{k.replace('_', '-')}" for k in given] + (
                 ["--no-bias"] if args.no_bias else [])       # (what asked for one configuration)
-            said = f"{' and '.join(named)} {'is' if len(named) == 1 else 'are'} not enough to " \
+            listed = ", ".join(named[:-1]) + (" and " if len(named) > 1 else "") + named[-1] \
+                if named else ""
+            said = f"{listed} {'is' if len(named) == 1 else 'are'} not enough to " \
                    f"describe a configuration: " if named else ""
             raise ValueError(f"{said}give --preset NAME, or --d-model and --heads (see --table "
                              f"for presets)")

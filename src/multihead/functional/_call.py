@@ -36,9 +36,9 @@ def forward_ad_active() -> bool:
 
 def has_tangent(*items) -> bool:
     """Whether a tensor among ``items`` (tensors, or masks: the tensors they hold) carries a
-    forward-mode tangent; False at once where no forward-mode AD runs, True wherever a
-    ``torch.func`` jvp transform runs (``jacfwd``, ``hessian``: an outer level's tangent is
-    not seen from inside a ``jacrev``).
+    forward-mode tangent; False at once where no forward-mode AD runs. Under a ``torch.func``
+    jvp transform (``jacfwd``, ``hessian``), a tensor wrapped at that transform's level
+    counts as carrying one: from inside a ``jacrev`` an outer level's tangent is not seen.
 
     Example:
         >>> import torch.autograd.forward_ad as fwAD
@@ -49,17 +49,26 @@ def has_tangent(*items) -> bool:
     """
     if not forward_ad_active():
         return False
-    if torch._C._are_functorch_transforms_active() and _jvp_transform_runs():
-        return True
     tensors = [t for x in items for t in (
         [x] if isinstance(x, torch.Tensor) else x._tensors() if isinstance(x, M.Mask) else [])]
+    if torch._C._are_functorch_transforms_active() and _at_a_jvp_level(tensors):
+        return True
     return any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
 
 
-def _jvp_transform_runs() -> bool:
-    from torch._C._functorch import TransformType
+def _at_a_jvp_level(tensors) -> bool:
+    """Whether a tensor among ``tensors`` is wrapped (at any depth) at the level of a
+    running jvp transform: it may carry that transform's tangent."""
+    from torch._C._functorch import TransformType, get_unwrapped, maybe_get_level
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-    return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+    jvp = {i.level() for i in retrieve_all_functorch_interpreters()
+           if i.key() == TransformType.Jvp}
+    for t in tensors if jvp else ():
+        while (level := maybe_get_level(t)) != -1:
+            if level in jvp:
+                return True
+            t = get_unwrapped(t)
+    return False
 
 
 def shape_str(t: torch.Tensor) -> str:

@@ -20,8 +20,11 @@ see non-finite values set to NaN. An infinite key component that only ever meets
 with the opposite sign makes its scores ``-inf``, which IEEE arithmetic turns into weight
 0 with a finite output: on every backend such a key is dropped from its rows unless the
 call takes the careful path for another reason (then its rows are NaN, as the rule says).
-A call whose q requires gradients reads k too (q's gradient sums ``0 * inf`` over the
-keys: one hidden infinite key made every row's gradient NaN), so it takes that path.
+A call whose q requires gradients, with a finite output, reads k too on backends whose
+backward multiplies every key (q's gradient sums ``0 * inf`` over the keys: one hidden
+infinite key made every row's gradient NaN): where k is not finite, the call runs again
+with the keys no row may attend to zeroed (same output; a visible infinite key stays, in
+both runs, so the output is the one a call without gradients gives).
 On devices where a read-back stalls the queue (GPUs) nothing is inspected, and the fused
 kernels' own NaN handling applies. Our Triton kernels keep the first part of the rule
 themselves where hidden positions may hold anything: a program whose accumulators end non-
@@ -46,12 +49,10 @@ from ._call import AttentionCall
 
 
 def _finite(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor,
-            zero_rows: bool = False, grad_q: bool = False) -> bool:
+            zero_rows: bool = False) -> bool:
     """True when q and the output (and k, in half precision, or with ``zero_rows`` where an
-    output row is all zeros: a kernel that returns zeros for a row of NaN scores, or with
-    ``grad_q``: an infinite key whose scores are ``-inf`` has weight 0 and leaves the
-    output finite, but q's gradient sums ``0 * inf`` over the keys) are finite (host
-    reads, free on a CPU; a sum that overflows only takes the careful path).
+    output row is all zeros: a kernel that returns zeros for a row of NaN scores) are
+    finite (host reads, free on a CPU; a sum that overflows only takes the careful path).
     Inputs it cannot read (``torch.func`` transforms) count as finite: the kernels' own
     handling applies, as on GPUs."""
     half = k.dtype in (torch.float16, torch.bfloat16)
@@ -65,8 +66,6 @@ def _finite(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor,
             if half:                                        # an absorbed +inf score
                 total = total + k.sum(dtype=torch.float32)
             ok = math.isfinite(total.item())
-        if ok and grad_q and not half:
-            ok = math.isfinite(k.sum().item())
         if ok and zero_rows and not half and out.numel():
             # a row of zeros (its largest |value| 0) with a non-finite key: the careful
             # path; the cheaper of the two reads first
@@ -89,6 +88,50 @@ def _replaced(call: AttentionCall, q, k, v) -> AttentionCall:
 _CHUNK_ELEMS = 1 << 24
 
 
+def _without_hidden_keys(backend, call: AttentionCall, plan, rng, result):
+    """A finite output whose q needs gradients, with a non-finite key: run again with the
+    keys no row may attend to zeroed, where the first run's ``result`` would give q the
+    gradient ``0 * inf`` (a hidden key whose scores are ``-inf`` has weight 0 in the
+    forward, but the backward's product over the keys reads it). The output is the same;
+    a visible infinite key is left as it is, in both runs (its rows drop it, as without
+    gradients, and their gradients are NaN)."""
+    bad = ~torch.isfinite(call.k)                                          # (B, Hkv, Sk, D)
+    hidden = bad & _hidden_keys(call)[..., None]
+    if not bool(hidden.any()):
+        return result
+    if rng is not None:                   # the same dropout draws as the first run
+        torch.random.set_rng_state(rng)
+    out, w, lse = backend.run(_replaced(call, call.q, call.k.masked_fill(hidden, 0.0), call.v),
+                              plan)
+    return out, w, lse
+
+
+def _hidden_keys(call: AttentionCall) -> torch.Tensor:
+    """``(B, Hkv, Sk)``: keys that no query row of any head reading them may attend to,
+    evaluated in chunks of query rows as :func:`poisoned_rows` is."""
+    m = call.effective_mask
+    if m is None:
+        return torch.zeros(call.B, call.Hkv, call.Sk, dtype=torch.bool, device=call.q.device)
+    seen = torch.zeros(1, 1, call.Sk, dtype=torch.bool, device=call.q.device)
+    for allowed in _allowed_chunks(call, m):                                 # (B', H', rows, Sk)
+        seen = seen | allowed.any(-2)                                        # (B', H', Sk)
+    seen = seen.expand(call.B, call.H, call.Sk).reshape(call.B, call.Hkv, call.group, call.Sk)
+    return ~seen.any(2)                                                      # (B, Hkv, Sk)
+
+
+def _allowed_chunks(call: AttentionCall, m):
+    """The mask's ``allowed`` over chunks of query rows ``(B', H', rows, Sk)``, memory bounded
+    by :data:`_CHUNK_ELEMS` whatever Sq and Sk."""
+    ix = m.index(call.Sq, call.Sk, call.q.device)
+    step = max(1, _CHUNK_ELEMS // max(1, call.B * call.H * call.Sk))
+    for i in range(0, call.Sq, step):
+        part = dataclasses.replace(ix, q=ix.q[:, :, i:i + step])
+        allowed, _ = m.at(part)                               # (B', H', rows, Sk) or None
+        if allowed is None:
+            allowed = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=call.q.device)
+        yield allowed.expand(*allowed.shape[:2], ix.q[:, :, i:i + step].shape[2], call.Sk)
+
+
 def poisoned_rows(call: AttentionCall) -> torch.Tensor:
     """``(B, H, Sq)``: rows that may attend to something and whose query, or a key or value
     they may attend to, is not finite. Evaluated in chunks of query rows (memory bounded
@@ -99,17 +142,12 @@ def poisoned_rows(call: AttentionCall) -> torch.Tensor:
     m = call.effective_mask
     if m is None:
         return bad_q | bad_kv.any(-1)
-    ix = m.index(call.Sq, call.Sk, call.q.device)
-    step = max(1, _CHUNK_ELEMS // max(1, call.B * call.H * call.Sk))
-    rows = []
-    for i in range(0, call.Sq, step):
-        part = dataclasses.replace(ix, q=ix.q[:, :, i:i + step])
-        allowed, _ = m.at(part)                               # (B', H', rows, Sk) or None
-        if allowed is None:
-            allowed = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=call.q.device)
-        allowed = allowed.expand(*allowed.shape[:2], ix.q[:, :, i:i + step].shape[2], call.Sk)
+    rows, i = [], 0
+    for allowed in _allowed_chunks(call, m):                                # (B', H', rows, Sk)
+        n = allowed.shape[2]
         sees_bad = (allowed & bad_kv).any(-1)                                      # (B, H, rows)
-        rows.append(sees_bad | (bad_q[:, :, i:i + step] & allowed.any(-1)))
+        rows.append(sees_bad | (bad_q[:, :, i:i + n] & allowed.any(-1)))
+        i += n
     return torch.cat(rows, dim=2)
 
 
@@ -127,8 +165,12 @@ def run(backend, call: AttentionCall, plan):
     on_host = call.q.device.type == "cpu" and not torch.compiler.is_compiling()
     rng = torch.random.get_rng_state() if on_host and call.dropout_p > 0 else None
     out, w, lse = backend.run(call, plan)
-    grad_q = call.q.requires_grad and torch.is_grad_enabled()
-    if not on_host or _finite(call.q, out, call.k, backend.zero_rows_for_nan_scores, grad_q):
+    if not on_host:
+        return out, w, lse
+    if _finite(call.q, out, call.k, backend.zero_rows_for_nan_scores):
+        if (call.q.requires_grad and torch.is_grad_enabled() and backend.grad_reads_hidden_keys
+                and not math.isfinite(call.k.sum().item())):
+            return _without_hidden_keys(backend, call, plan, rng, (out, w, lse))
         return out, w, lse
     if rng is not None:                   # the same dropout draws as the first run
         torch.random.set_rng_state(rng)

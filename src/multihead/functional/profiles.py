@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from .._args import counted
 from .cost import DeviceProfile
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -89,8 +90,7 @@ def _cpu_profile() -> DeviceProfile:
     threads = max(1, torch.get_num_threads())
     return dataclasses.replace(_CPU, flops=_scaled(_CPU_PER_THREAD, threads), units=threads,
                                memory=_host_memory(),
-                               name=f"cpu (2-core Xeon figures, {threads} "
-                                    f"thread{'s' if threads > 1 else ''})")
+                               name=f"cpu (2-core Xeon figures, {counted(threads, 'thread')})")
 
 
 def _cuda_profile(device: torch.device) -> DeviceProfile:

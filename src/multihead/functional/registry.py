@@ -54,6 +54,10 @@ class Backend:
     #: its kernel returns a row of zeros, not NaN, where every score of the row is NaN
     #: (torch's fused CPU kernel): :mod:`.nonfinite` then reads the keys of a zero row
     zero_rows_for_nan_scores: bool = False
+    #: its backward multiplies every key it computed with, hidden ones included, so an
+    #: infinite hidden key makes q's gradient NaN (``0 * inf``): :mod:`.nonfinite` then
+    #: reads k of a call whose q needs gradients and zeroes the hidden non-finite keys
+    grad_reads_hidden_keys: bool = True
     #: a decision refers to its (registered, shared) backend but does not own what the
     #: backend holds: caches do not count it (:func:`multihead._cache.nbytes`)
     _cache_opaque = True

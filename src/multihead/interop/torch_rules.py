@@ -89,13 +89,17 @@ def _check_input_dtypes(m: nn.MultiheadAttention, query, key, value) -> None:
     """query, key and value in the dtype of the weights that project them (torch's
     projection refuses others, except under autocast, which casts them)."""
     w = getattr(m.out_proj, "weight", None)
-    if not isinstance(w, torch.Tensor):   # (torch's eager static quantization converts it)
-        raise _RuntimeTypeError(
-            f"out_proj is a {type(m.out_proj).__module__}.{type(m.out_proj).__name__} whose "
-            f"weight is {type(w).__name__}, not a tensor: torch's eager quantization "
-            f"(prepare/convert) swaps torch.nn.MultiheadAttention by its exact type, so it "
-            f"converted this module's out_proj alone; quantize a torch.nn.MultiheadAttention "
-            f"holding these weights (load_state_dict(state_dict())) instead")
+    if not isinstance(w, torch.Tensor):
+        what = (f"out_proj is a {type(m.out_proj).__module__}.{type(m.out_proj).__name__} "
+                f"whose weight is a {type(w).__name__}, not a tensor")
+        if type(m.out_proj).__module__.startswith("torch.ao.nn.quantized"):
+            raise _RuntimeTypeError(
+                f"{what}: torch's eager quantization (prepare/convert) swaps "
+                f"torch.nn.MultiheadAttention by its exact type, so it converted this module's "
+                f"out_proj alone; quantize a torch.nn.MultiheadAttention holding these weights "
+                f"(load_state_dict(state_dict())) instead")
+        raise _RuntimeTypeError(f"{what}: out_proj must be a Linear whose weight the forward "
+                                f"reads, as torch's does")
     _as_torch_raises(check_weights, w.dtype)
     kind = query.device.type                  # (meta has no autocast: asking it raises)
     if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):

@@ -172,7 +172,10 @@ class Padding(Mask):
         if not isinstance(t, torch.Tensor):
             try:
                 t = torch.as_tensor(t, device="cpu")                 # a list: host lengths
-            except (TypeError, ValueError, RuntimeError, OverflowError):  # a str, a None inside
+            except (ValueError, OverflowError) as e:     # ragged, or past int64
+                raise ValueError(f"padding: lengths_or_mask {t!r:.60} cannot be a tensor "
+                                 f"({e}): pass one length per sequence, each below 2**63") from None
+            except (TypeError, RuntimeError):            # a str, a None inside
                 raise TypeError(f"padding: lengths_or_mask must be lengths (a list of ints or a "
                                 f"1-D integer tensor (B,)) or a (B, S) bool tensor, got "
                                 f"{t!r:.60} ({type(t).__name__})") from None

@@ -235,7 +235,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 
 
 #: more heads than any attention call holds (the slopes are a Python tuple, one per head)
-MAX_ALIBI_HEADS = 2 ** 16
+MAX_ALIBI_HEADS = 2 ** 20
 
 
 def _check_heads(fn: str, num_heads) -> int:

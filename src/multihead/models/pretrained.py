@@ -14,7 +14,7 @@ from typing import ClassVar, NamedTuple, Sequence
 
 import torch
 
-from .._args import positive_int
+from .._args import counted, positive_int
 from .._progress import track
 from .bert import BertConfig, BertEncoder, EncoderOutput
 from .sentence import POOLINGS, SentenceConfig
@@ -57,8 +57,8 @@ def check_max_length(max_length, positions: int, tokenizer=None) -> int:
     post = getattr(tokenizer, "post_processor", None)
     added = 0 if post is None else post.num_special_tokens_to_add(False)
     if max_length < added:
-        raise ValueError(f"max_length={max_length} is shorter than the {added} special "
-                         f"token{'s' if added > 1 else ''} the tokenizer adds to every text "
+        raise ValueError(f"max_length={max_length} is shorter than the "
+                         f"{counted(added, 'special token')} the tokenizer adds to every text "
                          f"(BERT's [CLS] and [SEP], say): pass max_length={added} or more")
     return int(max_length)
 

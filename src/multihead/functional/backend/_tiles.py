@@ -117,11 +117,11 @@ def estimate(call: AttentionCall) -> Estimate:
     masked = F.pad(partial, (0, pad)).view(chunks, g.per_chunk).any(1)       # (chunks,)
     steps_c = -(-kc // g.width)
     pairs_c = rows * kc * unit
-    gathered = 0 if call.effective_mask is None else int((rows * kc).sum())
+    visited = int((rows * kc).sum())                              # tile pairs multiplied
+    gathered = 0 if call.effective_mask is None else visited
     return Estimate(int(pairs_c.sum()), int(pairs_c[masked].sum()), int(steps_c.sum()),
-                    int(steps_c[masked].sum()), chunks, gathered,
-                    float((rows * kc).sum()) / max(nq * nk, 1), float(nonempty.float().mean()),
-                    True)
+                    int(steps_c[masked].sum()), chunks, gathered, visited / max(nq * nk, 1),
+                    float(nonempty.float().mean()), True)
 
 
 def on_host(call: AttentionCall) -> bool:

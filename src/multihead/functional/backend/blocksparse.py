@@ -359,8 +359,8 @@ class BlockSparse(Backend):
         work = _work(call, est)
         if est.exact:
             note = f"computes {est.density:.1%} of the tiles" + (
-                f" ({est.allowed:.1%} hold pairs the mask allows; a chunk of query tiles "
-                f"computes as many for each as its busiest needs)"
+                f" ({est.allowed:.1%} hold pairs the mask allows; every query tile of a "
+                f"chunk visits as many key tiles as the chunk's busiest one)"
                 if round(est.allowed, 3) != round(est.density, 3) else "")
         else:
             note = (f"the mask's tiles are on {call.q.device}: planning reads them back "

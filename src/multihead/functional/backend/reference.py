@@ -82,6 +82,7 @@ class _TangentProduct(_Product):
 
 class Reference(Backend):
     name = "reference"
+    grad_reads_hidden_keys = False     # (its product's backward reads non-finite values as 0)
     summary = "the seeds' formula with a materialized score matrix; any mask, weights, lse"
     capabilities = Capabilities(weights=True, lse=True, dropout=True, bias_grad=True)
 

@@ -32,24 +32,26 @@ from ._common import FUSED_ROWS, KEY_SPLIT, mask_launches, mask_terms
 
 #: the most queries for which a masked GQA call folds its query heads (decoding, verifying)
 FOLD_MASKED_MAX_SQ = 16
-#: passes over the score matrix of torch's unfused math path (write, scale, mask, softmax
-#: read and write, dropout, the product's read)
+#: passes over the score matrix of torch's unfused math path (the product's write, the
+#: mask's add, softmax's max, exp, sum and division, dropout, the second product's read)
 MATH_SCORE_PASSES = 8
 
 
-def _unfused(call: AttentionCall, profile) -> str | None:
+def _unfused(call: AttentionCall, profile, fold: bool) -> str | None:
     """Why torch's CPU dispatcher would run its unfused math path for this call (its flash
     kernel takes no dropout, a value head dim other than the query's, or a last dim whose
-    stride is not 1), or None where the flash kernel runs."""
+    stride is not 1: a q folded for GQA is reshaped into a copy that has it), or None
+    where the flash kernel runs."""
     if profile.device_type != "cpu":
         return None
     if call.dropout_p > 0:
         return "dropout"
     if call.Dv != call.D:
         return f"Dv = {call.Dv} != D = {call.D}"
-    if any(t.stride(-1) != 1 for t in (call.q, call.k, call.v)):
+    if any(t.stride(-1) != 1 for t in ((call.k, call.v) if fold else (call.q, call.k, call.v))):
         return "a last dim with stride != 1"
     return None
+
 
 class Detail(NamedTuple):
     mode: str        # "plain", "causal" (is_causal=True) or "masked"
@@ -144,7 +146,7 @@ class SDPA(Backend):
                 call.q.element_size() * (3 + sum(1 for _ in m.leaves()))
             mask_bytes = elems * per
         io = call.io_bytes(kv_reads) * (1 if not upcast else 2 * 4 / call.q.element_size())
-        unfused = _unfused(call, profile)
+        unfused = _unfused(call, profile, fold)
         scores = 0 if unfused is None else dtype.itemsize * call.pairs   # (every pair)
         work = Work(flops=2.0 * (call.pairs if unfused else pairs) * (call.D + call.Dv),
                     kernel="matmul" if unfused else
