@@ -41,6 +41,7 @@ drop the key (``-inf``) from a row.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -48,14 +49,20 @@ import torch
 from ._call import AttentionCall
 
 
+#: dtypes whose check sums k with q and the output (a +inf score absorbed by the kernel)
+HALF = (torch.float16, torch.bfloat16)
+
+
 def _finite(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor,
-            zero_rows: bool = False) -> bool:
+            zero_rows: bool = False, finite_k=None) -> bool:
     """True when q and the output (and k, in half precision, or with ``zero_rows`` where an
     output row is all zeros: a kernel that returns zeros for a row of NaN scores) are
     finite (host reads, free on a CPU; a sum that overflows only takes the careful path).
-    Inputs it cannot read (``torch.func`` transforms) count as finite: the kernels' own
-    handling applies, as on GPUs."""
-    half = k.dtype in (torch.float16, torch.bfloat16)
+    ``finite_k``: the caller's (remembered) read of whether k is finite, so that k is
+    read once per call. Inputs it cannot read (``torch.func`` transforms) count as finite:
+    the kernels' own handling applies, as on GPUs."""
+    half = k.dtype in HALF
+    finite_k = finite_k or (lambda: math.isfinite(k.sum().item()))
     try:
         if (q.shape == out.shape and q.dtype in (torch.float32, torch.float64)
                 and q.is_contiguous() and out.is_contiguous()):
@@ -70,7 +77,6 @@ def _finite(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor,
             # a row of zeros (its largest |value| 0) with a non-finite key: the careful
             # path; the cheaper of the two reads first
             no_zero_row = lambda: bool(out.abs().amax(-1).amin())
-            finite_k = lambda: math.isfinite(k.sum().item())
             ok = (finite_k() or no_zero_row() if k.numel() <= 4 * out.numel()
                   else no_zero_row() or finite_k())
         return ok
@@ -167,9 +173,11 @@ def run(backend, call: AttentionCall, plan):
     out, w, lse = backend.run(call, plan)
     if not on_host:
         return out, w, lse
-    if _finite(call.q, out, call.k, backend.zero_rows_for_nan_scores):
+    finite_k = functools.cache(lambda: math.isfinite(call.k.sum().item()))     # (read once)
+    if _finite(call.q, out, call.k, backend.zero_rows_for_nan_scores, finite_k):
+        # (in half precision a finite result already summed k)
         if (call.q.requires_grad and torch.is_grad_enabled() and backend.grad_reads_hidden_keys
-                and not math.isfinite(call.k.sum().item())):
+                and call.k.dtype not in HALF and not finite_k()):
             return _without_hidden_keys(backend, call, plan, rng, (out, w, lse))
         return out, w, lse
     if rng is not None:                   # the same dropout draws as the first run
