@@ -304,6 +304,30 @@ def test_a_tensor_assigned_in_place_of_a_masks_own_is_read_not_its_old_facts():
     assert dense.tiles(8, 8, tile_q=4, tile_k=4).state.eq(EMPTY).all()
 
 
+@pytest.mark.parametrize("make, attr, rows", [
+    (M.padding, "lengths", torch.tensor([2, 4, 3])),
+    (M.padding, "real", torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]).bool()),
+    (M.document, "ids", torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 0, 1]])),
+    (lambda p: M.at_positions(M.causal(), p, torch.arange(4)), "q_positions",
+     torch.tensor([[0, 1, 2, 3], [3, 3, 3, 3], [1, 1, 2, 2]])),
+])
+def test_a_tensor_assigned_in_place_of_a_masks_own_sets_its_batch(make, attr, rows):
+    """The batch size was read once, when the mask was built: 3 rows assigned to a mask
+    built with 2 ran a batch of 2 with the first 2 rows, and 1 row indexed out of bounds."""
+    q = torch.randn(2, 2, 4, 8)
+    mask = make(rows[:2])
+    setattr(mask, attr, rows)
+    assert mask.batch_size == 3 and (mask & M.causal()).batch_size == 3
+    for m in (mask, mask & M.causal(), ~(mask & M.causal())):
+        with pytest.raises(ValueError, match="built for batch size 3, but the inputs have batch "
+                                             "size 2"):
+            mh.attention(q, q, q, mask=m)
+    setattr(mask, attr, rows[2:])                 # one row for all: broadcast to the batch
+    assert mask.batch_size in (1, None)
+    torch.testing.assert_close(mh.attention(q, q, q, mask=mask),
+                               mh.attention(q, q, q, mask=make(rows[2:])))
+
+
 def test_a_tile_map_is_the_callers_own():
     """Writing into a returned map used to change the cached one, which the kernels' block
     lists come from (blocksparse causal attention then skipped 64 rows)."""

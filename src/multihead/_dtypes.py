@@ -87,6 +87,30 @@ def check_strided(name: str, t: torch.Tensor) -> None:
                         f"attention takes dense (strided) tensors: {fix}")
 
 
+def host_tensor(name: str, x, expected: str, fix: str) -> torch.Tensor:
+    """``x`` as it is when a tensor, else as a host tensor (a list: lengths, ids).
+
+    Raises:
+        ValueError: a ragged list, or a value past int64: torch's reason, then ``fix``.
+        TypeError: not numbers at all (a str, a None inside); ``expected`` says what to pass.
+
+    Example:
+        >>> host_tensor("ids", [[0, 1], [2]], "integers", "one id per token, in rows of one length")
+        Traceback (most recent call last):
+        ...
+        ValueError: ids [[0, 1], [2]] cannot be a tensor (expected sequence of length 2 at dim 1 (got 1)): pass one id per token, in rows of one length, each below 2**63
+    """
+    if isinstance(x, torch.Tensor):
+        return x
+    try:
+        return torch.as_tensor(x, device="cpu")
+    except (ValueError, OverflowError) as e:             # ragged, or past int64
+        raise ValueError(f"{name} {x!r:.60} cannot be a tensor ({e}): pass {fix}, each below "
+                         f"2**63") from None
+    except (TypeError, RuntimeError):                    # a str, a None inside
+        raise TypeError(f"{name} must be {expected}, got {x!r:.60} ({type(x).__name__})") from None
+
+
 def integer_tensor(name: str, x) -> torch.Tensor:
     """``x`` (an integer tensor, or a list of ints: kept on the host) as an int64 tensor, or
     a TypeError naming ``name`` that shows what was passed.
@@ -99,11 +123,7 @@ def integer_tensor(name: str, x) -> torch.Tensor:
         ...
         TypeError: cu_seqlens must be integers (a list or an integer tensor), got 'abc' (str)
     """
-    try:
-        t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x, device="cpu")  # a list: host
-    except (TypeError, ValueError, RuntimeError, OverflowError):    # a str, a None inside, 2**64
-        raise TypeError(f"{name} must be integers (a list or an integer tensor), got "
-                        f"{x!r:.60} ({type(x).__name__})") from None
+    t = host_tensor(name, x, "integers (a list or an integer tensor)", "a list of ints")
     check_strided(name, t)
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         shown = (" [" + ", ".join(f"{x:g}" for x in t.reshape(-1)[:8].tolist()) + "]"

@@ -717,6 +717,25 @@ def uncalled(obj) -> str:
     return ""
 
 
+def one_batch(what: str, rows: dict) -> int | None:
+    """The batch size named by sizes of tensors that hold one row per sequence or one row
+    for all (``rows``: a name -> size, None where absent): the one size other than 1, None
+    when there is none. Read from the tensors as they are, so a tensor assigned in place of
+    a mask's own is followed.
+
+    Raises:
+        ValueError: two sizes other than 1 differ (``what`` names the mask).
+    """
+    # (==/!= only: a batch traced as symbolic by torch.compile stays so)
+    named = [(name, n) for name, n in rows.items() if n is not None and n != 1]
+    for name, n in named[1:]:
+        if n != named[0][1]:
+            sizes = ", ".join(f"{k} {v}" for k, v in rows.items() if v is not None)
+            raise ValueError(f"{what}: the batch sizes disagree ({sizes}): give one row per "
+                             f"sequence, or one row for all")
+    return named[0][1] if named else None
+
+
 def _max_opt(a: int | None, b: int | None) -> int | None:
     """The broadcast of two sizes (None: the mask does not depend on that dim; 1 broadcasts
     to anything, an empty batch included)."""
@@ -756,10 +775,16 @@ class _Binary(Mask):
                                  f"{what} = {x}, the other {other}, which no call fits")
         self._a, self._b = a, b
         self.kind = {"&": "and", "|": "or"}[self.op]
-        self.batch_size = _max_opt(a.batch_size, b.batch_size)
-        self.num_heads = _max_opt(a.num_heads, b.num_heads)
         self.has_bias = a.has_bias or b.has_bias
         self.has_predicate = a.has_predicate or b.has_predicate
+
+    @property
+    def batch_size(self) -> int | None:
+        return _max_opt(self.a.batch_size, self.b.batch_size)   # (its leaves' as they are now)
+
+    @property
+    def num_heads(self) -> int | None:
+        return _max_opt(self.a.num_heads, self.b.num_heads)
 
     @property
     def a(self) -> Mask:
@@ -890,7 +915,14 @@ class Not(Mask):
         if m.has_bias or not m.has_predicate:
             raise TypeError(f"~ applies to boolean masks only, not to {m.describe()} (it has a bias)")
         self._m = m
-        self.batch_size, self.num_heads = m.batch_size, m.num_heads
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.m.batch_size
+
+    @property
+    def num_heads(self) -> int | None:
+        return self.m.num_heads
 
     def _check(self, batch, heads, sq, sk):
         self.m._check(batch, heads, sq, sk)

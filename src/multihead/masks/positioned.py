@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Index, Mask, TileIndex
+from .base import Index, Mask, TileIndex, one_batch
 
 
 def _as_positions(t, name: str) -> torch.Tensor:
@@ -45,14 +45,19 @@ class Positioned(Mask):
         if self.q_positions.device != self.k_positions.device:
             raise ValueError(f"at_positions: q_positions is on {self.q_positions.device} but "
                              f"k_positions on {self.k_positions.device}: put both on one device")
-        sizes = {len(self.q_positions), len(self.k_positions), mask.batch_size or 1} - {1}
-        if len(sizes) > 1:
-            raise ValueError(f"at_positions: the batch sizes disagree (q_positions "
-                             f"{len(self.q_positions)}, k_positions {len(self.k_positions)}, "
-                             f"mask {mask.batch_size}): give one size, or 1 to broadcast")
-        self.batch_size = sizes.pop() if sizes else mask.batch_size
-        self.num_heads = mask.num_heads
+        self.batch_size                                    # (raises if the rows disagree)
         self.has_bias, self.has_predicate = mask.has_bias, mask.has_predicate
+
+    @property
+    def batch_size(self) -> int | None:
+        # of the positions as they are (ones assigned in place of the mask's are followed)
+        return one_batch("at_positions", {"q_positions": self.q_positions.shape[0],
+                                          "k_positions": self.k_positions.shape[0],
+                                          "mask": self.m.batch_size})
+
+    @property
+    def num_heads(self) -> int | None:
+        return self.m.num_heads
 
     @property
     def m(self) -> Mask:

@@ -20,9 +20,9 @@ from typing import NamedTuple
 import torch
 
 from .._args import counted, positive_int
-from .._dtypes import check_strided, integer_tensor
+from .._dtypes import check_strided, host_tensor, integer_tensor
 from .._device import check_fits
-from .base import Index, Mask, TileIndex, versioned
+from .base import Index, Mask, TileIndex, one_batch, versioned
 
 _ALIGNS = ("lower_right", "upper_left")
 
@@ -168,17 +168,9 @@ class Padding(Mask):
         if side not in ("key", "query"):
             raise ValueError(f"side must be 'key' or 'query', got {side!r}")
         self._side = side
-        t = lengths_or_mask
-        if not isinstance(t, torch.Tensor):
-            try:
-                t = torch.as_tensor(t, device="cpu")                 # a list: host lengths
-            except (ValueError, OverflowError) as e:     # ragged, or past int64
-                raise ValueError(f"padding: lengths_or_mask {t!r:.60} cannot be a tensor "
-                                 f"({e}): pass one length per sequence, each below 2**63") from None
-            except (TypeError, RuntimeError):            # a str, a None inside
-                raise TypeError(f"padding: lengths_or_mask must be lengths (a list of ints or a "
-                                f"1-D integer tensor (B,)) or a (B, S) bool tensor, got "
-                                f"{t!r:.60} ({type(t).__name__})") from None
+        t = host_tensor("padding: lengths_or_mask", lengths_or_mask, "lengths (a list of ints "
+                        "or a 1-D integer tensor (B,)) or a (B, S) bool tensor",
+                    "one length per sequence")
         check_strided("padding's lengths_or_mask", t)
         if t.dtype == torch.bool:
             if t.dim() != 2:
@@ -196,7 +188,6 @@ class Padding(Mask):
                 _check_readable("padding's lengths", t)
             with versioned():
                 self.lengths, self.real = t.long().clone(), None    # a private copy, as above
-        self.batch_size = t.shape[0]       # (not len(t): a symbolic batch stays symbolic)
         self._lengths_read = self._longest = self._fewest = None
         if not torch.compiler.is_compiling():  # built while tracing: the values are unknown
             self._read_facts()
@@ -215,6 +206,12 @@ class Padding(Mask):
         elif self.real.device.type == "cpu":
             self._fewest = int(self.real.sum(1).min()) if self.real.numel() else 0
         self._stamp()
+
+    @property
+    def batch_size(self) -> int:
+        # of the tensor as it is (one assigned in place of the mask's own is followed); not
+        # len(): a batch traced as symbolic stays symbolic
+        return self._tensors()[0].shape[0]
 
     @property
     def side(self) -> str:
@@ -404,12 +401,12 @@ class Document(Mask):
                 self.kv_ids = _as_long_1d_or_2d(kv_ids, "kv_ids").clone()
             if self.kv_ids.dim() == 1:
                 self.kv_ids = self.kv_ids.unsqueeze(0)                # (1, Sk)
-        # sizes by shape and ==/!= only: a batch traced as symbolic by torch.compile stays so
-        b_q, b_k = self.ids.shape[0], 1 if self.kv_ids is None else self.kv_ids.shape[0]
-        if b_q != 1 and b_k != 1 and b_q != b_k:
-            raise ValueError(f"document: ids and kv_ids have different batch sizes {b_q} and "
-                             f"{b_k}: give both one row per sequence, or one row for all")
-        self.batch_size = b_q if b_q != 1 else b_k if b_k != 1 else None
+        self.batch_size                                    # (raises if the rows disagree)
+
+    @property
+    def batch_size(self) -> int | None:
+        return one_batch("document", {"ids": self.ids.shape[0], "kv_ids": None if self.kv_ids
+                                      is None else self.kv_ids.shape[0]})
 
     def _tensors(self):
         return [self.ids] + ([self.kv_ids] if self.kv_ids is not None else [])

@@ -58,6 +58,13 @@ def _check_broadcast(mask: Mask, t: torch.Tensor, batch, heads, sq, sk) -> None:
                          f"{want}: each dim must be 1 or equal to the inputs'")
 
 
+def _own_dim(t: torch.Tensor, dim: int) -> int | None:
+    """The batch (``dim`` 0) or head (1) count a (B|1, H|1, Sq|1, Sk|1) tensor is built for,
+    None where it broadcasts; read from the tensor as it is (one assigned in place of a
+    mask's own is followed)."""
+    return t.shape[dim] if t.shape[dim] > 1 else None
+
+
 class Dense(Mask):
     """Any pattern, as a bool tensor broadcastable to (B, H, Sq, Sk); True = may attend."""
 
@@ -72,8 +79,9 @@ class Dense(Mask):
                 f"dense() takes a bool tensor (True = may attend), got dtype {allowed.dtype}: "
                 f"use mask > 0 for a 0/1 tensor, or multihead.masks.bias(t) for additive floats")
         self.t = _as_4d(allowed, "dense mask")
-        self.batch_size = self.t.shape[0] if self.t.shape[0] > 1 else None
-        self.num_heads = self.t.shape[1] if self.t.shape[1] > 1 else None
+
+    batch_size = property(lambda self: _own_dim(self.t, 0))
+    num_heads = property(lambda self: _own_dim(self.t, 1))
 
     def _tensors(self):
         return [self.t]
@@ -153,8 +161,9 @@ class Bias(Mask):
             raise ValueError("bias contains NaN or +inf: only finite values and -inf (masked) "
                              "are allowed")
         self.raw = t                                           # (B|1, H|1, Sq|1, Sk|1)
-        self.batch_size = t.shape[0] if t.shape[0] > 1 else None
-        self.num_heads = t.shape[1] if t.shape[1] > 1 else None
+
+    batch_size = property(lambda self: _own_dim(self.raw, 0))
+    num_heads = property(lambda self: _own_dim(self.raw, 1))
 
     @property
     def values(self) -> torch.Tensor:
