@@ -214,6 +214,50 @@ def test_bf16_within_twice_the_full_forward_error(kv):
     _assert_rule(got, base, ref, 1e-3)
 
 
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_an_fp32_module_decodes_under_autocast(kind):
+    """Under torch.autocast the projections give bf16 K/V: a cache of the module's fp32 was
+    refused ("k/v are bfloat16, the cache is float32"), and a bf16 one too ("the module is
+    float32"), so mixed-precision generation could not use a cache at all."""
+    lengths, steps = [6, 2], 3
+    m = _module(2, True)
+    seqs = _data(lengths, steps, torch.float32)
+    with torch.no_grad():
+        ref = _full(m.double(), [s.double() for s in seqs])
+        m.float()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            base = _full(m, seqs)
+            if kind == "static":
+                cache = m.make_cache(2, 12)
+                assert cache.dtype == torch.bfloat16
+                got = _decode(m, seqs, lengths, steps, cache, "left")
+            else:
+                pool = mh.PagedKVCache(num_pages=16, page_size=4, num_kv_heads=2,
+                                       head_dim=E // H, dtype=torch.bfloat16)
+                got, _ = _decode_paged(m, seqs, lengths, steps, pool)
+            assert {g.dtype for g in got + base} == {torch.bfloat16}
+            # x in the autocast dtype is what autocast would make of it: the same output
+            torch.testing.assert_close(m(seqs[0][None].bfloat16(), mask=CAUSAL)[0], base[0],
+                                       atol=0, rtol=0)
+    _assert_rule(got, base, ref, 1e-3)
+
+
+def test_a_cache_of_another_dtype_than_the_call_computes_is_refused_with_the_fix():
+    m, x = _module(2, True), torch.randn(2, 3, E)
+    fp32, bf16 = m.make_cache(2, 8), mh.KVCache(2, 8, 2, E // H, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            TypeError, match=r"cache is torch.float32 but under torch.autocast\(torch.bfloat16\) "
+                             r"this module computes K/V in torch.bfloat16: build the cache with "
+                             r"dtype=torch.bfloat16 \(module.make_cache"):
+        m(x, cache=fp32, mask=CAUSAL)
+    with pytest.raises(TypeError, match=r"cache is torch.bfloat16 but this module computes K/V "
+                                        r"in torch.float32: .* or call it under torch.autocast"):
+        m(x, cache=bf16, mask=CAUSAL)
+    with pytest.raises(TypeError, match="x is torch.bfloat16 on cpu but the module is torch.float32"):
+        m(x.bfloat16(), mask=CAUSAL)                 # outside autocast: not cast for you
+    assert fp32.seen == bf16.seen == 0
+
+
 def test_chunked_prefill_equals_prefill_at_once():
     m = _module(2, True)
     x = torch.randn(2, 11, E)

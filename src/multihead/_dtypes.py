@@ -54,6 +54,28 @@ def check_dtype(name: str, dtype, *, optional: bool = False) -> torch.dtype | No
     raise TypeError(f"{name} must be {SUPPORTED_NAMES}, got {dtype!r}{hint}")
 
 
+#: the dtypes ``torch.autocast`` casts to its own (float64 stays, as torch's rule has it)
+AUTOCAST_CASTS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def autocast_dtype(device: torch.device | str) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` computes in on ``device``'s kind, None where it is off.
+
+    Example:
+        >>> autocast_dtype("cpu") is None
+        True
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     autocast_dtype("cpu")
+        torch.bfloat16
+    """
+    if not torch._C._is_any_autocast_enabled():              # (the usual case: 0.1 us)
+        return None
+    kind = torch.device(device).type
+    if not (torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)):
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
 def check_weights(dtype: torch.dtype) -> None:
     """Refuse a module whose weights were converted to a dtype attention cannot compute in
     (``module.to(torch.float8_e4m3fn)``), before its forward projects anything.

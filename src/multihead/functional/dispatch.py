@@ -31,6 +31,7 @@ import torch.autograd.forward_ad as fwAD
 
 from .. import masks as M
 from .._cache import BoundedCache
+from .._dtypes import AUTOCAST_CASTS, autocast_dtype
 from .._tracing import refuse_jit_trace
 from ..analysis.params import human_bytes
 from . import nonfinite, profiles, registry
@@ -187,14 +188,11 @@ def _autocast(q, k, v):
     inputs in its dtype where they are in another 16- or 32-bit one (torch's rule for
     attention: every backend then computes alike, and runs with autocast off, in the
     compute dtype it picks)."""
-    if not torch._C._is_any_autocast_enabled() or not isinstance(q, torch.Tensor):
-        return q, k, v, False                                     # (the usual case: 0.1 us)
-    device = q.device.type
-    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
+    dtype = autocast_dtype(q.device) if isinstance(q, torch.Tensor) else None
+    if dtype is None:
         return q, k, v, False
-    dtype = torch.get_autocast_dtype(device)
-    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in (
-        torch.float16, torch.bfloat16, torch.float32) else t        # float64 stays, as torch's
+    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in AUTOCAST_CASTS \
+        else t                                                     # float64 stays, as torch's
     return (*(cast(t) for t in (q, k, v)), True)
 
 

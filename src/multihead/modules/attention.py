@@ -22,7 +22,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .. import masks
 from .._args import fraction, positive_int
-from .._dtypes import check_dtype, check_strided, check_weights
+from .._dtypes import AUTOCAST_CASTS, autocast_dtype, check_dtype, check_strided, check_weights
 from .._tracing import eager_under_compile, refuse_jit_trace
 from ..masks.positioned import distances_in_tokens
 from ..functional import attention
@@ -231,9 +231,20 @@ class MultiHeadAttention(AllOrNothing):
                              + (" (add a batch dim with x.unsqueeze(0))" if t.dim() == 2 else ""))
         p = self.out_proj.weight
         check_weights(p.dtype)
-        if t.dtype != p.dtype or t.device != p.device:
+        cast = self._autocast_dtype()               # (autocast casts x itself, as torch's modules)
+        if (t.dtype != p.dtype and not (cast and t.dtype in AUTOCAST_CASTS)) or t.device != p.device:
             raise TypeError(f"{name} is {t.dtype} on {t.device} but the module is {p.dtype} on "
                             f"{p.device}: use module.to({name}.device, {name}.dtype) or convert {name}")
+
+    def _autocast_dtype(self) -> torch.dtype | None:
+        """The dtype ``torch.autocast`` projects this module's inputs in (its q, k and v),
+        None where autocast is off on the weights' device or leaves them (float64)."""
+        p = self.out_proj.weight
+        return None if p.dtype not in AUTOCAST_CASTS else autocast_dtype(p.device)
+
+    def _kv_dtype(self) -> torch.dtype:
+        """The dtype of the K/V this module computes now (the one its cache must hold)."""
+        return self._autocast_dtype() or self.out_proj.weight.dtype
 
     def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         B, S, _ = x.shape
@@ -379,10 +390,21 @@ class MultiHeadAttention(AllOrNothing):
         return y, (w.mean(dim=1) if average_weights else w)
 
     def make_cache(self, batch_size: int, max_len: int) -> KVCache:
-        """A :class:`KVCache` with this module's K/V heads, head_dim, dtype and device."""
-        p = self.out_proj.weight
+        """A :class:`KVCache` with this module's K/V heads, head_dim, dtype and device;
+        made under ``torch.autocast``, in autocast's dtype (the K/V the module computes
+        there), for calls made under it.
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> attn = mh.MultiHeadAttention(64, 8, num_kv_heads=2).eval()
+            >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+            ...     cache = attn.make_cache(2, 16)
+            ...     y = attn(torch.randn(2, 5, 64), cache=cache, mask=mh.masks.causal())
+            >>> cache.dtype, y.dtype
+            (torch.bfloat16, torch.bfloat16)
+        """
         return KVCache(batch_size, max_len, self.num_kv_heads, self.head_dim,
-                       dtype=p.dtype, device=p.device)
+                       dtype=self._kv_dtype(), device=self.out_proj.weight.device)
 
     def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """K/V cache bytes one token costs in this layer: ``2 * Hkv * Dh * itemsize``
@@ -395,8 +417,18 @@ class MultiHeadAttention(AllOrNothing):
         if not hasattr(cache, "update") or not hasattr(cache, "check_compatible"):
             raise TypeError(f"cache must be a multihead.KVCache or PagedKVCache.batch(...), got "
                             f"{type(cache).__name__}")
-        p = self.out_proj.weight
-        cache.check_compatible(self.num_kv_heads, self.head_dim, self.head_dim, p.dtype, p.device)
+        p, kv = self.out_proj.weight, self._kv_dtype()
+        if cache.dtype != kv and kv != p.dtype:
+            raise TypeError(f"cache is {cache.dtype} but under torch.autocast({kv}) this module "
+                            f"computes K/V in {kv}: build the cache with dtype={kv} "
+                            f"(module.make_cache(...) inside the autocast context does)")
+        if cache.dtype != kv and cache.dtype in (torch.float16, torch.bfloat16) \
+                and p.dtype in AUTOCAST_CASTS:
+            raise TypeError(f"cache is {cache.dtype} but this module computes K/V in {p.dtype}: "
+                            f"build the cache with the module's dtype, or call it under "
+                            f"torch.autocast(device_type, dtype={cache.dtype}) as the cache was "
+                            f"made for")
+        cache.check_compatible(self.num_kv_heads, self.head_dim, self.head_dim, kv, p.device)
 
     def _cached(self, x, context, cache, mask, valid, positions, in_place=False):
         """q and the cached k/v (new tokens appended), and the mask with cached padding;
