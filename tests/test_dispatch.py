@@ -432,6 +432,31 @@ def test_a_plan_shared_across_lengths_still_validates_and_spares_other_masks():
         mock.patch.stopall()
 
 
+@pytest.mark.parametrize("padded", ["kv_cache", "bias"])
+def test_a_padded_cache_chooses_once_per_doubling(padded):
+    """A padded cache's step carries a mask as long as its keys: the mask's structure held
+    that exact length, so auto priced every backend again at every step (300 times in 300
+    steps: two thirds of a step on our CPU)."""
+    from multihead.functional import dispatch
+    m = mh.MultiHeadAttention(32, 4, num_kv_heads=2, rope=mh.RotaryEmbedding(8)).eval()
+    cache, x = m.make_cache(2, 200), torch.randn(2, 200, 32)
+    dispatch.clear_cache()
+    chose = []
+    real = dispatch._choose
+    with torch.no_grad(), mock.patch.object(dispatch, "_choose", side_effect=lambda *a: chose.append(
+            1) or real(*a)):
+        valid = torch.ones(2, 20, dtype=torch.bool)
+        valid[0, :5] = False                              # a left-padded prompt
+        m(x[:, :20], cache=cache, valid=valid, mask=M.causal())
+        for t in range(20, 150):
+            if padded == "kv_cache":
+                m(x[:, t:t + 1], cache=cache, mask=M.causal())
+            else:                                         # a bias as long as the keys
+                mh.attention(torch.randn(2, 4, 1, 8), *(torch.randn(2, 2, t, 8),) * 2,
+                             mask=M.bias(torch.zeros(2, 1, 1, t)))
+    assert len(chose) == 5       # the prefill's, then one per key range: ..32, ..64, ..128, ..256
+
+
 def test_a_growing_cache_pushes_no_kept_decision_out():
     """A decoding loop meets a new key length every step: its decisions, never reused, are
     not kept (1,024 of them used to push out every other call's), and a named backend

@@ -252,8 +252,10 @@ class Padding(Mask):
     def structure(self):
         if not self.memoizable:
             return None
+        # (a bool mask's length is the call's Sq or Sk, which the call's structure holds
+        # within a factor of 2: a padded cache's growing steps share one choice)
         return ("padding", self.side, self.batch_size, "lengths" if self.real is None
-                else f"bool {tuple(self.real.shape)}")
+                else "bool")
 
     def describe(self) -> str:
         side = "" if self.side == "key" else ", side='query'"
@@ -472,8 +474,9 @@ class Document(Mask):
     def structure(self):
         if not self.memoizable:
             return None
-        kv = None if self.kv_ids is None else tuple(self.kv_ids.shape)
-        return ("document", tuple(self.ids.shape), kv, self.runs_known)
+        # rows only: the lengths are the call's (as padding's)
+        kv = None if self.kv_ids is None else self.kv_ids.shape[0]
+        return ("document", self.ids.shape[0], kv, self.runs_known)
 
     def describe(self):
         if self.runs_known and self.ids.numel():

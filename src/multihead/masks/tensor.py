@@ -65,6 +65,15 @@ def _own_dim(t: torch.Tensor, dim: int) -> int | None:
     return t.shape[dim] if t.shape[dim] > 1 else None
 
 
+def _broadcasts(t: torch.Tensor) -> tuple:
+    """A (B|1, H|1, Sq|1, Sk|1) tensor's part in a mask's structure: its batch and heads,
+    and whether it broadcasts over Sq and Sk (a length that does not is the call's, which
+    the call's structure holds within a factor of 2: a growing cache's steps share a
+    choice)."""
+    b, h, sq, sk = t.shape
+    return b, h, sq == 1, sk == 1
+
+
 class Dense(Mask):
     """Any pattern, as a bool tensor broadcastable to (B, H, Sq, Sk); True = may attend."""
 
@@ -90,7 +99,7 @@ class Dense(Mask):
         return self._moved(device, "t")
 
     def structure(self):
-        return ("dense", tuple(self.t.shape)) if self.memoizable else None
+        return ("dense", _broadcasts(self.t)) if self.memoizable else None
 
     def describe(self):
         return f"dense(shape {_dims(self.t)})"
@@ -177,7 +186,7 @@ class Bias(Mask):
         return self._moved(device, "raw")
 
     def structure(self):
-        return ("bias", tuple(self.raw.shape), self.raw.dtype) if self.memoizable else None
+        return ("bias", _broadcasts(self.raw), self.raw.dtype) if self.memoizable else None
 
     def describe(self):
         return f"bias(shape {_dims(self.raw)})"
