@@ -426,6 +426,93 @@ def test_head_dim_is_read_only():
     rope = mh.RotaryEmbedding(8)
     with pytest.raises(AttributeError):
         rope.head_dim = 4
+    for name in ("rotary_dim", "attention_factor"):
+        with pytest.raises(AttributeError):
+            setattr(rope, name, 4)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_partial_rotary_equals_gpt_neox(route):
+    """GPT-NeoX rotates the first rotary_pct of each head's channels (Pythia: 25%); the
+    module refused any rope narrower than its heads, with advice to rotate them all."""
+    from transformers import GPTNeoXConfig
+    from transformers.models.gpt_neox.modeling_gpt_neox import (GPTNeoXRotaryEmbedding,
+                                                                apply_rotary_pos_emb)
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 6, 32), torch.randn(2, 2, 6, 32)
+    p = ROUTES[route]()
+    config = GPTNeoXConfig(hidden_size=128, num_attention_heads=4, rotary_pct=0.25,
+                           rotary_emb_base=10000, max_position_embeddings=512)
+    pos = _as_tensor(p).long()
+    cos, sin = GPTNeoXRotaryEmbedding(config)(q, pos if pos.dim() == 2 else pos[None])
+    rope = mh.RotaryEmbedding(32, rotary_dim=8)
+    ours = rope.rotate(q, k, positions=p)
+    for a, b, x in zip(ours, apply_rotary_pos_emb(q, k, cos, sin), (q, k)):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+        assert torch.equal(a[..., 8:], x[..., 8:])                  # the rest pass unchanged
+    assert rope.inv_freq.shape == (4,) and "rotary_dim=8" in repr(rope)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_yarn_attention_factor_equals_hugging_face(route):
+    """YaRN scales cos and sin by an attention factor besides its frequencies: written
+    frequencies alone were 6% off Hugging Face's outputs, with no way to say the factor."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 6, 16), torch.randn(2, 2, 6, 16)
+    p = ROUTES[route]()
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
+                         max_position_embeddings=1024, rope_parameters={
+                             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 256})
+    hf = LlamaRotaryEmbedding(config)
+    assert hf.attention_scaling > 1.1
+    pos = _as_tensor(p).long()
+    cos, sin = hf(q, pos if pos.dim() == 2 else pos[None])
+    rope = mh.RotaryEmbedding(16, attention_factor=hf.attention_scaling)
+    rope.inv_freq = hf.inv_freq.clone()
+    for a, b in zip(rope.rotate(q, k, positions=p), apply_rotary_pos_emb(q, k, cos, sin)):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    plain = mh.RotaryEmbedding(16, attention_factor=hf.attention_scaling)   # built frequencies
+    torch.testing.assert_close(plain(q, p).double(), closed_form(q, _as_tensor(p)) *
+                               hf.attention_scaling, atol=1e-4, rtol=1e-4)
+
+
+def test_a_module_with_partial_rotary_decodes_as_its_full_forward():
+    torch.manual_seed(0)
+    m = mh.MultiHeadAttention(64, 4, num_kv_heads=2,
+                              rope=mh.RotaryEmbedding(16, rotary_dim=4, attention_factor=1.2)).eval()
+    x = torch.randn(2, 9, 64)
+    with torch.no_grad():
+        full = m(x, mask=mh.masks.causal())
+        cache = m.make_cache(2, 12)
+        steps = [m(x[:, :5], cache=cache, mask=mh.masks.causal())] + [
+            m(x[:, t:t + 1], cache=cache, mask=mh.masks.causal()) for t in range(5, 9)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"rope was built for head_dim 8 but the module's head_dim "
+                                         r"is 16: use RotaryEmbedding\(16\) \(or, to rotate only "
+                                         r"the first 8 channels .*RotaryEmbedding\(16, rotary_dim=8\)"):
+        mh.MultiHeadAttention(64, 4, rope=mh.RotaryEmbedding(8))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(rotary_dim=12), "rotary_dim 12 is more than head_dim 8"),
+    (dict(rotary_dim=3), r"rotary_dim must be a positive even int at most head_dim 8 .*got 3"),
+    (dict(rotary_dim=0), "rotary_dim must be a positive even int"),
+    (dict(attention_factor=0.0), r"attention_factor must be a finite number > 0 .*got 0.0"),
+    (dict(attention_factor=float("nan")), "attention_factor must be a finite number > 0"),
+    (dict(attention_factor="2"), "attention_factor must be"),
+])
+def test_bad_rotary_dim_or_attention_factor_is_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mh.RotaryEmbedding(8, **kwargs)
+
+
+def test_head_dim_takes_numpy_ints():
+    np = pytest.importorskip("numpy")
+    rope = mh.RotaryEmbedding(np.int64(8), rotary_dim=np.int64(4))
+    assert type(rope.head_dim) is int and rope.head_dim == 8 and rope.rotary_dim == 4
 
 
 def _rotation_ops(rope: mh.RotaryEmbedding) -> list[str]:

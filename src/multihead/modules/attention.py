@@ -142,7 +142,10 @@ class MultiHeadAttention(AllOrNothing):
                 raise TypeError(f"rope must be a multihead.RotaryEmbedding, got {type(rope).__name__}")
             if rope.head_dim != Dh:
                 raise ValueError(f"rope was built for head_dim {rope.head_dim} but the module's "
-                                 f"head_dim is {Dh}: use RotaryEmbedding({Dh})")
+                                 f"head_dim is {Dh}: use RotaryEmbedding({Dh}) (or, to rotate "
+                                 f"only the first {rope.rotary_dim} channels as GPT-NeoX's "
+                                 f"rotary_pct does, RotaryEmbedding({Dh}, rotary_dim="
+                                 f"{rope.rotary_dim}))")
         self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = E, H, Hkv, Dh
         self.kdim = E if kdim is None else positive_int("kdim", kdim)
         self.vdim = E if vdim is None else positive_int("vdim", vdim)

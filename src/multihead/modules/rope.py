@@ -1,7 +1,8 @@
 """Rotary position embedding (Su et al. 2021, RoFormer), the "rotate half" layout of GPT-NeoX/LLaMA.
 
-Each pair of channels ``(x_i, x_{i + D/2})`` of a query or key at position ``m`` is rotated
-by the angle ``m * base^(-2i/D)``. Rotations preserve norms, and the score between a
+Each pair of channels ``(x_i, x_{i + R/2})`` of a query or key at position ``m`` is rotated
+by the angle ``m * base^(-2i/R)``, over the first ``R = rotary_dim`` channels of each head
+(all ``D`` of them by default; the rest pass unchanged). Rotations preserve norms, and the score between a
 query at ``m`` and a key at ``n`` depends only on ``m - n``.
 
 The cosines and sines of the angles are kept in a table of positions ``0..rows-1`` per
@@ -85,6 +86,13 @@ def _check_values(positions: torch.Tensor) -> None:
                              f"that is not finite rotates its row into NaN")
 
 
+def _even_width(name: str, n, limit: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0 or n % 2:
+        raise ValueError(f"RotaryEmbedding: {name} must be a positive even int {limit}, got "
+                         f"{n!r}")
+    return int(n)
+
+
 def _check_base(base) -> float:
     if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) \
             or not base > 1:
@@ -99,6 +107,13 @@ class RotaryEmbedding(nn.Module):
     Args:
         head_dim: D, the per-head dimension (must be even).
         base: the frequency base (10000 in RoFormer and LLaMA).
+        rotary_dim: the channels rotated, the first ``rotary_dim`` of each head (even, at
+            most ``head_dim``; default: all). Fewer is partial rotary (GPT-NeoX's
+            ``rotary_pct``, Phi's ``partial_rotary_factor``): the frequencies are those of
+            a ``rotary_dim``-wide rotation, and the other channels pass unchanged.
+        attention_factor: the rotated channels are also multiplied by it (YaRN's and
+            LongRoPE's attention factor, Hugging Face's ``attention_scaling``: every score
+            between rotated channels scales by its square). Default 1.
         device: where ``inv_freq`` lives, and where the table of the first
             :data:`FIRST_ROWS` positions is built now (else at the first call on a device).
 
@@ -129,20 +144,40 @@ class RotaryEmbedding(nn.Module):
         positions ``p .. p + S - 1`` of every sequence.
     """
 
-    def __init__(self, head_dim: int, base: float = 10000.0, *, device=None):
+    def __init__(self, head_dim: int, base: float = 10000.0, *, rotary_dim: int | None = None,
+                 attention_factor: float = 1.0, device=None):
         super().__init__()
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
-            raise ValueError(f"RotaryEmbedding: head_dim must be a positive even int (channels rotate "
-                             f"in pairs), got {head_dim!r}")
+        head_dim = _even_width("head_dim", head_dim, "(channels rotate in pairs)")
+        rotary_dim = head_dim if rotary_dim is None else _even_width(
+            "rotary_dim", rotary_dim, f"at most head_dim {head_dim} (the channels rotated)")
+        if rotary_dim > head_dim:
+            raise ValueError(f"RotaryEmbedding: rotary_dim {rotary_dim} is more than head_dim "
+                             f"{head_dim}: rotate at most every channel (rotary_dim={head_dim}, "
+                             f"the default)")
+        if isinstance(attention_factor, bool) or not isinstance(attention_factor, numbers.Real) \
+                or not math.isfinite(attention_factor) or not attention_factor > 0:
+            raise ValueError(f"RotaryEmbedding: attention_factor must be a finite number > 0 (1 "
+                             f"unless the scaled RoPE has one, as YaRN's), got {attention_factor!r}")
         self._head_dim, self._base = head_dim, _check_base(base)
+        self._rotary_dim, self._factor = rotary_dim, float(attention_factor)
         self._set_canonical(torch.device("cpu") if device is None else device)
         if device is not None:
             self._table(self.inv_freq.device, torch.float32, FIRST_ROWS)
 
     @property
     def head_dim(self) -> int:
-        """D, the channels rotated (in pairs). Read-only: the module's heads are this wide."""
+        """D, the width of the heads it takes. Read-only: the module's heads are this wide."""
         return self._head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels rotated (in pairs), the first of each head. Read-only."""
+        return self._rotary_dim
+
+    @property
+    def attention_factor(self) -> float:
+        """The factor the rotated channels are multiplied by. Read-only."""
+        return self._factor
 
     @property
     def base(self) -> float:
@@ -168,7 +203,7 @@ class RotaryEmbedding(nn.Module):
         tensor, also under ``torch.inference_mode``); noted as unchanged (the shared table
         holds its angles)."""
         with torch.inference_mode(False):
-            freq = _frequencies(self.head_dim, self.base, torch.float32, device)  # (D/2,)
+            freq = _frequencies(self.rotary_dim, self.base, torch.float32, device)  # (R/2,)
         self.register_buffer("inv_freq", freq, persistent=False)
         self._note_canonical(freq)
 
@@ -247,11 +282,11 @@ class RotaryEmbedding(nn.Module):
         """Why a checkpoint's ``value`` for ``key`` (``inv_freq``) cannot be loaded, or None
         (asked by :func:`~multihead.modules.loading.load_problems` before anything is
         copied)."""
-        want = (self.head_dim // 2,)
+        want = (self.rotary_dim // 2,)
         if not (isinstance(value, torch.Tensor) and value.shape == want
                 and value.is_floating_point()):
-            return (f"{key}: the frequencies must be a float tensor of shape {want} (head_dim "
-                    f"{self.head_dim} / 2), got {getattr(value, 'dtype', type(value).__name__)} "
+            return (f"{key}: the frequencies must be a float tensor of shape {want} (rotary_dim "
+                    f"{self.rotary_dim} / 2), got {getattr(value, 'dtype', type(value).__name__)} "
                     f"{tuple(getattr(value, 'shape', ()))}")
         if value.is_meta and not self.inv_freq.is_meta:
             return f"{key} is on the meta device in the checkpoint (it holds no values)"
@@ -261,7 +296,7 @@ class RotaryEmbedding(nn.Module):
         """Whether ``freq`` holds the built frequencies in its own precision: rounded to it
         (fp16/bf16 exports), or within a few ulps in fp32/fp64 (Hugging Face computes
         ``1 / base^(2i/D)``, one rounding apart from ``base^(-2i/D)``)."""
-        built = _frequencies(self.head_dim, self.base, torch.float64, freq.device)
+        built = _frequencies(self.rotary_dim, self.base, torch.float64, freq.device)
         if freq.dtype in (torch.float32, torch.float64):
             return torch.allclose(freq.double(), built, rtol=1e-6, atol=0)
         return torch.equal(freq, built.to(freq.dtype))
@@ -278,7 +313,9 @@ class RotaryEmbedding(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base:g}"
+        extra = (f", rotary_dim={self.rotary_dim}" if self.rotary_dim != self.head_dim else "") + (
+            f", attention_factor={self.attention_factor:g}" if self.attention_factor != 1 else "")
+        return f"head_dim={self.head_dim}, base={self.base:g}{extra}"
 
     def forward(self, x: torch.Tensor, positions) -> torch.Tensor:
         return self.rotate(x, positions=positions)[0]
@@ -318,9 +355,14 @@ class RotaryEmbedding(nn.Module):
         return tuple(self._turn(t, cos, sin) for t in xs)
 
     def _turn(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x_i cos + x_{i+D/2} (-sin) and x_{i+D/2} cos + x_i sin: the sign lives in the table
-        out = torch.addcmul(t * cos, t.roll(self.head_dim // 2, -1), sin)
-        return out if out.dtype == t.dtype else out.to(t.dtype)
+        # x_i cos + x_{i+R/2} (-sin) and x_{i+R/2} cos + x_i sin: the sign lives in the table
+        R = self.rotary_dim
+        part = t if R == self.head_dim else t[..., :R]                     # (..., S, R)
+        out = torch.addcmul(part * cos, part.roll(R // 2, -1), sin)
+        if self.attention_factor != 1:
+            out = out * self.attention_factor
+        out = out if out.dtype == t.dtype else out.to(t.dtype)
+        return out if R == self.head_dim else torch.cat([out, t[..., R:]], -1)  # (..., S, D)
 
     # -- angles --------------------------------------------------------------------------
     def _cos_sin(self, positions, x: torch.Tensor, dtype: torch.dtype):
@@ -372,8 +414,8 @@ class RotaryEmbedding(nn.Module):
         freq = self.inv_freq.to(device, dtype)
         if dtype != torch.float64 or self.inv_freq.dtype != torch.float32:
             return freq
-        built = _frequencies(self.head_dim, self.base, torch.float32, device)
-        exact = _frequencies(self.head_dim, self.base, torch.float64, device)
+        built = _frequencies(self.rotary_dim, self.base, torch.float32, device)
+        exact = _frequencies(self.rotary_dim, self.base, torch.float64, device)
         return torch.where(freq == built, exact, freq)
 
     def _tables_serve(self, x: torch.Tensor) -> bool:
@@ -392,10 +434,10 @@ class RotaryEmbedding(nn.Module):
         """The shared table of at least ``rows`` positions ``(rows', 2, D)`` on ``device``,
         grown if need be (kept unless a CUDA graph captures); None past
         :data:`TABLE_BYTES`."""
-        key = (self.head_dim, self.base, device, dtype)
+        key = (self.rotary_dim, self.base, device, dtype)
         table = _TABLES.get(key)
         if table is None or table.shape[0] < rows:
-            most = TABLE_BYTES // (2 * self.head_dim * torch.finfo(dtype).bits // 8)
+            most = TABLE_BYTES // (2 * self.rotary_dim * torch.finfo(dtype).bits // 8)
             if rows > most:
                 return None
             with _GROWING:
@@ -404,6 +446,6 @@ class RotaryEmbedding(nn.Module):
                     n = min(most, max(FIRST_ROWS, 1 << (rows - 1).bit_length()))
                     with torch.inference_mode(False), torch.no_grad():   # a plain tensor
                         table = _angles(torch.arange(n, dtype=dtype, device=device),
-                                        _frequencies(self.head_dim, self.base, dtype, device))
+                                        _frequencies(self.rotary_dim, self.base, dtype, device))
                     _TABLES.put(key, table)
         return table
