@@ -387,8 +387,10 @@ def test_mismatches_and_reset():
         m(x, cache=mh.KVCache(2, 8, num_kv_heads=2, head_dim=8, dtype=torch.float64))
     with pytest.raises(ValueError, match="x has batch 2 but the cache holds 3"):
         m(x, cache=m.make_cache(3, 8))
-    with pytest.raises(ValueError, match="valid must be a bool tensor"):
+    with pytest.raises(TypeError, match="valid must be a bool tensor"):
         m(x, cache=m.make_cache(2, 8), valid=torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"valid must be a bool tensor \(B, n\) = \(2, 3\)"):
+        m(x, cache=m.make_cache(2, 8), valid=torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="valid marks padded new tokens"):
         m(x, valid=torch.ones(2, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="positions come from the cache"):

@@ -301,3 +301,55 @@ def test_dynamic_quantization_of_a_model_around_the_module():
     quantized = torch.ao.quantization.quantize_dynamic(net, {torch.nn.Linear}, dtype=torch.qint8)
     assert type(quantized[1]) is not torch.nn.Linear                     # the Linear was packed
     torch.testing.assert_close(quantized(x), net(x), atol=0.05, rtol=0.05)
+
+
+def test_a_hugging_face_checkpoint_is_refused_with_the_conversion_that_then_matches_llama():
+    """HF's separate q/k/v/o projections used to be told to "build it with the checkpoint's
+    sizes", which already matched; the conversion the error names gives LlamaAttention's
+    outputs."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=8, attention_bias=True)
+    config._attn_implementation = "eager"
+    hf = LlamaAttention(config, 0).eval()
+    ours = mh.MultiHeadAttention(64, 8, num_kv_heads=2, rope=mh.RotaryEmbedding(8)).eval()
+    sd = hf.state_dict()
+    with pytest.raises(RuntimeError, match=r"Hugging Face's layout .* in_proj_weight = torch.cat"
+                                           r"\(\[q_proj.weight, k_proj.weight, v_proj.weight\]\), "
+                                           r"in_proj_bias = the same of their biases .*out_proj.\* "
+                                           r"= o_proj.\*\. Nothing was loaded"):
+        ours.load_state_dict(sd)
+    ours.load_state_dict({
+        "in_proj_weight": torch.cat([sd[f"{n}_proj.weight"] for n in "qkv"]),
+        "in_proj_bias": torch.cat([sd[f"{n}_proj.bias"] for n in "qkv"]),
+        "out_proj.weight": sd["o_proj.weight"], "out_proj.bias": sd["o_proj.bias"]})
+    x = torch.randn(2, 7, 64)
+    cos, sin = LlamaRotaryEmbedding(config)(x, torch.arange(7)[None])
+    causal = torch.full((7, 7), float("-inf")).triu(1)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, mask=mh.masks.causal()),
+                                   hf(x, (cos, sin), attention_mask=causal)[0],
+                                   atol=1e-5, rtol=1e-5)
+    plain = mh.MultiHeadAttention(64, 8, num_kv_heads=2, bias=False)
+    with pytest.raises(RuntimeError, match=r"v_proj.weight\]\), out_proj"):   # no bias to name
+        plain.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda m, x: m(x, average_weights=True), ValueError,
+     r"average_weights=True averages the weights that return_weights=True returns"),
+    (lambda m, x: m(x.to(torch.complex64)), TypeError,
+     r"x must be floating point \(the module's dtype torch.float32\), got torch.complex64"),
+    (lambda m, x: m(x.long()), TypeError, r"x must be floating point .* got torch.int64"),
+    (lambda m, x: mh.MultiHeadAttention(16, 4, device="cuda"), ValueError,
+     r"device 'cuda' cannot be used here \(.*\): pass device='cpu'"),
+    (lambda m, x: mh.RotaryEmbedding(8, device="cuda"), ValueError,
+     r"device 'cuda' cannot be used here"),
+], ids=["average-without-weights", "complex", "integer", "module-cuda", "rope-cuda"])
+def test_arguments_that_did_nothing_or_crashed_in_torch_are_named(call, error, match):
+    if "cuda" in match and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(error, match=match):
+        call(mh.MultiHeadAttention(16, 4), torch.randn(1, 3, 16))

@@ -316,6 +316,9 @@ def test_inv_freq_is_the_frequencies():
                                   r"for x of shape \(2, 1, 3, 8\), got shape \(5,\)"),
     (torch.zeros(1, 1, 3), ValueError, r"got shape \(1, 1, 3\)"),
     (torch.zeros(3, 3), ValueError, r"\(2, 3\) for x of shape \(2, 1, 3, 8\), got shape \(3, 3\)"),
+    # as an int start past 2**53 is: those positions round to one another in any float
+    (torch.arange(3) + 2**60, ValueError, r"positions reach 1152921504606846978, past 2\*\*53"),
+    (torch.tensor([0, 1, -2**63]), ValueError, r"positions reach 9223372036854775808, past"),
 ])
 def test_bad_positions_are_named(bad, error, match):
     with pytest.raises(error, match=match):

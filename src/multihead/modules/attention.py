@@ -22,6 +22,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .. import masks
 from .._args import fraction, positive_int
+from .._device import usable_device
 from .._dtypes import AUTOCAST_CASTS, autocast_dtype, check_dtype, check_strided, check_weights
 from .._tracing import eager_under_compile, refuse_jit_trace
 from ..masks.positioned import distances_in_tokens
@@ -157,7 +158,8 @@ class MultiHeadAttention(AllOrNothing):
         check_backend(backend)            # (a backend registered later: register it first)
         self.dropout, self.backend, self.rope = float(dropout), backend, rope
         nq, nkv = H * Dh, Hkv * Dh
-        fk = dict(device=device, dtype=check_dtype("dtype", dtype, optional=True))
+        fk = dict(device=None if device is None else usable_device("device", device),
+                  dtype=check_dtype("dtype", dtype, optional=True))
         self.packed = self.kdim == self.vdim == E
         if self.packed:   # rows: [W_Q; W_K; W_V], one GEMM for self-attention
             self.in_proj_weight = nn.Parameter(torch.empty(nq + 2 * nkv, E, **fk))
@@ -213,6 +215,20 @@ class MultiHeadAttention(AllOrNothing):
         """Parameter count; ``4*E**2 + 4*E`` for the default MHA (the seeds' count)."""
         return sum(p.numel() for p in self.parameters())
 
+    def _layout_hint(self, keys: list[str]) -> str | None:
+        """The fix for a checkpoint in Hugging Face's layout (separate q/k/v projections)."""
+        names = {k.split(".")[0] for k in keys}
+        if not {"q_proj", "k_proj", "v_proj"} <= names:
+            return None
+        weights = ("q_proj_weight = q_proj.weight (k_ and v_ likewise)" if self.kdim !=
+                   self.embed_dim else "in_proj_weight = torch.cat([q_proj.weight, "
+                   "k_proj.weight, v_proj.weight])")
+        return (f"The checkpoint is in Hugging Face's layout (separate q_proj, k_proj, v_proj "
+                f"and o_proj): convert it first, {weights}"
+                + (", in_proj_bias = the same of their biases (zeros where one has none)"
+                   if self.in_proj_bias is not None else "")
+                + ", out_proj.* = o_proj.*")
+
     def _sizes(self) -> str:
         """The sizes that shape the parameters, as ``extra_repr`` and errors show them."""
         kind = "MHA" if self.num_kv_heads == self.num_heads else (
@@ -229,6 +245,10 @@ class MultiHeadAttention(AllOrNothing):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor (B, S, {width}), got {type(t).__name__}")
         check_strided(name, t)
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point (the module's dtype "
+                            f"{self.out_proj.weight.dtype}), got {t.dtype}: convert it with "
+                            f"{name}.to({self.out_proj.weight.dtype})")
         if t.dim() != 3 or t.shape[-1] != width:
             raise ValueError(f"{name} must be (B, S, {width}), got shape {tuple(t.shape)}"
                              + (" (add a batch dim with x.unsqueeze(0))" if t.dim() == 2 else ""))
@@ -343,6 +363,9 @@ class MultiHeadAttention(AllOrNothing):
         per head ``(B, H, Sq, Sk)``, or their head mean ``(B, Sq, Sk)`` with ``average_weights``.
         """
         refuse_jit_trace("MultiHeadAttention")
+        if average_weights and not return_weights:
+            raise ValueError("average_weights=True averages the weights that return_weights=True "
+                             "returns: pass both (or neither)")
         p = self.dropout if self.training else 0.0
         if cache is None:
             if valid is not None:

@@ -188,9 +188,9 @@ class _CacheBase:
         if valid is None:
             return None
         batch = self.batch_size
-        if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or tuple(
-                valid.shape) != (batch, n):
-            raise ValueError(f"valid must be a bool tensor (B, n) = ({batch}, {n}) marking the real "
+        wrong = not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool
+        if wrong or tuple(valid.shape) != (batch, n):
+            raise (TypeError if wrong else ValueError)(f"valid must be a bool tensor (B, n) = ({batch}, {n}) marking the real "
                              f"new tokens, got {getattr(valid, 'dtype', type(valid).__name__)} "
                              f"{tuple(getattr(valid, 'shape', ()))}")
         check_strided("valid", valid)

@@ -70,7 +70,8 @@ class AllOrNothing(nn.Module):
     """A module whose state-dict loads copy everything or nothing (see the module's doc).
 
     Subclasses may define ``_sizes()``, a line the error shows (the sizes that shape the
-    parameters).
+    parameters), and ``_layout_hint(keys)``: the fix for a checkpoint whose ``keys`` (its
+    names below this module) are another library's layout, or None.
     """
 
     def _refuse(self, state_dict, strict: bool, prefix: str = "") -> None:
@@ -84,6 +85,10 @@ class AllOrNothing(nn.Module):
             sizes = getattr(self, "_sizes", None)
             what = f"This module is {sizes()}; build it" if sizes else "Build the module"
             advice = f"{what} with the checkpoint's sizes{loose}. "
+        hint = getattr(self, "_layout_hint", None)
+        hint = hint([k[len(prefix):] for k in state_dict if isinstance(k, str)
+                     and k.startswith(prefix)]) if hint else None
+        advice = f"{hint}. " if hint else advice
         where = f" at {prefix[:-1]!r}" if prefix else ""
         raise RuntimeError(f"{type(self).__name__}.load_state_dict{where}: {'; '.join(problems)}. "
                            f"{advice}Nothing {'of it ' if prefix else ''}was loaded")

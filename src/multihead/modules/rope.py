@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .._cache import BoundedCache
-from .._device import to_device
+from .._device import to_device, usable_device
 from .._dtypes import check_strided
 from .._tracing import refuse_jit_trace
 
@@ -69,15 +69,24 @@ EXACT = 2 ** 53
 
 def _check_values(positions: torch.Tensor) -> None:
     """Refuse positions of a dtype that is not a position (bool, complex), and, where
-    the host holds them, non-finite float ones (they would make the rows NaN). Positions on
-    a device are not read back: a NaN there gives NaN rows."""
+    the host holds them, non-finite float ones (they would make the rows NaN) and integer
+    ones past 2**53 (as an int start is). Positions on a device are not read back: a NaN
+    there gives NaN rows."""
     check_strided("positions", positions)
     if positions.dtype == torch.bool or positions.is_complex():
         raise TypeError(f"RotaryEmbedding: positions must be an integer or float tensor, got "
                         f"{positions.dtype}: pass integer positions (torch.arange(S) + start)")
-    if (positions.is_floating_point() and positions.device.type == "cpu"
-            and type(positions) is torch.Tensor and not torch.compiler.is_compiling()
+    if not (positions.device.type == "cpu" and type(positions) is torch.Tensor and positions.numel()
+            and not torch.compiler.is_compiling()
             and not torch._C._are_functorch_transforms_active()):
+        return
+    if not positions.is_floating_point():
+        most = max(-int(positions.min()), int(positions.max()))   # (int64's min has no abs)
+        if most > EXACT:
+            raise ValueError(f"RotaryEmbedding: positions reach {most}, past 2**53, where "
+                             f"positions stop being exact even in float64: pass positions "
+                             f"below it")
+    else:
         bad = ~positions.isfinite()
         if bad.any():
             raise ValueError(f"RotaryEmbedding: positions must be finite, got "
@@ -160,6 +169,7 @@ class RotaryEmbedding(nn.Module):
                              f"unless the scaled RoPE has one, as YaRN's), got {attention_factor!r}")
         self._head_dim, self._base = head_dim, _check_base(base)
         self._rotary_dim, self._factor = rotary_dim, float(attention_factor)
+        device = None if device is None else usable_device("device", device)
         self._set_canonical(torch.device("cpu") if device is None else device)
         if device is not None:
             self._table(self.inv_freq.device, torch.float32, FIRST_ROWS)
