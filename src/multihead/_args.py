@@ -9,6 +9,7 @@ is not a count).
 from __future__ import annotations
 
 import numbers
+import re
 
 #: the largest count a tensor's size or index can hold (int64)
 INT64_MAX = 2**63 - 1
@@ -64,3 +65,22 @@ def counted(n, noun: str) -> str:
         ('1 run', '3 length groups')
     """
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+#: control characters (C0, DEL, C1), the bidirectional marks, overrides and isolates, and
+#: the line and paragraph separators, which a terminal would obey (clear the screen, set
+#: its title, reorder or break the line) rather than show; the HTML report escapes the same
+#: ones (it reads this pattern), newlines and tabs of a text aside
+CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029"
+                       "\u202a-\u202e\u2066-\u2069]")
+
+
+def plain(text: str) -> str:
+    r"""``text`` for a terminal: control and bidirectional-override characters escaped
+    (``\x1b``), so that a user's text is shown, never obeyed; the rest unchanged.
+
+    Example:
+        >>> plain("it\x1b[2J is \u202eon; caf\u00e9 \U0001f600")
+        'it\\x1b[2J is \\u202eon; café 😀'
+    """
+    return CONTROLS.sub(lambda m: m[0].encode("unicode_escape").decode("ascii"), text)

@@ -195,11 +195,11 @@ def _png_size(data: bytes) -> tuple[int, int]:
 
 def test_long_text_report_is_small(tmp_path, long_text, capsys):
     # 512 tokens (truncated): the weights alone are 6 x 12 x 512 x 512 = 19M numbers; the
-    # report once wrote 270 MB and drew a 29000-pixel heatmap. All files: under 25 MB.
+    # report once wrote 270 MB and drew a 29000-pixel heatmap. All files: under 32 MB.
     data = tmp_path / "data"
     assert main(["inspect", long_text, "--out", str(data), "--format", "html,json"]) == 0
     sizes = {p.name: p.stat().st_size for p in data.iterdir()}
-    assert sizes["report.html"] < 8e6 and sizes["inspect.json"] < 16e6, sizes
+    assert sizes["report.html"] < 16e6 and sizes["inspect.json"] < 16e6, sizes   # (one packing)
     d = json.loads((data / "inspect.json").read_text())
     assert len(d["tokens"]) == 512 and d["truncated"]
     from multihead.inspect.packing import unpack_weights
@@ -210,7 +210,7 @@ def test_long_text_report_is_small(tmp_path, long_text, capsys):
     figures = tmp_path / "figures"
     assert main(["inspect", long_text, "--out", str(figures), "--format", "png,svg"]) == 0
     sizes.update({p.name: p.stat().st_size for p in figures.iterdir()})
-    assert len(sizes) == 6 and sum(sizes.values()) < 25e6, sizes
+    assert len(sizes) == 6 and sum(sizes.values()) < 32e6, sizes
     for p in figures.glob("*.png"):
         assert max(_png_size(p.read_bytes())) <= 2400, p.name
     assert "every 7th token labelled" in next(figures.glob("head_*.svg")).read_text()

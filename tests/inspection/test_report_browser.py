@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from headless import chromium
 from multihead.cli.main import main
@@ -97,7 +98,7 @@ def test_long_report_works(browser, tmp_path, long_text, capsys):
     # 512 tokens: the weights arrive packed (one byte each, compressed) and are decoded by
     # the page; the large heatmap stays a readable size and drops its unreadable labels
     report = _report(tmp_path, long_text)
-    assert report.stat().st_size < 8e6
+    assert report.stat().st_size < 16e6         # (inspect.json's packing: 13.6 MB at 512 tokens)
     page, errors, requests, _ = _open(browser, report)
     assert errors == [] and requests == [report.as_uri()]
     assert page.locator(".cell").count() == 6 * 12
@@ -115,3 +116,46 @@ def test_long_report_works(browser, tmp_path, long_text, capsys):
     assert weights and all(0.01 <= w <= 1 for w in weights)
     page.screenshot(path=str(ARTIFACTS / "report_long.png"))
     assert errors == []
+
+
+def test_the_pages_weights_are_the_jsons_and_the_page_works_from_the_keyboard(browser, tmp_path,
+                                                                                capsys):
+    """The page decoded its own linear packing (64% of its three-decimal weights differed
+    from inspect.json's, up to 0.005); no cell or token could be reached from the keyboard;
+    a right-to-left override in the text reversed what the page showed."""
+    import json
+    from multihead.inspect.packing import unpack_weights
+    text = "The animal didn't cross \u202ethe street because it was too tired.\x1b[2J"
+    assert main(["inspect", text, "--out", str(tmp_path), "--format", "html,json"]) == 0
+    stored = unpack_weights(json.loads((tmp_path / "inspect.json").read_text())["weights"])
+    page, errors, _, _ = _open(browser, tmp_path / "report.html")
+    S = stored.shape[-1]
+    for l, h in ((0, 2), (3, 1), (5, 11)):
+        shown = page.evaluate(f"Array.from({{length: {S * S}}}, (_, n) => "
+                              f"head({l}, {h}).at(Math.floor(n / {S}), n % {S}))")
+        torch.testing.assert_close(torch.tensor(shown, dtype=torch.float64).view(S, S),
+                                   stored[l, h].double(),
+                                   atol=1e-6, rtol=0)
+    assert page.text_content("#text").endswith("\\u202ethe street because it was too tired.\\x1b[2J")
+    assert "\u202e" not in page.inner_text("body")                # (the data keeps it, as the JSON)
+    page.keyboard.press("Tab")                                   # the first head's cell
+    assert page.evaluate("document.activeElement.dataset.layer + document.activeElement.dataset.head") == "00"
+    page.focus(".cell[data-layer='0'][data-head='2']")
+    page.keyboard.press("Enter")
+    assert page.text_content("#heatmap-title").startswith("L0H2: previous token")
+    assert page.get_attribute(".cell[data-layer='0'][data-head='2']", "aria-pressed") == "true"
+    it = page.locator(".tok.q", has_text="it").first
+    it.focus()                                                   # a focused token draws as a hovered one
+    assert page.locator("#lines line").count() > 0
+    assert it.get_attribute("aria-label").startswith("it attends to because ")
+    page.keyboard.press("Tab")
+    assert page.locator("#lines line").count() == 0 or page.evaluate(
+        "document.activeElement.classList.contains('q')")
+    assert errors == []
+
+
+def test_the_page_fits_a_phone(browser, tmp_path, capsys):
+    page = browser.new_page(viewport={"width": 375, "height": 800})
+    page.goto(_report(tmp_path).as_uri())
+    page.wait_for_selector(".cell")
+    assert page.evaluate("document.documentElement.scrollWidth") <= 375   # (parts scroll inside)

@@ -8,6 +8,7 @@ import re
 import sys
 from pathlib import Path
 
+from .._args import plain
 from .._files import missing_dirs, probe_writable
 
 
@@ -27,24 +28,6 @@ def console(width: int = 120, markup: bool = True, *, stderr: bool = False):
 
 def _broken_pipe():
     raise BrokenPipeError(32, "Broken pipe: stdout's reader left")
-
-
-#: control characters (C0, DEL, C1), the bidirectional marks, overrides and isolates, and
-#: the line and paragraph separators, which a terminal would obey (clear the screen, set
-#: its title, reorder or break the line) rather than show
-_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029"
-                       "\u202a-\u202e\u2066-\u2069]")
-
-
-def plain(text: str) -> str:
-    r"""``text`` for a terminal: control and bidirectional-override characters escaped
-    (``\x1b``), so that a user's text is shown, never obeyed; the rest unchanged.
-
-    Example:
-        >>> plain("it\x1b[2J is \u202eon; caf\u00e9 \U0001f600")
-        'it\\x1b[2J is \\u202eon; café 😀'
-    """
-    return _CONTROLS.sub(lambda m: m[0].encode("unicode_escape").decode("ascii"), text)
 
 
 def wrote(con, *paths) -> None:

@@ -7,7 +7,10 @@ written into the page with ``textContent``: a text like ``<script>alert(1)</scri
 renders as text.
 
 Attention weights are packed one byte each (:mod:`multihead.inspect.packing`): a 512-token
-report is a few MB, not hundreds. JSON is strict (no ``NaN``/``Infinity``), and every file is
+report is a few MB, not hundreds. The page and ``inspect.json`` hold the same bytes, so the
+weights the page shows (two decimals: a byte keeps a weight within 1/255 of its head's
+largest) are the ones the JSON unpacks to. Control and bidirectional-override characters of
+a text are shown escaped (``\u202e``), never obeyed, as in the terminal. JSON is strict (no ``NaN``/``Infinity``), and every file is
 built in memory before the first one is written, each through a temporary file
 (:mod:`multihead.inspect.files`): an error leaves no half-written report.
 """
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from .._args import CONTROLS
 from .capture import Capture, Look, headline
 from .files import write_all
 from .metrics import METRICS, HeadMetrics, round_down, thresholds_text
@@ -98,10 +102,12 @@ def _safe_json(obj) -> str:
 
 
 def html(inspection: Inspection) -> str:
-    """The report page (one string, nothing external)."""
+    """The report page (one string, nothing external): the data of ``inspect.json`` (the
+    same packed weights: the page's numbers are the JSON's), and the pattern of the
+    characters it shows escaped (as the terminal does)."""
     template = resources.files(__package__).joinpath("report.html").read_text(encoding="utf-8")
-    # the page draws from bytes in proportion to the weight (the "linear" curve)
-    return template.replace("__DATA__", _safe_json(inspection.to_dict(curve="linear")))
+    return template.replace("__DATA__", _safe_json({**inspection.to_dict(),
+                                                   "controls": CONTROLS.pattern}))
 
 
 #: the file each text format is written to
