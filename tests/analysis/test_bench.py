@@ -236,6 +236,15 @@ def test_header_and_rows_use_the_units():
     case, mode, ours, spread, rate, frac, peak, naive, peers = lines(run)[0]
     assert (ours, spread, rate, frac) == ("428.0 µs", "±1% (unsettled)", "2.51 TB/s", "90%")
     assert peers == "sdpa: 16.8 µs (0.50x); overhead = ours - sdpa: 15.8 µs per call"
+    assert naive == "-"                                   # no naive peer: no naive size
+
+
+@pytest.mark.parametrize("rate, text", [(2.647, "2.65 texts/s"), (0.4, "0.4 texts/s"),
+                                        (12345.6, "12346 texts/s")])
+def test_item_rates_keep_three_figures(rate, text):
+    """2.95 and 2.65 texts/s both printed as '3 texts/s', and 0.4 as '0'."""
+    from multihead.bench.report import _rate
+    assert _rate({"rate": rate, "unit": "texts/s"}) == text
 
 
 # -- which cases each suite runs, per device ------------------------------------------------
@@ -361,7 +370,7 @@ def test_overhead_rows_report_ours_minus_sdpa():
     row = run.rows[0]
     sdpa = row["peers"]["sdpa is_causal"]
     assert row["overhead_us"] == pytest.approx((row["ours"]["median_ms"] - sdpa["median_ms"]) * 1e3)
-    assert "overhead = ours - sdpa: " in lines(run)[0][-1]
+    assert "overhead = ours - sdpa is_causal: " in lines(run)[0][-1]       # the peer it is
     with pytest.raises(ValueError, match="kind must be 'dense' or 'causal'"):
         overhead_case("window")
 

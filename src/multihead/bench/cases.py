@@ -288,6 +288,8 @@ def minilm_case(n: int = 256) -> Case:
         except ImportError:
             b.peers["HF BertModel (sdpa), batches of 32"] = "transformers is not installed"
             return b
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()                  # (a bar on stderr mid-table)
         hf = BertModel.from_pretrained(str(default_model_dir()), attn_implementation="sdpa")
         hf = hf.to(device, dtype).eval()
         tok = AutoTokenizer.from_pretrained(str(default_model_dir()))

@@ -17,7 +17,9 @@ def _rate(row) -> str:
     r, unit = row["rate"], row["unit"]
     if r is None:
         return "-"
-    return si(r, unit) if unit in ("FLOP/s", "B/s") else f"{r:.0f} {unit}"
+    if unit in ("FLOP/s", "B/s"):
+        return si(r, unit)
+    return f"{r:.0f} {unit}" if r >= 100 else f"{r:.3g} {unit}"      # 2.65 texts/s, not 3
 
 
 def _peers(row) -> list[str]:
@@ -29,7 +31,8 @@ def _peers(row) -> list[str]:
             extra = f", compile {p['compile_s']:.1f} s" if "compile_s" in p else ""
             out.append(f"{name}: {duration(p['median_ms'] / 1e3)} ({p['ratio']:.2f}x{extra})")
     if "overhead_us" in row:
-        out.append(f"overhead = ours - sdpa: {duration(row['overhead_us'] / 1e6)} per call")
+        out.append(f"overhead = ours - {row.get('overhead_vs', 'sdpa')}: "
+                   f"{duration(row['overhead_us'] / 1e6)} per call")
     return out
 
 
@@ -50,7 +53,8 @@ def lines(run) -> list[list[str]]:
         frac = r["fraction_of_limit"]
         out.append([r["case"], r["mode"], duration(o["median_ms"] / 1e3), _spread(o),
                     _rate(r), "-" if frac is None else f"{frac:.0%}",
-                    f"{o['peak_bytes'] / 2**20:.1f}", f"{r['naive_bytes'] / 2**20:.1f}",
+                    f"{o['peak_bytes'] / 2**20:.1f}",
+                    f"{r['naive_bytes'] / 2**20:.1f}" if r["naive_bytes"] else "-",
                     "; ".join(_peers(r))])
     return out
 
@@ -76,9 +80,10 @@ NOTES = ("FLOPs: 4·B·H·Sq·Sk·D forward, 2.5x that for the backward, only th
          "counted for sparse masks (FlashAttention's convention); module rows add the "
          "projections. Decode rows are memory-bound: K/V cache bytes read per second. Ratio = "
          "peer time / our time (above 1: we are faster). 'naive MiB' = the H·S² score matrices "
-         "a naive implementation materializes; naive peers are refused where that does not fit. "
+         "a naive implementation materializes (decode rows: its scores and the K/V it repeats "
+         "to every query head; '-' where no naive peer runs); naive peers are refused where that does not fit. "
          "Per-call overhead rows: a call small enough that launching it is the cost; "
-         "'overhead' = our time - SDPA's, per call.")
+         "'overhead' = our time - that of the SDPA call the row names, per call.")
 
 
 #: the files :func:`write` puts in ``--out``

@@ -162,6 +162,7 @@ def run_case(case: Case, device, dtype, limits: Limits, reps: int, *,
     base = row["peers"].get(built.overhead_vs or "", {})
     if "median_ms" in base:
         row["overhead_us"] = (row["ours"]["median_ms"] - base["median_ms"]) * 1e3
+        row["overhead_vs"] = built.overhead_vs
     return row
 
 
