@@ -608,3 +608,14 @@ def test_sdpa_says_which_kernel_torch_runs_on_the_cpu(case):
     assert math != ("aten::_scaled_dot_product_flash_attention_for_cpu" in ran)
     assert math == (case != "plain") if case != "stride-gqa" else math != plan.detail.fold
     assert ("torch runs its unfused math path" in plan.note) == math, plan.note
+
+
+def test_a_backend_refusing_at_positions_names_it():
+    """at_positions masks are of kind "custom": the refusal said "does not apply custom
+    masks" of a padded cache's window, a mask the user never wrote."""
+    q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 12, 16)
+    m = M.at_positions(M.sliding_window(4), torch.arange(8).expand(2, 8) + 4,
+                       torch.arange(12).expand(2, 12))
+    text = str(mh.explain(q, k, k, mask=m))
+    assert "does not apply at_positions masks (a padded KV cache puts a window" in text
+    assert "custom masks" not in text

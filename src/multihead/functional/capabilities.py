@@ -113,9 +113,12 @@ class Capabilities:
         if m is not None:
             if m.kind in ("and", "or", "not") and not self.compositions:
                 out.append(f"does not apply composed masks ({m.kind})")
-            kinds = sorted({leaf.kind for leaf in m.leaves()} - self.masks)
+            kinds = sorted({getattr(leaf, "kind_label", leaf.kind) for leaf in m.leaves()
+                            if leaf.kind not in self.masks})
             if kinds:
-                out.append(f"does not apply {', '.join(kinds)} masks")
+                why = (" (a padded KV cache puts a window or ALiBi at its tokens' positions "
+                       "that way)" if "at_positions" in kinds else "")
+                out.append(f"does not apply {', '.join(kinds)} masks{why}")
             if not self.bias_grad and m.requires_grad and torch.is_grad_enabled():
                 out.append("gives no gradient w.r.t. a bias tensor")
         if not self.backward and call.requires_grad:

@@ -34,6 +34,8 @@ class Positioned(Mask):
     backends that evaluate any predicate run it."""
 
     kind = "custom"
+    #: what a backend's refusal calls it (its kind is a user's mask's)
+    kind_label = "at_positions"
 
     def __init__(self, mask: Mask, q_positions: torch.Tensor, k_positions: torch.Tensor):
         if not isinstance(mask, Mask):

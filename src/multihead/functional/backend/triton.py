@@ -4,7 +4,7 @@ Band masks (causal, sliding windows, either alignment) and key padding from leng
 or combined with ``&``, run the band kernels, which compute only the key blocks the band
 reaches from indices; packed documents (contiguous runs known on the host), alone or with a
 band, run them scheduled per (document, query block), so no program visits another
-document's keys; every other mask of our model (documents, dense, bias, ALiBi, padding
+document's keys; every other mask of our model but ``at_positions`` (documents, dense, bias, ALiBi, padding
 rows, ``&``/``|``/``~`` compositions) runs the block-sparse kernels
 (:mod:`multihead.kernels.flash_sparse`), which visit the blocks in per-block lists built on
 the device and evaluate the mask as generated Triton code on the blocks it cuts. GQA and
