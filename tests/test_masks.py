@@ -322,6 +322,12 @@ def test_a_tensor_assigned_in_place_of_a_masks_own_sets_its_batch(make, attr, ro
         with pytest.raises(ValueError, match="built for batch size 3, but the inputs have batch "
                                              "size 2"):
             mh.attention(q, q, q, mask=m)
+    if attr == "q_positions":                     # rows that disagree: said, by a call and repr
+        mask.k_positions = torch.arange(4).expand(2, 4)
+        assert "the batch sizes disagree (q_positions 3, k_positions 2" in repr(mask)
+        with pytest.raises(ValueError, match="the batch sizes disagree"):
+            mh.attention(q, q, q, mask=mask)
+        mask.k_positions = torch.arange(4)[None]
     setattr(mask, attr, rows[2:])                 # one row for all: broadcast to the batch
     assert mask.batch_size in (1, None)
     torch.testing.assert_close(mh.attention(q, q, q, mask=mask),
@@ -540,7 +546,8 @@ def test_at_positions_is_one_custom_leaf_to_backends_that_compile_masks_by_kind(
     call = make_call(q, q, q, mask=m, scale=None, dropout_p=0.0, return_weights=False,
                      return_lse=False)
     kernels = Capabilities(masks=frozenset({"window", "alibi", "and"}))   # as Triton's
-    assert "does not apply custom masks" in kernels.reasons(call, "cpu")
+    assert ("does not apply at_positions masks (a padded KV cache puts a window or ALiBi at its "
+            "tokens' positions that way)") in kernels.reasons(call, "cpu")
 
 
 def test_at_positions_moves_order_and_distance_leaves_and_leaves_per_slot_data_on_slots():

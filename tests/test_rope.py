@@ -497,6 +497,19 @@ def test_a_module_with_partial_rotary_decodes_as_its_full_forward():
                                          r"is 16: use RotaryEmbedding\(16\) \(or, to rotate only "
                                          r"the first 8 channels .*RotaryEmbedding\(16, rotary_dim=8\)"):
         mh.MultiHeadAttention(64, 4, rope=mh.RotaryEmbedding(8))
+    with pytest.raises(ValueError, match=r"use RotaryEmbedding\(16\)$"):    # wider: no partial
+        mh.MultiHeadAttention(64, 4, rope=mh.RotaryEmbedding(32))
+
+
+def test_a_rope_pickled_before_rotary_dim_loads_as_a_full_rotation():
+    import pickle
+    rope = mh.RotaryEmbedding(8)
+    state = rope.__getstate__()
+    del state["_rotary_dim"], state["_factor"]                  # as an older version pickled
+    old = mh.RotaryEmbedding.__new__(mh.RotaryEmbedding)
+    old.__setstate__(state)
+    x = torch.randn(1, 2, 3, 8)
+    assert torch.equal(pickle.loads(pickle.dumps(old))(x, 2), rope(x, 2))
 
 
 @pytest.mark.parametrize("kwargs, match", [

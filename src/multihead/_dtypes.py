@@ -135,7 +135,8 @@ def host_tensor(name: str, x, expected: str, fix: str) -> torch.Tensor:
 
 def integer_tensor(name: str, x) -> torch.Tensor:
     """``x`` (an integer tensor, or a list of ints: kept on the host) as an int64 tensor, or
-    a TypeError naming ``name`` that shows what was passed.
+    an error naming ``name`` that shows what was passed: a TypeError for what is not
+    integers, a ValueError for a ragged list or one past int64.
 
     Example:
         >>> integer_tensor("cu_seqlens", [0, 3, 5])
@@ -145,7 +146,8 @@ def integer_tensor(name: str, x) -> torch.Tensor:
         ...
         TypeError: cu_seqlens must be integers (a list or an integer tensor), got 'abc' (str)
     """
-    t = host_tensor(name, x, "integers (a list or an integer tensor)", "a list of ints")
+    t = host_tensor(name, x, "integers (a list or an integer tensor)",
+                    "a list of ints (or rows of one length)")
     check_strided(name, t)
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         shown = (" [" + ", ".join(f"{x:g}" for x in t.reshape(-1)[:8].tolist()) + "]"

@@ -148,9 +148,13 @@ def test_the_pages_weights_are_the_jsons_and_the_page_works_from_the_keyboard(br
     it.focus()                                                   # a focused token draws as a hovered one
     assert page.locator("#lines line").count() > 0
     assert it.get_attribute("aria-label").startswith("it attends to because ")
-    page.keyboard.press("Tab")
-    assert page.locator("#lines line").count() == 0 or page.evaluate(
-        "document.activeElement.classList.contains('q')")
+    page.focus(".cell[data-layer='3'][data-head='1']")          # the token loses focus
+    assert page.locator("#lines line").count() == 0
+    assert it.get_attribute("aria-label") == "it"               # no stale description
+    it.focus()
+    page.evaluate("document.querySelector(\".cell[data-layer='3'][data-head='1']\").click()")
+    assert it.get_attribute("aria-label").startswith("it attends to animal ")   # this head's
+    assert page.evaluate("shown('a\\rb\\u202ec\\x85')") == r"a\rb\u202ec\x85"   # as plain()
     assert errors == []
 
 

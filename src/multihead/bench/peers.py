@@ -107,6 +107,9 @@ class HFLlamaDecoder:
         if ours.rope is None or ours.in_proj_bias is not None or not ours.packed:
             raise ValueError("HFLlamaDecoder: the module must have rope, bias=False and "
                              "self-attention projections (a Llama layer's)")
+        if ours.rope.rotary_dim != ours.head_dim or ours.rope.attention_factor != 1:
+            raise ValueError("HFLlamaDecoder: the module's rope must rotate every channel with "
+                             "attention_factor 1 (a plain Llama layer's)")
         E, H, Hkv, Dh = ours.embed_dim, ours.num_heads, ours.num_kv_heads, ours.head_dim
         w = ours.in_proj_weight.detach()
         config = LlamaConfig(hidden_size=E, num_attention_heads=H, num_key_value_heads=Hkv,

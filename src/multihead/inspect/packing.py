@@ -10,7 +10,8 @@ of all heads are zlib-compressed and base64-encoded:
     w ~= (q / 255) ** (2 if curve == "sqrt" else 1) * scale
 
 The absolute error is at most ``scale / 510`` ("linear") or ``scale / 255`` ("sqrt").
-:func:`unpack_weights` reads it back; the HTML report's script decodes the "linear" form.
+:func:`unpack_weights` reads it back; the HTML report's script decodes either curve (it
+holds the same packing as ``inspect.json``).
 
 Notation used for tensor shapes: L layers, H heads, S tokens.
 """

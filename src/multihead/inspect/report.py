@@ -7,10 +7,12 @@ written into the page with ``textContent``: a text like ``<script>alert(1)</scri
 renders as text.
 
 Attention weights are packed one byte each (:mod:`multihead.inspect.packing`): a 512-token
-report is a few MB, not hundreds. The page and ``inspect.json`` hold the same bytes, so the
+report is 13.6 MB, not hundreds. The page and ``inspect.json`` hold the same bytes, so the
 weights the page shows (two decimals: a byte keeps a weight within 1/255 of its head's
-largest) are the ones the JSON unpacks to. Control and bidirectional-override characters of
-a text are shown escaped (``\u202e``), never obeyed, as in the terminal. JSON is strict (no ``NaN``/``Infinity``), and every file is
+largest) are the ones the JSON unpacks to. The characters the terminal shows escaped
+(control and bidirectional-override ones, :data:`multihead._args.CONTROLS`) are escaped in
+the page's data and shown escaped (``\\u202e``, ``\\r``), never obeyed; the text keeps its
+newlines and tabs. JSON is strict (no ``NaN``/``Infinity``), and every file is
 built in memory before the first one is written, each through a temporary file
 (:mod:`multihead.inspect.files`): an error leaves no half-written report.
 """
@@ -97,8 +99,9 @@ def _json(obj) -> str:
 
 def _safe_json(obj) -> str:
     """JSON that cannot close its ``<script>`` element or start markup."""
-    return (_json(obj).replace("<", "\\u003c").replace(">", "\\u003e")
-            .replace("&", "\\u0026").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
+    return CONTROLS.sub(lambda m: f"\\u{ord(m[0]):04x}",     # (only inside strings: raw there)
+                        _json(obj).replace("<", "\\u003c").replace(">", "\\u003e")
+                        .replace("&", "\\u0026"))
 
 
 def html(inspection: Inspection) -> str:

@@ -191,7 +191,8 @@ class Mask:
     #: a cached value that refers to a mask does not own its tensors: caches neither count
     #: them nor order them across streams (see :func:`multihead._cache.nbytes`)
     _cache_opaque = True
-    #: batch size the mask was built for, or None when it does not depend on the batch
+    #: batch size the mask applies to, or None when it does not depend on the batch (ours
+    #: read it from their tensors as they are, and it is read-only there)
     batch_size: int | None = None
     #: number of heads the mask was built for, or None when it does not depend on the head
     num_heads: int | None = None
@@ -678,7 +679,11 @@ class Mask:
 
     def __repr__(self) -> str:
         sq, sk = self._preview_size()
-        if self.batch_size == 0:
+        try:
+            batch = self.batch_size            # (ours follow their tensors: rows may disagree)
+        except ValueError as exc:               # a repr must never raise
+            return f"{self.describe()} ({exc})"
+        if batch == 0:
             return f"{self.describe()} (an empty batch: nothing to draw)"
         if max(sq, sk) > self._DRAWN:
             return (f"{self.describe()} (Sq={sq}, Sk={sk}: too large to draw here; "

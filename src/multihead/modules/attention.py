@@ -142,11 +142,11 @@ class MultiHeadAttention(AllOrNothing):
             if not isinstance(rope, RotaryEmbedding):
                 raise TypeError(f"rope must be a multihead.RotaryEmbedding, got {type(rope).__name__}")
             if rope.head_dim != Dh:
+                partial = (f" (or, to rotate only the first {rope.rotary_dim} channels as "
+                           f"GPT-NeoX's rotary_pct does, RotaryEmbedding({Dh}, rotary_dim="
+                           f"{rope.rotary_dim}))" if rope.rotary_dim < Dh else "")
                 raise ValueError(f"rope was built for head_dim {rope.head_dim} but the module's "
-                                 f"head_dim is {Dh}: use RotaryEmbedding({Dh}) (or, to rotate "
-                                 f"only the first {rope.rotary_dim} channels as GPT-NeoX's "
-                                 f"rotary_pct does, RotaryEmbedding({Dh}, rotary_dim="
-                                 f"{rope.rotary_dim}))")
+                                 f"head_dim is {Dh}: use RotaryEmbedding({Dh}){partial}")
         self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = E, H, Hkv, Dh
         self.kdim = E if kdim is None else positive_int("kdim", kdim)
         self.vdim = E if vdim is None else positive_int("vdim", vdim)
@@ -435,7 +435,7 @@ class MultiHeadAttention(AllOrNothing):
     def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """K/V cache bytes one token costs in this layer: ``2 * Hkv * Dh * itemsize``
         (the seeds' MQA/GQA memory argument: H/Hkv times less than MHA)."""
-        size = torch.empty((), dtype=dtype or self.out_proj.weight.dtype).element_size()
+        size = torch.empty((), dtype=dtype or self._kv_dtype()).element_size()
         return 2 * self.num_kv_heads * self.head_dim * size
 
     def _check_cache(self, cache) -> None:
@@ -447,7 +447,8 @@ class MultiHeadAttention(AllOrNothing):
         if cache.dtype != kv and kv != p.dtype:
             raise TypeError(f"cache is {cache.dtype} but under torch.autocast({kv}) this module "
                             f"computes K/V in {kv}: build the cache with dtype={kv} "
-                            f"(module.make_cache(...) inside the autocast context does)")
+                            f"(module.make_cache(...) inside the autocast context does; "
+                            f"PagedKVCache(..., dtype={kv}) for pages)")
         if cache.dtype != kv and cache.dtype in (torch.float16, torch.bfloat16) \
                 and p.dtype in AUTOCAST_CASTS:
             raise TypeError(f"cache is {cache.dtype} but this module computes K/V in {p.dtype}: "

@@ -6,7 +6,7 @@ by the angle ``m * base^(-2i/R)``, over the first ``R = rotary_dim`` channels of
 query at ``m`` and a key at ``n`` depends only on ``m - n``.
 
 The cosines and sines of the angles are kept in a table of positions ``0..rows-1`` per
-(head dim, base, device, precision), shared by every :class:`RotaryEmbedding` of that kind
+(rotary dim, base, device, precision), shared by every :class:`RotaryEmbedding` of that kind
 and grown by doubling up to :data:`TABLE_BYTES`. Positions the host knows (an int start, a
 CPU tensor) read their rows from it: consecutive ones as a slice (no device op), others with
 one gather. So a decoding step on a GPU launches only the rotation's kernels, not a dozen to
@@ -40,7 +40,7 @@ FIRST_ROWS = 2048
 #: (longer positions compute their angles)
 TABLE_BYTES = 64 << 20
 
-#: (head_dim, base, device, dtype) -> table (rows, 2, D): [:, 0] cos, [:, 1] sin with the
+#: (rotary_dim, base, device, dtype) -> table (rows, 2, R): [:, 0] cos, [:, 1] sin with the
 #: sign of the rotation folded in (the first half negated)
 _TABLES = BoundedCache(max_entries=64, max_bytes=4 * TABLE_BYTES)
 _GROWING = threading.Lock()
@@ -82,7 +82,7 @@ def _check_values(positions: torch.Tensor) -> None:
         return
     if not positions.is_floating_point():
         most = max(-int(positions.min()), int(positions.max()))   # (int64's min has no abs)
-        if most > EXACT:
+        if most >= EXACT:                                         # (as an int start's bound)
             raise ValueError(f"RotaryEmbedding: positions reach {most}, past 2**53, where "
                              f"positions stop being exact even in float64: pass positions "
                              f"below it")
@@ -209,7 +209,7 @@ class RotaryEmbedding(nn.Module):
         self._set_canonical(self.inv_freq.device)
 
     def _set_canonical(self, device) -> None:
-        """``inv_freq`` := the frequencies of head_dim and base, fp32 on ``device`` (a plain
+        """``inv_freq`` := the frequencies of rotary_dim and base, fp32 on ``device`` (a plain
         tensor, also under ``torch.inference_mode``); noted as unchanged (the shared table
         holds its angles)."""
         with torch.inference_mode(False):
@@ -244,6 +244,8 @@ class RotaryEmbedding(nn.Module):
         return state
 
     def __setstate__(self, state):
+        state.setdefault("_rotary_dim", state.get("_head_dim"))     # (pickled before these:
+        state.setdefault("_factor", 1.0)                            # every channel, factor 1)
         super().__setstate__(state)
         if self.__dict__["_canonical"] is True:       # (the tensor it has: a shallow copy
             self._note_canonical(self.inv_freq)       # shares it with the original)
