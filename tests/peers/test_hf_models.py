@@ -488,7 +488,6 @@ def test_compiled_fullgraph_with_a_padding_mask_equals_eager_mode(name, side):
 
 
 @pytest.mark.parametrize("cls,config,kwargs", [
-    ("GPTJForCausalLM", "GPTJConfig", dict(n_embd=32, n_layer=1, n_head=4, rotary_dim=4)),
     ("GPTNeoForCausalLM", "GPTNeoConfig", dict(hidden_size=32, num_layers=1, num_heads=4,
                                                attention_types=[[["global"], 1]])),
     ("FalconForCausalLM", "FalconConfig", dict(hidden_size=32, num_hidden_layers=1,
@@ -501,6 +500,28 @@ def test_models_that_look_their_attention_class_up_by_name_fail_as_the_readme_sa
                                         **kwargs, attn_implementation="multihead")
     with pytest.raises(KeyError, match="multihead"):
         getattr(transformers, cls)(cfg)
+
+
+def test_gpt_j_runs_on_our_attention_as_on_its_eager_one():
+    """transformers 5.24 moved GPT-J onto AttentionInterface (it looked its attention class
+    up by name before, and failed there with KeyError: 'multihead')."""
+    from unittest import mock
+    import multihead.interop.hf as H
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    am = torch.ones(2, 9, dtype=torch.long)
+    am[1, :3] = 0                                                  # left padding
+    logits, calls = {}, []
+    for impl in ("multihead", "eager"):
+        cfg = transformers.GPTJConfig(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, n_embd=32,
+                                      n_layer=2, n_head=4, rotary_dim=4, attn_implementation=impl)
+        torch.manual_seed(0)
+        m = transformers.GPTJForCausalLM(cfg).eval()
+        real = H.attention
+        with torch.no_grad(), mock.patch.object(H, "attention", side_effect=lambda *a, **k: (
+                calls.append(1), real(*a, **k))[1]):
+            logits[impl] = m(input_ids=ids, attention_mask=am).logits
+    assert len(calls) == 2                                         # both layers ran on ours
+    assert_close_at(logits["multihead"], logits["eager"], am.bool(), what="logits")
 
 
 @torch.inference_mode()
