@@ -207,7 +207,7 @@ def test_token_type_ids_are_checked_as_input_ids_are(tmp_path, types, error, mes
     (torch.arange(6), None, TypeError, r"cu_seqlens must be integers .* got None \(NoneType\)"),
     (torch.arange(6), "abc", TypeError, r"cu_seqlens must be integers .* got 'abc' \(str\)"),
     (torch.arange(6), [0, 2**64], ValueError, r"cu_seqlens \[0, 1844.* cannot be a tensor \(.*\): "
-     r"pass a list of ints, each below 2\*\*63"),
+     r"pass a list of ints \(or rows of one length\), each below 2\*\*63"),
 ], ids=["float-list", "float-tensor", "empty", "empty-text", "scalar", "none", "str", "overflow"])
 def test_forward_packed_refuses_offsets_it_would_round_or_fail_on(tmp_path, ids, cu, error,
                                                                    message):
