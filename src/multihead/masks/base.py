@@ -730,6 +730,10 @@ def one_batch(what: str, rows: dict) -> int | None:
 
     Raises:
         ValueError: two sizes other than 1 differ (``what`` names the mask).
+
+    Example:
+        >>> one_batch("document", {"ids": 3, "kv_ids": 1}), one_batch("document", {"ids": 1})
+        (3, None)
     """
     # (==/!= only: a batch traced as symbolic by torch.compile stays so)
     named = [(name, n) for name, n in rows.items() if n is not None and n != 1]

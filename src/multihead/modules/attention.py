@@ -254,8 +254,8 @@ class MultiHeadAttention(AllOrNothing):
                              + (" (add a batch dim with x.unsqueeze(0))" if t.dim() == 2 else ""))
         p = self.out_proj.weight
         check_weights(p.dtype)
-        cast = self._autocast_dtype()               # (autocast casts x itself, as torch's modules)
-        if (t.dtype != p.dtype and not (cast and t.dtype in AUTOCAST_CASTS)) or t.device != p.device:
+        if (t.dtype != p.dtype and not (t.dtype in AUTOCAST_CASTS and self._autocast_dtype())
+                or t.device != p.device):      # (autocast casts x itself, as torch's modules)
             raise TypeError(f"{name} is {t.dtype} on {t.device} but the module is {p.dtype} on "
                             f"{p.device}: use module.to({name}.device, {name}.dtype) or convert {name}")
 

@@ -67,11 +67,12 @@ def _angles(pos: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
 EXACT = 2 ** 53
 
 
-def _check_values(positions: torch.Tensor) -> None:
+def _check_values(positions: torch.Tensor) -> tuple[int, int] | None:
     """Refuse positions of a dtype that is not a position (bool, complex), and, where
     the host holds them, non-finite float ones (they would make the rows NaN) and integer
     ones past 2**53 (as an int start is). Positions on a device are not read back: a NaN
-    there gives NaN rows."""
+    there gives NaN rows. Returns the (least, largest) of integer positions it read (the
+    table's rows: read once), else None."""
     check_strided("positions", positions)
     if positions.dtype == torch.bool or positions.is_complex():
         raise TypeError(f"RotaryEmbedding: positions must be an integer or float tensor, got "
@@ -79,20 +80,22 @@ def _check_values(positions: torch.Tensor) -> None:
     if not (positions.device.type == "cpu" and type(positions) is torch.Tensor and positions.numel()
             and not torch.compiler.is_compiling()
             and not torch._C._are_functorch_transforms_active()):
-        return
+        return None
     if not positions.is_floating_point():
-        most = max(-int(positions.min()), int(positions.max()))   # (int64's min has no abs)
+        lo, hi = int(positions.min()), int(positions.max())
+        most = max(-lo, hi)                                       # (int64's min has no abs)
         if most >= EXACT:                                         # (as an int start's bound)
             raise ValueError(f"RotaryEmbedding: positions reach {most}, past 2**53, where "
                              f"positions stop being exact even in float64: pass positions "
                              f"below it")
-    else:
-        bad = ~positions.isfinite()
-        if bad.any():
-            raise ValueError(f"RotaryEmbedding: positions must be finite, got "
-                             f"{positions[bad][:4].tolist()} at index "
-                             f"{[tuple(i) for i in bad.nonzero()[:4].tolist()]}: a position "
-                             f"that is not finite rotates its row into NaN")
+        return lo, hi
+    bad = ~positions.isfinite()
+    if bad.any():
+        raise ValueError(f"RotaryEmbedding: positions must be finite, got "
+                         f"{positions[bad][:4].tolist()} at index "
+                         f"{[tuple(i) for i in bad.nonzero()[:4].tolist()]}: a position "
+                         f"that is not finite rotates its row into NaN")
+    return None
 
 
 def _even_width(name: str, n, limit: str) -> int:
@@ -181,7 +184,14 @@ class RotaryEmbedding(nn.Module):
 
     @property
     def rotary_dim(self) -> int:
-        """The channels rotated (in pairs), the first of each head. Read-only."""
+        """The channels rotated (in pairs), the first of each head. Read-only.
+
+        Example:
+            >>> x = torch.randn(1, 2, 3, 8)                      # (B, H, S, D)
+            >>> y = RotaryEmbedding(8, rotary_dim=4)(x, 5)
+            >>> torch.equal(y[..., 4:], x[..., 4:])              # the rest pass unchanged
+            True
+        """
         return self._rotary_dim
 
     @property
@@ -397,7 +407,7 @@ class RotaryEmbedding(nn.Module):
             raise TypeError(f"RotaryEmbedding: positions must be an int (the first of S "
                             f"consecutive positions) or an integer or float tensor (S,) or "
                             f"(B, S), got {type(positions).__name__}")
-        _check_values(positions)
+        span = _check_values(positions)                      # (lo, hi) of host integer ones
         B = x.shape[0] if x.dim() == 4 else 1
         if positions.dim() not in (1, 2) or positions.shape[-1] != S or (
                 positions.dim() == 2 and positions.shape[0] != 1 and positions.shape[0] != B):
@@ -406,9 +416,8 @@ class RotaryEmbedding(nn.Module):
                              f"{tuple(positions.shape)}")
         if positions.dim() == 2 and x.dim() != 4:
             positions = positions.reshape(S)                 # (1, S) -> (S,): x has no batch
-        if (tables and positions.device.type == "cpu" and positions.numel()
-                and not (positions.is_floating_point() or positions.is_complex())):
-            lo, hi = int(positions.min()), int(positions.max())      # a host tensor: no sync
+        if tables and span is not None:
+            lo, hi = span                                            # a host tensor: no sync
             table = self._table(device, dtype, hi + 1) if lo >= 0 else None
             if table is not None:
                 if positions.dim() == 1 and hi - lo == S - 1 and torch.equal(
