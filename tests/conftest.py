@@ -115,6 +115,8 @@ def make_masks(B: int, H: int, sq: int, sk: int, seed: int = 0) -> dict[str, mh.
     b = torch.randn(1, H, sq, sk, generator=g)
     b[torch.rand(1, H, sq, sk, generator=g) > 0.8] = float("-inf")
     qlen = torch.randint(0, sq + 1, (B,), generator=g)
+    k_pos = left.cumsum(-1) - 1               # a left-padded row: -1 first, repeats at gaps
+    q_pos = torch.sort(torch.randint(-1, sk + 1, (B, sq), generator=g), dim=1).values
     M = mh.masks
     return {
         "none": None,
@@ -133,6 +135,8 @@ def make_masks(B: int, H: int, sq: int, sk: int, seed: int = 0) -> dict[str, mh.
         "causal|dense": M.causal() | M.dense(dense),
         "~dense&alibi": ~M.dense(dense) & M.alibi(H),
         "causal&alibi": M.causal() & M.alibi(H),
+        "positions(window&alibi)&padding": M.at_positions(
+            M.sliding_window(max(2, sk // 4)) & M.alibi(H), q_pos, k_pos) & M.padding(left),
     }
 
 

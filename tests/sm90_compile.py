@@ -143,7 +143,9 @@ def launches():
     k = torch.zeros(2, 2, 256, 128, **bf)
     ids = torch.arange(256) // 50
     dense = torch.rand(2, 1, 256, 256) > 0.5
-    for m in (M.document(ids) & M.causal(),
+    pos = (torch.rand(2, 256) > 0.1).cumsum(-1) - 1               # a padded cache's positions
+    for m in (M.at_positions(M.sliding_window(64) & M.alibi(4), pos, pos) & M.causal(),
+              M.document(ids) & M.causal(),
               M.dense(dense) | M.sliding_window(16),
               ~M.dense(dense) & M.alibi(4),
               M.bias(torch.randn(1, 4, 256, 256)) & M.padding(torch.rand(2, 256) > 0.1),

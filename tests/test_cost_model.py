@@ -130,6 +130,22 @@ def test_documents_with_host_runs_go_to_a_per_document_kernel_on_a_gpu():
     assert varlen.plan is not None and varlen.plan.work.syncs == 0
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernels' plans)")
+def test_a_padded_caches_window_runs_on_the_kernels_for_a_prompt_and_sdpa_for_a_step():
+    """A padded cache's window is an at_positions mask, new each decoding step: the block
+    lists are built each step and Triton's launcher costs more host time than SDPA's, so a
+    step of 16 queries goes to SDPA (priced without them, it went to the kernels); a
+    2048-token prompt goes to our kernels."""
+    from multihead.masks.positioned import distances_in_tokens
+    for sq, sk, want in ((16, 4096, "sdpa"), (2048, 2048, "triton")):
+        q, k, v = qkv(8, 32, 8, sq, sk)
+        valid = torch.ones(8, sk, dtype=torch.bool, device="meta")
+        mask = distances_in_tokens(M.causal() & M.sliding_window(1024), valid, sq)
+        e = choice("h100", q, k, v, mask=mask & M.padding(valid))
+        assert e.chosen == want, str(e)
+        assert e.plan.work.syncs == 0
+
+
 def test_a_plan_that_does_not_fit_in_memory_is_not_a_plan():
     args = qkv(1, 32, 32, 65536, 65536)            # weights: 32 * 2^32 fp32 scores = 512 GiB
     with pytest.raises(ValueError, match="no backend can run this call: .*reference needs "

@@ -545,9 +545,16 @@ def test_at_positions_is_one_custom_leaf_to_backends_that_compile_masks_by_kind(
     q = torch.randn(1, 2, 4, 8, dtype=torch.float16)
     call = make_call(q, q, q, mask=m, scale=None, dropout_p=0.0, return_weights=False,
                      return_lse=False)
-    kernels = Capabilities(masks=frozenset({"window", "alibi", "and"}))   # as Triton's
+    kernels = Capabilities(masks=frozenset({"window", "alibi", "and"}))   # as SDPA's would be
     assert ("does not apply at_positions masks (a padded KV cache puts a window or ALiBi at its "
             "tokens' positions that way)") in kernels.reasons(call, "cpu")
+    placed = Capabilities(masks=frozenset({"window", "alibi", "and", "at_positions"}))  # Triton's
+    assert placed.reasons(call, "cpu") == []
+    from multihead.masks.base import Mask
+    other = Mask() & mh.masks.causal()                          # a user's own kind: still refused
+    call = make_call(q, q, q, mask=other, scale=None, dropout_p=0.0, return_weights=False,
+                     return_lse=False)
+    assert "does not apply causal, custom masks" in " ".join(placed.reasons(call, "cpu"))
 
 
 def test_at_positions_moves_order_and_distance_leaves_and_leaves_per_slot_data_on_slots():

@@ -805,3 +805,49 @@ def test_a_growing_decoding_loop_plans_the_triton_kernel_twice_per_doubling(trit
             want = oracle(q, k[:, :, :t], v[:, :, :t], M.causal())
             torch.testing.assert_close(got.double(), want, atol=2e-3, rtol=2e-3)
     assert planned.call_count == 4
+
+
+def _padded_window_steps(backend):
+    """A left-padded prompt, then three decoding steps (one with a padded slot) of a GQA
+    module whose window and ALiBi count tokens (at_positions over the cache's padding)."""
+    torch.manual_seed(0)
+    attn = mh.MultiHeadAttention(64, 8, num_kv_heads=2, backend=backend).to(DEV).eval()
+    attn = attn.to(torch.float16) if backend == "triton" else attn.double()
+    g = torch.Generator().manual_seed(2)
+    x = lambda n: torch.randn(2, n, 64, generator=g).to(DEV, attn.out_proj.weight.dtype)  # noqa: E731
+    valid = torch.arange(19, device=DEV)[None] >= torch.tensor([[0], [6]], device=DEV)
+    cache, mask = attn.make_cache(2, 40), M.sliding_window(5) & M.alibi(8)
+    with torch.no_grad():
+        out = [attn(x(19), cache=cache, mask=mask, valid=valid)]
+        out.append(attn(x(1), cache=cache, mask=mask,
+                        valid=torch.tensor([[True], [False]], device=DEV)))
+        out += [attn(x(1), cache=cache, mask=mask) for _ in range(2)]
+    return out
+
+
+def test_a_padded_cache_with_a_window_and_alibi_decodes_on_the_kernels(triton_on_cpu):
+    """A padded KV cache puts its window and ALiBi at token positions (``at_positions``):
+    the kernels run those masks from the positions (refused before), prompt and steps equal
+    the module computed in fp64 on the reference backend."""
+    got, want = _padded_window_steps("triton"), _padded_window_steps("reference")
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, atol=3e-3, rtol=3e-3)
+
+
+def test_at_positions_of_a_custom_mask_is_refused_by_name():
+    class Even(M.Mask):
+        def _allowed(self, ix):
+            return (ix.k % 2) == 0
+
+        def _tile_bounds(self, tx):
+            return torch.ones(1, 1, 1, 1, dtype=torch.bool), torch.zeros(1, 1, 1, 1,
+                                                                         dtype=torch.bool)
+    m = M.at_positions(Even(), torch.arange(8), torch.arange(8))
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float16)
+    call = make_call(q, q, q, mask=m, scale=None, dropout_p=0.0, return_weights=False,
+                     return_lse=False)
+    assert "no Triton form for Even" in tb.TritonFlash().check(call)
+    placed = M.at_positions(M.causal(), torch.arange(8), torch.arange(8))
+    with pytest.raises(ValueError, match="at token positions it runs causal, sliding_window"):
+        mask_program(type(placed)(M.padding(torch.tensor([3])), torch.arange(8),
+                                  torch.arange(8)), 8, 8, "cpu")

@@ -15,9 +15,10 @@ import torch
 from .._dtypes import SUPPORTED_DTYPES
 from ._call import AttentionCall
 
-#: leaf mask structures a backend can declare (compositions are "and", "or", "not")
+#: leaf mask structures a backend can declare (compositions are "and", "or", "not");
+#: "at_positions" (a leaf of kind "custom") for a backend that runs those and no other custom
 MASK_KINDS = frozenset({"causal", "window", "padding", "document", "dense", "bias", "alibi",
-                        "custom"})
+                        "custom", "at_positions"})
 ALL_DTYPES = frozenset(SUPPORTED_DTYPES)
 
 
@@ -114,7 +115,8 @@ class Capabilities:
             if m.kind in ("and", "or", "not") and not self.compositions:
                 out.append(f"does not apply composed masks ({m.kind})")
             kinds = sorted({getattr(leaf, "kind_label", leaf.kind) for leaf in m.leaves()
-                            if leaf.kind not in self.masks})
+                            if leaf.kind not in self.masks
+                            and getattr(leaf, "kind_label", None) not in self.masks})
             if kinds:
                 why = (" (a padded KV cache puts a window or ALiBi at its tokens' positions "
                        "that way)" if "at_positions" in kinds else "")

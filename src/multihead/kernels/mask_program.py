@@ -21,6 +21,9 @@ only what it needs:
 - ``alibi``: ``-slope[h] * |R + offset - C|`` from the per-head slopes, the distance
   taken in fp32 (exact below 2**24 positions; converted per row and per column, not per
   score);
+- ``at_positions`` of a band or ALiBi: the block's rows' and columns' token positions
+  loaded (per sequence), and the band or ALiBi measured between them in place of ``R`` and
+  ``C`` (a padded KV cache's window and ALiBi count tokens that way);
 - ``&``, ``|``, ``~`` of these (biases add under ``&``).
 
 The bias comes back in the kernels' base 2 (times ``log2(e)``, folded into ALiBi's slope),
@@ -53,6 +56,7 @@ import torch
 
 from .._device import to_device
 from ..masks import base as MB
+from ..masks import positioned as MP
 from ..masks import structured as MS
 from ..masks import tensor as MT
 
@@ -103,12 +107,19 @@ def supported(mask: MB.Mask | None) -> str | None:
     if foreign:
         return (f"has no Triton form for {', '.join(foreign)} (a user's mask class, or a "
                 f"subclass of ours: its own predicate is not ours to compile)")
+    placed = sorted({m.describe() for m in _nodes(mask)
+                     if type(m) is MP.Positioned and type(m.m) not in _PLACED})
+    if placed:
+        return (f"has no Triton form for {', '.join(placed)} (at token positions it runs "
+                f"causal, sliding_window and alibi)")
     return None
 
 
 #: the classes a program compiles: exactly these (a subclass may override what they mean)
 _OURS = (MS.Window, MS.Padding, MS.Document, MT.Dense, MT.Bias, MT.ALiBi, MB.And, MB.Or,
-         MB.Not)
+         MB.Not, MP.Positioned)
+#: what a program places at token positions: the leaves that measure distance from indices
+_PLACED = (MS.Window, MT.ALiBi)
 
 
 def _nodes(m: MB.Mask):
@@ -117,7 +128,7 @@ def _nodes(m: MB.Mask):
     if type(m) in (MB.And, MB.Or):
         yield from _nodes(m.a)
         yield from _nodes(m.b)
-    elif type(m) is MB.Not:
+    elif type(m) in (MB.Not, MP.Positioned):
         yield from _nodes(m.m)
 
 
@@ -156,15 +167,29 @@ _COL = "C.to(tl.int64)"
 _IN = "(R < Sq) & (C < Sk)"
 
 
-def _distance(w: _Writer, align: str, sq: int, sk: int) -> str:
+def _distance(w: _Writer, align: str, sq: int, sk: int, row: str, col: str) -> str:
     off = w.int(MS._offset(align, sq, sk))
-    return w.var(f"R + {off} - C")
+    return w.var(f"{row} + {off} - {col}")
 
 
-def _leaf(w: _Writer, m: MB.Mask, sq: int, sk: int) -> tuple[str | None, str | None]:
-    """(allowed, bias) variable names of one leaf (None: nothing of that kind)."""
+def _positions(w: _Writer, t: torch.Tensor, at: str, bound: str) -> str:
+    """The token positions ``t`` ``(B', S)`` of the slots ``at`` (``R`` or ``C``), loaded as
+    a grid shaped as ``at`` (0 outside ``bound``: those pairs are masked by the kernels)."""
+    t = t.to(w.device)                                                          # (B', S)
+    sb, ss = w.strides(t)
+    return w.var(f"tl.load({w.tensor(t)} + b.to(tl.int64) * {sb} + {at}.to(tl.int64) * {ss}, "
+                 f"mask={bound}, other=0)")
+
+
+def _leaf(w: _Writer, m: MB.Mask, sq: int, sk: int, row: str = "R",
+          col: str = "C") -> tuple[str | None, str | None]:
+    """(allowed, bias) variable names of one leaf (None: nothing of that kind). ``row`` and
+    ``col`` are the query and key indices a band or ALiBi measures (positions, placed)."""
+    if type(m) is MP.Positioned:        # the slots' positions, lengths equal (no alignment)
+        return _leaf(w, m.m, sk, sk, _positions(w, m.q_positions, "R", "R < Sq"),
+                     _positions(w, m.k_positions, "C", "C < Sk"))
     if m.kind in ("causal", "window"):
-        d = _distance(w, m.align, sq, sk)
+        d = _distance(w, m.align, sq, sk, row, col)
         ok = f"{d} >= 0" if m.size is None else f"({d} >= 0) & ({d} < {w.int(m.size)})"
         return w.var(ok), None
     if m.kind == "padding":
@@ -209,7 +234,7 @@ def _leaf(w: _Writer, m: MB.Mask, sq: int, sk: int) -> tuple[str | None, str | N
                           lambda: to_device(m.slopes, w.device))          # (H',), no wait
         (sh,) = w.strides(slopes)
         off = w.int(MS._offset(m.align, sq, sk))
-        d = w.var(f"(R + {off}).to(tl.float32) - C.to(tl.float32)")            # the block
+        d = w.var(f"({row} + {off}).to(tl.float32) - {col}.to(tl.float32)")    # the block
         s = w.var(f"tl.load({w.tensor(slopes)} + h.to(tl.int64) * {sh}) * {-LOG2E!r}")
         return None, w.var(f"tl.abs({d}) * {s}")
     raise ValueError(f"mask_program: no Triton form for {m.describe()}")

@@ -4,8 +4,8 @@ Band masks (causal, sliding windows, either alignment) and key padding from leng
 or combined with ``&``, run the band kernels, which compute only the key blocks the band
 reaches from indices; packed documents (contiguous runs known on the host), alone or with a
 band, run them scheduled per (document, query block), so no program visits another
-document's keys; every other mask of our model but ``at_positions`` (documents, dense, bias, ALiBi, padding
-rows, ``&``/``|``/``~`` compositions) runs the block-sparse kernels
+document's keys; every other mask of our model (documents, dense, bias, ALiBi, padding rows,
+``at_positions`` of a band or ALiBi, ``&``/``|``/``~`` compositions) runs the block-sparse kernels
 (:mod:`multihead.kernels.flash_sparse`), which visit the blocks in per-block lists built on
 the device and evaluate the mask as generated Triton code on the blocks it cuts. GQA and
 MQA read each K/V head in place, forward and backward (the K/V gradients are summed over
@@ -28,6 +28,7 @@ from ... import masks as M
 from ...masks.structured import _offset
 from .._call import AttentionCall
 from ..capabilities import Capabilities, shown
+from ._common import mask_launches
 from ..cost import Work
 from ..registry import Backend, Plan, register
 
@@ -45,6 +46,9 @@ BACKWARD_EFFICIENCY = 0.6
 #: ``mh.attention`` against SDPA's 44, for 17 and 9 us of kernels, ``benchmarks/triton_step``).
 #: So auto keeps SDPA for decoding and ``backend="triton"`` opts in
 DECODE_HOST_LAUNCHES = 9
+#: torch ops that turn a mask's tile map into the block lists (clamps, sort, counts), on top
+#: of the map's own (priced as materializing the mask: index grids, one op per leaf)
+LIST_OPS = 8
 
 
 class Band(NamedTuple):
@@ -147,10 +151,10 @@ def _share(pairs, total) -> str:
     return f"{pairs / max(1, total):.1%} of the pairs"
 
 
-def _work(call: AttentionCall, pairs: int, block_m: int) -> Work:
+def _work(call: AttentionCall, pairs: int, block_m: int, launches: float = 1) -> Work:
     """The forward's (and with gradients, the backward's) work over ``pairs`` computed."""
     work = Work(flops=2.0 * pairs * (call.D + call.Dv) / EFFICIENCY, kernel="fused",
-                dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=call.group), launches=1,
+                dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=call.group), launches=launches,
                 parallel=call.B * call.H * -(-call.Sq // block_m))  # no split over keys (yet)
     if call.requires_grad:
         work = work.times(flops=1 + 2.5 * EFFICIENCY / BACKWARD_EFFICIENCY, bytes=3.0,
@@ -166,7 +170,7 @@ class TritonFlash(Backend):
                                 dtypes=frozenset({torch.float16, torch.bfloat16}),
                                 max_head_dim=256, lse=True,
                                 masks=frozenset({"causal", "window", "padding", "document",
-                                                 "dense", "bias", "alibi"}),
+                                                 "dense", "bias", "alibi", "at_positions"}),
                                 transforms=False, forward_ad=False)
 
     def check(self, call):
@@ -204,7 +208,14 @@ class TritonFlash(Backend):
                 state = mask._tile_map(call.Sq, call.Sk, tile_q=bm, tile_k=bn, device="cpu").state
                 pairs = int(float((state != M.EMPTY).float().mean()) * call.pairs)
             note = f"block lists: {_share(pairs, call.pairs)} visited"
-        return Plan(_work(call, pairs, bm), note, (sparse, "sparse"))
+        from ...kernels.decode import MAX_QUERIES
+        launches = 1
+        if call.Sq <= MAX_QUERIES and not call.requires_grad:
+            # a decoding step, where host time is the cost: its mask is new each step (a
+            # padded cache's positions), so its lists are built each step, and Triton's
+            # launcher costs more host time than SDPA's (as for the decode kernel)
+            launches += DECODE_HOST_LAUNCHES + LIST_OPS + mask_launches(call)
+        return Plan(_work(call, pairs, bm, launches), note, (sparse, "sparse"))
 
     def _decode_plan(self, call, band):
         from ...kernels.decode import BLOCK_N, num_splits
