@@ -312,6 +312,45 @@ def test_flash_attention_packing_arguments_keep_documents_apart():
         made = [hf._flash_packing({"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}, None, 1, 15, 15)
                 for _ in range(2)]
     assert made[0] is made[1] and made[0].kind == "document"
+    row = packed["input_ids"]                                              # (1, 15)
+    buf = packed["cu_seq_lens_k"].numpy().copy()                           # [0, 5, 9, 15]
+    cu = torch.from_numpy(buf)                    # values written through numpy: no version bump
+    with torch.no_grad():
+        for cuts in ([0, 5, 9, 15], [0, 3, 9, 15]):
+            buf[:] = cuts
+            got = ours(input_ids=row, cu_seq_lens_q=cu, cu_seq_lens_k=cu, use_cache=False)
+            want = torch.cat([ref(input_ids=row[:, a:b]).logits[0]
+                              for a, b in zip(cuts, cuts[1:])])
+            torch.testing.assert_close(got.logits[0], want, atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per-layer", "shared"])
+def test_beit_adds_its_relative_position_bias_to_no_mask_as_on_sdpa(shared):
+    """BEiT adds its relative position bias to the mask the builder gives. With nothing
+    masked, sdpa's builder gives None; ours gave a mask, which cannot be added to (a
+    TypeError for every image). Now ours gives None there too, and runs as eager."""
+    kw = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+              image_size=16, patch_size=4, use_relative_position_bias=not shared,
+              use_shared_relative_position_bias=shared)
+    models = {}
+    for impl in ("multihead", "eager"):
+        cfg = transformers.BeitConfig(**kw)
+        cfg._attn_implementation = impl
+        torch.manual_seed(0)
+        models[impl] = transformers.BeitModel(cfg).eval()
+    with torch.no_grad():
+        for m in models.values():                       # (initialized to zeros): make it count
+            tables = [p for n, p in m.named_parameters() if "relative_position_bias_table" in n]
+            assert len(tables) == (1 if shared else 2)
+            for t in tables:
+                t.copy_(torch.linspace(-2, 2, t.numel()).view_as(t))
+        x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+        got, want = (models[i](pixel_values=x).last_hidden_state for i in ("multihead", "eager"))
+        plain = models["eager"]
+        for t in (p for n, p in plain.named_parameters() if "relative_position_bias_table" in n):
+            t.zero_()
+        assert (plain(pixel_values=x).last_hidden_state - want).abs().max() > 1e-3   # it counts
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
 
 
 # --- attention weights equal eager's; gradients equal sdpa's --------------------------------
