@@ -85,7 +85,8 @@ def test_packed_batch_equals_one_by_one(ours):
 
 def test_do_lower_case_is_followed_as_sentence_transformers_does(tmp_path):
     """A cased tokenizer with sentence_bert_config's do_lower_case: texts are lower-cased
-    before tokenizing (MiniLM's own tokenizer lower-cases, so its copy here does not)."""
+    before tokenizing (MiniLM's own tokenizer lower-cases, so its copy here does not), for
+    embeddings and for what inspect shows (its tokens were [UNK] for every capital)."""
     import json
     import shutil
     st = pytest.importorskip("sentence_transformers")
@@ -100,8 +101,15 @@ def test_do_lower_case_is_followed_as_sentence_transformers_does(tmp_path):
     texts = ["The Animal Didn't Cross The Street", "HELLO World"]
     want = st.SentenceTransformer(str(d), device="cpu").encode(texts, convert_to_tensor=True)
     ours = load(d)
-    assert ours.sentence.lower_case and ours.tokenize(texts[1]).tokens[1] == "[UNK]"   # cased
+    assert ours.sentence.lower_case
+    assert ours.tokenize(texts[1]).tokens == ["[CLS]", "hello", "world", "[SEP]"]
+    assert ours._read(texts) != texts and ours.tokenizer.encode(texts[1]).tokens[1] == "[UNK]"
     torch.testing.assert_close(ours.embed(texts), want.cpu(), atol=2e-6, rtol=1e-5)
+    from multihead.inspect.capture import capture, find_query
+    cap = capture(ours, texts[0])
+    assert "[UNK]" not in cap.tokens
+    assert cap.tokens[find_query(ours, cap.tokens, "Animal", cap.words, text=cap.text,
+                                 spans=cap.spans)] == "animal"
 
 
 def _copy_of_the_model(d):

@@ -239,7 +239,13 @@ class Pretrained:
         """
         texts = check_texts(texts)
         limit = check_max_length(max_length, self.config.max_position_embeddings, self.tokenizer)
-        return [kept_tokens(enc, limit) for enc in self.tokenizer.encode_batch(texts)]
+        return [kept_tokens(enc, limit) for enc in self.tokenizer.encode_batch(self._read(texts))]
+
+    def _read(self, texts: list[str]) -> list[str]:
+        """The texts as the model reads them: lower-cased where its sentence-transformers
+        config says ``do_lower_case`` (a cased tokenizer would otherwise see capitals the
+        model was never given, as ``[UNK]``)."""
+        return [t.lower() for t in texts] if self.sentence.lower_case else texts
 
     def query_pieces(self, word: str) -> list[list[str]]:
         """The word pieces ``word`` becomes in a text (one way for BERT's WordPiece).
@@ -249,7 +255,7 @@ class Pretrained:
             >>> load().query_pieces("Tired")
             [['tired']]
         """
-        return [self.tokenizer.encode(word, add_special_tokens=False).tokens]
+        return [self.tokenizer.encode(self._read([word])[0], add_special_tokens=False).tokens]
 
     @property
     def device(self) -> torch.device:
@@ -286,8 +292,6 @@ class Pretrained:
         if self.sentence.pooling not in POOLINGS.values():           # (set after loading?)
             raise ValueError(f"sentence.pooling must be 'mean' or 'cls', got "
                              f"{self.sentence.pooling!r}: the poolings multihead runs")
-        if self.sentence.lower_case:                  # sentence_bert_config's do_lower_case
-            texts = [t.lower() for t in texts]
         E = self.config.hidden_size
         device = self.device
         toks = self.tokenize_batch(texts, max_length=self.sentence.max_seq_length)
