@@ -271,6 +271,18 @@ def test_tokenize_refuses_a_max_length_that_would_cut_the_special_tokens(tmp_pat
     assert m.tokenize("a cat sat", max_length=2).tokens == ["[CLS]", "[SEP]"]
 
 
+@pytest.mark.parametrize("positions", [1, 2])
+def test_a_model_with_no_room_for_a_word_says_so_not_that_the_text_is_empty(tmp_path, positions):
+    """With 2 positions, inspect said the text had no token but markers ("give some words");
+    with 1, only [SEP] was kept. The checkpoint is what cannot read text."""
+    m = load(tiny_checkpoint(tmp_path / "m", max_position_embeddings=positions))
+    with pytest.raises(ValueError, match=rf"the model has {positions} position.* "
+                                         r"max_position_embeddings.* adds 2 special tokens"):
+        m.tokenize("a cat sat")
+    assert len(load(tiny_checkpoint(tmp_path / "m3", max_position_embeddings=3)).tokenize(
+        "a cat sat").tokens) == 3
+
+
 def test_tokenizing_a_long_text_reads_each_property_of_its_encoding_once(tmp_path):
     """Each read of an encoding's ``ids`` (or tokens, offsets...) copies all of it: one read
     per kept token made a 100k-word text take seconds."""

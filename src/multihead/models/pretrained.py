@@ -48,14 +48,19 @@ def check_max_length(max_length, positions: int, tokenizer=None) -> int:
         ...
         ValueError: max_length must be a positive integer (or None: the model's 512 positions), got 0
     """
+    post = getattr(tokenizer, "post_processor", None)
+    added = 0 if post is None else post.num_special_tokens_to_add(False)
     if max_length is None:
+        if positions <= added:
+            raise ValueError(f"the model has {counted(positions, 'position')} "
+                             f"(config.json max_position_embeddings) but the tokenizer adds "
+                             f"{counted(added, 'special token')} to every text: no room for a "
+                             f"word; this checkpoint cannot read text")
         return positions
     if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral) \
             or max_length < 1:
         raise ValueError(f"max_length must be a positive integer (or None: the model's "
                          f"{positions} positions), got {max_length!r}")
-    post = getattr(tokenizer, "post_processor", None)
-    added = 0 if post is None else post.num_special_tokens_to_add(False)
     if max_length < added:
         raise ValueError(f"max_length={max_length} is shorter than the "
                          f"{counted(added, 'special token')} the tokenizer adds to every text "
