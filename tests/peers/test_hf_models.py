@@ -507,6 +507,35 @@ def test_a_model_passing_its_mask_to_a_torch_function_gets_the_clear_error():
         m(input_ids=torch.randint(3, VOCAB, (2, 6)))
 
 
+@pytest.mark.parametrize("cls, config", [
+    ("BloomForCausalLM", dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)),
+    ("XGLMForCausalLM", dict(vocab_size=VOCAB, d_model=32, num_layers=2, attention_heads=4,
+                             ffn_dim=64, max_position_embeddings=64)),
+    ("Gemma4ForCausalLM", dict(_SMALL, head_dim=8, sliding_window=4, num_hidden_layers=4,
+                               layer_types=["sliding_attention", "full_attention"] * 2,
+                               vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+                               num_kv_shared_layers=2, max_position_embeddings=128)),
+], ids=["bloom", "xglm", "gemma4-kv-shared"])
+def test_a_model_that_uses_its_mask_as_a_tensor_is_refused_before_a_layer_writes_its_cache(
+        cls, config):
+    """These models fail on every forward (Bloom adds ALiBi to the mask, XGLM reads its
+    size, Gemma4's KV-sharing layers slice it), but they failed in a layer, after the layers
+    before it had appended this call's keys to the cache: the cache no longer matched the
+    text. Refused now where the mask is built, before any layer runs."""
+    from transformers import DynamicCache
+    name = cls.replace("ForCausalLM", "") + ("TextConfig" if "Gemma4" in cls else "Config")
+    cfg = getattr(transformers, name)(**config, attn_implementation="multihead")
+    torch.manual_seed(0)
+    m = getattr(transformers, cls)(cfg).eval()
+    cache = DynamicCache(config=cfg)
+    with torch.no_grad(), pytest.raises(TypeError, match=r"uses its attention mask as a tensor "
+                                                         r".*refused before any layer runs"):
+        m(input_ids=torch.randint(3, VOCAB, (2, 6)), past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 0
+    assert all(getattr(layer, "keys", None) is None or layer.keys.numel() == 0
+               for layer in cache.layers)
+
+
 @pytest.mark.parametrize("name, side", [("llama", "right"), ("llama", "left"),
                                         ("mistral", "left")])
 def test_compiled_fullgraph_with_a_padding_mask_equals_eager_mode(name, side):

@@ -117,10 +117,16 @@ def _mask_for(module, attention_mask, q_len: int, k_len: int, is_causal):
     """Our mask and the number of keys used, from whatever the model passed."""
     if isinstance(attention_mask, HFMask):
         if tuple(attention_mask.shape[2:]) != (q_len, k_len):
-            raise ValueError(f"attn_implementation='multihead': the mask was built for "
+            raise ValueError(f"attn_implementation='multihead': the model built its mask for "
                              f"{attention_mask.shape[2]} queries and {attention_mask.shape[3]} "
-                             f"keys but the layer has {q_len} and {k_len}: build the mask "
-                             f"from this call's inputs and cache")
+                             f"keys but this layer attends with {q_len} queries to {k_len} "
+                             f"keys, so the mask cannot say which keys each query sees (eager "
+                             f"and sdpa broadcast such a mask, and their results then differ "
+                             f"from a forward without the cache). transformers sizes this "
+                             f"model's mask apart from its cache (a layer kind its mask code "
+                             f"does not size, or a sliding window shorter than a cached step "
+                             f"needs): run it with attn_implementation='eager' if you accept "
+                             f"that, or without a cache")
         return attention_mask.mask, attention_mask.keys
     if attention_mask is None:       # (a layer without is_causal: not causal, as eager does)
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)

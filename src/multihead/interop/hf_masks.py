@@ -79,6 +79,11 @@ class HFMask:
     __repr__ = describe
 
 
+#: model types whose layers use the attention mask as a tensor (Bloom adds ALiBi to it, MPT
+#: fills scores through it, XGLM/MVP/LED/Doge read its size or dtype, DeepSeek-V3.2's indexer
+#: slices it): every forward fails, so they are refused before any layer writes a cache
+MASK_AS_TENSOR = frozenset({"bloom", "mpt", "deepseek_v32", "xglm", "mvp", "led", "doge"})
+
 #: model types whose attention layers add learned sink logits (refused before any layer runs)
 SINK_MODELS = frozenset({"gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "flint",
                          "deepseek_v4", "hy_v4", "openai_privacy_filter", "inkling2"})
@@ -86,14 +91,21 @@ SINK_MODELS = frozenset({"gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_fl
 
 def check_config(config) -> None:
     """Refuse, before any layer runs (and so before a cache is written), a model whose
-    attention we do not compute: logit softcapping, attention sinks."""
+    attention we do not compute (logit softcapping, attention sinks) or whose layers use
+    the mask as a tensor (:data:`MASK_AS_TENSOR`)."""
     cap = getattr(config, "attn_logit_softcapping", None)
     name = type(config).__name__
     if cap is not None:
         raise ValueError(f"attn_implementation='multihead' does not support attention logit "
                          f"softcapping ({name}.attn_logit_softcapping is {cap}): load this "
                          f"model with attn_implementation='eager' instead")
-    if getattr(config, "model_type", None) in SINK_MODELS:
+    kind = getattr(config, "model_type", None)
+    shares_kv = kind in ("gemma4", "gemma4_text") and getattr(config, "num_kv_shared_layers", 0)
+    if kind in MASK_AS_TENSOR or shares_kv:        # (Gemma4's KV-sharing layers slice it)
+        raise TypeError(f"{HFMask.MISUSE} ({name}, model_type {kind!r}"
+                        f"{', num_kv_shared_layers > 0' if shares_kv else ''}: refused before "
+                        f"any layer runs)")
+    if kind in SINK_MODELS:
         raise ValueError(f"attn_implementation='multihead' does not support attention sinks "
                          f"({name}: each attention layer's learned sinks): load this model "
                          f"with attn_implementation='eager' instead")
