@@ -103,6 +103,19 @@ def test_bad_input_is_one_line(argv, message, capsys):
     assert main(["inspect", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert "the text was cut" not in err
+
+
+def test_a_query_word_cut_off_by_truncation_is_said_to_be_cut_off(capsys):
+    """It was reported as not in the text, which it is."""
+    assert main(["inspect", "--query-token", "zebra", "word " * 600 + "zebra"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("warning: the text has 603 tokens; keeping the first 512")
+    assert err[-1].startswith("multihead inspect: error: --query-token 'zebra' (tokens ['zebra']) "
+                              "is not in the text") and "Traceback" not in "".join(err)
+    assert err[-1].endswith("(the text was cut to the model's 512 positions: 512 of its 603 "
+                            "tokens are read, and a word after them cannot be the query: pick "
+                            "one from the start)")
 
 
 def test_a_look_at_the_next_token_is_not_called_long_range(capsys):

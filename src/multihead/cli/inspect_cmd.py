@@ -184,8 +184,16 @@ def run(args) -> int:
         metrics.check_measured()
     except ValueError as e:
         raise InspectError(str(e)) from None
-    query = find_query(model, cap.tokens, args.query_token, cap.words, text=cap.text,
-                       spans=cap.spans)
+    try:
+        query = find_query(model, cap.tokens, args.query_token, cap.words, text=cap.text,
+                           spans=cap.spans)
+    except InspectError as e:
+        if not cap.truncated:
+            raise
+        raise InspectError(f"{e} (the text was cut to the model's "
+                           f"{model.config.max_position_embeddings} positions: {len(cap.tokens)} "
+                           f"of its {cap.original_length} tokens are read, and a word after "
+                           f"them cannot be the query: pick one from the start)") from None
     looks = strongest_looks(cap.weights, cap.tokens, query, top=args.top, causal=cap.causal)
     selected = _select(args, cap, looks, query)
     result = Inspection(model.name, cap, metrics, query, looks, selected,

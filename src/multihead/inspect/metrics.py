@@ -232,9 +232,19 @@ class HeadMetrics:
 
     def not_applicable(self) -> dict[str, str]:
         """``{metric: why}`` for the metrics with no row to measure in any text added (for a
-        decoder, ``next`` always; ``cls``/``sep`` when no text has such a token)."""
-        return {name: NOT_APPLICABLE.get(name, "no query row to measure (a decoder's first "
-                                                "token sees only itself)")
+        decoder, ``next`` always; ``cls``/``sep`` when no text has such a token).
+
+        Example:
+            >>> HeadMetrics.of(torch.ones(1, 2, 1, 1), ["it"]).not_applicable()["next"]
+            'no token has a next one (every text given has one token)'
+        """
+        why = dict(NOT_APPLICABLE)
+        if self.causal:
+            rest = "no query row to measure (a decoder's first token sees only itself)"
+        else:                            # (an encoder's rows go unmeasured only for 1 token)
+            rest = "no query row to measure (every text given has one token)"
+            why["next"] = "no token has a next one (every text given has one token)"
+        return {name: why.get(name, rest)
                 for name in METRICS if self.texts and not self.counts.get(name)}
 
     def check_measured(self) -> None:
