@@ -704,3 +704,30 @@ def test_per_sample_float_masks_under_vmap_and_fake_tensors_run_as_torchs():
         assert ours(x, x, x, attn_mask=torch.randn(L, L))[0].shape == (L, B, E)
     with pytest.raises(ValueError, match="bias contains NaN or \\+inf"):     # read where it can be
         ours(xs[0], xs[0], xs[0], attn_mask=torch.full((L, L), float("nan")))
+
+
+@pytest.mark.parametrize("mask", [None, mh.masks.causal()], ids=["none", "causal"])
+def test_an_export_with_a_dynamic_length_runs_every_length_as_the_module_does(mask):
+    """``auto``'s choice compared symbolic cost estimates, a guard on the length that
+    torch.export refused ("Constraints violated (S)"); it now compares them at the traced
+    sizes. The drop-in exports as torch.nn.MultiheadAttention does."""
+    ours = mh.MultiHeadAttention(E, H).eval()
+    dropin = mh.nn.MultiheadAttention(E, H, batch_first=True).eval()
+
+    class Ours(nn.Module):
+        def forward(self, x):
+            return ours(x, mask=mask)
+
+    class DropIn(nn.Module):
+        def forward(self, x):
+            causal = None if mask is None else \
+                nn.Transformer.generate_square_subsequent_mask(x.shape[1])    # (S, S)
+            return dropin(x, x, x, need_weights=False, attn_mask=causal,
+                          is_causal=mask is not None)[0]
+    S = torch.export.Dim("S", min=2, max=256)
+    for module, plain in ((Ours(), Ours()), (DropIn(), DropIn())):
+        exported = torch.export.export(module, (torch.randn(B, 6, E),),
+                                       dynamic_shapes=({1: S},)).module()
+        for n in (2, 37, 200):
+            y = torch.randn(B, n, E)
+            torch.testing.assert_close(exported(y), plain(y), atol=1e-6, rtol=1e-5)

@@ -171,9 +171,20 @@ def _choose(rows: list[Row], backend: str, profile: DeviceProfile) -> Row:
         able = free or able
     best = able[0]
     for r in able[1:]:                  # a plain loop: torch.compile traces it
-        if r.seconds < best.seconds:
+        if _hint(r.seconds) < _hint(best.seconds):
             best = r
     return best
+
+
+def _hint(seconds):
+    """An estimate to compare: a traced estimate (a symbolic float of symbolic sizes) at the
+    sizes being traced, so that the choice adds no guard on them (every backend is exact:
+    the choice is for speed, and ``torch.export`` refuses a guard on a dynamic size)."""
+    if isinstance(seconds, torch.SymFloat):
+        hint = seconds.node.hint
+        if hint is not None:
+            return float(hint)
+    return seconds
 
 
 def _uncached() -> bool:
