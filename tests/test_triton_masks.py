@@ -851,3 +851,14 @@ def test_at_positions_of_a_custom_mask_is_refused_by_name():
     with pytest.raises(ValueError, match="at token positions it runs causal, sliding_window"):
         mask_program(type(placed)(M.padding(torch.tensor([3])), torch.arange(8),
                                   torch.arange(8)), 8, 8, "cpu")
+
+
+def test_a_padded_caches_window_and_alibi_load_their_positions_once_per_block():
+    """distances_in_tokens places the window and ALiBi each at the same positions: the
+    program loads the query and the key positions once, not once per leaf."""
+    from multihead.masks.positioned import distances_in_tokens
+    valid = torch.tensor([[False, True, True, True, True]])
+    m = distances_in_tokens(M.causal() & M.sliding_window(3) & M.alibi(2), valid, 2)
+    p = mask_program(m, 2, 5, "cpu")
+    assert len(p.tensors) == 3                  # q positions, k positions, slopes
+    assert source_of(m, 2, 5, "cpu").count("tl.load") == 3

@@ -324,33 +324,21 @@ def test_flash_attention_packing_arguments_keep_documents_apart():
             torch.testing.assert_close(got.logits[0], want, atol=ATOL, rtol=1e-5)
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["per-layer", "shared"])
-def test_beit_adds_its_relative_position_bias_to_no_mask_as_on_sdpa(shared):
-    """BEiT adds its relative position bias to the mask the builder gives. With nothing
-    masked, sdpa's builder gives None; ours gave a mask, which cannot be added to (a
-    TypeError for every image). Now ours gives None there too, and runs as eager."""
-    kw = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-              image_size=16, patch_size=4, use_relative_position_bias=not shared,
-              use_shared_relative_position_bias=shared)
-    models = {}
-    for impl in ("multihead", "eager"):
-        cfg = transformers.BeitConfig(**kw)
-        cfg._attn_implementation = impl
-        torch.manual_seed(0)
-        models[impl] = transformers.BeitModel(cfg).eval()
-    with torch.no_grad():
-        for m in models.values():                       # (initialized to zeros): make it count
-            tables = [p for n, p in m.named_parameters() if "relative_position_bias_table" in n]
-            assert len(tables) == (1 if shared else 2)
-            for t in tables:
-                t.copy_(torch.linspace(-2, 2, t.numel()).view_as(t))
-        x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
-        got, want = (models[i](pixel_values=x).last_hidden_state for i in ("multihead", "eager"))
-        plain = models["eager"]
-        for t in (p for n, p in plain.named_parameters() if "relative_position_bias_table" in n):
-            t.zero_()
-        assert (plain(pixel_values=x).last_hidden_state - want).abs().max() > 1e-3   # it counts
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+def test_a_layer_marked_causal_given_a_bidirectional_mask_stays_bidirectional():
+    """Phi4-multimodal's vision layers set is_causal=True but build a bidirectional mask.
+    Where nothing is masked, sdpa's builder gives None and the layer then runs causal (off
+    by 2.8 from eager); ours always gives the mask, so the layer runs as eager does."""
+    from transformers.masking_utils import bidirectional_mask_function
+    layer = torch.nn.Module()
+    layer.is_causal = True
+    q = torch.randn(1, 2, 5, 8, generator=torch.Generator().manual_seed(0))
+    m = ALL_MASK_ATTENTION_FUNCTIONS["multihead"](1, 5, 5, 0, 0, bidirectional_mask_function,
+                                                   torch.ones(1, 5, dtype=torch.bool),
+                                                   allow_is_bidirectional_skip=True)
+    assert isinstance(m, HFMask)
+    out, _ = hf.attention_forward(layer, q, q, q, m)
+    want = torch.softmax(q @ q.transpose(-1, -2) / 8 ** 0.5, -1) @ q              # (1, 2, 5, 8)
+    torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-6, rtol=1e-5)
 
 
 # --- attention weights equal eager's; gradients equal sdpa's --------------------------------

@@ -188,7 +188,7 @@ def run(args) -> int:
         query = find_query(model, cap.tokens, args.query_token, cap.words, text=cap.text,
                            spans=cap.spans)
     except InspectError as e:
-        if not cap.truncated:
+        if not cap.truncated or args.query_token.casefold() not in cap.text.casefold():
             raise
         raise InspectError(f"{e} (the text was cut to the model's "
                            f"{model.config.max_position_embeddings} positions: {len(cap.tokens)} "

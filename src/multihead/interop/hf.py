@@ -146,8 +146,9 @@ def _mask_for(module, attention_mask, q_len: int, k_len: int, is_causal):
 
 
 #: the documents last read from a ``cu_seq_lens_k`` tensor: (a weak reference to it, its
-#: version, the mask, a copy of a host tensor's values), so that every layer of one forward reads its values once (forgotten
-#: when a forward builds its mask; a host tensor's values are also compared, for free)
+#: version, the mask, a copy of a host tensor's values), so that every layer of one forward
+#: reads its values once (forgotten when a forward builds its mask; a host tensor's values
+#: are also compared, for free)
 _PACKED: list = [None, -1, None, None]
 
 
@@ -172,7 +173,7 @@ def _flash_packing(kwargs, mask, batch: int, q_len: int, k_len: int):
     now = _version(cu_k)
     host = cu_k.device.type == "cpu" and not torch.compiler.is_compiling()
     if ref is None or ref() is not cu_k or version != now or (
-            host and not torch.equal(seen, cu_k)):
+            host and (seen is None or not torch.equal(seen, cu_k))):
         docs = M.document(cu_seqlens=cu_k)             # (reads the offsets: once per forward)
         if docs.ids.shape[1] != k_len:
             _refuse("packed sequences whose offsets do not cover the row",

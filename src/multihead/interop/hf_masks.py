@@ -262,7 +262,7 @@ def _padding(attention_mask, kv_offset: int, keys: int):
 
 
 def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
-               mask_function=None, attention_mask=None, **kwargs) -> HFMask | None:
+               mask_function=None, attention_mask=None, **kwargs) -> HFMask:
     """The ``AttentionMaskInterface`` entry: an :class:`HFMask` instead of a 4-D tensor.
 
     Called by ``transformers``' ``create_causal_mask`` and friends with the arguments it
@@ -275,10 +275,9 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         mask_function: transformers' ``f(b, h, q, kv) -> bool``, read back as structure.
         attention_mask: the model's 2-D ``(B, S)`` padding mask (1 = real token) or None.
 
-    Returns:
-        An :class:`HFMask`; None where nothing is masked and the model lets the builder
-        give no mask (``allow_is_bidirectional_skip``, as ``sdpa``'s builder does: BEiT then
-        adds its relative position bias to no mask, where it cannot add it to ours).
+    Always an :class:`HFMask`, even where nothing is masked: ``sdpa``'s builder gives None
+    there, and a layer given None decides by its ``is_causal`` (Phi4-multimodal's vision
+    encoder would then run causal), so BEiT, which adds its bias to the mask, is refused.
 
     Raises:
         TypeError: an ``attention_mask`` that is not 2-D (shape shown).
@@ -317,8 +316,6 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
             pad = _padding(attention_mask, kv_offset, keys)
             if pad is not None:
                 mask = pad if mask is None else mask & pad
-        if mask is None and keys == kv_length and kwargs.get("allow_is_bidirectional_skip"):
-            return None         # nothing masked, and the model may take "no mask" (as sdpa's)
         return HFMask(mask, keys, shape)
     except _Unknown:
         from transformers.masking_utils import sdpa_mask

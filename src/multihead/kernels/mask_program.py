@@ -142,6 +142,7 @@ class _Writer:
         self.device = device
         self.n = 0
         self.tiles = 0              # bias tiles: two or more may overflow fp32 in sum
+        self.loaded: dict = {}      # per-slot loads already written: (tensor id, at) -> var
 
     def tensor(self, t: torch.Tensor) -> str:
         self.tensors.append(t)
@@ -174,11 +175,15 @@ def _distance(w: _Writer, align: str, sq: int, sk: int, row: str, col: str) -> s
 
 def _positions(w: _Writer, t: torch.Tensor, at: str, bound: str) -> str:
     """The token positions ``t`` ``(B', S)`` of the slots ``at`` (``R`` or ``C``), loaded as
-    a grid shaped as ``at`` (0 outside ``bound``: those pairs are masked by the kernels)."""
-    t = t.to(w.device)                                                          # (B', S)
-    sb, ss = w.strides(t)
-    return w.var(f"tl.load({w.tensor(t)} + b.to(tl.int64) * {sb} + {at}.to(tl.int64) * {ss}, "
-                 f"mask={bound}, other=0)")
+    a grid shaped as ``at`` (0 outside ``bound``: those pairs are masked by the kernels),
+    once per program (a padded cache's window and ALiBi share their positions)."""
+    key = (id(t), at)
+    if key not in w.loaded:
+        d = t.to(w.device)                                                      # (B', S)
+        sb, ss = w.strides(d)
+        w.loaded[key] = w.var(f"tl.load({w.tensor(d)} + b.to(tl.int64) * {sb} + "
+                              f"{at}.to(tl.int64) * {ss}, mask={bound}, other=0)")
+    return w.loaded[key]
 
 
 def _leaf(w: _Writer, m: MB.Mask, sq: int, sk: int, row: str = "R",

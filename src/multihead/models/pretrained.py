@@ -50,12 +50,12 @@ def check_max_length(max_length, positions: int, tokenizer=None) -> int:
     """
     post = getattr(tokenizer, "post_processor", None)
     added = 0 if post is None else post.num_special_tokens_to_add(False)
+    if positions <= added:
+        raise ValueError(f"the model has {counted(positions, 'position')} "
+                         f"(config.json max_position_embeddings) but the tokenizer adds "
+                         f"{counted(added, 'special token')} to every text: no room for a "
+                         f"word; this checkpoint cannot read text")
     if max_length is None:
-        if positions <= added:
-            raise ValueError(f"the model has {counted(positions, 'position')} "
-                             f"(config.json max_position_embeddings) but the tokenizer adds "
-                             f"{counted(added, 'special token')} to every text: no room for a "
-                             f"word; this checkpoint cannot read text")
         return positions
     if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral) \
             or max_length < 1:

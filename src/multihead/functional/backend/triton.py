@@ -211,9 +211,10 @@ class TritonFlash(Backend):
         from ...kernels.decode import MAX_QUERIES
         launches = 1
         if call.Sq <= MAX_QUERIES and not call.requires_grad:
-            # a decoding step, where host time is the cost: its mask is new each step (a
-            # padded cache's positions), so its lists are built each step, and Triton's
-            # launcher costs more host time than SDPA's (as for the decode kernel)
+            # a call of a decoding step's size, where host time is the cost: a decoding
+            # loop's mask is usually new each step (a padded cache's positions are), so its
+            # lists are priced as built, and Triton's launcher costs more host time than
+            # SDPA's (as for the decode kernel)
             launches += DECODE_HOST_LAUNCHES + LIST_OPS + mask_launches(call)
         return Plan(_work(call, pairs, bm, launches), note, (sparse, "sparse"))
 
