@@ -179,7 +179,9 @@ def _choose(rows: list[Row], backend: str, profile: DeviceProfile) -> Row:
 def _hint(seconds):
     """An estimate to compare: a traced estimate (a symbolic float of symbolic sizes) at the
     sizes being traced, so that the choice adds no guard on them (every backend is exact:
-    the choice is for speed, and ``torch.export`` refuses a guard on a dynamic size)."""
+    the choice is for speed, and ``torch.export`` refuses a guard on a dynamic size). So a
+    graph traced with dynamic sizes keeps the backend chosen at the sizes it was traced at,
+    for every size it later runs (whether a backend *can* run a size still guards)."""
     if isinstance(seconds, torch.SymFloat):
         hint = seconds.node.hint
         if hint is not None:
