@@ -114,9 +114,9 @@ class Capabilities:
         if m is not None:
             if m.kind in ("and", "or", "not") and not self.compositions:
                 out.append(f"does not apply composed masks ({m.kind})")
-            kinds = sorted({getattr(leaf, "kind_label", leaf.kind) for leaf in m.leaves()
-                            if leaf.kind not in self.masks
-                            and getattr(leaf, "kind_label", None) not in self.masks})
+            label = lambda leaf: getattr(leaf, "kind_label", leaf.kind)  # noqa: E731
+            kinds = sorted({label(leaf) for leaf in m.leaves()
+                            if leaf.kind not in self.masks and label(leaf) not in self.masks})
             if kinds:
                 why = (" (a padded KV cache puts a window or ALiBi at its tokens' positions "
                        "that way)" if "at_positions" in kinds else "")

@@ -146,10 +146,9 @@ def _mask_for(module, attention_mask, q_len: int, k_len: int, is_causal):
 
 
 #: the documents last read from a ``cu_seq_lens_k`` tensor: (a weak reference to it, its
-#: version, the mask, a copy of a host tensor's values), so that every layer of one forward
-#: reads its values once (forgotten when a forward builds its mask; a host tensor's values
-#: are also compared, for free)
-_PACKED: list = [None, -1, None, None]
+#: version, the mask), so that every layer of one forward reads its values once (forgotten
+#: when a forward builds its mask: values changed without a version bump are read again)
+_PACKED: list = [None, -1, None]
 
 
 def _flash_packing(kwargs, mask, batch: int, q_len: int, k_len: int):
@@ -169,23 +168,20 @@ def _flash_packing(kwargs, mask, batch: int, q_len: int, k_len: int):
                 "cu_seq_lens_q and cu_seq_lens_k",
                 f"cu_seq_lens_q={_show(cu_q)}, cu_seq_lens_k={_show(cu_k)}, batch {batch}, "
                 f"{q_len} queries, {k_len} keys")
-    ref, version, docs, seen = _PACKED
+    ref, version, docs = _PACKED
     now = _version(cu_k)
-    host = cu_k.device.type == "cpu" and not torch.compiler.is_compiling()
-    if ref is None or ref() is not cu_k or version != now or (
-            host and (seen is None or not torch.equal(seen, cu_k))):
+    if ref is None or ref() is not cu_k or version != now:
         docs = M.document(cu_seqlens=cu_k)             # (reads the offsets: once per forward)
         if docs.ids.shape[1] != k_len:
             _refuse("packed sequences whose offsets do not cover the row",
                     f"cu_seq_lens_k ends at {docs.ids.shape[1]}, the row has {k_len} tokens")
-        _PACKED[:] = [weakref.ref(cu_k, _forget_packed), now, docs,
-                      cu_k.clone() if host else None]
+        _PACKED[:] = [weakref.ref(cu_k, _forget_packed), now, docs]
     return docs if mask is None else mask & docs
 
 
 def _forget_packed(_ref) -> None:
     """Drop the documents of a ``cu_seq_lens_k`` that is gone (their ids on the device)."""
-    _PACKED[:] = [None, -1, None, None]
+    _PACKED[:] = [None, -1, None]
 
 
 def _version(t: torch.Tensor) -> int:

@@ -142,7 +142,7 @@ class _Writer:
         self.device = device
         self.n = 0
         self.tiles = 0              # bias tiles: two or more may overflow fp32 in sum
-        self.loaded: dict = {}      # per-slot loads already written: (tensor id, at) -> var
+        self.loaded: dict = {}      # per-slot loads written: (id of a held tensor, ...) -> var
 
     def tensor(self, t: torch.Tensor) -> str:
         self.tensors.append(t)
@@ -173,16 +173,18 @@ def _distance(w: _Writer, align: str, sq: int, sk: int, row: str, col: str) -> s
     return w.var(f"{row} + {off} - {col}")
 
 
-def _positions(w: _Writer, t: torch.Tensor, at: str, bound: str) -> str:
-    """The token positions ``t`` ``(B', S)`` of the slots ``at`` (``R`` or ``C``), loaded as
-    a grid shaped as ``at`` (0 outside ``bound``: those pairs are masked by the kernels),
-    once per program (a padded cache's window and ALiBi share their positions)."""
-    key = (id(t), at)
+def _per_slot(w: _Writer, t: torch.Tensor, at: str, other: int = 0) -> str:
+    """A value per slot, ``t`` ``(B', S)`` (padding rows, document ids, token positions), for
+    the block's slots ``at`` (``"R"``, queries, or ``"C"``, keys): a grid shaped as ``at``,
+    ``other`` past the call's slots (those pairs are masked by the kernels). Loaded once per
+    program (a padded cache's window and ALiBi share their positions)."""
+    t = t.to(w.device)                                                          # (B', S)
+    key = (id(t), at, other)          # (t is held by the program's tensors: its id is its own)
     if key not in w.loaded:
-        d = t.to(w.device)                                                      # (B', S)
-        sb, ss = w.strides(d)
-        w.loaded[key] = w.var(f"tl.load({w.tensor(d)} + b.to(tl.int64) * {sb} + "
-                              f"{at}.to(tl.int64) * {ss}, mask={bound}, other=0)")
+        sb, ss = w.strides(t)
+        bound = "R < Sq" if at == "R" else "C < Sk"
+        w.loaded[key] = w.var(f"tl.load({w.tensor(t)} + b.to(tl.int64) * {sb} + "
+                              f"{at}.to(tl.int64) * {ss}, mask={bound}, other={other})")
     return w.loaded[key]
 
 
@@ -191,31 +193,24 @@ def _leaf(w: _Writer, m: MB.Mask, sq: int, sk: int, row: str = "R",
     """(allowed, bias) variable names of one leaf (None: nothing of that kind). ``row`` and
     ``col`` are the query and key indices a band or ALiBi measures (positions, placed)."""
     if type(m) is MP.Positioned:        # the slots' positions, lengths equal (no alignment)
-        return _leaf(w, m.m, sk, sk, _positions(w, m.q_positions, "R", "R < Sq"),
-                     _positions(w, m.k_positions, "C", "C < Sk"))
+        return _leaf(w, m.m, sk, sk, _per_slot(w, m.q_positions, "R"),
+                     _per_slot(w, m.k_positions, "C"))
     if m.kind in ("causal", "window"):
         d = _distance(w, m.align, sq, sk, row, col)
         ok = f"{d} >= 0" if m.size is None else f"({d} >= 0) & ({d} < {w.int(m.size)})"
         return w.var(ok), None
     if m.kind == "padding":
-        pos, bound = (_COL, "C < Sk") if m.side == "key" else (_ROW, "R < Sq")
+        at = "C" if m.side == "key" else "R"
         if m.real is None:
             lens = m.lengths.to(w.device)                                       # (B',)
             (sb,) = w.strides(lens)
             n = f"tl.load({w.tensor(lens)} + b.to(tl.int64) * {sb})"
-            return w.var(f"{pos} < {n}"), None
-        real = m.real.to(w.device).view(torch.uint8)                            # (B', S)
-        sb, ss = w.strides(real)
-        ptr = f"{w.tensor(real)} + b.to(tl.int64) * {sb} + {pos} * {ss}"
-        return w.var(f"tl.load({ptr}, mask={bound}, other=0) != 0"), None
+            return w.var(f"{at}.to(tl.int64) < {n}"), None
+        real = _per_slot(w, m.real.view(torch.uint8), at)                      # as R or C
+        return w.var(f"{real} != 0"), None
     if m.kind == "document":
         qid, kid = m._q_k_ids(sq, sk, w.device)                    # (B', Sq), (B', Sk)
-        qb, qs = w.strides(qid)
-        kb, ks = w.strides(kid)
-        qi = w.var(f"tl.load({w.tensor(qid)} + b.to(tl.int64) * {qb} + {_ROW} * {qs}, "
-                   f"mask=R < Sq, other=-1)")                                  # as R
-        ki = w.var(f"tl.load({w.tensor(kid)} + b.to(tl.int64) * {kb} + {_COL} * {ks}, "
-                   f"mask=C < Sk, other=-2)")                                  # as C
+        qi, ki = _per_slot(w, qid, "R", other=-1), _per_slot(w, kid, "C", other=-2)
         return w.var(f"{qi} == {ki}"), None
     if m.kind in ("dense", "bias"):
         t = m.t.view(torch.uint8) if m.kind == "dense" else m.raw               # (B', H', Sq', Sk')
