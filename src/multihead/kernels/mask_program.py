@@ -142,7 +142,7 @@ class _Writer:
         self.device = device
         self.n = 0
         self.tiles = 0              # bias tiles: two or more may overflow fp32 in sum
-        self.loaded: dict = {}      # per-slot loads written: (id of a held tensor, ...) -> var
+        self.loaded: list = []      # per-slot loads written: (tensor, at, other, var)
 
     def tensor(self, t: torch.Tensor) -> str:
         self.tensors.append(t)
@@ -178,14 +178,16 @@ def _per_slot(w: _Writer, t: torch.Tensor, at: str, other: int = 0) -> str:
     the block's slots ``at`` (``"R"``, queries, or ``"C"``, keys): a grid shaped as ``at``,
     ``other`` past the call's slots (those pairs are masked by the kernels). Loaded once per
     program (a padded cache's window and ALiBi share their positions)."""
-    t = t.to(w.device)                                                          # (B', S)
-    key = (id(t), at, other)          # (t is held by the program's tensors: its id is its own)
-    if key not in w.loaded:
-        sb, ss = w.strides(t)
-        bound = "R < Sq" if at == "R" else "C < Sk"
-        w.loaded[key] = w.var(f"tl.load({w.tensor(t)} + b.to(tl.int64) * {sb} + "
-                              f"{at}.to(tl.int64) * {ss}, mask={bound}, other={other})")
-    return w.loaded[key]
+    for held, at_, other_, name in w.loaded:     # by identity (traceable, unlike id())
+        if held is t and at_ == at and other_ == other:
+            return name
+    d = t.to(w.device)                                                          # (B', S)
+    sb, ss = w.strides(d)
+    bound = "R < Sq" if at == "R" else "C < Sk"
+    name = w.var(f"tl.load({w.tensor(d)} + b.to(tl.int64) * {sb} + "
+                 f"{at}.to(tl.int64) * {ss}, mask={bound}, other={other})")
+    w.loaded.append((t, at, other, name))
+    return name
 
 
 def _leaf(w: _Writer, m: MB.Mask, sq: int, sk: int, row: str = "R",
