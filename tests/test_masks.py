@@ -101,6 +101,13 @@ MASKS = {
     "and": lambda: M.sliding_window(9) & M.padding(torch.tensor([13, 40, 20])),
     "or": lambda: M.sliding_window(3) | M.document(torch.tensor([0] * 20 + [1] * 20)),
     "not": lambda: ~M.causal(),
+    # positions in any order (tiles bounded by their least and greatest position)
+    "positions": lambda: M.at_positions(M.sliding_window(9), torch.randint(-3, 45, (3, 37)),
+                                        torch.randint(-3, 45, (3, 40))),
+    # a left-padded cache's: cumsum - 1 of the real slots, a window's tiles skipped
+    "positions_cache": lambda: M.at_positions(
+        M.causal() & M.sliding_window(6), *(lambda p: (p[:, 3:], p))(
+            (torch.arange(40) >= torch.tensor([[0], [11], [25]])).cumsum(-1) - 1)),
 }
 
 
@@ -129,7 +136,8 @@ def test_tile_states_are_exact_or_sound(name, tiles):
     # sound: EMPTY only if truly empty, FULL only if truly full
     assert not ((got == EMPTY) & (want != EMPTY)).any()
     assert not ((got == FULL) & (want != FULL)).any()
-    if name not in ("document", "and", "or", "not", "padding_bool"):
+    if name not in ("document", "and", "or", "not", "padding_bool", "positions",
+                    "positions_cache"):
         assert torch.equal(got, want)           # exact for these
 
 
@@ -516,6 +524,21 @@ def test_at_positions_measures_distances_between_the_given_positions():
     for backend in ("reference", "sdpa", "blocksparse"):
         out = mh.attention(q, kv, kv, mask=m, backend=backend)
         torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12, msg=backend)
+
+
+def test_a_padded_caches_window_skips_the_tiles_outside_it():
+    """The tile map of a window at positions: a decoding step over 4096 slots (the first
+    1000 of the second row padding) with a window of 256 tokens visits the key tiles that
+    hold those tokens, not all 64 (every tile was visited before); the map is sound."""
+    valid = torch.arange(4096) >= torch.tensor([[0], [1000]])                    # (2, 4096)
+    from multihead.masks.positioned import distances_in_tokens
+    m = distances_in_tokens(M.causal() & M.sliding_window(256), valid, 1) & M.padding(valid)
+    state = m.tiles(1, 4096, tile_q=16, tile_k=64, batch=2).state              # (2, 1, 1, 64)
+    want = exact_states(m.materialize(1, 4096), 16, 64)
+    assert not ((state.long() == EMPTY) & (want != EMPTY)).any()
+    assert not ((state.long() == FULL) & (want != FULL)).any()
+    visited = (state != EMPTY).sum(-1).flatten().tolist()
+    assert visited == [4, 4], visited          # the last 256 tokens: slots 3840..4095
 
 
 @pytest.mark.parametrize("args, message", [

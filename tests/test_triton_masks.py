@@ -834,6 +834,22 @@ def test_a_padded_cache_with_a_window_and_alibi_decodes_on_the_kernels(triton_on
         torch.testing.assert_close(g.double(), w, atol=3e-3, rtol=3e-3)
 
 
+def test_a_step_of_few_queries_runs_16_row_tiles_and_visits_the_window_alone():
+    """A padded cache's step (1 query, 4096 slots, a window of 256 tokens) plans the
+    block-sparse forward with 16-row tiles (128 before: 127 rows computed for nothing) and
+    key blocks of the window's tokens only (all 64 before); a prompt keeps 128-row tiles."""
+    from multihead.masks.positioned import distances_in_tokens
+    valid = torch.arange(4096) >= torch.tensor([[0], [700]])                   # (2, 4096)
+    for sq, rows, blocks in ((1, 16, 4), (16, 16, 5), (17, 128, 5)):    # of 64 keys each
+        m = distances_in_tokens(M.causal() & M.sliding_window(256), valid, sq) & M.padding(valid)
+        q = torch.zeros(2, 4, sq, 128, dtype=torch.float16)
+        kv = torch.zeros(2, 2, 4096, 128, dtype=torch.float16)
+        _, (fwd,) = plan(m, q, kv, kv, kernels=("fwd",))
+        n_full, n_part, _ = fwd.lists
+        assert fwd.config[0] == rows
+        assert (n_full + n_part).flatten().tolist() == [blocks, blocks], sq
+
+
 def test_at_positions_of_a_custom_mask_is_refused_by_name():
     class Even(M.Mask):
         def _allowed(self, ix):

@@ -48,12 +48,16 @@ from .mask_program import LOG2E  # noqa: F401  (the kernels' one constant, share
 #: before each copy (sm_90 TTGIR, Triton 3.6 and 3.9: at 3 stages each step waited for
 #: every copy); at most 198 KB of shared memory on an H100, fewer stages where a GPU has
 #: less (:func:`launch`). Not yet timed: ``triton_tune --only sparse`` measures it.
+#: "fwd_sparse_short" is that forward for at most :data:`SHORT` queries (a decoding step over
+#: a mask the decode kernel does not run, a padded cache's window say): 16-row tiles, the
+#: least a tensor-core product takes, so a step does not compute 128 rows for 1 to 16.
 #: "decode" is the split-K decoding kernel's ``(BLOCK_N, num_warps, num_stages)`` (its rows
 #: are the query heads of a group, not a tile): measured at D=128 on an H100
 LAUNCH = {
     "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
     "fwd_narrow": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 2)},
     "fwd_sparse": {64: (128, 64, 4, 5), 128: (128, 64, 8, 5), 256: (64, 32, 4, 5)},
+    "fwd_sparse_short": {64: (16, 64, 4, 3), 128: (16, 64, 4, 3), 256: (16, 32, 4, 2)},
     "bwd_kv": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 32, 4, 1)},
     "bwd_q": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (32, 32, 4, 1)},
     "decode": {64: (64, 4, 3), 128: (64, 4, 3), 256: (64, 4, 3)},
@@ -62,6 +66,8 @@ LAUNCH = {
 
 #: a window of at most this many keys runs the "fwd_narrow" launch
 NARROW = 512
+#: a block-sparse forward of at most this many queries runs the "fwd_sparse_short" launch
+SHORT = 16
 
 
 def cdiv(a: int, b: int) -> int:
@@ -398,13 +404,14 @@ def empty_like_all(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in tensors)
 
 
-def launch_config(kernel: str, D: int, Dv: int,
-                  window: int | None = None) -> tuple[int, ...]:
+def launch_config(kernel: str, D: int, Dv: int, window: int | None = None,
+                  queries: int | None = None) -> tuple[int, ...]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of ``kernel`` (of "decode":
     ``(BLOCK_N, num_warps, num_stages)``) for these head dims, from
     :data:`LAUNCH` by the wider tile (one bucket per width: S, B, H and the window within
     its bucket never change it, so they never cause a compile). The forward under a window
-    of at most :data:`NARROW` keys takes the "fwd_narrow" row.
+    of at most :data:`NARROW` keys takes the "fwd_narrow" row, the block-sparse forward of
+    at most :data:`SHORT` ``queries`` the "fwd_sparse_short" row.
 
     A GPU other than the H100 may prefer other tiles: ``python -m benchmarks.triton_tune
     --write FILE`` measures them on it, and ``MULTIHEAD_TRITON_LAUNCH=FILE`` makes them the
@@ -413,9 +420,13 @@ def launch_config(kernel: str, D: int, Dv: int,
     Example:
         >>> launch_config("fwd", 128, 128), launch_config("fwd", 128, 128, window=256)
         ((128, 64, 8, 3), (64, 64, 4, 3))
+        >>> launch_config("fwd_sparse", 128, 128, queries=1)
+        (16, 64, 4, 3)
     """
     if kernel == "fwd" and window is not None and window <= NARROW:
         kernel = "fwd_narrow"
+    if kernel == "fwd_sparse" and queries is not None and queries <= SHORT:
+        kernel = "fwd_sparse_short"
     width = max(pow2(D), pow2(Dv))
     table = _table()[kernel]
     fits = [w for w in table if w >= width]

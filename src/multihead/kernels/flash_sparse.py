@@ -377,7 +377,7 @@ def plan(mask: MB.Mask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     out = []
     for i, name in enumerate(kernels):
         cfg = tuple(configs[i]) if configs is not None else launch_config(
-            "fwd_sparse" if name == "fwd" else name, D, Dv)
+            "fwd_sparse" if name == "fwd" else name, D, Dv, queries=Sq)
         out.append(Launch(cfg, block_lists(mask, Sq, Sk, cfg[0], cfg[1], q.device,
                                            by_key=KERNELS[name])))
     return program(mask, Sq, Sk, q.device), tuple(out)

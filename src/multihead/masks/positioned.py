@@ -110,10 +110,19 @@ class Positioned(Mask):
         return self.m._bias(self._at(ix))
 
     def _tile_bounds(self, tx: TileIndex):
-        # positions need not grow with slots: every tile may be partly allowed (sound)
+        from .structured import Window, _tile_minmax
         dev = tx.q0.device
-        return (torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev),
-                torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=dev))
+        if type(self.m) is not Window:      # a user's bounds may assume slots: every tile
+            return (torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev),      # may be partly
+                    torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=dev))     # allowed (sound)
+        # positions need not grow with slots: a tile's positions lie between their least and
+        # greatest, and a window's bounds hold for every pair of that rectangle (on device)
+        qlo, qhi = _tile_minmax(self.q_positions.to(dev), tx.tile_q)          # (Bq, nQ)
+        klo, khi = _tile_minmax(self.k_positions.to(dev), tx.tile_k)          # (Bk, nK)
+        placed = TileIndex(tx.b, tx.h, qlo[:, None, :, None], qhi[:, None, :, None],
+                           klo[:, None, None, :], khi[:, None, None, :],      # lengths equal:
+                           tx.sk, tx.sk, tx.tile_q, tx.tile_k)               # no alignment
+        return self.m._tile_bounds(placed)
 
 
 def at_positions(mask: Mask, q_positions: torch.Tensor, k_positions: torch.Tensor) -> Mask:
@@ -125,8 +134,9 @@ def at_positions(mask: Mask, q_positions: torch.Tensor, k_positions: torch.Tenso
     measure order or distance (``causal``, ``sliding_window``, ``alibi``, a custom
     predicate) see the positions, and their alignment no longer applies (the positions
     place queries and keys); the leaves that hold one value per slot (``padding``,
-    ``document``, ``dense``, ``bias``) keep indexing slots. Tiles of a repositioned leaf
-    are not skipped (positions need not grow with the slots). Positions may be negative
+    ``document``, ``dense``, ``bias``) keep indexing slots. Tiles a repositioned window
+    rules out are skipped (from each tile's least and greatest position; positions need not
+    grow with the slots); a custom predicate's tiles are not. Positions may be negative
     (``cumsum - 1`` of a left-padded row starts at -1).
 
     Args:
