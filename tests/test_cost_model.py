@@ -132,15 +132,20 @@ def test_documents_with_host_runs_go_to_a_per_document_kernel_on_a_gpu():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernels' plans)")
 def test_a_padded_caches_window_runs_on_the_kernels_for_a_prompt_and_sdpa_for_a_step():
-    """A padded cache's window is an at_positions mask, new each decoding step: the block
-    lists are built each step and Triton's launcher costs more host time than SDPA's, so a
-    step of 16 queries goes to SDPA (priced without them, it went to the kernels); a
-    2048-token prompt goes to our kernels."""
+    """A padded cache's window or ALiBi is an at_positions mask, new each decoding step: the
+    block lists are built each step (three times the ops of SDPA's additive mask) and
+    Triton's launcher costs more host time than SDPA's, so a step of 1 or 16 queries goes to
+    SDPA, as measured on an H100 (ALiBi's step went to the kernels, 2.6x slower); a
+    2048-token prompt goes to our kernels (1.07x SDPA with the window, 7.2x with ALiBi)."""
     from multihead.masks.positioned import distances_in_tokens
-    for sq, sk, want in ((16, 4096, "sdpa"), (2048, 2048, "triton")):
+    for sq, sk, slots, want in ((16, 4096, M.sliding_window(1024), "sdpa"),
+                                (16, 4096, M.alibi(32), "sdpa"),            # (was triton)
+                                (1, 32768, M.alibi(32), "sdpa"),
+                                (2048, 2048, M.sliding_window(1024), "triton"),
+                                (2048, 2048, M.alibi(32), "triton")):
         q, k, v = qkv(8, 32, 8, sq, sk)
         valid = torch.ones(8, sk, dtype=torch.bool, device="meta")
-        mask = distances_in_tokens(M.causal() & M.sliding_window(1024), valid, sq)
+        mask = distances_in_tokens(M.causal() & slots, valid, sq)
         e = choice("h100", q, k, v, mask=mask & M.padding(valid))
         assert e.chosen == want, str(e)
         assert e.plan.work.syncs == 0

@@ -49,6 +49,16 @@ DECODE_HOST_LAUNCHES = 9
 #: torch ops that turn a mask's tile map into the block lists (clamps, sort, counts), on top
 #: of the map's own (priced as materializing the mask: index grids, one op per leaf)
 LIST_OPS = 8
+#: the tile map's host cost against materializing the mask, in a decoding step's call: a
+#: padded cache's window or ALiBi at positions took 57-90 torch ops to list its blocks
+#: against 25-27 to build SDPA's additive mask (counted with a dispatch mode), and on an H100
+#: such a step through our kernels took 1.7-2.6x SDPA's host time (B=8 H=32 Hkv=8 D=128,
+#: 1 or 16 queries over 4k or 32k slots, ``benchmarks/padded_cache``: 1.7-2.4 ms against
+#: 0.8-1.1 ms, for kernels of 0.13-1.0 ms against 0.11-0.55)
+TILE_MAP_OPS = 3
+#: the host time of one such op (Python, checks, the launch) in launches of the profile:
+#: 15-30 us per op in those steps, against the profile's 6 us per launch
+HOST_OP_LAUNCHES = 3
 
 
 class Band(NamedTuple):
@@ -183,7 +193,8 @@ class TritonFlash(Backend):
         band = _band(call)
         if isinstance(band, Sparse):
             return self._sparse_plan(call, band,
-                                     *launch_config("fwd_sparse", call.D, call.Dv)[:2])
+                                     *launch_config("fwd_sparse", call.D, call.Dv,
+                                                   queries=call.Sq)[:2])
         if call.Sq <= MAX_QUERIES and not call.requires_grad and band.documents is None:
             return self._decode_plan(call, band)
         bm, bn, _, _ = launch_config("fwd", call.D, call.Dv, band.window)
@@ -215,7 +226,8 @@ class TritonFlash(Backend):
             # loop's mask is usually new each step (a padded cache's positions are), so its
             # lists are priced as built, and Triton's launcher costs more host time than
             # SDPA's (as for the decode kernel)
-            launches += DECODE_HOST_LAUNCHES + LIST_OPS + mask_launches(call)
+            ops = LIST_OPS + TILE_MAP_OPS * mask_launches(call)
+            launches += DECODE_HOST_LAUNCHES + HOST_OP_LAUNCHES * ops
         return Plan(_work(call, pairs, bm, launches), note, (sparse, "sparse"))
 
     def _decode_plan(self, call, band):
