@@ -495,6 +495,37 @@ def test_masked_gqa_folds_query_heads_only_when_decoding():
     assert "folded" in str(mh.explain(q[:, :, -1:], k, v, mask=mask, backend="sdpa"))
 
 
+def test_a_padded_caches_steps_share_autos_choice_and_plan_one_backend():
+    """A padded cache's window is a new at_positions mask every step: its steps share auto's
+    choice by the mask's structure, so after the first only the chosen backend plans (each
+    step planned every backend, 0.5 ms of host time per step on an H100), and each equals
+    fp64."""
+    from multihead.masks.positioned import distances_in_tokens
+    mh.functional.dispatch.clear_cache()
+    planned = []
+    for b in registry.all_backends().values():
+        mock.patch.object(b, "plan", side_effect=lambda c, p, _o=b.plan, _n=b.name:
+                          planned.append(_n) or _o(c, p)).start()
+    try:
+        g = torch.Generator().manual_seed(3)
+        valid = torch.arange(40) >= torch.tensor([[0], [9]])                     # (2, 40)
+        for t in range(34, 38):                                  # (key lengths of one bucket)
+            v_ = valid[:, :t].clone()
+            v_[1, t - 2] = False                                 # a paused slot, each step
+            mask = distances_in_tokens(M.causal() & M.sliding_window(6) & M.alibi(4), v_, 1) \
+                & M.padding(v_)
+            assert mask.structure() is not None
+            q, k = torch.randn(2, 4, 1, 16, generator=g), torch.randn(2, 2, t, 16, generator=g)
+            planned.clear()
+            out = mh.attention(q, k, k, mask=mask)
+            assert (len(set(planned)) == 1) == (t > 34), planned   # the first: all that can
+            want = mh.attention(q.double(), k.double(), k.double(), mask=mask,
+                                backend="reference")
+            torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    finally:
+        mock.patch.stopall()
+
+
 def test_a_choice_one_calls_content_cannot_use_stays_for_the_calls_that_can():
     """Auto shares its choice among calls of one mask structure; varlen's, for documents,
     also needs the ids to be contiguous runs. A call whose ids are not runs runs another

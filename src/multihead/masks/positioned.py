@@ -69,6 +69,17 @@ class Positioned(Mask):
     def describe(self) -> str:
         return f"at_positions({self.m.describe()})"
 
+    @property
+    def memoizable(self) -> bool:
+        return type(self) is Positioned and self.m.memoizable
+
+    def structure(self):
+        inner = self.m.structure()
+        if inner is None or not self.memoizable:
+            return None
+        # rows only: the lengths are the call's (a padded cache's steps share auto's choice)
+        return ("at_positions", inner, self.q_positions.shape[0], self.k_positions.shape[0])
+
     def _lengths(self):
         return self.q_positions.shape[1], self.k_positions.shape[1]
 
