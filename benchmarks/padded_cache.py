@@ -8,6 +8,10 @@ run it from the positions; SDPA gets the dense mask. For each case this times on
 (:func:`benchmarks.triton_step.split`: step, host issue time, kernel time), checks the two
 outputs agree, and prints what ``auto`` chose and the estimates it chose by.
 
+By default each call builds its mask (as a decoding loop does: the positions are new each
+step), so Triton's block lists are built in every call. ``--reuse-mask`` passes one mask
+object to every call: what is derived from it (block lists, plans) is then cached on it.
+
 Run on a CUDA machine (``--device cpu --small --ours blocksparse`` is a dry run of the plumbing)::
 
     python -m benchmarks.padded_cache [--out padded.json]
@@ -50,6 +54,8 @@ def main(argv=None) -> None:
     ap.add_argument("--small", action="store_true", help="small shapes (a dry run)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--ours", default="triton", help="our backend (default: triton)")
+    ap.add_argument("--reuse-mask", action="store_true",
+                    help="one mask object for every call (default: a new one per call)")
     ap.add_argument("--out", default=None, help="write the figures as JSON")
     a = ap.parse_args(argv)
     dt = torch.bfloat16 if a.device == "cuda" else torch.float32
@@ -60,9 +66,11 @@ def main(argv=None) -> None:
         k, v = (torch.randn(B, Hkv, sk, 128, generator=g).to(a.device, dt) for _ in range(2))
         pad = torch.randint(0, sk // 4 + 1, (B, 1), generator=g)               # (B, 1)
         valid = (torch.arange(sk)[None] >= pad).to(a.device)                  # (B, Sk)
-        mask = distances_in_tokens(slots, valid, sq) & mh.masks.padding(valid)
-        calls = {be: (lambda be=be: mh.attention(q, k, v, mask=mask, backend=be))
-                 for be in (a.ours, "sdpa", "auto")}
+        new_mask = lambda: distances_in_tokens(slots, valid, sq) & mh.masks.padding(valid)  # noqa: E731
+        mask = new_mask()
+        calls = {be: (lambda be=be: mh.attention(
+            q, k, v, mask=mask if a.reuse_mask else new_mask(), backend=be))
+            for be in (a.ours, "sdpa", "auto")}
         got, want = calls[a.ours]().float(), calls["sdpa"]().float()
         err = ((got - want).norm() / want.norm()).item()
         e = mh.explain(q, k, v, mask=mask)
