@@ -495,6 +495,16 @@ def test_masked_gqa_folds_query_heads_only_when_decoding():
     assert "folded" in str(mh.explain(q[:, :, -1:], k, v, mask=mask, backend="sdpa"))
 
 
+def _record(method: str) -> list:
+    """The names of the backends whose ``method`` runs, in order, from now until
+    ``mock.patch.stopall()`` (each backend's method still runs)."""
+    names = []
+    for b in registry.all_backends().values():
+        mock.patch.object(b, method, side_effect=lambda c, p, _o=getattr(b, method), _n=b.name:
+                          names.append(_n) or _o(c, p)).start()
+    return names
+
+
 def test_a_padded_caches_steps_share_autos_choice_and_plan_one_backend():
     """A padded cache's window is a new at_positions mask every step: its steps share auto's
     choice by the mask's structure, so after the first only the chosen backend plans (each
@@ -502,10 +512,7 @@ def test_a_padded_caches_steps_share_autos_choice_and_plan_one_backend():
     fp64."""
     from multihead.masks.positioned import distances_in_tokens
     mh.functional.dispatch.clear_cache()
-    planned = []
-    for b in registry.all_backends().values():
-        mock.patch.object(b, "plan", side_effect=lambda c, p, _o=b.plan, _n=b.name:
-                          planned.append(_n) or _o(c, p)).start()
+    planned = _record("plan")
     try:
         g = torch.Generator().manual_seed(3)
         valid = torch.arange(40) >= torch.tensor([[0], [9]])                     # (2, 40)
@@ -534,10 +541,7 @@ def test_a_choice_one_calls_content_cannot_use_stays_for_the_calls_that_can():
     q, k, v = _qkv(S=512, D=16)
     packed, interleaved = torch.arange(512) // 64, torch.arange(512) % 8     # 8 docs each
     mh.functional.dispatch.clear_cache()
-    ran = []
-    for b in registry.all_backends().values():
-        mock.patch.object(b, "run", side_effect=lambda c, p, _o=b.run, _n=b.name:
-                          ran.append(_n) or _o(c, p)).start()
+    ran = _record("run")
     try:
         mh.attention(q, k, v, mask=M.document(packed))
         assert ran[-1] == "varlen"
