@@ -41,7 +41,6 @@ drop the key (``-inf``) from a row.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
@@ -173,7 +172,12 @@ def run(backend, call: AttentionCall, plan):
     out, w, lse = backend.run(call, plan)
     if not on_host:
         return out, w, lse
-    finite_k = functools.cache(lambda: math.isfinite(call.k.sum().item()))     # (read once)
+    read = []
+
+    def finite_k() -> bool:                       # read once, when first asked (a closure:
+        if not read:                              # functools.cache cost ~3 us per call)
+            read.append(math.isfinite(call.k.sum().item()))
+        return read[0]
     if _finite(call.q, out, call.k, backend.zero_rows_for_nan_scores, finite_k):
         # (in half precision a finite result already summed k)
         if (call.q.requires_grad and torch.is_grad_enabled() and backend.grad_reads_hidden_keys
