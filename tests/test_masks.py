@@ -526,6 +526,32 @@ def test_at_positions_measures_distances_between_the_given_positions():
         torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12, msg=backend)
 
 
+def test_a_tensor_assigned_in_place_of_another_never_gets_its_cached_tiles():
+    """Facts cached on a mask are keyed by its tensors' versions and identities. ``id()`` is
+    reused once a tensor is freed, so a new positions tensor could take the old one's id
+    with an equal (fresh) version and get the old tile map: all FULL where the new
+    positions allow nothing. Tried until the id is reused (CPython reuses it often)."""
+    reused = 0
+    for _ in range(300):
+        m = M.at_positions(M.causal(), torch.zeros(32, dtype=torch.long),
+                           torch.zeros(32, dtype=torch.long))
+        both = m & M.padding(torch.tensor([32]))
+        for mask in (m, both):
+            assert mask.tiles(32, 32, tile_q=8, tile_k=8).counts()["full"] == 16
+        old = id(m.q_positions)
+        for _ in range(20):
+            m.q_positions = torch.full((1, 32), -1)          # before every key: none allowed
+            if id(m.q_positions) == old:
+                break
+        if id(m.q_positions) == old:
+            reused += 1
+            for mask in (m, both):
+                assert mask.tiles(32, 32, tile_q=8, tile_k=8).counts()["full"] == 0
+        if reused >= 3:
+            break
+    assert reused >= 3, "no id was reused: the case was not exercised"
+
+
 def test_a_padded_caches_window_skips_the_tiles_outside_it():
     """The tile map of a window at positions: a decoding step over 4096 slots (the first
     1000 of the second row padding) with a window of 256 tokens visits the key tiles that

@@ -50,7 +50,8 @@ from .mask_program import LOG2E  # noqa: F401  (the kernels' one constant, share
 #: less (:func:`launch`). Not yet timed: ``triton_tune --only sparse`` measures it.
 #: "fwd_sparse_short" is that forward for at most :data:`SHORT` queries (a decoding step over
 #: a mask the decode kernel does not run, a padded cache's window say): 16-row tiles, the
-#: least a tensor-core product takes, so a step does not compute 128 rows for 1 to 16.
+#: least a tensor-core product takes, so a step does not compute 128 rows for 1 to 16. Not
+#: tuned: ``triton_tune`` does not measure it (a measured "fwd_sparse" row leaves it as is).
 #: "decode" is the split-K decoding kernel's ``(BLOCK_N, num_warps, num_stages)`` (its rows
 #: are the query heads of a group, not a tile): measured at D=128 on an H100
 LAUNCH = {

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._cache import BoundedCache
 from .. import _device as devices
@@ -57,6 +59,20 @@ class Index:
     sq: int
     sk: int
     dtype: torch.dtype = torch.float32
+
+
+_SERIALS = WeakIdKeyDictionary()
+_NEXT_SERIAL = itertools.count()
+
+
+def _serial(t: torch.Tensor) -> int:
+    """A number of ``t``'s own for as long as this process runs (``id()`` is reused once a
+    tensor is freed: a new tensor assigned in place of a mask's old one could match the old
+    one's cached facts by its id and a fresh version counter)."""
+    n = _SERIALS.get(t)
+    if n is None:
+        n = _SERIALS[t] = next(_NEXT_SERIAL)
+    return n
 
 
 @dataclass(frozen=True)
@@ -329,7 +345,7 @@ class Mask:
         try:
             if torch.compiler.is_compiling():
                 return tuple(t._version for t in self._tensors())
-            return tuple((id(t), t._version) for t in self._tensors())
+            return tuple((t._version, _serial(t)) for t in self._tensors())
         except RuntimeError:
             return None
 

@@ -147,7 +147,8 @@ def at_positions(mask: Mask, q_positions: torch.Tensor, k_positions: torch.Tenso
     place queries and keys); the leaves that hold one value per slot (``padding``,
     ``document``, ``dense``, ``bias``) keep indexing slots. Tiles a repositioned window
     rules out are skipped (from each tile's least and greatest position; positions need not
-    grow with the slots); a custom predicate's tiles are not. Positions may be negative
+    grow with the slots); a custom predicate's tiles are not. Positions within ``±2**62``
+    (a tile's distances are taken in int64). Positions may be negative
     (``cumsum - 1`` of a left-padded row starts at -1).
 
     Args:

@@ -52,9 +52,9 @@ LIST_OPS = 8
 #: the tile map's host cost against materializing the mask, in a decoding step's call: a
 #: padded cache's window or ALiBi at positions took 57-90 torch ops to list its blocks
 #: against 25-27 to build SDPA's additive mask (counted with a dispatch mode), and on an H100
-#: such a step through our kernels took 1.7-2.6x SDPA's host time (B=8 H=32 Hkv=8 D=128,
-#: 1 or 16 queries over 4k or 32k slots, ``benchmarks/padded_cache``: 1.7-2.4 ms against
-#: 0.8-1.1 ms, for kernels of 0.13-1.0 ms against 0.11-0.55)
+#: such a step through our kernels took 1.5-2.6x SDPA's time per call (B=8 H=32 Hkv=8
+#: D=128, 1 or 16 queries over 4k or 32k slots, ``benchmarks/padded_cache``: 1.5-2.7 ms
+#: against 0.7-1.4 ms, for kernels of 0.13-1.0 ms against 0.11-0.55)
 TILE_MAP_OPS = 3
 #: the host time of one such op (Python, checks, the launch) in launches of the profile:
 #: 15-30 us per op in those steps, against the profile's 6 us per launch
