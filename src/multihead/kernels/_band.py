@@ -48,9 +48,9 @@ from .mask_program import LOG2E  # noqa: F401  (the kernels' one constant, share
 #: before each copy (sm_90 TTGIR, Triton 3.6 and 3.9: at 3 stages each step waited for
 #: every copy); at most 198 KB of shared memory on an H100, fewer stages where a GPU has
 #: less (:func:`launch`). Not yet timed: ``triton_tune --only sparse`` measures it.
-#: "fwd_sparse_short" is that forward for at most :data:`SHORT` queries (a decoding step over
-#: a mask the decode kernel does not run, a padded cache's window say): 16-row tiles, the
-#: least a tensor-core product takes, so a step does not compute 128 rows for 1 to 16. Not
+#: "fwd_sparse_short" is that forward for queries that fit one of its row tiles (a decoding
+#: step over a mask the decode kernel does not run, a padded cache's window say): 16-row
+#: tiles, the least a tensor-core product takes, so a step does not compute 128 rows for 1. Not
 #: tuned: ``triton_tune`` does not measure it (a measured "fwd_sparse" row leaves it as is).
 #: "decode" is the split-K decoding kernel's ``(BLOCK_N, num_warps, num_stages)`` (its rows
 #: are the query heads of a group, not a tile): measured at D=128 on an H100
@@ -67,8 +67,6 @@ LAUNCH = {
 
 #: a window of at most this many keys runs the "fwd_narrow" launch
 NARROW = 512
-#: a block-sparse forward of at most this many queries runs the "fwd_sparse_short" launch
-SHORT = 16
 
 
 def cdiv(a: int, b: int) -> int:
@@ -412,7 +410,7 @@ def launch_config(kernel: str, D: int, Dv: int, window: int | None = None,
     :data:`LAUNCH` by the wider tile (one bucket per width: S, B, H and the window within
     its bucket never change it, so they never cause a compile). The forward under a window
     of at most :data:`NARROW` keys takes the "fwd_narrow" row, the block-sparse forward of
-    at most :data:`SHORT` ``queries`` the "fwd_sparse_short" row.
+    ``queries`` that fit one "fwd_sparse_short" row tile that row.
 
     A GPU other than the H100 may prefer other tiles: ``python -m benchmarks.triton_tune
     --write FILE`` measures them on it, and ``MULTIHEAD_TRITON_LAUNCH=FILE`` makes them the
@@ -426,10 +424,17 @@ def launch_config(kernel: str, D: int, Dv: int, window: int | None = None,
     """
     if kernel == "fwd" and window is not None and window <= NARROW:
         kernel = "fwd_narrow"
-    if kernel == "fwd_sparse" and queries is not None and queries <= SHORT:
-        kernel = "fwd_sparse_short"
     width = max(pow2(D), pow2(Dv))
-    table = _table()[kernel]
+    if kernel == "fwd_sparse" and queries is not None:
+        short = _row(_table()["fwd_sparse_short"], width)
+        if queries <= short[0]:                                  # one tile of rows holds them
+            return short
+    return _row(_table()[kernel], width)
+
+
+def _row(table: dict, width: int) -> tuple[int, ...]:
+    """The entry of ``table`` (``{head-dim width: config}``) for heads ``width`` wide: the
+    narrowest that fits, else the widest."""
     fits = [w for w in table if w >= width]
     return table[min(fits) if fits else max(table)]
 

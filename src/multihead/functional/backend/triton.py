@@ -154,6 +154,12 @@ def _pairs(call: AttentionCall, band: Band, block_m: int, block_n: int) -> int:
     return total * call.H
 
 
+def _decoding_step(call: AttentionCall) -> bool:
+    """A call of a decoding step's size: at most the decode kernel's queries, no gradients."""
+    from ...kernels.decode import MAX_QUERIES
+    return call.Sq <= MAX_QUERIES and not call.requires_grad
+
+
 def _share(pairs, total) -> str:
     """``"12.5% of the pairs"``; while tracing (sizes may be symbolic), no figure."""
     if torch.compiler.is_compiling():
@@ -188,14 +194,13 @@ class TritonFlash(Backend):
         return band if isinstance(band, str) else None
 
     def plan(self, call, profile):
-        from ...kernels.decode import MAX_QUERIES
         from ...kernels._band import launch_config
         band = _band(call)
         if isinstance(band, Sparse):
             return self._sparse_plan(call, band,
                                      *launch_config("fwd_sparse", call.D, call.Dv,
                                                    queries=call.Sq)[:2])
-        if call.Sq <= MAX_QUERIES and not call.requires_grad and band.documents is None:
+        if _decoding_step(call) and band.documents is None:
             return self._decode_plan(call, band)
         bm, bn, _, _ = launch_config("fwd", call.D, call.Dv, band.window)
         pairs = _pairs(call, band, bm, bn)
@@ -219,9 +224,8 @@ class TritonFlash(Backend):
                 state = mask._tile_map(call.Sq, call.Sk, tile_q=bm, tile_k=bn, device="cpu").state
                 pairs = int(float((state != M.EMPTY).float().mean()) * call.pairs)
             note = f"block lists: {_share(pairs, call.pairs)} visited"
-        from ...kernels.decode import MAX_QUERIES
         launches = 1
-        if call.Sq <= MAX_QUERIES and not call.requires_grad:
+        if _decoding_step(call):
             # a call of a decoding step's size, where host time is the cost: a decoding
             # loop's mask is usually new each step (a padded cache's positions are), so its
             # lists are priced as built, and Triton's launcher costs more host time than
