@@ -77,6 +77,46 @@ def test_biases_add_under_and_and_mask_with_minus_inf():
         _ = M.causal() | al
 
 
+def test_a_long_chain_built_in_a_loop_runs_and_means_what_its_leaves_say():
+    # 1000 `&` (and `|`) in a row: every analysis walks a mask recursively, so a chain
+    # as deep as it is long overflowed Python's stack
+    S = 24
+    lens = torch.tensor([S - 5, S])
+    both = M.causal() & M.padding(lens)
+    either = M.dense(torch.eye(S, dtype=torch.bool))
+    want_both, want_either = both.materialize(S, S), either.materialize(S, S)
+    for n in range(1000):
+        w = M.sliding_window(3 + n % 40)
+        both, want_both = both & w, want_both & w.materialize(S, S)
+        either = either | M.sliding_window(1 + n % 3, align="upper_left")
+        want_either = want_either | M.sliding_window(1 + n % 3, align="upper_left").materialize(S, S)
+    assert both._depth <= 32 and either._depth <= 32     # (a flattened chain grows again)
+    assert len(list(both.leaves())) == 1002
+    assert torch.equal(both.materialize(S, S), want_both)
+    assert torch.equal(either.materialize(S, S), want_either)
+    q = torch.randn(2, 2, S, 8, dtype=torch.float64)
+    for m, dense in ((both, want_both), (either, want_either)):
+        out = mh.attention(q, q, q, mask=m)
+        torch.testing.assert_close(out, mh.attention(q, q, q, mask=dense, backend="reference"))
+    # biases still add up, whatever the grouping
+    values = torch.randn(1, 2, S, S, dtype=torch.float64)
+    bias = M.alibi(2)
+    for n in range(99):
+        bias = bias & M.bias(values * n)
+    torch.testing.assert_close(bias.additive(S, S, dtype=torch.float64),
+                               M.alibi(2).additive(S, S, dtype=torch.float64) + 4851 * values)
+
+
+def test_a_composition_too_deep_to_flatten_is_refused_by_name():
+    m = M.causal()
+    with pytest.raises(ValueError, match=r"nest 129 deep, more than 128.*combine"):
+        for n in range(200):       # alternating & and |: no chain of one operator to flatten
+            m = (m & M.sliding_window(4)) if n % 2 else (m | M.sliding_window(2))
+    assert m._depth == 128
+    c = M.causal()
+    assert ~~c is c                # a double complement is the mask itself
+
+
 def test_alibi_slopes_match_the_paper():
     assert M.alibi_slopes(8).tolist() == [2.0 ** -(i + 1) for i in range(8)]
     s12 = M.alibi_slopes(12).tolist()      # 8 slopes, then every other of the 16-head ones

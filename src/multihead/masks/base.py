@@ -200,6 +200,10 @@ def bias_as(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class Mask:
     """Base class of every mask. Compose masks with ``&``, ``|`` and ``~``.
 
+    A chain of one operator built in a loop (``m = m & w`` a thousand times) is kept as a
+    balanced tree of its operands; compositions that alternate operators may nest at most
+    :data:`MAX_DEPTH` deep (a clear error past it).
+
     Subclasses implement :meth:`_allowed` (a predicate over :class:`Index`), optionally
     :meth:`_bias`, and :meth:`_tile_bounds` (sound per-tile ``any``/``all`` bounds).
     """
@@ -225,6 +229,8 @@ class Mask:
     #: construction (or, for tensors they share with the caller, are version-tracked), so
     #: facts derived from them may be cached. Not inherited: a user's subclass is not cached.
     _immutable: bool = False
+    #: how many compositions (``&``, ``|``, ``~``) nest above the deepest leaf (0: a leaf)
+    _depth: int = 0
 
     # -- what backends read ------------------------------------------------------------------
     def cache_key(self):
@@ -625,19 +631,19 @@ class Mask:
 
     # -- composition -----------------------------------------------------------------------
     def __and__(self, other: "Mask") -> "Mask":
-        return And(self, _as_mask(other, "&"))
+        return _compose(And, self, _as_mask(other, "&"))
 
     def __or__(self, other: "Mask") -> "Mask":
-        return Or(self, _as_mask(other, "|"))
+        return _compose(Or, self, _as_mask(other, "|"))
 
     def __invert__(self) -> "Mask":
-        return Not(self)
+        return self.m if type(self) is Not else Not(self)     # ~~m allows what m allows
 
     def __rand__(self, other):
-        return And(_as_mask(other, "&"), self)
+        return _compose(And, _as_mask(other, "&"), self)
 
     def __ror__(self, other):
-        return Or(_as_mask(other, "|"), self)
+        return _compose(Or, _as_mask(other, "|"), self)
 
     # -- equality: masks determined by their ints are values -------------------------------
     def __eq__(self, other):
@@ -774,6 +780,62 @@ def _length(fn: str, name: str, n, least: int = 0):
     return n if isinstance(n, torch.SymInt) else positive_int(f"{fn}: {name}", n, least=least)
 
 
+#: a chain of one operator deeper than this is rebuilt as a balanced tree of the same
+#: operands in the same order (``&``, ``|`` are associative: the pairs allowed are the same;
+#: biases add in the same order, grouped otherwise), so a mask built in a loop stays
+#: shallow: every analysis of a mask walks it recursively
+BALANCE_DEPTH = 32
+#: the deepest composition a mask may be (mixed operators, which no rebalancing flattens)
+MAX_DEPTH = 128
+
+
+def _compose(cls, a: Mask, b: Mask) -> Mask:
+    """``cls(a, b)`` (``And`` or ``Or``), as a balanced tree of the chain's operands where it
+    would nest deeper than :data:`BALANCE_DEPTH`.
+
+    Example:
+        >>> import multihead as mh
+        >>> m = mh.masks.causal()
+        >>> for n in range(1000):
+        ...     m = m & mh.masks.sliding_window(n + 1)
+        >>> m._depth, len(list(m.leaves()))
+        (10, 1001)
+    """
+    if 1 + max(a._depth, b._depth) <= BALANCE_DEPTH:
+        return cls(a, b)
+    return _balanced(cls, _operands(cls, a) + _operands(cls, b))
+
+
+def _operands(cls, m: Mask) -> list:
+    """The operands of the chain of ``cls`` (exactly: a subclass may mean another thing)
+    that ``m`` is, left to right (without recursion: the chain may be deep)."""
+    out, stack = [], [m]
+    while stack:
+        x = stack.pop()
+        if type(x) is cls:
+            stack += [x.b, x.a]
+        else:
+            out.append(x)
+    return out
+
+
+def _balanced(cls, ops: list) -> Mask:
+    if len(ops) == 1:
+        return ops[0]
+    half = len(ops) // 2
+    return cls(_balanced(cls, ops[:half]), _balanced(cls, ops[half:]))
+
+
+def _nested(depth: int) -> int:
+    """``depth``, or a ValueError past :data:`MAX_DEPTH`."""
+    if depth > MAX_DEPTH:
+        raise ValueError(f"mask: this composition would nest {depth} deep, more than "
+                         f"{MAX_DEPTH}: chains of one operator (a & b & c ...) are kept "
+                         f"shallow, but alternating &, | and ~ are not; combine the masks of "
+                         f"each kind first (e.g. build the | of all alternatives, then & it)")
+    return depth
+
+
 def _size(n: int | None) -> int:
     """A dim's length on an index grid: 1 where the mask does not depend on it."""
     return 1 if n is None else n
@@ -783,6 +845,7 @@ class _Binary(Mask):
     op = "?"
 
     def __init__(self, a: Mask, b: Mask):
+        self._depth = _nested(1 + max(a._depth, b._depth))
         for what, x, y in (("batch size", a.batch_size, b.batch_size),
                            ("heads", a.num_heads, b.num_heads)):
             if None not in (x, y) and 1 not in (x, y) and x != y:
@@ -939,6 +1002,7 @@ class Not(Mask):
     def __init__(self, m: Mask):
         if m.has_bias or not m.has_predicate:
             raise TypeError(f"~ applies to boolean masks only, not to {m.describe()} (it has a bias)")
+        self._depth = _nested(1 + m._depth)
         self._m = m
 
     @property
