@@ -378,7 +378,7 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
     """
     refuse_jit_trace("multihead.attention")
     q, k, v, amp = _autocast(q, k, v)
-    key = None
+    key = free = decision = None
     if not (_uncached() or isinstance(scale, torch.Tensor)):
         try:     # what determines the plan besides the mask (a miss validates all of it)
             if q.is_nested or k.is_nested or v.is_nested:     # (no sizes to key on)
@@ -391,16 +391,16 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
                    torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad,
                    fwAD._current_level >= 0 and has_tangent(q, k, v, mask),
                    profiles.generation, registry.generation)
-            hash(key)
+            free = _length_free_key(key, shapes, mask)
+            decision = _DECISIONS.get(free) if free is not None else None
+            if decision is None:
+                hash(key)                           # (a hit hashed its parts already)
         except (AttributeError, TypeError):         # the miss path says what is wrong
-            key = None
-    call, decision = None, None
+            key = free = decision = None
+    if decision is not None:
+        free = None                                 # found: nothing to offer the cache
+    call = None
     args = (q, k, v, mask, scale, dropout_p, backend, return_weights, return_lse)
-    free = _length_free_key(key, shapes, mask) if key is not None else None
-    if free is not None:
-        decision = _DECISIONS.get(free)
-        if decision is not None:
-            free = None                             # found: nothing to offer the cache
     if key is None or decision is not None:
         pass
     elif mask is None:

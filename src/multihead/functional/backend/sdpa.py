@@ -199,7 +199,9 @@ class SDPA(Backend):
                                                  **kw)         # also where G is symbolic
         if row_ok is not None:
             out = out * row_ok.to(out.dtype)
-        return out.to(call.q.dtype), None, None
+        if out.dtype != call.q.dtype:                   # (a no-op .to still costs a dispatch)
+            out = out.to(call.q.dtype)
+        return out, None, None
 
 
 register(SDPA())
