@@ -115,6 +115,12 @@ def test_a_composition_too_deep_to_flatten_is_refused_by_name():
     assert m._depth == 128
     c = M.causal()
     assert ~~c is c                # a double complement is the mask itself
+    old = pickle.loads(pickle.dumps(m))
+    del old.__dict__["_depth"]     # as pickled before compositions kept their depth
+    again = pickle.loads(pickle.dumps(old))
+    assert again._depth == 128
+    with pytest.raises(ValueError, match="more than 128"):
+        _ = ~again
 
 
 def test_alibi_slopes_match_the_paper():

@@ -231,6 +231,9 @@ class Mask:
     _immutable: bool = False
     #: how many compositions (``&``, ``|``, ``~``) nest above the deepest leaf (0: a leaf)
     _depth: int = 0
+    #: in a chain of one operator: how deep it may grow before it is rebuilt balanced
+    #: (twice its depth when it last was; see :func:`_compose`)
+    _limit: int = 0
 
     # -- what backends read ------------------------------------------------------------------
     def cache_key(self):
@@ -301,6 +304,9 @@ class Mask:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        parts = [state[k] for k in ("_a", "_b", "_m") if k in state]
+        if parts and "_depth" not in state:     # pickled before compositions kept it
+            self.__dict__["_depth"] = _nested(1 + max(p._depth for p in parts))
         if state.get("_facts_at") == _FACTS_HELD:      # the copy's own counters vouch now
             self.__dict__["_facts_at"] = self._versions()
 
@@ -780,30 +786,38 @@ def _length(fn: str, name: str, n, least: int = 0):
     return n if isinstance(n, torch.SymInt) else positive_int(f"{fn}: {name}", n, least=least)
 
 
-#: a chain of one operator deeper than this is rebuilt as a balanced tree of the same
-#: operands in the same order (``&``, ``|`` are associative: the pairs allowed are the same;
-#: biases add in the same order, grouped otherwise), so a mask built in a loop stays
-#: shallow: every analysis of a mask walks it recursively
+#: a chain of one operator deeper than this (or than twice its depth when it was last
+#: rebuilt) is rebuilt as a balanced tree of the same operands in the same order (``&`` and
+#: ``|`` are associative: the pairs allowed are the same; biases add in the same order,
+#: grouped otherwise), so a mask built in a loop stays shallow: every analysis of a mask
+#: walks it recursively
 BALANCE_DEPTH = 32
 #: the deepest composition a mask may be (mixed operators, which no rebalancing flattens)
 MAX_DEPTH = 128
 
 
 def _compose(cls, a: Mask, b: Mask) -> Mask:
-    """``cls(a, b)`` (``And`` or ``Or``), as a balanced tree of the chain's operands where it
-    would nest deeper than :data:`BALANCE_DEPTH`.
+    """``cls(a, b)`` (``And`` or ``Or``), rebuilt as a balanced tree of the chain's operands
+    where it would nest deeper than :data:`BALANCE_DEPTH` or than twice its depth when last
+    rebuilt (so a long chain is rebuilt each time it doubled, not at every link).
 
     Example:
         >>> import multihead as mh
         >>> m = mh.masks.causal()
         >>> for n in range(1000):
         ...     m = m & mh.masks.sliding_window(n + 1)
-        >>> m._depth, len(list(m.leaves()))
-        (10, 1001)
+        >>> m._depth <= 32, len(list(m.leaves()))
+        (True, 1001)
     """
-    if 1 + max(a._depth, b._depth) <= BALANCE_DEPTH:
-        return cls(a, b)
-    return _balanced(cls, _operands(cls, a) + _operands(cls, b))
+    limit = max([BALANCE_DEPTH] + [x._limit for x in (a, b) if type(x) is cls])
+    if 1 + max(a._depth, b._depth) <= limit:
+        m = cls(a, b)
+        m._limit = limit
+        return m
+    cls._validate(a, b)                       # (its errors name the operands as given)
+    m = _balanced(cls, _operands(cls, a) + _operands(cls, b))
+    m._limit = min(MAX_DEPTH, max(BALANCE_DEPTH, 2 * m._depth))
+    return m
 
 
 def _operands(cls, m: Mask) -> list:
@@ -820,10 +834,12 @@ def _operands(cls, m: Mask) -> list:
 
 
 def _balanced(cls, ops: list) -> Mask:
+    """``ops[0] op ops[1] op ...`` as a balanced tree, unchecked: the operands were checked
+    together when the chain was built (the checks hold for any grouping)."""
     if len(ops) == 1:
         return ops[0]
     half = len(ops) // 2
-    return cls(_balanced(cls, ops[:half]), _balanced(cls, ops[half:]))
+    return cls._join(_balanced(cls, ops[:half]), _balanced(cls, ops[half:]))
 
 
 def _nested(depth: int) -> int:
@@ -845,11 +861,31 @@ class _Binary(Mask):
     op = "?"
 
     def __init__(self, a: Mask, b: Mask):
+        self._validate(a, b)
+        self._set(a, b)
+
+    @classmethod
+    def _join(cls, a: Mask, b: Mask) -> Mask:
+        """``a op b`` without :meth:`_validate` (for operands known to fit)."""
+        m = cls.__new__(cls)
+        m._set(a, b)
+        return m
+
+    def _set(self, a: Mask, b: Mask) -> None:
         self._depth = _nested(1 + max(a._depth, b._depth))
+        self._a, self._b = a, b
+        self.kind = {"&": "and", "|": "or"}[self.op]
+        self.has_bias = a.has_bias or b.has_bias
+        self.has_predicate = a.has_predicate or b.has_predicate
+
+    @classmethod
+    def _validate(cls, a: Mask, b: Mask) -> None:
+        """Raise unless some call fits both ``a`` and ``b`` (this check holds or fails
+        alike for any grouping of a chain's operands)."""
         for what, x, y in (("batch size", a.batch_size, b.batch_size),
                            ("heads", a.num_heads, b.num_heads)):
             if None not in (x, y) and 1 not in (x, y) and x != y:
-                raise ValueError(f"mask: {a.describe()} {self.op} {b.describe()}: built for "
+                raise ValueError(f"mask: {a.describe()} {cls.op} {b.describe()}: built for "
                                  f"{what} {x} and {y}, which no call fits: build both for "
                                  f"the call's {what}")
         for what, (xa, xb), (la, lb) in zip(("Sq", "Sk"), zip(a._lengths(), b._lengths()),
@@ -859,12 +895,8 @@ class _Binary(Mask):
                 (x, f"{what} >= {n}") for x, n in ((xa, lb), (xb, la)) if x is not None and x < n]
             if clashes:
                 x, other = clashes[0]
-                raise ValueError(f"mask: {a.describe()} {self.op} {b.describe()}: one needs "
+                raise ValueError(f"mask: {a.describe()} {cls.op} {b.describe()}: one needs "
                                  f"{what} = {x}, the other {other}, which no call fits")
-        self._a, self._b = a, b
-        self.kind = {"&": "and", "|": "or"}[self.op]
-        self.has_bias = a.has_bias or b.has_bias
-        self.has_predicate = a.has_predicate or b.has_predicate
 
     @property
     def batch_size(self) -> int | None:
@@ -974,14 +1006,15 @@ class Or(_Binary):
 
     op = "|"
 
-    def __init__(self, a: Mask, b: Mask):
+    @classmethod
+    def _validate(cls, a: Mask, b: Mask) -> None:
         if a.has_bias or b.has_bias:
             raise TypeError(
                 f"cannot combine {a.describe()} | {b.describe()}: a mask with an additive bias "
                 f"has no meaning under |; combine biases with & (biases add) instead")
         if not (a.has_predicate and b.has_predicate):
             raise TypeError("| with a pure bias mask is meaningless; use & to add a bias")
-        super().__init__(a, b)
+        super()._validate(a, b)
 
     def _allowed(self, ix):
         return self.a._allowed(ix) | self.b._allowed(ix)
