@@ -424,12 +424,12 @@ def launch_config(kernel: str, D: int, Dv: int, window: int | None = None,
     """
     if kernel == "fwd" and window is not None and window <= NARROW:
         kernel = "fwd_narrow"
-    width = max(pow2(D), pow2(Dv))
+    width, table = max(pow2(D), pow2(Dv)), _table()
     if kernel == "fwd_sparse" and queries is not None:
-        short = _row(_table()["fwd_sparse_short"], width)
+        short = _row(table["fwd_sparse_short"], width)
         if queries <= short[0]:                                  # one tile of rows holds them
             return short
-    return _row(_table()[kernel], width)
+    return _row(table[kernel], width)
 
 
 def _row(table: dict, width: int) -> tuple[int, ...]:

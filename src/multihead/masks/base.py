@@ -304,8 +304,9 @@ class Mask:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        parts = [state[k] for k in ("_a", "_b", "_m") if k in state]
-        if parts and "_depth" not in state:     # pickled before compositions kept it
+        if isinstance(self, (_Binary, Not)) and "_depth" not in state:
+            # a composition pickled before compositions kept their depth
+            parts = (self.m,) if isinstance(self, Not) else (self.a, self.b)
             self.__dict__["_depth"] = _nested(1 + max(p._depth for p in parts))
         if state.get("_facts_at") == _FACTS_HELD:      # the copy's own counters vouch now
             self.__dict__["_facts_at"] = self._versions()
