@@ -73,8 +73,13 @@ def test_gradients_equal_the_fp64_oracle_for_every_mask(name, shape, kv_tiles):
     (keys_left)."""
     B, H, Hkv, Sq, Sk, D = shape
     q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, seed=1)
-    m = _mask(name, B, H, Sq, Sk)
-    scale = D ** -0.5
+    _assert_small_tile_gradients_match_the_oracle(q, k, v, _mask(name, B, H, Sq, Sk), kv_tiles)
+
+
+def _assert_small_tile_gradients_match_the_oracle(q, k, v, m, kv_tiles):
+    """dQ, dK, dV of the kernels at small tiles (``kv_tiles`` for dK/dV), with the lse in
+    the loss, within twice an fp32 reference's error of the fp64 oracle (plus 4 eps)."""
+    scale = q.shape[-1] ** -0.5
 
     class Small(torch.autograd.Function):          # ops.sparse with 16x16 tiles
         @staticmethod
@@ -521,6 +526,31 @@ def test_a_bias_of_finfo_min_is_a_number_not_a_mask(dtype):
     grads = sparse_backward(torch.randn_like(out), q, k, v, out, lse, m, scale=0.25,
                             config=(TILES, TILES))
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")   # the interpreter
+@pytest.mark.parametrize("value", [-1e4, -1e30, torch.finfo(torch.float32).min, 1e30],
+                         ids=["-1e4", "-1e30", "finfo.min", "+1e30"])
+@pytest.mark.parametrize("structure", ["bias", "bias&causal"])
+def test_rows_only_a_huge_bias_reaches_get_the_oracles_gradients(structure, value):
+    """A row whose every visible score carries a huge finite bias has an lse too large to
+    hold its softmax's sum (log2 of it is below half an ulp): the backward recomputes that
+    row's maximum and sum instead of reading them from the lse (each of its probabilities
+    was ``l`` times too large). Rows 3 and 5 (the first 7 keys) carry the bias; a positive
+    one makes row 3 a tie of keys 2 and 6. With causal, dK/dV run transposed (keys left)."""
+    B, H, Hkv, Sq, Sk, D = SHAPES[0]
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, seed=13)
+    b = torch.zeros(1, 1, Sq, Sk)
+    if value < 0:
+        b[0, 0, 3] = value
+    else:
+        b[0, 0, 3, [2, 6]] = value
+    b[0, 0, 5, :7] = value
+    m = M.bias(b.to(DEV))
+    if structure == "bias&causal":
+        m = m & M.causal()
+    _assert_small_tile_gradients_match_the_oracle(
+        q, k, v, m, TILES if structure == "bias" else (16, 32, 4, 1))
 
 
 def test_a_float64_bias_past_float32s_range_saturates_instead_of_masking():

@@ -34,6 +34,7 @@ import triton.language as tl
 from ._band import (LOG2E, check_inputs, check_pair, empty_like_all, finite_or_zero,
                     key_length, key_range, launch_config, load_tile, masked_scores, nonfinite,
                     pow2, program_block, query_range, schedule)
+from ._exact_rows import load_pairs
 from ._launch import launch
 from .flash_fwd import DYNAMIC
 
@@ -52,12 +53,19 @@ def row_deltas(O, DO_TILE, DLSE, DELTA, at, rows, n, row_ok, som, sod, DV: tl.co
 
 
 @triton.jit
-def _probs(s, ok, lse2, MASKED: tl.constexpr):
+def _probs(s, ok, lse2, MASKED: tl.constexpr, lo=None):
     # P = exp2(s - lse2) of scores s (base 2, bias added; lse2 broadcast to s), exactly 0
-    # where the mask rules a pair out (see _band.masked_scores).
+    # where the mask rules a pair out (see _band.masked_scores); with lo (a row's pair
+    # (hi, lo) of _exact_rows, broadcast as lse2), exp2((s - hi) - lo).
     if MASKED:
-        return tl.where(ok, tl.math.exp2(tl.where(ok, s, 0.0) - lse2), 0.0)
-    return tl.math.exp2(s - lse2)
+        x = tl.where(ok, s, 0.0) - lse2
+    else:
+        x = s - lse2
+    if lo is not None:
+        x = x - lo
+    if MASKED:
+        return tl.where(ok, tl.math.exp2(x), 0.0)
+    return tl.math.exp2(x)
 
 
 @triton.jit
@@ -92,18 +100,25 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
                   MASKED and BOUNDED)                                       # (BLOCK_M, BLOCK_D)
     do = load_tile(do_base, rows, Sq, sdm, sdd, DV, BLOCK_DV,
                    MASKED and BOUNDED)                                      # (BLOCK_M, BLOCK_DV)
-    if MASKED and BOUNDED:
+    if HAS_BIAS:                # lse_base: the rows' (hi, lo) pairs (see _exact_rows)
+        lse2, lo = load_pairs(lse_base, rows, row_ok, MASKED and BOUNDED)
+    elif MASKED and BOUNDED:
         lse2 = tl.load(lse_base + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-        delta = tl.load(dl_base + rows, mask=row_ok, other=0.0)
     else:                                       # interior, or not BOUNDED: rows all live
         lse2 = tl.load(lse_base + rows) * 1.4426950408889634
+    if MASKED and BOUNDED:
+        delta = tl.load(dl_base + rows, mask=row_ok, other=0.0)
+    else:
         delta = tl.load(dl_base + rows)
     if KEYS_LEFT:
         st = tl.dot(k, tl.trans(q)) * qk_scale                             # (BLOCK_N, BLOCK_M)
         st, ok = masked_scores(st, b, h, rows[None, :], cols[:, None], row_ok[None, :], Sq,
                                klen, offset, window, T, I, CAUSAL, WINDOWED, MASKED, MASK_FN,
                                HAS_BIAS, BOUNDED)
-        pt = _probs(st, ok, lse2[None, :], MASKED)
+        if HAS_BIAS:
+            pt = _probs(st, ok, lse2[None, :], MASKED, lo[None, :])
+        else:
+            pt = _probs(st, ok, lse2[None, :], MASKED)
         dv += tl.dot(pt.to(do.dtype), do)                                  # (BLOCK_N, BLOCK_DV)
         dpt = tl.dot(v, tl.trans(do))                                      # (BLOCK_N, BLOCK_M)
         dst = _dscores(pt, ok, dpt, delta[None, :], MASKED).to(q.dtype)
@@ -112,7 +127,10 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
         s, ok = masked_scores(s, b, h, rows[:, None], cols[None, :], row_ok[:, None], Sq,
                               klen, offset, window, T, I, CAUSAL, WINDOWED, MASKED, MASK_FN,
                               HAS_BIAS, BOUNDED)
-        p = _probs(s, ok, lse2[:, None], MASKED)
+        if HAS_BIAS:
+            p = _probs(s, ok, lse2[:, None], MASKED, lo[:, None])
+        else:
+            p = _probs(s, ok, lse2[:, None], MASKED)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do)                         # (BLOCK_N, BLOCK_DV)
         dp = tl.dot(do, tl.trans(v))                                       # (BLOCK_M, BLOCK_N)
         dst = tl.trans(_dscores(p, ok, dp, delta[:, None], MASKED).to(q.dtype))

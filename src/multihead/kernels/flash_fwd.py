@@ -39,6 +39,19 @@ DYNAMIC = ["Sq", "Sk", "offset", "window"]
 
 
 @triton.jit
+def softmax_step(s, m_i, l_i):
+    """One step of the online softmax (base 2) by the scores ``s (rows, N)`` (``-inf``
+    where hidden): ``(p, alpha, m, l)``, the block's unnormalized probabilities, the factor
+    that rescales what came before, and the new running maximum and sum (a row that has
+    seen nothing keeps ``-inf`` and 0)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)                   # a row seeing nothing
+    p = tl.math.exp2(s - shift[:, None])
+    alpha = tl.math.exp2(m_i - shift)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_scale, offset,
                   window, skn, skd, svn, svd, b, h, Sq, T, I, D: tl.constexpr, DV: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -62,11 +75,7 @@ def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_
                           BOUNDED)
     if MASKED:
         s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)                   # a row seeing nothing
-    p = tl.math.exp2(s - shift[:, None])
-    alpha = tl.math.exp2(m_i - shift)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
     v = load_tile(v_base, cols, hi, svn, svd, DV, BLOCK_DV,
                   MASKED and BOUNDED)                                       # (BLOCK_N, BLOCK_DV)
     if MASKED and CAREFUL:  # a key hidden from some rows (the band's, padding) may hold anything

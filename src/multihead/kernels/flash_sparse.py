@@ -13,7 +13,9 @@ A block on the edge of the sequences (the last, short query or key block) is alw
 PARTIAL, so FULL blocks need no bounds checks. A mask with a bias (ALiBi, ``bias``) calls
 the program on every block to add it; finite biases stay finite (``finfo.min`` averages,
 as in the oracle), but a row whose every score is below about ``-2.3e38`` reports a
-clamped log-sum-exp (near ``-2.1e38``) since base 2 cannot hold it in fp32. GQA/MQA,
+clamped log-sum-exp (near ``-2.1e38``) since base 2 cannot hold it in fp32. A row whose
+every visible score carries a huge bias has an lse too large to hold its softmax's sum: the
+backward recomputes that row's maximum and sum (:mod:`._exact_rows`). GQA/MQA,
 empty rows (zeros, lse ``-inf``) and the deterministic backward are as in
 :mod:`.flash_fwd` and :mod:`.flash_bwd`, whose block steps this file reuses.
 
@@ -40,6 +42,7 @@ from ._band import (LOG2E, cdiv, check_arguments, check_inputs, check_pair, empt
 from ._launch import launch
 from .flash_bwd import (_dkdv_block, _dq_block, backward_setup, check_backward, keys_left,
                         row_deltas)
+from ._exact_rows import exact_rows
 from .flash_fwd import _attend_block, _finish, fresh_state
 from .mask_program import MaskProgram, mask_program
 
@@ -197,7 +200,10 @@ def _kv_lists(k, v, Q, DO, LSE, DELTA, NF, NP, IDX, pid_n, b, hk, cols, H, G, Sq
         h = hk * G + g
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdb + h * sdh
-        lse_base = LSE + (b * H + h) * Sq
+        if HAS_BIAS:           # LSE: the rows' (hi, lo) pairs, (B, H, Sq, 2) (_exact_rows)
+            lse_base = LSE + 2 * (b * H + h) * Sq
+        else:
+            lse_base = LSE + (b * H + h) * Sq
         dl_base = DELTA + (b * H + h) * Sq
         n_full, n_all, blocks = _entry(NF, NP, IDX, b, h, pid_n, slb, slh, sib, sih,
                                        NL)             # this key block's transposed lists
@@ -287,7 +293,7 @@ def _q_lists(q, do, lse2, delta, k_base, v_base, blocks, n_full, n_all, rows, ro
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
-def _dq_sparse(Q, K, V, DO, O, LSE, DLSE, DELTA, GQ, NF, NP, IDX, scale, qk_scale,
+def _dq_sparse(Q, K, V, DO, O, LSE, DLSE, DELTA, PAIRS, GQ, NF, NP, IDX, scale, qk_scale,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                sdb, sdh, sdm, sdd, slb, slh, sib, sih, NL,
                H, G, Sq, Sk, T, I, sob, soh, som, sod, HAS_DLSE: tl.constexpr,
@@ -310,6 +316,10 @@ def _dq_sparse(Q, K, V, DO, O, LSE, DLSE, DELTA, GQ, NF, NP, IDX, scale, qk_scal
     n_full, n_all, blocks = _entry(NF, NP, IDX, b, h, pid_m, slb, slh, sib, sih, NL)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
+    if HAS_BIAS:               # rows too large for lse to hold their sum: _exact_rows
+        lse2, lo = exact_rows(lse2, PAIRS + 2 * bh * Sq, q, k_base, blocks, n_all, rows,
+                              row_ok, qk_scale, skn, skd, b, h, Sq, Sk, T, I, MASK_FN, D,
+                              BLOCK_D, BLOCK_M, BLOCK_N)
     dq = _q_lists(q, do, lse2, delta, k_base, v_base, blocks, n_full, n_all, rows, row_ok,
                   qk_scale, skn, skd, svn, svd, b, h, Sq, Sk, T, I, MASK_FN, HAS_BIAS, D, DV,
                   BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False)
@@ -317,6 +327,8 @@ def _dq_sparse(Q, K, V, DO, O, LSE, DLSE, DELTA, GQ, NF, NP, IDX, scale, qk_scal
         dq = _q_lists(q, do, lse2, delta, k_base, v_base, blocks, n_full, n_all, rows, row_ok,
                       qk_scale, skn, skd, svn, svd, b, h, Sq, Sk, T, I, MASK_FN, HAS_BIAS, D,
                       DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True)
+    if HAS_BIAS:
+        dq = dq * tl.math.exp2(-lo)[:, None]           # P = exp2(s - hi) * exp2(-lo)
     # GQ (the gradient): contiguous (B, H, Sq, D)
     tl.store(GQ + (bh * Sq + rows[:, None]) * D + dq_[None, :],
              (dq * scale).to(GQ.dtype.element_ty), mask=row_ok[:, None] & (dq_[None, :] < D))
@@ -530,12 +542,15 @@ def run_backward(dout, q, k, v, out, lse, dlse, scale: float, prog: MaskProgram,
         return dq, dk, dv
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
     scales = (scale, scale * LOG2E)
-    # dQ first: it writes the delta of its rows, which dK/dV reads
+    # a bias: the rows' (hi, lo) pairs (.._exact_rows), which dK/dV reads in place of lse
+    pairs = torch.empty((*lse.shape, 2), device=q.device,
+                        dtype=torch.float32) if prog.has_bias else delta
+    # dQ first: it writes the delta of its rows (and their pairs), which dK/dV reads
     _launch(_dq_sparse, dq_, KERNELS["bwd_q"], q, v, prog,
-            (q, k, v, dout, out, lse, dlse, delta, dq), scales, strides, out.stride(),
+            (q, k, v, dout, out, lse, dlse, delta, pairs, dq), scales, strides, out.stride(),
             HAS_DLSE=has_dlse)
     _launch(_dkdv_sparse, kv, KERNELS["bwd_kv"], q, v, prog,
-            (q, k, v, dout, lse, delta, dk, dv), scales, strides,
+            (q, k, v, dout, pairs if prog.has_bias else lse, delta, dk, dv), scales, strides,
             KEYS_LEFT=keys_left(*kv.config[:2]))
     return dq, dk, dv
 
