@@ -397,3 +397,63 @@ def test_a_bias_written_since_it_was_built_with_a_hidden_nan_keeps_its_row(backe
     b[0, 0, 0, 5] = poison                                    # hidden from query 0
     got = mh.attention(q, k, v, mask=mask, backend=backend)
     torch.testing.assert_close(got, mh.attention(q, k, v, mask=M.causal(), backend="reference"))
+
+
+def _huge_bias(Sq, Sk, value, dtype):
+    """Row 3 carries ``value`` on every key (a positive one: on keys 2 and 6, a tie), row
+    5 on its first 7 keys; the other rows an ordinary N(0, 1) bias."""
+    b = torch.randn(1, 2, Sq, Sk, generator=torch.Generator().manual_seed(5), dtype=dtype)
+    if value < 0:
+        b[:, :, 3] = value
+    else:
+        b[:, :, 3, [2, 6]] = value
+    b[:, :, 5, :7] = value
+    return b
+
+
+@pytest.mark.parametrize("value", [-1e4, -1e30, torch.finfo(torch.float32).min, 1e30],
+                         ids=["-1e4", "-1e30", "finfo.min", "+1e30"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias-grad"])
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "blocksparse"])
+def test_a_row_only_a_huge_bias_reaches_gets_the_gradients_of_its_forward(backend, with_bias,
+                                                                           dtype, value):
+    """Such a row's lse cannot also hold the log of its sum (row 3: 32 keys, log 32 is
+    below half an ulp of 1e30): torch's fused CPU kernel (which runs where the bias needs
+    no gradient), and blocksparse before it saved (m, log l) apart, differentiated weights
+    32 times too large (dQ off by 16 where it is 1). The gradients, the bias's included,
+    equal autograd through the reference's ops."""
+    if with_bias and backend == "blocksparse":
+        pytest.skip("blocksparse gives no gradient w.r.t. a bias tensor (it says so)")
+    q, k, v = (t[:, :, :24] for t in _qkv(B=2, H=2, S=32, D=16, dtype=dtype))
+    k, v = _qkv(B=2, H=2, S=32, D=16, seed=1, dtype=dtype)[1:]
+    b = _huge_bias(24, 32, value, dtype)
+    dout = torch.randn(2, 2, 24, 16, generator=torch.Generator().manual_seed(6), dtype=dtype)
+    grads = {}
+    for be in (backend, "reference"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        bias = b.clone().requires_grad_(with_bias)
+        out = mh.attention(*leaves, mask=M.bias(bias) & M.padding(torch.tensor([32, 29])),
+                           backend=be)
+        out.backward(dout)
+        grads[be] = [t.grad for t in leaves] + ([bias.grad] if with_bias else [])
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    for name, got, ref in zip(["q", "k", "v", "bias"], grads[backend], grads["reference"]):
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_only_a_row_every_score_of_which_is_huge_sends_sdpa_to_the_math_path():
+    """A padding bias (finfo.min on some keys of every row) keeps torch's fused kernel: a
+    row's maximum stays ordinary; a row of finfo.min, or one huge positive score, does not."""
+    from multihead.functional.backend.sdpa import _huge_rows
+    b = torch.zeros(2, 1, 4, 6)
+    b[0, :, :, 4:] = torch.finfo(torch.float32).min              # padded keys
+    b[1, :, 2, 1] = float("-inf")                                # a hidden pair
+    assert not _huge_rows(b)
+    b[1, :, 3] = float("-inf")                                   # an empty row: opened later
+    assert not _huge_rows(b)
+    b[0, :, 1] = torch.finfo(torch.float32).min
+    assert _huge_rows(b)
+    b[0, :, 1] = 0.0
+    b[1, :, 0, 5] = 1e30
+    assert _huge_rows(b)

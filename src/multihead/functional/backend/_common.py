@@ -5,6 +5,8 @@ Notation: B' and H' are the mask's batch and head sizes (1 where it does not dep
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._call import AttentionCall
@@ -12,6 +14,11 @@ from .._call import AttentionCall
 #: query rows of one tile of the fused (flash) kernels, and the keys per split when the
 #: kernel splits long key ranges across units (flash-decoding): for their parallelism
 FUSED_ROWS, KEY_SPLIT = 128, 1024
+#: |lse| (natural) from which a row's softmax sum may be lost from its log-sum-exp in fp32
+#: (see multihead.kernels._exact_rows; 1024 in base 2): only a huge bias gets a row there.
+#: Below it, the weights a backward rebuilds as exp(s - lse) are within about 1e-4
+#: (relative) of the forward's
+HUGE_LSE = 1024 * math.log(2)
 
 
 def mask_terms(call: AttentionCall, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -6,7 +6,10 @@ mask is evaluated only on partial tiles; the softmax is accumulated online (runn
 each matmul, so the Python loop runs a handful of steps per chunk of query tiles.
 
 Backward recomputes the scores tile by tile from the saved log-sum-exp (a custom
-autograd Function), so training memory stays O(S * tile), not O(S^2).
+autograd Function), so training memory stays O(S * tile), not O(S^2). A row whose every
+visible score carries a huge finite bias has an lse too large to also hold ``log l`` (see
+:mod:`multihead.kernels._exact_rows`): the forward saves such a row's ``(m, log l)`` for
+the backward, which rebuilds its weights as ``exp(s - m) · exp(-log l)``.
 
 Limits and caveats:
 - no dropout (use ``sdpa`` or ``reference``); no gradient w.r.t. a ``bias`` tensor;
@@ -29,6 +32,7 @@ from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
 from . import _tiles
+from ._common import HUGE_LSE
 from ._tiles import Step, make_plan
 
 NEG_INF = float("-inf")
@@ -183,9 +187,10 @@ def _forward(g: _Geo, q, k, v, scale):
     q6 = _pad_seq(q, nq * tq).view(B, Hkv, G, nq, tq, g.D)       # (B, Hkv, G, nQ, tq, D)
     kp, vp = _pad_seq(k, g.nk * g.tk), _pad_seq(v, g.nk * g.tk)  # (B, Hkv, nK*tk, D|Dv)
     out = q.new_zeros(B, g.H, nq * tq, g.Dv)
-    lse = q.new_full((B, g.H, nq * tq), NEG_INF)
+    # per row: the lse, and the (hi, lo) the backward shifts the scores by (see _split)
+    rows = q.new_full((3, B, g.H, nq * tq), NEG_INF)
     out6 = out.view(B, Hkv, G, nq, tq, g.Dv)                      # (B, Hkv, G, nQ, tq, Dv)
-    lse5 = lse.view(B, Hkv, G, nq, tq)
+    rows6 = rows.view(3, B, Hkv, G, nq, tq)
     ws = _Workspace(q)
     for chunk in g.plan.chunks:
         if not chunk.steps:
@@ -215,18 +220,33 @@ def _forward(g: _Geo, q, k, v, scale):
         res = acc.masked_fill_(empty, 0.0) / l.masked_fill(l == 0, 1.0)
         shape6 = (B, Hkv, i1 - i0, G, tq)
         out6[:, :, :, i0:i1] = res.view(*shape6, g.Dv).permute(0, 1, 3, 2, 4, 5)
-        lse5[:, :, :, i0:i1] = (m_safe + l.log()).view(shape6).permute(0, 1, 3, 2, 4)
-    return out[:, :, :g.Sq], lse[:, :, :g.Sq]
+        stats = torch.stack(_split(m_safe, l.log()))              # (3, B, Hkv, nQc, G*tq, 1)
+        rows6[:, :, :, :, i0:i1] = stats.view(3, *shape6).permute(0, 1, 2, 4, 3, 5)
+    return out[:, :, :g.Sq], rows[..., :g.Sq]
 
 
-def _backward(g: _Geo, q, k, v, out, lse, dout, dlse, scale):
+def _split(m: torch.Tensor, log_l: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(lse, hi, lo)`` of rows from their maximum and log-sum: ``(lse, m, log l)`` where
+    ``|lse|`` reaches :data:`HUGE_LSE` (``m + log l`` may have lost ``log l``), else
+    ``(lse, lse, 0)``, which the backward uses as before."""
+    lse = m + log_l
+    huge = (lse.abs() >= HUGE_LSE) & lse.isfinite()
+    return lse, torch.where(huge, m, lse), torch.where(huge, log_l, 0.0)
+
+
+def _backward(g: _Geo, q, k, v, out, hi, lo, dout, dlse, scale):
+    # The weights are exp(s - hi) * c with c = exp(-lo) per row (1 but where _split kept
+    # log l apart): c scales the rows of dO and delta, so dV = exp(s - hi)ᵀ (c dO) and
+    # dS = exp(s - hi) * (c dP - c delta), with no pass over the scores.
     B, Hkv, G, nq, tq, nk, tk = g.B, g.Hkv, g.G, g.nq, g.tq, g.nk, g.tk
     q6 = _pad_seq(q, nq * tq).view(B, Hkv, G, nq, tq, g.D)
-    do6 = _pad_seq(dout, nq * tq).view(B, Hkv, G, nq, tq, g.Dv)
-    delta = (dout * out).sum(-1)                                  # (B, H, Sq)
+    c = lo.neg().exp_().unsqueeze(-1)                              # (B, H, Sq, 1)
+    delta = (dout * out).sum(-1, keepdim=True)                     # (B, H, Sq, 1)
     if dlse is not None:
-        delta = delta - dlse                                      # d lse / d s = p
-    lse_safe = lse.masked_fill(lse == NEG_INF, float("inf"))      # empty rows: p = 0
+        delta = delta - dlse.unsqueeze(-1)                        # d lse / d s = p
+    delta = (delta * c).squeeze(-1)                               # (B, H, Sq)
+    do6 = _pad_seq(dout * c, nq * tq).view(B, Hkv, G, nq, tq, g.Dv)
+    lse_safe = hi.masked_fill(hi == NEG_INF, float("inf"))        # empty rows: p = 0
     pad_rows = nq * tq - g.Sq
     lse6 = F.pad(lse_safe, (0, pad_rows), value=float("inf")).view(B, Hkv, G, nq, tq)
     dl6 = F.pad(delta, (0, pad_rows)).view(B, Hkv, G, nq, tq)
@@ -294,23 +314,24 @@ def _differentiable_gradients(ctx, q, k, v, dout, dlse):
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, geo, scale):
-        out, lse = _forward(geo, q, k, v, scale)
+        out, (lse, hi, lo) = _forward(geo, q, k, v, scale)
         out = out.contiguous()
         lse = lse.contiguous()
         ctx.geo, ctx.scale = geo, scale
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, hi, lo)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, hi, lo = ctx.saved_tensors
         if ctx.geo.mask is not None:
             ctx.geo.mask._check_unchanged(ctx.geo.versions, "blocksparse backward")
         if dout is None:
             dout = torch.zeros_like(out)
         if torch.is_grad_enabled():           # create_graph=True: gradients to differentiate
             return (*_differentiable_gradients(ctx, q, k, v, dout, dlse), None, None)
-        dq, dk, dv = _backward(ctx.geo, q, k, v, out, lse, dout.contiguous(), dlse, ctx.scale)
+        dq, dk, dv = _backward(ctx.geo, q, k, v, out, hi, lo, dout.contiguous(), dlse,
+                               ctx.scale)
         return dq, dk, dv, None, None
 
     @staticmethod

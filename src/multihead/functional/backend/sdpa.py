@@ -12,6 +12,15 @@ Rows with nothing to attend to are opened before the kernel and zeroed after it,
 return zeros with zero gradients on every torch version; whether a mask can have such rows
 is decided on the host (:meth:`multihead.masks.Mask.may_have_empty_rows`), never by
 reading the mask back.
+torch's fused kernels rebuild the weights in their backward from a float32 log-sum-exp,
+which cannot also hold the log of a row's sum once a huge finite bias (``-1e30``,
+``finfo.min``) is on every score the row sees (:mod:`multihead.kernels._exact_rows`):
+those rows' gradients come out up to ``Sk`` times too large. On a CPU, where reading the
+mask back costs no sync, a call that needs gradients and whose bias reaches
+:data:`._common.HUGE_LSE` on such a row runs torch's math path instead (its weights are
+differentiated as computed). On a GPU that check would wait for the device, and is not
+made: there the defect is torch's (``auto`` picks the Triton kernels, which are exact,
+for half-precision calls they can run).
 Limits: no weights, no log-sum-exp.
 """
 
@@ -21,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...masks.base import bias_as
 from ...masks.structured import _offset
@@ -28,7 +38,7 @@ from .._call import AttentionCall
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
-from ._common import FUSED_ROWS, KEY_SPLIT, mask_launches, mask_terms
+from ._common import FUSED_ROWS, HUGE_LSE, KEY_SPLIT, mask_launches, mask_terms
 
 #: the most queries for which a masked GQA call folds its query heads (decoding, verifying)
 FOLD_MASKED_MAX_SQ = 16
@@ -58,6 +68,7 @@ class Detail(NamedTuple):
     fold: bool       # fold the query heads of a K/V head into the query axis
     row_fix: bool    # open rows with nothing to attend to, zero them after
     upcast: bool     # run the kernel in fp32 (a half-precision one would round the bias)
+    exact: bool      # a bias, gradients, a CPU: rows the bias makes huge run torch's math path
 
 
 def _mode(call: AttentionCall) -> str:
@@ -170,38 +181,59 @@ class SDPA(Backend):
                      "; enable_gqa" + ("" if native else " (K/V read once per query head)"))
         if upcast:
             note += f"; computed in float32 (a {call.q.dtype} kernel would round the bias)"
-        return Plan(work, note, Detail(mode, fold, row_fix, upcast))
+        exact = (mode == "masked" and m.has_bias and call.requires_grad
+                 and profile.device_type == "cpu")
+        if exact:
+            note += ("; rows a bias puts at |score| >= 710 run torch's math path (its fused "
+                     "backward loses their sums)")
+        return Plan(work, note, Detail(mode, fold, row_fix, upcast, exact))
 
     def length_free(self, plan):
         return plan.detail.mode == "plain"      # no mask: the fold, the flags and SDPA's call
 
     def run(self, call, plan):
-        mode, fold, row_fix, upcast = plan.detail
+        mode, fold, row_fix, upcast, exact = plan.detail
         q, k, v = call.q, call.k, call.v
         if upcast:
             q, k, v = q.float(), k.float(), v.float()
-        B, H, Hkv, G, Sq, Sk = call.B, call.H, call.Hkv, call.group, call.Sq, call.Sk
         attn_mask, row_ok = _dense_mask(call, row_fix, q.dtype) if mode == "masked" \
             else (None, None)
         kw = dict(dropout_p=call.dropout_p, scale=call.scale, is_causal=mode == "causal")
-        if fold:
-            qf = q.reshape(B, Hkv, G * Sq, call.D)                       # (B, Hkv, G*Sq, D)
-            if attn_mask is not None:
-                Bm = attn_mask.shape[0]
-                attn_mask = attn_mask.unsqueeze(2).expand(Bm, 1, G, Sq, Sk)
-                attn_mask = attn_mask.reshape(Bm, 1, G * Sq, Sk)          # (B', 1, G*Sq, Sk)
-            out = F.scaled_dot_product_attention(qf, k, v, attn_mask=attn_mask, **kw)
-            # reshape, not view: some kernels (CUDA's fp32 ones) return a transposed layout
-            out = out.reshape(B, H, Sq, call.Dv)                          # (B, H, Sq, Dv)
+        if exact and not torch.compiler.is_compiling() and _huge_rows(attn_mask):
+            with sdpa_kernel(SDPBackend.MATH):
+                out = _kernel(call, q, k, v, attn_mask, fold, kw)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                                 enable_gqa=True if G > 1 else False,  # a bool,
-                                                 **kw)         # also where G is symbolic
+            out = _kernel(call, q, k, v, attn_mask, fold, kw)
         if row_ok is not None:
             out = out * row_ok.to(out.dtype)
         if out.dtype != call.q.dtype:                   # (a no-op .to still costs a dispatch)
             out = out.to(call.q.dtype)
         return out, None, None
+
+
+def _huge_rows(attn_mask: torch.Tensor) -> bool:
+    """Whether a row of the additive ``attn_mask (B', H', Sq, Sk)`` has a finite maximum of
+    magnitude :data:`HUGE_LSE` or more (a host read: made on a CPU only)."""
+    top = attn_mask.amax(dim=-1)                                          # (B', H', Sq)
+    return bool(((top.abs() >= HUGE_LSE) & top.isfinite()).any())
+
+
+def _kernel(call: AttentionCall, q, k, v, attn_mask, fold: bool, kw: dict) -> torch.Tensor:
+    """torch's SDPA on the call's inputs: ``(B, H, Sq, Dv)``, the query heads of a group
+    folded into the query axis when ``fold``."""
+    B, H, Hkv, G, Sq, Sk = call.B, call.H, call.Hkv, call.group, call.Sq, call.Sk
+    if fold:
+        qf = q.reshape(B, Hkv, G * Sq, call.D)                           # (B, Hkv, G*Sq, D)
+        if attn_mask is not None:
+            Bm = attn_mask.shape[0]
+            attn_mask = attn_mask.unsqueeze(2).expand(Bm, 1, G, Sq, Sk)
+            attn_mask = attn_mask.reshape(Bm, 1, G * Sq, Sk)              # (B', 1, G*Sq, Sk)
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=attn_mask, **kw)
+        # reshape, not view: some kernels (CUDA's fp32 ones) return a transposed layout
+        return out.reshape(B, H, Sq, call.Dv)                             # (B, H, Sq, Dv)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                          enable_gqa=True if G > 1 else False,  # a bool,
+                                          **kw)                # also where G is symbolic
 
 
 register(SDPA())
