@@ -411,8 +411,8 @@ def _huge_bias(Sq, Sk, value, dtype):
     return b
 
 
-@pytest.mark.parametrize("value", [-1e4, -1e30, torch.finfo(torch.float32).min, 1e30],
-                         ids=["-1e4", "-1e30", "finfo.min", "+1e30"])
+@pytest.mark.parametrize("value", [-1e7, -1e30, torch.finfo(torch.float32).min, 1e30],
+                         ids=["-1e7", "-1e30", "finfo.min", "+1e30"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias-grad"])
 @pytest.mark.parametrize("backend", ["auto", "sdpa", "blocksparse"])
@@ -442,18 +442,49 @@ def test_a_row_only_a_huge_bias_reaches_gets_the_gradients_of_its_forward(backen
         torch.testing.assert_close(got, ref, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
 
 
-def test_only_a_row_every_score_of_which_is_huge_sends_sdpa_to_the_math_path():
-    """A padding bias (finfo.min on some keys of every row) keeps torch's fused kernel: a
-    row's maximum stays ordinary; a row of finfo.min, or one huge positive score, does not."""
-    from multihead.functional.backend.sdpa import _huge_rows
-    b = torch.zeros(2, 1, 4, 6)
+def test_only_a_row_every_score_of_which_is_huge_sends_sdpa_to_the_math_path(monkeypatch):
+    """A padding bias (finfo.min on the padded keys of every row) keeps torch's fused
+    kernel, since each row's maximum stays ordinary, as does a row the mask empties (opened,
+    then zeroed); a row of finfo.min, or one huge positive score, sends the call to torch's
+    math operator; a call without gradients never goes."""
+    from multihead.functional.backend import sdpa
+    ran = []
+    monkeypatch.setattr(sdpa, "_math", lambda *a, **kw: ran.append(1) or
+                        torch.ops.aten._scaled_dot_product_attention_math(*a, **kw)[0])
+    q, k, v = _qkv(B=2, H=1, S=6, D=8)
+    b = torch.zeros(2, 1, 6, 6)
     b[0, :, :, 4:] = torch.finfo(torch.float32).min              # padded keys
-    b[1, :, 2, 1] = float("-inf")                                # a hidden pair
-    assert not _huge_rows(b)
-    b[1, :, 3] = float("-inf")                                   # an empty row: opened later
-    assert not _huge_rows(b)
-    b[0, :, 1] = torch.finfo(torch.float32).min
-    assert _huge_rows(b)
+    hidden = torch.ones(2, 1, 6, 6, dtype=torch.bool)
+    hidden[1, :, 3] = False                                      # an empty row ...
+    b[1, :, 3] = torch.finfo(torch.float32).min                  # ... with a huge bias
+
+    def math_ran(bias, grad=True):
+        ran.clear()
+        mh.attention(q.clone().requires_grad_(grad), k, v, backend="sdpa",
+                     mask=M.bias(bias) & M.dense(hidden))
+        return bool(ran)
+    assert not math_ran(b)
+    b[0, :, 1] = torch.finfo(torch.float32).min                  # a whole live row
+    assert math_ran(b) and not math_ran(b, grad=False)
     b[0, :, 1] = 0.0
-    b[1, :, 0, 5] = 1e30
-    assert _huge_rows(b)
+    b[1, :, 0, 5] = 1e30                                         # one huge score
+    assert math_ran(b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_per_sample_gradients_under_vmap_keep_rows_only_a_huge_bias_reaches_exact(dtype):
+    """Under torch.func nothing can be read back: such a call takes torch's math operator
+    (and the NaN rule's key read counts the keys finite), and each sample's gradient equals
+    the reference's."""
+    q, k, v = (t[:3, :2, :8, :16].contiguous() for t in _qkv(B=3, H=2, S=8, D=16, dtype=dtype))
+    b = torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(2))
+    b[0, :, 3] = -1e30
+
+    def per_sample(backend):
+        def f(q1, k1, v1, b1):
+            out = mh.attention(q1[None], k1[None], v1[None], mask=M.bias(b1[None]),
+                               backend=backend)
+            return (out.float() * torch.arange(16.0)).sum()
+        return torch.func.vmap(torch.func.grad(f))(q, k, v, b)
+    torch.testing.assert_close(per_sample("auto"), per_sample("reference"),
+                               atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)

@@ -529,15 +529,17 @@ def test_a_bias_of_finfo_min_is_a_number_not_a_mask(dtype):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")   # the interpreter
-@pytest.mark.parametrize("value", [-1e4, -1e30, torch.finfo(torch.float32).min, 1e30],
-                         ids=["-1e4", "-1e30", "finfo.min", "+1e30"])
+@pytest.mark.parametrize("value", [-1e7, -1e30, torch.finfo(torch.float32).min, 1e30],
+                         ids=["-1e7", "-1e30", "finfo.min", "+1e30"])
 @pytest.mark.parametrize("structure", ["bias", "bias&causal"])
 def test_rows_only_a_huge_bias_reaches_get_the_oracles_gradients(structure, value):
     """A row whose every visible score carries a huge finite bias has an lse too large to
     hold its softmax's sum (log2 of it is below half an ulp): the backward recomputes that
     row's maximum and sum instead of reading them from the lse (each of its probabilities
-    was ``l`` times too large). Rows 3 and 5 (the first 7 keys) carry the bias; a positive
-    one makes row 3 a tie of keys 2 and 6. With causal, dK/dV run transposed (keys left)."""
+    was ``l`` times too large; at -1e7 part of it is lost). Row 3 carries the bias on every
+    key (a positive one: on keys 2 and 6, a tie); row 5 on its first 7 keys, which a
+    negative bias leaves an ordinary row and a positive one a tie of 7. With causal, dK/dV
+    run transposed (keys left)."""
     B, H, Hkv, Sq, Sk, D = SHAPES[0]
     q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, seed=13)
     b = torch.zeros(1, 1, Sq, Sk)

@@ -176,7 +176,10 @@ def run(backend, call: AttentionCall, plan):
 
     def finite_k() -> bool:                       # read once, when first asked (a closure:
         if not read:                              # functools.cache cost ~3 us per call)
-            read.append(math.isfinite(call.k.sum().item()))
+            try:
+                read.append(math.isfinite(call.k.sum().item()))
+            except RuntimeError:                  # vmap and friends: finite, as in _finite
+                read.append(True)
         return read[0]
     if _finite(call.q, out, call.k, backend.zero_rows_for_nan_scores, finite_k):
         # (in half precision a finite result already summed k)

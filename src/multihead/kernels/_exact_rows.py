@@ -4,12 +4,14 @@ The forward keeps the online softmax's running maximum ``m`` and sum ``l`` in ba
 stores ``lse = (m + log2 l) · ln 2``; the backward rebuilds each probability as
 ``exp2(s - lse · log2 e)``. That is exact to float32's rounding while ``|m|`` is ordinary.
 A row whose every visible score carries a huge finite bias (a padded query under an
-additive mask of ``-1e4``, ``-1e30`` or ``finfo.min``, as Hugging Face models build them)
-has ``|m|`` so large that ``log2 l`` (at most ``log2 Sk``) falls below half a unit in the
-last place of ``m``: ``lse`` loses it, and the backward's probabilities of that row sum to
-``l`` instead of 1 (in a row of 32 equal scores each is 32 times too large), while the
-forward, which divides by ``l`` itself, is right. Only a mask program that adds a bias makes
-such scores, so only the block-sparse kernels with a bias do what follows.
+additive mask of ``-1e30`` or ``finfo.min``, as Hugging Face models build them) has ``|m|``
+so large that ``log2 l`` (at most ``log2 Sk``) falls below half a unit in the last place of
+``m``: ``lse`` loses it, and the backward's probabilities of that row sum to ``l`` instead
+of 1 (in a row of 32 equal scores each is 32 times too large), while the forward, which
+divides by ``l`` itself, is right. Past ``|m|`` of about ``1e6`` part of ``log2 l`` is lost
+(``-1e7``: up to 40% in each weight); at ``-1e4`` it is rounded to about ``2^-11``. In
+practice only a bias makes such scores, so only the block-sparse kernels with a bias do
+what follows; the band kernels (no bias) leave raw ``q·k`` scores of that size as they are.
 
 The dQ kernel, which runs first, finds those rows (``|lse|`` of at least :data:`HUGE` in
 base 2, finite), recomputes their ``m`` and ``l`` over the row's key blocks (a pass of
@@ -29,7 +31,7 @@ import triton.language as tl
 from ._band import load_tile, masked_scores
 from .flash_fwd import softmax_step
 
-#: |lse| in base 2 from which a row's pair is recomputed (natural 710: only a bias gets there)
+#: |lse| in base 2 from which a row's pair is recomputed (natural 710: in practice a bias)
 HUGE = tl.constexpr(1024.0)
 
 

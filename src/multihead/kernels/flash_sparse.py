@@ -39,10 +39,10 @@ import triton.language as tl
 from ..masks import base as MB
 from ._band import (LOG2E, cdiv, check_arguments, check_inputs, check_pair, empty_outputs,
                     launch_config, load_tile, nonfinite, pow2, program_block)
+from ._exact_rows import exact_rows
 from ._launch import launch
 from .flash_bwd import (_dkdv_block, _dq_block, backward_setup, check_backward, keys_left,
                         row_deltas)
-from ._exact_rows import exact_rows
 from .flash_fwd import _attend_block, _finish, fresh_state
 from .mask_program import MaskProgram, mask_program
 
@@ -542,7 +542,7 @@ def run_backward(dout, q, k, v, out, lse, dlse, scale: float, prog: MaskProgram,
         return dq, dk, dv
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
     scales = (scale, scale * LOG2E)
-    # a bias: the rows' (hi, lo) pairs (.._exact_rows), which dK/dV reads in place of lse
+    # a bias: the rows' (hi, lo) pairs (._exact_rows), which dK/dV reads in place of lse
     pairs = torch.empty((*lse.shape, 2), device=q.device,
                         dtype=torch.float32) if prog.has_bias else delta
     # dQ first: it writes the delta of its rows (and their pairs), which dK/dV reads

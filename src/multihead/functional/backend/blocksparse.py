@@ -189,6 +189,7 @@ def _forward(g: _Geo, q, k, v, scale):
     out = q.new_zeros(B, g.H, nq * tq, g.Dv)
     # per row: the lse, and the (hi, lo) the backward shifts the scores by (see _split)
     rows = q.new_full((3, B, g.H, nq * tq), NEG_INF)
+    rows[2].zero_()                       # lo: 0 also in rows no step reaches (c = 1)
     out6 = out.view(B, Hkv, G, nq, tq, g.Dv)                      # (B, Hkv, G, nQ, tq, Dv)
     rows6 = rows.view(3, B, Hkv, G, nq, tq)
     ws = _Workspace(q)

@@ -12,15 +12,18 @@ Rows with nothing to attend to are opened before the kernel and zeroed after it,
 return zeros with zero gradients on every torch version; whether a mask can have such rows
 is decided on the host (:meth:`multihead.masks.Mask.may_have_empty_rows`), never by
 reading the mask back.
-torch's fused kernels rebuild the weights in their backward from a float32 log-sum-exp,
-which cannot also hold the log of a row's sum once a huge finite bias (``-1e30``,
-``finfo.min``) is on every score the row sees (:mod:`multihead.kernels._exact_rows`):
-those rows' gradients come out up to ``Sk`` times too large. On a CPU, where reading the
-mask back costs no sync, a call that needs gradients and whose bias reaches
-:data:`._common.HUGE_LSE` on such a row runs torch's math path instead (its weights are
-differentiated as computed). On a GPU that check would wait for the device, and is not
-made: there the defect is torch's (``auto`` picks the Triton kernels, which are exact,
-for half-precision calls they can run).
+torch's fused kernels rebuild the weights in their backward from the log-sum-exp, which
+cannot also hold the log of a row's sum once a huge finite bias (``-1e30``, ``finfo.min``)
+is on every score the row sees (:mod:`multihead.kernels._exact_rows`): those rows'
+gradients come out up to ``Sk`` times too large, in fp32 and fp64 alike. On a CPU, where
+reading the mask back costs no sync, a call that needs gradients and has a live row whose
+bias maximum reaches :data:`._common.HUGE_LSE` runs torch's math operator instead (its
+weights are differentiated as computed; it keeps the ``(Sq, Sk)`` weights of every head
+for the backward, which the cost model does not charge); so does every such call while
+``torch.compile`` traces or a ``torch.func`` transform runs, where nothing is read back.
+On other devices that check would wait for the device, and is not made: there the defect
+is torch's (``auto`` picks the Triton kernels, which are exact, for the half-precision
+calls they can run; fp32 calls keep it).
 Limits: no weights, no log-sum-exp.
 """
 
@@ -30,7 +33,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...masks.base import bias_as
 from ...masks.structured import _offset
@@ -184,8 +186,9 @@ class SDPA(Backend):
         exact = (mode == "masked" and m.has_bias and call.requires_grad
                  and profile.device_type == "cpu")
         if exact:
-            note += ("; rows a bias puts at |score| >= 710 run torch's math path (its fused "
-                     "backward loses their sums)")
+            note += ("; a call with a row whose bias is >= 710 in magnitude on every key it "
+                     "sees runs torch's math operator (the fused backward loses such a row's "
+                     "sum)")
         return Plan(work, note, Detail(mode, fold, row_fix, upcast, exact))
 
     def length_free(self, plan):
@@ -199,11 +202,9 @@ class SDPA(Backend):
         attn_mask, row_ok = _dense_mask(call, row_fix, q.dtype) if mode == "masked" \
             else (None, None)
         kw = dict(dropout_p=call.dropout_p, scale=call.scale, is_causal=mode == "causal")
-        if exact and not torch.compiler.is_compiling() and _huge_rows(attn_mask):
-            with sdpa_kernel(SDPBackend.MATH):
-                out = _kernel(call, q, k, v, attn_mask, fold, kw)
-        else:
-            out = _kernel(call, q, k, v, attn_mask, fold, kw)
+        math = exact and _needs_math(attn_mask, row_ok)
+        out = _kernel(call, q, k, v, attn_mask, fold, kw, _math if math else
+                      F.scaled_dot_product_attention)
         if row_ok is not None:
             out = out * row_ok.to(out.dtype)
         if out.dtype != call.q.dtype:                   # (a no-op .to still costs a dispatch)
@@ -211,16 +212,29 @@ class SDPA(Backend):
         return out, None, None
 
 
-def _huge_rows(attn_mask: torch.Tensor) -> bool:
-    """Whether a row of the additive ``attn_mask (B', H', Sq, Sk)`` has a finite maximum of
-    magnitude :data:`HUGE_LSE` or more (a host read: made on a CPU only)."""
+def _needs_math(attn_mask: torch.Tensor, row_ok: torch.Tensor | None) -> bool:
+    """Whether a live row (``row_ok (B', H', Sq, 1)``; None: all) of the additive
+    ``attn_mask (B', H', Sq, Sk)`` has a finite maximum of magnitude :data:`HUGE_LSE` or
+    more: a host read (made on a CPU only). While ``torch.compile`` traces or a
+    ``torch.func`` transform runs, where nothing can be read back: always."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return True
     top = attn_mask.amax(dim=-1)                                          # (B', H', Sq)
+    if row_ok is not None:                                # rows opened only to be zeroed
+        top = top.masked_fill(~row_ok.squeeze(-1), 0.0)
     return bool(((top.abs() >= HUGE_LSE) & top.isfinite()).any())
 
 
-def _kernel(call: AttentionCall, q, k, v, attn_mask, fold: bool, kw: dict) -> torch.Tensor:
-    """torch's SDPA on the call's inputs: ``(B, H, Sq, Dv)``, the query heads of a group
-    folded into the query axis when ``fold``."""
+def _math(q, k, v, **kw) -> torch.Tensor:
+    """torch's math operator for SDPA, whose weights autograd differentiates as computed
+    (called directly: torch's ``sdpa_kernel`` switch is process-wide)."""
+    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, **kw)[0]
+
+
+def _kernel(call: AttentionCall, q, k, v, attn_mask, fold: bool, kw: dict,
+            sdpa=F.scaled_dot_product_attention) -> torch.Tensor:
+    """``sdpa`` (torch's SDPA or :func:`_math`) on the call's inputs: ``(B, H, Sq, Dv)``,
+    the query heads of a group folded into the query axis when ``fold``."""
     B, H, Hkv, G, Sq, Sk = call.B, call.H, call.Hkv, call.group, call.Sq, call.Sk
     if fold:
         qf = q.reshape(B, Hkv, G * Sq, call.D)                           # (B, Hkv, G*Sq, D)
@@ -228,12 +242,11 @@ def _kernel(call: AttentionCall, q, k, v, attn_mask, fold: bool, kw: dict) -> to
             Bm = attn_mask.shape[0]
             attn_mask = attn_mask.unsqueeze(2).expand(Bm, 1, G, Sq, Sk)
             attn_mask = attn_mask.reshape(Bm, 1, G * Sq, Sk)              # (B', 1, G*Sq, Sk)
-        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=attn_mask, **kw)
+        out = sdpa(qf, k, v, attn_mask=attn_mask, **kw)
         # reshape, not view: some kernels (CUDA's fp32 ones) return a transposed layout
         return out.reshape(B, H, Sq, call.Dv)                             # (B, H, Sq, Dv)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                          enable_gqa=True if G > 1 else False,  # a bool,
-                                          **kw)                # also where G is symbolic
+    return sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=True if G > 1 else False,  # a bool,
+                **kw)                                          # also where G is symbolic
 
 
 register(SDPA())
