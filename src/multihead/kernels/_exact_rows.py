@@ -28,11 +28,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import HUGE_LSE2
 from ._band import load_tile, masked_scores
 from .flash_fwd import softmax_step
 
-#: |lse| in base 2 from which a row's pair is recomputed (natural 710: in practice a bias)
-HUGE = tl.constexpr(1024.0)
+#: :data:`multihead.kernels.HUGE_LSE2`, for the kernels
+HUGE = tl.constexpr(HUGE_LSE2)
 
 
 @triton.jit

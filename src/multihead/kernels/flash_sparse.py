@@ -542,16 +542,17 @@ def run_backward(dout, q, k, v, out, lse, dlse, scale: float, prog: MaskProgram,
         return dq, dk, dv
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
     scales = (scale, scale * LOG2E)
-    # a bias: the rows' (hi, lo) pairs (._exact_rows), which dK/dV reads in place of lse
+    # with a bias, dK/dV reads the rows' (hi, lo) pairs (._exact_rows) in place of lse
+    # (B, H, Sq, 2), which dQ writes; without one, dQ's PAIRS is unused
     pairs = torch.empty((*lse.shape, 2), device=q.device,
-                        dtype=torch.float32) if prog.has_bias else delta
+                        dtype=torch.float32) if prog.has_bias else None
     # dQ first: it writes the delta of its rows (and their pairs), which dK/dV reads
     _launch(_dq_sparse, dq_, KERNELS["bwd_q"], q, v, prog,
-            (q, k, v, dout, out, lse, dlse, delta, pairs, dq), scales, strides, out.stride(),
-            HAS_DLSE=has_dlse)
+            (q, k, v, dout, out, lse, dlse, delta, pairs if pairs is not None else delta, dq),
+            scales, strides, out.stride(), HAS_DLSE=has_dlse)
     _launch(_dkdv_sparse, kv, KERNELS["bwd_kv"], q, v, prog,
-            (q, k, v, dout, pairs if prog.has_bias else lse, delta, dk, dv), scales, strides,
-            KEYS_LEFT=keys_left(*kv.config[:2]))
+            (q, k, v, dout, pairs if pairs is not None else lse, delta, dk, dv), scales,
+            strides, KEYS_LEFT=keys_left(*kv.config[:2]))
     return dq, dk, dv
 
 

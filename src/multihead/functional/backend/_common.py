@@ -9,16 +9,17 @@ import math
 
 import torch
 
+from ...kernels import HUGE_LSE2
 from .._call import AttentionCall
 
 #: query rows of one tile of the fused (flash) kernels, and the keys per split when the
 #: kernel splits long key ranges across units (flash-decoding): for their parallelism
 FUSED_ROWS, KEY_SPLIT = 128, 1024
-#: |lse| (natural) from which a row's softmax sum may be lost from its log-sum-exp in fp32
-#: (see multihead.kernels._exact_rows; 1024 in base 2): only a huge bias gets a row there.
-#: Below it, the weights a backward rebuilds as exp(s - lse) are within about 1e-4
-#: (relative) of the forward's
-HUGE_LSE = 1024 * math.log(2)
+#: :data:`multihead.kernels.HUGE_LSE2` in natural units (710): |lse| from which the log of a
+#: row's sum may be lost from its log-sum-exp (fp32 and fp64 alike; in practice only a huge
+#: bias gets a row there). Below it, the weights a backward rebuilds as exp(s - lse) are
+#: within about 1e-4 (relative) of the forward's
+HUGE_LSE = HUGE_LSE2 * math.log(2)
 
 
 def mask_terms(call: AttentionCall, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
