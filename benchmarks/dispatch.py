@@ -110,7 +110,9 @@ def run(quick: bool, device: str, dtype: str) -> list[dict]:
 
 def overhead(device: str = "cpu", n: int = 20000) -> dict:
     """Per-call overhead of attention() over the SDPA call it wraps, for dense and causal
-    calls small enough that the kernel is not the cost: best of 5 loops of ``n`` calls."""
+    calls small enough that the kernel is not the cost: best of 5 loops of ``n`` calls;
+    without gradients, and (``dense+grad``) for a forward that records them (the
+    second-order node of :mod:`multihead._second_order` is then on the call)."""
     dev = torch.device(device)
     q = torch.randn(1, 8, 16 if dev.type == "cpu" else 128, 64, device=dev)
     causal = M.causal()
@@ -134,12 +136,18 @@ def overhead(device: str = "cpu", n: int = 20000) -> dict:
             best = min(best, (time.perf_counter() - t) / n)
         return best * 1e6
     out = {}
+
+    def row(name, peer, ours):
+        a, b = per_call(peer), per_call(ours)
+        out[name] = dict(sdpa_us=a, ours_us=b, overhead_us=b - a)
+        print(f"per-call {name:<10} S={q.shape[2]}: sdpa {a:6.1f} us, ours {b:6.1f} us, "
+              f"overhead {b - a:5.1f} us", flush=True)
     with torch.no_grad():
         for name, (peer, ours) in pairs.items():
-            a, b = per_call(peer), per_call(ours)
-            out[name] = dict(sdpa_us=a, ours_us=b, overhead_us=b - a)
-            print(f"per-call {name:<6} S={q.shape[2]}: sdpa {a:6.1f} us, ours {b:6.1f} us, "
-                  f"overhead {b - a:5.1f} us", flush=True)
+            row(name, peer, ours)
+    t = q.clone().requires_grad_()
+    row("dense+grad", lambda: sdpa(t, t, t), lambda: mh.attention(t, t, t))
+    with torch.no_grad():
         out.update(growing(dev))
     return out
 

@@ -1,8 +1,10 @@
 """Transforms and second-order gradients: under ``torch.func`` (grad, vmap, jacrev) auto
 leaves the tiled backend, whose autograd Function cannot run there, and a named one says
-so; a backward that builds a graph (``create_graph=True``) through blocksparse gives the
+so; a backward that builds a graph (``create_graph=True``) through any backend (torch's
+fused SDPA kernels included, which have no double backward of their own) gives the
 gradients the reference backend's differentiable ops give, so double backward, gradient
-penalties and hessian-vector products agree with it (fp64)."""
+penalties and hessian-vector products agree with it (fp64) and with torch's numerical
+second derivatives (``gradgradcheck``)."""
 
 from __future__ import annotations
 
@@ -62,30 +64,155 @@ def test_blocksparse_named_under_torch_func_is_refused_with_the_reason():
         torch.func.grad(lambda t: mh.attention(t, q, q, backend="blocksparse").sum())(q)
 
 
-def _second_order(backend, q, k, mask):
-    out, lse = mh.attention(q, k, k, mask=mask, backend=backend, return_lse=True)
-    g = torch.autograd.grad(out.pow(2).sum() + lse.sum(), (q, k), create_graph=True)
+def _second_order(backend, q, k, mask, lse=True):
+    """First-order gradients built as a graph, and the gradients of their squares."""
+    got = mh.attention(q, k, k, mask=mask, backend=backend, return_lse=lse)
+    loss = got[0].pow(2).sum() + got[1].sum() if lse else got.pow(2).sum()
+    g = torch.autograd.grad(loss, (q, k), create_graph=True)
     return g, torch.autograd.grad(sum(x.pow(2).sum() for x in g), (q, k))
 
 
-@pytest.mark.parametrize("mask", [M.sliding_window(32), M.causal() & M.alibi(4), None],
-                         ids=["window", "alibi", "none"])
-def test_double_backward_through_blocksparse_equals_the_reference(mask):
+DOCS = torch.tensor([[0] * 70 + [1] * 130])                      # (1, 200) document ids
+SECOND_ORDER = {                                 # backend -> masks it runs (and lse or not)
+    "blocksparse": [M.sliding_window(32), M.causal() & M.alibi(4), None],
+    "sdpa": [None, M.causal(), M.padding(torch.tensor([150])) & M.alibi(4)],
+    "varlen": [M.document(DOCS)],
+    "auto": [None],
+}
+
+
+@pytest.mark.parametrize("backend,mask", [(b, m) for b, ms in SECOND_ORDER.items() for m in ms],
+                         ids=lambda x: x if isinstance(x, str) else
+                         "none" if x is None else x.describe())
+def test_double_backward_through_every_backend_equals_the_reference(backend, mask):
+    """The fused backends (torch's SDPA kernels, our tiles) give gradients that can be
+    differentiated again, equal to the reference's; torch's own SDPA fails there."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 200, 8, dtype=torch.float64, generator=g).requires_grad_()
     k = torch.randn(1, 2, 200, 8, dtype=torch.float64, generator=g).requires_grad_()  # GQA; v is k
-    got, want = (_second_order(b, q, k, mask) for b in ("blocksparse", "reference"))
+    if backend == "auto":
+        assert mh.explain(q, k, k, mask=mask).chosen == "sdpa"
+    lse = backend == "blocksparse"                                  # (the others return none)
+    got, want = (_second_order(b, q, k, mask, lse) for b in (backend, "reference"))
     for a, b in zip(got[0] + got[1], want[0] + want[1]):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
-def test_a_gradient_penalty_through_the_module():
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_grad_of_grad_under_torch_func_equals_torchs_own_ops(mask):
+    """Reverse over reverse inside torch.func (grad of grad, jacrev of jacrev), where no
+    autograd Function can stand in for the fused kernels: auto leaves them, and a named
+    fused backend says why."""
+    g = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    m = {"none": None, "causal": M.causal()}[mask]
+    allowed = torch.ones(5, 5, dtype=torch.bool) if m is None else m.materialize(5, 5)
+
+    def twice(f):
+        inner = torch.func.grad(lambda q: f(q).pow(2).sum())
+        return torch.func.grad(lambda q: inner(q).pow(3).sum())(q)
+    ours = lambda q: mh.attention(q, k, v, mask=m)                      # noqa: E731
+    torch.testing.assert_close(twice(ours), twice(lambda q: _plain(q, k, v, allowed)))
+    jac2 = lambda f: torch.func.jacrev(torch.func.jacrev(lambda q: f(q).sum(-1)))(q)  # noqa: E731
+    torch.testing.assert_close(jac2(ours), jac2(lambda q: _plain(q, k, v, allowed)))
+    with pytest.raises(ValueError, match="backend='sdpa' cannot run this call: it gives no "
+                                         "second-order gradients under nested torch.func"):
+        twice(lambda q: mh.attention(q, k, v, mask=m, backend="sdpa"))
+    assert torch.func.grad(lambda q: mh.attention(q, k, v, backend="sdpa").sum())(q).shape \
+        == q.shape                                                     # one level: it runs
+
+
+def test_torchs_own_sdpa_has_no_double_backward():
+    """What the test above guards against: the error torch gives on the same call."""
+    q = torch.randn(1, 2, 8, 4, dtype=torch.float64, requires_grad=True)
+    g, = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(q, q, q)
+                             .pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="derivative for .* is not implemented"):
+        torch.autograd.grad(g.sum(), q)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "blocksparse"])
+def test_gradgradcheck_against_numerical_second_derivatives(backend):
+    """torch's numerical check of the gradients' own gradients, masked (causal and a
+    padding that empties no row), GQA, q, k and v apart."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 2, 6, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 1, 6, 4, dtype=torch.float64, generator=g, requires_grad=True)
+            for _ in range(2))
+    mask = M.causal() & M.padding(torch.tensor([6, 4]))
+    f = lambda q, k, v: mh.attention(q, k, v, mask=mask, backend=backend)   # noqa: E731
+    assert torch.autograd.gradcheck(f, (q, k, v))
+    assert torch.autograd.gradgradcheck(f, (q, k, v))
+
+
+def test_double_backward_reaches_a_learned_bias_through_sdpa():
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 12, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(2, 12, 12, dtype=torch.float64, generator=g, requires_grad=True)
+    grads = {}
+    for backend in ("sdpa", "reference"):
+        out = mh.attention(q, q, q, mask=M.bias(bias) & M.causal(), backend=backend)
+        gq, gb = torch.autograd.grad(out.pow(2).sum(), (q, bias), create_graph=True)
+        grads[backend] = (gq, gb, *torch.autograd.grad(gq.pow(2).sum() + gb.pow(3).sum(),
+                                                       (q, bias)))
+    for a, b in zip(grads["sdpa"], grads["reference"]):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_a_plain_backward_still_runs_the_backends_own_kernels(monkeypatch):
+    """The second-order path costs O(Sq * Sk): a backward that builds no graph must not
+    take it (it would be slower, and on a GPU much larger)."""
+    from multihead import _second_order
+    def refuse(*args):
+        raise AssertionError("the reference gradients ran in a plain backward")
+    monkeypatch.setattr(_second_order, "_reference_gradients", refuse)
+    q = torch.randn(1, 2, 64, 8, requires_grad=True)
+    for backend in ("sdpa", "blocksparse"):
+        mh.attention(q, q, q, mask=M.causal(), backend=backend).sum().backward()
+    with pytest.raises(AssertionError, match="plain backward"):     # (the patch is live)
+        out = mh.attention(q, q, q, backend="sdpa")
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+
+
+def test_dropout_under_a_backward_that_builds_a_graph_is_refused_with_the_way_out():
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    out = mh.attention(q, q, q, dropout_p=0.1, backend="sdpa")
+    with pytest.raises(RuntimeError, match=r"dropout_p=0.1 .*cannot replay.*"
+                                           r"backend='reference'"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+    out = mh.attention(q, q, q, dropout_p=0.1, backend="reference")
+    g, = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    assert g.requires_grad                                         # the way out works
+
+
+def test_a_mask_written_after_the_forward_is_refused_by_a_second_order_backward():
+    q = torch.randn(1, 2, 8, 4, dtype=torch.float64, requires_grad=True)
+    allowed = torch.ones(8, 8, dtype=torch.bool).tril()
+    out = mh.attention(q, q, q, mask=M.dense(allowed), backend="sdpa")
+    allowed[5, 0] = False                              # another mask than the forward's
+    with pytest.raises(RuntimeError, match="written in place"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+
+
+def test_writing_into_the_output_in_place_is_caught_as_on_torchs_own_output():
+    """The second-order node's output shares memory and version counter with the
+    kernel's: a write in place is still caught by torch's check of the saved output."""
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    out = mh.attention(q, q, q, backend="sdpa")
+    out.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("S,mask,chosen", [(1024, M.sliding_window(64), "blocksparse"),
+                                            (48, None, "sdpa")], ids=["window", "none"])
+def test_a_gradient_penalty_through_the_module(S, mask, chosen):
+    """WGAN-GP's penalty: the input gradient's norm, differentiated for the weights."""
     torch.manual_seed(0)
     m = mh.MultiHeadAttention(32, 4, num_kv_heads=2).double()
-    x = torch.randn(1, 1024, 32, dtype=torch.float64, requires_grad=True)
-    mask = M.sliding_window(64)
-    t = torch.randn(1, 4, 1024, 8, dtype=torch.float64, requires_grad=True)
-    assert mh.explain(t, t, t, mask=mask).chosen == "blocksparse"
+    x = torch.randn(1, S, 32, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(1, 4, S, 8, dtype=torch.float64, requires_grad=True)
+    assert mh.explain(t, t, t, mask=mask).chosen == chosen
     pens = {}
     for backend in ("auto", "reference"):
         m.backend = backend

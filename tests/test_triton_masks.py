@@ -274,6 +274,27 @@ def test_every_route_of_the_backend_traces_whole_under_fullgraph_compile(name, t
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("name", ["causal", "packed documents", "alibi"])
+def test_double_backward_through_the_backend_equals_the_reference(name, triton_on_cpu):
+    """A backward that builds a graph through the kernels (band, per-document and
+    block-sparse routes, whose own backward is first-order only) gets the reference's
+    gradients, which a second backward differentiates; with lse, GQA."""
+    S = 40
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 4, 2, S, S, 16, seed=8))
+    m = {"causal": M.causal(), "packed documents": M.document(torch.arange(S) // 9),
+         "alibi": M.alibi(4)}[name].to(DEV)
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(DEV)
+    grads = []
+    for backend in ("triton", "reference"):          # (a loss linear in the outputs: the
+        out, lse = mh.attention(q, k, v, mask=m, backend=backend, return_lse=True)
+        g = torch.autograd.grad((out * w).sum() + lse.sum(), (q, k, v),  # same gradients
+                                create_graph=True)                       # flow into both)
+        grads.append((*g, *torch.autograd.grad(sum(x.float().pow(2).sum() for x in g),
+                                               (q, k, v))))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("case", ["causal", "document&alibi", "decode"])
 def test_changing_lengths_under_compile_trace_once_more_not_once_per_length(case,
                                                                             triton_on_cpu):

@@ -1,17 +1,35 @@
-"""Second-order gradients: which backends give them, and the one error the others raise.
+"""Second-order gradients on every backend: a backward that builds a graph
+(``create_graph=True``: double backward, a gradient penalty, a hessian-vector product,
+MAML's inner step) gets gradients it can differentiate again.
 
 The ``reference`` backend computes attention with differentiable torch ops, so its
-gradients can be differentiated again (``create_graph=True``, gradient penalties,
-``torch.autograd.functional.hessian``); ``blocksparse`` gives the same by recomputing the
-reference's gradients when a backward builds a graph. The Triton kernels' backward is
-first-order only and raises this module's error at once instead of failing deep inside
-torch; ``sdpa`` (``auto``'s usual choice) runs torch's fused kernels, whose backward torch
-cannot differentiate again (torch's error, as with ``F.scaled_dot_product_attention``).
-Forward-mode AD (jvp, jacfwd, dual tensors) runs on ``reference`` and ``rows``; the
-capability ``forward_ad`` keeps ``auto`` on them.
+gradients differentiate as they are. The fused backends do not: torch's SDPA kernels have
+no double backward (``derivative for aten::_scaled_dot_product_..._backward is not
+implemented``), and neither have our own kernels' backwards. So :func:`attention` passes
+their outputs through :func:`differentiable_again`, a node that does nothing in a plain
+backward (the gradients flow on to the kernel's own backward, at the kernel's speed) and,
+in a backward that builds a graph, gives q, k, v and any bias tensor the gradients the
+reference backend's differentiable ops give on the forward's own inputs, while the
+kernel's backward receives none (so nothing it computes enters the new graph). That
+backward costs what the reference costs: ``(Sq, Sk)`` weights per head.
+
+Where it does not run:
+- dropout: the fused kernel's random mask cannot be replayed, so such a backward raises
+  this module's error (``backend="reference"`` draws its dropout with torch ops);
+- ``torch.compile``, which does not differentiate a backward again itself (torch's error),
+  and ``torch.func`` transforms, whose wrapped tensors no autograd Function of this kind
+  takes: there the outputs are not wrapped. Reverse over reverse inside ``torch.func``
+  (``grad(grad(f))``) is met by the capability ``second_order`` instead, which keeps
+  ``auto`` on the reference there; a Triton backward asked to build a graph without this
+  node raises :func:`refuse_second_order`'s error at once.
+
+Its cost: a Python autograd node per call that records gradients (about 20 us of host
+time on a 2-core Xeon, ``python -m benchmarks.dispatch --overhead``); none without them.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -34,3 +52,111 @@ def second_order_message(backend: str, what: str) -> str:
             f"backward, a gradient penalty through attention, hessian) differentiates them "
             f"again: pass backend='reference' to multihead.attention (or set the module's "
             f"backend), whose gradients are differentiable")
+
+
+def wanted(call) -> bool:
+    """Whether :func:`differentiable_again` should wrap the outputs of ``call`` (an
+    :class:`~multihead.functional._call.AttentionCall`): gradients are recorded, and
+    neither ``torch.compile`` nor a ``torch.func`` transform is running."""
+    return (torch.is_grad_enabled() and call.requires_grad
+            and not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active())
+
+
+def differentiable_again(call, backend: str, outputs: tuple) -> tuple:
+    """The outputs ``(out, weights or None, lse or None)`` of ``backend`` on ``call``,
+    passed through a node whose backward, when it builds a graph, gives the reference's
+    differentiable gradients (see the module's docstring); a plain backward goes on to the
+    backend's own. Each output returned shares the memory of the one given.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> q = torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True)
+        >>> out = mh.attention(q, q, q, backend="sdpa")      # wrapped by attention itself
+        >>> g, = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+        >>> g.requires_grad                                  # differentiable again
+        True
+    """
+    out, w, lse = outputs
+    m = call.effective_mask
+    if m is None:
+        spec = _Spec(call, backend, w is not None, lse is not None, 0, None)
+        if w is None and lse is None:                               # (the common case)
+            return _Again.apply(spec, out, call.q, call.k, call.v)[0], None, None
+        biases = ()
+    else:
+        biases = tuple({id(t): t for t in m._tensors() if t.requires_grad}.values())
+        spec = _Spec(call, backend, w is not None, lse is not None, len(biases),
+                     m._versions())
+    given = tuple(t for t in outputs if t is not None)
+    it = iter(_Again.apply(spec, *given, call.q, call.k, call.v, *biases))
+    return tuple(None if t is None else next(it) for t in outputs)
+
+
+class _Spec(NamedTuple):
+    """What the backward needs besides tensors: the call, which extra outputs were given,
+    the number of learned bias tensors and the mask's tensor versions as the forward read
+    them."""
+
+    call: object
+    backend: str
+    weights: bool
+    lse: bool
+    n_biases: int
+    versions: tuple | None
+
+    @property
+    def n_outputs(self) -> int:
+        return 1 + self.weights + self.lse
+
+
+def _reference_gradients(spec: _Spec, inputs: tuple, grads: tuple) -> tuple:
+    """The reference backend's gradients of the call on ``inputs`` (q, k, v, biases) for
+    the output gradients ``grads`` (None: unused), as a graph that can be differentiated."""
+    from .functional.dispatch import attention
+    call = spec.call
+    if call.dropout_p > 0:
+        raise RuntimeError(second_order_message(
+            spec.backend, f"dropout_p={call.dropout_p} (whose random mask this backend "
+                          f"cannot replay) under a backward with create_graph=True"))
+    m = call.effective_mask
+    if m is not None:
+        m._check_unchanged(spec.versions, f"{spec.backend} backward with create_graph=True")
+    q, k, v = (t.view_as(t) for t in inputs[:3])          # one handle each (k may be v)
+    with torch.autocast(q.device.type, enabled=False):    # the forward's dtypes, as it ran
+        got = attention(q, k, v, mask=m, scale=call.scale, backend="reference",
+                        return_weights=spec.weights, return_lse=spec.lse)
+    got = got if isinstance(got, tuple) else (got,)
+    pairs = [(o, g) for o, g in zip(got, grads) if g is not None]
+    if not pairs:
+        return (None,) * len(inputs)
+    return torch.autograd.grad([o for o, _ in pairs], (q, k, v, *inputs[3:]),
+                               [g for _, g in pairs], create_graph=True, allow_unused=True)
+
+
+class _Again(torch.autograd.Function):
+    @classmethod
+    def apply(cls, *args):
+        # torch's apply binds the arguments to forward's signature first, which returns them
+        # unchanged for positional ones at about 15 us a call (see kernels.ops._Direct)
+        return super(torch.autograd.Function, cls).apply(*args)
+
+    @staticmethod
+    def forward(ctx, spec: _Spec, *tensors):
+        n = spec.n_outputs
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)                   # unused outputs stay None
+        ctx.save_for_backward(*tensors[n:])                # q, k, v, biases
+        # the same memory and version counter, not a view: a write in place into one is
+        # then what it was on the kernel's own output (torch's check of saved tensors)
+        return tuple(t.detach() for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        spec = ctx.spec
+        n_inputs = 3 + spec.n_biases
+        if not torch.is_grad_enabled():                     # a plain backward: the kernel's
+            return (None, *grads, *(None,) * n_inputs)
+        # building a graph: the reference's gradients, and none for the kernel's outputs
+        return (None, *(None,) * len(grads),
+                *_reference_gradients(spec, ctx.saved_tensors, grads))

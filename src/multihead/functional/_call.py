@@ -71,6 +71,22 @@ def _at_a_jvp_level(tensors) -> bool:
     return False
 
 
+def reverse_over_reverse() -> bool:
+    """Whether two or more reverse-mode ``torch.func`` transforms (``grad``, ``vjp``,
+    ``jacrev``) run around the call: an outer one then differentiates an inner one's
+    backward (``grad(grad(f))``, ``jacrev(jacrev(f))``).
+
+    Example:
+        >>> reverse_over_reverse()                                  # no transform
+        False
+    """
+    if not torch._C._are_functorch_transforms_active():
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    return sum(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters()) > 1
+
+
 def shape_str(t: torch.Tensor) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
@@ -136,6 +152,13 @@ class AttentionCall:
         bias_grad = self.mask is not None and self.mask.requires_grad
         return torch.is_grad_enabled() and (
             self.q.requires_grad or self.k.requires_grad or self.v.requires_grad or bias_grad)
+
+    @property
+    def second_order(self) -> bool:
+        """Whether the call's backward will itself be differentiated under ``torch.func``
+        (:func:`reverse_over_reverse`, gradients needed); outside a transform such a
+        backward is met by :mod:`multihead._second_order` instead."""
+        return self.requires_grad and reverse_over_reverse()
 
     @property
     def forward_ad(self) -> bool:

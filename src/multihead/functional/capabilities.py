@@ -61,6 +61,11 @@ class Capabilities:
         forward_ad: gives forward-mode derivatives (``torch.func.jvp``, ``jacfwd``,
             ``torch.autograd.forward_ad`` dual tensors); False where torch's fused kernels
             or our own autograd Functions have no forward-mode rule.
+        second_order: its gradients can be differentiated again. Where False, a backward
+            with ``create_graph=True`` gets the reference's differentiable gradients from
+            :func:`multihead.attention` (:mod:`multihead._second_order`); under nested
+            reverse-mode ``torch.func`` transforms (``grad(grad(f))``), where that cannot
+            run, the backend is not used.
 
     Example:
         >>> Capabilities(devices=frozenset({"cuda"}), lse=True).lse
@@ -81,6 +86,7 @@ class Capabilities:
     cross_attention: bool = True
     backward: bool = True
     forward_ad: bool = True
+    second_order: bool = False
 
     def reasons(self, call: AttentionCall, device_type: str) -> list[str]:
         """Why this backend cannot run ``call`` on ``device_type`` (empty when it can).
@@ -127,6 +133,9 @@ class Capabilities:
             out.append("has no backward (gradients are needed)")
         if not self.forward_ad and call.forward_ad:
             out.append("gives no forward-mode derivatives (jvp, jacfwd, dual tensors)")
+        if not self.second_order and call.second_order:
+            out.append("gives no second-order gradients under nested torch.func transforms "
+                       "(grad of grad, jacrev of jacrev)")
         if not self.traceable and torch.compiler.is_compiling():
             out.append("is not traceable by torch.compile (a data-dependent host loop)")
         if not self.transforms and torch._C._are_functorch_transforms_active():

@@ -34,6 +34,7 @@ from .._cache import BoundedCache
 from .._dtypes import AUTOCAST_CASTS, autocast_dtype
 from .._tracing import refuse_jit_trace
 from ..analysis.params import human_bytes
+from .. import _second_order as second_order
 from . import nonfinite, profiles, registry
 from ._call import AttentionCall, default_scale, has_tangent, in_effect, make_call
 from .cost import DeviceProfile
@@ -126,7 +127,8 @@ def _describe(call: AttentionCall) -> str:
     wants = [w for w, on in (("weights", call.return_weights), ("lse", call.return_lse),
                              (f"dropout {call.dropout_p}", call.dropout_p > 0),
                              ("gradients", call.requires_grad),
-                             ("forward-mode derivatives", call.forward_ad)) if on]
+                             ("forward-mode derivatives", call.forward_ad),
+                             ("second-order gradients", call.second_order)) if on]
     if wants:
         parts.append("needs " + ", ".join(wants))
     return "; ".join(parts)
@@ -433,6 +435,9 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
             out, w, lse = nonfinite.run(backend_obj, call, plan)
     else:
         out, w, lse = nonfinite.run(backend_obj, call, plan)
+    if second_order.wanted(call) and plan is not _EMPTY and \
+            not backend_obj.capabilities_on(call.q.device.type).second_order:
+        out, w, lse = second_order.differentiable_again(call, backend_obj.name, (out, w, lse))
     if not (call.return_weights or call.return_lse):
         return out
     return (out, *(x for x, on in ((w, call.return_weights), (lse, call.return_lse)) if on))

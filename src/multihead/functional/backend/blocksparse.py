@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..._cache import BoundedCache
+from ..._second_order import refuse_second_order
 from ...masks.base import Index, bias_as
 from .._call import AttentionCall
 from ..capabilities import Capabilities
@@ -299,19 +300,6 @@ def _scatter(dst: torch.Tensor, part: torch.Tensor, step: Step, flat, g: _Geo) -
     dst.view(-1, g.tk, x).index_add_(0, flat, part.reshape(-1, g.tk, x))
 
 
-def _differentiable_gradients(ctx, q, k, v, dout, dlse):
-    """dq, dk, dv as the reference backend's differentiable ops compute them, on the
-    forward's own inputs (whose history the backward sees when it builds a graph): what
-    double backward, gradient penalties and hessians differentiate. O(Sq * Sk) memory."""
-    from ..dispatch import attention
-    q, k, v = (t.view_as(t) for t in (q, k, v))      # one handle each (k may be v itself)
-    out, lse = attention(q, k, v, mask=ctx.geo.mask, scale=ctx.scale, backend="reference",
-                         return_lse=True)
-    pairs = [(out, dout)] + ([(lse, dlse)] if dlse is not None else [])
-    return torch.autograd.grad([o for o, _ in pairs], (q, k, v), [g for _, g in pairs],
-                               create_graph=True, allow_unused=True)
-
-
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, geo, scale):
@@ -319,18 +307,20 @@ class _BlockSparseAttention(torch.autograd.Function):
         out = out.contiguous()
         lse = lse.contiguous()
         ctx.geo, ctx.scale = geo, scale
+        ctx.set_materialize_grads(False)      # None: an output nothing flows from
         ctx.save_for_backward(q, k, v, out, hi, lo)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dout is None and dlse is None:     # a backward that builds a graph: attention's
+            return None, None, None, None, None      # second-order node gave the gradients
         q, k, v, out, hi, lo = ctx.saved_tensors
         if ctx.geo.mask is not None:
             ctx.geo.mask._check_unchanged(ctx.geo.versions, "blocksparse backward")
         if dout is None:
             dout = torch.zeros_like(out)
-        if torch.is_grad_enabled():           # create_graph=True: gradients to differentiate
-            return (*_differentiable_gradients(ctx, q, k, v, dout, dlse), None, None)
+        refuse_second_order("blocksparse")    # (only reached outside attention's node)
         dq, dk, dv = _backward(ctx.geo, q, k, v, out, hi, lo, dout.contiguous(), dlse,
                                ctx.scale)
         return dq, dk, dv, None, None

@@ -84,7 +84,8 @@ class Reference(Backend):
     name = "reference"
     grad_reads_hidden_keys = False     # (its product's backward reads non-finite values as 0)
     summary = "the seeds' formula with a materialized score matrix; any mask, weights, lse"
-    capabilities = Capabilities(weights=True, lse=True, dropout=True, bias_grad=True)
+    capabilities = Capabilities(weights=True, lse=True, dropout=True, bias_grad=True,
+                                second_order=True)
 
     def plan(self, call, profile):
         size = call.compute_dtype.itemsize
