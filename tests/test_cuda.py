@@ -111,3 +111,27 @@ def test_dispatch_knows_the_gpu():
     assert e.chosen != "blocksparse", str(e)
     decode = mh.explain(q[:, :, :1], q[:, :8], q[:, :8].clone(), mask=mh.masks.causal())
     assert decode.chosen == "sdpa" and not decode.plan.detail.fold
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
+def test_double_backward_on_the_gpu_equals_the_reference(backend, dtype):
+    """torch's CUDA SDPA nodes (flash, efficient, cuDNN) and our kernels take the undefined
+    gradient the second-order node gives them in a backward that builds a graph; the
+    gradients and their own gradients are the reference's (a loss linear in the output,
+    so both see the same output gradient)."""
+    g = torch.Generator(device=DEV).manual_seed(2)
+    q = torch.randn(2, 8, 96, 64, generator=g, device=DEV).to(dtype).requires_grad_()
+    k, v = (torch.randn(2, 2, 96, 64, generator=g, device=DEV).to(dtype).requires_grad_()
+            for _ in range(2))
+    w = torch.randn(q.shape, generator=g, device=DEV).to(dtype)
+    mask = mh.masks.causal()
+    skip_unless_runs(backend, q, k, v, mask=mask)
+    grads = []
+    for b in (backend, "reference"):
+        out = mh.attention(q, k, v, mask=mask, backend=b)
+        first = torch.autograd.grad((out * w).sum(), (q, k, v), create_graph=True)
+        grads.append((*first, *torch.autograd.grad(sum(x.float().pow(2).sum() for x in first),
+                                                   (q, k, v))))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
