@@ -174,15 +174,60 @@ def test_a_plain_backward_still_runs_the_backends_own_kernels(monkeypatch):
         torch.autograd.grad(out.sum(), q, create_graph=True)
 
 
-def test_dropout_under_a_backward_that_builds_a_graph_is_refused_with_the_way_out():
+def test_dropout_keeps_the_kernels_gradients_under_a_backward_that_builds_a_graph():
+    """The fused kernel's dropout cannot be replayed: its gradients serve a backward that
+    builds a graph but does not differentiate them (a hessian-vector product of the layers
+    after attention); reference differentiates its own."""
+    torch.manual_seed(0)
+    attn = mh.MultiHeadAttention(16, 4, dropout=0.1).train()
+    head = torch.nn.Linear(16, 1)
+    x = torch.randn(2, 6, 16)
+    assert mh.explain(torch.randn(2, 4, 6, 4, requires_grad=True), *[torch.randn(2, 4, 6, 4)] * 2,
+                      mask=M.causal(), dropout_p=0.1).chosen == "sdpa"
+    loss = head(attn(x, mask=M.causal())).pow(2).mean()
+    loss.backward(create_graph=True)                     # (through attention's backward)
+    assert attn.in_proj_weight.grad is not None
+    hvp, = torch.autograd.grad(head.weight.grad.pow(2).sum(), head.weight)
+    assert torch.isfinite(hvp).all()
     q = torch.randn(1, 2, 8, 4, requires_grad=True)
-    out = mh.attention(q, q, q, dropout_p=0.1, backend="sdpa")
-    with pytest.raises(RuntimeError, match=r"dropout_p=0.1 .*cannot replay.*"
-                                           r"backend='reference'"):
-        torch.autograd.grad(out.sum(), q, create_graph=True)
     out = mh.attention(q, q, q, dropout_p=0.1, backend="reference")
     g, = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
-    assert g.requires_grad                                         # the way out works
+    assert g.requires_grad                                         # the way to differentiate
+
+
+@pytest.mark.parametrize("needs", ["q", "kv", "bias"])
+def test_second_order_with_some_inputs_frozen(needs):
+    """Frozen keys and values (a cross-attention over a fixed memory), or a learned bias
+    over frozen q, k, v: gradients only for what requires them, at both orders."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 7, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    bias = torch.randn(2, 7, 7, dtype=torch.float64, generator=g)
+    wrt = {"q": (q,), "kv": (k, v), "bias": (bias,)}[needs]
+    for t in wrt:
+        t.requires_grad_()
+    grads = {}
+    for backend in ("sdpa", "reference"):
+        out = mh.attention(q, k, v, mask=M.bias(bias), backend=backend)
+        first = torch.autograd.grad(out.pow(2).sum(), wrt, create_graph=True)
+        grads[backend] = (*first, *torch.autograd.grad(sum(x.pow(2).sum() for x in first), wrt))
+    for a, b in zip(grads["sdpa"], grads["reference"]):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_the_second_order_node_lets_torch_free_q_k_v_after_a_plain_backward():
+    """q, k, v go to the node's saved tensors only: a plain backward frees them (as the
+    kernel's own node does) while the output lives on, as under activation checkpointing."""
+    import gc
+    import weakref
+    x = torch.randn(1, 2, 64, 16, requires_grad=True)
+    q, k, v = x * 1, x * 2, x * 3
+    refs = [weakref.ref(t) for t in (q, k, v)]
+    out = mh.attention(q, k, v, mask=M.causal(), backend="sdpa")
+    del q, k, v
+    out.sum().backward()
+    gc.collect()
+    assert [r() for r in refs] == [None] * 3
+    assert out.shape == (1, 2, 64, 16)
 
 
 def test_a_mask_written_after_the_forward_is_refused_by_a_second_order_backward():

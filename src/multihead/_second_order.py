@@ -14,8 +14,11 @@ kernel's backward receives none (so nothing it computes enters the new graph). T
 backward costs what the reference costs: ``(Sq, Sk)`` weights per head.
 
 Where it does not run:
-- dropout: the fused kernel's random mask cannot be replayed, so such a backward raises
-  this module's error (``backend="reference"`` draws its dropout with torch ops);
+- dropout: the fused kernel's random mask cannot be replayed, so the outputs are not
+  wrapped: a backward that builds a graph gets the kernel's gradients, which serve where
+  they are not differentiated again (a hessian-vector product of the layers after
+  attention) and give torch's error where they are (``backend="reference"`` draws its
+  dropout with torch ops, and differentiates its gradients);
 - ``torch.compile``, which does not differentiate a backward again itself (torch's error),
   and ``torch.func`` transforms, whose wrapped tensors no autograd Function of this kind
   takes: there the outputs are not wrapped. Reverse over reverse inside ``torch.func``
@@ -50,15 +53,15 @@ def second_order_message(backend: str, what: str) -> str:
     """The error's text: what was asked, and the backend that gives it."""
     return (f"the {backend} backend's gradients are first-order only, and {what} (double "
             f"backward, a gradient penalty through attention, hessian) differentiates them "
-            f"again: pass backend='reference' to multihead.attention (or set the module's "
-            f"backend), whose gradients are differentiable")
+            f"again: pass backend='reference' to multihead.attention (or set "
+            f"multihead.MultiHeadAttention's backend), whose gradients are differentiable")
 
 
 def wanted(call) -> bool:
     """Whether :func:`differentiable_again` should wrap the outputs of ``call`` (an
-    :class:`~multihead.functional._call.AttentionCall`): gradients are recorded, and
-    neither ``torch.compile`` nor a ``torch.func`` transform is running."""
-    return (torch.is_grad_enabled() and call.requires_grad
+    :class:`~multihead.functional._call.AttentionCall`): gradients are recorded, without
+    dropout, and neither ``torch.compile`` nor a ``torch.func`` transform is running."""
+    return (torch.is_grad_enabled() and call.requires_grad and not call.dropout_p
             and not torch.compiler.is_compiling()
             and not torch._C._are_functorch_transforms_active())
 
@@ -80,13 +83,13 @@ def differentiable_again(call, backend: str, outputs: tuple) -> tuple:
     out, w, lse = outputs
     m = call.effective_mask
     if m is None:
-        spec = _Spec(call, backend, w is not None, lse is not None, 0, None)
+        spec = _Spec(None, call.scale, backend, w is not None, lse is not None, 0, None)
         if w is None and lse is None:                               # (the common case)
             return _Again.apply(spec, out, call.q, call.k, call.v)[0], None, None
         biases = ()
     else:
         biases = tuple({id(t): t for t in m._tensors() if t.requires_grad}.values())
-        spec = _Spec(call, backend, w is not None, lse is not None, len(biases),
+        spec = _Spec(m, call.scale, backend, w is not None, lse is not None, len(biases),
                      m._versions())
     given = tuple(t for t in outputs if t is not None)
     it = iter(_Again.apply(spec, *given, call.q, call.k, call.v, *biases))
@@ -94,11 +97,13 @@ def differentiable_again(call, backend: str, outputs: tuple) -> tuple:
 
 
 class _Spec(NamedTuple):
-    """What the backward needs besides tensors: the call, which extra outputs were given,
-    the number of learned bias tensors and the mask's tensor versions as the forward read
-    them."""
+    """What the backward needs besides tensors (none of q, k, v: those are saved, so that
+    torch frees them after a plain backward, and saved-tensor hooks see them): the mask
+    and scale, which extra outputs were given, the number of learned bias tensors and the
+    mask's tensor versions as the forward read them."""
 
-    call: object
+    mask: object
+    scale: float
     backend: str
     weights: bool
     lse: bool
@@ -110,28 +115,26 @@ class _Spec(NamedTuple):
         return 1 + self.weights + self.lse
 
 
-def _reference_gradients(spec: _Spec, inputs: tuple, grads: tuple) -> tuple:
+def _reference_gradients(spec: _Spec, inputs: tuple, grads: tuple, needed) -> tuple:
     """The reference backend's gradients of the call on ``inputs`` (q, k, v, biases) for
-    the output gradients ``grads`` (None: unused), as a graph that can be differentiated."""
+    the output gradients ``grads`` (None: unused), as a graph that can be differentiated;
+    None for the inputs not ``needed`` (a frozen k, say)."""
     from .functional.dispatch import attention
-    call = spec.call
-    if call.dropout_p > 0:
-        raise RuntimeError(second_order_message(
-            spec.backend, f"dropout_p={call.dropout_p} (whose random mask this backend "
-                          f"cannot replay) under a backward with create_graph=True"))
-    m = call.effective_mask
+    m = spec.mask
     if m is not None:
         m._check_unchanged(spec.versions, f"{spec.backend} backward with create_graph=True")
     q, k, v = (t.view_as(t) for t in inputs[:3])          # one handle each (k may be v)
     with torch.autocast(q.device.type, enabled=False):    # the forward's dtypes, as it ran
-        got = attention(q, k, v, mask=m, scale=call.scale, backend="reference",
+        got = attention(q, k, v, mask=m, scale=spec.scale, backend="reference",
                         return_weights=spec.weights, return_lse=spec.lse)
     got = got if isinstance(got, tuple) else (got,)
     pairs = [(o, g) for o, g in zip(got, grads) if g is not None]
-    if not pairs:
+    wrt = [t for t, need in zip((q, k, v, *inputs[3:]), needed) if need]
+    if not pairs or not wrt:
         return (None,) * len(inputs)
-    return torch.autograd.grad([o for o, _ in pairs], (q, k, v, *inputs[3:]),
-                               [g for _, g in pairs], create_graph=True, allow_unused=True)
+    found = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                     create_graph=True, allow_unused=True))
+    return tuple(next(found) if need else None for need in needed)
 
 
 class _Again(torch.autograd.Function):
@@ -158,5 +161,5 @@ class _Again(torch.autograd.Function):
         if not torch.is_grad_enabled():                     # a plain backward: the kernel's
             return (None, *grads, *(None,) * n_inputs)
         # building a graph: the reference's gradients, and none for the kernel's outputs
-        return (None, *(None,) * len(grads),
-                *_reference_gradients(spec, ctx.saved_tensors, grads))
+        return (None, *(None,) * len(grads), *_reference_gradients(
+            spec, ctx.saved_tensors, grads, ctx.needs_input_grad[1 + len(grads):]))
