@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .._dtypes import SUPPORTED_DTYPES
 from ._call import AttentionCall
@@ -114,7 +115,8 @@ class Capabilities:
             out.append("does not return the log-sum-exp")
         if call.dropout_p > 0 and not self.dropout:
             out.append("does not implement dropout")
-        if call.Sq != call.Sk and not self.cross_attention:
+        # (traced sizes: Sq == Sk where that is known without a guard, else cross-attention)
+        if not self.cross_attention and not statically_known_true(call.Sq == call.Sk):
             out.append(f"needs Sq == Sk (got Sq={shown(call.Sq)}, Sk={shown(call.Sk)})")
         m = call.effective_mask
         if m is not None:

@@ -33,10 +33,11 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...masks.base import bias_as
 from ...masks.structured import _offset
-from .._call import AttentionCall
+from .._call import AttentionCall, size_hint, traced
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
@@ -77,8 +78,10 @@ def _mode(call: AttentionCall) -> str:
     m = call.effective_mask
     if m is None:
         return "plain"
-    if call.is_pure_causal and _offset(m.align, call.Sq, call.Sk) == 0:
-        return "causal"        # torch's is_causal is upper-left aligned: ours when Sq == Sk
+    # torch's is_causal is upper-left aligned: ours when Sq == Sk (while sizes are traced as
+    # symbolic: where that is known without a guard, as for one length, else masked)
+    if call.is_pure_causal and statically_known_true(_offset(m.align, call.Sq, call.Sk) == 0):
+        return "causal"
     return "masked"
 
 
@@ -138,7 +141,8 @@ class SDPA(Backend):
     def plan(self, call, profile):
         B, H, Hkv, G, Sq, Sk = call.B, call.H, call.Hkv, call.group, call.Sq, call.Sk
         mode, m = _mode(call), call.effective_mask
-        row_fix = mode == "masked" and m.may_have_empty_rows(Sq, Sk)
+        # (sizes traced as symbolic: opened and zeroed, which is exact for every size)
+        row_fix = mode == "masked" and (traced(Sq, Sk) or m.may_have_empty_rows(Sq, Sk))
         # every backend adds a bias tensor in fp32 at its own precision; the kernel adds it
         # in the inputs' dtype, so a bias tensor that would round there runs it in fp32
         upcast = mode == "masked" and m.has_bias and _rounds_a_tensor_bias(m, call.q.dtype)
@@ -148,7 +152,7 @@ class SDPA(Backend):
         # folding a materialized mask copies it G times and runs slower than enable_gqa
         # (on a CPU: 0.14 s vs 0.09 s for a padded batch of 32 x 511); it pays for decoding
         fold = G > 1 and head_free and mode != "causal" and not native and \
-            (mode != "masked" or Sq <= FOLD_MASKED_MAX_SQ)
+            (mode != "masked" or size_hint(Sq) <= FOLD_MASKED_MAX_SQ)     # (for speed)
         kv_reads = G if G > 1 and not (fold or native) else 1
         pairs = B * H * _causal_pairs(Sq, Sk) if mode == "causal" else call.pairs
         heads, rows = (B * Hkv, G * Sq) if fold else (B * H, Sq)
@@ -235,16 +239,15 @@ def _kernel(call: AttentionCall, q, k, v, attn_mask, fold: bool, kw: dict,
             sdpa=F.scaled_dot_product_attention) -> torch.Tensor:
     """``sdpa`` (torch's SDPA or :func:`_math`) on the call's inputs: ``(B, H, Sq, Dv)``,
     the query heads of a group folded into the query axis when ``fold``."""
-    B, H, Hkv, G, Sq, Sk = call.B, call.H, call.Hkv, call.group, call.Sq, call.Sk
+    B, Hkv, G, Sq = call.B, call.Hkv, call.group, call.Sq
     if fold:
         qf = q.reshape(B, Hkv, G * Sq, call.D)                           # (B, Hkv, G*Sq, D)
-        if attn_mask is not None:
-            Bm = attn_mask.shape[0]
-            attn_mask = attn_mask.unsqueeze(2).expand(Bm, 1, G, Sq, Sk)
-            attn_mask = attn_mask.reshape(Bm, 1, G * Sq, Sk)              # (B', 1, G*Sq, Sk)
+        if attn_mask is not None:            # the mask once per query head of the group
+            attn_mask = attn_mask.repeat(1, 1, G, 1)                      # (B', 1, G*Sq, Sk)
         out = sdpa(qf, k, v, attn_mask=attn_mask, **kw)
-        # reshape, not view: some kernels (CUDA's fp32 ones) return a transposed layout
-        return out.reshape(B, H, Sq, call.Dv)                             # (B, H, Sq, Dv)
+        # not view: some kernels (CUDA's fp32 ones) return a transposed layout; and not
+        # reshape, whose view check on a symbolic length adds a guard torch.export refuses
+        return out.unflatten(2, (G, Sq)).flatten(1, 2)                    # (B, H, Sq, Dv)
     return sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=True if G > 1 else False,  # a bool,
                 **kw)                                          # also where G is symbolic
 
