@@ -34,6 +34,15 @@ class _Self(nn.Module):
         return self.attn(x, mask=self.mask)
 
 
+class _Attend(nn.Module):
+    def __init__(self, mask):
+        super().__init__()
+        self.mask = mask
+
+    def forward(self, q, k, v):
+        return mh.attention(q, k, v, mask=self.mask)
+
+
 class _Cross(nn.Module):
     def __init__(self, attn):
         super().__init__()
@@ -69,3 +78,26 @@ def test_an_exported_cross_attention_runs_every_pair_of_lengths():
         got = exported(x, c)
         torch.testing.assert_close(got, module(x, c), atol=1e-6, rtol=1e-5)
     assert (got[:, :200 - 30] == module.attn.out_proj.bias).all()   # rows with no key
+
+
+@pytest.mark.parametrize("threads", [1, 2, 64])
+@pytest.mark.parametrize("heads", [(1, 1), (8, 1), (8, 8)], ids=["H1", "H8kv1", "H8"])
+def test_an_export_does_not_depend_on_the_machines_core_count(threads, heads):
+    """The cost model stretches a plan with fewer independent pieces than the device has
+    units: compared as numbers, a traced count of pieces was a guard (``ceil(S/128) < 2``
+    with two threads, one head) that torch.export refused, on some machines only."""
+    H, Hkv = heads
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for mask in (None, M.sliding_window(5), M.causal() & M.alibi(H)):
+            module = _Attend(mask)
+            S = torch.export.Dim("S", min=2, max=4096)
+            q, kv = torch.randn(1, H, 6, 8), torch.randn(1, Hkv, 6, 8)
+            exported = torch.export.export(module, (q, kv, kv),
+                                           dynamic_shapes=({2: S}, {2: S}, {2: S})).module()
+            for n in (2, 300):
+                q, kv = torch.randn(1, H, n, 8), torch.randn(1, Hkv, n, 8)
+                torch.testing.assert_close(exported(q, kv, kv), module(q, kv, kv))
+    finally:
+        torch.set_num_threads(before)

@@ -791,3 +791,29 @@ def test_masks_built_in_a_compiled_forward_follow_the_batch(kind, dynamic):
             torch.randint(0, 3, (B, 8), generator=g).sort(-1).values
         with torch.no_grad():
             torch.testing.assert_close(compiled(x, t), forward(x, t))
+
+
+def test_a_mask_whose_bias_broadcasts_over_the_queries_runs_on_the_gqa_fold():
+    """Mask.at may return terms broadcastable to the index's shape: a bias of the keys only
+    ``(1, 1, 1, Sk)``, repeated per query head when sdpa folds a group into the queries
+    (GQA with few queries), as the reference reads it."""
+    from multihead.masks.base import Mask
+
+    class KeyBias(Mask):
+        has_bias, has_predicate = True, False
+
+        def _allowed(self, ix):
+            return torch.ones((), dtype=torch.bool)
+
+        def _bias(self, ix):
+            return -0.1 * ix.k.double()                                   # (1, 1, 1, Sk)
+
+        def _tile_bounds(self, tx):
+            return torch.tensor(True), torch.tensor(True)
+
+    g = torch.Generator().manual_seed(16)
+    q = torch.randn(2, 8, 4, 16, dtype=torch.float64, generator=g)
+    k = torch.randn(2, 2, 20, 16, dtype=torch.float64, generator=g)
+    assert "folded" in str(mh.explain(q, k, k, mask=KeyBias(), backend="sdpa"))
+    torch.testing.assert_close(mh.attention(q, k, k, mask=KeyBias(), backend="sdpa"),
+                               mh.attention(q, k, k, mask=KeyBias(), backend="reference"))

@@ -71,27 +71,12 @@ def _at_a_jvp_level(tensors) -> bool:
     return False
 
 
-def size_hint(n) -> int:
-    """A size to make a choice of speed by: ``n``, or, for a size ``torch.compile`` or
-    ``torch.export`` traces as symbolic, the size being traced, so that the choice adds no
-    guard on it (``torch.export`` refuses one on a dynamic size). The choice then holds for
-    every size the graph runs, which is right only where every option is exact.
-
-    Example:
-        >>> size_hint(16)
-        16
-    """
-    if isinstance(n, torch.SymInt):
-        hint = n.node.hint
-        if hint is not None:
-            return int(hint)
-    return n
-
-
 def traced(*sizes) -> bool:
-    """Whether a size among ``sizes`` is symbolic (``torch.compile`` with dynamic shapes,
-    ``torch.export`` with a ``Dim``): a fact about it that would need a guard is then taken
-    the way that is exact for every size.
+    """Whether a size among ``sizes`` is symbolic (``torch.export`` with a ``Dim``, whose
+    default non-strict tracing runs this code on symbolic sizes): a fact about it that
+    would need a guard is then taken the way that is exact for every size. Under Dynamo
+    (``torch.compile``, ``torch.export(strict=True)``) sizes reach this code as ints: a
+    fact about them guards, and ``torch.compile`` recompiles where it changes.
 
     Example:
         >>> traced(3, 4)

@@ -113,7 +113,11 @@ class DeviceProfile:
             (6.0, 50)
         """
         rate = self.rate(w.kernel, w.dtype)
-        stretch = 1.0 / min(1.0, max(w.parallel, 1.0) / self.units)
+        p = w.parallel
+        if isinstance(p, (torch.SymInt, torch.SymFloat)):   # traced sizes: min and max as
+            stretch = 1.0 / torch.sym_min(1.0, torch.sym_max(p, 1.0) / self.units)  # symbols,
+        else:                                       # not a guard that torch.export refuses
+            stretch = 1.0 / min(1.0, max(p, 1.0) / self.units)
         return {"compute": w.flops / rate * stretch, "memory": w.bytes / self.bandwidth * stretch,
                 "launches": w.launches * self.launch_s, "syncs": w.syncs * self.sync_s}
 

@@ -37,7 +37,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...masks.base import bias_as
 from ...masks.structured import _offset
-from .._call import AttentionCall, size_hint, traced
+from .._call import AttentionCall, traced
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
@@ -151,8 +151,10 @@ class SDPA(Backend):
         native = "sdpa_native_gqa" in profile.features
         # folding a materialized mask copies it G times and runs slower than enable_gqa
         # (on a CPU: 0.14 s vs 0.09 s for a padded batch of 32 x 511); it pays for decoding
+        # (a masked fold pays for decoding: not in a graph traced for symbolic lengths, which
+        # serves long ones too, where copying the mask G times would cost more than it saves)
         fold = G > 1 and head_free and mode != "causal" and not native and \
-            (mode != "masked" or size_hint(Sq) <= FOLD_MASKED_MAX_SQ)     # (for speed)
+            (mode != "masked" or not traced(Sq) and Sq <= FOLD_MASKED_MAX_SQ)
         kv_reads = G if G > 1 and not (fold or native) else 1
         pairs = B * H * _causal_pairs(Sq, Sk) if mode == "causal" else call.pairs
         heads, rows = (B * Hkv, G * Sq) if fold else (B * H, Sq)
@@ -243,7 +245,8 @@ def _kernel(call: AttentionCall, q, k, v, attn_mask, fold: bool, kw: dict,
     if fold:
         qf = q.reshape(B, Hkv, G * Sq, call.D)                           # (B, Hkv, G*Sq, D)
         if attn_mask is not None:            # the mask once per query head of the group
-            attn_mask = attn_mask.repeat(1, 1, G, 1)                      # (B', 1, G*Sq, Sk)
+            attn_mask = attn_mask.expand(-1, -1, Sq, -1)                  # (B', 1, Sq, Sk')
+            attn_mask = attn_mask.repeat(1, 1, G, 1)                      # (B', 1, G*Sq, Sk')
         out = sdpa(qf, k, v, attn_mask=attn_mask, **kw)
         # not view: some kernels (CUDA's fp32 ones) return a transposed layout; and not
         # reshape, whose view check on a symbolic length adds a guard torch.export refuses
