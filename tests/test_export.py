@@ -101,3 +101,26 @@ def test_an_export_does_not_depend_on_the_machines_core_count(threads, heads):
                 torch.testing.assert_close(exported(q, kv, kv), module(q, kv, kv))
     finally:
         torch.set_num_threads(before)
+
+
+class _Packed(nn.Module):
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x, ids):
+        return self.attn(x, mask=M.document(ids) & M.causal())
+
+
+def test_an_export_with_a_dynamic_batch_of_packed_documents():
+    """Document ids ``(B, S)`` as an input, batch and length dynamic: the mask read the
+    number of rows of ids as a Python bool, a guard on the batch."""
+    torch.manual_seed(0)
+    module = _Packed(mh.MultiHeadAttention(E, H, num_kv_heads=2).eval())
+    Bd, S = torch.export.Dim("B", min=1, max=16), torch.export.Dim("S", min=2, max=256)
+    ids = lambda b, n: torch.sort(torch.randint(0, 3, (b, n)), dim=1).values  # noqa: E731
+    exported = torch.export.export(module, (torch.randn(3, 6, E), ids(3, 6)),
+                                   dynamic_shapes=({0: Bd, 1: S}, {0: Bd, 1: S})).module()
+    for b, n in ((1, 5), (3, 40), (7, 200)):
+        x, d = torch.randn(b, n, E), ids(b, n)
+        torch.testing.assert_close(exported(x, d), module(x, d), atol=1e-6, rtol=1e-5)

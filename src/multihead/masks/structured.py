@@ -519,9 +519,11 @@ class Document(Mask):
 
     def _allowed(self, ix: Index):
         qid, kid = self._q_k_ids(ix.sq, ix.sk, ix.q.device)
-        bq = ix.b if len(qid) > 1 else 0
-        bk = ix.b if len(kid) > 1 else 0
-        return qid[bq, ix.q] == kid[bk, ix.k]
+        # one row of ids serves every sequence: expanded (a view), not a test of the row
+        # count, which would be a guard on a batch size torch.export traces as dynamic
+        B = ix.b.shape[0]
+        qid, kid = qid.expand(B, -1), kid.expand(B, -1)                   # (B', Sq), (B', Sk)
+        return qid[ix.b, ix.q] == kid[ix.b, ix.k]
 
     def _tile_bounds(self, tx: TileIndex):
         qid, kid = self._q_k_ids(tx.sq, tx.sk, tx.q0.device)
