@@ -26,7 +26,7 @@ Where it does not run:
   ``auto`` on the reference there; a Triton backward asked to build a graph without this
   node raises :func:`refuse_second_order`'s error at once.
 
-Its cost: a Python autograd node per call that records gradients (about 20 us of host
+Its cost: a Python autograd node per call that records gradients (about 14 us of host
 time on a 2-core Xeon, ``python -m benchmarks.dispatch --overhead``); none without them.
 """
 
@@ -61,7 +61,7 @@ def wanted(call) -> bool:
     """Whether :func:`differentiable_again` should wrap the outputs of ``call`` (an
     :class:`~multihead.functional._call.AttentionCall`): gradients are recorded, without
     dropout, and neither ``torch.compile`` nor a ``torch.func`` transform is running."""
-    return (torch.is_grad_enabled() and call.requires_grad and not call.dropout_p
+    return (call.requires_grad and not call.dropout_p
             and not torch.compiler.is_compiling()
             and not torch._C._are_functorch_transforms_active())
 
@@ -80,17 +80,13 @@ def differentiable_again(call, backend: str, outputs: tuple) -> tuple:
         >>> g.requires_grad                                  # differentiable again
         True
     """
-    out, w, lse = outputs
+    _, w, lse = outputs
     m = call.effective_mask
-    if m is None:
-        spec = _Spec(None, call.scale, backend, w is not None, lse is not None, 0, None)
-        if w is None and lse is None:                               # (the common case)
-            return _Again.apply(spec, out, call.q, call.k, call.v)[0], None, None
-        biases = ()
-    else:
-        biases = tuple({id(t): t for t in m._tensors() if t.requires_grad}.values())
-        spec = _Spec(m, call.scale, backend, w is not None, lse is not None, len(biases),
-                     m._versions())
+    # learned biases, each once (the mask's other tensors take no gradient)
+    biases = () if m is None else tuple({id(t): t for t in m._tensors()
+                                         if t.requires_grad}.values())
+    spec = _Spec(m, call.scale, backend, w is not None, lse is not None,
+                 None if m is None else m._versions())
     given = tuple(t for t in outputs if t is not None)
     it = iter(_Again.apply(spec, *given, call.q, call.k, call.v, *biases))
     return tuple(None if t is None else next(it) for t in outputs)
@@ -99,15 +95,14 @@ def differentiable_again(call, backend: str, outputs: tuple) -> tuple:
 class _Spec(NamedTuple):
     """What the backward needs besides tensors (none of q, k, v: those are saved, so that
     torch frees them after a plain backward, and saved-tensor hooks see them): the mask
-    and scale, which extra outputs were given, the number of learned bias tensors and the
-    mask's tensor versions as the forward read them."""
+    and scale, which extra outputs were given and the mask's tensor versions as the
+    forward read them."""
 
     mask: object
     scale: float
     backend: str
     weights: bool
     lse: bool
-    n_biases: int
     versions: tuple | None
 
     @property
@@ -156,10 +151,9 @@ class _Again(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        spec = ctx.spec
-        n_inputs = 3 + spec.n_biases
+        needed = ctx.needs_input_grad[1 + len(grads):]      # q, k, v, biases
         if not torch.is_grad_enabled():                     # a plain backward: the kernel's
-            return (None, *grads, *(None,) * n_inputs)
+            return (None, *grads, *(None,) * len(needed))
         # building a graph: the reference's gradients, and none for the kernel's outputs
-        return (None, *(None,) * len(grads), *_reference_gradients(
-            spec, ctx.saved_tensors, grads, ctx.needs_input_grad[1 + len(grads):]))
+        return (None, *(None,) * len(grads),
+                *_reference_gradients(ctx.spec, ctx.saved_tensors, grads, needed))

@@ -163,9 +163,9 @@ class AttentionCall:
 
     @property
     def requires_grad(self) -> bool:
-        bias_grad = self.mask is not None and self.mask.requires_grad
-        return torch.is_grad_enabled() and (
-            self.q.requires_grad or self.k.requires_grad or self.v.requires_grad or bias_grad)
+        return torch.is_grad_enabled() and (             # (the mask's tensors read last)
+            self.q.requires_grad or self.k.requires_grad or self.v.requires_grad
+            or (self.mask is not None and self.mask.requires_grad))
 
     @property
     def second_order(self) -> bool:

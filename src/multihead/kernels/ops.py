@@ -102,8 +102,6 @@ def _setup(ctx, inputs, output):
 
 
 def _gradients(ctx, dout, dlse, backward=flash_attention_backward):
-    if dout is None and dlse is None:             # see _Sparse.backward
-        return (None,) * 9
     refuse_second_order("triton")
     q, k, v, out, lse, kv_lengths = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout      # the kernels take any strides
@@ -169,6 +167,8 @@ class _Flash(_Direct):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dout is None and dlse is None:      # see _Sparse.backward
+            return (None,) * 9
         _refuse_transforms(dout, dlse)
         _ahead.wait()                          # its kernels, if compiling ahead
         return _gradients(ctx, dout, dlse, backward=_backward)
@@ -275,15 +275,12 @@ def _sparse_setup(ctx, inputs, output):
 
 
 def _sparse_gradients(ctx, dout, dlse):
+    refuse_second_order("triton")
+    q, k, v, out, lse, *rest = ctx.saved_tensors
     scale, source, n, ints, configs, n_lists = ctx.args
-    if dout is None and dlse is None:             # see _Sparse.backward
-        dq = dk = dv = None
-    else:
-        refuse_second_order("triton")
-        q, k, v, out, lse, *rest = ctx.saved_tensors
-        dout = torch.zeros_like(out) if dout is None else dout
-        dq, dk, dv = flash_sparse_backward(dout, dlse, q, k, v, out, lse, scale, source,
-                                           rest[:n], ints, rest[n:], configs)
+    dout = torch.zeros_like(out) if dout is None else dout
+    dq, dk, dv = flash_sparse_backward(dout, dlse, q, k, v, out, lse, scale, source,
+                                       rest[:n], ints, rest[n:], configs)
     # no gradient for the rest (a list of tensors gets a list of Nones)
     return dq, dk, dv, None, None, [None] * n, None, [None] * n_lists, None
 
