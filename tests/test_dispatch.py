@@ -569,6 +569,28 @@ def test_compiled_attention_follows_changing_head_counts(dynamic):
                                        mh.attention(q, k, v, mask=mask, backend="reference"))
 
 
+def test_eager_calls_between_compiled_ones_do_not_recompile_them():
+    """One graph serves every length and window (dynamic=True), however many eager calls of
+    the same function come between compiled ones: what an eager call caches (the device's
+    profile, decisions) is not something the graph guards on."""
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    mh.functional.profiles._RESOLVED.clear()        # as in a fresh process: nothing priced
+
+    def f(q, k, v, w):
+        return mh.attention(q, k, v, mask=M.sliding_window(w) & M.causal())
+    graphs = CompileCounter()
+    compiled = torch.compile(f, backend=graphs, dynamic=True)
+    g = torch.Generator().manual_seed(8)
+    for S, w in ((40, 8), (64, 16), (100, 5), (130, 64), (33, 40)):
+        q, k, v = (torch.randn(2, 4, S, 16, generator=g) for _ in range(3))
+        got = compiled(q, k, v, w)
+        torch.testing.assert_close(got, f(q, k, v, w))
+        torch.testing.assert_close(got, mh.attention(q, k, v, backend="reference",
+                                                     mask=M.sliding_window(w) & M.causal()))
+    assert graphs.frame_count == 1
+
+
 @pytest.mark.parametrize("mask", [None, M.sliding_window(64), M.document(torch.arange(600) // 100)])
 def test_an_explanation_can_be_copied_and_saved(mask):
     """Its plans hold caches (with locks): copies and pickles carry them empty."""

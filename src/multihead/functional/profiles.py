@@ -127,16 +127,18 @@ def profile_for(device) -> DeviceProfile:
     global generation
     key = _device_key(device)
     device = torch.device(key)
-    found = _OVERRIDES.get(key) or _OVERRIDES.get(device.type) or _RESOLVED.get(key)
+    found = _OVERRIDES.get(key) or _OVERRIDES.get(device.type)
+    if found is None and torch.compiler.is_compiling():
+        # tracing: the built-in figures, not those an eager call resolved (a guard on what
+        # _RESOLVED holds would recompile the graph once an eager call fills it; and no
+        # thread-count or device query in a graph)
+        return _H100 if device.type == "cuda" else dataclasses.replace(
+            _CPU, device_type=device.type)
+    found = found or _RESOLVED.get(key)
     if (found is not None and found is _RESOLVED.get(key) and device.type != "cuda"
-            and not torch.compiler.is_compiling()
             and found.units != max(1, torch.get_num_threads())):
         found = None                  # torch.set_num_threads since: priced again, and the
         generation += 1               # decisions made with the old count are dropped
-    if found is None and torch.compiler.is_compiling():
-        # tracing: take the figures as they are (no thread-count or device query in a graph)
-        return _H100 if device.type == "cuda" else dataclasses.replace(
-            _CPU, device_type=device.type)
     if found is None:
         if device.type == "cuda":
             found = _cuda_profile(device)
