@@ -159,13 +159,33 @@ def test_double_backward_reaches_a_learned_bias_through_sdpa():
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
+def test_our_tiled_backend_differentiates_again_in_its_own_backward():
+    """blocksparse's autograd Function gives the reference's gradients itself when the
+    backward builds a graph: its outputs carry no second node (host time per call), and a
+    mask written after the forward is refused there too."""
+    q = torch.randn(1, 2, 64, 8, dtype=torch.float64, requires_grad=True)
+    window = M.sliding_window(8)
+    out = mh.attention(q, q, q, mask=window, backend="blocksparse")
+    assert out.grad_fn.name() == "_BlockSparseAttentionBackward"
+    g, = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    want, = torch.autograd.grad(mh.attention(q, q, q, mask=window, backend="reference")
+                                .pow(2).sum(), q, create_graph=True)
+    torch.testing.assert_close(torch.autograd.grad(g.pow(2).sum(), q),
+                               torch.autograd.grad(want.pow(2).sum(), q), atol=1e-10, rtol=0)
+    keep = torch.ones(64, 64, dtype=torch.bool)
+    out = mh.attention(q, q, q, mask=M.dense(keep) & window, backend="blocksparse")
+    keep[5, 3] = False
+    with pytest.raises(RuntimeError, match="written in place"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+
+
 def test_a_plain_backward_still_runs_the_backends_own_kernels(monkeypatch):
     """The second-order path costs O(Sq * Sk): a backward that builds no graph must not
     take it (it would be slower, and on a GPU much larger)."""
     from multihead import _second_order
     def refuse(*args):
         raise AssertionError("the reference gradients ran in a plain backward")
-    monkeypatch.setattr(_second_order, "_reference_gradients", refuse)
+    monkeypatch.setattr(_second_order, "reference_gradients", refuse)
     q = torch.randn(1, 2, 64, 8, requires_grad=True)
     for backend in ("sdpa", "blocksparse"):
         mh.attention(q, q, q, mask=M.causal(), backend=backend).sum().backward()

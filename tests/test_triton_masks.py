@@ -291,8 +291,24 @@ def test_double_backward_through_the_backend_equals_the_reference(name, triton_o
                                 create_graph=True)                       # flow into both)
         grads.append((*g, *torch.autograd.grad(sum(x.float().pow(2).sum() for x in g),
                                                (q, k, v))))
+        node = out.grad_fn                   # triton: no second node, the kernels' own
+        while backend == "triton" and node.name() == "ToCopyBackward0":  # Function gives
+            node = node.next_functions[0][0]           # them (past the CPU run's casts)
+        assert backend != "triton" or node.name() in ("_FlashBackward", "_SparseBackward")
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("route", ["band", "sparse"])
+def test_the_kernels_called_directly_refuse_a_backward_that_builds_a_graph(route):
+    """Without the call's mask (kernels.ops called directly), the kernels' backward
+    cannot give differentiable gradients: it says so instead of giving constants."""
+    from multihead.kernels import ops
+    q = torch.randn(1, 2, 32, 16, dtype=torch.float16, device=DEV, requires_grad=True)
+    out, _ = (ops.attention(q, q, q, 0.25, True, 0, 0, None) if route == "band" else
+              ops.sparse(q, q, q, M.alibi(2), 0.25))
+    with pytest.raises(RuntimeError, match="first-order only"):
+        torch.autograd.grad(out.float().sum(), q, create_graph=True)
 
 
 @pytest.mark.parametrize("case", ["causal", "document&alibi", "decode"])

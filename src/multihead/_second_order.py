@@ -5,13 +5,20 @@ MAML's inner step) gets gradients it can differentiate again.
 The ``reference`` backend computes attention with differentiable torch ops, so its
 gradients differentiate as they are. The fused backends do not: torch's SDPA kernels have
 no double backward (``derivative for aten::_scaled_dot_product_..._backward is not
-implemented``), and neither have our own kernels' backwards. So :func:`attention` passes
-their outputs through :func:`differentiable_again`, a node that does nothing in a plain
-backward (the gradients flow on to the kernel's own backward, at the kernel's speed) and,
-in a backward that builds a graph, gives q, k, v and any bias tensor the gradients the
-reference backend's differentiable ops give on the forward's own inputs, while the
-kernel's backward receives none (so nothing it computes enters the new graph). That
-backward costs what the reference costs: ``(Sq, Sk)`` weights per head.
+implemented``), and neither have our own kernels' backwards. In a backward that builds a
+graph, they give q, k, v (and any bias tensor) the gradients the reference backend's
+differentiable ops give on the forward's own inputs (:func:`reference_gradients`), two ways:
+
+- our own autograd Functions (``blocksparse``; ``triton``'s eager kernels, given a
+  :func:`spec`) do it in their backward, which otherwise runs the kernels: no extra node,
+  so a training step pays no host time for it (capability ``second_order``);
+- torch's fused kernels (``sdpa``, ``varlen``) cannot, so :func:`attention` passes their
+  outputs through :func:`differentiable_again`, a node that does nothing in a plain
+  backward (the gradients flow on to the kernel's own backward, at the kernel's speed)
+  and, in one that builds a graph, gives the reference's gradients while the kernel's
+  backward receives none (so nothing it computes enters the new graph).
+
+That backward costs what the reference costs: ``(Sq, Sk)`` weights per head.
 
 Where it does not run:
 - dropout: the fused kernel's random mask cannot be replayed, so the outputs are not
@@ -22,12 +29,16 @@ Where it does not run:
 - ``torch.compile``, which does not differentiate a backward again itself (torch's error),
   and ``torch.func`` transforms, whose wrapped tensors no autograd Function of this kind
   takes: there the outputs are not wrapped. Reverse over reverse inside ``torch.func``
-  (``grad(grad(f))``) is met by the capability ``second_order`` instead, which keeps
-  ``auto`` on the reference there; a Triton backward asked to build a graph without this
-  node raises :func:`refuse_second_order`'s error at once.
+  (``grad(grad(f))``) is met by the capabilities instead (``second_order``, and
+  ``transforms`` for our Functions), which keep ``auto`` on the reference there; a Triton
+  backward asked to build a graph without a :func:`spec` (``multihead.kernels.ops`` called
+  directly, or a graph ``torch.compile`` built) raises :func:`refuse_second_order`'s error
+  at once.
 
-Its cost: a Python autograd node per call that records gradients (about 14 us of host
-time on a 2-core Xeon, ``python -m benchmarks.dispatch --overhead``); none without them.
+The node's cost: a Python autograd node per call that records gradients (about 14 us of
+host time on a 2-core Xeon, ``python -m benchmarks.dispatch --overhead``; 33 us of a
+training step's 204 on the Triton kernels' stubbed launches, ``benchmarks.triton_host``,
+before they did it in their own backward); none without them.
 """
 
 from __future__ import annotations
@@ -92,6 +103,21 @@ def differentiable_again(call, backend: str, outputs: tuple) -> tuple:
     return tuple(None if t is None else next(it) for t in outputs)
 
 
+def spec(mask, scale: float, backend: str, versions=None) -> "_Spec":
+    """What a backend's own autograd Function keeps to give :func:`reference_gradients`
+    in a backward that builds a graph, for its outputs ``(out, lse)``: the mask (its
+    tensors' ``versions`` as the forward read them; default: read now) and the scale.
+
+    Example:
+        >>> import multihead as mh
+        >>> spec(mh.masks.causal(), 0.125, "triton").lse
+        True
+    """
+    if versions is None and mask is not None:
+        versions = mask._versions()
+    return _Spec(mask, scale, backend, False, True, versions)
+
+
 class _Spec(NamedTuple):
     """What the backward needs besides tensors (none of q, k, v: those are saved, so that
     torch frees them after a plain backward, and saved-tensor hooks see them): the mask
@@ -110,7 +136,7 @@ class _Spec(NamedTuple):
         return 1 + self.weights + self.lse
 
 
-def _reference_gradients(spec: _Spec, inputs: tuple, grads: tuple, needed) -> tuple:
+def reference_gradients(spec: _Spec, inputs: tuple, grads: tuple, needed) -> tuple:
     """The reference backend's gradients of the call on ``inputs`` (q, k, v, biases) for
     the output gradients ``grads`` (None: unused), as a graph that can be differentiated;
     None for the inputs not ``needed`` (a frozen k, say)."""
@@ -156,4 +182,4 @@ class _Again(torch.autograd.Function):
             return (None, *grads, *(None,) * len(needed))
         # building a graph: the reference's gradients, and none for the kernel's outputs
         return (None, *(None,) * len(grads),
-                *_reference_gradients(ctx.spec, ctx.saved_tensors, grads, needed))
+                *reference_gradients(ctx.spec, ctx.saved_tensors, grads, needed))

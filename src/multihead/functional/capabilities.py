@@ -62,11 +62,12 @@ class Capabilities:
         forward_ad: gives forward-mode derivatives (``torch.func.jvp``, ``jacfwd``,
             ``torch.autograd.forward_ad`` dual tensors); False where torch's fused kernels
             or our own autograd Functions have no forward-mode rule.
-        second_order: its gradients can be differentiated again. Where False, a backward
-            with ``create_graph=True`` gets the reference's differentiable gradients from
-            :func:`multihead.attention` (:mod:`multihead._second_order`); under nested
-            reverse-mode ``torch.func`` transforms (``grad(grad(f))``), where that cannot
-            run, the backend is not used.
+        second_order: its gradients can be differentiated again (the reference's ops, or
+            our autograd Functions, whose backward that builds a graph gives the reference's
+            gradients). Where False, such a backward gets them from
+            :func:`multihead.attention`'s node (:mod:`multihead._second_order`); under
+            nested reverse-mode ``torch.func`` transforms (``grad(grad(f))``), where that
+            cannot run, the backend is not used.
 
     Example:
         >>> Capabilities(devices=frozenset({"cuda"}), lse=True).lse

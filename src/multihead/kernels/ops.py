@@ -31,6 +31,7 @@ import inspect
 import torch
 from torch._functorch.utils import unwrap_dead_wrappers
 
+from .. import _second_order as second_order
 from .._second_order import refuse_second_order
 from . import _ahead
 from ._band import check_inputs, empty_outputs, launch_config
@@ -151,27 +152,42 @@ class _Direct(torch.autograd.Function):
         return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
 
 
+def _again(ctx, dout, dlse, n_args: int):
+    """A backward that builds a graph, given a :func:`multihead._second_order.spec` (else
+    None): the reference's gradients for q, k, v, which differentiate again, and None for
+    the other ``n_args``."""
+    if ctx.again is None or not torch.is_grad_enabled():
+        return None
+    q, k, v = ctx.saved_tensors[:3]
+    return (*second_order.reference_gradients(ctx.again, (q, k, v), (dout, dlse),
+                                              ctx.needs_input_grad[:3]), *(None,) * n_args)
+
+
 class _Flash(_Direct):
     """The eager path of :func:`attention`: the same kernels without the operator's
     dispatch."""
 
     @staticmethod
-    def forward(q, k, v, scale, causal, window, offset, kv_lengths, documents):
+    def forward(q, k, v, scale, causal, window, offset, kv_lengths, documents, again):
         return flash_forward(q, k, v, **_kw(scale, causal, window, offset, kv_lengths,
                                             documents))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.set_materialize_grads(False)
-        _setup(ctx, inputs, output)
+        _setup(ctx, inputs[:-1], output)
+        ctx.again = inputs[-1]
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        if dout is None and dlse is None:      # see _Sparse.backward
-            return (None,) * 9
+        if dout is None and dlse is None:      # neither output used
+            return (None,) * 10
         _refuse_transforms(dout, dlse)
+        again = _again(ctx, dout, dlse, 7)
+        if again is not None:
+            return again
         _ahead.wait()                          # its kernels, if compiling ahead
-        return _gradients(ctx, dout, dlse, backward=_backward)
+        return (*_gradients(ctx, dout, dlse, backward=_backward), None)
 
 
 def _backward_ahead(q, k, v, scale, causal, window, offset, kv_lengths, documents) -> None:
@@ -195,10 +211,12 @@ def _backward_ahead(q, k, v, scale, causal, window, offset, kv_lengths, document
 
 
 def attention(q, k, v, scale: float, causal: bool, window: int, offset: int,
-              kv_lengths: torch.Tensor | None,
-              documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              kv_lengths: torch.Tensor | None, documents: torch.Tensor | None = None,
+              again=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` with gradients: :func:`flash_attention` while ``torch.compile``
-    traces, the kernels directly otherwise.
+    traces, the kernels directly otherwise. With ``again`` (a
+    :func:`multihead._second_order.spec` of the call's mask), a backward that builds a graph
+    gets gradients that differentiate again; without, it is refused.
 
     Example:
         >>> import torch
@@ -210,7 +228,7 @@ def attention(q, k, v, scale: float, causal: bool, window: int, offset: int,
     _refuse_transforms()                # (before the backward ahead builds anything)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         _backward_ahead(q, k, v, scale, causal, window, offset, kv_lengths, documents)
-    return _Flash.apply(q, k, v, scale, causal, window, offset, kv_lengths, documents)
+    return _Flash.apply(q, k, v, scale, causal, window, offset, kv_lengths, documents, again)
 
 
 @torch.library.custom_op("multihead::flash_sparse", mutates_args=())
@@ -293,12 +311,12 @@ class _Sparse(_Direct):
     (the backward's lists are built only when a backward runs)."""
 
     @staticmethod
-    def forward(q, k, v, mask, scale):
+    def forward(q, k, v, mask, scale, again):
         return sparse_forward(q, k, v, mask, scale=scale)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, mask, scale = inputs
+        q, k, v, mask, scale, ctx.again = inputs
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, *output)
         ctx.mask, ctx.scale = mask, scale
@@ -306,9 +324,12 @@ class _Sparse(_Direct):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        if dout is None and dlse is None:   # a backward that builds a graph: the node of
-            return None, None, None, None, None     # multihead.attention gave the gradients
-        _refuse_transforms(dout, dlse)      # (multihead._second_order)
+        if dout is None and dlse is None:   # neither output used
+            return (None,) * 6
+        _refuse_transforms(dout, dlse)
+        again = _again(ctx, dout, dlse, 3)
+        if again is not None:
+            return again
         refuse_second_order("triton")
         _ahead.wait()                          # its kernels, if compiling ahead
         ctx.mask._check_unchanged(ctx.versions, "triton backward")
@@ -316,13 +337,13 @@ class _Sparse(_Direct):
         dout = torch.zeros_like(out) if dout is None else dout
         dq, dk, dv = sparse_backward(dout, q, k, v, out, lse, ctx.mask, scale=ctx.scale,
                                      dlse=dlse)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
-def sparse(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse(q, k, v, mask, scale: float, again=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` under any supported mask, with gradients: :func:`flash_sparse` while
     ``torch.compile`` traces (the mask's plan is traced with it, so its tensors are graph
-    inputs), the kernels directly otherwise.
+    inputs), the kernels directly otherwise. ``again``: as for :func:`attention`.
 
     Example:
         >>> import torch, multihead as mh
@@ -336,7 +357,7 @@ def sparse(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     _refuse_transforms()                # (before the mask's program is built and kept)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         _sparse_backward_ahead(q, k, v, mask, scale)
-    return _Sparse.apply(q, k, v, mask, scale)
+    return _Sparse.apply(q, k, v, mask, scale, again)
 
 
 def _sparse_backward_ahead(q, k, v, mask, scale: float) -> None:

@@ -6,7 +6,9 @@ mask is evaluated only on partial tiles; the softmax is accumulated online (runn
 each matmul, so the Python loop runs a handful of steps per chunk of query tiles.
 
 Backward recomputes the scores tile by tile from the saved log-sum-exp (a custom
-autograd Function), so training memory stays O(S * tile), not O(S^2). A row whose every
+autograd Function), so training memory stays O(S * tile), not O(S^2); one that builds a
+graph (``create_graph=True``) gets the reference's gradients instead, which differentiate
+again (:mod:`multihead._second_order`). A row whose every
 visible score carries a huge finite bias has an lse too large to also hold ``log l`` (see
 :mod:`multihead.kernels._exact_rows`): the forward saves such a row's ``(m, log l)`` for
 the backward, which rebuilds its weights as ``exp(s - m) · exp(-log l)``.
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..._cache import BoundedCache
-from ..._second_order import refuse_second_order
+from ... import _second_order as second_order
 from ...masks.base import Index, bias_as
 from .._call import AttentionCall
 from ..capabilities import Capabilities
@@ -313,16 +315,19 @@ class _BlockSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        if dout is None and dlse is None:     # a backward that builds a graph: attention's
-            return None, None, None, None, None      # second-order node gave the gradients
+        if dout is None and dlse is None:     # neither output used
+            return None, None, None, None, None
         q, k, v, out, hi, lo = ctx.saved_tensors
-        if ctx.geo.mask is not None:
-            ctx.geo.mask._check_unchanged(ctx.geo.versions, "blocksparse backward")
+        g = ctx.geo
+        if torch.is_grad_enabled():           # create_graph=True: gradients that can be
+            spec = second_order.spec(g.mask, ctx.scale, "blocksparse", g.versions)
+            return (*second_order.reference_gradients(        # differentiated again
+                spec, (q, k, v), (dout, dlse), ctx.needs_input_grad[:3]), None, None)
+        if g.mask is not None:
+            g.mask._check_unchanged(g.versions, "blocksparse backward")
         if dout is None:
             dout = torch.zeros_like(out)
-        refuse_second_order("blocksparse")    # (only reached outside attention's node)
-        dq, dk, dv = _backward(ctx.geo, q, k, v, out, hi, lo, dout.contiguous(), dlse,
-                               ctx.scale)
+        dq, dk, dv = _backward(g, q, k, v, out, hi, lo, dout.contiguous(), dlse, ctx.scale)
         return dq, dk, dv, None, None
 
     @staticmethod
@@ -364,7 +369,8 @@ def _work(call: AttentionCall, est: _tiles.Estimate) -> Work:
 class BlockSparse(Backend):
     name = "blocksparse"
     summary = "tiled online softmax that skips the tiles a mask rules out; returns lse"
-    capabilities = Capabilities(lse=True, traceable=False, transforms=False, forward_ad=False)
+    capabilities = Capabilities(lse=True, traceable=False, transforms=False, forward_ad=False,
+                                second_order=True)
 
     def plan(self, call, profile):
         est = _tiles.estimate(call)

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from ... import _second_order as second_order
 from ... import kernels
 from ... import masks as M
 from ...masks.structured import _offset
@@ -187,7 +188,7 @@ class TritonFlash(Backend):
                                 max_head_dim=256, lse=True,
                                 masks=frozenset({"causal", "window", "padding", "document",
                                                  "dense", "bias", "alibi", "at_positions"}),
-                                transforms=False, forward_ad=False)
+                                transforms=False, forward_ad=False, second_order=True)
 
     def check(self, call):
         band = _band(call)
@@ -252,8 +253,11 @@ class TritonFlash(Backend):
     def run(self, call, plan):
         from ...kernels import ops
         band, name = plan.detail                # ops.attention, ops.decode or ops.sparse
+        # what a backward that builds a graph needs to give gradients that differentiate again
+        again = second_order.spec(call.effective_mask, call.scale, self.name) \
+            if second_order.wanted(call) else None
         if name == "sparse":
-            out, lse = ops.sparse(call.q, call.k, call.v, band.mask, call.scale)
+            out, lse = ops.sparse(call.q, call.k, call.v, band.mask, call.scale, again)
             return out, None, lse if call.return_lse else None
         lens = None
         if band.padding is not None:            # one length per row of the batch, on device
@@ -261,7 +265,7 @@ class TritonFlash(Backend):
         args = (call.q, call.k, call.v, call.scale, band.causal, band.window or 0, band.offset,
                 lens)
         out, lse = (ops.decode(*args) if name == "decode" else
-                    ops.attention(*args, band.documents))
+                    ops.attention(*args, band.documents, again))
         return out, None, lse if call.return_lse else None
 
 
