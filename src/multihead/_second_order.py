@@ -24,8 +24,10 @@ Where it does not run:
 - dropout: the fused kernel's random mask cannot be replayed, so the outputs are not
   wrapped: a backward that builds a graph gets the kernel's gradients, which serve where
   they are not differentiated again (a hessian-vector product of the layers after
-  attention) and give torch's error where they are (``backend="reference"`` draws its
-  dropout with torch ops, and differentiates its gradients);
+  attention) and give torch's error where they are (its fused kernels; on a CPU, torch
+  runs dropout through its composite math operator, whose gradients do differentiate
+  again; ``backend="reference"`` draws its dropout with torch ops, and differentiates its
+  gradients);
 - ``torch.compile``, which does not differentiate a backward again itself (torch's error),
   and ``torch.func`` transforms, whose wrapped tensors no autograd Function of this kind
   takes: there the outputs are not wrapped. Reverse over reverse inside ``torch.func``
@@ -149,7 +151,9 @@ def reference_gradients(spec: _Spec, inputs: tuple, grads: tuple, needed) -> tup
         got = attention(q, k, v, mask=m, scale=spec.scale, backend="reference",
                         return_weights=spec.weights, return_lse=spec.lse)
     got = got if isinstance(got, tuple) else (got,)
-    pairs = [(o, g) for o, g in zip(got, grads) if g is not None]
+    # (an output that depends on no input wanted here has no graph: the lse, when only v
+    # takes a gradient, contributes nothing)
+    pairs = [(o, g) for o, g in zip(got, grads) if g is not None and o.requires_grad]
     wrt = [t for t, need in zip((q, k, v, *inputs[3:]), needed) if need]
     if not pairs or not wrt:
         return (None,) * len(inputs)

@@ -152,15 +152,20 @@ class _Direct(torch.autograd.Function):
         return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
 
 
-def _again(ctx, dout, dlse, n_args: int):
-    """A backward that builds a graph, given a :func:`multihead._second_order.spec` (else
-    None): the reference's gradients for q, k, v, which differentiate again, and None for
-    the other ``n_args``."""
+def _early(ctx, dout, dlse, n_inputs: int):
+    """What an eager Function's backward returns before its kernels run, else None: no
+    gradients where neither output was used; where the backward builds a graph and the
+    call gave a :func:`multihead._second_order.spec` (``ctx.again``), the reference's
+    gradients for q, k, v, which differentiate again. Refuses ``torch.func`` first."""
+    if dout is None and dlse is None:
+        return (None,) * n_inputs
+    _refuse_transforms(dout, dlse)
     if ctx.again is None or not torch.is_grad_enabled():
         return None
     q, k, v = ctx.saved_tensors[:3]
     return (*second_order.reference_gradients(ctx.again, (q, k, v), (dout, dlse),
-                                              ctx.needs_input_grad[:3]), *(None,) * n_args)
+                                              ctx.needs_input_grad[:3]),
+            *(None,) * (n_inputs - 3))
 
 
 class _Flash(_Direct):
@@ -180,12 +185,9 @@ class _Flash(_Direct):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        if dout is None and dlse is None:      # neither output used
-            return (None,) * 10
-        _refuse_transforms(dout, dlse)
-        again = _again(ctx, dout, dlse, 7)
-        if again is not None:
-            return again
+        early = _early(ctx, dout, dlse, 10)
+        if early is not None:
+            return early
         _ahead.wait()                          # its kernels, if compiling ahead
         return (*_gradients(ctx, dout, dlse, backward=_backward), None)
 
@@ -324,12 +326,9 @@ class _Sparse(_Direct):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        if dout is None and dlse is None:   # neither output used
-            return (None,) * 6
-        _refuse_transforms(dout, dlse)
-        again = _again(ctx, dout, dlse, 3)
-        if again is not None:
-            return again
+        early = _early(ctx, dout, dlse, 6)
+        if early is not None:
+            return early
         refuse_second_order("triton")
         _ahead.wait()                          # its kernels, if compiling ahead
         ctx.mask._check_unchanged(ctx.versions, "triton backward")

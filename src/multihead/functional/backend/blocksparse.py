@@ -34,7 +34,7 @@ from .._call import AttentionCall
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
-from . import _tiles
+from . import _blocksparse_op, _tiles
 from ._common import HUGE_LSE
 from ._tiles import Step, make_plan
 
@@ -42,10 +42,11 @@ NEG_INF = float("-inf")
 
 
 class _Geo:
-    """Sizes of one call, shared by forward and backward."""
+    """Sizes of one call, shared by forward and backward (not the call: its q, k, v are
+    the Function's saved tensors, freed after the backward while the output lives on)."""
 
     def __init__(self, call: AttentionCall, plan: _tiles.Plan):
-        self.call, self.plan = call, plan
+        self.plan = plan
         self.B, self.H, self.Hkv, self.G = call.B, call.H, call.Hkv, call.group
         self.D, self.Dv, self.Sq, self.Sk = call.D, call.Dv, call.Sq, call.Sk
         self.tq, self.tk, self.nq, self.nk = plan.tq, plan.tk, plan.nq, plan.nk
@@ -344,16 +345,17 @@ PAIR_BYTES, MASKED_PAIR_BYTES = 8, 40
 STEP_OPS, MASKED_STEP_OPS, CHUNK_OPS = 22, 16, 12
 
 
-def _work(call: AttentionCall, est: _tiles.Estimate) -> Work:
-    """The kernel's work, from the counts of its plan."""
+def _work(call: AttentionCall, est: _tiles.Estimate, tk: int | None = None) -> Work:
+    """The kernel's work, from the counts of its plan (``tk``: the key tiles' width,
+    default the call's)."""
     D, Dv = call.D, call.Dv
     size = call.compute_dtype.itemsize
     m = call.effective_mask
     bias = m is not None and m.has_bias                  # the bias is evaluated on every step
     masked, evaluated = (est.pairs, est.steps) if bias else (est.masked_pairs, est.masked_steps)
     convert = call.io_bytes() * (2 if call.compute_dtype != call.q.dtype else 0)
-    gathered = 2 * call.B * call.Hkv * est.gathered_tiles * _tiles.tile_sizes(call)[1] \
-        * (D + Dv) * size
+    tk = _tiles.tile_sizes(call)[1] if tk is None else tk
+    gathered = 2 * call.B * call.Hkv * est.gathered_tiles * tk * (D + Dv) * size
     work = Work(flops=2.0 * est.pairs * (D + Dv), kernel="tiles", dtype=call.compute_dtype,
                 bytes=PAIR_BYTES * (est.pairs - masked) + MASKED_PAIR_BYTES * masked + gathered
                 + convert + call.io_bytes(),
@@ -369,10 +371,22 @@ def _work(call: AttentionCall, est: _tiles.Estimate) -> Work:
 class BlockSparse(Backend):
     name = "blocksparse"
     summary = "tiled online softmax that skips the tiles a mask rules out; returns lse"
-    capabilities = Capabilities(lse=True, traceable=False, transforms=False, forward_ad=False,
-                                second_order=True)
+    capabilities = Capabilities(lse=True, transforms=False, forward_ad=False, second_order=True)
+
+    def check(self, call):
+        if torch.compiler.is_compiling():           # traced: as one operator, for the masks
+            band = _blocksparse_op.band_of(call)    # that travel as its arguments
+            return band if isinstance(band, str) else None
+        return None
 
     def plan(self, call, profile):
+        if torch.compiler.is_compiling():
+            band = _blocksparse_op.band_of(call)
+            est = _blocksparse_op.estimate(call, band)
+            work = _work(call, est, tk=_tiles.TILE)
+            note = ("traced as the operator multihead.blocksparse: its tiles are planned when "
+                    "it runs, so one graph serves every length (priced from the band's width)")
+            return Plan(work, note, band)
         est = _tiles.estimate(call)
         work = _work(call, est)
         if est.exact:
@@ -389,6 +403,9 @@ class BlockSparse(Backend):
 
     def run(self, call, plan):
         q, k, v = call.q, call.k, call.v
+        if torch.compiler.is_compiling():
+            out, lse = _blocksparse_op.run(call, plan.detail)
+            return out.to(q.dtype), None, lse if call.return_lse else None
         work = call.compute_dtype
         steps = plan.detail.get_or_compute("steps", lambda: make_plan(call))
         geo = _Geo(call, steps)

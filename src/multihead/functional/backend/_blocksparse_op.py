@@ -1,0 +1,197 @@
+"""The blocksparse backend under ``torch.compile`` and ``torch.export``: one operator.
+
+The tiled kernel plans its steps in Python from the mask's tiles (a loop whose length
+depends on the sizes and on the mask's values), which a tracer cannot follow: traced as it
+is, every length would be a new graph, and exported programs would keep one length's plan.
+So a traced call runs it as ``torch.ops.multihead.blocksparse`` (and its backward as
+``torch.ops.multihead.blocksparse_backward``), an operator opaque to the tracer: its fake
+implementation gives the outputs' shapes from the (symbolic) sizes, and the real one plans
+and runs the tiles at run time, from the real sizes and mask. One graph then serves every
+length, and a compiled or exported sliding window skips the tiles the window rules out, as
+an eager call does, instead of computing every pair of a dense mask.
+
+Masks that travel as operator arguments: causal and sliding windows (either alignment),
+key padding (lengths ``(B,)`` or a ``(B, Sk)`` bool tensor), and ``&`` of a band and a
+padding. Other masks are not traced here (:func:`band_of` says why), and ``auto`` picks
+another backend for them.
+
+Pricing while tracing cannot read the mask's tiles (that would be tensor work in the graph,
+and a read of its values), so :func:`estimate` counts a band's tiles in closed form from the
+sizes, with key padding priced as absent (an upper bound).
+
+Notation: B batch, H query heads, Hkv K/V heads, Sq/Sk lengths, D/Dv head dims.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ... import masks as M
+from ..._cache import BoundedCache
+from .._call import make_call
+from . import _tiles
+
+
+class TracedBand(NamedTuple):
+    """A mask as the operator's arguments: a band (``causal``, ``window`` keys or 0 for
+    none, its ``align``) and key padding (lengths or a bool tensor), either optional."""
+
+    causal: bool
+    window: int
+    align: str
+    padding: torch.Tensor | None
+
+
+def band_of(call) -> TracedBand | str:
+    """The call's mask as :class:`TracedBand`, or why it cannot travel as one."""
+    m = call.effective_mask
+    leaves = [m] if m is None or m.kind != "and" else [m.a, m.b]
+    band = padding = None
+    for leaf in leaves:
+        if leaf is None:
+            continue
+        if type(leaf) is M.Window and band is None:
+            band = leaf
+        elif type(leaf) is M.Padding and padding is None and leaf.side == "key":
+            padding = leaf
+        else:
+            return ("runs under torch.compile and torch.export the masks that travel as an "
+                    "operator's arguments: a band (causal, sliding window), key padding, or "
+                    "band & key padding")
+    return TracedBand(band is not None, (band.size or 0) if band is not None else 0,
+                      band.align if band is not None else "lower_right",
+                      None if padding is None else padding._tensors()[0])
+
+
+def _mask(causal: bool, window: int, align: str, padding: torch.Tensor | None):
+    """The mask object a :class:`TracedBand` stands for."""
+    band = M.Window(window or None, align) if causal else None
+    keys = None if padding is None else M.padding(padding)
+    return keys if band is None else band if keys is None else band & keys
+
+
+def estimate(call, band: TracedBand) -> _tiles.Estimate:
+    """What the tiled kernel would compute for ``call`` under ``band``, in closed form from
+    the sizes (``torch.sym_min``/``sym_max``, which add no guard on a traced size): each
+    query tile visits the key tiles its band's rows reach (a window's width plus a tile;
+    a causal band's half of the keys on average; all of them without a band), every
+    visited tile priced as masked, key padding as absent (an upper bound), full tiles.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> from multihead.functional._call import make_call
+        >>> q = torch.zeros(1, 1, 1024, 8)
+        >>> call = make_call(q, q, q, mask=mh.masks.sliding_window(64), scale=None,
+        ...                  dropout_p=0.0, return_weights=False, return_lse=False)
+        >>> e = estimate(call, band_of(call))
+        >>> e.pairs // 1024, round(e.density, 3)           # 3 key tiles of 64 per query tile
+        (192, 0.188)
+    """
+    lo, hi = torch.sym_min, torch.sym_max
+    tq, tk = _tiles.TILE_Q, _tiles.TILE
+    nq, nk = (call.Sq + tq - 1) // tq, (call.Sk + tk - 1) // tk
+    if band.causal and band.window:
+        visits = lo(nk, (tq + band.window - 2) // tk + 2)
+    elif band.causal:
+        offset = call.Sk - call.Sq if band.align == "lower_right" else 0
+        visits = lo(nk, hi(1, (offset + (call.Sq + tq) // 2) // tk + 1))
+    else:
+        visits = nk
+    rows = call.B * call.H * tq * tk
+    width = hi(1, lo(lo(_tiles.MAX_STEP_TILES, visits), _tiles.BUDGET // rows))
+    per_chunk = hi(1, _tiles.BUDGET // (rows * width))
+    chunks = (nq + per_chunk - 1) // per_chunk
+    steps = chunks * ((visits + width - 1) // width)
+    pairs = nq * visits * rows
+    density = visits / hi(1, nk)
+    return _tiles.Estimate(pairs, pairs, steps, steps, chunks, nq * visits, density, density,
+                           True)
+
+
+#: tile plans of band masks without padding, by sizes (a traced call has no plan to keep)
+_PLANS = BoundedCache(64, 64 << 20)
+
+
+def _geometry(q, k, v, scale, causal, window, align, padding):
+    """The kernel's sizes and plan for the operator's arguments (the plan from
+    :data:`_PLANS` where the mask is a band alone)."""
+    from .blocksparse import _Geo
+    call = make_call(q, k, v, mask=_mask(causal, window, align, padding), scale=scale,
+                     dropout_p=0.0, return_weights=False, return_lse=True)
+    if padding is not None:
+        return _Geo(call, _tiles.make_plan(call))
+    key = (tuple(q.shape), tuple(k.shape), q.device, causal, window, align)
+    return _Geo(call, _PLANS.get_or_compute(key, lambda: _tiles.make_plan(call)))
+
+
+@torch.library.custom_op("multihead::blocksparse", mutates_args=())
+def blocksparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                window: int, align: str, padding: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (B, H, Sq, Dv), stats (3, B, H, Sq))`` of the tiled kernel: ``stats`` holds
+    each row's lse and the ``(hi, lo)`` its backward shifts the scores by. ``window=0``: no
+    window; ``padding``: key lengths ``(B,)`` or a ``(B, Sk)`` bool tensor.
+
+    Example:
+        >>> import torch
+        >>> q = torch.randn(1, 2, 100, 8)
+        >>> out, stats = torch.ops.multihead.blocksparse(q, q, q, 0.35, True, 16,
+        ...                                              "lower_right", None)
+        >>> out.shape, stats.shape
+        (torch.Size([1, 2, 100, 8]), torch.Size([3, 1, 2, 100]))
+    """
+    from .blocksparse import _forward
+    g = _geometry(q, k, v, scale, causal, window, align, padding)
+    out, stats = _forward(g, q, k, v, scale)
+    return out.contiguous(), stats.contiguous()
+
+
+@blocksparse.register_fake
+def _(q, k, v, scale, causal, window, align, padding):
+    B, H, Sq, _ = q.shape
+    return q.new_empty(B, H, Sq, v.shape[-1]), q.new_empty(3, B, H, Sq)
+
+
+@torch.library.custom_op("multihead::blocksparse_backward", mutates_args=())
+def blocksparse_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor,
+                         k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         stats: torch.Tensor, scale: float, causal: bool, window: int,
+                         align: str, padding: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`blocksparse`'s call, from its outputs."""
+    from .blocksparse import _backward
+    g = _geometry(q, k, v, scale, causal, window, align, padding)
+    grads = _backward(g, q, k, v, out, stats[1], stats[2], dout.contiguous(), dlse, scale)
+    return tuple(t.contiguous() for t in grads)
+
+
+@blocksparse_backward.register_fake
+def _(dout, dlse, q, k, v, out, stats, scale, causal, window, align, padding):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, *args = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], args[-1])
+    ctx.args = tuple(args[:-1])                        # scale, causal, window, align
+
+
+def _gradients(ctx, dout, dstats):
+    q, k, v, out, stats, padding = ctx.saved_tensors
+    dq, dk, dv = blocksparse_backward(dout, None if dstats is None else dstats[0], q, k, v,
+                                      out, stats, *ctx.args, padding)
+    return dq, dk, dv, None, None, None, None, None
+
+
+blocksparse.register_autograd(_gradients, setup_context=_setup)
+
+
+def run(call, band: TracedBand) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of a traced call through the operator, in the kernel's compute dtype
+    (the caller casts back)."""
+    work = call.compute_dtype
+    out, stats = blocksparse(call.q.to(work), call.k.to(work), call.v.to(work), call.scale,
+                             band.causal, band.window, band.align, band.padding)
+    return out, stats[0]

@@ -1,0 +1,113 @@
+"""``blocksparse`` under ``torch.compile`` and ``torch.export``: bands and key padding run
+as the operator ``torch.ops.multihead.blocksparse``, which plans its tiles when it runs, so
+one graph serves every length and the window's tiles are skipped as in an eager call;
+forward and gradients equal the reference's (fp64), and torch's own operator checks pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import multihead as mh
+
+M = mh.masks
+OP = torch.ops.multihead.blocksparse.default
+
+
+def _graphs():
+    """A torch.compile backend that keeps each graph it is given (and runs it as is)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    return backend, graphs
+
+
+def _ops(gm) -> set:
+    return {n.target for n in gm.graph.nodes if n.op == "call_function"}
+
+
+MASKS = {
+    "window": lambda S: M.sliding_window(max(1, S // 5)),
+    "causal & lengths": lambda S: M.causal() & M.padding(torch.tensor([S, S // 2])),
+    "window & bool padding": lambda S: M.sliding_window(9) & M.padding(
+        torch.arange(S).expand(2, S) < torch.tensor([[S], [S - 7]])),
+    "upper-left window": lambda S: M.sliding_window(12, align="upper_left"),
+}
+
+
+@pytest.mark.parametrize("name", MASKS)
+def test_compiled_band_runs_the_operator_for_every_length_in_one_graph(name):
+    torch._dynamo.reset()
+    backend, graphs = _graphs()
+
+    def f(q, k, v, mask):
+        return mh.attention(q, k, v, mask=mask, backend="blocksparse")
+    compiled = torch.compile(f, backend=backend, dynamic=True, fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    for S in (70, 131, 260):
+        q = torch.randn(2, 4, S, 16, dtype=torch.float64, generator=g, requires_grad=True)
+        k, v = (torch.randn(2, 2, S, 16, dtype=torch.float64, generator=g, requires_grad=True)
+                for _ in range(2))                                    # GQA
+        mask = MASKS[name](S)
+        got = compiled(q, k, v, mask)
+        want = mh.attention(q, k, v, mask=mask, backend="reference")
+        torch.testing.assert_close(got, want)
+        w = torch.randn(got.shape, dtype=torch.float64, generator=g)
+        for a, b in zip(torch.autograd.grad((got * w).sum(), (q, k, v)),
+                        torch.autograd.grad((want * w).sum(), (q, k, v))):
+            torch.testing.assert_close(a, b)
+    assert len(graphs) == 1 and OP in _ops(graphs[0])
+
+
+def test_auto_takes_the_operator_for_a_long_compiled_window_and_exports_it():
+    """Priced from the band's width while tracing: a long window is cheaper tiled than
+    SDPA's dense mask, and an exported program keeps the operator for every length."""
+    from torch import nn
+
+    class Attend(nn.Module):
+        def forward(self, q, k, v):
+            return mh.attention(q, k, v, mask=M.sliding_window(64))
+
+    q = torch.randn(1, 8, 2048, 32)
+    kv = torch.randn(1, 1, 2048, 32)                                  # MQA
+    S = torch.export.Dim("S", min=2, max=8192)
+    program = torch.export.export(Attend(), (q, kv, kv), dynamic_shapes=({2: S},) * 3)
+    assert OP in _ops(program.graph_module)
+    runner = program.module()
+    for n in (5, 300, 3000):
+        q, kv = torch.randn(1, 8, n, 32), torch.randn(1, 1, n, 32)
+        torch.testing.assert_close(runner(q, kv, kv), mh.attention(
+            q, kv, kv, mask=M.sliding_window(64), backend="reference"), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    backend, graphs = _graphs()
+    torch.compile(Attend(), backend=backend, dynamic=True)(q, kv, kv)
+    assert OP in _ops(graphs[0])
+
+
+def test_a_mask_that_cannot_travel_as_arguments_is_refused_with_the_reason():
+    q = torch.randn(1, 2, 64, 8)
+    f = torch.compile(lambda q: mh.attention(q, q, q, mask=M.alibi(2), backend="blocksparse"),
+                      backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="band .causal, sliding window., key padding"):
+        f(q)
+    torch.testing.assert_close(torch.compile(lambda q: mh.attention(q, q, q, mask=M.alibi(2)),
+                                             backend="eager", fullgraph=True)(q),
+                               mh.attention(q, q, q, mask=M.alibi(2), backend="reference"))
+
+
+@pytest.mark.parametrize("case", ["window", "lengths", "bool keys, upper-left causal"])
+def test_the_operator_passes_torchs_own_checks(case):
+    """Schema, fake tensors (shapes from symbolic sizes), autograd registration and
+    AOT dispatch with dynamic shapes: ``torch.library.opcheck``."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 70, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 90, 16, generator=g, requires_grad=True) for _ in range(2))
+    args = {"window": (True, 16, "lower_right", None),
+            "lengths": (False, 0, "lower_right", torch.tensor([90, 0])),       # a row of 0
+            "bool keys, upper-left causal": (True, 0, "upper_left",
+                                             torch.rand(2, 90, generator=g) > 0.2)}[case]
+    result = torch.library.opcheck(OP, (q, k, v, 0.25, *args))
+    assert set(result.values()) == {"SUCCESS"}, result
