@@ -28,17 +28,23 @@ def _ops(gm) -> set:
     return {n.target for n in gm.graph.nodes if n.op == "call_function"}
 
 
-MASKS = {
-    "window": lambda S: M.sliding_window(max(1, S // 5)),
-    "causal & lengths": lambda S: M.causal() & M.padding(torch.tensor([S, S // 2])),
-    "window & bool padding": lambda S: M.sliding_window(9) & M.padding(
-        torch.arange(S).expand(2, S) < torch.tensor([[S], [S - 7]])),
-    "upper-left window": lambda S: M.sliding_window(12, align="upper_left"),
+MASKS = {   # name: (mask for Sq and Sk, keys beyond the queries)
+    "window": (lambda S, K: M.sliding_window(max(1, S // 5)), 0),
+    "causal & lengths": (lambda S, K: M.causal() & M.padding(torch.tensor([K, K // 2])), 0),
+    "window & bool padding": (lambda S, K: M.sliding_window(9) & M.padding(
+        torch.arange(K).expand(2, K) < torch.tensor([[K], [K - 7]])), 0),
+    "lengths of batch 1": (lambda S, K: M.padding(torch.tensor([K - 3])), 0),
+    "cross, lower-right window": (lambda S, K: M.sliding_window(12), 23),
+    "cross, upper-left window": (lambda S, K: M.sliding_window(12, align="upper_left"), 23),
+    "cross, upper-left causal & lengths": (lambda S, K: M.causal(align="upper_left")
+                                           & M.padding(torch.tensor([K, 5])), -9),
 }
 
 
 @pytest.mark.parametrize("name", MASKS)
 def test_compiled_band_runs_the_operator_for_every_length_in_one_graph(name):
+    """Lengths on both sides of the 64-row tiles (and of the band's width), Sq != Sk
+    (more keys, or fewer), GQA: one graph, equal to the reference in fp64."""
     torch._dynamo.reset()
     backend, graphs = _graphs()
 
@@ -46,11 +52,12 @@ def test_compiled_band_runs_the_operator_for_every_length_in_one_graph(name):
         return mh.attention(q, k, v, mask=mask, backend="blocksparse")
     compiled = torch.compile(f, backend=backend, dynamic=True, fullgraph=True)
     g = torch.Generator().manual_seed(1)
-    for S in (70, 131, 260):
+    mask_of, more = MASKS[name]
+    for S in (40, 131, 260):
         q = torch.randn(2, 4, S, 16, dtype=torch.float64, generator=g, requires_grad=True)
-        k, v = (torch.randn(2, 2, S, 16, dtype=torch.float64, generator=g, requires_grad=True)
-                for _ in range(2))                                    # GQA
-        mask = MASKS[name](S)
+        k, v = (torch.randn(2, 2, S + more, 16, dtype=torch.float64, generator=g,
+                            requires_grad=True) for _ in range(2))     # GQA
+        mask = mask_of(S, S + more)
         got = compiled(q, k, v, mask)
         want = mh.attention(q, k, v, mask=mask, backend="reference")
         torch.testing.assert_close(got, want)
@@ -88,26 +95,46 @@ def test_auto_takes_the_operator_for_a_long_compiled_window_and_exports_it():
 
 def test_a_mask_that_cannot_travel_as_arguments_is_refused_with_the_reason():
     q = torch.randn(1, 2, 64, 8)
-    f = torch.compile(lambda q: mh.attention(q, q, q, mask=M.alibi(2), backend="blocksparse"),
+    f = torch.compile(lambda q: mh.attention(q, q, q, mask=M.causal() & M.alibi(2),
+                                             backend="blocksparse"),
                       backend="eager", fullgraph=True)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="band .causal, sliding window., key padding"):
+    with pytest.raises(Exception, match=r"band \(causal, sliding window\), key padding, or "
+                                        r"band & key padding, not alibi\(2"):
         f(q)
     torch.testing.assert_close(torch.compile(lambda q: mh.attention(q, q, q, mask=M.alibi(2)),
                                              backend="eager", fullgraph=True)(q),
                                mh.attention(q, q, q, mask=M.alibi(2), backend="reference"))
 
 
+def test_the_operator_is_not_traced_off_the_cpu():
+    """On a GPU its plan would read the device inside the graph (a sync, and no CUDA
+    graph): the call goes to another backend there, with this reason."""
+    from multihead.functional._call import make_call
+    from multihead.functional.backend._blocksparse_op import band_of
+    q = torch.empty(1, 2, 64, 8, device="meta")
+    call = make_call(q, q, q, mask=M.sliding_window(8), scale=None, dropout_p=0.0,
+                     return_weights=False, return_lse=False)
+    assert "on the CPU only" in band_of(call)
+
+
 @pytest.mark.parametrize("case", ["window", "lengths", "bool keys, upper-left causal"])
 def test_the_operator_passes_torchs_own_checks(case):
-    """Schema, fake tensors (shapes from symbolic sizes), autograd registration and
-    AOT dispatch with dynamic shapes: ``torch.library.opcheck``."""
+    """Schema, fake tensors (shapes and strides from symbolic sizes, for a q laid out as a
+    module's (B, S, H, D) transposed), autograd registration and AOT dispatch with dynamic
+    shapes: ``torch.library.opcheck``, on both operators."""
     g = torch.Generator().manual_seed(2)
-    q = torch.randn(2, 4, 70, 16, generator=g, requires_grad=True)
+    q = torch.randn(2, 70, 4, 16, generator=g).transpose(1, 2).requires_grad_()
     k, v = (torch.randn(2, 2, 90, 16, generator=g, requires_grad=True) for _ in range(2))
     args = {"window": (True, 16, "lower_right", None),
             "lengths": (False, 0, "lower_right", torch.tensor([90, 0])),       # a row of 0
             "bool keys, upper-left causal": (True, 0, "upper_left",
                                              torch.rand(2, 90, generator=g) > 0.2)}[case]
     result = torch.library.opcheck(OP, (q, k, v, 0.25, *args))
+    assert set(result.values()) == {"SUCCESS"}, result
+    out, stats = OP(q, k, v, 0.25, *args)
+    dout = torch.randn(out.shape, generator=g)
+    result = torch.library.opcheck(torch.ops.multihead.blocksparse_backward.default,
+                                   (dout, None, q.detach(), k.detach(), v.detach(),
+                                    out.detach(), stats.detach(), 0.25, *args))
     assert set(result.values()) == {"SUCCESS"}, result

@@ -344,6 +344,11 @@ def test_the_operators_pass_torch_library_opcheck():
                                                 True, 0, 0, None, docs))
     torch.library.opcheck(ops.flash_decode, (q[:, :, :2].detach(), k.detach(), v.detach(),
                                              0.25, True, 0, 38, None))
+    qt = q.detach().transpose(1, 2).contiguous().transpose(1, 2)      # a module's layout
+    out, lse = ops.flash_attention(qt, k.detach(), v.detach(), 0.25, True, 8, 16, lens)
+    torch.library.opcheck(ops.flash_attention_backward,      # the fake's strides: the
+                          (torch.randn_like(out), None, qt, k.detach(), v.detach(), out,
+                           lse, 0.25, True, 8, 16, lens))     # kernels' contiguous ones
 
 
 def test_fullgraph_compile_traces_the_operator_forward_and_backward():

@@ -118,7 +118,12 @@ def _device_key(device) -> str:
 
 def profile_for(device) -> DeviceProfile:
     """The profile ``auto`` uses for ``device`` (an installed one first, then the default).
-    The CPU's follows ``torch.set_num_threads`` (seen at the next decision made).
+    The CPU's follows ``torch.set_num_threads`` (seen at the next decision made). While
+    ``torch.compile`` or ``torch.export`` traces, a device without an installed profile is
+    priced with the built-in figures (the CPU's, or the H100's for CUDA), not the ones
+    resolved for it eagerly: a graph does not depend on which calls ran before it (a
+    traced and an eager call may then choose differently on a GPU other than an H100, or
+    with another thread count).
 
     Example:
         >>> profile_for("cpu").device_type

@@ -34,7 +34,7 @@ from torch._functorch.utils import unwrap_dead_wrappers
 from .. import _second_order as second_order
 from .._second_order import refuse_second_order
 from . import _ahead
-from ._band import check_inputs, empty_outputs, launch_config
+from ._band import check_inputs, empty_like_all, empty_outputs, launch_config
 from .decode import decode_forward
 from .flash_bwd import check_backward, flash_backward
 from .flash_fwd import flash_forward
@@ -92,7 +92,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, offset, kv_l
 
 @flash_attention_backward.register_fake
 def _(dout, dlse, q, k, v, out, lse, scale, causal, window, offset, kv_lengths, documents=None):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return empty_like_all(q, k, v)                 # contiguous, as the kernels' gradients
 
 
 def _setup(ctx, inputs, output):
@@ -285,7 +285,7 @@ def flash_sparse_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torc
 
 @flash_sparse_backward.register_fake
 def _(dout, dlse, q, k, v, out, lse, scale, source, tensors, ints, lists, configs):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return empty_like_all(q, k, v)                 # contiguous, as the kernels' gradients
 
 
 def _sparse_setup(ctx, inputs, output):

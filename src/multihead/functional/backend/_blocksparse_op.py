@@ -12,12 +12,14 @@ an eager call does, instead of computing every pair of a dense mask.
 
 Masks that travel as operator arguments: causal and sliding windows (either alignment),
 key padding (lengths ``(B,)`` or a ``(B, Sk)`` bool tensor), and ``&`` of a band and a
-padding. Other masks are not traced here (:func:`band_of` says why), and ``auto`` picks
-another backend for them.
+padding, on the CPU (on a GPU, planning inside the graph would read the device; the
+triton backend traces its own operators there). Other calls are not traced here
+(:func:`band_of` says why): ``auto`` picks another backend for them, and
+``backend="blocksparse"`` raises with the reason.
 
 Pricing while tracing cannot read the mask's tiles (that would be tensor work in the graph,
 and a read of its values), so :func:`estimate` counts a band's tiles in closed form from the
-sizes, with key padding priced as absent (an upper bound).
+sizes, with key padding priced as absent.
 
 Notation: B batch, H query heads, Hkv K/V heads, Sq/Sk lengths, D/Dv head dims.
 """
@@ -32,41 +34,36 @@ from ... import masks as M
 from ..._cache import BoundedCache
 from .._call import make_call
 from . import _tiles
+from ._common import BandParts, band_parts
 
 
 class TracedBand(NamedTuple):
-    """A mask as the operator's arguments: a band (``causal``, ``window`` keys or 0 for
-    none, its ``align``) and key padding (lengths or a bool tensor), either optional."""
+    """A mask as the operator's arguments: a band (``causal``, a ``window`` of keys or None,
+    its ``align``) and key padding (lengths or a bool tensor), each optional."""
 
     causal: bool
-    window: int
+    window: int | None
     align: str
     padding: torch.Tensor | None
 
 
 def band_of(call) -> TracedBand | str:
-    """The call's mask as :class:`TracedBand`, or why it cannot travel as one."""
-    m = call.effective_mask
-    leaves = [m] if m is None or m.kind != "and" else [m.a, m.b]
-    band = padding = None
-    for leaf in leaves:
-        if leaf is None:
-            continue
-        if type(leaf) is M.Window and band is None:
-            band = leaf
-        elif type(leaf) is M.Padding and padding is None and leaf.side == "key":
-            padding = leaf
-        else:
-            return ("runs under torch.compile and torch.export the masks that travel as an "
-                    "operator's arguments: a band (causal, sliding window), key padding, or "
-                    "band & key padding")
-    return TracedBand(band is not None, (band.size or 0) if band is not None else 0,
-                      band.align if band is not None else "lower_right",
+    """The call's mask as :class:`TracedBand`, or why it is not traced here."""
+    if call.q.device.type != "cpu":
+        return ("runs traced on the CPU only (on a GPU, planning its tiles inside the graph "
+                "would read the device)")
+    parts = band_parts(call.effective_mask)
+    if not isinstance(parts, BandParts):
+        return (f"runs under torch.compile and torch.export a band (causal, sliding window), "
+                f"key padding, or band & key padding, not {parts.describe()}")
+    band, padding = parts.window, parts.padding
+    return TracedBand(band is not None, None if band is None else band.size,
+                      "lower_right" if band is None else band.align,
                       None if padding is None else padding._tensors()[0])
 
 
 def _mask(causal: bool, window: int, align: str, padding: torch.Tensor | None):
-    """The mask object a :class:`TracedBand` stands for."""
+    """The mask object of the operator's arguments (``window`` 0: none)."""
     band = M.Window(window or None, align) if causal else None
     keys = None if padding is None else M.padding(padding)
     return keys if band is None else band if keys is None else band & keys
@@ -74,10 +71,11 @@ def _mask(causal: bool, window: int, align: str, padding: torch.Tensor | None):
 
 def estimate(call, band: TracedBand) -> _tiles.Estimate:
     """What the tiled kernel would compute for ``call`` under ``band``, in closed form from
-    the sizes (``torch.sym_min``/``sym_max``, which add no guard on a traced size): each
-    query tile visits the key tiles its band's rows reach (a window's width plus a tile;
-    a causal band's half of the keys on average; all of them without a band), every
-    visited tile priced as masked, key padding as absent (an upper bound), full tiles.
+    the sizes (``torch.sym_min``/``sym_max``, which add no guard on a traced size), priced
+    as the kernel computes: each chunk of query tiles visits, for every tile, as many key
+    tiles as its busiest tile needs (a window's width plus a tile; a causal band's reach at
+    the chunk's last tile, averaged over the chunks), every visited tile masked, key
+    padding as absent (so never less than the kernel computes for a window).
 
     Example:
         >>> import torch, multihead as mh
@@ -90,19 +88,26 @@ def estimate(call, band: TracedBand) -> _tiles.Estimate:
         (192, 0.188)
     """
     lo, hi = torch.sym_min, torch.sym_max
-    tq, tk = _tiles.TILE_Q, _tiles.TILE
-    nq, nk = (call.Sq + tq - 1) // tq, (call.Sk + tk - 1) // tk
-    if band.causal and band.window:
-        visits = lo(nk, (tq + band.window - 2) // tk + 2)
-    elif band.causal:
-        offset = call.Sk - call.Sq if band.align == "lower_right" else 0
-        visits = lo(nk, hi(1, (offset + (call.Sq + tq) // 2) // tk + 1))
+    Sq, Sk = call.Sq, call.Sk
+    tq, tk = hi(1, lo(_tiles.TILE_Q, Sq)), hi(1, lo(_tiles.TILE, Sk))
+    nq, nk = (Sq + tq - 1) // tq, (Sk + tk - 1) // tk
+    offset = Sk - Sq if band.align == "lower_right" else 0
+
+    def reach(t):                  # key tiles up to query tile t's last row (causal band)
+        return hi(0, lo(nk, (lo(Sq, (t + 1) * tq) - 1 + offset) // tk + 1))
+    if not band.causal:
+        busiest = nk
+    elif band.window is not None:
+        busiest = lo(reach(nq - 1), (tq + band.window - 2) // tk + 2)
     else:
-        visits = nk
+        busiest = reach(nq - 1)
     rows = call.B * call.H * tq * tk
-    width = hi(1, lo(lo(_tiles.MAX_STEP_TILES, visits), _tiles.BUDGET // rows))
+    width = hi(1, lo(lo(_tiles.MAX_STEP_TILES, busiest), _tiles.BUDGET // rows))
     per_chunk = hi(1, _tiles.BUDGET // (rows * width))
     chunks = (nq + per_chunk - 1) // per_chunk
+    visits = busiest                # per query tile: the chunks' busiest, averaged
+    if band.causal and band.window is None:
+        visits = (reach(lo(per_chunk, nq) - 1) + busiest + 1) // 2
     steps = chunks * ((visits + width - 1) // width)
     pairs = nq * visits * rows
     density = visits / hi(1, nk)
@@ -164,12 +169,12 @@ def blocksparse_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch
     from .blocksparse import _backward
     g = _geometry(q, k, v, scale, causal, window, align, padding)
     grads = _backward(g, q, k, v, out, stats[1], stats[2], dout.contiguous(), dlse, scale)
-    return tuple(t.contiguous() for t in grads)
+    return tuple(t.contiguous() for t in grads)          # (as the fake gives them)
 
 
 @blocksparse_backward.register_fake
 def _(dout, dlse, q, k, v, out, stats, scale, causal, window, align, padding):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return tuple(t.new_empty(t.shape) for t in (q, k, v))   # contiguous, as the real ones
 
 
 def _setup(ctx, inputs, output):
@@ -178,10 +183,10 @@ def _setup(ctx, inputs, output):
     ctx.args = tuple(args[:-1])                        # scale, causal, window, align
 
 
-def _gradients(ctx, dout, dstats):
+def _gradients(ctx, dout, dstats):                   # (torch gives zeros for unused ones)
     q, k, v, out, stats, padding = ctx.saved_tensors
-    dq, dk, dv = blocksparse_backward(dout, None if dstats is None else dstats[0], q, k, v,
-                                      out, stats, *ctx.args, padding)
+    dq, dk, dv = blocksparse_backward(dout, dstats[0], q, k, v, out, stats, *ctx.args,
+                                      padding)
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -193,5 +198,5 @@ def run(call, band: TracedBand) -> tuple[torch.Tensor, torch.Tensor]:
     (the caller casts back)."""
     work = call.compute_dtype
     out, stats = blocksparse(call.q.to(work), call.k.to(work), call.v.to(work), call.scale,
-                             band.causal, band.window, band.align, band.padding)
+                             band.causal, band.window or 0, band.align, band.padding)
     return out, stats[0]

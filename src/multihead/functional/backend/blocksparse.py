@@ -383,9 +383,10 @@ class BlockSparse(Backend):
         if torch.compiler.is_compiling():
             band = _blocksparse_op.band_of(call)
             est = _blocksparse_op.estimate(call, band)
-            work = _work(call, est, tk=_tiles.TILE)
+            work = _work(call, est, tk=torch.sym_max(1, torch.sym_min(_tiles.TILE, call.Sk)))
             note = ("traced as the operator multihead.blocksparse: its tiles are planned when "
-                    "it runs, so one graph serves every length (priced from the band's width)")
+                    "it runs, so one graph serves every length (priced from the band's reach "
+                    "at the traced sizes)")
             return Plan(work, note, band)
         est = _tiles.estimate(call)
         work = _work(call, est)

@@ -29,7 +29,7 @@ from ... import masks as M
 from ...masks.structured import _offset
 from .._call import AttentionCall
 from ..capabilities import Capabilities, shown
-from ._common import mask_launches
+from ._common import BandParts, band_parts, mask_launches
 from ..cost import Work
 from ..registry import Backend, Plan, register
 
@@ -92,22 +92,12 @@ def _route(call: AttentionCall) -> Band | Sparse | str:
 
 
 def _find_band(call: AttentionCall) -> Band | str:
-    m = call.effective_mask
-    leaves = [m] if m is None or m.kind != "and" else [m.a, m.b]
-    window = padding = document = None
-    for leaf in leaves:
-        if leaf is None:
-            continue
-        if type(leaf) is M.Window and window is None:
-            window = leaf
-        elif (type(leaf) is M.Padding and padding is None and leaf.side == "key"
-              and leaf.real is None):
-            padding = leaf
-        elif type(leaf) is M.Document and document is None:
-            document = leaf
-        else:
-            return ("runs masks of the form band (causal or sliding window), key padding from "
-                    "lengths, or band & padding")
+    parts = band_parts(call.effective_mask, documents=True)
+    if not isinstance(parts, BandParts) or (parts.padding is not None
+                                            and parts.padding.real is not None):
+        return ("runs masks of the form band (causal or sliding window), key padding from "
+                "lengths, or band & padding")
+    window, padding, document = parts
     docs = None
     if document is not None:
         docs = _documents(call, document) if padding is None else None
