@@ -31,11 +31,16 @@ class Plan:
         work: the call's cost in device-neutral units.
         note: where the estimate comes from, for ``explain()``.
         detail: backend-specific choices made while planning, handed back to ``run``.
+        traced_choice: under Dynamo (``torch.compile``, ``torch.export(strict=True)``),
+            ``auto`` takes this plan without comparing estimates: a comparison of traced
+            estimates guards on the sizes (a recompile where it flips; a strict export's
+            program that fails at other lengths).
     """
 
     work: Work
     note: str = ""
     detail: Any = None
+    traced_choice: bool = False
 
 
 class Backend:

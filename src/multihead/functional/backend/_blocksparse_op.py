@@ -12,8 +12,13 @@ an eager call does, instead of computing every pair of a dense mask.
 
 Masks that travel as operator arguments: causal and sliding windows (either alignment),
 key padding (lengths ``(B,)`` or a ``(B, Sk)`` bool tensor), and ``&`` of a band and a
-padding, on the CPU (on a GPU, planning inside the graph would read the device; the
-triton backend traces its own operators there). Other calls are not traced here
+padding, on the CPU. Under Dynamo (``torch.compile``, ``torch.export(strict=True)``) only
+sliding windows (with or without key padding) take it, and ``auto`` takes it for them
+without comparing estimates: Dynamo turns a comparison of traced estimates into a guard
+on the length, which recompiles where it flips (and fails a strict export's program at
+other lengths); a causal band or padding alone runs as well through SDPA's fused kernels.
+On a GPU, planning inside the graph would read the device (the triton backend traces its
+own operators there). Other calls are not traced here
 (:func:`band_of` says why): ``auto`` picks another backend for them, and
 ``backend="blocksparse"`` raises with the reason.
 
@@ -53,10 +58,14 @@ def band_of(call) -> TracedBand | str:
         return ("runs traced on the CPU only (on a GPU, planning its tiles inside the graph "
                 "would read the device)")
     parts = band_parts(call.effective_mask)
-    if not isinstance(parts, BandParts):
+    if not isinstance(parts, BandParts):            # (the leaf's kind: describing its
         return (f"runs under torch.compile and torch.export a band (causal, sliding window), "
-                f"key padding, or band & key padding, not {parts.describe()}")
-    band, padding = parts.window, parts.padding
+                f"key padding, or band & key padding, not this {parts.kind} mask")  # sizes
+    band, padding = parts.window, parts.padding     # would format traced ints)
+    if torch.compiler.is_dynamo_compiling() and (band is None or band.size is None):
+        return ("runs under torch.compile (Dynamo) sliding windows only: a causal band or "
+                "key padding alone runs as well through SDPA's fused kernels, and choosing "
+                "between them by traced estimates would guard on the length")
     return TracedBand(band is not None, None if band is None else band.size,
                       "lower_right" if band is None else band.align,
                       None if padding is None else padding._tensors()[0])

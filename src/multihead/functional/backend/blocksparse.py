@@ -386,8 +386,8 @@ class BlockSparse(Backend):
             work = _work(call, est, tk=torch.sym_max(1, torch.sym_min(_tiles.TILE, call.Sk)))
             note = ("traced as the operator multihead.blocksparse: its tiles are planned when "
                     "it runs, so one graph serves every length (priced from the band's reach "
-                    "at the traced sizes)")
-            return Plan(work, note, band)
+                    "at the traced sizes; under Dynamo, a window takes it unpriced)")
+            return Plan(work, note, band, traced_choice=torch.compiler.is_dynamo_compiling())
         est = _tiles.estimate(call)
         work = _work(call, est)
         if est.exact:
