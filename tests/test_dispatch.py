@@ -569,6 +569,28 @@ def test_compiled_attention_follows_changing_head_counts(dynamic):
                                        mh.attention(q, k, v, mask=mask, backend="reference"))
 
 
+@pytest.mark.parametrize("mask", [None, M.causal(), M.sliding_window(8)],
+                         ids=["none", "causal", "window"])
+def test_a_scale_passed_into_a_compiled_function_is_traced(mask):
+    """With ``dynamic=True`` torch.compile traces a float argument as a symbol: the
+    scale's check compares it (a guard) instead of calling math.isfinite on it, which
+    Dynamo cannot trace (a fullgraph error before)."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, s: mh.attention(q, q, q, mask=mask, scale=s), dynamic=True,
+                      fullgraph=True, backend="eager")
+    g = torch.Generator().manual_seed(10)
+    for S, scale in ((16, 0.3), (70, 1.7)):
+        q = torch.randn(1, 2, S, 8, dtype=torch.float64, generator=g, requires_grad=True)
+        got, want = f(q, scale), mh.attention(q, q, q, mask=mask, scale=scale,
+                                             backend="reference")
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(*(torch.autograd.grad(t.pow(2).sum(), q)[0]
+                                     for t in (got, want)))
+    for bad in (float("nan"), float("inf"), 0.0, -1.0):
+        with pytest.raises(ValueError, match="scale must be finite and > 0"):
+            mh.attention(q, q, q, scale=bad)
+
+
 def test_eager_calls_between_compiled_ones_do_not_recompile_them():
     """One graph serves every length and window (dynamic=True), however many eager calls of
     the same function come between compiled ones: what an eager call caches (the device's

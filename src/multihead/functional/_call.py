@@ -288,7 +288,8 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
             scale = float(scale)
         except OverflowError:                                    # an int past any float
             scale = math.inf
-        if not math.isfinite(scale) or scale <= 0:
+        if not 0 < scale < math.inf:            # (NaN too; comparisons, which a float
+            #                                     traced by torch.compile takes as guards)
             raise ValueError(f"scale must be finite and > 0, got {scale} (default: 1/sqrt(D) = "
                              f"{default_scale(D):.4g})")
         scores = torch.promote_types(q.dtype, torch.float32)          # what scores are in
