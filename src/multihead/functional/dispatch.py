@@ -171,9 +171,10 @@ def _choose(rows: list[Row], backend: str, profile: DeviceProfile) -> Row:
     if profile.avoids_syncs:
         free = [r for r in able if r.plan.work.syncs == 0]
         able = free or able
-    taken = [r for r in able if r.plan.traced_choice]
-    if taken and torch.compiler.is_dynamo_compiling():
-        return taken[0]
+    if torch.compiler.is_dynamo_compiling():   # (comparing would guard on the sizes)
+        taken = [r for r in able if r.plan.traced_choice]
+        if taken:
+            return taken[0]
     best = able[0]
     for r in able[1:]:                  # a plain loop: torch.compile traces it
         if _hint(r.seconds) < _hint(best.seconds):

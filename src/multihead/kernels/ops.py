@@ -322,7 +322,9 @@ class _Sparse(_Direct):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, *output)
         ctx.mask, ctx.scale = mask, scale
-        ctx.versions = mask._versions()          # as the forward read the mask's tensors
+        # as the forward read the mask's tensors (a spec of this mask read them already)
+        same = ctx.again is not None and ctx.again.mask is mask
+        ctx.versions = ctx.again.versions if same else mask._versions()
 
     @staticmethod
     def backward(ctx, dout, dlse):

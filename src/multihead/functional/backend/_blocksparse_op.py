@@ -98,7 +98,7 @@ def estimate(call, band: TracedBand) -> _tiles.Estimate:
     """
     lo, hi = torch.sym_min, torch.sym_max
     Sq, Sk = call.Sq, call.Sk
-    tq, tk = hi(1, lo(_tiles.TILE_Q, Sq)), hi(1, lo(_tiles.TILE, Sk))
+    tq, tk = _tiles.tile_sizes(call)
     nq, nk = (Sq + tq - 1) // tq, (Sk + tk - 1) // tk
     offset = Sk - Sq if band.align == "lower_right" else 0
 
@@ -202,10 +202,9 @@ def _gradients(ctx, dout, dstats):                   # (torch gives zeros for un
 blocksparse.register_autograd(_gradients, setup_context=_setup)
 
 
-def run(call, band: TracedBand) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of a traced call through the operator, in the kernel's compute dtype
-    (the caller casts back)."""
-    work = call.compute_dtype
-    out, stats = blocksparse(call.q.to(work), call.k.to(work), call.v.to(work), call.scale,
-                             band.causal, band.window or 0, band.align, band.padding)
+def run(q, k, v, scale: float, band: TracedBand) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of a traced call through the operator (q, k, v in the kernel's
+    compute dtype)."""
+    out, stats = blocksparse(q, k, v, scale, band.causal, band.window or 0, band.align,
+                             band.padding)
     return out, stats[0]

@@ -55,7 +55,10 @@ class Plan:
 
 
 def tile_sizes(call: AttentionCall) -> tuple[int, int]:
-    return max(1, min(TILE_Q, call.Sq)), max(1, min(TILE, call.Sk))
+    """``(tq, tk)``: rows and columns of a tile (``torch.sym_min``/``sym_max``: a traced
+    size gets no guard; ints stay ints)."""
+    lo, hi = torch.sym_min, torch.sym_max
+    return hi(1, lo(TILE_Q, call.Sq)), hi(1, lo(TILE, call.Sk))
 
 
 class Geometry(NamedTuple):

@@ -345,17 +345,16 @@ PAIR_BYTES, MASKED_PAIR_BYTES = 8, 40
 STEP_OPS, MASKED_STEP_OPS, CHUNK_OPS = 22, 16, 12
 
 
-def _work(call: AttentionCall, est: _tiles.Estimate, tk: int | None = None) -> Work:
-    """The kernel's work, from the counts of its plan (``tk``: the key tiles' width,
-    default the call's)."""
+def _work(call: AttentionCall, est: _tiles.Estimate) -> Work:
+    """The kernel's work, from the counts of its plan."""
     D, Dv = call.D, call.Dv
     size = call.compute_dtype.itemsize
     m = call.effective_mask
     bias = m is not None and m.has_bias                  # the bias is evaluated on every step
     masked, evaluated = (est.pairs, est.steps) if bias else (est.masked_pairs, est.masked_steps)
     convert = call.io_bytes() * (2 if call.compute_dtype != call.q.dtype else 0)
-    tk = _tiles.tile_sizes(call)[1] if tk is None else tk
-    gathered = 2 * call.B * call.Hkv * est.gathered_tiles * tk * (D + Dv) * size
+    gathered = 2 * call.B * call.Hkv * est.gathered_tiles * _tiles.tile_sizes(call)[1] \
+        * (D + Dv) * size
     work = Work(flops=2.0 * est.pairs * (D + Dv), kernel="tiles", dtype=call.compute_dtype,
                 bytes=PAIR_BYTES * (est.pairs - masked) + MASKED_PAIR_BYTES * masked + gathered
                 + convert + call.io_bytes(),
@@ -383,7 +382,7 @@ class BlockSparse(Backend):
         if torch.compiler.is_compiling():
             band = _blocksparse_op.band_of(call)
             est = _blocksparse_op.estimate(call, band)
-            work = _work(call, est, tk=torch.sym_max(1, torch.sym_min(_tiles.TILE, call.Sk)))
+            work = _work(call, est)
             note = ("traced as the operator multihead.blocksparse: its tiles are planned when "
                     "it runs, so one graph serves every length (priced from the band's reach "
                     "at the traced sizes; under Dynamo, a window takes it unpriced)")
@@ -403,15 +402,14 @@ class BlockSparse(Backend):
         return Plan(work, note, BoundedCache(1, 256 << 20))
 
     def run(self, call, plan):
-        q, k, v = call.q, call.k, call.v
+        work = call.compute_dtype                   # (half precision computed in fp32)
+        q, k, v = (t.to(work) for t in (call.q, call.k, call.v))
         if torch.compiler.is_compiling():
-            out, lse = _blocksparse_op.run(call, plan.detail)
-            return out.to(q.dtype), None, lse if call.return_lse else None
-        work = call.compute_dtype
-        steps = plan.detail.get_or_compute("steps", lambda: make_plan(call))
-        geo = _Geo(call, steps)
-        out, lse = _BlockSparseAttention.apply(q.to(work), k.to(work), v.to(work), geo, call.scale)
-        return out.to(q.dtype), None, lse if call.return_lse else None
+            out, lse = _blocksparse_op.run(q, k, v, call.scale, plan.detail)
+        else:
+            steps = plan.detail.get_or_compute("steps", lambda: make_plan(call))
+            out, lse = _BlockSparseAttention.apply(q, k, v, _Geo(call, steps), call.scale)
+        return out.to(call.q.dtype), None, lse if call.return_lse else None
 
 
 register(BlockSparse())
