@@ -144,9 +144,12 @@ def _geometry(q, k, v, scale, causal, window, align, padding):
 def blocksparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
                 window: int, align: str, padding: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (B, H, Sq, Dv), stats (3, B, H, Sq))`` of the tiled kernel: ``stats`` holds
-    each row's lse and the ``(hi, lo)`` its backward shifts the scores by. ``window=0``: no
-    window; ``padding``: key lengths ``(B,)`` or a ``(B, Sk)`` bool tensor.
+    """``(out (B, H, Sq, Dv), stats (3, B, H, Sq))`` of the tiled kernel on ``q (B, H, Sq,
+    D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)``: ``stats`` holds each row's lse and
+    the ``(hi, lo)`` its backward shifts the scores by. ``causal``: a band aligned by
+    ``align`` (``"lower_right"`` or ``"upper_left"``), ``window`` keys wide (0: no window);
+    ``padding``: key lengths ``(B,)`` or a ``(B, Sk)`` bool tensor. Bad arguments raise the
+    ValueError ``multihead.attention`` gives.
 
     Example:
         >>> import torch
