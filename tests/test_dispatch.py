@@ -647,6 +647,33 @@ def test_autocast_computes_float32_inputs_in_its_dtype_on_every_backend(backend)
     assert mh.attention(q.detach(), k, v, mask=mask, backend=backend).dtype == torch.float32
 
 
+@pytest.mark.parametrize("mask", ["causal", "window", "window & padding"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "blocksparse"])
+def test_a_backward_inside_autocast_gives_the_gradients_of_one_after_it(backend, mask):
+    """Training loops often call .backward() inside the autocast region. Our backward then
+    runs as the forward did, with autocast off: the same gradients, bit for bit, as a
+    backward after the region (blocksparse raised index_add_'s dtype error there, and the
+    reference's products were recast to bfloat16)."""
+    m = {"causal": M.causal(), "window": M.sliding_window(24),
+         "window & padding": M.sliding_window(24) & M.padding(torch.tensor([70, 150]))}[mask]
+    grads = []
+    for inside in (True, False):
+        g = torch.Generator().manual_seed(9)
+        q = torch.randn(2, 4, 150, 16, generator=g, requires_grad=True)
+        k, v = (torch.randn(2, 2, 150, 16, generator=g, requires_grad=True) for _ in range(2))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = mh.attention(q, k, v, mask=m, backend=backend)
+            loss = out.float().square().sum()
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        grads.append([t.grad for t in (q, k, v)])
+    for a, b in zip(*grads):
+        assert a.dtype == torch.float32 and a.isfinite().all()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_autocast_casts_mixed_half_and_float_inputs_as_torch_does():
     """float32 q with float16 k/v under bfloat16 autocast: torch casts all three; so do we
     (no "q, k, v must share a dtype" about a dtype the caller never passed)."""

@@ -9,6 +9,8 @@ cannot require gradients), so each refuses it where it is passed, naming the arg
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 #: the dtypes every backend computes in (float8 is a storage format: no softmax, no sum)
@@ -74,6 +76,42 @@ def autocast_dtype(device: torch.device | str) -> torch.dtype | None:
     if not (torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)):
         return None
     return torch.get_autocast_dtype(kind)
+
+
+def without_autocast(backward):
+    """Decorator for an autograd Function's ``backward`` (or a custom operator's gradient
+    function): it runs with ``torch.autocast`` off on its gradients' device, as the forward
+    did (:func:`multihead.attention` turns autocast off around every backend), so gradients
+    are the same whether ``.backward()`` is called inside an autocast region or after it
+    (inside, autocast would otherwise recast the backward's own matmuls and mix dtypes).
+
+    Example:
+        >>> class Square(torch.autograd.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x @ x
+        ...     @staticmethod
+        ...     @without_autocast
+        ...     def backward(ctx, g):
+        ...         x, = ctx.saved_tensors
+        ...         return g @ x.T + x.T @ g
+        >>> x = torch.eye(2, requires_grad=True)
+        >>> loss = Square.apply(x).sum()                  # the forward in float32
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     loss.backward()                             # and the backward, not recast
+        >>> x.grad.dtype, x.grad.tolist()
+        (torch.float32, [[2.0, 2.0], [2.0, 2.0]])
+    """
+    @functools.wraps(backward)
+    def run(ctx, *grads, **kwargs):
+        if torch._C._is_any_autocast_enabled():            # (the usual case: no)
+            found = next((g for g in grads if isinstance(g, torch.Tensor)), None)
+            if found is not None and autocast_dtype(found.device) is not None:
+                with torch.autocast(found.device.type, enabled=False):
+                    return backward(ctx, *grads, **kwargs)
+        return backward(ctx, *grads, **kwargs)
+    return run
 
 
 def check_weights(dtype: torch.dtype) -> None:

@@ -49,6 +49,8 @@ from typing import NamedTuple
 
 import torch
 
+from ._dtypes import without_autocast
+
 
 def refuse_second_order(backend: str) -> None:
     """Raise when a backward runs with ``create_graph=True`` (grad mode is on inside it).
@@ -180,6 +182,7 @@ class _Again(torch.autograd.Function):
         return tuple(t.detach() for t in tensors[:n])
 
     @staticmethod
+    @without_autocast
     def backward(ctx, *grads):
         needed = ctx.needs_input_grad[1 + len(grads):]      # q, k, v, biases
         if not torch.is_grad_enabled():                     # a plain backward: the kernel's

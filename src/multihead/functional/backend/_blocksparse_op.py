@@ -37,6 +37,7 @@ import torch
 
 from ... import masks as M
 from ..._cache import BoundedCache
+from ..._dtypes import without_autocast
 from .._call import make_call
 from . import _tiles
 from ._common import BandParts, band_parts
@@ -195,6 +196,7 @@ def _setup(ctx, inputs, output):
     ctx.args = tuple(args[:-1])                        # scale, causal, window, align
 
 
+@without_autocast
 def _gradients(ctx, dout, dstats):                   # (torch gives zeros for unused ones)
     q, k, v, out, stats, padding = ctx.saved_tensors
     dq, dk, dv = blocksparse_backward(dout, dstats[0], q, k, v, out, stats, *ctx.args,

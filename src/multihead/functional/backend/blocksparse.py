@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..._cache import BoundedCache
+from ..._dtypes import without_autocast
 from ... import _second_order as second_order
 from ...masks.base import Index, bias_as
 from .._call import AttentionCall
@@ -315,6 +316,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @without_autocast
     def backward(ctx, dout, dlse):
         if dout is None and dlse is None:     # neither output used
             return None, None, None, None, None

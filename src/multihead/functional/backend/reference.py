@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..._dtypes import without_autocast
 from ...masks.base import bias_as
 from ..capabilities import Capabilities
 from ..cost import Work
@@ -54,6 +55,7 @@ class _Product(torch.autograd.Function):
         ctx.save_for_backward(*inputs)
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad):
         a, b = (t.nan_to_num(0.0, 0.0, 0.0) for t in ctx.saved_tensors)
         return grad @ b.transpose(-2, -1), a.transpose(-2, -1) @ grad
