@@ -187,3 +187,57 @@ def test_a_sparse_input_is_refused_after_dense_calls_of_its_shape():
         mh.attention(q, k, v)
     with pytest.raises(TypeError, match="q is a torch.sparse_coo tensor"):
         mh.attention(q.to_sparse(), k, v)
+
+
+_MODULE, _DROP_IN = mh.MultiHeadAttention(16, 4), mh.nn.MultiheadAttention(16, 4, batch_first=True)
+_ROPE = mh.MultiHeadAttention(16, 4, rope=mh.RotaryEmbedding(4))
+#: mistakes whose message holds sizes that torch.compile(dynamic=True) traces as symbolic
+TRACED = [
+    ("batch", lambda q, k, v, s: mh.attention(q, k[:1], v[:1])),
+    ("head_dim", lambda q, k, v, s: mh.attention(q, k[..., :4], v)),
+    ("kv length", lambda q, k, v, s: mh.attention(q, k, v[:, :, :3])),
+    ("gqa", lambda q, k, v, s: mh.attention(q, k[:, :3], v[:, :3])),
+    ("3-D q", lambda q, k, v, s: mh.attention(q[0], k, v)),
+    ("scale", lambda q, k, v, s: mh.attention(q, k, v, scale=-s)),
+    ("scale overflows", lambda q, k, v, s: mh.attention(q, k, v, scale=s * 1e39)),
+    ("dense", lambda q, k, v, s: mh.attention(q, k, v, mask=torch.ones(
+        q.shape[2], k.shape[2] + 1, dtype=torch.bool))),
+    ("bias", lambda q, k, v, s: mh.attention(q, k, v, mask=torch.zeros(q.shape[2] - 1, k.shape[2]))),
+    ("padding rows", lambda q, k, v, s: mh.attention(q, k, v, mask=M.padding(torch.ones(
+        q.shape[0], k.shape[2] + 1, dtype=torch.bool)))),
+    ("padding batch", lambda q, k, v, s: mh.attention(q, k, v, mask=M.padding(torch.tensor([1, 2, 3])))),
+    ("document ids", lambda q, k, v, s: mh.attention(q, k, v, mask=M.document(
+        torch.zeros(k.shape[2] + 1, dtype=torch.long)))),
+    ("module width", lambda q, k, v, s: _MODULE(q[:, 0, :, :8])),
+    ("module context", lambda q, k, v, s: _MODULE(q[:, 0], k[:1, 0])),
+    ("module positions", lambda q, k, v, s: _ROPE(q[:, 0], positions=torch.arange(q.shape[2] + 1))),
+    ("rope positions", lambda q, k, v, s: _ROPE.rope(q[..., :4], positions=torch.arange(q.shape[2] + 1))),
+    ("drop-in width", lambda q, k, v, s: _DROP_IN(*(q[:, 0, :, :8],) * 3)),
+    ("drop-in key padding", lambda q, k, v, s: _DROP_IN(q[:, 0], k[:, 0], v[:, 0], key_padding_mask=(
+        torch.ones(q.shape[0], k.shape[2] + 1, dtype=torch.bool)))),
+    ("drop-in attn_mask", lambda q, k, v, s: _DROP_IN(q[:, 0], k[:, 0], v[:, 0], attn_mask=(
+        torch.ones(q.shape[2], k.shape[2] + 1, dtype=torch.bool)))),
+    ("drop-in key and value", lambda q, k, v, s: _DROP_IN(q[:, 0], k[:, 0], v[:, 0, :3])),
+]
+
+
+@pytest.mark.parametrize("name,fn", TRACED, ids=[t[0] for t in TRACED])
+def test_a_mistake_under_fullgraph_compile_shows_our_message(name, fn):
+    """Under torch.compile(fullgraph=True) with symbolic sizes (dynamic=True, or a shape
+    that changed between calls), Dynamo cannot format a symbolic number: a message that held
+    one became Dynamo's "Failed to trace builtin operator str" (or "BUILD_STRING type
+    error"), without ours. The sizes are now shown as this call's, so the message Dynamo
+    reports is the one eager raises."""
+    g = torch.Generator().manual_seed(3)
+    args = (torch.randn(2, 4, 6, 16, generator=g), torch.randn(2, 4, 7, 16, generator=g),
+            torch.randn(2, 4, 7, 16, generator=g), 0.5)
+    with pytest.raises((ValueError, TypeError, RuntimeError, AssertionError)) as eager:
+        fn(*args)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="eager")
+    with pytest.raises(Exception) as traced:
+        compiled(*args)
+    said, text = str(eager.value), str(traced.value)
+    if said.startswith("mask: "):     # (traced, a mask is described without its host facts:
+        said = said.split(") ", 1)[1]  # lengths of shape (3,), not lengths=[1, 2, 3])
+    assert said in text or repr(said)[1:-1] in text, (said, text[:600])

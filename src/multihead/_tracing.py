@@ -32,6 +32,34 @@ def refuse_jit_trace(what: str) -> None:
             f"torch's implementation)")
 
 
+def shown(x):
+    """``x`` for an error message: a number ``torch.compile`` traces as symbolic (dynamic
+    shapes, a float argument) as the value it has in this call, which a message can format
+    (Dynamo cannot format a symbolic number, and ``fullgraph=True`` then reports that in
+    place of our message). Call it only on the way to raising: it specializes the trace on
+    ``x``.
+
+    Example:
+        >>> shown(3), shown(0.5), shown("k")
+        (3, 0.5, 'k')
+    """
+    if isinstance(x, (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)):
+        from torch.fx.experimental.symbolic_shapes import guard_scalar
+        return guard_scalar(x)
+    return x
+
+
+def dims(t: torch.Tensor | None) -> str:
+    """``t``'s shape for an error message, ``(2, 4, 64, 16)`` (traced sizes as this call's:
+    see :func:`shown`).
+
+    Example:
+        >>> dims(torch.zeros(2, 3)), dims(None)
+        ('(2, 3)', 'None')
+    """
+    return "None" if t is None else str(tuple(shown(s) for s in t.shape))
+
+
 def eager_under_compile(reason: str):
     """Decorator: ``fn`` runs as written; under ``torch.compile`` it is a graph break
     (``torch.compiler.disable`` with ``reason``, which ``fullgraph=True`` reports), the

@@ -15,6 +15,7 @@ import torch.autograd.forward_ad as fwAD
 from .. import masks as M
 from .._args import fraction
 from .._dtypes import SUPPORTED_DTYPES, check_strided
+from .._tracing import dims as shape_str, shown
 from ..masks.base import uncalled
 from ..masks.structured import _offset
 
@@ -99,10 +100,6 @@ def reverse_over_reverse() -> bool:
     from torch._C._functorch import TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
     return sum(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters()) > 1
-
-
-def shape_str(t: torch.Tensor) -> str:
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
 def _check_tensor(name: str, t, legend: str) -> None:
@@ -256,7 +253,7 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
         raise ValueError(f"batch sizes differ: q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)} "
                          f"(dim 0 must match)")
     if D != Dk:
-        raise ValueError(f"head_dim of q ({D}) and k ({Dk}) must match: q {shape_str(q)}, "
+        raise ValueError(f"head_dim of q ({shown(D)}) and k ({shown(Dk)}) must match: q {shape_str(q)}, "
                          f"k {shape_str(k)}")
     if Hkv != Hv or Sk != Skv:
         raise ValueError(f"k {shape_str(k)} and v {shape_str(v)} must agree on heads (dim 1) and "
@@ -264,6 +261,7 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
     if H == 0:
         raise ValueError(f"q has 0 heads ({shape_str(q)}): give at least one head (dim 1)")
     if Hkv == 0 or H % Hkv != 0:
+        H, Hkv = shown(H), shown(Hkv)
         divisors = [d for d in range(1, H + 1) if H % d == 0]
         raise ValueError(f"q has {H} heads and k/v have {Hkv}: the number of query heads must be "
                          f"a multiple of the K/V heads (GQA); K/V heads could be one of {divisors}")
@@ -278,7 +276,7 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
                                 "pass a Python float")
             if scale.numel() != 1 or not scale.is_floating_point() or scale.requires_grad:
                 raise TypeError(f"scale must be a float, got a tensor of shape "
-                                f"{tuple(scale.shape)}, {scale.dtype}"
+                                f"{shape_str(scale)}, {scale.dtype}"
                                 + (" that requires grad (it would get no gradient: scale q "
                                    "instead)" if scale.requires_grad else ""))
             scale = float(scale)
@@ -290,14 +288,14 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
             scale = math.inf
         if not 0 < scale < math.inf:            # (NaN too; comparisons, which a float
             #                                     traced by torch.compile takes as guards)
-            raise ValueError(f"scale must be finite and > 0, got {scale} (default: 1/sqrt(D) = "
-                             f"{default_scale(D):.4g})")
+            raise ValueError(f"scale must be finite and > 0, got {shown(scale)} (default: "
+                             f"1/sqrt(D) = {default_scale(shown(D)):.4g})")
         scores = torch.promote_types(q.dtype, torch.float32)          # what scores are in
         if scale > torch.finfo(scores).max:
-            raise ValueError(f"scale {scale:g} is past the largest {scores} "
+            raise ValueError(f"scale {shown(scale):g} is past the largest {scores} "
                              f"({torch.finfo(scores).max:.4g}), which the scores are computed "
                              f"in: every score would overflow; give a smaller scale (default: "
-                             f"1/sqrt(D) = {default_scale(D):.4g})")
+                             f"1/sqrt(D) = {default_scale(shown(D)):.4g})")
     fraction("dropout_p", dropout_p)
     for name, flag in (("return_weights", return_weights), ("return_lse", return_lse)):
         if not isinstance(flag, bool):

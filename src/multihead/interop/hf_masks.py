@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .. import masks as M
+from .._tracing import dims
 
 
 class _Overlay(NamedTuple):
@@ -299,7 +300,7 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
             raise unreadable_mask(attention_mask, "a 2-D padding mask (B, S) here")
         if attention_mask.shape[0] != batch_size:       # (transformers reads rows 0..B-1)
             raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows (shape "
-                             f"{tuple(attention_mask.shape)}) but the batch has {batch_size} "
+                             f"{dims(attention_mask)}) but the batch has {batch_size} "
                              f"sequences: pass one row per sequence (1 = real token)")
         attention_mask = attention_mask.bool()          # (0/1 ints, as tokenizers give)
     q_offset, kv_offset = int(q_offset), int(kv_offset)

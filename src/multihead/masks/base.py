@@ -31,6 +31,7 @@ from .. import _device as devices
 from .._device import to_device
 from .._args import positive_int
 from .._dtypes import check_dtype
+from .._tracing import shown
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -144,10 +145,6 @@ def versioned():
     if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
         return torch.inference_mode(False)
     return contextlib.nullcontext()
-
-
-def _dims(t: torch.Tensor | None) -> str:
-    return "None" if t is None else "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
 def bias_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -417,12 +414,13 @@ class Mask:
         # (== and != only: under torch.compile `n not in (1, batch)` misreads a symbolic batch)
         if self.batch_size is not None and self.batch_size != 1 and self.batch_size != batch:
             raise ValueError(
-                f"mask: {self!s} was built for batch size {self.batch_size}, but the inputs "
-                f"have batch size {batch}: build the mask from this batch's lengths/ids")
+                f"mask: {self.describe()} was built for batch size {shown(self.batch_size)}, "
+                f"but the inputs have batch size {shown(batch)}: build the mask from this "
+                f"batch's lengths/ids")
         if self.num_heads is not None and self.num_heads != 1 and self.num_heads != heads:
             raise ValueError(
-                f"mask: {self!s} was built for {self.num_heads} heads, but q has {heads} "
-                f"heads: build it with num_heads={heads}")
+                f"mask: {self.describe()} was built for {shown(self.num_heads)} heads, but q "
+                f"has {shown(heads)} heads: build it with num_heads={shown(heads)}")
 
     # -- public API ------------------------------------------------------------------------
     def check(self, batch: int, heads: int, sq: int, sk: int,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .._tracing import shown
 from .base import Index, Mask, TileIndex, one_batch
 
 
@@ -101,8 +102,9 @@ class Positioned(Mask):
         for name, t, n in (("q_positions", self.q_positions, sq),
                            ("k_positions", self.k_positions, sk)):
             if t.shape[1] != n:
-                raise ValueError(f"at_positions: {name} has {t.shape[1]} positions but the call "
-                                 f"has {n} {name[0]} slots: give one position per slot")
+                raise ValueError(f"at_positions: {name} has {shown(t.shape[1])} positions but "
+                                 f"the call has {shown(n)} {name[0]} slots: give one position "
+                                 f"per slot")
         self.m._check(batch, heads, sq, sk)
 
     def _at(self, ix: Index) -> Index:

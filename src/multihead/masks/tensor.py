@@ -14,7 +14,8 @@ import torch
 from .._args import positive_int
 from .._dtypes import check_strided
 from .._device import to_device
-from .base import Index, Mask, TileIndex, _dims
+from .._tracing import dims as _dims, shown
+from .base import Index, Mask, TileIndex
 
 
 def _as_4d(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -55,7 +56,8 @@ def _check_broadcast(mask: Mask, t: torch.Tensor, batch, heads, sq, sk) -> None:
     want = (batch, heads, sq, sk)
     if any(n != 1 and n != w for n, w in zip(t.shape, want)):     # (symbolic sizes: no `in`)
         raise ValueError(f"mask: {mask.describe()} does not broadcast to (B, H, Sq, Sk) = "
-                         f"{want}: each dim must be 1 or equal to the inputs'")
+                         f"{tuple(map(shown, want))}: each dim must be 1 or equal to the "
+                         f"inputs'")
 
 
 def _own_dim(t: torch.Tensor, dim: int) -> int | None:

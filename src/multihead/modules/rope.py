@@ -32,7 +32,7 @@ from torch import nn
 from .._cache import BoundedCache
 from .._device import to_device, usable_device
 from .._dtypes import check_strided
-from .._tracing import refuse_jit_trace
+from .._tracing import dims, refuse_jit_trace, shown
 
 #: rows of a table when first built (it doubles past them)
 FIRST_ROWS = 2048
@@ -411,9 +411,10 @@ class RotaryEmbedding(nn.Module):
         B = x.shape[0] if x.dim() == 4 else 1
         if positions.dim() not in (1, 2) or positions.shape[-1] != S or (
                 positions.dim() == 2 and positions.shape[0] != 1 and positions.shape[0] != B):
+            B, S = shown(B), shown(S)
             raise ValueError(f"RotaryEmbedding: positions must be (S,) or (B, S) = ({S},) or "
-                             f"({B}, {S}) for x of shape {tuple(x.shape)}, got shape "
-                             f"{tuple(positions.shape)}")
+                             f"({B}, {S}) for x of shape {dims(x)}, got shape "
+                             f"{dims(positions)}")
         if positions.dim() == 2 and x.dim() != 4:
             positions = positions.reshape(S)                 # (1, S) -> (S,): x has no batch
         if tables and span is not None:
