@@ -84,6 +84,12 @@ def without_autocast(backward):
     did (:func:`multihead.attention` turns autocast off around every backend), so gradients
     are the same whether ``.backward()`` is called inside an autocast region or after it
     (inside, autocast would otherwise recast the backward's own matmuls and mix dtypes).
+    Under ``torch.compile`` the backward is traced while the forward's autocast is off but
+    run under the caller's, so there the region is always written into the graph.
+
+    First-order only: the graph a backward builds with ``create_graph=True`` is made of
+    torch's ops, which a second ``.backward()`` inside the region recasts, as it does any
+    model's.
 
     Example:
         >>> class Square(torch.autograd.Function):
@@ -96,18 +102,19 @@ def without_autocast(backward):
         ...     def backward(ctx, g):
         ...         x, = ctx.saved_tensors
         ...         return g @ x.T + x.T @ g
-        >>> x = torch.eye(2, requires_grad=True)
+        >>> x = torch.full((2, 2), 1 + 2 ** -10, requires_grad=True)
         >>> loss = Square.apply(x).sum()                  # the forward in float32
         >>> with torch.autocast("cpu", dtype=torch.bfloat16):
-        ...     loss.backward()                             # and the backward, not recast
-        >>> x.grad.dtype, x.grad.tolist()
-        (torch.float32, [[2.0, 2.0], [2.0, 2.0]])
+        ...     loss.backward()            # and the backward (bfloat16 would give 4.0)
+        >>> x.grad.dtype, x.grad[0, 0].item()
+        (torch.float32, 4.00390625)
     """
     @functools.wraps(backward)
     def run(ctx, *grads, **kwargs):
-        if torch._C._is_any_autocast_enabled():            # (the usual case: no)
+        compiling = torch.compiler.is_compiling()
+        if compiling or torch._C._is_any_autocast_enabled():       # (the usual case: no)
             found = next((g for g in grads if isinstance(g, torch.Tensor)), None)
-            if found is not None and autocast_dtype(found.device) is not None:
+            if found is not None and (compiling or autocast_dtype(found.device) is not None):
                 with torch.autocast(found.device.type, enabled=False):
                     return backward(ctx, *grads, **kwargs)
         return backward(ctx, *grads, **kwargs)

@@ -32,15 +32,22 @@ def refuse_jit_trace(what: str) -> None:
             f"torch's implementation)")
 
 
-def shown(x):
+def concrete(x):
     """``x`` for an error message: a number ``torch.compile`` traces as symbolic (dynamic
     shapes, a float argument) as the value it has in this call, which a message can format
     (Dynamo cannot format a symbolic number, and ``fullgraph=True`` then reports that in
-    place of our message). Call it only on the way to raising: it specializes the trace on
-    ``x``.
+    place of our message). Call it only on the way to raising, or where a text is asked
+    for (a mask's ``describe()``): it specializes the trace on ``x`` (a guard). Not
+    :func:`multihead.functional.capabilities.shown`, which never specializes.
+
+    Args:
+        x: anything; numbers (symbolic or not) come back as Python numbers, the rest as is.
+
+    Returns:
+        ``x``'s value in this call.
 
     Example:
-        >>> shown(3), shown(0.5), shown("k")
+        >>> concrete(3), concrete(0.5), concrete("k")
         (3, 0.5, 'k')
     """
     if isinstance(x, (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -49,15 +56,22 @@ def shown(x):
     return x
 
 
-def dims(t: torch.Tensor | None) -> str:
-    """``t``'s shape for an error message, ``(2, 4, 64, 16)`` (traced sizes as this call's:
-    see :func:`shown`).
+def shape_text(t) -> str:
+    """``t``'s shape for an error message, ``(2, 4, 64, 16)``, with traced sizes as this
+    call's (so only on the way to raising, or where a text is asked for: see
+    :func:`concrete`).
+
+    Args:
+        t: a tensor, anything else with a ``shape``, or not (shown as ``()``); None.
+
+    Returns:
+        The shape as a tuple's text; ``"None"`` for None.
 
     Example:
-        >>> dims(torch.zeros(2, 3)), dims(None)
-        ('(2, 3)', 'None')
+        >>> shape_text(torch.zeros(2, 3)), shape_text(None), shape_text([1, 2])
+        ('(2, 3)', 'None', '()')
     """
-    return "None" if t is None else str(tuple(shown(s) for s in t.shape))
+    return "None" if t is None else str(tuple(concrete(s) for s in getattr(t, "shape", ())))
 
 
 def eager_under_compile(reason: str):

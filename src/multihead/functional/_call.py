@@ -15,7 +15,7 @@ import torch.autograd.forward_ad as fwAD
 from .. import masks as M
 from .._args import fraction
 from .._dtypes import SUPPORTED_DTYPES, check_strided
-from .._tracing import dims as shape_str, shown
+from .._tracing import concrete, shape_text
 from ..masks.base import uncalled
 from ..masks.structured import _offset
 
@@ -109,7 +109,7 @@ def _check_tensor(name: str, t, legend: str) -> None:
     if t.dim() != 4:
         hint = (" (for (B, S, E) inputs use multihead.MultiHeadAttention, or split heads with "
                 "x.view(B, S, H, D).transpose(1, 2))" if t.dim() == 3 else "")
-        raise ValueError(f"{name} must be 4-D {legend}, got shape {shape_str(t)}{hint}")
+        raise ValueError(f"{name} must be 4-D {legend}, got shape {shape_text(t)}{hint}")
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32, "
                         f"float64 (convert with {name}.float())")
@@ -250,23 +250,25 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
                          f"v on {v.device}")
     (B, H, Sq, D), (Bk, Hkv, Sk, Dk), (Bv, Hv, Skv, _) = q.shape, k.shape, v.shape
     if not (B == Bk == Bv):
-        raise ValueError(f"batch sizes differ: q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)} "
+        raise ValueError(f"batch sizes differ: q {shape_text(q)}, k {shape_text(k)}, "
+                         f"v {shape_text(v)} "
                          f"(dim 0 must match)")
     if D != Dk:
-        raise ValueError(f"head_dim of q ({shown(D)}) and k ({shown(Dk)}) must match: q {shape_str(q)}, "
-                         f"k {shape_str(k)}")
+        raise ValueError(f"head_dim of q ({concrete(D)}) and k ({concrete(Dk)}) must match: "
+                         f"q {shape_text(q)}, "
+                         f"k {shape_text(k)}")
     if Hkv != Hv or Sk != Skv:
-        raise ValueError(f"k {shape_str(k)} and v {shape_str(v)} must agree on heads (dim 1) and "
+        raise ValueError(f"k {shape_text(k)} and v {shape_text(v)} must agree on heads (dim 1) and "
                          f"sequence length (dim 2)")
     if H == 0:
-        raise ValueError(f"q has 0 heads ({shape_str(q)}): give at least one head (dim 1)")
+        raise ValueError(f"q has 0 heads ({shape_text(q)}): give at least one head (dim 1)")
     if Hkv == 0 or H % Hkv != 0:
-        H, Hkv = shown(H), shown(Hkv)
+        H, Hkv = concrete(H), concrete(Hkv)
         divisors = [d for d in range(1, H + 1) if H % d == 0]
         raise ValueError(f"q has {H} heads and k/v have {Hkv}: the number of query heads must be "
                          f"a multiple of the K/V heads (GQA); K/V heads could be one of {divisors}")
     if D == 0:
-        raise ValueError(f"head_dim must be positive, got q {shape_str(q)}")
+        raise ValueError(f"head_dim must be positive, got q {shape_text(q)}")
     if scale is None:
         scale = default_scale(D)
     else:
@@ -276,7 +278,7 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
                                 "pass a Python float")
             if scale.numel() != 1 or not scale.is_floating_point() or scale.requires_grad:
                 raise TypeError(f"scale must be a float, got a tensor of shape "
-                                f"{shape_str(scale)}, {scale.dtype}"
+                                f"{shape_text(scale)}, {scale.dtype}"
                                 + (" that requires grad (it would get no gradient: scale q "
                                    "instead)" if scale.requires_grad else ""))
             scale = float(scale)
@@ -288,14 +290,14 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
             scale = math.inf
         if not 0 < scale < math.inf:            # (NaN too; comparisons, which a float
             #                                     traced by torch.compile takes as guards)
-            raise ValueError(f"scale must be finite and > 0, got {shown(scale)} (default: "
-                             f"1/sqrt(D) = {default_scale(shown(D)):.4g})")
+            raise ValueError(f"scale must be finite and > 0, got {concrete(scale)} (default: "
+                             f"1/sqrt(D) = {default_scale(concrete(D)):.4g})")
         scores = torch.promote_types(q.dtype, torch.float32)          # what scores are in
         if scale > torch.finfo(scores).max:
-            raise ValueError(f"scale {shown(scale):g} is past the largest {scores} "
+            raise ValueError(f"scale {concrete(scale):g} is past the largest {scores} "
                              f"({torch.finfo(scores).max:.4g}), which the scores are computed "
                              f"in: every score would overflow; give a smaller scale (default: "
-                             f"1/sqrt(D) = {default_scale(shown(D)):.4g})")
+                             f"1/sqrt(D) = {default_scale(concrete(D)):.4g})")
     fraction("dropout_p", dropout_p)
     for name, flag in (("return_weights", return_weights), ("return_lse", return_lse)):
         if not isinstance(flag, bool):

@@ -24,7 +24,7 @@ import torch
 from .. import masks as M
 from ..functional import attention
 from .hf_masks import HFMask, build_mask, unreadable_mask
-from .._tracing import dims
+from .._tracing import shape_text
 
 NAME = "multihead"
 
@@ -111,7 +111,7 @@ def _check_options(module, kwargs):
 
 
 def _show(x) -> str:
-    return f"tensor of shape {dims(x)}" if isinstance(x, torch.Tensor) else repr(x)[:60]
+    return f"tensor of shape {shape_text(x)}" if isinstance(x, torch.Tensor) else repr(x)[:60]
 
 
 def _mask_for(module, attention_mask, q_len: int, k_len: int, is_causal):
@@ -137,7 +137,7 @@ def _mask_for(module, attention_mask, q_len: int, k_len: int, is_causal):
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
         if attention_mask.shape[-1] > k_len:          # (its first columns may be other keys')
             raise ValueError(f"attention_mask has {attention_mask.shape[-1]} key columns "
-                             f"(shape {dims(attention_mask)}) but the layer has {k_len} "
+                             f"(shape {shape_text(attention_mask)}) but the layer has {k_len} "
                              f"keys: a 4-D mask has one column per key the layer attends to "
                              f"(its cache's and this call's), (B, 1, {q_len}, {k_len})")
         if attention_mask.dtype == torch.bool:        # a model's own 4-D mask, True = attend
@@ -231,7 +231,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
 
     Raises:
         ValueError: an option we do not run (named), or a mask built for other sizes.
-        TypeError: an ``attention_mask`` we cannot read (its type and shape shown).
+        TypeError: an ``attention_mask`` we cannot read (its type and shape concrete).
 
     Example:
         >>> import torch

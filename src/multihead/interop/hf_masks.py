@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .. import masks as M
-from .._tracing import dims
+from .._tracing import shape_text
 
 
 class _Overlay(NamedTuple):
@@ -116,7 +116,7 @@ def unreadable_mask(attention_mask, expected: str) -> TypeError:
     """The error for an ``attention_mask`` we cannot read, showing its type and shape."""
     return TypeError(f"attn_implementation='multihead' reads {expected}, got "
                      f"{type(attention_mask).__name__} of shape "
-                     f"{tuple(getattr(attention_mask, 'shape', ()))}: pass attention_mask to the "
+                     f"{shape_text(attention_mask)}: pass attention_mask to the "
                      f"model as (B, S) with 1 = real token, or as a 4-D (B, 1, Sq, Sk) bool or "
                      f"additive mask")
 
@@ -281,7 +281,7 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     encoder would then run causal), so BEiT, which adds its bias to the mask, is refused.
 
     Raises:
-        TypeError: an ``attention_mask`` that is not 2-D (shape shown).
+        TypeError: an ``attention_mask`` that is not 2-D (shape concrete).
         ValueError: a model option we do not run (softcapping, sinks), before any layer runs.
 
     Example:
@@ -300,7 +300,7 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
             raise unreadable_mask(attention_mask, "a 2-D padding mask (B, S) here")
         if attention_mask.shape[0] != batch_size:       # (transformers reads rows 0..B-1)
             raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows (shape "
-                             f"{dims(attention_mask)}) but the batch has {batch_size} "
+                             f"{shape_text(attention_mask)}) but the batch has {batch_size} "
                              f"sequences: pass one row per sequence (1 = real token)")
         attention_mask = attention_mask.bool()          # (0/1 ints, as tokenizers give)
     q_offset, kv_offset = int(q_offset), int(kv_offset)

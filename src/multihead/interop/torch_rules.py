@@ -15,7 +15,7 @@ from torch import nn
 
 import multihead as mh
 from multihead._dtypes import SUPPORTED_DTYPES, check_weights
-from multihead._tracing import dims, shown
+from multihead._tracing import concrete, shape_text
 
 
 # -- errors: torch's exception type and ours at once ------------------------------------
@@ -120,7 +120,7 @@ def _check_input_dtypes(m: nn.MultiheadAttention, query, key, value) -> None:
 
 def _attn_mask_error(shape, batched: bool, N: int, H: int, L: int, S: int) -> str:
     """What an attn_mask of ``shape`` should have been, and the likely fix."""
-    shape, (N, H, L, S) = tuple(map(shown, shape)), map(shown, (N, H, L, S))
+    shape, (N, H, L, S) = tuple(map(concrete, shape)), map(concrete, (N, H, L, S))
     want = (f"(L, S) = ({L}, {S}) shared by the batch, or (N*num_heads, L, S) = "
             f"({N * H}, {L}, {S}) per sequence and head" if batched else
             f"(L, S) = ({L}, {S}), or (num_heads, L, S) = ({H}, {L}, {S}) per head "
@@ -141,7 +141,7 @@ def _attn_mask_error(shape, batched: bool, N: int, H: int, L: int, S: int) -> st
 
 def _kpm_error(shape, batched: bool, N: int, S: int) -> str:
     """What a key_padding_mask of ``shape`` should have been, and the likely fix."""
-    shape, (N, S) = tuple(map(shown, shape)), map(shown, (N, S))
+    shape, (N, S) = tuple(map(concrete, shape)), map(concrete, (N, S))
     want = f"(N, S) = ({N}, {S})" if batched else f"(S,) = ({S},) (the query is unbatched)"
     hint = ("; it looks transposed: pass key_padding_mask.transpose(0, 1)"
             if batched and shape == (S, N) else "")
@@ -166,14 +166,14 @@ def _check_inputs(m: nn.MultiheadAttention, query, key, value, key_padding_mask,
     if qd not in (2, 3):
         raise _AssertionArgError(
             f"query should be unbatched 2D or batched 3D tensor but received {qd}-D query "
-            f"tensor (shape {dims(query)}): pass (L, N, E), (N, L, E) with "
+            f"tensor (shape {shape_text(query)}): pass (L, N, E), (N, L, E) with "
             f"batch_first=True, or (L, E)")
     batched = qd == 3
     tag = "batched (3-D)" if batched else "unbatched (2-D)"
     if kd != qd or vd != qd:
         raise _AssertionArgError(
             f"For {tag} `query`, expected `key` and `value` to be {qd}-D but found {kd}-D and "
-            f"{vd}-D tensors respectively: shapes {dims(key)} and {dims(value)}")
+            f"{vd}-D tensors respectively: shapes {shape_text(key)} and {shape_text(value)}")
     # (N, L, S) in the caller's layout
     if not batched:
         N, L, S = 1, query.shape[0], key.shape[0]
@@ -192,43 +192,47 @@ def _check_inputs(m: nn.MultiheadAttention, query, key, value, key_padding_mask,
                                      f"2-D or 3-D but found {am.dim()}-D tensor instead: {err()}")
         if not batched and am.dim() == 3 and tuple(am.shape) != (m.num_heads, L, S):
             raise _AssertionArgError(f"Expected `attn_mask` shape to be "
-                                     f"{(m.num_heads, shown(L), shown(S))} "
-                                     f"but got {dims(am)}: {err()}")
+                                     f"{(m.num_heads, concrete(L), concrete(S))} "
+                                     f"but got {shape_text(am)}: {err()}")
     if query.shape[-1] != m.embed_dim:
         raise _AssertionArgError(
             f"was expecting embedding dimension of {m.embed_dim}, but got "
-            f"{shown(query.shape[-1])}: "
-            f"query has shape {dims(query)}, its last dim must be embed_dim")
+            f"{concrete(query.shape[-1])}: "
+            f"query has shape {shape_text(query)}, its last dim must be embed_dim")
     if m._qkv_same_embed_dim and key.shape != value.shape:
-        raise _AssertionArgError(f"key shape {dims(key)} does not match value shape "
-                                 f"{dims(value)}")
+        raise _AssertionArgError(f"key shape {shape_text(key)} does not match value shape "
+                                 f"{shape_text(value)}")
     if key.shape[:-1] != value.shape[:-1]:
         raise _AssertionArgError(
-            f"key's sequence and batch dims {tuple(map(shown, key.shape[:-1]))} do not match "
-            f"value's {tuple(map(shown, value.shape[:-1]))}")
+            f"key's sequence and batch dims {tuple(map(concrete, key.shape[:-1]))} do not match "
+            f"value's {tuple(map(concrete, value.shape[:-1]))}")
     # torch's packed projection fails in its matmul (RuntimeError), the separate ones on
     # an assertion of the weights' shapes
     wrong_width = _RuntimeArgError if m._qkv_same_embed_dim else _AssertionArgError
     for name, t, dim in (("key", key, m.kdim), ("value", value, m.vdim)):
         if t.shape[-1] != dim:
-            raise wrong_width(f"{name} has shape {dims(t)}: its last dim must be "
+            raise wrong_width(f"{name} has shape {shape_text(t)}: its last dim must be "
                               f"{'kdim' if name == 'key' else 'vdim'} = {dim}")
     if batched and key.shape[1 - int(m.batch_first)] != N:
-        raise _RuntimeArgError(f"key has batch size {shown(key.shape[1 - int(m.batch_first)])} "
-                               f"but query has {shown(N)}: shapes {dims(key)} and "
-                               f"{dims(query)} (batch_first={m.batch_first})")
+        raise _RuntimeArgError(f"key has batch size {concrete(key.shape[1 - int(m.batch_first)])} "
+                               f"but query has {concrete(N)}: shapes {shape_text(key)} and "
+                               f"{shape_text(query)} (batch_first={m.batch_first})")
     if am is not None and not causal_hint:
         if am.dim() == 2 and tuple(am.shape) != (L, S):
-            raise _RuntimeArgError(f"The shape of the 2D attn_mask is {am.shape}, but should "
-                                   f"be {(L, S)}: {err()}")
+            raise _RuntimeArgError(f"The shape of the 2D attn_mask is "
+                                   f"{torch.Size(tuple(map(concrete, am.shape)))}, but should "
+                                   f"be {(concrete(L), concrete(S))}: {err()}")
         if am.dim() == 3 and tuple(am.shape) != (N * m.num_heads, L, S):
-            raise _RuntimeArgError(f"The shape of the 3D attn_mask is {am.shape}, but should "
-                                   f"be {(N * m.num_heads, L, S)}: {err()}")
+            raise _RuntimeArgError(f"The shape of the 3D attn_mask is "
+                                   f"{torch.Size(tuple(map(concrete, am.shape)))}, but should "
+                                   f"be {tuple(map(concrete, (N * m.num_heads, L, S)))}: "
+                                   f"{err()}")
     want = (N, S) if batched else (S,)
     if kpm is not None and tuple(kpm.shape) != want:
         i = 0 if kpm.shape[0] != want[0] else 1                 # the first dim that is off
-        raise _AssertionArgError(f"Expected key_padded_mask.shape[{i}] to be {shown(want[i])}, "
-                                 f"but got {shown(kpm.shape[i])}: " + _kpm_error(tuple(kpm.shape), batched, N, S))
+        raise _AssertionArgError(f"Expected key_padded_mask.shape[{i}] to be {concrete(want[i])}, "
+                                 f"but got {concrete(kpm.shape[i])}: "
+                                 + _kpm_error(tuple(kpm.shape), batched, N, S))
     return batched
 
 

@@ -32,6 +32,7 @@ import torch
 from torch._functorch.utils import unwrap_dead_wrappers
 
 from .. import _second_order as second_order
+from .._dtypes import without_autocast
 from .._second_order import refuse_second_order
 from . import _ahead
 from ._band import check_inputs, empty_like_all, empty_outputs, launch_config
@@ -102,6 +103,7 @@ def _setup(ctx, inputs, output):
     ctx.documents = documents                  # a host table: kept, not saved for autograd
 
 
+@without_autocast
 def _gradients(ctx, dout, dlse, backward=flash_attention_backward):
     refuse_second_order("triton")
     q, k, v, out, lse, kv_lengths = ctx.saved_tensors
@@ -184,6 +186,7 @@ class _Flash(_Direct):
         ctx.again = inputs[-1]
 
     @staticmethod
+    @without_autocast
     def backward(ctx, dout, dlse):
         early = _early(ctx, dout, dlse, 10)
         if early is not None:
@@ -294,6 +297,7 @@ def _sparse_setup(ctx, inputs, output):
     ctx.args = (scale, source, len(tensors), ints, configs, len(lists))
 
 
+@without_autocast
 def _sparse_gradients(ctx, dout, dlse):
     refuse_second_order("triton")
     q, k, v, out, lse, *rest = ctx.saved_tensors
@@ -327,6 +331,7 @@ class _Sparse(_Direct):
         ctx.versions = ctx.again.versions if same else mask._versions()
 
     @staticmethod
+    @without_autocast
     def backward(ctx, dout, dlse):
         early = _early(ctx, dout, dlse, 6)
         if early is not None:

@@ -31,7 +31,7 @@ from .. import _device as devices
 from .._device import to_device
 from .._args import positive_int
 from .._dtypes import check_dtype
-from .._tracing import shown
+from .._tracing import concrete
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -414,13 +414,13 @@ class Mask:
         # (== and != only: under torch.compile `n not in (1, batch)` misreads a symbolic batch)
         if self.batch_size is not None and self.batch_size != 1 and self.batch_size != batch:
             raise ValueError(
-                f"mask: {self.describe()} was built for batch size {shown(self.batch_size)}, "
-                f"but the inputs have batch size {shown(batch)}: build the mask from this "
+                f"mask: {self.describe()} was built for batch size {concrete(self.batch_size)}, "
+                f"but the inputs have batch size {concrete(batch)}: build the mask from this "
                 f"batch's lengths/ids")
         if self.num_heads is not None and self.num_heads != 1 and self.num_heads != heads:
             raise ValueError(
-                f"mask: {self.describe()} was built for {shown(self.num_heads)} heads, but q "
-                f"has {shown(heads)} heads: build it with num_heads={shown(heads)}")
+                f"mask: {self.describe()} was built for {concrete(self.num_heads)} heads, but q "
+                f"has {concrete(heads)} heads: build it with num_heads={concrete(heads)}")
 
     # -- public API ------------------------------------------------------------------------
     def check(self, batch: int, heads: int, sq: int, sk: int,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._tracing import shown
+from .._tracing import concrete
 from .base import Index, Mask, TileIndex, one_batch
 
 
@@ -102,8 +102,8 @@ class Positioned(Mask):
         for name, t, n in (("q_positions", self.q_positions, sq),
                            ("k_positions", self.k_positions, sk)):
             if t.shape[1] != n:
-                raise ValueError(f"at_positions: {name} has {shown(t.shape[1])} positions but "
-                                 f"the call has {shown(n)} {name[0]} slots: give one position "
+                raise ValueError(f"at_positions: {name} has {concrete(t.shape[1])} positions but "
+                                 f"the call has {concrete(n)} {name[0]} slots: give one position "
                                  f"per slot")
         self.m._check(batch, heads, sq, sk)
 

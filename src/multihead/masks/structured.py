@@ -22,7 +22,7 @@ import torch
 from .._args import counted, positive_int
 from .._dtypes import check_strided, host_tensor, integer_tensor
 from .._device import check_fits
-from .._tracing import dims, shown
+from .._tracing import concrete, shape_text
 from .base import Index, Mask, TileIndex, one_batch, versioned
 
 _ALIGNS = ("lower_right", "upper_left")
@@ -129,7 +129,7 @@ def sliding_window(size: int, *, align: str = "lower_right") -> Window:
 def _as_long_1d_or_2d(x, name: str) -> torch.Tensor:
     t = integer_tensor(name, x)
     if t.dim() not in (1, 2):
-        raise ValueError(f"{name} must be 1-D (S,) or 2-D (B, S), got shape {dims(t)}")
+        raise ValueError(f"{name} must be 1-D (S,) or 2-D (B, S), got shape {shape_text(t)}")
     return t
 
 
@@ -176,7 +176,7 @@ class Padding(Mask):
         if t.dtype == torch.bool:
             if t.dim() != 2:
                 raise ValueError(f"padding: a bool mask must be (B, S) with True = real token, "
-                                 f"got shape {dims(t)}")
+                                 f"got shape {shape_text(t)}")
             if t.device.type == "cpu" and not torch.compiler.is_compiling():
                 with versioned():
                     t = t.clone()              # a private copy: its facts stay true
@@ -184,7 +184,7 @@ class Padding(Mask):
         else:
             if t.is_floating_point() or t.is_complex() or t.dim() != 1:
                 raise TypeError(f"padding: lengths must be a 1-D integer tensor (B,) or a (B, S) "
-                                f"bool tensor, got dtype {t.dtype} and shape {dims(t)}")
+                                f"bool tensor, got dtype {t.dtype} and shape {shape_text(t)}")
             if not torch.compiler.is_compiling():
                 _check_readable("padding's lengths", t)
             with versioned():
@@ -261,9 +261,9 @@ class Padding(Mask):
     def describe(self) -> str:
         side = "" if self.side == "key" else ", side='query'"
         if self.real is not None:
-            return f"padding(mask of shape {dims(self.real)}{side})"
+            return f"padding(mask of shape {shape_text(self.real)}{side})"
         if self._host_lengths is None:
-            return f"padding(lengths of shape ({shown(self.batch_size)},){side})"
+            return f"padding(lengths of shape ({concrete(self.batch_size)},){side})"
         vals = self._host_lengths.tolist()
         listed = ", ".join(map(str, vals[:6])) + (", ..." if len(vals) > 6 else "")
         return f"padding(lengths=[{listed}]{side})"
@@ -287,15 +287,15 @@ class Padding(Mask):
         super()._check(batch, heads, sq, sk)
         s, what = (sk, "Sk") if self.side == "key" else (sq, "Sq")
         if self.real is not None and self.real.shape[1] != s:
-            raise ValueError(f"mask: {self.describe()} covers {shown(self.real.shape[1])} "
-                             f"positions but {what} = {shown(s)}: the (B, S) mask must have "
+            raise ValueError(f"mask: {self.describe()} covers {concrete(self.real.shape[1])} "
+                             f"positions but {what} = {concrete(s)}: the (B, S) mask must have "
                              f"S == {what}")
         if self.real is None and self._min_count is not None and self._min_count < 0:
             raise ValueError(f"mask: {self.describe()} has a negative length: lengths count "
                              f"real tokens (written in place since the mask was built?)")
         if self.real is None and self._max_len is not None and self._max_len > s:
             raise ValueError(f"mask: {self.describe()} has a length {self._max_len} > {what} = "
-                             f"{shown(s)}: "
+                             f"{concrete(s)}: "
                              f"lengths count real tokens and cannot exceed the sequence")
 
     def _row(self, b: torch.Tensor) -> torch.Tensor:
@@ -486,8 +486,8 @@ class Document(Mask):
             n = counted(sum(len(s) for s in self.runs().starts), "run")
         else:
             n = f"on {self.ids.device}"
-        extra = "" if self.kv_ids is None else f", kv_ids of shape {dims(self.kv_ids)}"
-        return f"document(ids of shape {dims(self.ids)}, {n}{extra})"
+        extra = "" if self.kv_ids is None else f", kv_ids of shape {shape_text(self.kv_ids)}"
+        return f"document(ids of shape {shape_text(self.ids)}, {n}{extra})"
 
     def _preview_size(self):                    # (one id per key: not capped)
         n = self.ids.shape[1]
@@ -504,17 +504,17 @@ class Document(Mask):
         super()._check(batch, heads, sq, sk)
         if self.kv_ids is None and sq > sk:
             raise ValueError(f"mask: {self.describe()} without kv_ids aligns queries with the last "
-                             f"Sq keys, but Sq = {shown(sq)} > Sk = {shown(sk)}: pass ids "
+                             f"Sq keys, but Sq = {concrete(sq)} > Sk = {concrete(sk)}: pass ids "
                              f"(length Sq) and "
                              f"kv_ids (length Sk)")
         if self.kv_ids is None and self.ids.shape[1] != sk:
             raise ValueError(
-                f"mask: {self.describe()} has {shown(self.ids.shape[1])} ids but Sk = "
-                f"{shown(sk)}: give one id "
+                f"mask: {self.describe()} has {concrete(self.ids.shape[1])} ids but Sk = "
+                f"{concrete(sk)}: give one id "
                 f"per key (queries are the last Sq of them), or pass kv_ids for cross-attention")
         if self.kv_ids is not None and (self.ids.shape[1] != sq or self.kv_ids.shape[1] != sk):
-            raise ValueError(f"mask: {self.describe()} needs ids of length Sq = {shown(sq)} "
-                             f"and kv_ids of length Sk = {shown(sk)}")
+            raise ValueError(f"mask: {self.describe()} needs ids of length Sq = {concrete(sq)} "
+                             f"and kv_ids of length Sk = {concrete(sk)}")
 
     def _q_k_ids(self, sq: int, sk: int, device):
         ids = self.ids.to(device)

@@ -14,7 +14,7 @@ import torch
 from .._args import positive_int
 from .._dtypes import check_strided
 from .._device import to_device
-from .._tracing import dims as _dims, shown
+from .._tracing import concrete, shape_text
 from .base import Index, Mask, TileIndex
 
 
@@ -22,7 +22,7 @@ def _as_4d(t: torch.Tensor, name: str) -> torch.Tensor:
     check_strided(name, t)
     if t.dim() == 0 or t.dim() > 4:
         raise ValueError(f"{name} must have 1 to 4 dims broadcastable to (B, H, Sq, Sk), "
-                         f"got shape {_dims(t)}")
+                         f"got shape {shape_text(t)}")
     return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))             # (B|1, H|1, Sq|1, Sk|1)
 
 
@@ -56,7 +56,7 @@ def _check_broadcast(mask: Mask, t: torch.Tensor, batch, heads, sq, sk) -> None:
     want = (batch, heads, sq, sk)
     if any(n != 1 and n != w for n, w in zip(t.shape, want)):     # (symbolic sizes: no `in`)
         raise ValueError(f"mask: {mask.describe()} does not broadcast to (B, H, Sq, Sk) = "
-                         f"{tuple(map(shown, want))}: each dim must be 1 or equal to the "
+                         f"{tuple(map(concrete, want))}: each dim must be 1 or equal to the "
                          f"inputs'")
 
 
@@ -104,7 +104,7 @@ class Dense(Mask):
         return ("dense", _broadcasts(self.t)) if self.memoizable else None
 
     def describe(self):
-        return f"dense(shape {_dims(self.t)})"
+        return f"dense(shape {shape_text(self.t)})"
 
     def _preview_size(self):        # the tensor's own lengths (repr says when too large)
         return self.t.shape[2], self.t.shape[3]
@@ -191,7 +191,7 @@ class Bias(Mask):
         return ("bias", _broadcasts(self.raw), self.raw.dtype) if self.memoizable else None
 
     def describe(self):
-        return f"bias(shape {_dims(self.raw)})"
+        return f"bias(shape {shape_text(self.raw)})"
 
     def _preview_size(self):        # the tensor's own lengths (repr says when too large)
         return self.raw.shape[2], self.raw.shape[3]

@@ -24,7 +24,7 @@ from .. import masks
 from .._args import fraction, positive_int
 from .._device import usable_device
 from .._dtypes import AUTOCAST_CASTS, autocast_dtype, check_dtype, check_strided, check_weights
-from .._tracing import dims, eager_under_compile, refuse_jit_trace, shown
+from .._tracing import concrete, eager_under_compile, refuse_jit_trace, shape_text
 from ..masks.positioned import distances_in_tokens
 from ..functional import attention
 from ..functional.dispatch import check_backend
@@ -250,7 +250,7 @@ class MultiHeadAttention(AllOrNothing):
                             f"{self.out_proj.weight.dtype}), got {t.dtype}: convert it with "
                             f"{name}.to({self.out_proj.weight.dtype})")
         if t.dim() != 3 or t.shape[-1] != width:
-            raise ValueError(f"{name} must be (B, S, {width}), got shape {dims(t)}"
+            raise ValueError(f"{name} must be (B, S, {width}), got shape {shape_text(t)}"
                              + (" (add a batch dim with x.unsqueeze(0))" if t.dim() == 2 else ""))
         p = self.out_proj.weight
         check_weights(p.dtype)
@@ -331,10 +331,10 @@ class MultiHeadAttention(AllOrNothing):
                                 f"an int, or one position per query")
             if positions.shape[-1:] != (Sq,) or positions.dim() not in (1, 2) or (
                     positions.dim() == 2 and positions.shape[0] != 1 and positions.shape[0] != B):
-                B, Sq = shown(B), shown(Sq)
+                B, Sq = concrete(B), concrete(Sq)
                 raise ValueError(f"positions must be an int (the first of Sq consecutive "
                                  f"positions) or (Sq,) or (B, Sq) = ({Sq},) or ({B}, {Sq}), "
-                                 f"got shape {dims(positions)}")
+                                 f"got shape {shape_text(positions)}")
         if self_attn:
             return self.rope.rotate(q, k, positions=positions)
         return self.rope(q, positions), self.rope(k, 0)

@@ -45,7 +45,7 @@ import torch
 from .._args import positive_int
 from .._device import check_fits, to_device, usable_device
 from .._dtypes import check_dtype, check_strided
-from .._tracing import dims
+from .._tracing import shape_text
 from ..analysis.params import human_bytes
 
 
@@ -259,7 +259,7 @@ class _CacheBase:
         want_k, want_v = (batch, self.num_kv_heads, n, self.head_dim), \
             (batch, self.num_kv_heads, n, self.value_dim)
         if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
-            raise ValueError(f"cache update: k {dims(k)} / v {dims(v)} must be "
+            raise ValueError(f"cache update: k {shape_text(k)} / v {shape_text(v)} must be "
                              f"{want_k} / {want_v}")
         if k.dtype != self.dtype or v.dtype != self.dtype:
             raise TypeError(f"cache update: k/v are {k.dtype}/{v.dtype}, the cache is {self.dtype}")

@@ -32,7 +32,7 @@ from torch import nn
 from .._cache import BoundedCache
 from .._device import to_device, usable_device
 from .._dtypes import check_strided
-from .._tracing import dims, refuse_jit_trace, shown
+from .._tracing import concrete, refuse_jit_trace, shape_text
 
 #: rows of a table when first built (it doubles past them)
 FIRST_ROWS = 2048
@@ -363,7 +363,7 @@ class RotaryEmbedding(nn.Module):
                     or t.shape[-2] != x.shape[-2]:
                 raise ValueError(f"RotaryEmbedding({self.head_dim}): inputs must be (..., S, "
                                  f"{self.head_dim}) with one S, got "
-                                 f"{[tuple(getattr(a, 'shape', ())) for a in xs]}")
+                                 f"[{', '.join(shape_text(a) for a in xs)}]")
             if not t.is_floating_point():
                 raise TypeError(f"RotaryEmbedding: the inputs to rotate must be floating "
                                 f"point (queries and keys), got {t.dtype}: pass them as "
@@ -411,10 +411,10 @@ class RotaryEmbedding(nn.Module):
         B = x.shape[0] if x.dim() == 4 else 1
         if positions.dim() not in (1, 2) or positions.shape[-1] != S or (
                 positions.dim() == 2 and positions.shape[0] != 1 and positions.shape[0] != B):
-            B, S = shown(B), shown(S)
+            B, S = concrete(B), concrete(S)
             raise ValueError(f"RotaryEmbedding: positions must be (S,) or (B, S) = ({S},) or "
-                             f"({B}, {S}) for x of shape {dims(x)}, got shape "
-                             f"{dims(positions)}")
+                             f"({B}, {S}) for x of shape {shape_text(x)}, got shape "
+                             f"{shape_text(positions)}")
         if positions.dim() == 2 and x.dim() != 4:
             positions = positions.reshape(S)                 # (1, S) -> (S,): x has no batch
         if tables and span is not None:
