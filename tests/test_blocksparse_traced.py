@@ -194,12 +194,15 @@ def test_a_mask_that_cannot_travel_as_arguments_is_refused_with_the_reason():
     (dict(k_heads=3), "q has 4 heads and k/v have 3"),
     (dict(align="sideways"), "align must be one of"),
     (dict(padding=torch.tensor([99])), "length 99 > Sk = 20"),
+    (dict(causal=False), r"window=4 needs causal=True .* or window=0 for no band"),
 ])
 def test_the_operator_refuses_bad_arguments_as_attention_does(bad, match):
+    """(A window without causal=True ran unmasked attention.)"""
     q = torch.randn(1, 4, 20, 8)
     k = torch.randn(1, bad.get("k_heads", 2), 20, 8)
     with pytest.raises(ValueError, match=match):
-        OP(q, k, k, 0.3, True, 4, bad.get("align", "lower_right"), bad.get("padding"))
+        OP(q, k, k, 0.3, bad.get("causal", True), 4, bad.get("align", "lower_right"),
+           bad.get("padding"))
 
 
 def test_the_operator_is_not_traced_off_the_cpu():

@@ -193,6 +193,9 @@ def test_a_sparse_input_is_refused_after_dense_calls_of_its_shape():
 
 _MODULE, _DROP_IN = mh.MultiHeadAttention(16, 4), mh.nn.MultiheadAttention(16, 4, batch_first=True)
 _ROPE = mh.MultiHeadAttention(16, 4, rope=mh.RotaryEmbedding(4))
+#: masks built outside the compiled function: their host facts (lengths, runs) are known
+_LONG, _THREE = M.padding(torch.tensor([30, 5])), M.padding(torch.tensor([3, 5, 7]))
+_DOCS, _ALIBI = M.document(torch.tensor([0, 0, 1, 1, 1, 2, 2, 2])), M.alibi(3)
 #: mistakes whose message holds sizes that torch.compile(dynamic=True) traces as symbolic
 TRACED = [
     ("batch", lambda q, k, v, s: mh.attention(q, k[:1], v[:1])),
@@ -210,6 +213,10 @@ TRACED = [
         q.shape[0], k.shape[2] + 1, dtype=torch.bool)))),
     ("padding batch", lambda q, k, v, s: mh.attention(q, k, v, mask=M.padding(
         torch.tensor([1, 2, 3])))),
+    ("padding too long, built outside", lambda q, k, v, s: mh.attention(q, k, v, mask=_LONG)),
+    ("padding batch, built outside", lambda q, k, v, s: mh.attention(q, k, v, mask=_THREE)),
+    ("document ids, built outside", lambda q, k, v, s: mh.attention(q, k, v, mask=_DOCS)),
+    ("alibi heads, built outside", lambda q, k, v, s: mh.attention(q, k, v, mask=_ALIBI)),
     ("document ids", lambda q, k, v, s: mh.attention(q, k, v, mask=M.document(
         torch.zeros(k.shape[2] + 1, dtype=torch.long)))),
     ("module width", lambda q, k, v, s: _MODULE(q[:, 0, :, :8])),

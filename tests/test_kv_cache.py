@@ -133,6 +133,18 @@ def test_a_compiled_module_decodes_with_a_cache_as_eager_does(kind, grad):
         assert cache.seen == before.seen and torch.equal(cache.valid, before.valid)
 
 
+def test_fullgraph_says_why_a_cached_forward_runs_eagerly_on_a_first_compile():
+    """With no compile before it in the process, the graph break's wrapper was built inside
+    the trace, which Dynamo refused as "marked as skipped" without our reason."""
+    m = _module(2, True).eval()
+    cache = m.make_cache(batch_size=2, max_len=16)
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception, match="cache= writes the cache.*runs eagerly"):
+        torch.compile(m, backend="aot_eager", fullgraph=True)(torch.randn(2, 3, m.embed_dim),
+                                                              cache=cache, mask=CAUSAL)
+    assert cache.seen == 0
+
+
 def test_importing_multihead_does_not_import_the_compiler():
     """torch._dynamo takes about a second to import: the cached step's graph break is made
     on its first traced call, not when the module is defined (every CLI call paid it)."""

@@ -226,6 +226,25 @@ def test_torch_compile_fullgraph_training_with_weights():
     torch.testing.assert_close(torch.autograd.grad(compiled(x), x)[0], want)
 
 
+def test_a_compiled_gqa_rope_module_trains_at_a_new_length():
+    """Inductor (the default backend), dynamic lengths: SDPA's GQA fold of a strided q (RoPE
+    rotates q and k as one tensor, then splits it) made the compiled backward assert the
+    strides of the first length at the second ("expected ... stride 640==320"); the
+    gradients now equal eager's at each length."""
+    torch.manual_seed(1)
+    m = mh.MultiHeadAttention(32, 4, num_kv_heads=2, rope=mh.RotaryEmbedding(8))
+    compiled = torch.compile(m, dynamic=True)
+    for S in (10, 20):
+        x = torch.randn(2, S, 32)
+        grads = []
+        for fn in (compiled, m):
+            m.zero_grad()
+            fn(x).square().sum().backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_seed_tutorial_parity(masked):
     torch.manual_seed(0)

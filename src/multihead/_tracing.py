@@ -77,8 +77,9 @@ def shape_text(t) -> str:
 def eager_under_compile(reason: str):
     """Decorator: ``fn`` runs as written; under ``torch.compile`` it is a graph break
     (``torch.compiler.disable`` with ``reason``, which ``fullgraph=True`` reports), the
-    wrapper built on the first traced call, so importing multihead does not import
-    ``torch._dynamo`` (a second, at a decorator's definition).
+    wrapper built on the first call made while a compile is active on the thread, so
+    importing multihead does not import ``torch._dynamo`` (a second, at a decorator's
+    definition).
 
     Example:
         >>> @eager_under_compile("keeps a count in Python")
@@ -93,10 +94,19 @@ def eager_under_compile(reason: str):
         @functools.wraps(fn)
         def call(*args, **kwargs):
             nonlocal disabled
-            if not torch.compiler.is_compiling():
-                return fn(*args, **kwargs)
+            if not torch.compiler.is_compiling() and _callback() is None:   # no compile on
+                return fn(*args, **kwargs)                                  # this thread
             if disabled is None:
                 disabled = torch.compiler.disable(fn, reason=reason)
             return disabled(*args, **kwargs)
+        # what torch.compiler.disable marks, set without importing Dynamo: a trace does not
+        # enter `call` (built inside one, the wrapper was refused as "marked as skipped",
+        # which fullgraph=True reported in place of the reason)
+        call._torchdynamo_disable, call._torchdynamo_disable_msg = True, reason
         return call
     return wrap
+
+
+def _callback():
+    """The frame-evaluation callback ``torch.compile`` installs on this thread, or None."""
+    return torch._C._dynamo.eval_frame.get_eval_frame_callback()

@@ -262,7 +262,8 @@ class Padding(Mask):
         side = "" if self.side == "key" else ", side='query'"
         if self.real is not None:
             return f"padding(mask of shape {shape_text(self.real)}{side})"
-        if self._host_lengths is None:
+        # (traced, the host copy of the lengths is a graph input: no values to format)
+        if torch.compiler.is_compiling() or self._host_lengths is None:
             return f"padding(lengths of shape ({concrete(self.batch_size)},){side})"
         vals = self._host_lengths.tolist()
         listed = ", ".join(map(str, vals[:6])) + (", ..." if len(vals) > 6 else "")
@@ -294,7 +295,7 @@ class Padding(Mask):
             raise ValueError(f"mask: {self.describe()} has a negative length: lengths count "
                              f"real tokens (written in place since the mask was built?)")
         if self.real is None and self._max_len is not None and self._max_len > s:
-            raise ValueError(f"mask: {self.describe()} has a length {self._max_len} > {what} = "
+            raise ValueError(f"mask: {self.describe()} has a length {concrete(self._max_len)} > {what} = "
                              f"{concrete(s)}: "
                              f"lengths count real tokens and cannot exceed the sequence")
 

@@ -74,6 +74,10 @@ def band_of(call) -> TracedBand | str:
 
 def _mask(causal: bool, window: int, align: str, padding: torch.Tensor | None):
     """The mask object of the operator's arguments (``window`` 0: none)."""
+    if window and not causal:                     # (a window is a causal band's width)
+        raise ValueError(f"multihead::blocksparse: window={window} needs causal=True (a "
+                         f"sliding window is a causal band {window} keys wide); pass "
+                         f"causal=True, or window=0 for no band")
     band = M.Window(window or None, align) if causal else None
     keys = None if padding is None else M.padding(padding)
     return keys if band is None else band if keys is None else band & keys

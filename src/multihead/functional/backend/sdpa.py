@@ -243,7 +243,9 @@ def _kernel(call: AttentionCall, q, k, v, attn_mask, fold: bool, kw: dict,
     the query heads of a group folded into the query axis when ``fold``."""
     B, Hkv, G, Sq = call.B, call.Hkv, call.group, call.Sq
     if fold:
-        qf = q.reshape(B, Hkv, G * Sq, call.D)                           # (B, Hkv, G*Sq, D)
+        # (contiguous first: folding a strided q, as RoPE's split leaves it, makes Inductor's
+        # backward assert the strides of the length it compiled for at the next length)
+        qf = q.contiguous().view(B, Hkv, G * Sq, call.D)                 # (B, Hkv, G*Sq, D)
         if attn_mask is not None:            # the mask once per query head of the group
             attn_mask = attn_mask.expand(-1, -1, Sq, -1)                  # (B', 1, Sq, Sk')
             attn_mask = attn_mask.repeat(1, 1, G, 1)                      # (B', 1, G*Sq, Sk')
