@@ -251,12 +251,10 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
     (B, H, Sq, D), (Bk, Hkv, Sk, Dk), (Bv, Hv, Skv, _) = q.shape, k.shape, v.shape
     if not (B == Bk == Bv):
         raise ValueError(f"batch sizes differ: q {shape_text(q)}, k {shape_text(k)}, "
-                         f"v {shape_text(v)} "
-                         f"(dim 0 must match)")
+                         f"v {shape_text(v)} (dim 0 must match)")
     if D != Dk:
         raise ValueError(f"head_dim of q ({concrete(D)}) and k ({concrete(Dk)}) must match: "
-                         f"q {shape_text(q)}, "
-                         f"k {shape_text(k)}")
+                         f"q {shape_text(q)}, k {shape_text(k)}")
     if Hkv != Hv or Sk != Skv:
         raise ValueError(f"k {shape_text(k)} and v {shape_text(v)} must agree on heads (dim 1) and "
                          f"sequence length (dim 2)")

@@ -439,8 +439,8 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
             out, w, lse = nonfinite.run(backend_obj, call, plan)
     else:
         out, w, lse = nonfinite.run(backend_obj, call, plan)
-    if second_order.wanted(call) and plan is not _EMPTY and \
-            not backend_obj.capabilities_on(call.q.device.type).second_order:
+    if plan is not _EMPTY and not backend_obj.capabilities_on(
+            call.q.device.type).second_order and second_order.wanted(call):
         out, w, lse = second_order.differentiable_again(call, backend_obj.name, (out, w, lse))
     if not (call.return_weights or call.return_lse):
         return out

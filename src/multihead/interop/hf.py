@@ -231,7 +231,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
 
     Raises:
         ValueError: an option we do not run (named), or a mask built for other sizes.
-        TypeError: an ``attention_mask`` we cannot read (its type and shape concrete).
+        TypeError: an ``attention_mask`` we cannot read (its type and shape shown).
 
     Example:
         >>> import torch

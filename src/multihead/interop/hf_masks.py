@@ -281,7 +281,7 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     encoder would then run causal), so BEiT, which adds its bias to the mask, is refused.
 
     Raises:
-        TypeError: an ``attention_mask`` that is not 2-D (shape concrete).
+        TypeError: an ``attention_mask`` that is not 2-D (shape shown).
         ValueError: a model option we do not run (softcapping, sinks), before any layer runs.
 
     Example:

@@ -103,7 +103,6 @@ def _setup(ctx, inputs, output):
     ctx.documents = documents                  # a host table: kept, not saved for autograd
 
 
-@without_autocast
 def _gradients(ctx, dout, dlse, backward=flash_attention_backward):
     refuse_second_order("triton")
     q, k, v, out, lse, kv_lengths = ctx.saved_tensors
@@ -112,7 +111,8 @@ def _gradients(ctx, dout, dlse, backward=flash_attention_backward):
     return dq, dk, dv, None, None, None, None, None, None
 
 
-flash_attention.register_autograd(_gradients, setup_context=_setup)
+# (without_autocast here, not on _gradients: _Flash.backward, which calls it, has its own)
+flash_attention.register_autograd(without_autocast(_gradients), setup_context=_setup)
 
 
 def _refuse_transforms(*grads) -> None:

@@ -295,9 +295,9 @@ class Padding(Mask):
             raise ValueError(f"mask: {self.describe()} has a negative length: lengths count "
                              f"real tokens (written in place since the mask was built?)")
         if self.real is None and self._max_len is not None and self._max_len > s:
-            raise ValueError(f"mask: {self.describe()} has a length {concrete(self._max_len)} > {what} = "
-                             f"{concrete(s)}: "
-                             f"lengths count real tokens and cannot exceed the sequence")
+            raise ValueError(f"mask: {self.describe()} has a length {concrete(self._max_len)} > "
+                             f"{what} = {concrete(s)}: lengths count real tokens and cannot "
+                             f"exceed the sequence")
 
     def _row(self, b: torch.Tensor) -> torch.Tensor:
         """Batch indices into this mask's rows: one sequence broadcasts to every batch."""
@@ -506,13 +506,12 @@ class Document(Mask):
         if self.kv_ids is None and sq > sk:
             raise ValueError(f"mask: {self.describe()} without kv_ids aligns queries with the last "
                              f"Sq keys, but Sq = {concrete(sq)} > Sk = {concrete(sk)}: pass ids "
-                             f"(length Sq) and "
-                             f"kv_ids (length Sk)")
+                             f"(length Sq) and kv_ids (length Sk)")
         if self.kv_ids is None and self.ids.shape[1] != sk:
             raise ValueError(
                 f"mask: {self.describe()} has {concrete(self.ids.shape[1])} ids but Sk = "
-                f"{concrete(sk)}: give one id "
-                f"per key (queries are the last Sq of them), or pass kv_ids for cross-attention")
+                f"{concrete(sk)}: give one id per key (queries are the last Sq of them), or "
+                f"pass kv_ids for cross-attention")
         if self.kv_ids is not None and (self.ids.shape[1] != sq or self.kv_ids.shape[1] != sk):
             raise ValueError(f"mask: {self.describe()} needs ids of length Sq = {concrete(sq)} "
                              f"and kv_ids of length Sk = {concrete(sk)}")
