@@ -236,3 +236,17 @@ def test_the_operator_passes_torchs_own_checks(case):
                                    (dout, None, q.detach(), k.detach(), v.detach(),
                                     out.detach(), stats.detach(), 0.25, *args))
     assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_the_operators_docstring_examples_run():
+    """pytest's doctests do not see a custom operator's docstring (the op object has its
+    own): the examples run here."""
+    import doctest
+
+    from multihead.functional.backend import _blocksparse_op
+    for op in (_blocksparse_op.blocksparse, _blocksparse_op.blocksparse_backward):
+        doc = op._init_fn.__doc__
+        test = doctest.DocTestParser().get_doctest(doc, {}, op._init_fn.__name__, None, 0)
+        runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+        runner.run(test)
+        assert test.examples and runner.summarize(verbose=False).failed == 0

@@ -182,7 +182,20 @@ def blocksparse_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch
                          stats: torch.Tensor, scale: float, causal: bool, window: int,
                          align: str, padding: torch.Tensor | None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`blocksparse`'s call, from its outputs."""
+    """``(dq (B, H, Sq, D), dk (B, Hkv, Sk, D), dv (B, Hkv, Sk, Dv))`` of
+    :func:`blocksparse`'s call on the same arguments, from its outputs ``out`` and ``stats``
+    and their gradients ``dout (B, H, Sq, Dv)`` and ``dlse (B, H, Sq)`` (None: unused).
+
+    Example:
+        >>> import torch
+        >>> q = torch.randn(1, 2, 40, 8)
+        >>> args = (0.35, True, 8, "lower_right", None)
+        >>> out, stats = torch.ops.multihead.blocksparse(q, q, q, *args)
+        >>> grads = torch.ops.multihead.blocksparse_backward(torch.ones_like(out), None, q, q,
+        ...                                                  q, out, stats, *args)
+        >>> [tuple(g.shape) for g in grads]
+        [(1, 2, 40, 8), (1, 2, 40, 8), (1, 2, 40, 8)]
+    """
     from .blocksparse import _backward
     g = _geometry(q, k, v, scale, causal, window, align, padding)
     grads = _backward(g, q, k, v, out, stats[1], stats[2], dout.contiguous(), dlse, scale)
