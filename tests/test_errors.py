@@ -259,3 +259,29 @@ def test_a_mistake_under_fullgraph_compile_shows_our_message(name, fn):
         said = re.split(r"\) (?=was built|has |covers |does not |needs )", said, 1)[1]  # follows
     assert said in text or repr(said)[1:-1] in text, (said, text[:600])
     assert not re.search(r"\bs\d+\b", text), text[:600]      # no symbol (s0, s77) shown
+
+
+@pytest.mark.parametrize("compiler,side", [("aot_eager", "key"), ("aot_eager", "query"),
+                                           ("inductor", "key")])
+def test_padding_lengths_traced_as_a_graph_input_are_checked_when_the_graph_runs(compiler,
+                                                                                   side):
+    """A padding mask built inside a compiled function from lengths the function takes has
+    no values while it is traced: a length past the sequence (lengths of untruncated text)
+    was read as "every key is real" and a negative one as "none is", where eager raises. On
+    the CPU the graph now checks them when it runs."""
+    q = torch.randn(2, 4, 8, 16, generator=torch.Generator().manual_seed(0))
+
+    def fn(q, lengths):
+        return mh.attention(q, q, q, mask=M.padding(lengths, side=side) & M.causal())
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend=compiler)
+    what = "Sk" if side == "key" else "Sq"
+    for bad in ([5, 9], [-1, 3]):
+        with pytest.raises(ValueError, match="length"):
+            fn(q, torch.tensor(bad))                                      # eager
+        with pytest.raises(RuntimeError, match=f"padding.side='{side}'. has a length < 0 or "
+                                               f"> {what}: lengths count real tokens"):
+            compiled(q, torch.tensor(bad))
+    good = torch.tensor([5, 8])
+    torch.testing.assert_close(compiled(q, good), fn(q, good))

@@ -159,7 +159,10 @@ class Padding(Mask):
     queue. A ``(B, S)`` bool tensor on a GPU is neither copied nor read (the mask then
     reads it as it is at each call). Lengths written in place later (``mask.lengths.copy_``,
     before a CUDA graph's replay, say) are followed: what was read from the old values is
-    dropped (and read again from host lengths).
+    dropped (and read again from host lengths). Built while ``torch.compile`` or
+    ``torch.export`` traces, from lengths the traced function takes, host lengths are
+    checked by the graph each time it runs (a RuntimeError); GPU lengths are then not
+    checked (that check would be a device-side assert, which ends the CUDA context).
     """
 
     kind = "padding"
@@ -298,6 +301,15 @@ class Padding(Mask):
             raise ValueError(f"mask: {self.describe()} has a length {concrete(self._max_len)} > "
                              f"{what} = {concrete(s)}: lengths count real tokens and cannot "
                              f"exceed the sequence")
+        if self.real is None and self._max_len is None and torch.compiler.is_compiling() \
+                and self.lengths.device.type == "cpu":
+            # traced, lengths have no values to read: the graph checks them when it runs
+            # (host lengths only: on a GPU, a failed check is a device-side assert that ends
+            # the process's CUDA context)
+            torch._assert_async(((self.lengths >= 0) & (self.lengths <= s)).all(),
+                                f"mask: padding(side={self.side!r}) has a length < 0 or > "
+                                f"{what}: lengths count real tokens and cannot exceed the "
+                                f"sequence (lengths of the untruncated inputs?)")
 
     def _row(self, b: torch.Tensor) -> torch.Tensor:
         """Batch indices into this mask's rows: one sequence broadcasts to every batch."""
