@@ -263,15 +263,17 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
         else:
             mask = self._mask(attn_mask, key_padding_mask, B, n_extra)
         p = self.dropout if self.training else 0.0
-        if not 0.0 <= p <= 1.0:
-            raise _RuntimeArgError(f"dropout probability has to be between 0 and 1, but got {p} "
-                                   f"(torch's rule): build the module with dropout in [0, 1]")
-        if p == 1.0:                     # every weight dropped, as torch's dropout does
-            out = q.new_zeros(B, H, L, Dh)
-            w = q.new_zeros(B, H, L, S) if need_weights else None
-        else:
-            res = mh.attention(q, k, v, mask=mask, dropout_p=p, return_weights=need_weights)
-            out, w = res if need_weights else (res, None)
+        if not 0.0 <= p <= 1.0:          # (torch runs a negative one as 0 where it returns
+            #                              weights, and fails where it does not)
+            raise _RuntimeArgError(f"dropout probability has to be between 0 and 1, but got {p}: "
+                                   f"build the module with dropout in [0, 1]")
+        drop_all = p == 1.0
+        res = mh.attention(q, k, v, mask=mask, dropout_p=0.0 if drop_all else p,
+                           return_weights=need_weights)
+        out, w = res if need_weights else (res, None)
+        if drop_all:        # every weight dropped: torch's dropout multiplies by 0 there, so
+            #                 the output is 0 and every parameter's gradient is 0, not None
+            out, w = out * 0, (None if w is None else w * 0)
         # torch's memory layout: (L, B, E) contiguous, batch_first a transposed view of it
         # (a Dropout after this module draws its mask in memory order: same layout, same
         # mask), except where torch's fused inference kernel answers: (B, L, E) contiguous;

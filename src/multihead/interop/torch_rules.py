@@ -70,7 +70,9 @@ def _torch_mask(mask, name: str) -> "mh.masks.Mask | None":
 # -- torch's input rules (``_mha_shape_check``, ``_canonical_mask`` and the size checks) --
 
 def _check_mask_dtypes(key_padding_mask, attn_mask) -> None:
-    """bool or float masks only; mixing the two kinds warns, as in torch."""
+    """bool or float masks only; mixing the two kinds warns, as in torch (not while
+    ``torch.compile`` traces: Dynamo cannot trace ``warnings.warn``, and torch's module
+    fails under ``fullgraph=True`` there)."""
     for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
         if m is None:
             continue
@@ -81,7 +83,8 @@ def _check_mask_dtypes(key_padding_mask, attn_mask) -> None:
                 f"only bool and floating types of {name} are supported: got {m.dtype}; pass "
                 f"{name}.bool() (True = ignore) or an additive float mask (-inf = ignore)")
     if (key_padding_mask is not None and attn_mask is not None
-            and key_padding_mask.dtype != attn_mask.dtype):
+            and key_padding_mask.dtype != attn_mask.dtype
+            and not torch.compiler.is_compiling()):
         warnings.warn("Support for mismatched key_padding_mask and attn_mask is deprecated. "
                       "Use same type for both instead.", stacklevel=4)
 
