@@ -106,6 +106,8 @@ BAD = [
     ("document len", lambda: mh.attention(q, k, v, mask=M.document(torch.zeros(6, dtype=torch.long))),
      ValueError, r"6 ids but Sk = 7"),
     ("cu_seqlens", lambda: M.document(cu_seqlens=torch.tensor([1, 3])), ValueError, r"start at 0"),
+    ("cu_seqlens total", lambda: mh.attention(q, k, v, mask=M.document(cu_seqlens=[0, 2, 9])),
+     ValueError, r"built from cu_seqlens ending at 9, but Sk = 7: the last entry of cu_seqlens"),
     ("bias nan", lambda: M.bias(torch.tensor([float("nan")])), ValueError, r"NaN"),
     ("or bias", lambda: M.causal() | M.bias(torch.zeros(2, 2)), TypeError, r"combine biases with &"),
     ("and tensor", lambda: M.causal() & torch.ones(2, 2, dtype=torch.bool), TypeError, r"masks.dense"),

@@ -137,7 +137,9 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
 
     Deliberate differences: a query whose keys are all masked gets zeros, not NaN; a float
     mask holding NaN or +inf is refused; a float mask of another dtype than the query's is
-    added at its own precision, never rounded into ``-inf`` (torch refuses most of these).
+    added at its own precision, never rounded into ``-inf`` (torch refuses most of these); a
+    NaN or inf in a key or value that a mask hides does not reach the output; ``is_causal``
+    without ``attn_mask`` is refused where torch's fused kernel would ignore it.
 
     Example:
         >>> import torch, multihead as mh

@@ -390,6 +390,8 @@ class Document(Mask):
 
     kind = "document"
     _immutable = True
+    #: built from cu_seqlens (its last entry is the ids' length): errors name it
+    _from_cu_seqlens = False
 
     def __init__(self, ids=None, *, kv_ids=None, cu_seqlens=None):
         if (ids is None) == (cu_seqlens is None):
@@ -408,6 +410,7 @@ class Document(Mask):
                        "packed documents?")
             pos = torch.arange(total, device=cu.device)
             ids = torch.bucketize(pos, cu[1:], right=True)
+            self._from_cu_seqlens = True
         self._runs = None                                  # DocumentRuns, once known
         with versioned():
             self.ids = _as_long_1d_or_2d(ids, "ids").clone()   # private: its runs stay true
@@ -519,6 +522,10 @@ class Document(Mask):
             raise ValueError(f"mask: {self.describe()} without kv_ids aligns queries with the last "
                              f"Sq keys, but Sq = {concrete(sq)} > Sk = {concrete(sk)}: pass ids "
                              f"(length Sq) and kv_ids (length Sk)")
+        if self.kv_ids is None and self.ids.shape[1] != sk and self._from_cu_seqlens:
+            raise ValueError(f"mask: {self.describe()} was built from cu_seqlens ending at "
+                             f"{concrete(self.ids.shape[1])}, but Sk = {concrete(sk)}: the last "
+                             f"entry of cu_seqlens is the packed length, which must be Sk")
         if self.kv_ids is None and self.ids.shape[1] != sk:
             raise ValueError(
                 f"mask: {self.describe()} has {concrete(self.ids.shape[1])} ids but Sk = "
