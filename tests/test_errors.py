@@ -263,6 +263,31 @@ def test_a_mistake_under_fullgraph_compile_shows_our_message(name, fn):
     assert not re.search(r"\bs\d+\b", text), text[:600]      # no symbol (s0, s77) shown
 
 
+def test_document_from_cu_seqlens_under_compile_breaks_the_graph_or_gives_our_reason():
+    """The offsets are read on the host to size the ids: traced, that failed with Dynamo's
+    data-dependent guard error. Now a graph break runs it (the result is eager's), and
+    fullgraph=True and torch.export refuse it with our reason."""
+    attn = mh.MultiHeadAttention(16, 4).eval()
+
+    def fn(x, cu):
+        return attn(x, mask=M.document(cu_seqlens=cu))
+
+    x, cu = torch.randn(1, 9, 16), torch.tensor([0, 3, 9])
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(fn, backend="eager")(x, cu), fn(x, cu))
+    torch._dynamo.reset()
+    reason = r"document\(cu_seqlens=...\) reads the offsets when the mask is built"
+    with pytest.raises(Exception, match=reason):
+        torch.compile(fn, backend="eager", fullgraph=True)(x, cu)
+
+    class Wrapped(torch.nn.Module):
+        def forward(self, x, cu):
+            return fn(x, cu)
+
+    with pytest.raises(ValueError, match=reason):
+        torch.export.export(Wrapped(), (x, cu))
+
+
 @pytest.mark.parametrize("compiler,side", [("aot_eager", "key"), ("aot_eager", "query"),
                                            ("inductor", "key")])
 def test_padding_lengths_traced_as_a_graph_input_are_checked_when_the_graph_runs(compiler,

@@ -324,6 +324,29 @@ def test_flash_attention_packing_arguments_keep_documents_apart():
             torch.testing.assert_close(got.logits[0], want, atol=ATOL, rtol=1e-5)
 
 
+def test_flash_attention_packing_arguments_trace_under_fullgraph_compile():
+    """Compiled, the offsets hold no values: reading them on the host failed with Dynamo's
+    data-dependent guard error. The graph now builds the ids from them, and checks host
+    offsets when it runs."""
+    g = torch.Generator().manual_seed(1)
+    row = torch.randint(3, VOCAB, (1, 12), generator=g)
+    ours, ref = model("llama", "multihead"), model("llama", "eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager", dynamic=True)
+    with torch.no_grad():
+        for cuts in ([0, 4, 7, 12], [0, 2, 12]):
+            cu = torch.tensor(cuts, dtype=torch.int32)
+            got = compiled(input_ids=row, cu_seq_lens_q=cu, cu_seq_lens_k=cu, use_cache=False)
+            want = torch.cat([ref(input_ids=row[:, a:b]).logits[0]
+                              for a, b in zip(cuts, cuts[1:])])
+            torch.testing.assert_close(got.logits[0], want, atol=ATOL, rtol=1e-5)
+        for bad in ([0, 4, 11], [0, 7, 4, 12], [1, 4, 12]):
+            cu = torch.tensor(bad, dtype=torch.int32)
+            with pytest.raises(RuntimeError, match="cu_seq_lens_k must start at 0, never "
+                                                   "decrease and end at the row's length"):
+                compiled(input_ids=row, cu_seq_lens_q=cu, cu_seq_lens_k=cu, use_cache=False)
+
+
 def test_a_layer_marked_causal_given_a_bidirectional_mask_stays_bidirectional():
     """Phi4-multimodal's vision layers set is_causal=True but build a bidirectional mask.
     Where nothing is masked, sdpa's builder gives None and the layer then runs causal (off
@@ -624,3 +647,20 @@ def test_a_4d_mask_wider_than_the_keys_is_refused_not_cut():
     assert torch.allclose(m(input_ids=ids, attention_mask=fits).logits,
                           model("llama", "sdpa")(input_ids=ids, attention_mask=fits).logits,
                           atol=ATOL)
+
+
+def test_a_4d_integer_mask_is_refused_with_what_to_pass():
+    """eager adds a 0/1 integer mask as a bias (1 for a token it should attend, which
+    masks nothing) and sdpa refuses its dtype; ours refused it with a message about
+    multihead.masks, which a model's caller never calls."""
+    m = model("llama", "multihead")
+    ids = torch.randint(3, VOCAB, (2, 6))
+    causal = torch.ones(6, 6, dtype=torch.long).tril().expand(2, 1, 6, 6)
+    with pytest.raises(TypeError, match=re.escape(
+            "attention_mask is a 4-D torch.int64 tensor (shape (2, 1, 6, 6)): a 4-D mask is bool "
+            "(True = attend) or additive float") + ".*pass mask.bool"):
+        m(input_ids=ids, attention_mask=causal)
+    torch.testing.assert_close(m(input_ids=ids, attention_mask=causal.bool()).logits,
+                               model("llama", "sdpa")(input_ids=ids,
+                                                      attention_mask=causal.bool()).logits,
+                               atol=ATOL, rtol=1e-5)

@@ -142,7 +142,12 @@ def _mask_for(module, attention_mask, q_len: int, k_len: int, is_causal):
                              f"(its cache's and this call's), (B, 1, {q_len}, {k_len})")
         if attention_mask.dtype == torch.bool:        # a model's own 4-D mask, True = attend
             return M.dense(attention_mask), k_len
-        return M.bias(attention_mask), k_len          # additive, as eager adds it
+        if attention_mask.is_floating_point():
+            return M.bias(attention_mask), k_len      # additive, as eager adds it
+        raise TypeError(f"attention_mask is a 4-D {attention_mask.dtype} tensor (shape "
+                        f"{shape_text(attention_mask)}): a 4-D mask is bool (True = attend) or "
+                        f"additive float (0 = attend, -inf = masked); pass mask.bool() for a "
+                        f"0/1 mask, or a (B, S) mask with 1 = real token")
     raise unreadable_mask(attention_mask, "its own masks, None or a 4-D mask in attention")
 
 
@@ -163,12 +168,17 @@ def _flash_packing(kwargs, mask, batch: int, q_len: int, k_len: int):
         return mask
     if mask is not None and any(leaf.kind == "document" for leaf in mask.leaves()):
         return mask                                     # (position_ids gave them already)
+    traced = torch.compiler.is_compiling()              # (the offsets hold no values)
     if cu_q is None or cu_k is None or batch != 1 or q_len != k_len or (
-            cu_q is not cu_k and not torch.equal(cu_q, cu_k)):
+            cu_q is not cu_k and (cu_q.shape != cu_k.shape if traced
+                                  else not torch.equal(cu_q, cu_k))):
         _refuse("packed sequences other than one row of self-attention with equal "
                 "cu_seq_lens_q and cu_seq_lens_k",
                 f"cu_seq_lens_q={_show(cu_q)}, cu_seq_lens_k={_show(cu_k)}, batch {batch}, "
                 f"{q_len} queries, {k_len} keys")
+    if traced:
+        docs = M.document(_traced_packing(cu_q, cu_k, k_len))
+        return docs if mask is None else mask & docs
     ref, version, docs = _PACKED
     now = _version(cu_k)
     if ref is None or ref() is not cu_k or version != now:
@@ -178,6 +188,21 @@ def _flash_packing(kwargs, mask, batch: int, q_len: int, k_len: int):
                     f"cu_seq_lens_k ends at {docs.ids.shape[1]}, the row has {k_len} tokens")
         _PACKED[:] = [weakref.ref(cu_k, _forget_packed), now, docs]
     return docs if mask is None else mask & docs
+
+
+def _traced_packing(cu_q: torch.Tensor, cu_k: torch.Tensor, length) -> torch.Tensor:
+    """The document id of each of the row's ``length`` tokens ``(length,)``, computed in
+    the graph from the offsets (traced, they cannot be read). The graph checks host offsets
+    when it runs, as an eager call does; offsets on a GPU are taken as given (a check there
+    would be a device-side assert), as FlashAttention's varlen kernel takes them."""
+    cu = cu_k.long()
+    if cu.device.type == "cpu":
+        torch._assert_async(
+            (cu[0] == 0) & (cu[-1] == length) & (cu.diff() >= 0).all() & (cu_q.long() == cu).all(),
+            "attn_implementation='multihead': cu_seq_lens_k must start at 0, never decrease and "
+            "end at the row's length, and cu_seq_lens_q must equal it (one row of packed "
+            "self-attention)")
+    return torch.bucketize(torch.arange(length, device=cu.device), cu[1:], right=True)
 
 
 def _forget_packed(_ref) -> None:

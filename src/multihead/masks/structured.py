@@ -22,7 +22,7 @@ import torch
 from .._args import counted, positive_int
 from .._dtypes import check_strided, host_tensor, integer_tensor
 from .._device import check_fits
-from .._tracing import concrete, shape_text
+from .._tracing import concrete, eager_under_compile, shape_text
 from .base import Index, Mask, TileIndex, one_batch, versioned
 
 _ALIGNS = ("lower_right", "upper_left")
@@ -378,6 +378,33 @@ def _find_runs(ids: torch.Tensor) -> DocumentRuns:
     return DocumentRuns(contiguous, starts, lengths)
 
 
+#: why cu_seqlens cannot be read while a graph is traced
+_OFFSETS_TRACED = ("document(cu_seqlens=...) reads the offsets when the mask is built (the "
+                   "ids' length is their last entry), which a traced graph cannot: build the "
+                   "mask outside the compiled or exported function, or pass ids "
+                   "(torch.bucketize(torch.arange(S), cu_seqlens[1:], right=True))")
+
+
+@eager_under_compile(_OFFSETS_TRACED)
+def _offsets_to_ids(cu_seqlens) -> torch.Tensor:
+    """The document id of each position ``(total,)`` from cumulative lengths (read on the
+    host: under ``torch.compile`` a graph break; ``fullgraph=True`` and ``torch.export``
+    refuse it with the reason)."""
+    if torch.compiler.is_compiling():            # torch.export: no graph break to run it in
+        raise ValueError(f"document: {_OFFSETS_TRACED}")
+    cu = _as_long_1d_or_2d(cu_seqlens, "cu_seqlens")
+    _check_readable("document's cu_seqlens", cu)
+    if cu.dim() != 1 or len(cu) < 1 or int(cu[0]) != 0 or bool((cu.diff() < 0).any()):
+        raise ValueError(f"document: cu_seqlens must be 1-D, start at 0 and never "
+                         f"decrease, got {cu.tolist()[:10]}")
+    total = int(cu[-1])
+    need = 16 * total                                                  # (positions and ids)
+    check_fits(need, cu.device, f"document: cu_seqlens ends at {total:,} tokens, whose ids "
+               f"would take", "is its last entry the total length of the packed documents?")
+    pos = torch.arange(total, device=cu.device)                        # (total,)
+    return torch.bucketize(pos, cu[1:], right=True)
+
+
 class Document(Mask):
     """Packed sequences: a query attends only to keys of the same document id.
 
@@ -398,18 +425,7 @@ class Document(Mask):
             raise ValueError("document: pass exactly one of ids (per-token document ids) or "
                              "cu_seqlens (cumulative lengths starting at 0)")
         if cu_seqlens is not None:
-            cu = _as_long_1d_or_2d(cu_seqlens, "cu_seqlens")
-            _check_readable("document's cu_seqlens", cu)
-            if cu.dim() != 1 or len(cu) < 1 or int(cu[0]) != 0 or bool((cu.diff() < 0).any()):
-                raise ValueError(f"document: cu_seqlens must be 1-D, start at 0 and never "
-                                 f"decrease, got {cu.tolist()[:10]}")
-            total = int(cu[-1])
-            need = 16 * total                                          # (positions and ids)
-            check_fits(need, cu.device, f"document: cu_seqlens ends at {total:,} tokens, "
-                       f"whose ids would take", "is its last entry the total length of the "
-                       "packed documents?")
-            pos = torch.arange(total, device=cu.device)
-            ids = torch.bucketize(pos, cu[1:], right=True)
+            ids = _offsets_to_ids(cu_seqlens)
             self._from_cu_seqlens = True
         self._runs = None                                  # DocumentRuns, once known
         with versioned():
