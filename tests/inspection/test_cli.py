@@ -58,6 +58,8 @@ def test_default_run_offline_writes_every_format(tmp_path):
     assert q["token"] == "it" and q["position"] == 10
     animal = [h for h in q["heads"] if h["target_token"] == "animal"]
     assert animal and max(h["weight"] for h in animal) >= 0.5
+    for h in q["heads"]:            # cut down, as the label's: L0H2's 0.999993 was 1.0 there
+        assert int(h["weight"] * 100 + 1e-9) / 100 == float(h["label"].split()[-1]), h
     assert d["selected"] == {"layer": 3, "head": 1}
     assert set(d["metrics"]) == {"cls", "sep", "punct", "prev", "next", "self", "entropy",
                                  "confidence"}
@@ -340,3 +342,31 @@ def test_dollar_signs_are_drawn_as_text(tmp_path):
                      "--format", "png,svg"]) == 0
     svg = (out / "heads.svg").read_text()
     assert "model $x^$" in svg or "model $x^$".replace(" ", "") in svg.replace(" ", "")
+
+
+@pytest.mark.parametrize("error", [MemoryError(), RuntimeError(
+    "[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you "
+    "tried to allocate 2789107344 bytes. Error code 12 (Cannot allocate memory)")])
+def test_running_out_of_memory_is_one_line(error, monkeypatch, capsys):
+    """Past what the up-front check sees (a ulimit, a container's cap, a layer's scores), a
+    MemoryError or torch's allocator error was a traceback with status 1."""
+    from multihead.cli import main as cli_main
+
+    def run(args):
+        raise error
+
+    monkeypatch.setattr(cli_main.SUBCOMMANDS["inspect"], "run", run)
+    assert main(["inspect", "text"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("multihead inspect: error: out of memory") and err.count("\n") == 1
+
+
+def test_other_runtime_errors_are_not_called_out_of_memory(monkeypatch):
+    from multihead.cli import main as cli_main
+
+    def run(args):
+        raise RuntimeError("a defect of ours")
+
+    monkeypatch.setattr(cli_main.SUBCOMMANDS["inspect"], "run", run)
+    with pytest.raises(RuntimeError, match="a defect of ours"):
+        main(["inspect", "text"])

@@ -67,7 +67,7 @@ class Inspection:
             "thresholds": thresholds_text(skip=na),
             "query": {"position": self.query, "token": toks[self.query],
                       "heads": [{"layer": k.layer, "head": k.head, "target": k.target,
-                                 "target_token": toks[k.target], "weight": round(k.weight, digits),
+                                 "target_token": toks[k.target], "weight": round_down(k.weight, digits),
                                  "label": k.label(toks, self.query)} for k in self.looks]},
             "selected": {"layer": self.selected[0], "head": self.selected[1]},
             "summary": self.summary(),
