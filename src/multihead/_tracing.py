@@ -16,6 +16,24 @@ import functools
 import torch
 
 
+def check_when_run(t: torch.Tensor, ok, message: str) -> None:
+    """Values a traced graph cannot read (``torch.compile``, ``torch.export``): the graph
+    raises ``RuntimeError(message)`` each time it runs with ``ok()`` false, for ``t`` on the
+    host. On a GPU that check would be a device-side assert, which ends the CUDA context:
+    there ``ok`` is not built and nothing is checked.
+
+    Example:
+        >>> import torch
+        >>> n = torch.tensor([3, 9])
+        >>> check_when_run(n, lambda: (n <= 8).all(), "a length past S = 8")
+        Traceback (most recent call last):
+        ...
+        RuntimeError: a length past S = 8
+    """
+    if t.device.type == "cpu":
+        torch._assert_async(ok(), message)
+
+
 def refuse_jit_trace(what: str) -> None:
     """Raise a RuntimeError naming ``what`` while ``torch.jit.trace`` records.
 

@@ -140,14 +140,14 @@ def _run(args) -> int:
         return 130
     except (CLIError, ValueError, TypeError, OSError) as e:
         return _failed(args, e)
-    except MemoryError:             # (a ulimit or a container's cap /proc/meminfo cannot see)
-        return _failed(args, CLIError("out of memory: give a shorter text, or run where more "
-                                      "memory is free"))
-    except RuntimeError as e:       # torch's allocator, past what the up-front check saw
-        if "can't allocate memory" not in str(e) and "out of memory" not in str(e):
+    except (MemoryError, RuntimeError) as e:   # past what the up-front check saw (a ulimit,
+        #                                        a container's cap): Python's or torch's
+        said = " ".join(str(e).split())
+        if not isinstance(e, MemoryError) and not ("can't allocate memory" in said
+                                                   or "out of memory" in said):
             raise
-        return _failed(args, CLIError(f"out of memory: {' '.join(str(e).split())[:200]}; give a "
-                                      f"shorter text, or run where more memory is free"))
+        return _failed(args, CLIError(f"out of memory{': ' + said[:200] if said else ''}; give "
+                                      f"a shorter text, or run where more memory is free"))
 
 
 def _failed(args, e: Exception) -> int:

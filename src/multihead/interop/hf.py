@@ -23,8 +23,10 @@ import torch
 
 from .. import masks as M
 from ..functional import attention
+from ..masks import Mask
+from ..masks.structured import ids_from_offsets
 from .hf_masks import HFMask, build_mask, unreadable_mask
-from .._tracing import shape_text
+from .._tracing import check_when_run, shape_text
 
 NAME = "multihead"
 
@@ -176,33 +178,36 @@ def _flash_packing(kwargs, mask, batch: int, q_len: int, k_len: int):
                 "cu_seq_lens_q and cu_seq_lens_k",
                 f"cu_seq_lens_q={_show(cu_q)}, cu_seq_lens_k={_show(cu_k)}, batch {batch}, "
                 f"{q_len} queries, {k_len} keys")
-    if traced:
-        docs = M.document(_traced_packing(cu_q, cu_k, k_len))
-        return docs if mask is None else mask & docs
+    docs = _traced_packing(cu_q, cu_k, k_len) if traced else _read_packing(cu_k, k_len)
+    return docs if mask is None else mask & docs
+
+
+def _read_packing(cu_k: torch.Tensor, length: int) -> Mask:
+    """The documents of the offsets, read on the host once per forward (every layer of it
+    gets the same mask)."""
     ref, version, docs = _PACKED
     now = _version(cu_k)
     if ref is None or ref() is not cu_k or version != now:
         docs = M.document(cu_seqlens=cu_k)             # (reads the offsets: once per forward)
-        if docs.ids.shape[1] != k_len:
+        if docs.ids.shape[1] != length:
             _refuse("packed sequences whose offsets do not cover the row",
-                    f"cu_seq_lens_k ends at {docs.ids.shape[1]}, the row has {k_len} tokens")
+                    f"cu_seq_lens_k ends at {docs.ids.shape[1]}, the row has {length} tokens")
         _PACKED[:] = [weakref.ref(cu_k, _forget_packed), now, docs]
-    return docs if mask is None else mask & docs
+    return docs
 
 
-def _traced_packing(cu_q: torch.Tensor, cu_k: torch.Tensor, length) -> torch.Tensor:
-    """The document id of each of the row's ``length`` tokens ``(length,)``, computed in
-    the graph from the offsets (traced, they cannot be read). The graph checks host offsets
-    when it runs, as an eager call does; offsets on a GPU are taken as given (a check there
-    would be a device-side assert), as FlashAttention's varlen kernel takes them."""
+def _traced_packing(cu_q: torch.Tensor, cu_k: torch.Tensor, length) -> Mask:
+    """The documents of the row's ``length`` tokens, their ids computed in the graph from
+    the offsets (traced, they cannot be read). The graph checks host offsets when it runs,
+    as an eager call does; offsets on a GPU are taken as given, as FlashAttention's varlen
+    kernel takes them."""
     cu = cu_k.long()
-    if cu.device.type == "cpu":
-        torch._assert_async(
-            (cu[0] == 0) & (cu[-1] == length) & (cu.diff() >= 0).all() & (cu_q.long() == cu).all(),
-            "attn_implementation='multihead': cu_seq_lens_k must start at 0, never decrease and "
-            "end at the row's length, and cu_seq_lens_q must equal it (one row of packed "
-            "self-attention)")
-    return torch.bucketize(torch.arange(length, device=cu.device), cu[1:], right=True)
+    check_when_run(cu, lambda: ((cu[0] == 0) & (cu[-1] == length) & (cu.diff() >= 0).all()
+                                & (cu_q.long() == cu).all()),
+                   "attn_implementation='multihead': cu_seq_lens_k must start at 0, never "
+                   "decrease and end at the row's length, and cu_seq_lens_q must equal it (one "
+                   "row of packed self-attention)")
+    return M.document(ids_from_offsets(cu, length))
 
 
 def _forget_packed(_ref) -> None:

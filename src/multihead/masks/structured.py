@@ -22,7 +22,7 @@ import torch
 from .._args import counted, positive_int
 from .._dtypes import check_strided, host_tensor, integer_tensor
 from .._device import check_fits
-from .._tracing import concrete, eager_under_compile, shape_text
+from .._tracing import check_when_run, concrete, eager_under_compile, shape_text
 from .base import Index, Mask, TileIndex, one_batch, versioned
 
 _ALIGNS = ("lower_right", "upper_left")
@@ -301,15 +301,12 @@ class Padding(Mask):
             raise ValueError(f"mask: {self.describe()} has a length {concrete(self._max_len)} > "
                              f"{what} = {concrete(s)}: lengths count real tokens and cannot "
                              f"exceed the sequence")
-        if self.real is None and self._max_len is None and torch.compiler.is_compiling() \
-                and self.lengths.device.type == "cpu":
-            # traced, lengths have no values to read: the graph checks them when it runs
-            # (host lengths only: on a GPU, a failed check is a device-side assert that ends
-            # the process's CUDA context)
-            torch._assert_async(((self.lengths >= 0) & (self.lengths <= s)).all(),
-                                f"mask: padding(side={self.side!r}) has a length < 0 or > "
-                                f"{what}: lengths count real tokens and cannot exceed the "
-                                f"sequence (lengths of the untruncated inputs?)")
+        if torch.compiler.is_compiling() and self.real is None and self._max_len is None:
+            n = self.lengths                    # traced: no values to read (checked when run)
+            check_when_run(n, lambda: ((n >= 0) & (n <= s)).all(),
+                           f"mask: padding(side={self.side!r}) has a length < 0 or > {what}: "
+                           f"lengths count real tokens and cannot exceed the sequence (lengths "
+                           f"of the untruncated inputs?)")
 
     def _row(self, b: torch.Tensor) -> torch.Tensor:
         """Batch indices into this mask's rows: one sequence broadcasts to every batch."""
@@ -401,8 +398,22 @@ def _offsets_to_ids(cu_seqlens) -> torch.Tensor:
     need = 16 * total                                                  # (positions and ids)
     check_fits(need, cu.device, f"document: cu_seqlens ends at {total:,} tokens, whose ids "
                f"would take", "is its last entry the total length of the packed documents?")
-    pos = torch.arange(total, device=cu.device)                        # (total,)
-    return torch.bucketize(pos, cu[1:], right=True)
+    return ids_from_offsets(cu, total)
+
+
+def ids_from_offsets(cu_seqlens: torch.Tensor, length) -> torch.Tensor:
+    """The document id of each of ``length`` positions ``(length,)`` from cumulative
+    lengths ``cu_seqlens (documents + 1,)`` (position ``j`` is in document ``d`` where
+    ``cu_seqlens[d] <= j < cu_seqlens[d + 1]``). Reads no value: traceable with a symbolic
+    ``length``.
+
+    Example:
+        >>> import torch
+        >>> ids_from_offsets(torch.tensor([0, 2, 5]), 5).tolist()
+        [0, 0, 1, 1, 1]
+    """
+    pos = torch.arange(length, device=cu_seqlens.device)                 # (length,)
+    return torch.bucketize(pos, cu_seqlens[1:], right=True)
 
 
 class Document(Mask):
