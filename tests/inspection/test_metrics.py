@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from multihead.inspect.capture import find_query, headline, strongest_looks, Look
+from multihead.inspect.capture import capture, find_query, headline, strongest_looks, Look
 from multihead.inspect.metrics import HeadMetrics, is_punct
 
 TOKS = ["[CLS]", "the", "cat", ",", "it", "sat", ".", "[SEP]"]
@@ -83,14 +83,39 @@ def test_find_query(minilm_tokens):
     words = model.tokenize("The animal didn't cross the street because it was too tired.").words
     assert words[3:6] == [2, 3, 4]                  # (didn|'|t: the tokenizer's three words)
     assert find_query(model, toks, "didn't", words) == 3
-    assert find_query(model, toks, "t", words) == 5
+    assert find_query(model, toks, "t", words) == 5         # (without the text: a word id)
+    with pytest.raises(TypeError, match="word must be a str .*got int 5"):
+        find_query(model, toks, 5)
+    with pytest.raises(TypeError, match=re.escape("text must be a str, got bytes b'It rains.': "
+                                                  "decode it first")):
+        capture(model, b"It rains.")
     with pytest.raises(ValueError, match=re.escape("'didn' (tokens ['didn']) is not in the text")):
         find_query(model, ["didn", "t"], "didn", [0, 0])          # (a piece of a longer word)
 
 
+@pytest.mark.parametrize("word,part_of", [("t", "can't"), ("can", "can't"), ("it", "it's"),
+                                          ("Brien", "O’Brien")])
+def test_a_piece_of_a_word_joined_by_an_apostrophe_is_not_a_query(word, part_of, capsys):
+    """MiniLM splits "can't" into three words (can|'|t); none of them is the query "t" (the
+    README's promise), while the whole word, and the same letters standing alone, are."""
+    from multihead.cli.main import main
+    from multihead.models import load
+    model = load()
+
+    def start(text: str, w: str) -> int:                # where in the text the query starts
+        c = capture(model, text)
+        return c.spans[find_query(model, c.tokens, w, c.words, text=c.text, spans=c.spans)][0]
+    text = "I can't say it's O’Brien"
+    with pytest.raises(ValueError, match=re.escape(f"{word!r} is only part of {part_of!r}")):
+        start(text, word)
+    assert start(f"{text}, {word} alone", word) == len(text) + 2
+    assert start(text, part_of) == text.index(part_of)
+    assert main(["inspect", text, "--query-token", word]) == 2
+    assert f"is only part of {part_of!r} in the text" in capsys.readouterr().err
+
+
 def test_a_word_the_vocabulary_lacks_matches_only_its_own_text():
     """🚀 and 😀 are both [UNK] to MiniLM: the query finds the one the text has there."""
-    from multihead.inspect.capture import capture
     from multihead.models import load
     model = load()
     c = capture(model, "🚀 launched and then 😀 smiled")

@@ -89,7 +89,11 @@ def capture(model: Inspectable, text: str, *, truncate: bool = True) -> Capture:
         >>> c.tokens, tuple(c.weights.shape)
         (['[CLS]', 'it', 'rains', '.', '[SEP]'], (6, 12, 5, 5))
     """
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(text, str):
+        fix = ("decode it first: text.decode('utf-8')" if isinstance(text, (bytes, bytearray))
+               else "pass the text to inspect")
+        raise TypeError(f"text must be a str, got {type(text).__name__} {text!r:.60}: {fix}")
+    if not text.strip():
         raise InspectError("the text is empty: give some words to inspect")
     check_utf8(text, "the text")
     limit = model.config.max_position_embeddings
@@ -216,9 +220,11 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
     tokens' ``words`` (the tokenizer's word ids), only whole words match: "it" is not the
     last piece of "bandit" (b|an|d|it), which a byte-level tokenizer's shown pieces cannot
     tell apart; a word the tokenizer splits at its punctuation ("didn't": didn|'|t) is
-    still one. A word the vocabulary lacks becomes an unknown token ([UNK]), which stands
-    for any such word: it matches only where the ``text`` under the token's ``spans`` is
-    the word itself (without them, nowhere).
+    still one, and with the ``text`` and the tokens' ``spans`` (their characters in it) its
+    pieces are not words of their own: "t" and "didn" are not in "didn't", nor "it" in
+    "it's". A word the vocabulary lacks becomes an unknown token ([UNK]), which stands for
+    any such word: it matches only where the ``text`` under the token's ``spans`` is the
+    word itself (without them, nowhere).
 
     Example:
         >>> from multihead.models import load
@@ -228,11 +234,24 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
         ('it', 2)
         >>> find_query(model, ["b", "it", "it"], "it", words=[0, 0, 1])    # a whole word
         2
+        >>> c = capture(model, "I can't say it")
+        >>> find_query(model, c.tokens, "t", c.words, text=c.text, spans=c.spans)
+        Traceback (most recent call last):
+        ...
+        multihead.inspect.capture.InspectError: --query-token 't' is only part of "can't" in the text: pass the whole word
         >>> c = capture(model, "A 🚀 and a 😀.")
         >>> find_query(model, c.tokens, "😀", c.words, text=c.text, spans=c.spans)
         5
     """
-    whole = _whole_words(tokens, words)
+    if word is not None and not isinstance(word, str):
+        raise TypeError(f"word must be a str (or None: the first pronoun), got "
+                        f"{type(word).__name__} {word!r}")
+    joined = _joined_pieces(text, spans, len(tokens))
+    by_words = _whole_words(tokens, words)
+
+    def whole(i: int, n: int) -> bool:
+        return by_words(i, n) and joined(i, n) is None
+
     content = [(i, t) for i, t in enumerate(tokens) if not is_special(t)]
     causal = bool(getattr(model, "causal", False))
     if word is None:
@@ -254,11 +273,17 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
             return False                               # (a span may start at its space)
         return text[spans[i][0]:spans[i + n - 1][1]].strip().casefold() == word.strip().casefold()
 
+    part_of = None
     for i in range(len(tokens)):
         for pieces in found:
             n = len(pieces)
-            if tokens[i:i + n] == pieces and whole(i, n) and written(i, n):
-                return i
+            if tokens[i:i + n] == pieces and by_words(i, n) and written(i, n):
+                part_of = joined(i, n)
+                if part_of is None:
+                    return i
+    if part_of is not None:
+        raise InspectError(f"--query-token {word!r} is only part of {part_of!r} in the text: "
+                           f"pass the whole word")
     shown = " ".join(t for _, t in content[:60]) + (" ..." if len(content) > 60 else "")
     raise InspectError(f"--query-token {word!r} (tokens {found[0]}) is not in the text; its tokens "
                        f"are: {shown}")
@@ -268,6 +293,44 @@ def _unknown_token(model) -> str | None:
     """The token ``model``'s tokenizer writes for text its vocabulary lacks, if it says."""
     tokenizer = getattr(getattr(model, "tokenizer", None), "model", None)
     return getattr(tokenizer, "unk_token", None)
+
+
+#: characters that join the parts of one word ("can't", "it's", "O’Brien")
+APOSTROPHES = "'’"
+
+
+def _joined_pieces(text: str | None, spans: list | None, count: int):
+    """``joined(i, n)``: the word of ``text`` that tokens ``i .. i + n - 1`` are only a part
+    of, joined to the rest by an apostrophe ("can" or "t" of "can't", "it" or "'s" of
+    "it's"), or None where they are a whole word (or the ``spans`` cannot tell).
+
+    Example:
+        >>> joined = _joined_pieces("I can't", [(0, 1), (2, 5), (5, 6), (6, 7)], 4)
+        >>> joined(3, 1), joined(1, 1), joined(1, 3), joined(0, 1)
+        ("can't", "can't", None, None)
+    """
+    if text is None or spans is None or len(spans) != count:
+        return lambda i, n: None
+
+    def glued(at: int, step: int) -> bool:      # an apostrophe at ``at`` with a letter past it
+        return (0 <= at < len(text) and text[at] in APOSTROPHES
+                and 0 <= at + step < len(text) and text[at + step].isalnum())
+
+    def joined(i: int, n: int) -> str | None:
+        start, end = spans[i][0], spans[i + n - 1][1]
+        while start < end and text[start].isspace():                 # (a span may start at
+            start += 1                                                #  its space)
+        if start >= end:
+            return None
+        inside = glued(start, -1) or glued(end - 1, 1)              # "'t", "can'"
+        if not (inside or glued(start - 1, -1) or glued(end, 1)):   # "t" after "can'"
+            return None
+        while start > 0 and (text[start - 1].isalnum() or glued(start - 1, -1)):
+            start -= 1
+        while end < len(text) and (text[end].isalnum() or glued(end, 1)):
+            end += 1
+        return text[start:end]
+    return joined
 
 
 def _whole_words(tokens: list[str], words: list | None):
