@@ -48,31 +48,33 @@ def _llama_tokenizer():
 def hf_checkpoint(path: Path, kind: str) -> Path:
     """A random 2-layer checkpoint saved as transformers saves one (safetensors)."""
     torch.manual_seed(0)
+    tok = {"gpt2": _gpt2_tokenizer, "bart": lambda: _gpt2_tokenizer(BART_SPECIALS)}.get(
+        kind, _llama_tokenizer)()
+    vocab = tok.get_vocab_size()                # (the embedding has a row for each token)
     if kind == "gpt2":
-        config = transformers.GPT2Config(vocab_size=400, n_embd=32, n_layer=2, n_head=4,
+        config = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4,
                                          n_positions=64, initializer_range=0.3,
                                          bos_token_id=0, eos_token_id=0)
-        model, tok = transformers.GPT2LMHeadModel(config), _gpt2_tokenizer()
+        model = transformers.GPT2LMHeadModel(config)
     elif kind == "llama":
-        config = transformers.LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64,
+        config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
                                           num_hidden_layers=2, num_attention_heads=4,
                                           num_key_value_heads=2, max_position_embeddings=64,
                                           initializer_range=0.3)
-        model, tok = transformers.LlamaForCausalLM(config), _llama_tokenizer()
+        model = transformers.LlamaForCausalLM(config)
     elif kind == "bart":                                   # a smaller decoder: never shown
-        config = transformers.BartConfig(vocab_size=400, d_model=32, encoder_layers=2,
+        config = transformers.BartConfig(vocab_size=vocab, d_model=32, encoder_layers=2,
                                          encoder_attention_heads=4, encoder_ffn_dim=64,
                                          decoder_layers=1, decoder_attention_heads=2,
                                          decoder_ffn_dim=64, max_position_embeddings=64,
                                          init_std=0.3)
         model = transformers.BartForConditionalGeneration(config)
-        tok = _gpt2_tokenizer(BART_SPECIALS)
     else:                                                  # MQA and a sliding window of 4
-        config = transformers.MistralConfig(vocab_size=200, hidden_size=32, intermediate_size=64,
+        config = transformers.MistralConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
                                             num_hidden_layers=2, num_attention_heads=4,
                                             num_key_value_heads=1, max_position_embeddings=64,
                                             sliding_window=4, initializer_range=0.3)
-        model, tok = transformers.MistralForCausalLM(config), _llama_tokenizer()
+        model = transformers.MistralForCausalLM(config)
     model.save_pretrained(path, safe_serialization=True)
     tok.save(str(path / "tokenizer.json"))
     return path

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 import time
 import tracemalloc
@@ -310,6 +311,29 @@ def test_tokenizer_ids_beyond_the_vocabulary(tmp_path):
     d = tiny_checkpoint(tmp_path / "m", vocab_size=1000)     # MiniLM's tokenizer has 30522 ids
     with pytest.raises(ModelLoadError,
                        match=r"tokenizer\.json has token ids up to 30521 .*vocab_size is 1000"):
+        load(d)
+
+
+def test_another_models_smaller_tokenizer_is_refused(tmp_path):
+    """MiniLM's 30,522 tokens under GPT-2's vocab_size all fit, but cover 61% of it: another
+    model's tokenizer; a checkpoint's few padded rows (Phi-2's 98%) still load."""
+    d = tiny_checkpoint(tmp_path / "m", vocab_size=50257)
+    with pytest.raises(ModelLoadError, match=r"tokenizer\.json has 30,522 tokens but config\.json's "
+                                             r"vocab_size is 50,257 \(61%.*belongs to another"):
+        load(d)
+    assert load(tiny_checkpoint(tmp_path / "padded", vocab_size=31104)).config.vocab_size == 31104
+
+
+def test_a_bert_tokenizer_without_its_markers_is_refused(tmp_path):
+    """Without its post_processor the tokenizer writes no [CLS]/[SEP]: BERT would read a text
+    as it was never trained to, and every head's weights would be wrong, silently."""
+    d = tiny_checkpoint(tmp_path / "m")
+    tok = json.loads((d / "tokenizer.json").read_text())
+    tok["post_processor"] = None
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ModelLoadError, match=re.escape(
+            "writes no special token at both ends of a text (\"hello world\" is ['hello', "
+            "'world']): a BERT encoder reads [CLS] ... [SEP]")):
         load(d)
 
 

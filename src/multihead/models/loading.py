@@ -146,7 +146,7 @@ def _load_bert(d: Path, name: str, dtype: torch.dtype, device: torch.device):
     weights = d / "model.safetensors"
     prefix = check_header(weights, read_header(weights), config, d / "config.json")
     sentence = sentence_config(d, config)
-    tokenizer = load_tokenizer(d / "tokenizer.json", config.vocab_size)
+    tokenizer = load_tokenizer(d / "tokenizer.json", config.vocab_size, markers=True)
     state = to_ours(read_weights(weights, config, prefix), config, dtype, weights)
     with skip_init():       # every parameter is assigned below: random init would be wasted
         encoder = BertEncoder(config, dtype=dtype)

@@ -18,11 +18,17 @@ from ._files import ModelLoadError, first_line, is_library_error
 
 #: the largest tokenizer.json read (large multilingual ones are about 35 MB)
 TOKENIZER_LIMIT = 256 * 2**20
+#: the least share of config.json's vocab_size a model's own tokenizer covers: checkpoints
+#: pad their embedding past the tokenizer by a few rows (Phi-2: 50,295 of 51,200, 98%), so a
+#: tokenizer far smaller than the embedding is another model's (BERT's 30,522 on GPT-2's 50,257)
+COVERAGE = 0.9
 
 
-def load_tokenizer(path: Path, vocab_size: int):
-    """``tokenizer.json`` at ``path``, checked to parse, to be non-empty, and to give ids below
-    ``vocab_size`` (config.json's); padding and truncation are switched off (callers do both).
+def load_tokenizer(path: Path, vocab_size: int, *, markers: bool = False):
+    """``tokenizer.json`` at ``path``, checked to parse, to be non-empty, to give ids below
+    ``vocab_size`` (config.json's) and to cover at least :data:`COVERAGE` of them, and, with
+    ``markers`` (a BERT encoder's), to write a special token at both ends of a text ([CLS]
+    ... [SEP]); padding and truncation are switched off (callers do both).
 
     Raises:
         ModelLoadError: naming ``path`` and what is wrong with it.
@@ -36,6 +42,10 @@ def load_tokenizer(path: Path, vocab_size: int):
         Traceback (most recent call last):
         ...
         multihead.models._files.ModelLoadError: ... has token ids up to ... but config.json's vocab_size is 1000: the tokenizer belongs to another model
+        >>> load_tokenizer(default_model_dir() / "tokenizer.json", 50257)     # GPT-2's
+        Traceback (most recent call last):
+        ...
+        multihead.models._files.ModelLoadError: ... has 30,522 tokens but config.json's vocab_size is 50,257 (61%; ...
     """
     from tokenizers import Tokenizer
     size = path.stat().st_size
@@ -47,7 +57,8 @@ def load_tokenizer(path: Path, vocab_size: int):
         tok.no_padding()
         tok.no_truncation()
         vocab = tok.get_vocab()
-        probe = tok.encode("hello world").ids    # runs the normalizer, model and post-processor
+        probe = tok.encode("hello world")        # runs the normalizer, model and post-processor
+        count = tok.get_vocab_size(with_added_tokens=True)
     except BaseException as e:
         if not is_library_error(e):
             raise
@@ -55,10 +66,21 @@ def load_tokenizer(path: Path, vocab_size: int):
                              f"original model, or save one with tokenizers' Tokenizer.save") from None
     if not vocab:
         raise ModelLoadError(f"{path} has an empty vocabulary: copy tokenizer.json from the original model")
-    top = max([*vocab.values(), *probe])
+    top = max([*vocab.values(), *probe.ids])
     if top >= vocab_size:
         raise ModelLoadError(f"{path} has token ids up to {top} but config.json's vocab_size is "
                              f"{vocab_size}: the tokenizer belongs to another model")
+    if count < COVERAGE * vocab_size:
+        raise ModelLoadError(f"{path} has {count:,} tokens but config.json's vocab_size is "
+                             f"{vocab_size:,} ({count / vocab_size:.0%}; a model's own tokenizer "
+                             f"covers all but a few padded rows): the tokenizer belongs to "
+                             f"another model; copy tokenizer.json from this one")
+    ends = probe.special_tokens_mask
+    if markers and not (ends and ends[0] and ends[-1]):
+        raise ModelLoadError(f"{path} writes no special token at both ends of a text (\"hello "
+                             f"world\" is {probe.tokens}): a BERT encoder reads [CLS] ... [SEP], "
+                             f"which the tokenizer's post_processor adds; copy tokenizer.json "
+                             f"from the original model")
     return tok
 
 
