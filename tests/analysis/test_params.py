@@ -91,6 +91,14 @@ def test_the_table_has_one_row_per_kind_of_kv_heads(capsys):
                  "--json"]) == 0
     kv = [r["config"]["kv_heads"] for r in json.loads(capsys.readouterr().out)["kv_variants"]]
     assert kv == [16, 4, 8, 1]
+    for heads, kinds in ((8, "MHA, GQA-4, MQA"), (12, "MHA, GQA-6, MQA"), (7, "MHA, MQA")):
+        argv = ["params", "--table", "--d-model", str(64 * heads), "--heads", str(heads)]
+        assert main([*argv, "--json"]) == 0                  # (BERT-base's 12 had no GQA row)
+        out = json.loads(capsys.readouterr().out)["kv_variants"]
+        assert ", ".join(r["config"]["kind"] for r in out) == kinds
+        assert main(argv) == 0
+        named = kinds.replace("-4", "").replace("-6", "").rsplit(", ", 1)
+        assert f"the KV cache as {' and '.join(named)} (n=" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -91,8 +91,18 @@ def _shape(args):
 
 
 def _variants(s):
-    """The same model as MHA, GQA (8 groups where possible) and MQA, each once."""
-    kvs = [s.heads] + ([8] if s.heads % 8 == 0 and s.heads > 8 else []) + [1]
+    """The same model as MHA, GQA and MQA, each once: GQA with 8 K/V heads where the heads
+    divide into 8 groups (LLaMA-2-70B's 64), else with half the heads, else the largest
+    group count that divides them (9 heads: 3); with 1, 2 or a prime number of heads, none.
+
+    Example:
+        >>> from multihead.analysis.params import AttentionShape
+        >>> [[v.kind for v in _variants(AttentionShape(64 * h, h))] for h in (64, 12, 9, 8, 7)]
+        [['MHA', 'GQA-8', 'MQA'], ['MHA', 'GQA-6', 'MQA'], ['MHA', 'GQA-3', 'MQA'], ['MHA', 'GQA-4', 'MQA'], ['MHA', 'MQA']]
+    """
+    h = s.heads
+    groups = [8] if h % 8 == 0 and h > 8 else [d for d in range(h // 2, 1, -1) if h % d == 0][:1]
+    kvs = [h] + groups + [1]
     if s.hkv not in kvs:
         kvs.insert(1, s.hkv)
     return [s.with_kv_heads(k) for k in dict.fromkeys(kvs)]
@@ -175,7 +185,10 @@ def _print_table(rows, variants, focus, args, hb, hc) -> None:
               "sum(p.numel()) of a real "
               "MultiHeadAttention; KV/token over all layers; scores/layer = the h·n² matrix naive "
               "attention materializes per sequence.", style="dim")
-    v = Table(title=f"{focus.name or 'this model'}: the KV cache as MHA, GQA and MQA "
+    kinds = [r["config"]["kind"].split("-")[0] for r in variants]
+    named = ", ".join(dict.fromkeys(kinds[:-1])) + f" and {kinds[-1]}" if len(kinds) > 1 \
+        else kinds[0]
+    v = Table(title=f"{focus.name or 'this model'}: the KV cache as {named} "
                     f"(n={args.seq}, batch={args.batch}, {args.dtype})", title_justify="left")
     for col in ("variant", "kv heads", "params/layer", "cache/token", "cache/sequence",
                 "cache/batch", "vs MHA"):
