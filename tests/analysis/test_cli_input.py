@@ -153,11 +153,24 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
     assert "multihead params: error: [Errno 32] Broken pipe" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["params", "--help"],
+                                  ["params", "--preset", "gpt2-small", "--json"]])
+def test_output_that_cannot_be_written_is_an_error(argv):
+    """A full disk (/dev/full) fails every write: argparse's --help and --version dropped the
+    error and exited 0, as if the text had been written."""
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    env.pop("MULTIHEAD_DEBUG", None)
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "multihead", *argv], stdout=full,
+                           stderr=subprocess.PIPE, env=env, text=True, timeout=120)
+    assert r.returncode == 2 and _one_line(r.stderr), r.stderr
+    assert "error:" in r.stderr and "No space left on device" in r.stderr
+
+
 def test_version_and_python_dash_m(capsys):
     from multihead import __version__
-    with pytest.raises(SystemExit) as done:
-        main(["--version"])
-    assert done.value.code == 0 and capsys.readouterr().out == f"multihead {__version__}\n"
+    assert main(["--version"]) == 0 and capsys.readouterr().out == f"multihead {__version__}\n"
     run = subprocess.run([sys.executable, "-m", "multihead", "params", "--preset", "gpt2-small",
                           "--json"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and json.loads(run.stdout)["params_match_module"]
@@ -186,7 +199,6 @@ def test_an_empty_path_is_an_error_not_the_current_directory(argv, option, capsy
 
 def test_help_descriptions_are_plain_text(capsys):
     for command in ("params", "demo", "bench", "inspect"):
-        with pytest.raises(SystemExit):
-            main([command, "--help"])
+        assert main([command, "--help"]) == 0
         out = capsys.readouterr().out
         assert "``" not in out and f"multihead {command}:" in out

@@ -37,6 +37,12 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
 
+    def _print_message(self, message: str, file=None):
+        """argparse's, but a failed write (``--help > /dev/full``) raises, as every other
+        command's output does (argparse drops the error, and the status stays 0)."""
+        if message:
+            (file or sys.stderr).write(message)
+
     def parse_args(self, args=None, namespace=None):
         """argparse's, but an option no parser knows is reported by the subcommand's parser
         (``multihead params: error: ...``), whose help lists the options it takes."""
@@ -112,8 +118,9 @@ def _lenient_output():
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``multihead COMMAND ...``; returns the exit status (0, 2 for a user error, 130
-    when interrupted, 141 when stdout's reader left, as after SIGPIPE)."""
+    """Run ``multihead COMMAND ...``; returns the exit status (0, 2 for a user error or
+    output that could not be written, 130 when interrupted, 141 when stdout's reader left,
+    as after SIGPIPE)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     with _lenient_output():
         try:
@@ -122,10 +129,34 @@ def main(argv: list[str] | None = None) -> int:
         except UsageError as e:
             print(str(e), file=sys.stderr)
             return 2
+        except SystemExit as e:     # --help or --version, printed
+            return _flushed("multihead", e.code)
+        except OSError as e:        # ... but not written
+            return _unwritten("multihead", e)
         status = _run(args)
         if _stdout_gone():          # (a reader that left during the last lines: seen here)
             return _reader_gone() if status == 0 else status
-        return status
+        return _flushed(f"multihead {args.command}", status)
+
+
+def _flushed(prog: str, status: int) -> int:
+    """``status`` once what is buffered for stdout is written; output that cannot be (a full
+    disk, ``> /dev/full``) is an error with status 2, not a silent 0 (its bytes are dropped,
+    so that Python's own flush at exit does not fail again)."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _reader_gone()
+    except OSError as e:
+        return _unwritten(prog, e)
+    return status
+
+
+def _unwritten(prog: str, e: OSError) -> int:
+    """Status 2 and one line for output that could not be written; its bytes are dropped."""
+    print(f"{prog}: error: the output could not be written ({e})", file=sys.stderr)
+    _reader_gone()
+    return 2
 
 
 def _run(args) -> int:
@@ -174,7 +205,7 @@ def _stdout_gone() -> bool:
 def _reader_gone() -> int:
     """Stop quietly, as a Unix tool killed by SIGPIPE does (status 128 + 13): stdout's file
     descriptor goes to /dev/null, so what is still buffered for it does not fail again
-    when Python exits."""
+    when Python exits (nor a failed write's, in :func:`_flushed`)."""
     with contextlib.suppress(OSError, ValueError):
         fd = sys.stdout.fileno()
         null = os.open(os.devnull, os.O_WRONLY)
