@@ -169,6 +169,54 @@ def test_a_tensor_torch_would_fail_on_or_mangle_part_way_is_refused_first(bad, m
     assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
 
 
+def test_a_model_of_several_layers_loads_all_or_nothing_through_mh_load_state_dict():
+    """A parent's torch load has copied layer 0 when layer 1 refuses: the refusal says so,
+    and mh.load_state_dict checks the whole model before copying anything."""
+    model = torch.nn.Sequential(mh.MultiHeadAttention(32, 4), torch.nn.LayerNorm(32),
+                                mh.MultiHeadAttention(32, 4))
+    other = torch.nn.Sequential(mh.MultiHeadAttention(32, 4), torch.nn.LayerNorm(32),
+                                mh.MultiHeadAttention(32, 4, num_kv_heads=2))
+    sd = other.state_dict()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"load_state_dict: 2\.in_proj_weight has shape "
+                                           r"\(64, 32\).*Nothing was loaded$"):
+        mh.load_state_dict(model, sd)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    with pytest.raises(RuntimeError, match=r"Nothing of it was loaded \(but the load of the "
+                                           r"model holding it has copied .*mh|multihead\.load_"):
+        model.load_state_dict(sd)
+    assert torch.equal(model[0].in_proj_weight, sd["0.in_proj_weight"])     # (torch's copy)
+    good = {k: v + 1 for k, v in before.items()}
+    missing, unexpected = mh.load_state_dict(model, good)
+    assert missing == unexpected == []
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in good.items())
+    for bad in (None, [1]):
+        with pytest.raises(TypeError, match="must be a"):
+            mh.load_state_dict(bad, good) if bad is None else mh.load_state_dict(model, bad)
+
+
+def test_assigned_tensors_of_two_dtypes_are_refused_before_the_forward_fails_in_torch():
+    """assign=True makes the checkpoint's tensors the parameters: bfloat16 weights beside
+    float32 biases loaded, then failed in F.linear; a float32 norm beside a bfloat16
+    attention layer is a model's own business and loads."""
+    m = mh.MultiHeadAttention(32, 4)
+    for change in ("weight", "out_proj"):
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        sd = {k: v.bfloat16() if change in k else v for k, v in before.items()}
+        with pytest.raises(RuntimeError, match=r"is torch\.(bfloat16|float32) on cpu, .* is "
+                                               r"torch\.(float32|bfloat16) on cpu in the "
+                                               r"checkpoint: assigned \(assign=True\)"):
+            m.load_state_dict(sd, assign=True)
+        assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
+        m.load_state_dict(sd)                                  # copied: the module's float32
+        assert m.in_proj_weight.dtype == torch.float32
+    model = torch.nn.Sequential(torch.nn.LayerNorm(32), mh.MultiHeadAttention(32, 4))
+    sd = {k: v.bfloat16() if k.startswith("1.") else v for k, v in model.state_dict().items()}
+    mh.load_state_dict(model, sd, assign=True)
+    x = torch.randn(1, 3, 32)
+    assert model[1](model[0](x).bfloat16()).dtype == torch.bfloat16
+
+
 def _bert():
     from multihead.models import BertConfig, BertEncoder
     return BertEncoder(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,

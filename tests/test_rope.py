@@ -589,6 +589,12 @@ def test_a_checkpoint_holding_inv_freq_loads_strictly_where_there_is_a_rope():
         assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
     with pytest.raises(RuntimeError, match=r"unexpected keys \['rope.inv_freq'\]"):
         mh.MultiHeadAttention(32, 4).load_state_dict(sd)
+    nan = sd["rope.inv_freq"].clone()
+    nan[1] = float("nan")
+    with pytest.raises(RuntimeError, match=r"rope.inv_freq holds NaN or inf in the checkpoint "
+                                           r"\(every rotated query and key would be NaN\)"):
+        m.load_state_dict(sd | {"rope.inv_freq": nan})
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
 
 
 def test_learned_frequencies_get_gradients_from_every_kind_of_position():

@@ -11,6 +11,7 @@ Example:
 from . import _cpu_math, masks
 from .functional import attention, backends, explain, profiles
 from .modules import KVCache, MultiHeadAttention, PagedKVCache, RotaryEmbedding
+from .modules.loading import load_state_dict
 from . import interop, nn  # noqa: E402  (interop uses the public API above)
 
 _cpu_math.settle()           # before any parallel math: see multihead/_cpu_math.py
@@ -18,5 +19,5 @@ _cpu_math.settle()           # before any parallel math: see multihead/_cpu_math
 __version__ = "0.1.0"
 
 __all__ = ["attention", "explain", "backends", "profiles", "masks", "MultiHeadAttention", "RotaryEmbedding",
-           "KVCache", "PagedKVCache",
+           "KVCache", "PagedKVCache", "load_state_dict",
            "interop", "nn", "__version__"]

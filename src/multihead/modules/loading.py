@@ -7,6 +7,8 @@ and when a parent's load reaches it (a model holding it, an ``nn.Sequential``): 
 raises before copying anything of its own subtree if a tensor has another shape or is not
 a tensor. (A key missing from a parent's strict load is the parent's to report: torch
 does, after copying the rest, and does not tell the children whether the load is strict.)
+A parent's load has copied the modules it reached before, which no child can undo:
+:func:`load_state_dict` checks a whole model first.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from torch import nn
 
 
 def load_problems(module: nn.Module, state_dict: Mapping, strict: bool,
-                  prefix: str = "") -> list[str]:
+                  prefix: str = "", assign: bool = False) -> list[str]:
     """What a load of ``state_dict`` into ``module`` (its keys under ``prefix``) would fail
     on: a key of another shape or not a tensor, a tensor with no values (on the meta device)
     or a complex one for a real tensor (torch would drop its imaginary part), and
     (``strict``) keys missing or unexpected. A submodule's ``_optional_keys`` (RoPE's
-    ``inv_freq``) may be present or not.
+    ``inv_freq``) may be present or not. With ``assign`` (the checkpoint's tensors become
+    the parameters), one module's floating-point tensors of two dtypes or devices (its
+    forward would fail inside torch's matmul).
 
     Example:
         >>> import torch
@@ -57,6 +61,8 @@ def load_problems(module: nn.Module, state_dict: Mapping, strict: bool,
         elif theirs is not None and theirs.is_complex() and not mine.is_complex():
             problems.append(f"{prefix}{key} is {theirs.dtype} in the checkpoint but "
                             f"{mine.dtype} here (its imaginary part would be dropped)")
+    if assign:
+        problems += _mixed(module, state_dict, prefix)
     if strict:
         missing = [prefix + k for k in own if prefix + k not in state_dict and k not in optional]
         unexpected = [k for k in state_dict
@@ -64,6 +70,68 @@ def load_problems(module: nn.Module, state_dict: Mapping, strict: bool,
         problems += [f"{what} keys {keys}" for what, keys in
                      (("missing", missing), ("unexpected", unexpected)) if keys]
     return problems
+
+
+def _mixed(module: nn.Module, state_dict: Mapping, prefix: str) -> list[str]:
+    """Each of our modules (an :class:`AllOrNothing` in ``module``, or ``module`` itself)
+    whose floating-point tensors in ``state_dict`` have two dtypes or devices: assigned, they
+    would be its parameters as they are, and its forward would fail in torch's matmul. (The
+    rest of a model may mix them: float32 norms beside bfloat16 layers.)"""
+    problems = []
+    for name, sub in module.named_modules():
+        if not isinstance(sub, AllOrNothing):
+            continue
+        at = f"{prefix}{name}." if name else prefix
+        kinds = {}
+        for key, mine in sub.state_dict(keep_vars=True).items():
+            theirs = state_dict.get(at + key)
+            if isinstance(theirs, torch.Tensor) and theirs.is_floating_point() \
+                    and mine.is_floating_point():
+                kinds.setdefault((theirs.dtype, theirs.device), at + key)
+        if len(kinds) > 1:
+            shown = ", ".join(f"{k} is {d} on {v}" for (d, v), k in kinds.items())
+            problems.append(f"{shown} in the checkpoint: assigned (assign=True), the module "
+                            f"would hold both and its forward fail; convert the checkpoint's "
+                            f"tensors to one dtype and device, or load without assign (which "
+                            f"copies them into the module's own)")
+    return problems
+
+
+def load_state_dict(model: nn.Module, state_dict: Mapping, strict: bool = True,
+                    assign: bool = False):
+    """``model.load_state_dict(state_dict, strict, assign)``, all or nothing for any model
+    (one holding several :class:`multihead.MultiHeadAttention` layers, say): every key, shape
+    and dtype is checked before any tensor is copied. torch's own load copies each module
+    it reaches, so a layer refusing the checkpoint would leave the layers before it loaded.
+
+    Returns:
+        torch's ``(missing_keys, unexpected_keys)`` (empty where ``strict``).
+
+    Raises:
+        RuntimeError: naming each problem; nothing is loaded.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> model = torch.nn.Sequential(mh.MultiHeadAttention(16, 4), mh.MultiHeadAttention(16, 4))
+        >>> other = torch.nn.Sequential(mh.MultiHeadAttention(16, 4),
+        ...                             mh.MultiHeadAttention(16, 4, num_kv_heads=2))
+        >>> before = model[0].in_proj_weight.clone()
+        >>> mh.load_state_dict(model, other.state_dict())
+        Traceback (most recent call last):
+        ...
+        RuntimeError: load_state_dict: 1.in_proj_weight has shape (32, 16) in the checkpoint but (48, 16) here; ... Nothing was loaded
+        >>> torch.equal(model[0].in_proj_weight, before)
+        True
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping of names to tensors (model.state_dict()"
+                        f"'s), got {type(state_dict).__name__}")
+    problems = load_problems(model, state_dict, strict, assign=assign)
+    if problems:
+        raise RuntimeError(f"load_state_dict: {'; '.join(problems)}. Nothing was loaded")
+    return model.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
 class AllOrNothing(nn.Module):
@@ -74,8 +142,8 @@ class AllOrNothing(nn.Module):
     names below this module) are another library's layout, or None.
     """
 
-    def _refuse(self, state_dict, strict: bool, prefix: str = "") -> None:
-        problems = load_problems(self, state_dict, strict, prefix)
+    def _refuse(self, state_dict, strict: bool, prefix: str = "", assign: bool = False) -> None:
+        problems = load_problems(self, state_dict, strict, prefix, assign)
         if not problems:
             return
         keys = any(p.startswith(("missing", "unexpected")) for p in problems)
@@ -90,8 +158,11 @@ class AllOrNothing(nn.Module):
                      and k.startswith(prefix)]) if hint else None
         advice = f"{hint}. " if hint else advice
         where = f" at {prefix[:-1]!r}" if prefix else ""
+        parent = (" (but the load of the model holding it has copied the modules it reached "
+                  "before: multihead.load_state_dict(model, state_dict) checks the whole model "
+                  "first)") if prefix else ""
         raise RuntimeError(f"{type(self).__name__}.load_state_dict{where}: {'; '.join(problems)}. "
-                           f"{advice}Nothing {'of it ' if prefix else ''}was loaded")
+                           f"{advice}Nothing {'of it ' if prefix else ''}was loaded{parent}")
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """As :meth:`torch.nn.Module.load_state_dict`, but all or nothing: the keys and
@@ -115,13 +186,14 @@ class AllOrNothing(nn.Module):
             True
         """
         if isinstance(state_dict, Mapping):
-            self._refuse(state_dict, strict)
+            self._refuse(state_dict, strict, assign=assign)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         if prefix:      # a parent's load: check this subtree's shapes first (torch passes
-            self._refuse(state_dict, False, prefix)     # strict=True here whatever the
+            self._refuse(state_dict, False, prefix,     # strict=True here whatever the
+                         local_metadata.get("assign_to_params_buffers", False))
             # caller's, and reports missing keys itself, after copying what fits)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)

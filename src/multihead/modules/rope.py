@@ -312,6 +312,9 @@ class RotaryEmbedding(nn.Module):
                     f"{tuple(getattr(value, 'shape', ()))}")
         if value.is_meta and not self.inv_freq.is_meta:
             return f"{key} is on the meta device in the checkpoint (it holds no values)"
+        if not value.is_meta and not bool(torch.isfinite(value).all()):
+            return (f"{key} holds NaN or inf in the checkpoint (every rotated query and key "
+                    f"would be NaN): save the frequencies again, or drop the key to keep these")
         return None
 
     def _built(self, freq: torch.Tensor) -> bool:
