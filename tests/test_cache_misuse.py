@@ -593,6 +593,56 @@ def test_new_tokens_on_another_device_are_refused_not_copied(kind):
         cache.update(torch.ones(1, 1, 2, 4, device="meta"), torch.ones(1, 1, 2, 4))
 
 
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_a_valid_mask_on_the_meta_device_is_refused_by_name(kind):
+    attn = mh.MultiHeadAttention(32, 4).eval()
+    if kind == "static":
+        cache = attn.make_cache(2, 8)
+    else:
+        pool = mh.PagedKVCache(num_pages=8, page_size=2, num_kv_heads=4, head_dim=8)
+        cache = pool.batch([pool.add_sequence(), pool.add_sequence()])
+    with pytest.raises(ValueError, match=r"valid is on the meta device \(it holds no values\), "
+                                         r"the cache on cpu: pass valid as a real tensor"), \
+            torch.no_grad():
+        attn(torch.randn(2, 1, 32), cache=cache, mask=mh.masks.causal(),
+             valid=torch.ones(2, 1, dtype=torch.bool, device="meta"))
+    assert cache._real_counts().tolist() == [0, 0] and not cache.padded
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_a_step_of_no_tokens_with_valid_leaves_the_cache_unpadded(kind):
+    """Nothing written: the cache stays on its unpadded path (a paged pool's in-place GPU
+    decode is refused for a padded sequence)."""
+    attn = mh.MultiHeadAttention(32, 4).eval()
+    if kind == "static":
+        cache = attn.make_cache(1, 8)
+    else:
+        pool = mh.PagedKVCache(num_pages=8, page_size=2, num_kv_heads=4, head_dim=8)
+        cache = pool.batch([pool.add_sequence()])
+    with torch.no_grad():
+        attn(torch.randn(1, 0, 32), cache=cache, mask=mh.masks.sliding_window(2),
+             valid=torch.zeros(1, 0, dtype=torch.bool))
+        assert not cache.padded
+        attn(torch.randn(1, 2, 32), cache=cache, mask=mh.masks.causal(),
+             valid=torch.tensor([[False, True]]))
+        assert cache.padded and cache._real_counts().tolist() == [1]
+
+
+def test_a_paged_pool_copies_and_pickles_without_itertools_count():
+    """itertools.count cannot be copied or pickled from Python 3.14 (3.12 and 3.13 warn)."""
+    import copy
+    import itertools
+    import pickle
+    pool = mh.PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4)
+    pool.add_sequence()
+    assert not any(isinstance(v, itertools.count) for v in vars(pool).values())
+    for twin in (copy.deepcopy(pool), pickle.loads(pickle.dumps(pool))):
+        assert twin.add_sequence() == 1 and twin.sequences == [0, 1]     # (ids go on)
+    with pytest.raises(KeyError) as e:
+        pool.batch([9])
+    assert str(e.value).startswith("unknown sequence id 9: live")        # (not quoted)
+
+
 @pytest.mark.parametrize("build, match", [
     (lambda: mh.KVCache(10**9, 10**9, 8, 128), r"KVCache: batch_size=1000000000 x max_len="
                                                 r"1000000000 make 1,000,000,000,000,000,000 "

@@ -195,6 +195,9 @@ class _CacheBase:
                              f"new tokens, got {getattr(valid, 'dtype', type(valid).__name__)} "
                              f"{tuple(getattr(valid, 'shape', ()))}")
         check_strided("valid", valid)
+        if valid.is_meta and self.device.type != "meta":
+            raise ValueError(f"valid is on the meta device (it holds no values), the cache on "
+                             f"{self.device}: pass valid as a real tensor, e.g. on {self.device}")
         return to_device(valid, self.device)
 
     def positions(self, n: int, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -377,8 +380,8 @@ class KVCache(_CacheBase):
             else:
                 self.valid[:, s].copy_(valid)
             self.lengths += added
-            self.padded = self.padded or valid is not None
-            self.seen += n
+            self.padded = self.padded or (valid is not None and n > 0)   # (nothing written:
+            self.seen += n                                                # still unpadded)
         self._change(undo, write)
         t = self.seen
         out = self.k[:, :, :t], self.v[:, :, :t], (self.valid[:, :t] if self.padded else None)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import array
 import functools
-import itertools
 import numbers
 from typing import NamedTuple
 
@@ -77,6 +76,14 @@ def _host_slots(table: list[int], start: int, n: int, page_size: int) -> list[in
     return out
 
 
+class UnknownSequence(KeyError):
+    """A sequence id the pool does not hold (never given, or freed); a ``KeyError`` whose
+    message is shown as written (a plain ``KeyError`` shows it quoted)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class PagedKVCache(_CacheBase):
     """A pool of ``num_pages`` pages of ``page_size`` token slots, shared by sequences.
 
@@ -114,13 +121,14 @@ class PagedKVCache(_CacheBase):
         self._real: dict[int, torch.Tensor] = {}   # real tokens per sequence, 0-dim on the device
         self._padded: set[int] = set()         # sequences written with `valid` (host flags)
         self._zero = torch.zeros((), dtype=torch.long, device=self.device)   # never written to
-        self._ids = itertools.count()
+        self._next_id = 0                      # (an int, not itertools.count: Python 3.14
+        #                                        cannot copy or pickle one)
         self._frees = 0                        # sequences freed so far (a batch's check)
 
     # -- sequences ---------------------------------------------------------------------
     def add_sequence(self) -> int:
         """Start a new, empty sequence; returns its id (no page is taken until it writes)."""
-        sid = next(self._ids)
+        sid, self._next_id = self._next_id, self._next_id + 1
         self._tables[sid], self._written[sid], self._real[sid] = [], 0, self._zero
         return sid
 
@@ -132,7 +140,8 @@ class PagedKVCache(_CacheBase):
             raise TypeError(f"a sequence id is the int add_sequence() returned, got {sid!r} "
                             f"({type(sid).__name__}){hint}")
         if sid not in self._tables:
-            raise KeyError(f"unknown sequence id {sid!r}: live sequences are {sorted(self._tables)}")
+            raise UnknownSequence(f"unknown sequence id {sid!r}: live sequences are "
+                                  f"{sorted(self._tables)}")
         return int(sid)
 
     def free(self, sid: int) -> None:
@@ -415,7 +424,8 @@ class PagedBatch(_CacheBase):
             else:
                 pool.valid.index_copy_(0, slots, valid.reshape(B * n))
                 counts = self._real_counts() + valid.sum(1)                        # (B,)
-                pool._padded.update(self.ids)
+                if n:                                  # (nothing written: still unpadded)
+                    pool._padded.update(self.ids)
             for b, sid in enumerate(self.ids):
                 pool._written[sid] += n
                 pool._real[sid] = counts[b]              # a view: nothing copied or read back
