@@ -554,6 +554,45 @@ def test_a_choice_one_calls_content_cannot_use_stays_for_the_calls_that_can():
         mock.patch.stopall()
 
 
+def test_a_new_thread_count_is_seen_by_the_next_call_and_explain_changes_nothing():
+    """The CPU's profile follows torch.set_num_threads; a cached decision hid the change
+    from attention() (which ran the 2-thread choice) until explain() was called."""
+    q = torch.randn(1, 1, 128, 16)
+    mask = M.alibi(1) & M.causal()
+    threads = torch.get_num_threads()
+    ran = _record("run")
+    try:
+        torch.set_num_threads(2)
+        mh.functional.dispatch.clear_cache()
+        for _ in range(2):
+            mh.attention(q, q, q, mask=mask)                         # (the second: cached)
+        two = ran[-1]
+        torch.set_num_threads(1)
+        mh.attention(q, q, q, mask=mask)
+        e = mh.explain(q, q, q, mask=mask)
+        mh.attention(q, q, q, mask=mask)
+        mh.functional.dispatch.clear_cache()
+        mh.attention(q, q, q, mask=mask)                   # what a fresh decision runs
+        got, after, fresh = ran[-3:]
+        assert got == after == fresh == (e.reused or e.chosen), (two, ran)
+    finally:
+        torch.set_num_threads(threads)
+        mock.patch.stopall()
+
+
+def test_explain_with_this_machines_profile_named_says_what_runs():
+    """profile="cpu" on CPU inputs is auto's own profile: explain() names auto's earlier
+    choice for the structure (reused), as it does with no profile given."""
+    w = M.sliding_window(32)
+    x, y = torch.randn(1, 1, 513, 16), torch.randn(1, 1, 1024, 16)
+    mh.functional.dispatch.clear_cache()
+    mh.attention(x, x, x, mask=w)
+    plain, named = (mh.explain(y, y, y, mask=w, profile=p) for p in (None, "cpu"))
+    assert (plain.chosen, plain.reused) == (named.chosen, named.reused)
+    assert named.profile is mh.profiles.profile_for(y.device)
+    assert mh.explain(y, y, y, mask=w, profile="h100").reused is None     # (other figures)
+
+
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_compiled_attention_follows_changing_head_counts(dynamic):
     """Heads that change between calls become symbolic: the fused kernel's GQA flag must

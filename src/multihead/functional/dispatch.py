@@ -229,7 +229,8 @@ def _structure(call: AttentionCall):
     return (_bucket(call.B), call.H, call.Hkv, call.D, call.Dv, _bucket(Sq), _bucket(Sk),
             Sq == 1, Sq == Sk, Sq < Sk, q.dtype, q.device, call.dropout_p > 0,
             call.return_weights, call.return_lse, call.requires_grad, call.forward_ad, shape,
-            profiles.generation, registry.generation)
+            profiles.generation, registry.generation, torch.get_num_threads())
+    # (the thread count: the CPU's profile follows it, seen only where a decision is made)
 
 
 def _decide(call: AttentionCall, backend: str, profile: DeviceProfile,
@@ -396,7 +397,7 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
                    return_weights.__class__, return_lse, return_lse.__class__,
                    torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad,
                    fwAD._current_level >= 0 and has_tangent(q, k, v, mask),
-                   profiles.generation, registry.generation)
+                   profiles.generation, registry.generation, torch.get_num_threads())
             free = _length_free_key(key, shapes, mask)
             decision = _DECISIONS.get(free) if free is not None else None
             if decision is None:
@@ -484,7 +485,8 @@ def explain(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
     if profile is None:
         profile = profiles.profile_for(q.device)
     elif isinstance(profile, str):
-        profile = profiles.get_profile(profile)
+        named, own = profiles.get_profile(profile), profiles.profile_for(q.device)
+        profile = own if named == own else named      # ("cpu" on the CPU: auto's own)
     elif not isinstance(profile, DeviceProfile):
         raise TypeError(f"profile must be a name ({', '.join(profiles.BUILTIN)}) or a "
                         f"DeviceProfile, got {type(profile).__name__}")
