@@ -29,8 +29,16 @@ def peak_memory(fn, device: torch.device) -> int:
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
     from torch.profiler import ProfilerActivity, profile
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    global _primed
     with _native_stderr_silenced():
+        if not _primed:       # torch warns once, in C++, when memory allocated before a
+            _primed = True    # profile is freed inside it: met here, where it is silenced
+            early = [torch.empty(1)]
+            warm = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            warm.start()
+            early.clear()
+            warm.stop()
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         prof.start()
     try:
         fn()
@@ -38,6 +46,9 @@ def peak_memory(fn, device: torch.device) -> int:
         with _native_stderr_silenced():
             prof.stop()
     return _cpu_peak(prof)
+
+
+_primed = False               # the profiler's one warning met (see peak_memory)
 
 
 def _cpu_peak(prof) -> int:

@@ -37,8 +37,16 @@ def _peers(row) -> list[str]:
 
 
 def _spread(o) -> str:
-    spread = (o["high_ms"] - o["low_ms"]) / o["median_ms"] if o["median_ms"] else 0
-    return f"±{spread / 2:.0%}" + ("" if o.get("settled", True) else " (unsettled)")
+    """The fastest and slowest call against the median, each side on its own (a slow
+    outlier is not a symmetric "±": 1.20, 1.56 and 19.7 ms are "-23% +1163%").
+
+    Example:
+        >>> _spread({"median_ms": 1.56, "low_ms": 1.2, "high_ms": 19.7, "settled": False})
+        '-23% +1163% (unsettled)'
+    """
+    m = o["median_ms"]
+    below, above = ((m - o["low_ms"]) / m, (o["high_ms"] - m) / m) if m else (0, 0)
+    return f"-{below:.0%} +{above:.0%}" + ("" if o.get("settled", True) else " (unsettled)")
 
 
 def lines(run) -> list[list[str]]:

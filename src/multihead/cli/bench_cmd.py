@@ -18,6 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
+from .._args import counted
 from ._common import console, path, prepare_out, summary, wrote
 
 
@@ -41,6 +42,8 @@ def run(args) -> int:
     from ..bench.report import FILES
     from ..bench.suite import check_target, run_suite
     check_target(args.device, args.dtype, args.cold_l2)
+    if args.family:                                  # (--family decode --family decode)
+        args.family = list(dict.fromkeys(args.family))
     cases = suite_cases(args.suite, args.device, args.family)
     prepare_out(args.out, FILES)
 
@@ -60,9 +63,10 @@ def run(args) -> int:
     if result is None or (result.interrupted and not result.rows):
         return _nothing_measured(args.out)
     failed = None                   # a write that fails still shows the table, then says why
+    stopped = False                 # Ctrl-C while writing the files
     if args.out is not None:        # the files first: a reader that leaves (``| head -1``),
         try:                        # a full stdout or Ctrl-C while printing keeps them
-            _save(result, args.out, err)
+            stopped = _save(result, args.out, err, len(cases))
         except Exception as e:      # noqa: BLE001 (raised again below, after the table)
             failed = e
     try:
@@ -79,6 +83,10 @@ def run(args) -> int:
         err.print(f"interrupted: {len(result.rows)} of {len(cases)} cases measured"
                   + (f", saved in {args.out}" if args.out is not None else ""), markup=False)
         return 130
+    if stopped:
+        err.print(f"interrupted while writing: all {counted(len(cases), 'case')} were measured "
+                  f"and saved in {args.out}", markup=False)
+        return 130
     return 0
 
 
@@ -93,20 +101,25 @@ def _nothing_measured(out: Path | None) -> int:
     return 130
 
 
-def _save(result, out: Path, err) -> None:
-    """Write the results; Ctrl-C while writing marks them interrupted and writes
-    results.json and results.md again (results.png is left as it is), with Ctrl-C ignored
-    for that moment, so the files on disk always say whether the run was interrupted."""
+def _save(result, out: Path, err, planned: int) -> bool:
+    """Write the results; Ctrl-C while writing writes results.json and results.md again
+    (results.png is left as it is), with Ctrl-C ignored for that moment, so the files on
+    disk are whole and say whether the run was interrupted: it was if fewer than
+    ``planned`` cases were measured (a complete run stopped while writing is complete).
+    Returns whether Ctrl-C came while writing."""
     from ..bench.report import write
+    stopped = False
     try:
         paths = write(result, out)
     except KeyboardInterrupt:
-        result.interrupted = True
+        stopped = True
+        result.interrupted = len(result.rows) < planned
         with _sigint_ignored():
             paths = write(result, out, plot=False)
         err.print(f"results.png in {out} was not updated", markup=False)
     for p in paths:
         wrote(err, p)
+    return stopped
 
 
 @contextlib.contextmanager
@@ -136,5 +149,5 @@ def _show(result, con) -> None:
     con.print(t)
     con.print(NOTES, style="dim")
     not_run = sum(r["ours"] is None for r in result.rows)
-    con.print(f"{len(result.rows)} cases in {result.seconds:.0f} s"
+    con.print(f"{counted(len(result.rows), 'case')} in {result.seconds:.0f} s"
               + (f"; {not_run} not run (the reason is in the row)" if not_run else ""), style="dim")
