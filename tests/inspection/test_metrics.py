@@ -93,25 +93,42 @@ def test_find_query(minilm_tokens):
         find_query(model, ["didn", "t"], "didn", [0, 0])          # (a piece of a longer word)
 
 
-@pytest.mark.parametrize("word,part_of", [("t", "can't"), ("can", "can't"), ("it", "it's"),
-                                          ("Brien", "O’Brien")])
-def test_a_piece_of_a_word_joined_by_an_apostrophe_is_not_a_query(word, part_of, capsys):
-    """MiniLM splits "can't" into three words (can|'|t); none of them is the query "t" (the
-    README's promise), while the whole word, and the same letters standing alone, are."""
+def _query_start(model, text: str, word) -> int:
+    """Where in ``text`` the query ``word`` (None: the default) starts."""
+    c = capture(model, text)
+    return c.spans[find_query(model, c.tokens, word, c.words, text=c.text, spans=c.spans)][0]
+
+
+@pytest.mark.parametrize("word,part_of", [("t", "can't"), ("s", "it's"), ("ll", "we’ll")])
+def test_an_english_ending_after_an_apostrophe_is_not_a_query(word, part_of, capsys):
+    """MiniLM splits "can't" into three words (can|'|t); its ending "t" is not the query
+    "t" (the README's promise), while the same letters standing alone are."""
     from multihead.cli.main import main
     from multihead.models import load
     model = load()
-
-    def start(text: str, w: str) -> int:                # where in the text the query starts
-        c = capture(model, text)
-        return c.spans[find_query(model, c.tokens, w, c.words, text=c.text, spans=c.spans)][0]
-    text = "I can't say it's O’Brien"
+    text = "I can't say it's so, we’ll see"
     with pytest.raises(ValueError, match=re.escape(f"{word!r} is only part of {part_of!r}")):
-        start(text, word)
-    assert start(f"{text}, {word} alone", word) == len(text) + 2
-    assert start(text, part_of) == text.index(part_of)
+        _query_start(model, text, word)
+    assert _query_start(model, f"{text}, {word} alone", word) == len(text) + 2
+    assert _query_start(model, text, part_of) == text.index(part_of)
     assert main(["inspect", text, "--query-token", word]) == 2
-    assert f"is only part of {part_of!r} in the text" in capsys.readouterr().err
+    assert f"is only part of {part_of!r} in the text: pass the whole word" in \
+        " ".join(capsys.readouterr().err.split())
+    long = f"{text} " + "more words " * 300                       # cut to 512 positions
+    assert main(["inspect", long, "--query-token", word]) == 2
+    said = " ".join(capsys.readouterr().err.split()).split("error:")[-1]
+    assert said.endswith("pass the whole word") and "cut" not in said    # (not a cut's fault)
+
+
+def test_the_word_before_an_apostrophe_and_an_elided_word_are_queries():
+    """"it" of "it's" is the pronoun (the default query), "dog" of "dog's" a word, and in
+    an elision the word is after the apostrophe ("école" of "l'école")."""
+    from multihead.models import load
+    model = load()
+    text = "The dog's owner said it's l'école"
+    assert _query_start(model, text, None) == text.index("it's")
+    assert _query_start(model, text, "dog") == text.index("dog")
+    assert _query_start(model, text, "école") == text.index("école")
 
 
 def test_a_word_the_vocabulary_lacks_matches_only_its_own_text():

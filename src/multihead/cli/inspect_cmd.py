@@ -155,7 +155,7 @@ def run(args) -> int:
     chosen = None if args.layer is None or args.head is None else (args.layer, args.head)
     prepare_out(args.out, known_names(formats, chosen))
 
-    from ..inspect.capture import InspectError, find_query, strongest_looks
+    from ..inspect.capture import InspectError, PartOfWordError, find_query, strongest_looks
     from ..inspect.metrics import HeadMetrics
     from ..inspect.report import Inspection, write
     from ..models import load
@@ -188,7 +188,8 @@ def run(args) -> int:
         query = find_query(model, cap.tokens, args.query_token, cap.words, text=cap.text,
                            spans=cap.spans)
     except InspectError as e:
-        if not cap.truncated or args.query_token.casefold() not in cap.text.casefold():
+        if (isinstance(e, PartOfWordError) or not cap.truncated
+                or args.query_token.casefold() not in cap.text.casefold()):
             raise
         raise InspectError(f"{e} (the text was cut to the model's "
                            f"{model.config.max_position_embeddings} positions: {len(cap.tokens)} "

@@ -31,6 +31,10 @@ class InspectError(ValueError):
     """A user's input the inspector cannot use; the message says why and what to do."""
 
 
+class PartOfWordError(InspectError):
+    """A query that the text holds only as the ending of a longer word ("t" of "can't")."""
+
+
 class NonFiniteError(InspectError):
     """The model produced NaN or infinite values: its weights are probably corrupt."""
 
@@ -220,9 +224,10 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
     tokens' ``words`` (the tokenizer's word ids), only whole words match: "it" is not the
     last piece of "bandit" (b|an|d|it), which a byte-level tokenizer's shown pieces cannot
     tell apart; a word the tokenizer splits at its punctuation ("didn't": didn|'|t) is
-    still one, and with the ``text`` and the tokens' ``spans`` (their characters in it) its
-    pieces are not words of their own: "t" and "didn" are not in "didn't", nor "it" in
-    "it's". A word the vocabulary lacks becomes an unknown token ([UNK]), which stands for
+    still one, and with the ``text`` and the tokens' ``spans`` (their characters in it) the
+    English ending after its apostrophe is not a word of its own: "t" is not in "didn't",
+    nor "s" in "it's" (while "it" is, and "dog" in "dog's", and "école" in "l'école"). A
+    word the vocabulary lacks becomes an unknown token ([UNK]), which stands for
     any such word: it matches only where the ``text`` under the token's ``spans`` is the
     word itself (without them, nowhere).
 
@@ -238,7 +243,7 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
         >>> find_query(model, c.tokens, "t", c.words, text=c.text, spans=c.spans)
         Traceback (most recent call last):
         ...
-        multihead.inspect.capture.InspectError: --query-token 't' is only part of "can't" in the text: pass the whole word
+        multihead.inspect.capture.PartOfWordError: --query-token 't' is only part of "can't" in the text: pass the whole word
         >>> c = capture(model, "A 🚀 and a 😀.")
         >>> find_query(model, c.tokens, "😀", c.words, text=c.text, spans=c.spans)
         5
@@ -282,8 +287,8 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
                 if part_of is None:
                     return i
     if part_of is not None:
-        raise InspectError(f"--query-token {word!r} is only part of {part_of!r} in the text: "
-                           f"pass the whole word")
+        raise PartOfWordError(f"--query-token {word!r} is only part of {part_of!r} in the "
+                              f"text: pass the whole word")
     shown = " ".join(t for _, t in content[:60]) + (" ..." if len(content) > 60 else "")
     raise InspectError(f"--query-token {word!r} (tokens {found[0]}) is not in the text; its tokens "
                        f"are: {shown}")
@@ -295,41 +300,41 @@ def _unknown_token(model) -> str | None:
     return getattr(tokenizer, "unk_token", None)
 
 
-#: characters that join the parts of one word ("can't", "it's", "O’Brien")
+#: characters that join a word to its ending ("can't", "it's", "can’t")
 APOSTROPHES = "'’"
+#: the English endings after an apostrophe, which are not words of their own
+ENDINGS = {"t", "s", "re", "ve", "ll", "d", "m"}
 
 
 def _joined_pieces(text: str | None, spans: list | None, count: int):
-    """``joined(i, n)``: the word of ``text`` that tokens ``i .. i + n - 1`` are only a part
-    of, joined to the rest by an apostrophe ("can" or "t" of "can't", "it" or "'s" of
-    "it's"), or None where they are a whole word (or the ``spans`` cannot tell).
+    """``joined(i, n)``: the word of ``text`` whose English ending after an apostrophe
+    tokens ``i .. i + n - 1`` are ("t" or "'t" of "can't", "s" of "it's"), or None where
+    they are a word (or the ``spans`` cannot tell). What comes before the apostrophe is a
+    word ("it" of "it's", "dog" of "dog's"), and so is a word after another ending's
+    ("école" of "l'école", "Brien" of "O'Brien").
 
     Example:
         >>> joined = _joined_pieces("I can't", [(0, 1), (2, 5), (5, 6), (6, 7)], 4)
-        >>> joined(3, 1), joined(1, 1), joined(1, 3), joined(0, 1)
+        >>> joined(3, 1), joined(2, 2), joined(1, 1), joined(1, 3)
         ("can't", "can't", None, None)
     """
     if text is None or spans is None or len(spans) != count:
         return lambda i, n: None
 
-    def glued(at: int, step: int) -> bool:      # an apostrophe at ``at`` with a letter past it
-        return (0 <= at < len(text) and text[at] in APOSTROPHES
-                and 0 <= at + step < len(text) and text[at + step].isalnum())
-
     def joined(i: int, n: int) -> str | None:
         start, end = spans[i][0], spans[i + n - 1][1]
         while start < end and text[start].isspace():                 # (a span may start at
             start += 1                                                #  its space)
-        if start >= end:
+        piece = text[start:end]
+        if piece[:1] in APOSTROPHES:                                 # "'t": its apostrophe
+            piece, start = piece[1:], start + 1
+        glued = start >= 2 and text[start - 1] in APOSTROPHES and text[start - 2].isalnum()
+        if not glued or piece.casefold() not in ENDINGS:
             return None
-        inside = glued(start, -1) or glued(end - 1, 1)              # "'t", "can'"
-        if not (inside or glued(start - 1, -1) or glued(end, 1)):   # "t" after "can'"
-            return None
-        while start > 0 and (text[start - 1].isalnum() or glued(start - 1, -1)):
-            start -= 1
-        while end < len(text) and (text[end].isalnum() or glued(end, 1)):
-            end += 1
-        return text[start:end]
+        begin = start - 1
+        while begin > 0 and (text[begin - 1].isalnum() or text[begin - 1] in APOSTROPHES):
+            begin -= 1
+        return text[begin:end]
     return joined
 
 
