@@ -638,6 +638,10 @@ def test_a_paged_pool_copies_and_pickles_without_itertools_count():
     assert not any(isinstance(v, itertools.count) for v in vars(pool).values())
     for twin in (copy.deepcopy(pool), pickle.loads(pickle.dumps(pool))):
         assert twin.add_sequence() == 1 and twin.sequences == [0, 1]     # (ids go on)
+    old = copy.copy(pool)                   # a pool pickled before: its ids an itertools.count
+    del old._next_id
+    old._ids = itertools.count(5)
+    assert pickle.loads(pickle.dumps(old)).add_sequence() == 5
     with pytest.raises(KeyError) as e:
         pool.batch([9])
     assert str(e.value).startswith("unknown sequence id 9: live")        # (not quoted)

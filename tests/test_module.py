@@ -4,6 +4,7 @@ no host-device sync in a forward (on the meta device, under NoReadBack).
 
 gqa_and_repeated_mha and split_forward also serve tests/test_cuda_modules.py."""
 
+import collections
 import re
 
 import pytest
@@ -183,7 +184,8 @@ def test_a_model_of_several_layers_loads_all_or_nothing_through_mh_load_state_di
         mh.load_state_dict(model, sd)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     with pytest.raises(RuntimeError, match=r"Nothing of it was loaded \(but the load of the "
-                                           r"model holding it has copied .*mh|multihead\.load_"):
+                                           r"model holding it has copied the modules it "
+                                           r"reached before: multihead\.load_state_dict"):
         model.load_state_dict(sd)
     assert torch.equal(model[0].in_proj_weight, sd["0.in_proj_weight"])     # (torch's copy)
     good = {k: v + 1 for k, v in before.items()}
@@ -195,6 +197,28 @@ def test_a_model_of_several_layers_loads_all_or_nothing_through_mh_load_state_di
             mh.load_state_dict(bad, good) if bad is None else mh.load_state_dict(model, bad)
 
 
+def test_mh_load_state_dict_puts_everything_back_when_torchs_load_fails():
+    """A module not ours refusing (torch's size mismatch, after copying the rest): every
+    tensor is put back, the same objects with their values, with assign too; what torch's
+    load takes through hooks and its rules for old checkpoints loads here too."""
+    model = torch.nn.Sequential(mh.MultiHeadAttention(8, 2), torch.nn.Linear(8, 8),
+                                torch.nn.BatchNorm1d(8))
+    before = {k: (id(v), v.clone()) for k, v in model.state_dict(keep_vars=True).items()}
+    sd = {k: v + 1 for k, v in model.state_dict().items()}
+    sd["1.weight"] = torch.zeros(3, 3)
+    for assign in (False, True):
+        with pytest.raises(RuntimeError, match=r"size mismatch for 1\.weight"):
+            mh.load_state_dict(model, sd, assign=assign)
+        now = model.state_dict(keep_vars=True)
+        assert all(id(now[k]) == i and torch.equal(now[k], v) for k, (i, v) in before.items())
+    old = collections.OrderedDict((k, v) for k, v in sd.items()          # (a version-1 BN)
+                                  if k != "2.num_batches_tracked")
+    old["1.weight"] = torch.ones(8, 8)
+    old._metadata = {"2": {"version": 1}}
+    assert mh.load_state_dict(model, old) == torch.nn.modules.module._IncompatibleKeys([], [])
+    assert torch.equal(model[1].weight, torch.ones(8, 8))
+
+
 def test_assigned_tensors_of_two_dtypes_are_refused_before_the_forward_fails_in_torch():
     """assign=True makes the checkpoint's tensors the parameters: bfloat16 weights beside
     float32 biases loaded, then failed in F.linear; a float32 norm beside a bfloat16
@@ -204,12 +228,26 @@ def test_assigned_tensors_of_two_dtypes_are_refused_before_the_forward_fails_in_
         before = {k: v.clone() for k, v in m.state_dict().items()}
         sd = {k: v.bfloat16() if change in k else v for k, v in before.items()}
         with pytest.raises(RuntimeError, match=r"is torch\.(bfloat16|float32) on cpu, .* is "
-                                               r"torch\.(float32|bfloat16) on cpu in the "
-                                               r"checkpoint: assigned \(assign=True\)"):
+                                               r"torch\.(float32|bfloat16) on cpu once loaded "
+                                               r".*: assigned \(assign=True\)"):
             m.load_state_dict(sd, assign=True)
         assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
         m.load_state_dict(sd)                                  # copied: the module's float32
         assert m.in_proj_weight.dtype == torch.float32
+    partial = {k: v.bfloat16() for k, v in before.items() if k.startswith("in_proj")}
+    with pytest.raises(RuntimeError, match=r"in_proj_weight is torch\.bfloat16 on cpu, "
+                                           r"out_proj\.weight is torch\.float32 on cpu once "
+                                           r"loaded \(the checkpoint's tensor, or the module's"):
+        m.load_state_dict(partial, assign=True, strict=False)      # (out_proj: its own)
+    rope = mh.MultiHeadAttention(32, 4, rope=mh.RotaryEmbedding(8, base=500.0))
+    with torch.no_grad():
+        rope.rope.inv_freq.mul_(1.5)                  # written: kept in float32 by .to()
+    sd = rope.to(torch.bfloat16).state_dict()
+    assert sd["rope.inv_freq"].dtype == torch.float32 and sd["in_proj_weight"].dtype == torch.bfloat16
+    twin = mh.MultiHeadAttention(32, 4, rope=mh.RotaryEmbedding(8, base=500.0))
+    twin.load_state_dict(sd, assign=True)                            # (its own forward runs)
+    x = torch.randn(1, 3, 32, dtype=torch.bfloat16)
+    torch.testing.assert_close(twin(x), rope(x))
     model = torch.nn.Sequential(torch.nn.LayerNorm(32), mh.MultiHeadAttention(32, 4))
     sd = {k: v.bfloat16() if k.startswith("1.") else v for k, v in model.state_dict().items()}
     mh.load_state_dict(model, sd, assign=True)

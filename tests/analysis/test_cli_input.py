@@ -168,6 +168,21 @@ def test_output_that_cannot_be_written_is_an_error(argv):
     assert "error:" in r.stderr and "No space left on device" in r.stderr
 
 
+@pytest.mark.parametrize("argv", [["--version"], ["params", "--help"]])
+def test_help_to_a_reader_that_left_ends_quietly_as_sigpipe_does(argv):
+    """argparse's own output to a pipe whose reader is gone: status 141 and nothing on
+    stderr, as every command's output (not "could not be written", status 2)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "MULTIHEAD_DEBUG"}
+        r = subprocess.run([sys.executable, "-m", "multihead", *argv], stdout=write,
+                           stderr=subprocess.PIPE, env=env, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (r.returncode, r.stderr) == (141, "")
+
+
 def test_version_and_python_dash_m(capsys):
     from multihead import __version__
     assert main(["--version"]) == 0 and capsys.readouterr().out == f"multihead {__version__}\n"

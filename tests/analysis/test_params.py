@@ -90,7 +90,7 @@ def test_the_table_has_one_row_per_kind_of_kv_heads(capsys):
     assert main(["params", "--table", "--d-model", "512", "--heads", "16", "--kv-heads", "4",
                  "--json"]) == 0
     kv = [r["config"]["kv_heads"] for r in json.loads(capsys.readouterr().out)["kv_variants"]]
-    assert kv == [16, 4, 8, 1]
+    assert kv == [16, 8, 4, 1]                             # (most K/V heads first)
     for heads, kinds in ((8, "MHA, GQA-4, MQA"), (12, "MHA, GQA-6, MQA"), (7, "MHA, MQA")):
         argv = ["params", "--table", "--d-model", str(64 * heads), "--heads", str(heads)]
         assert main([*argv, "--json"]) == 0                  # (BERT-base's 12 had no GQA row)

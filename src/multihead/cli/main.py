@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         except SystemExit as e:     # --help or --version, printed
             return _flushed("multihead", e.code)
-        except OSError as e:        # ... but not written
+        except BrokenPipeError:     # ... to a reader that left (``| head -c 5``)
+            return _reader_gone()
+        except OSError as e:        # ... or not written
             return _unwritten("multihead", e)
         status = _run(args)
         if _stdout_gone():          # (a reader that left during the last lines: seen here)

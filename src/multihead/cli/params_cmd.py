@@ -102,10 +102,8 @@ def _variants(s):
     """
     h = s.heads
     groups = [8] if h % 8 == 0 and h > 8 else [d for d in range(h // 2, 1, -1) if h % d == 0][:1]
-    kvs = [h] + groups + [1]
-    if s.hkv not in kvs:
-        kvs.insert(1, s.hkv)
-    return [s.with_kv_heads(k) for k in dict.fromkeys(kvs)]
+    kvs = sorted({h, *groups, 1, s.hkv}, reverse=True)               # (most K/V heads first)
+    return [s.with_kv_heads(k) for k in kvs]
 
 
 def run(args) -> int:

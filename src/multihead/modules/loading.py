@@ -74,41 +74,49 @@ def load_problems(module: nn.Module, state_dict: Mapping, strict: bool,
 
 def _mixed(module: nn.Module, state_dict: Mapping, prefix: str) -> list[str]:
     """Each of our modules (an :class:`AllOrNothing` in ``module``, or ``module`` itself)
-    whose floating-point tensors in ``state_dict`` have two dtypes or devices: assigned, they
-    would be its parameters as they are, and its forward would fail in torch's matmul. (The
-    rest of a model may mix them: float32 norms beside bfloat16 layers.)"""
+    whose floating-point tensors after an ``assign=True`` load would have two dtypes or
+    devices (the checkpoint's where it has the key, the module's own where not): its
+    forward would fail in torch's matmul. A RoPE's frequencies (``_optional_keys``) are
+    kept in float32 or wider on purpose, and the rest of a model may mix dtypes (float32
+    norms beside bfloat16 layers)."""
     problems = []
     for name, sub in module.named_modules():
         if not isinstance(sub, AllOrNothing):
             continue
         at = f"{prefix}{name}." if name else prefix
+        optional = {f"{n}.{k}" if n else k for n, m in sub.named_modules()
+                    for k in getattr(m, "_optional_keys", ())}
         kinds = {}
         for key, mine in sub.state_dict(keep_vars=True).items():
             theirs = state_dict.get(at + key)
-            if isinstance(theirs, torch.Tensor) and theirs.is_floating_point() \
-                    and mine.is_floating_point():
-                kinds.setdefault((theirs.dtype, theirs.device), at + key)
+            t = theirs if isinstance(theirs, torch.Tensor) else mine
+            if key not in optional and t.is_floating_point() and mine.is_floating_point():
+                kinds.setdefault((t.dtype, t.device), at + key)
         if len(kinds) > 1:
             shown = ", ".join(f"{k} is {d} on {v}" for (d, v), k in kinds.items())
-            problems.append(f"{shown} in the checkpoint: assigned (assign=True), the module "
-                            f"would hold both and its forward fail; convert the checkpoint's "
-                            f"tensors to one dtype and device, or load without assign (which "
-                            f"copies them into the module's own)")
+            problems.append(f"{shown} once loaded (the checkpoint's tensor, or the module's "
+                            f"own where the checkpoint has none): assigned (assign=True), the "
+                            f"module would hold both and its forward fail; convert the "
+                            f"checkpoint's tensors to the module's dtype and device, or load "
+                            f"without assign (which copies them into the module's own)")
     return problems
 
 
 def load_state_dict(model: nn.Module, state_dict: Mapping, strict: bool = True,
                     assign: bool = False):
     """``model.load_state_dict(state_dict, strict, assign)``, all or nothing for any model
-    (one holding several :class:`multihead.MultiHeadAttention` layers, say): every key, shape
-    and dtype is checked before any tensor is copied. torch's own load copies each module
-    it reaches, so a layer refusing the checkpoint would leave the layers before it loaded.
+    (one holding several :class:`multihead.MultiHeadAttention` layers, say). torch's own
+    load copies each module it reaches, so a layer refusing the checkpoint would leave the
+    layers before it loaded. Here our layers check their keys, shapes and dtypes first;
+    then torch's load runs (its hooks and rules for old checkpoints included), and if it
+    raises, every parameter and buffer is put back: the same tensors, their values
+    restored. The model's state is copied, on its device, for the time of the load.
 
     Returns:
         torch's ``(missing_keys, unexpected_keys)`` (empty where ``strict``).
 
     Raises:
-        RuntimeError: naming each problem; nothing is loaded.
+        RuntimeError: torch's, or naming each problem in our layers; nothing is loaded.
 
     Example:
         >>> import torch, multihead as mh
@@ -128,10 +136,37 @@ def load_state_dict(model: nn.Module, state_dict: Mapping, strict: bool = True,
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping of names to tensors (model.state_dict()"
                         f"'s), got {type(state_dict).__name__}")
-    problems = load_problems(model, state_dict, strict, assign=assign)
+    problems, checked = [], []
+    for name, sub in model.named_modules():                 # our outermost layers
+        at = f"{name}." if name else ""
+        if isinstance(sub, AllOrNothing) and not any(at.startswith(c) for c in checked):
+            checked.append(at)
+            problems += load_problems(sub, state_dict, False, at, assign)
     if problems:
         raise RuntimeError(f"load_state_dict: {'; '.join(problems)}. Nothing was loaded")
-    return model.load_state_dict(state_dict, strict=strict, assign=assign)
+    saved = _snapshot(model)
+    try:
+        return model.load_state_dict(state_dict, strict=strict, assign=assign)
+    except BaseException:
+        _restore(saved)
+        raise
+
+
+def _snapshot(model: nn.Module) -> list:
+    """Every parameter and buffer of ``model``: where it is held, the tensor, a copy of its
+    values (a lazy module's uninitialized parameter has none, and is left out)."""
+    lazy = nn.parameter.UninitializedTensorMixin
+    return [(store, key, t, t.detach().clone())
+            for m in model.modules() for store in (m._parameters, m._buffers)
+            for key, t in store.items() if t is not None and not isinstance(t, lazy)]
+
+
+@torch.no_grad()
+def _restore(saved: list) -> None:
+    """Put :func:`_snapshot`'s tensors back in their modules, with their values."""
+    for store, key, t, values in saved:
+        store[key] = t
+        t.copy_(values)
 
 
 class AllOrNothing(nn.Module):

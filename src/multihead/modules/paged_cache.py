@@ -125,6 +125,14 @@ class PagedKVCache(_CacheBase):
         #                                        cannot copy or pickle one)
         self._frees = 0                        # sequences freed so far (a batch's check)
 
+    def __setstate__(self, state: dict) -> None:
+        """A pool pickled before ids were counted with an int (``_ids``, an
+        ``itertools.count``) goes on from the id it would have given next."""
+        ids = state.pop("_ids", None)
+        if "_next_id" not in state:
+            state["_next_id"] = next(ids) if ids is not None else 0
+        self.__dict__.update(state)
+
     # -- sequences ---------------------------------------------------------------------
     def add_sequence(self) -> int:
         """Start a new, empty sequence; returns its id (no page is taken until it writes)."""
