@@ -131,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         except SystemExit as e:     # --help or --version, printed
             return _flushed("multihead", e.code)
-        except BrokenPipeError:     # ... to a reader that left (``| head -c 5``)
-            return _reader_gone()
-        except OSError as e:        # ... or not written
+        except OSError as e:        # ... but not written
             return _unwritten("multihead", e)
         status = _run(args)
         if _stdout_gone():          # (a reader that left during the last lines: seen here)
@@ -147,15 +145,16 @@ def _flushed(prog: str, status: int) -> int:
     so that Python's own flush at exit does not fail again)."""
     try:
         sys.stdout.flush()
-    except BrokenPipeError:
-        return _reader_gone()
     except OSError as e:
         return _unwritten(prog, e)
     return status
 
 
 def _unwritten(prog: str, e: OSError) -> int:
-    """Status 2 and one line for output that could not be written; its bytes are dropped."""
+    """Output that could not be written: to a reader that left (``| head -c 5``), quietly
+    as :func:`_reader_gone`; else status 2 and one line. Its bytes are dropped."""
+    if isinstance(e, BrokenPipeError):
+        return _reader_gone()
     print(f"{prog}: error: the output could not be written ({e})", file=sys.stderr)
     _reader_gone()
     return 2

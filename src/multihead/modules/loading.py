@@ -8,7 +8,7 @@ raises before copying anything of its own subtree if a tensor has another shape 
 a tensor. (A key missing from a parent's strict load is the parent's to report: torch
 does, after copying the rest, and does not tell the children whether the load is strict.)
 A parent's load has copied the modules it reached before, which no child can undo:
-:func:`load_state_dict` checks a whole model first.
+:func:`load_state_dict` loads a whole model all or nothing.
 """
 
 from __future__ import annotations
@@ -35,11 +35,8 @@ def load_problems(module: nn.Module, state_dict: Mapping, strict: bool,
         >>> load_problems(lin, {"weight": torch.zeros(3, 3), "bias": torch.zeros(3)}, True)
         ['weight has shape (3, 3) in the checkpoint but (3, 2) here']
     """
-    own = module.state_dict(keep_vars=True)
-    optional = {f"{name}.{key}" if name else key: getattr(sub, key)   # a submodule's
-                for name, sub in module.named_modules()               # _optional_keys: kept
-                for key in getattr(sub, "_optional_keys", ())}        # where present
-    own = {**own, **optional}
+    optional = _optional(module)                       # (kept where the checkpoint has them)
+    own = {**module.state_dict(keep_vars=True), **optional}
     problems = []
     for key, mine in own.items():
         theirs = state_dict.get(prefix + key)
@@ -72,6 +69,13 @@ def load_problems(module: nn.Module, state_dict: Mapping, strict: bool,
     return problems
 
 
+def _optional(module: nn.Module) -> dict:
+    """``module``'s tensors that a checkpoint may hold or not, by their state-dict names:
+    each submodule's ``_optional_keys`` (RoPE's ``inv_freq``)."""
+    return {f"{name}.{key}" if name else key: getattr(sub, key)
+            for name, sub in module.named_modules() for key in getattr(sub, "_optional_keys", ())}
+
+
 def _mixed(module: nn.Module, state_dict: Mapping, prefix: str) -> list[str]:
     """Each of our modules (an :class:`AllOrNothing` in ``module``, or ``module`` itself)
     whose floating-point tensors after an ``assign=True`` load would have two dtypes or
@@ -84,8 +88,7 @@ def _mixed(module: nn.Module, state_dict: Mapping, prefix: str) -> list[str]:
         if not isinstance(sub, AllOrNothing):
             continue
         at = f"{prefix}{name}." if name else prefix
-        optional = {f"{n}.{k}" if n else k for n, m in sub.named_modules()
-                    for k in getattr(m, "_optional_keys", ())}
+        optional = _optional(sub)
         kinds = {}
         for key, mine in sub.state_dict(keep_vars=True).items():
             theirs = state_dict.get(at + key)
