@@ -155,17 +155,33 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["params", "--help"],
-                                  ["params", "--preset", "gpt2-small", "--json"]])
+                                  ["params", "--preset", "gpt2-small", "--json"],
+                                  ["params", "--table"]])
 def test_output_that_cannot_be_written_is_an_error(argv):
     """A full disk (/dev/full) fails every write: argparse's --help and --version dropped the
-    error and exited 0, as if the text had been written."""
+    error and exited 0, as if the text had been written; a command's own output said
+    "[Errno 28] ..." without naming what could not be written."""
     env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
     env.pop("MULTIHEAD_DEBUG", None)
     with open("/dev/full", "w") as full:
         r = subprocess.run([sys.executable, "-m", "multihead", *argv], stdout=full,
                            stderr=subprocess.PIPE, env=env, text=True, timeout=120)
     assert r.returncode == 2 and _one_line(r.stderr), r.stderr
-    assert "error:" in r.stderr and "No space left on device" in r.stderr
+    prog = "multihead params" if argv[0] == "params" else "multihead"
+    assert r.stderr.startswith(f"{prog}: error: the output could not be written ("), r.stderr
+    assert "No space left on device" in r.stderr
+
+
+@pytest.mark.parametrize("argv", [["params", "--preset", "gpt2-small"], ["params", "--table"]])
+def test_a_closed_stdout_is_an_error_not_silence(argv):
+    """With stdout closed (``>&-``) Python's print() drops every line: the command said
+    nothing and then failed inside its final flush, with a traceback."""
+    env = {k: v for k, v in os.environ.items() if k != "MULTIHEAD_DEBUG"}
+    r = subprocess.run([sys.executable, "-m", "multihead", *argv], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, env=env, text=True, timeout=120,
+                       preexec_fn=lambda: os.close(1))
+    assert r.returncode == 2 and _one_line(r.stderr), r.stderr
+    assert r.stderr.startswith("multihead params: error: stdout is closed;"), r.stderr
 
 
 @pytest.mark.parametrize("argv", [["--version"], ["params", "--help"]])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import select
 import sys
@@ -130,13 +131,22 @@ def main(argv: list[str] | None = None) -> int:
             print(str(e), file=sys.stderr)
             return 2
         except SystemExit as e:     # --help or --version, printed
-            return _flushed("multihead", e.code)
+            return _flushed(_prog(argv), e.code)
         except OSError as e:        # ... but not written
-            return _unwritten("multihead", e)
+            return _unwritten(_prog(argv), e)
+        if sys.stdout is None:      # (``>&-``: print() would drop every line, silently)
+            print(f"multihead {args.command}: error: stdout is closed; redirect it (> FILE, "
+                  f"or > /dev/null to drop the output)", file=sys.stderr)
+            return 2
         status = _run(args)
         if _stdout_gone():          # (a reader that left during the last lines: seen here)
             return _reader_gone() if status == 0 else status
         return _flushed(f"multihead {args.command}", status)
+
+
+def _prog(argv: list[str]) -> str:
+    """The name argparse gives the parser that printed ``--help``: ``multihead params``."""
+    return f"multihead {argv[0]}" if argv and argv[0] in SUBCOMMANDS else "multihead"
 
 
 def _flushed(prog: str, status: int) -> int:
@@ -144,7 +154,8 @@ def _flushed(prog: str, status: int) -> int:
     disk, ``> /dev/full``) is an error with status 2, not a silent 0 (its bytes are dropped,
     so that Python's own flush at exit does not fail again)."""
     try:
-        sys.stdout.flush()
+        if sys.stdout is not None:      # (closed: argparse wrote --help to stderr)
+            sys.stdout.flush()
     except OSError as e:
         return _unwritten(prog, e)
     return status
@@ -160,6 +171,10 @@ def _unwritten(prog: str, e: OSError) -> int:
     return 2
 
 
+# what a write to an open stream fails with (a file's errors name the file: _files.py)
+_FULL = {errno.ENOSPC, errno.EFBIG, errno.EIO, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
 def _run(args) -> int:
     try:
         return SUBCOMMANDS[args.command].run(args)
@@ -170,7 +185,11 @@ def _run(args) -> int:
     except KeyboardInterrupt:
         print(f"multihead {args.command}: interrupted", file=sys.stderr)
         return 130
-    except (CLIError, ValueError, TypeError, OSError) as e:
+    except OSError as e:
+        if e.filename is None and e.errno in _FULL:     # a write to stdout, not to a file
+            return _unwritten(f"multihead {args.command}", e)
+        return _failed(args, e)
+    except (CLIError, ValueError, TypeError) as e:
         return _failed(args, e)
     except (MemoryError, RuntimeError) as e:   # past what the up-front check saw (a ulimit,
         #                                        a container's cap): Python's or torch's
