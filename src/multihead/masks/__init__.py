@@ -12,7 +12,8 @@ tensor (:meth:`Mask.additive`), and classified per tile (:meth:`Mask.tiles`) so 
 kernels skip the work it rules out.
 """
 
-from .base import EMPTY, FULL, PARTIAL, And, Mask, Not, Or, TileMap
+from .base import EMPTY, FULL, PARTIAL, Mask, TileMap
+from .combine import And, Not, Or
 from .positioned import Positioned, at_positions
 from .structured import Document, Padding, Window, causal, document, padding, sliding_window
 from .tensor import ALiBi, Bias, Dense, alibi, alibi_slopes, bias, dense

@@ -13,6 +13,7 @@ import torch
 
 from .._tracing import concrete
 from .base import Index, Mask, TileIndex, one_batch
+from .combine import And, Not, Or
 
 
 def _as_positions(t, name: str) -> torch.Tensor:
@@ -224,7 +225,6 @@ def distances_in_tokens(mask: Mask | None, key_valid: torch.Tensor, n: int):
 def _reposition(mask: Mask, q_positions: torch.Tensor, k_positions: torch.Tensor,
                 moves) -> Mask:
     """``mask`` with each leaf ``moves`` picks wrapped in :class:`Positioned`."""
-    from .base import And, Not, Or
     if isinstance(mask, (And, Or)):
         a, b = (_reposition(x, q_positions, k_positions, moves) for x in (mask.a, mask.b))
         return type(mask)(a, b)
