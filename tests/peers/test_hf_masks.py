@@ -7,6 +7,8 @@ materialized, must equal the 4-D bool mask of Hugging Face's ``sdpa_mask`` with 
 arguments, and must not be dense where it has structure.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -119,6 +121,26 @@ def test_a_padding_mask_with_another_number_of_rows_is_refused_naming_it(rows):
     with pytest.raises(ValueError, match=rf"attention_mask has {rows} rows \(shape \({rows}, 4\)\) "
                                          r"but the batch has 2 sequences: pass one row per"):
         build_mask(2, 4, 4, 0, 0, mu.causal_mask_function, am)
+
+
+@pytest.mark.parametrize("sizes,cols,said", [
+    ((3, 8, 5, 0), 3, "but there are 8 keys so far: give one column per token, the cached"),
+    ((6, 6, 0, 0), 5, "but there are 6 keys so far"),
+    ((6, 6, 0, 0), 8, "but there are only 6 keys: give one column per token so far"),
+    ((1, 16, 7, 0), 17, "but there are only 16 keys"),       # past a static cache's slots
+], ids=["new-tokens-only", "short", "long", "past-the-slots"])
+def test_a_padding_mask_of_another_length_is_refused_naming_it(sizes, cols, said):
+    """transformers pads a short mask with zeros, masking real tokens (with a window, every
+    key a query has: its row attends to nothing), and ignores a long one's extra columns;
+    both are a mask of some other input, never right."""
+    Sq, Sk, q_off, kv_off = sizes
+    am = torch.ones(2, cols, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"attention_mask has {cols} columns \(shape \(2, {cols}\)\) "
+                                         + re.escape(said)):
+        build_mask(2, Sq, Sk, q_off, kv_off, mu.sliding_window_causal_mask_function(3), am)
+    for fine in {q_off + Sq, kv_off + Sk}:        # the tokens so far; a static cache's slots
+        build_mask(2, Sq, Sk, q_off, kv_off, mu.causal_mask_function,
+                   torch.ones(2, fine, dtype=torch.long))
 
 
 def test_a_mask_prepared_by_generate_passes_through_unchanged():

@@ -262,6 +262,26 @@ def _padding(attention_mask, kv_offset: int, keys: int):
     return M.padding(pm)
 
 
+def _check_columns(attention_mask, tokens: int, slots: int) -> None:
+    """A 2-D mask must cover every key that is a token so far: transformers pads a shorter
+    one with zeros (the tokens past its end are then masked, every key of a query in a
+    window too: silently wrong), and reads only the columns it needs of a longer one.
+
+    ``tokens``: the queries' end (cached + new); ``slots``: the keys' end (a static cache's
+    slots; a cross-attention's encoder length). A mask as long as either is right.
+    """
+    cols, shape = attention_mask.shape[1], shape_text(attention_mask)
+    need, most = min(tokens, slots), max(tokens, slots)
+    if cols < need:
+        raise ValueError(f"attention_mask has {cols} columns (shape {shape}) but there are "
+                         f"{need} keys so far: give one column per token, the cached ones "
+                         f"included (1 = real token, 0 = padding), not only the new tokens'")
+    if cols > most:
+        raise ValueError(f"attention_mask has {cols} columns (shape {shape}) but there are "
+                         f"only {most} keys: give one column per token so far (cached + new), "
+                         f"not the mask of a longer input")
+
+
 def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
                mask_function=None, attention_mask=None, **kwargs) -> HFMask:
     """The ``AttentionMaskInterface`` entry: an :class:`HFMask` instead of a 4-D tensor.
@@ -304,6 +324,8 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
                              f"sequences: pass one row per sequence (1 = real token)")
         attention_mask = attention_mask.bool()          # (0/1 ints, as tokenizers give)
     q_offset, kv_offset = int(q_offset), int(kv_offset)
+    if attention_mask is not None:
+        _check_columns(attention_mask, q_offset + q_length, kv_offset + kv_length)
     shape = (batch_size, 1, q_length, kv_length)
     try:
         offsets = bool(q_offset or kv_offset)
