@@ -1,7 +1,7 @@
 """Loading a ``transformers`` checkpoint (GPT-2, Llama, Mistral, Qwen2, BART) refuses, with
 one message naming config.json's field or the tensor, what would otherwise run wrong or
 slowly: sizes that are not positive integers, an activation transformers lacks, a norm's
-epsilon or a RoPE base that makes every output NaN, a sliding window no layer can use, a
+epsilon, a RoPE base or scaling that makes every output NaN, a sliding window no layer can use, a
 layer count far beyond the checkpoint's (refused before anything is built), integer weights,
 shards named outside the directory, and values float16 cannot hold. What transformers
 loads (old GPT-2 checkpoints with their mask buffers) loads here too."""
@@ -55,6 +55,15 @@ def _edited(dirs, kind: str, tmp_path: Path, **config) -> Path:
     ("llama", {"rope_parameters": {"rope_theta": 0.0, "rope_type": "default"}},
      "rope_theta is 0.0, but it must be a finite number above 0"),
     ("gpt2", {"layer_norm_epsilon": 0.0}, "layer_norm_epsilon is 0.0, but it must be a finite number"),
+    ("llama", {"rope_parameters": {"rope_theta": 1e4, "rope_type": "linear", "factor": 0.0}},
+     "rope_parameters.factor is 0.0, but it must be a finite number above 0"),
+    ("llama", {"rope_parameters": {"rope_theta": 1e4, "rope_type": "yarn", "factor": 2.0,
+                                   "attention_factor": float("nan")}},
+     "rope_parameters.attention_factor is nan, but it must be a finite number above 0"),
+    ("llama", {"rope_parameters": {"rope_theta": 1e4, "rope_type": "longrope",     # (d_k 8)
+                                   "short_factor": [0.0] * 4, "long_factor": [0.0] * 4,
+                                   "original_max_position_embeddings": 16}},
+     "give rotary_emb's RoPE frequencies (inv_freq) that are not all finite and above 0"),
     ("mistral", {"sliding_window": 0}, "sliding_window is 0, but it must be a positive integer"),
     ("mistral", {"sliding_window": -3}, "sliding_window is -3, but it must be a positive integer"),
 ])

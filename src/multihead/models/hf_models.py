@@ -74,6 +74,9 @@ LAYER_COUNTS = ("num_hidden_layers", "n_layer", "encoder_layers", "decoder_layer
 #: config.json's numbers that must be positive and finite when given: a norm's epsilon of
 #: 0 or less, or a RoPE base of 0 or less, turns every output into NaN
 POSITIVE_NUMBERS = ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "rope_theta")
+#: ... and RoPE's scales, when given: a factor of 0 makes the frequencies infinite, an
+#: attention factor of 0 makes every score 0 (transformers only logs a warning)
+ROPE_SCALES = ("factor", "attention_factor")
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,9 @@ class HFConfig:
             _check_size_value(source, name, v, "")
         for name in POSITIVE_NUMBERS:
             _check_positive_number(source, name, _setting(c, name))
+        rope = getattr(c, "rope_parameters", None)
+        for name in ROPE_SCALES if isinstance(rope, dict) else ():
+            _check_positive_number(source, f"rope_parameters.{name}", rope.get(name))
         if c.model_type not in WINDOWED_TYPES:
             return cls(c.model_type, **values)
         window = getattr(c, "sliding_window", None)
@@ -422,8 +428,29 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
                       f"{p.dtype} cannot hold the checkpoint's values ({held.dtype} there): "
                       f"load with dtype=torch.float32" if narrower else
                       "the checkpoint is corrupt; re-export it")
+    _check_rotary(network, str(config_file), getattr(hf_config, "rope_parameters", None))
     model = Decoder if kind in DECODER_TYPES else EncoderDecoder
     return model(network.to(device).eval(), tokenizer, config, d, d.name)
+
+
+def _check_rotary(network: torch.nn.Module, source: str, rope) -> None:
+    """The RoPE frequencies and attention scaling ``transformers`` computed from the config
+    (its ``rope_parameters``: a YaRN's NaN ``attention_factor``, LongRoPE's zero factors):
+    finite and above 0, else every output would be NaN (or every score 0)."""
+    for name, module in network.named_modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        if not isinstance(inv_freq, torch.Tensor):
+            continue
+        scaling = getattr(module, "attention_scaling", 1.0)
+        bad = ("frequencies (inv_freq)" if not bool(torch.isfinite(inv_freq).all()
+                                                    and (inv_freq > 0).all()) else
+               f"attention scaling ({show(scaling)})"
+               if not (isinstance(scaling, (int, float)) and math.isfinite(scaling)
+                       and scaling > 0) else None)
+        if bad is not None:
+            raise ModelLoadError(f"{source}: rope_parameters {show(rope, 200)} give {name}'s "
+                                 f"RoPE {bad} that are not all finite and above 0 (every "
+                                 f"output would be NaN): copy the original model's config.json")
 
 
 def _layer(name: str, prefix: str = "") -> str | None:
