@@ -623,10 +623,38 @@ def test_learned_frequencies_get_gradients_from_every_kind_of_position():
     (lambda r, x: mh.MultiHeadAttention(16, 2, rope=r)(
         torch.randn(1, 3, 16), positions=torch.tensor([0.0, float("inf"), 1.0])),
      ValueError, r"positions must be finite, got \[inf\]"),
-], ids=["nan", "bool", "complex", "int x", "huge", "str", "module inf"])
+    (lambda r, x: r(x, torch.arange(300, 303).bfloat16()), TypeError,    # (300, 300, 302)
+     r"positions in torch.bfloat16 are exact integers only up to 256 .* pass them as int64"),
+    (lambda r, x: r(x, torch.arange(3).half()), TypeError, r"torch.float16 .* up to 2048"),
+    (lambda r, x: r.rotate(torch.randn(2, 4, 3, 8), torch.randn(3, 2, 3, 8),
+                           positions=torch.arange(3).expand(2, 3)), ValueError,
+     r"positions of shape \(2, 3\) hold one row per sequence, but the inputs are "
+     r"\[\(2, 4, 3, 8\), \(3, 2, 3, 8\)\]: rotate tensors \(B, H, S, D\) of one batch B = 2"),
+], ids=["nan", "bool", "complex", "int x", "huge", "str", "module inf", "bf16", "fp16",
+        "batches"])
 def test_positions_and_inputs_that_are_not_positions_or_numbers_are_named(call, error, match):
     with pytest.raises(error, match=match):
         call(mh.RotaryEmbedding(8), torch.randn(1, 1, 3, 8))
+
+
+@pytest.mark.parametrize("write, match", [
+    (lambda r: setattr(r, "inv_freq", torch.ones(2)),
+     r"inv_freq must be a float tensor of shape \(4,\) \(rotary_dim 8 / 2\), got "
+     r"torch.float32 \(2,\): assign frequencies of that shape, or set .base"),
+    (lambda r: setattr(r, "inv_freq", torch.arange(4)), r"got torch.int64 \(4,\)"),
+    (lambda r: setattr(r, "inv_freq", torch.full((4,), float("nan"))), r"inv_freq holds NaN or inf"),
+    (lambda r: r.inv_freq.__setitem__(1, float("inf")), r"inv_freq holds NaN or inf"),
+], ids=["shape", "dtype", "nan", "inf in place"])
+def test_frequencies_written_that_cannot_serve_are_named_at_the_call(write, match):
+    """A checkpoint's inv_freq is checked as it loads; one assigned or written in place
+    reached the rotation as it was: a shape torch's broadcasting names in its own terms,
+    or NaN in every rotated row."""
+    rope = mh.RotaryEmbedding(8)
+    write(rope)
+    with pytest.raises(ValueError, match=match):
+        rope(torch.randn(1, 1, 3, 8), 0)
+    rope.base = rope.base                     # setting the base rebuilds the frequencies
+    assert rope(torch.randn(1, 1, 3, 8), 0).isfinite().all()
 
 
 def test_built_frequencies_in_other_precisions_or_formulas_keep_the_table():

@@ -77,6 +77,11 @@ def _check_values(positions: torch.Tensor) -> tuple[int, int] | None:
     if positions.dtype == torch.bool or positions.is_complex():
         raise TypeError(f"RotaryEmbedding: positions must be an integer or float tensor, got "
                         f"{positions.dtype}: pass integer positions (torch.arange(S) + start)")
+    exact = {torch.float16: 2048, torch.bfloat16: 256}.get(positions.dtype)
+    if exact is not None:
+        raise TypeError(f"RotaryEmbedding: positions in {positions.dtype} are exact integers "
+                        f"only up to {exact} (301 is stored as 300 in bfloat16): pass them as "
+                        f"int64, or float32/float64 for fractional positions")
     if not (positions.device.type == "cpu" and type(positions) is torch.Tensor and positions.numel()
             and not torch.compiler.is_compiling()
             and not torch._C._are_functorch_transforms_active()):
@@ -373,6 +378,13 @@ class RotaryEmbedding(nn.Module):
                                 f"float32, bfloat16, float16 or float64")
         wide = any(t.dtype == torch.float64 for t in xs)    # fp64 anywhere: fp64 angles
         cos, sin = self._cos_sin(positions, x, torch.float64 if wide else _precision(x.dtype))
+        rows = positions.shape[0] if isinstance(positions, torch.Tensor) \
+            and positions.dim() == 2 else 1
+        if rows != 1 and any(t.dim() != 4 or t.shape[0] != rows for t in xs[1:]):
+            raise ValueError(f"RotaryEmbedding: positions of shape {shape_text(positions)} "
+                             f"hold one row per sequence, but the inputs are "
+                             f"[{', '.join(shape_text(a) for a in xs)}]: rotate tensors "
+                             f"(B, H, S, D) of one batch B = {concrete(rows)} together")
         if len(xs) > 1 and all(t.dim() == 4 and t.shape[0] == x.shape[0] and t.dtype == x.dtype
                                and t.device == x.device for t in xs):
             both = self._turn(torch.cat(xs, 1), cos, sin)          # (B, H1 + H2 + ..., S, D)
@@ -436,12 +448,32 @@ class RotaryEmbedding(nn.Module):
         """``inv_freq`` ``(D/2,)`` in ``dtype`` on ``device``; in fp64, each frequency that
         still holds its built fp32 value is the exact fp64 one (no host check, so also
         while traced)."""
+        self._check_written()
         freq = self.inv_freq.to(device, dtype)
         if dtype != torch.float64 or self.inv_freq.dtype != torch.float32:
             return freq
         built = _frequencies(self.rotary_dim, self.base, torch.float32, device)
         exact = _frequencies(self.rotary_dim, self.base, torch.float64, device)
         return torch.where(freq == built, exact, freq)
+
+    def _check_written(self) -> None:
+        """Refuse an ``inv_freq`` assigned or written that cannot serve: its shape and dtype
+        always, NaN/inf where the host holds it (a device's is not read back: NaN rows)."""
+        freq, want = self.inv_freq, (self.rotary_dim // 2,)
+        if not (isinstance(freq, torch.Tensor) and freq.shape == want
+                and freq.is_floating_point()):
+            raise ValueError(f"RotaryEmbedding: inv_freq must be a float tensor of shape {want} "
+                             f"(rotary_dim {self.rotary_dim} / 2), got "
+                             f"{getattr(freq, 'dtype', type(freq).__name__)} "
+                             f"{tuple(getattr(freq, 'shape', ()))}: assign frequencies of that "
+                             f"shape, or set .base to rebuild them")
+        if (freq.device.type == "cpu" and type(freq) is torch.Tensor
+                and not torch.compiler.is_compiling()
+                and not torch._C._are_functorch_transforms_active()
+                and not bool(torch.isfinite(freq).all())):
+            raise ValueError("RotaryEmbedding: inv_freq holds NaN or inf (every rotated query "
+                             "and key would be NaN): assign finite frequencies, or set .base "
+                             "to rebuild them")
 
     def _tables_serve(self, x: torch.Tensor) -> bool:
         """Whether this call may read the shared table (see the module docstring)."""
