@@ -305,8 +305,10 @@ def test_flash_attention_packing_arguments_keep_documents_apart():
                                          r"of self-attention .* batch 2"):
         ours(**two_rows, use_cache=False)
     short = torch.tensor([0, 5, 14], dtype=torch.int32)                 # the row has 15 tokens
-    with pytest.raises(ValueError, match="cu_seq_lens_k ends at 14, the row has 15 tokens"):
+    with pytest.raises(ValueError, match=r"cu_seq_lens_k ends at 14, but the packed row has 15 "
+                                         r"tokens: its last offset must be the row's length") as e:
         ours(**{**packed, "cu_seq_lens_q": short, "cu_seq_lens_k": short}, use_cache=False)
+    assert "eager" not in str(e.value)        # (eager ignores the offsets: not the fix)
     with torch.inference_mode():                 # (no version counter: one read per forward too)
         cu = torch.tensor([0, 5, 9, 15], dtype=torch.int32)
         made = [hf._flash_packing({"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}, None, 1, 15, 15)

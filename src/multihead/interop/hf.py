@@ -189,9 +189,10 @@ def _read_packing(cu_k: torch.Tensor, length: int) -> Mask:
     now = _version(cu_k)
     if ref is None or ref() is not cu_k or version != now:
         docs = M.document(cu_seqlens=cu_k)             # (reads the offsets: once per forward)
-        if docs.ids.shape[1] != length:
-            _refuse("packed sequences whose offsets do not cover the row",
-                    f"cu_seq_lens_k ends at {docs.ids.shape[1]}, the row has {length} tokens")
+        if docs.ids.shape[1] != length:         # (the offsets are wrong: not for eager)
+            raise ValueError(f"cu_seq_lens_k ends at {docs.ids.shape[1]}, but the packed row "
+                             f"has {length} tokens: its last offset must be the row's length "
+                             f"(offsets [0, len1, len1 + len2, ..., {length}])")
         _PACKED[:] = [weakref.ref(cu_k, _forget_packed), now, docs]
     return docs
 
