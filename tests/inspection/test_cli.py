@@ -291,6 +291,21 @@ def test_one_of_layer_and_head_shows_its_strongest_look(option, value, tmp_path,
                              else {"layer": best, "head": value})
 
 
+@pytest.mark.parametrize("top", [1, 3])
+def test_the_number_of_heads_listed_does_not_change_the_head_shown(top, tmp_path, capsys):
+    """--top lists fewer heads; the headline and the head shown large were chosen among those
+    listed only (--top 3: "it → tired", a later word, though "it" is a pronoun)."""
+    from multihead.inspect.packing import unpack_weights
+    assert main(["inspect", "--top", str(top), "--out", str(tmp_path), "--format", "json"]) == 0
+    d = json.loads((tmp_path / "inspect.json").read_text())
+    assert len(d["query"]["heads"]) == top
+    q = d["query"]["position"]
+    w = unpack_weights(d["weights"])[:, :, q, 1:q - 1]   # (L, H, earlier words but the next)
+    layer, head = divmod(int(w.amax(-1).flatten().argmax()), w.shape[1])
+    assert d["selected"] == {"layer": layer, "head": head} == {"layer": 3, "head": 1}
+    assert d["summary"].endswith("L3H1: it → animal 0.67")
+
+
 POSITIONAL = {"previous token": "prev", "next token": "next", "self": "self", "[CLS]": "cls",
               "[SEP]": "sep", "punctuation": "punct"}
 

@@ -114,20 +114,18 @@ def _check_index(name: str, value: int | None, size: int, what: str) -> None:
                          f"(0..{size - 1})")
 
 
-def _select(args, cap, looks, query: int) -> tuple[int, int]:
+def _select(args, cap, every, query: int) -> tuple[int, int]:
     """The head shown large: ``--layer`` and ``--head``; with one of them, the headline
-    (:func:`multihead.inspect.capture.headline`) of every look from the query token by that
-    layer's heads (or by that head in every layer); with neither, the headline of ``looks``."""
+    (:func:`multihead.inspect.capture.headline`) of the looks from the query token by that
+    layer's heads (or by that head in every layer); with neither, the headline of ``every``
+    head's look (not only of the ``--top`` listed: their number must not change it)."""
     L, H = cap.weights.shape[:2]
     _check_index("layer", args.layer, L, "layers")
     _check_index("head", args.head, H, "heads per layer")
     if args.layer is not None and args.head is not None:
         return args.layer, args.head
-    from ..inspect.capture import headline, strongest_looks
-    if args.layer is not None or args.head is not None:         # (beyond the top looks too)
-        looks = [k for k in strongest_looks(cap.weights, cap.tokens, query, top=L * H,
-                                            causal=cap.causal)
-                 if args.layer in (None, k.layer) and args.head in (None, k.head)]
+    from ..inspect.capture import headline
+    looks = [k for k in every if args.layer in (None, k.layer) and args.head in (None, k.head)]
     best = headline(looks, query, cap.tokens)
     if best is not None:
         return best.layer, best.head
@@ -195,10 +193,11 @@ def run(args) -> int:
                            f"{model.config.max_position_embeddings} positions: {len(cap.tokens)} "
                            f"of its {cap.original_length} tokens are read, and a word after "
                            f"them cannot be the query: pick one from the start)") from None
-    looks = strongest_looks(cap.weights, cap.tokens, query, top=args.top, causal=cap.causal)
-    selected = _select(args, cap, looks, query)
-    result = Inspection(model.name, cap, metrics, query, looks, selected,
-                        attention=getattr(model, "attention_note", ""))
+    L, H = cap.weights.shape[:2]
+    every = strongest_looks(cap.weights, cap.tokens, query, top=L * H, causal=cap.causal)
+    selected = _select(args, cap, every, query)
+    result = Inspection(model.name, cap, metrics, query, every[:args.top], selected,
+                        attention=getattr(model, "attention_note", ""), every=every)
 
     if args.out is not None:         # the files first: a reader that leaves (``| head -1``) keeps them
         from rich.markup import escape

@@ -40,9 +40,11 @@ class Inspection:
     capture: Capture            # the text shown in detail
     metrics: HeadMetrics        # averaged over every text given
     query: int                  # position of the query token in capture.tokens
-    looks: list[Look]           # strongest heads from the query token, best first
+    looks: list[Look]           # strongest heads from the query token, best first (listed)
     selected: tuple[int, int]   # (layer, head) shown large
     attention: str = ""         # which tokens each token sees (the model's attention_note)
+    every: list[Look] | None = None     # every head's look, best first: the headline's
+    #                                     choice (None: ``looks`` are all there are)
 
     def to_dict(self, digits: int = 4, *, curve: str = "sqrt") -> dict:
         """JSON-ready: tokens, weights (L, H, S, S) packed with ``curve``
@@ -79,7 +81,8 @@ class Inspection:
         s = (f"{len(c.tokens)} tokens" + (f" (truncated from {c.original_length})" if c.truncated
                                           else "")
              + f"; metrics averaged over {self.metrics.texts} text(s)")
-        best = headline(self.looks, self.query, c.tokens)
+        best = headline(self.looks if self.every is None else self.every, self.query,
+                        c.tokens)
         if best is not None:
             back = " (looking back)" if c.causal else ""
             far = "long-range " if best.long_range(self.query) else ""   # (none is further)
