@@ -10,6 +10,7 @@ write (Ctrl-C, a full disk) leaves the old file and no temporary behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from pathlib import Path
@@ -40,14 +41,16 @@ def atomic_write(path: Path, data: str | bytes) -> Path:
 
 def atomic_write_all(files: dict[Path, str | bytes]) -> list[Path]:
     """Write several files so that an error leaves every one of them as it was: each is
-    staged in a temporary file first, and only when all are staged are they renamed over
-    their targets.
+    staged in a temporary file first; when all are, each target's old file is kept aside
+    (a hard link: it stays in place), and only then are they renamed over their targets;
+    a rename that fails puts back the old files of those already renamed.
 
     Missing directories are made for the files, and removed again if the write fails.
 
     Raises:
         IsADirectoryError: a target is a directory (checked before anything is replaced).
-        OSError: a file could not be staged; the error's ``filename`` names its target.
+        OSError: a file could not be staged, kept aside or renamed; the error's
+            ``filename`` names its target.
 
     Example:
         >>> import tempfile
@@ -56,32 +59,69 @@ def atomic_write_all(files: dict[Path, str | bytes]) -> list[Path]:
         ['a.txt', 'b.txt']
     """
     staged, made = [], []                      # made: directories created here, outermost first
+    kept, placed = {}, []                      # kept: target -> (its old file aside, moved?)
     try:
         for path, data in files.items():
             path = Path(path)
             made += _make_dirs(path.parent)
             if path.is_dir() and not path.is_symlink():   # (a link is replaced, not followed)
                 raise IsADirectoryError(21, "Is a directory", str(path))
-            try:
+            with _named(path):
                 staged.append((_stage(path, data), path))
-            except OSError as e:
-                e.filename = str(path)
-                raise
+        for _, path in staged:
+            with _named(path):
+                kept[path] = _keep(path)
         for tmp, path in staged:
-            os.replace(tmp, path)
+            with _named(path):
+                os.replace(tmp, path)
+            placed.append(path)
     except BaseException:          # (Ctrl-C included: the old files stay, the temporaries go)
+        for path in placed:                        # the new files out, the old ones back
+            if kept[path] is None:
+                _quietly(os.unlink, path)
+        for path, k in kept.items():
+            if k is not None and (path in placed or k[1]):      # (replaced, or moved aside)
+                _quietly(os.replace, k[0], path)
+            elif k is not None:                                 # (a link: the file is there)
+                _quietly(os.unlink, k[0])
         for tmp, _ in staged:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _quietly(os.unlink, tmp)
         for d in reversed(made):
-            try:
-                d.rmdir()
-            except OSError:                       # (not empty: something else wrote there)
-                pass
+            _quietly(os.rmdir, d)                  # (not empty: something else wrote there)
         raise
+    for old, _ in filter(None, kept.values()):
+        _quietly(os.unlink, old)
     return [path for _, path in staged]
+
+
+def _keep(path: Path) -> tuple[Path, bool] | None:
+    """``path``'s file (a symlink as itself) kept under a fresh hidden name beside it, and
+    whether it was moved there (where the filesystem has no hard links) rather than linked;
+    None when there is none."""
+    if not os.path.lexists(path):
+        return None
+    old = path.with_name(f".{path.name}.{secrets.token_hex(6)}.old")
+    try:
+        os.link(path, old, follow_symlinks=False)
+        return old, False
+    except OSError:
+        os.replace(path, old)
+        return old, True
+
+
+@contextlib.contextmanager
+def _named(path: Path):
+    """An ``OSError`` inside names ``path``, the target, not a temporary file beside it."""
+    try:
+        yield
+    except OSError as e:
+        e.filename, e.filename2 = str(path), None
+        raise
+
+
+def _quietly(fn, *args) -> None:
+    with contextlib.suppress(OSError):
+        fn(*args)
 
 
 def missing_dirs(d: Path) -> list[Path]:

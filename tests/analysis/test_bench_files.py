@@ -189,6 +189,42 @@ def test_a_failed_write_removes_the_directories_it_made_and_only_those(tmp_path)
     assert [p.name for p in F.atomic_write_all(files)] == ["a.json", "b.json"]
 
 
+@pytest.mark.parametrize("links", [True, False], ids=["hard links", "no hard links"])
+@pytest.mark.parametrize("fails", ["keeping aside", "renaming"])
+def test_a_rename_failing_midway_puts_every_old_file_back(fails, links, tmp_path):
+    """Files are renamed over their targets one by one: a failure at the second target
+    (an immutable file, another user's in a sticky directory) left the first one new and
+    named the temporary file beside the target, not the target."""
+    from multihead import _files as F
+    (tmp_path / "a.json").write_text("old a")
+    (tmp_path / "b.png").write_text("old b")
+    files = {tmp_path / n: f"new {n[0]}" for n in ("a.json", "b.png", "c.svg")}
+    real_replace, real_link = os.replace, os.link
+
+    def replace(src, dst):
+        if (str(src).endswith(".tmp") and str(dst).endswith("b.png") if fails == "renaming"
+                else str(src).endswith("b.png")):       # (b.png moved aside)
+            raise PermissionError(1, "Operation not permitted", str(src))
+        return real_replace(src, dst)
+
+    def link(src, dst, **kw):
+        if not links or (fails == "keeping aside" and str(src).endswith("b.png")):
+            raise OSError(1, "Operation not permitted", str(src), None, str(dst))
+        return real_link(src, dst, **kw)
+    with mock.patch.object(F.os, "replace", side_effect=replace), \
+            mock.patch.object(F.os, "link", side_effect=link), \
+            pytest.raises(PermissionError) as e:
+        F.atomic_write_all(files)
+    assert e.value.filename == str(tmp_path / "b.png") and e.value.filename2 is None
+    assert sorted(os.listdir(tmp_path)) == ["a.json", "b.png"]     # no temporary, no copy
+    assert [(tmp_path / n).read_text() for n in ("a.json", "b.png")] == ["old a", "old b"]
+    with mock.patch.object(F.os, "link", side_effect=link if not links else real_link):
+        F.atomic_write_all(files)
+    assert sorted(os.listdir(tmp_path)) == ["a.json", "b.png", "c.svg"]
+    assert [(tmp_path / n).read_text() for n in sorted(os.listdir(tmp_path))] == [
+        "new a", "new b", "new c"]
+
+
 def test_written_files_get_the_usual_permissions(tmp_path):
     from multihead import _files as F
     old = os.umask(0o022)
