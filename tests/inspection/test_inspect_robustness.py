@@ -125,6 +125,17 @@ def test_figures_fall_back_to_installed_fonts_and_say_once_what_none_draws(tmp_p
     assert "'の" not in err
 
 
+def test_a_combining_mark_no_font_draws_is_not_blamed_on_another_character(tmp_path, capsys):
+    """The embedded model splits "हिन्दी" into pieces such as "##ि": matplotlib, lacking the
+    vowel sign, warned "Glyph 35 (#) missing", twice, besides our own one line."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["inspect", "हिन्दी it", "--out", str(tmp_path), "--format", "png"]) == 0
+    assert not [str(w.message) for w in caught if "Glyph" in str(w.message)]
+    assert capsys.readouterr().err.count("no installed font") <= 1
+
+
 # C. symlinks planted in --out
 
 def test_out_never_writes_through_symlinks(tmp_path):
