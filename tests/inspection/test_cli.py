@@ -94,6 +94,10 @@ def test_long_text_truncates_with_warning_or_refuses(capsys):
     (["\u200b\x07"], "has no token but the model's markers ([CLS] [SEP]): it holds nothing"),
     (["--query-token", "zebra"], "--query-token 'zebra' (tokens ['zebra']) is not in the text"),
     (["--query-token", "🐱", "a 🚀 flew"], "--query-token '🐱' (tokens ['[UNK]']) is not in the"),
+    (["--query-token", "the dog", "The dog barked"], "--query-token 'the dog' is 2 words: pass "
+                                                      "one word of the text"),
+    (["-it"], "unrecognized arguments: -it (a text that starts with '-' goes after --: "
+              "multihead inspect -- -it)"),
     (["--layer", "6"], "--layer 6 is out of range: the model has 6 layers (0..5)"),
     (["--head", "-1"], "--head -1 is out of range: the model has 12 heads per layer (0..11)"),
     (["--layer", "\u0661"], "argument --layer: '\u0661' is not a whole number: give an integer"),

@@ -15,6 +15,7 @@ import contextlib
 import errno
 import os
 import select
+import shlex
 import sys
 
 from . import bench_cmd, demo_cmd, inspect_cmd, params_cmd
@@ -52,7 +53,12 @@ class _Parser(argparse.ArgumentParser):
             subcommands = getattr(self, "subcommands", None)
             owner = subcommands.choices.get(getattr(args, "command", None)) if subcommands \
                 else None
-            (owner or self).error(f"unrecognized arguments: {' '.join(extra)}")
+            texts = owner is not None and any(not a.option_strings for a in owner._actions)
+            dashed = [x for x in extra if x.startswith("-") and (         # (not --an-option)
+                not x.startswith("--") or not x[2:].replace("-", "").isalnum())] if texts else []
+            hint = (f" (a text that starts with '-' goes after --: {owner.prog} -- "
+                    f"{shlex.quote(dashed[0])})" if dashed else "")
+            (owner or self).error(f"unrecognized arguments: {' '.join(extra)}{hint}")
         return args
 
 

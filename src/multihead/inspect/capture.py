@@ -251,6 +251,9 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
     if word is not None and not isinstance(word, str):
         raise TypeError(f"word must be a str (or None: the first pronoun), got "
                         f"{type(word).__name__} {word!r}")
+    if word is not None and len(word.split()) > 1:      # (its first token's row was used)
+        raise InspectError(f"--query-token {word!r} is {len(word.split())} words: pass one "
+                           f"word of the text; the query is one token's row")
     joined = _joined_pieces(text, spans, len(tokens))
     by_words = _whole_words(tokens, words)
 
