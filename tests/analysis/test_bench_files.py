@@ -241,11 +241,14 @@ def _bad_out(tmp_path):
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     (tmp_path / "with-dir" / "results.json").mkdir(parents=True)
     return {
         "a file": (a_file, "is a file, not a directory"),
         "under a file": (a_file / "sub", "is not writable: " + repr(str(a_file)) + " is a file"),
         "symlink loop": (tmp_path / "loop", "is not writable"),
+        "dangling symlink": (tmp_path / "dangling" / "b", f"'{tmp_path / 'dangling'}' is a "
+                             f"symlink to '{tmp_path / 'nowhere'}', which does not exist"),
         "results.json is a directory": (tmp_path / "with-dir",
                                         "results.json there is a directory"),
         "unwritable": ("/sys/multihead-bench-out", "is not writable"),
@@ -253,7 +256,7 @@ def _bad_out(tmp_path):
     }
 
 
-@pytest.mark.parametrize("case", ["a file", "under a file", "symlink loop",
+@pytest.mark.parametrize("case", ["a file", "under a file", "symlink loop", "dangling symlink",
                                   "results.json is a directory", "unwritable", "name too long"])
 def test_bad_out_is_one_line_before_measuring(case, tmp_path, capsys):
     out, message = _bad_out(tmp_path)[case]

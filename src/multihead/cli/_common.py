@@ -138,7 +138,9 @@ def prepare_out(out: Path | None, names: tuple[str, ...] = ()) -> None:
         there = missing[0].parent if missing else out     # (the ancestor it will be made in)
         if not there.is_dir():
             what = "it" if there == out else repr(str(there))
-            kind = "is a file, not a directory" if there.is_file() else "is not a directory"
+            kind = ("is a file, not a directory" if there.is_file() else
+                    f"is a symlink to {str(there.readlink())!r}, which does not exist"
+                    if there.is_symlink() and not there.exists() else "is not a directory")
             raise ValueError(f"--out {str(out)!r} is not writable: {what} {kind}: choose a "
                              f"directory")
         probe_writable(there)

@@ -144,10 +144,12 @@ def check_model_dir(d: Path, weights: tuple[str, ...] = ("model.safetensors",)) 
         >>> check_model_dir(Path("/nonexistent"))
         Traceback (most recent call last):
         ...
-        multihead.models._files.ModelLoadError: model directory '/nonexistent' does not exist or is not a directory
+        multihead.models._files.ModelLoadError: model directory '/nonexistent' does not exist or is not a directory: give the directory that holds the model's config.json, tokenizer.json and weights
     """
     if not d.is_dir():
-        raise ModelLoadError(f"model directory {str(d)!r} does not exist or is not a directory")
+        raise ModelLoadError(f"model directory {str(d)!r} does not exist or is not a "
+                             f"directory: give the directory that holds the model's "
+                             f"config.json, tokenizer.json and weights")
     for f in ("config.json", "tokenizer.json"):
         if not (d / f).is_file():
             hint = ""
