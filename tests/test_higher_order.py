@@ -8,6 +8,8 @@ second derivatives (``gradgradcheck``)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch.autograd import forward_ad
@@ -56,6 +58,67 @@ def test_vmap_over_per_sample_masks():
     want, got = (torch.func.vmap(lambda t, m: module(t, t, t, key_padding_mask=m)[0])(x, ~keep)
                  for module in (theirs, ours))                    # (3, B, S, E) each
     torch.testing.assert_close(got, want)
+
+
+def test_a_second_order_transform_of_alibi_leaves_later_transforms_working():
+    """ALiBi's slopes are shared by every alibi(H) mask: made inside a hessian, they were
+    kept wrapped by it, and every later torch.func call with ALiBi failed inside functorch
+    (an INTERNAL ASSERT), for the rest of the process."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, s, 4, generator=g, dtype=torch.float64) for s in (3, 5, 5))
+
+    def f(x):
+        return mh.attention(x, k, v, mask=M.alibi(2, align="upper_left")).sin().sum()
+
+    def ref(x):                                  # fp64 by hand: -slope * |q - k| on the scores
+        slopes = torch.tensor([2.0 ** -4, 2.0 ** -8], dtype=torch.float64)[:, None, None]
+        dist = (torch.arange(3)[:, None] - torch.arange(5)).abs()
+        s = x @ k.transpose(-1, -2) / 2 - slopes * dist
+        return (s.softmax(-1) @ v).sin().sum()
+    want = torch.func.jacrev(ref)(q)
+    torch.testing.assert_close(torch.func.hessian(f)(q), torch.func.hessian(ref)(q))
+    torch.testing.assert_close(torch.func.jacrev(f)(q), want)
+    gg = [torch.func.grad(lambda x: torch.func.grad(fn)(x).pow(2).sum())(q) for fn in (f, ref)]
+    torch.testing.assert_close(*gg)
+    torch.testing.assert_close(torch.func.jacfwd(f)(q), want)
+
+
+@pytest.mark.parametrize("mask", [None, M.causal(), M.padding([3, 5]), M.bias(torch.randn(5, 5))],
+                         ids=["none", "causal", "padding", "bias"])
+def test_vmap_over_an_empty_dimension_gives_an_empty_result(mask):
+    """torch's fused CPU kernel has no batching rule, and its loop over the samples cannot
+    run over none: auto picked it, and the call failed inside functorch."""
+    q = torch.randn(0, 2, 2, 5, 4)                                # (vmapped 0, B, H, S, D)
+    said = []
+
+    def one(t):
+        said.append(str(mh.explain(t, t, t, mask=mask)))
+        return mh.attention(t, t, t, mask=mask)
+    assert torch.func.vmap(one)(q).shape == (0, 2, 2, 5, 4)
+    assert re.search(r"\* reference .*\n.*\n +sdpa +cannot run: cannot run under torch.func.vmap "
+                     r"over a dimension of size 0", said[0]), said[0]
+    g = torch.func.vmap(torch.func.grad(lambda t: mh.attention(t, t, t, mask=mask).sum()))
+    assert g(q).shape == (0, 2, 2, 5, 4)
+
+
+@pytest.mark.parametrize("build, name", [
+    (lambda t, x: M.padding(x.sum(-1).long()), "padding's lengths"),
+    (lambda t, x: M.padding(x > 0), "padding's bool mask values"),
+    (lambda t, x: M.document(x.long()), "document's ids"),
+    (lambda t, x: M.document(torch.zeros(2, 5, dtype=torch.long), kv_ids=x.long()),
+     "document's kv_ids"),
+])
+def test_a_mask_built_from_values_vmap_batches_is_refused_naming_them(build, name):
+    """They are read on the host when the mask is built (vmap cannot: torch's .item() or
+    nonzero message); dense(...) takes a mask per sample."""
+    q = torch.randn(3, 2, 2, 5, 4)
+    x = torch.ones(3, 2, 5)
+    with pytest.raises(ValueError, match=rf"{name} are batched by torch.func.vmap, but the "
+                                         r"mask reads them on the host.*masks.dense"):
+        torch.func.vmap(lambda t, m: mh.attention(t, t, t, mask=build(t, m)))(q, x)
+    with pytest.raises(TypeError, match=r"scale is batched by torch.func.vmap, but it is one "
+                                        r"float for the whole call"):
+        torch.func.vmap(lambda t, s: mh.attention(t, t, t, scale=s))(q, torch.rand(3))
 
 
 def test_blocksparse_named_under_torch_func_is_refused_with_the_reason():

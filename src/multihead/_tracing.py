@@ -92,6 +92,42 @@ def shape_text(t) -> str:
     return "None" if t is None else str(tuple(concrete(s) for s in getattr(t, "shape", ())))
 
 
+def _levels(t):
+    """``t`` and the tensors ``torch.func`` wrapped it around, outermost first (just ``t``
+    outside any transform)."""
+    yield t
+    if torch._C._are_functorch_transforms_active():
+        from torch._C._functorch import get_unwrapped, maybe_get_level
+        while maybe_get_level(t) != -1:
+            t = get_unwrapped(t)
+            yield t
+
+
+def vmapped(t) -> bool:
+    """Whether ``t`` is batched by a running ``torch.func.vmap`` (at any level): each
+    sample's values differ, so none can be read on the host for all.
+
+    Example:
+        >>> from torch.func import vmap
+        >>> seen = []
+        >>> _ = vmap(lambda x: seen.append(vmapped(x)) or x)(torch.zeros(3, 2))
+        >>> seen, vmapped(torch.zeros(3))
+        ([True], False)
+    """
+    from torch._C._functorch import is_batchedtensor
+    return isinstance(t, torch.Tensor) and any(is_batchedtensor(x) for x in _levels(t))
+
+
+def vmapped_empty(*tensors) -> bool:
+    """Whether a tensor among ``tensors`` is batched by ``torch.func.vmap`` over a
+    dimension of size 0 (its storage is empty, whatever its per-sample shape), which
+    torch's fused attention kernels have no batching rule for."""
+    from torch._C._functorch import get_unwrapped, is_batchedtensor
+    return torch._C._are_functorch_transforms_active() and any(
+        is_batchedtensor(x) and get_unwrapped(x).numel() == 0
+        for t in tensors if isinstance(t, torch.Tensor) for x in _levels(t))
+
+
 def eager_under_compile(reason: str):
     """Decorator: ``fn`` runs as written; under ``torch.compile`` it is a graph break
     (``torch.compiler.disable`` with ``reason``, which ``fullgraph=True`` reports), the

@@ -15,7 +15,7 @@ import torch.autograd.forward_ad as fwAD
 from .. import masks as M
 from .._args import fraction
 from .._dtypes import SUPPORTED_DTYPES, check_strided
-from .._tracing import concrete, shape_text
+from .._tracing import concrete, shape_text, vmapped, vmapped_empty
 from ..masks.base import uncalled
 from ..masks.structured import _offset
 
@@ -177,6 +177,11 @@ class AttentionCall:
         (``torch.func.jvp``, ``jacfwd``, a ``torch.autograd.forward_ad`` dual tensor)."""
         return has_tangent(self.q, self.k, self.v, self.mask)
 
+    @property
+    def vmapped_empty(self) -> bool:
+        """Whether ``torch.func.vmap`` batches q, k or v over a dimension of size 0."""
+        return self.memo("vmapped_empty", lambda: vmapped_empty(self.q, self.k, self.v))
+
     def memo(self, name: str, compute):
         """A fact derived from this call, computed once (backends cache their analyses here)."""
         if name not in self._memo:
@@ -274,6 +279,10 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
             if scale.device.type == "meta":
                 raise TypeError("scale is a tensor on the meta device, which holds no value: "
                                 "pass a Python float")
+            if vmapped(scale):
+                raise TypeError("scale is batched by torch.func.vmap, but it is one float "
+                                "for the whole call: pass a float, or scale q per sample "
+                                "(q * (s * sqrt(D)), keeping the default scale)")
             if scale.numel() != 1 or not scale.is_floating_point() or scale.requires_grad:
                 raise TypeError(f"scale must be a float, got a tensor of shape "
                                 f"{shape_text(scale)}, {scale.dtype}"

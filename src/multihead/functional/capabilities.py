@@ -57,6 +57,8 @@ class Capabilities:
             for a backend that reads a mask back to the host (rows), writes its tiles in
             place from an autograd Function (blocksparse) or launches its own kernels
             (triton): functorch's wrapped tensors allow none of these.
+        empty_vmap: runs under ``torch.func.vmap`` over a dimension of size 0 (torch's
+            fused kernels fall back to a loop over the samples there, which cannot run).
         cross_attention: accepts Sq != Sk.
         backward: gives gradients (a call that needs them goes elsewhere when it does not).
         forward_ad: gives forward-mode derivatives (``torch.func.jvp``, ``jacfwd``,
@@ -85,6 +87,7 @@ class Capabilities:
     bias_grad: bool = False
     traceable: bool = True
     transforms: bool = True
+    empty_vmap: bool = True
     cross_attention: bool = True
     backward: bool = True
     forward_ad: bool = True
@@ -143,4 +146,7 @@ class Capabilities:
             out.append("is not traceable by torch.compile (a data-dependent host loop)")
         if not self.transforms and torch._C._are_functorch_transforms_active():
             out.append("does not run under torch.func transforms (grad, vmap, jacrev, ...)")
+        elif not self.empty_vmap and call.vmapped_empty:
+            out.append("cannot run under torch.func.vmap over a dimension of size 0 (torch's "
+                       "kernel has no batching rule)")
         return out

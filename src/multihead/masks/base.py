@@ -330,6 +330,8 @@ class Mask:
         """
         if torch.compiler.is_compiling():  # traced: the graph recomputes it on each call
             return compute()
+        if torch._C._are_functorch_transforms_active():     # (what it makes may be wrapped
+            return compute()                                #  by the transform: not kept)
         key = self.cache_key()
         if key is not None:
             full = (key, what, args)

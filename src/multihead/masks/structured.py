@@ -22,7 +22,7 @@ import torch
 from .._args import counted, positive_int
 from .._dtypes import check_strided, host_tensor, integer_tensor
 from .._device import check_fits
-from .._tracing import check_when_run, concrete, eager_under_compile, shape_text
+from .._tracing import check_when_run, concrete, eager_under_compile, shape_text, vmapped
 from .base import Index, Mask, TileIndex, one_batch, versioned
 
 _ALIGNS = ("lower_right", "upper_left")
@@ -133,8 +133,20 @@ def _as_long_1d_or_2d(x, name: str) -> torch.Tensor:
     return t
 
 
+def _not_vmapped(name: str, t: torch.Tensor) -> None:
+    """Refuse values the mask reads on the host that ``torch.func.vmap`` batches (each
+    sample's are its own: vmap cannot read them)."""
+    if vmapped(t):
+        raise ValueError(f"{name} are batched by torch.func.vmap, but the mask reads them on "
+                         f"the host, for every sample at once: build the mask outside the "
+                         f"vmapped function, or give each sample's as a tensor with "
+                         f"multihead.masks.dense(...) (True = may attend)")
+
+
 def _check_readable(name: str, t: torch.Tensor) -> None:
-    """Refuse values the mask must read when built that a meta tensor does not hold."""
+    """Refuse values the mask must read when built that a meta tensor does not hold, or
+    that ``torch.func.vmap`` batches."""
+    _not_vmapped(name, t)
     if t.device.type == "meta":
         raise ValueError(f"{name} are on the meta device, which holds no values to read when the "
                          f"mask is built: build it from real ones, then move it with .to('meta')")
@@ -177,6 +189,7 @@ class Padding(Mask):
                     "one length per sequence")
         check_strided("padding's lengths_or_mask", t)
         if t.dtype == torch.bool:
+            _not_vmapped("padding's bool mask values", t)
             if t.dim() != 2:
                 raise ValueError(f"padding: a bool mask must be (B, S) with True = real token, "
                                  f"got shape {shape_text(t)}")
@@ -441,12 +454,14 @@ class Document(Mask):
         self._runs = None                                  # DocumentRuns, once known
         with versioned():
             self.ids = _as_long_1d_or_2d(ids, "ids").clone()   # private: its runs stay true
+        _not_vmapped("document's ids", self.ids)
         if self.ids.dim() == 1:
             self.ids = self.ids.unsqueeze(0)                          # (1, S)
         self.kv_ids = None
         if kv_ids is not None:
             with versioned():
                 self.kv_ids = _as_long_1d_or_2d(kv_ids, "kv_ids").clone()
+            _not_vmapped("document's kv_ids", self.kv_ids)
             if self.kv_ids.dim() == 1:
                 self.kv_ids = self.kv_ids.unsqueeze(0)                # (1, Sk)
         self.batch_size                                    # (raises if the rows disagree)

@@ -136,7 +136,8 @@ class SDPA(Backend):
     name = "sdpa"
     zero_rows_for_nan_scores = True         # torch's fused kernel (see nonfinite)
     summary = "torch's fused scaled_dot_product_attention (flash kernel); dense masks materialized"
-    capabilities = Capabilities(dropout=True, bias_grad=True, forward_ad=False)
+    capabilities = Capabilities(dropout=True, bias_grad=True, forward_ad=False,
+                                empty_vmap=False)
 
     def plan(self, call, profile):
         B, H, Hkv, G, Sq, Sk = call.B, call.H, call.Hkv, call.group, call.Sq, call.Sk

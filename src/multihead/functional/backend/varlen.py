@@ -128,7 +128,7 @@ class VarLen(Backend):
     summary = "packed documents: one fused SDPA call per group of equal-length documents"
     capabilities = Capabilities(masks=frozenset({"document"}), compositions=False,
                                 cross_attention=False, dropout=True, traceable=False,
-                                forward_ad=False)
+                                forward_ad=False, empty_vmap=False)
 
     def check(self, call):
         m = call.effective_mask
