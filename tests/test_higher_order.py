@@ -83,6 +83,30 @@ def test_a_second_order_transform_of_alibi_leaves_later_transforms_working():
     torch.testing.assert_close(torch.func.jacfwd(f)(q), want)
 
 
+@pytest.mark.parametrize("mask", [M.alibi(2), M.document([[0, 0, 1, 1, 1]])], ids=["alibi", "document"])
+def test_facts_made_inside_torch_func_are_kept_for_later_calls(mask, monkeypatch):
+    """What a mask computes once (ALiBi's slopes, a document's segments) is made outside the
+    transform and kept, plain: not recomputed at every grad or vmap step (on a GPU, reading
+    ids back to the host is a sync each time)."""
+    from multihead.masks import base
+    base._SHARED.clear()
+    made, real = [], base.Mask.cached
+
+    def counting(self, what, args, compute):
+        return real(self, what, args, lambda: made.append(what) or compute())
+    monkeypatch.setattr(base.Mask, "cached", counting)
+    x = torch.randn(1, 2, 5, 4)
+    for f, inputs in ((torch.func.grad, x), (torch.func.grad, x),
+                      (torch.func.vmap, x.expand(3, 1, 2, 5, 4))):     # (vmapped 3, B, H, S, D)
+        f(lambda t: mh.attention(t, t, t, mask=mask).sum())(inputs)
+    assert made and len(made) == len(set(made)), made          # each fact once
+    kept = [v for v, _, _ in base._SHARED._data.values()] + [
+        v for v, _, _ in getattr(mask.__dict__.get("_memo"), "_data", {}).values()]
+    assert kept and not any(torch._C._functorch.is_functorch_wrapped_tensor(t)
+                            for v in kept for t in (v if isinstance(v, tuple) else (v,))
+                            if isinstance(t, torch.Tensor))
+
+
 @pytest.mark.parametrize("mask", [None, M.causal(), M.padding([3, 5]), M.bias(torch.randn(5, 5))],
                          ids=["none", "causal", "padding", "bias"])
 def test_vmap_over_an_empty_dimension_gives_an_empty_result(mask):

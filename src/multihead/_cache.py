@@ -171,7 +171,9 @@ class BoundedCache:
 
     def put(self, key, value) -> None:
         """Keep ``value`` under ``key``, dropping the oldest entries to stay in bounds (while
-        a CUDA graph captures: nothing)."""
+        a CUDA graph captures: nothing; nor a value holding a tensor a ``torch.func``
+        transform wrapped, which belongs to that transform's level: kept, it would escape
+        it, and a later transform that met it failed inside functorch)."""
         if _device.capturing():
             return
         if self._noted is not None:
@@ -183,6 +185,9 @@ class BoundedCache:
                     return
                 self._noted.discard(key)
         tensors = _tensors(value)
+        if torch._C._are_functorch_transforms_active() and any(
+                torch._C._functorch.is_functorch_wrapped_tensor(t) for t, _ in tensors):
+            return
         size = sum(n for _, n in tensors)
         streams = _device.StreamUse.of(t for t, _ in tensors) if size <= self.max_bytes else None
         with self._lock:

@@ -147,6 +147,20 @@ def versioned():
     return contextlib.nullcontext()
 
 
+def _outside_transforms(mask: "Mask", compute):
+    """``compute`` for :meth:`Mask.cached` inside a ``torch.func`` transform: run outside
+    it where the mask's tensors are plain (what it makes is then plain too, fit to keep for
+    later calls; inside, each op's result is wrapped at the transform's level, and a
+    wrapped tensor kept would escape it), else as it is (the cache keeps nothing wrapped)."""
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in mask._tensors()):
+        return compute
+
+    def plain():
+        with torch._C._DisableFuncTorch():
+            return compute()
+    return plain
+
+
 def bias_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``a + b`` (finite biases) at the widest of their precisions and ``dtype`` (the
     scores'), saturating at that dtype's largest magnitude: two biases in half precision
@@ -330,8 +344,8 @@ class Mask:
         """
         if torch.compiler.is_compiling():  # traced: the graph recomputes it on each call
             return compute()
-        if torch._C._are_functorch_transforms_active():     # (what it makes may be wrapped
-            return compute()                                #  by the transform: not kept)
+        if torch._C._are_functorch_transforms_active():
+            compute = _outside_transforms(self, compute)
         key = self.cache_key()
         if key is not None:
             full = (key, what, args)
