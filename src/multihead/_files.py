@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import warnings
 from pathlib import Path
 
 
@@ -42,8 +43,10 @@ def atomic_write(path: Path, data: str | bytes) -> Path:
 def atomic_write_all(files: dict[Path, str | bytes]) -> list[Path]:
     """Write several files so that an error leaves every one of them as it was: each is
     staged in a temporary file first; when all are, each target's old file is kept aside
-    (a hard link: it stays in place), and only then are they renamed over their targets;
-    a rename that fails puts back the old files of those already renamed.
+    as a hard link (it stays in place), and only then are they renamed over their targets;
+    a rename that fails puts back the old files of those already renamed. A target that
+    cannot be linked (a filesystem without hard links; another user's file under
+    ``fs.protected_hardlinks``) is moved aside just before its own rename.
 
     Missing directories are made for the files, and removed again if the write fails.
 
@@ -59,7 +62,7 @@ def atomic_write_all(files: dict[Path, str | bytes]) -> list[Path]:
         ['a.txt', 'b.txt']
     """
     staged, made = [], []                      # made: directories created here, outermost first
-    kept, placed = {}, []                      # kept: target -> (its old file aside, moved?)
+    linked, aside, placed = {}, {}, []         # aside: target -> its old file, beside it
     try:
         for path, data in files.items():
             path = Path(path)
@@ -69,44 +72,69 @@ def atomic_write_all(files: dict[Path, str | bytes]) -> list[Path]:
             with _named(path):
                 staged.append((_stage(path, data), path))
         for _, path in staged:
-            with _named(path):
-                kept[path] = _keep(path)
+            linked[path] = _link_aside(path)
         for tmp, path in staged:
             with _named(path):
+                old = linked[path]
+                if old is _UNLINKABLE:
+                    old = _beside(path, "old")
+                    os.replace(path, old)
+                if old is not None:
+                    aside[path] = old
                 os.replace(tmp, path)
             placed.append(path)
     except BaseException:          # (Ctrl-C included: the old files stay, the temporaries go)
-        for path in placed:                        # the new files out, the old ones back
-            if kept[path] is None:
-                _quietly(os.unlink, path)
-        for path, k in kept.items():
-            if k is not None and (path in placed or k[1]):      # (replaced, or moved aside)
-                _quietly(os.replace, k[0], path)
-            elif k is not None:                                 # (a link: the file is there)
-                _quietly(os.unlink, k[0])
+        _put_back(linked, aside, placed)
         for tmp, _ in staged:
             _quietly(os.unlink, tmp)
         for d in reversed(made):
             _quietly(os.rmdir, d)                  # (not empty: something else wrote there)
         raise
-    for old, _ in filter(None, kept.values()):
+    for old in aside.values():
         _quietly(os.unlink, old)
     return [path for _, path in staged]
 
 
-def _keep(path: Path) -> tuple[Path, bool] | None:
-    """``path``'s file (a symlink as itself) kept under a fresh hidden name beside it, and
-    whether it was moved there (where the filesystem has no hard links) rather than linked;
-    None when there is none."""
+#: :func:`_link_aside`'s answer for a file that cannot be linked: moved aside at its turn
+_UNLINKABLE = object()
+
+
+def _beside(path: Path, kind: str) -> Path:
+    """A fresh hidden name beside ``path``: ``.name.<random>.kind``."""
+    return path.with_name(f".{path.name}.{secrets.token_hex(6)}.{kind}")
+
+
+def _link_aside(path: Path):
+    """A hard link to ``path``'s file (a symlink as itself) under a fresh name beside it;
+    None when there is none, :data:`_UNLINKABLE` when it cannot be linked."""
     if not os.path.lexists(path):
         return None
-    old = path.with_name(f".{path.name}.{secrets.token_hex(6)}.old")
+    old = _beside(path, "old")
     try:
         os.link(path, old, follow_symlinks=False)
-        return old, False
     except OSError:
-        os.replace(path, old)
-        return old, True
+        return _UNLINKABLE
+    return old
+
+
+def _put_back(linked: dict, aside: dict, placed: list) -> None:
+    """After a failed write: the new files out, each old file back under its name (a link
+    not needed removed); where one cannot be, a warning says where it is kept."""
+    for path in placed:
+        if path not in aside:                      # (nothing was there before)
+            _quietly(os.unlink, path)
+    for path, old in aside.items():
+        if path not in placed and linked[path] is old:   # still in place: the link goes
+            _quietly(os.unlink, old)                     # (a rename onto it does nothing)
+            continue
+        try:
+            os.replace(old, path)
+        except OSError as e:
+            warnings.warn(f"{path} could not be put back ({e.strerror or e}): its old content "
+                          f"is kept in {old}", stacklevel=3)
+    for path, old in linked.items():
+        if isinstance(old, Path) and path not in aside:
+            _quietly(os.unlink, old)
 
 
 @contextlib.contextmanager
@@ -152,7 +180,7 @@ def _make_dirs(d: Path) -> list[Path]:
 def _stage(path: Path, data: str | bytes) -> Path:
     # data, synced, in a fresh temporary file beside path; removed again on any error
     raw = data.encode("utf-8") if isinstance(data, str) else data
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    tmp = _beside(path, "tmp")
     # O_EXCL: a fresh file, never an existing one or a symlink; mode 0o666 minus the umask
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:

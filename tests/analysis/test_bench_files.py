@@ -211,10 +211,17 @@ def test_a_rename_failing_midway_puts_every_old_file_back(fails, links, tmp_path
         if not links or (fails == "keeping aside" and str(src).endswith("b.png")):
             raise OSError(1, "Operation not permitted", str(src), None, str(dst))
         return real_link(src, dst, **kw)
-    with mock.patch.object(F.os, "replace", side_effect=replace), \
+    seen = []                          # the targets a reader finds at each rename
+
+    def watched(src, dst):
+        seen.append(sorted(n for n in ("a.json", "b.png") if os.path.lexists(tmp_path / n)))
+        return replace(src, dst)
+    with mock.patch.object(F.os, "replace", side_effect=watched), \
             mock.patch.object(F.os, "link", side_effect=link), \
             pytest.raises(PermissionError) as e:
         F.atomic_write_all(files)
+    # an old file is away only between its own two renames (aside, then the new one in)
+    assert all(len(names) >= 1 for names in seen) and seen[0] == ["a.json", "b.png"], seen
     assert e.value.filename == str(tmp_path / "b.png") and e.value.filename2 is None
     assert sorted(os.listdir(tmp_path)) == ["a.json", "b.png"]     # no temporary, no copy
     assert [(tmp_path / n).read_text() for n in ("a.json", "b.png")] == ["old a", "old b"]
