@@ -325,6 +325,13 @@ def test_bad_positions_are_named(bad, error, match):
         mh.RotaryEmbedding(8)(torch.randn(2, 1, 3, 8), bad)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_positions_it_holds_exactly_rotate_as_integers(dtype):
+    rope, x = mh.RotaryEmbedding(8), torch.randn(1, 1, 3, 8)
+    torch.testing.assert_close(rope(x, torch.arange(253, 256).to(dtype)), rope(x, 253),
+                               atol=0, rtol=0)
+
+
 def test_rotate_needs_tensors_of_one_length_and_takes_numpy_ints():
     import numpy as np
     rope = mh.RotaryEmbedding(8)
@@ -623,9 +630,11 @@ def test_learned_frequencies_get_gradients_from_every_kind_of_position():
     (lambda r, x: mh.MultiHeadAttention(16, 2, rope=r)(
         torch.randn(1, 3, 16), positions=torch.tensor([0.0, float("inf"), 1.0])),
      ValueError, r"positions must be finite, got \[inf\]"),
-    (lambda r, x: r(x, torch.arange(300, 303).bfloat16()), TypeError,    # (300, 300, 302)
-     r"positions in torch.bfloat16 are exact integers only up to 256 .* pass them as int64"),
-    (lambda r, x: r(x, torch.arange(3).half()), TypeError, r"torch.float16 .* up to 2048"),
+    (lambda r, x: r(x, torch.arange(300, 303).bfloat16()), ValueError,    # (300, 300, 302)
+     r"positions in torch.bfloat16 reach 302, past 256, where torch.bfloat16 no longer holds "
+     r"every integer \(257 is stored as 256\): pass them as int64"),
+    (lambda r, x: r(x, torch.arange(2048, 2051).half()), ValueError,    # (2048, 2048, 2050)
+     r"torch.float16 reach 2050, past 2048.*\(2049 is stored as 2048\)"),
     (lambda r, x: r.rotate(torch.randn(2, 4, 3, 8), torch.randn(3, 2, 3, 8),
                            positions=torch.arange(3).expand(2, 3)), ValueError,
      r"positions of shape \(2, 3\) hold one row per sequence, but the inputs are "

@@ -67,21 +67,21 @@ def _angles(pos: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
 EXACT = 2 ** 53
 
 
+#: the largest integer up to which each half-precision float holds every integer
+HALF_EXACT = {torch.float16: 2048, torch.bfloat16: 256}
+
+
 def _check_values(positions: torch.Tensor) -> tuple[int, int] | None:
     """Refuse positions of a dtype that is not a position (bool, complex), and, where
     the host holds them, non-finite float ones (they would make the rows NaN) and integer
-    ones past 2**53 (as an int start is). Positions on a device are not read back: a NaN
-    there gives NaN rows. Returns the (least, largest) of integer positions it read (the
-    table's rows: read once), else None."""
+    ones past 2**53 (as an int start is), and half-precision ones past the integers they
+    hold exactly. Positions on a device are not read back: a NaN there gives NaN rows.
+    Returns the (least, largest) of integer positions it read (the table's rows: read
+    once), else None."""
     check_strided("positions", positions)
     if positions.dtype == torch.bool or positions.is_complex():
         raise TypeError(f"RotaryEmbedding: positions must be an integer or float tensor, got "
                         f"{positions.dtype}: pass integer positions (torch.arange(S) + start)")
-    exact = {torch.float16: 2048, torch.bfloat16: 256}.get(positions.dtype)
-    if exact is not None:
-        raise TypeError(f"RotaryEmbedding: positions in {positions.dtype} are exact integers "
-                        f"only up to {exact} (301 is stored as 300 in bfloat16): pass them as "
-                        f"int64, or float32/float64 for fractional positions")
     if not (positions.device.type == "cpu" and type(positions) is torch.Tensor and positions.numel()
             and not torch.compiler.is_compiling()
             and not torch._C._are_functorch_transforms_active()):
@@ -94,6 +94,13 @@ def _check_values(positions: torch.Tensor) -> tuple[int, int] | None:
                              f"positions stop being exact even in float64: pass positions "
                              f"below it")
         return lo, hi
+    exact = HALF_EXACT.get(positions.dtype)
+    if exact is not None and bool((positions.abs() > exact).any()):
+        raise ValueError(f"RotaryEmbedding: positions in {positions.dtype} reach "
+                         f"{positions.abs().max().item():g}, past {exact}, where "
+                         f"{positions.dtype} no longer holds every integer ({exact + 1} is "
+                         f"stored as {exact}): pass them as int64, or as float32/float64 for "
+                         f"fractional positions")
     bad = ~positions.isfinite()
     if bad.any():
         raise ValueError(f"RotaryEmbedding: positions must be finite, got "
