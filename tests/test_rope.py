@@ -332,6 +332,14 @@ def test_half_precision_positions_it_holds_exactly_rotate_as_integers(dtype):
                                atol=0, rtol=0)
 
 
+def test_rotate_broadcasts_an_input_of_one_sequence_over_positions_per_sequence():
+    rope = mh.RotaryEmbedding(8)
+    q, k, p = torch.randn(2, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.tensor([[0, 1, 2], [5, 6, 7]])
+    rq, rk = rope.rotate(q, k, positions=p)
+    assert rk.shape == (2, 2, 3, 8)
+    torch.testing.assert_close(rk[1:], rope(k, 5))
+
+
 def test_rotate_needs_tensors_of_one_length_and_takes_numpy_ints():
     import numpy as np
     rope = mh.RotaryEmbedding(8)
@@ -638,7 +646,7 @@ def test_learned_frequencies_get_gradients_from_every_kind_of_position():
     (lambda r, x: r.rotate(torch.randn(2, 4, 3, 8), torch.randn(3, 2, 3, 8),
                            positions=torch.arange(3).expand(2, 3)), ValueError,
      r"positions of shape \(2, 3\) hold one row per sequence, but the inputs are "
-     r"\[\(2, 4, 3, 8\), \(3, 2, 3, 8\)\]: rotate tensors \(B, H, S, D\) of one batch B = 2"),
+     r"\[\(2, 4, 3, 8\), \(3, 2, 3, 8\)\]: rotate tensors \(B, H, S, D\) of batch B = 2 \(or 1\)"),
 ], ids=["nan", "bool", "complex", "int x", "huge", "str", "module inf", "bf16", "fp16",
         "batches"])
 def test_positions_and_inputs_that_are_not_positions_or_numbers_are_named(call, error, match):
@@ -653,7 +661,9 @@ def test_positions_and_inputs_that_are_not_positions_or_numbers_are_named(call, 
     (lambda r: setattr(r, "inv_freq", torch.arange(4)), r"got torch.int64 \(4,\)"),
     (lambda r: setattr(r, "inv_freq", torch.full((4,), float("nan"))), r"inv_freq holds NaN or inf"),
     (lambda r: r.inv_freq.__setitem__(1, float("inf")), r"inv_freq holds NaN or inf"),
-], ids=["shape", "dtype", "nan", "inf in place"])
+    (lambda r: delattr(r, "inv_freq") or setattr(r, "inv_freq", torch.nn.Parameter(
+        torch.full((4,), float("nan")))), r"inv_freq holds NaN or inf"),        # (learned)
+], ids=["shape", "dtype", "nan", "inf in place", "learned nan"])
 def test_frequencies_written_that_cannot_serve_are_named_at_the_call(write, match):
     """A checkpoint's inv_freq is checked as it loads; one assigned or written in place
     reached the rotation as it was: a shape torch's broadcasting names in its own terms,
@@ -662,6 +672,10 @@ def test_frequencies_written_that_cannot_serve_are_named_at_the_call(write, matc
     write(rope)
     with pytest.raises(ValueError, match=match):
         rope(torch.randn(1, 1, 3, 8), 0)
+    if "inv_freq" in rope._parameters:        # learned: not replaced by a rebuilt buffer
+        with pytest.raises(ValueError, match=r"inv_freq is a learned nn.Parameter here"):
+            rope.base = rope.base
+        return
     rope.base = rope.base                     # setting the base rebuilds the frequencies
     assert rope(torch.randn(1, 1, 3, 8), 0).isfinite().all()
 

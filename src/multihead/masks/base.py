@@ -213,7 +213,7 @@ class Mask:
 
     A chain of one operator built in a loop (``m = m & w`` a thousand times) is kept as a
     balanced tree of its operands; compositions that alternate operators may nest at most
-    :data:`MAX_DEPTH` deep (a clear error past it).
+    :data:`~multihead.masks.combine.MAX_DEPTH` deep (a clear error past it).
 
     Subclasses implement :meth:`_allowed` (a predicate over :class:`Index`), optionally
     :meth:`_bias`, and :meth:`_tile_bounds` (sound per-tile ``any``/``all`` bounds).
@@ -799,4 +799,5 @@ def _size(n: int | None) -> int:
 
 
 # the combinators, here by name too (pickles of masks name them as multihead.masks.base's)
-from .combine import And, Not, Or, _Binary, _as_mask, _compose, _nested  # noqa: E402,F401
+from .combine import (BALANCE_DEPTH, MAX_DEPTH, And, Not, Or, _Binary,  # noqa: E402,F401
+                      _as_mask, _compose, _nested)

@@ -227,6 +227,10 @@ class RotaryEmbedding(nn.Module):
 
     @base.setter
     def base(self, value) -> None:
+        if "inv_freq" in self._parameters:
+            raise ValueError("RotaryEmbedding: inv_freq is a learned nn.Parameter here; setting "
+                             "base would replace it with a buffer: write new frequencies into "
+                             "it instead (with torch.no_grad(): rope.inv_freq.copy_(...))")
         self._base = _check_base(value)
         self._set_canonical(self.inv_freq.device)
 
@@ -387,11 +391,11 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._cos_sin(positions, x, torch.float64 if wide else _precision(x.dtype))
         rows = positions.shape[0] if isinstance(positions, torch.Tensor) \
             and positions.dim() == 2 else 1
-        if rows != 1 and any(t.dim() != 4 or t.shape[0] != rows for t in xs[1:]):
+        if rows != 1 and any(t.dim() != 4 or t.shape[0] not in (1, rows) for t in xs[1:]):
             raise ValueError(f"RotaryEmbedding: positions of shape {shape_text(positions)} "
                              f"hold one row per sequence, but the inputs are "
                              f"[{', '.join(shape_text(a) for a in xs)}]: rotate tensors "
-                             f"(B, H, S, D) of one batch B = {concrete(rows)} together")
+                             f"(B, H, S, D) of batch B = {concrete(rows)} (or 1) together")
         if len(xs) > 1 and all(t.dim() == 4 and t.shape[0] == x.shape[0] and t.dtype == x.dtype
                                and t.device == x.device for t in xs):
             both = self._turn(torch.cat(xs, 1), cos, sin)          # (B, H1 + H2 + ..., S, D)
@@ -474,7 +478,7 @@ class RotaryEmbedding(nn.Module):
                              f"{getattr(freq, 'dtype', type(freq).__name__)} "
                              f"{tuple(getattr(freq, 'shape', ()))}: assign frequencies of that "
                              f"shape, or set .base to rebuild them")
-        if (freq.device.type == "cpu" and type(freq) is torch.Tensor
+        if (freq.device.type == "cpu" and type(freq) in (torch.Tensor, nn.Parameter)
                 and not torch.compiler.is_compiling()
                 and not torch._C._are_functorch_transforms_active()
                 and not bool(torch.isfinite(freq).all())):
