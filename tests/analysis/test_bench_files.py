@@ -253,7 +253,7 @@ def _bad_out(tmp_path):
     return {
         "a file": (a_file, "is a file, not a directory"),
         "under a file": (a_file / "sub", "is not writable: " + repr(str(a_file)) + " is a file"),
-        "symlink loop": (tmp_path / "loop", "is not writable"),
+        "symlink loop": (tmp_path / "loop", "is not writable: it is a symlink loop"),
         "dangling symlink": (tmp_path / "dangling" / "b", f"'{tmp_path / 'dangling'}' is a "
                              f"symlink to '{tmp_path / 'nowhere'}', which does not exist"),
         "results.json is a directory": (tmp_path / "with-dir",

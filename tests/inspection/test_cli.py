@@ -98,6 +98,7 @@ def test_long_text_truncates_with_warning_or_refuses(capsys):
                                                       "one word of the text"),
     (["-it"], "unrecognized arguments: -it (a text that starts with '-' goes after --: "
               "multihead inspect -- -it)"),
+    (["the cat", "-z"], "unrecognized arguments: -z (see multihead inspect --help)"),  # (a text)
     (["--layer", "6"], "--layer 6 is out of range: the model has 6 layers (0..5)"),
     (["--head", "-1"], "--head -1 is out of range: the model has 12 heads per layer (0..11)"),
     (["--layer", "\u0661"], "argument --layer: '\u0661' is not a whole number: give an integer"),

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import re
 import sys
 from pathlib import Path
@@ -110,6 +112,17 @@ def int_in(lo: int | None, hi: int | None):
     return parse
 
 
+def _broken_link(link: Path) -> str:
+    """What is wrong with a symlink that leads to no directory: a loop, or nothing there
+    (a relative target is shown from the link's directory)."""
+    try:
+        os.stat(link)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"is a symlink loop (through {str(link.readlink())!r})"
+    return f"is a symlink to {str(link.parent / link.readlink())!r}, which does not exist"
+
+
 def prepare_out(out: Path | None, names: tuple[str, ...] = ()) -> None:
     """Prove ``--out`` can be written, before any long work (one clear error), without
     creating it: a command that fails later leaves no empty directory behind.
@@ -139,8 +152,7 @@ def prepare_out(out: Path | None, names: tuple[str, ...] = ()) -> None:
         if not there.is_dir():
             what = "it" if there == out else repr(str(there))
             kind = ("is a file, not a directory" if there.is_file() else
-                    f"is a symlink to {str(there.readlink())!r}, which does not exist"
-                    if there.is_symlink() and not there.exists() else "is not a directory")
+                    _broken_link(there) if there.is_symlink() else "is not a directory")
             raise ValueError(f"--out {str(out)!r} is not writable: {what} {kind}: choose a "
                              f"directory")
         probe_writable(there)

@@ -54,8 +54,9 @@ class _Parser(argparse.ArgumentParser):
             owner = subcommands.choices.get(getattr(args, "command", None)) if subcommands \
                 else None
             texts = owner is not None and any(not a.option_strings for a in owner._actions)
+            untold = texts and getattr(args, "text", None) is None      # (no text given yet)
             dashed = [x for x in extra if x.startswith("-") and (         # (not --an-option)
-                not x.startswith("--") or not x[2:].replace("-", "").isalnum())] if texts else []
+                not x.startswith("--") or not x[2:].replace("-", "").isalnum())] if untold else []
             hint = (f" (a text that starts with '-' goes after --: {owner.prog} -- "
                     f"{shlex.quote(dashed[0])})" if dashed else "")
             (owner or self).error(f"unrecognized arguments: {' '.join(extra)}{hint}")
