@@ -153,6 +153,18 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
     assert "multihead params: error: [Errno 32] Broken pipe" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("errno_", [5, 28], ids=["EIO", "ENOSPC"])
+def test_an_error_reading_or_writing_a_file_is_not_called_the_output(errno_, monkeypatch,
+                                                                     capsys):
+    """Only what writing stdout raised is "the output could not be written": an I/O error
+    reading a model file (no file name on a read's error) was called that, by its errno."""
+    from multihead.cli import params_cmd
+    e = OSError(errno_, os.strerror(errno_))
+    monkeypatch.setattr(params_cmd, "run", mock.Mock(side_effect=e))
+    assert main(["params", "--table"]) == 2
+    assert capsys.readouterr().err == f"multihead params: error: {e}\n"
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["params", "--help"],
                                   ["params", "--preset", "gpt2-small", "--json"],

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import os
 import select
 import shlex
@@ -178,11 +177,42 @@ def _unwritten(prog: str, e: OSError) -> int:
     return 2
 
 
-# what a write to an open stream fails with (a file's errors name the file: _files.py)
-_FULL = {errno.ENOSPC, errno.EFBIG, errno.EIO, getattr(errno, "EDQUOT", errno.ENOSPC)}
+class _Output:
+    """``sys.stdout`` while a command runs, keeping the error a write or flush of it raised,
+    so that an ``OSError`` the command lets out is known to be its output's (a full disk),
+    not a file's it read or wrote; anything else is the stream's own."""
+
+    def __init__(self, stream):
+        self.stream, self.error = stream, None
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as e:
+            self.error = e
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
 
 
 def _run(args) -> int:
+    real = sys.stdout
+    out = sys.stdout = _Output(real)
+    try:
+        return _command(args, out)
+    finally:
+        sys.stdout = real
+
+
+def _command(args, out: _Output) -> int:
     try:
         return SUBCOMMANDS[args.command].run(args)
     except BrokenPipeError as e:    # the reader left (``multihead params --table | head -1``)?
@@ -193,7 +223,7 @@ def _run(args) -> int:
         print(f"multihead {args.command}: interrupted", file=sys.stderr)
         return 130
     except OSError as e:
-        if e.filename is None and e.errno in _FULL:     # a write to stdout, not to a file
+        if e is out.error:                  # the output's, not a file's
             return _unwritten(f"multihead {args.command}", e)
         return _failed(args, e)
     except (CLIError, ValueError, TypeError) as e:
