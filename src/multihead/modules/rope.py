@@ -67,6 +67,8 @@ def _angles(pos: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
 EXACT = 2 ** 53
 
 
+#: :meth:`RotaryEmbedding._frequency_problem`'s word for frequencies that are not finite
+NONFINITE = "holds NaN or inf"
 #: the largest integer up to which each half-precision float holds every integer
 HALF_EXACT = {torch.float16: 2048, torch.bfloat16: 256}
 
@@ -320,18 +322,26 @@ class RotaryEmbedding(nn.Module):
         """Why a checkpoint's ``value`` for ``key`` (``inv_freq``) cannot be loaded, or None
         (asked by :func:`~multihead.modules.loading.load_problems` before anything is
         copied)."""
-        want = (self.rotary_dim // 2,)
-        if not (isinstance(value, torch.Tensor) and value.shape == want
-                and value.is_floating_point()):
-            return (f"{key}: the frequencies must be a float tensor of shape {want} (rotary_dim "
-                    f"{self.rotary_dim} / 2), got {getattr(value, 'dtype', type(value).__name__)} "
-                    f"{tuple(getattr(value, 'shape', ()))}")
+        problem = self._frequency_problem(value, read=not getattr(value, "is_meta", True))
+        if problem == NONFINITE:
+            return (f"{key} {NONFINITE} in the checkpoint (every rotated query and key would "
+                    f"be NaN): save the frequencies again, or drop the key to keep these")
+        if problem is not None:
+            return f"{key}: the frequencies {problem}"
         if value.is_meta and not self.inv_freq.is_meta:
             return f"{key} is on the meta device in the checkpoint (it holds no values)"
-        if not value.is_meta and not bool(torch.isfinite(value).all()):
-            return (f"{key} holds NaN or inf in the checkpoint (every rotated query and key "
-                    f"would be NaN): save the frequencies again, or drop the key to keep these")
         return None
+
+    def _frequency_problem(self, freq, read: bool) -> str | None:
+        """What keeps ``freq`` from serving as the frequencies: another shape or dtype, or
+        (where ``read``: its values may be read) :data:`NONFINITE`; None when nothing."""
+        want = (self.rotary_dim // 2,)
+        if not (isinstance(freq, torch.Tensor) and freq.shape == want
+                and freq.is_floating_point()):
+            return (f"must be a float tensor of shape {want} (rotary_dim {self.rotary_dim} / "
+                    f"2), got {getattr(freq, 'dtype', type(freq).__name__)} "
+                    f"{tuple(getattr(freq, 'shape', ()))}")
+        return NONFINITE if read and not bool(torch.isfinite(freq).all()) else None
 
     def _built(self, freq: torch.Tensor) -> bool:
         """Whether ``freq`` holds the built frequencies in its own precision: rounded to it
@@ -470,21 +480,18 @@ class RotaryEmbedding(nn.Module):
     def _check_written(self) -> None:
         """Refuse an ``inv_freq`` assigned or written that cannot serve: its shape and dtype
         always, NaN/inf where the host holds it (a device's is not read back: NaN rows)."""
-        freq, want = self.inv_freq, (self.rotary_dim // 2,)
-        if not (isinstance(freq, torch.Tensor) and freq.shape == want
-                and freq.is_floating_point()):
-            raise ValueError(f"RotaryEmbedding: inv_freq must be a float tensor of shape {want} "
-                             f"(rotary_dim {self.rotary_dim} / 2), got "
-                             f"{getattr(freq, 'dtype', type(freq).__name__)} "
-                             f"{tuple(getattr(freq, 'shape', ()))}: assign frequencies of that "
-                             f"shape, or set .base to rebuild them")
-        if (freq.device.type == "cpu" and type(freq) in (torch.Tensor, nn.Parameter)
+        freq = self.inv_freq
+        read = (type(freq) in (torch.Tensor, nn.Parameter) and freq.device.type == "cpu"
                 and not torch.compiler.is_compiling()
-                and not torch._C._are_functorch_transforms_active()
-                and not bool(torch.isfinite(freq).all())):
-            raise ValueError("RotaryEmbedding: inv_freq holds NaN or inf (every rotated query "
-                             "and key would be NaN): assign finite frequencies, or set .base "
-                             "to rebuild them")
+                and not torch._C._are_functorch_transforms_active())
+        problem = self._frequency_problem(freq, read)
+        if problem == NONFINITE:
+            raise ValueError(f"RotaryEmbedding: inv_freq {NONFINITE} (every rotated query and "
+                             f"key would be NaN): assign finite frequencies, or set .base to "
+                             f"rebuild them")
+        if problem is not None:
+            raise ValueError(f"RotaryEmbedding: inv_freq {problem}: assign frequencies of that "
+                             f"shape, or set .base to rebuild them")
 
     def _tables_serve(self, x: torch.Tensor) -> bool:
         """Whether this call may read the shared table (see the module docstring)."""
