@@ -442,15 +442,16 @@ def _check_rotary(network: torch.nn.Module, source: str, rope) -> None:
         if not isinstance(inv_freq, torch.Tensor):
             continue
         scaling = getattr(module, "attention_scaling", 1.0)
-        bad = ("frequencies (inv_freq)" if not bool(torch.isfinite(inv_freq).all()
-                                                    and (inv_freq > 0).all()) else
-               f"attention scaling ({show(scaling)})"
-               if not (isinstance(scaling, (int, float)) and math.isfinite(scaling)
-                       and scaling > 0) else None)
-        if bad is not None:
-            raise ModelLoadError(f"{source}: rope_parameters {show(rope, 200)} give {name}'s "
-                                 f"RoPE {bad} that are not all finite and above 0 (every "
-                                 f"output would be NaN): copy the original model's config.json")
+        if not bool(torch.isfinite(inv_freq).all() and (inv_freq > 0).all()):
+            bad = ("frequencies (inv_freq) that are not all finite and above 0 (every output "
+                   "would be NaN)")
+        elif not (isinstance(scaling, (int, float)) and math.isfinite(scaling) and scaling > 0):
+            bad = (f"an attention scaling of {show(scaling)}, not a finite number above 0 "
+                   f"(every output would be NaN, or every score 0)")
+        else:
+            continue
+        raise ModelLoadError(f"{source}: rope_parameters {show(rope, 200)} give {name}'s RoPE "
+                             f"{bad}: copy the original model's config.json")
 
 
 def _layer(name: str, prefix: str = "") -> str | None:
