@@ -124,9 +124,10 @@ def test_a_padding_mask_with_another_number_of_rows_is_refused_naming_it(rows):
 
 
 @pytest.mark.parametrize("sizes,cols,said", [
-    ((3, 8, 5, 0), 3, "but there are 8 keys so far: give one column per token, the cached"),
+    ((3, 8, 5, 0), 3, "but there are 8 keys so far: give one column per key token (with a "
+                      "cache, the cached ones included"),
     ((6, 6, 0, 0), 5, "but there are 6 keys so far"),
-    ((6, 6, 0, 0), 8, "but there are only 6 keys: give one column per token so far"),
+    ((6, 6, 0, 0), 8, "but there are only 6 keys: give one column per key token so far"),
     ((1, 16, 7, 0), 17, "but there are only 16 keys"),       # past a static cache's slots
 ], ids=["new-tokens-only", "short", "long", "past-the-slots"])
 def test_a_padding_mask_of_another_length_is_refused_naming_it(sizes, cols, said):

@@ -271,15 +271,16 @@ def _check_columns(attention_mask, tokens: int, slots: int) -> None:
     slots; a cross-attention's encoder length). A mask as long as either is right.
     """
     cols, shape = attention_mask.shape[1], shape_text(attention_mask)
-    need, most = min(tokens, slots), max(tokens, slots)
-    if cols < need:
+    least_keys, most_keys = min(tokens, slots), max(tokens, slots)
+    if cols < least_keys:
         raise ValueError(f"attention_mask has {cols} columns (shape {shape}) but there are "
-                         f"{need} keys so far: give one column per token, the cached ones "
-                         f"included (1 = real token, 0 = padding), not only the new tokens'")
-    if cols > most:
+                         f"{least_keys} keys so far: give one column per key token (with a "
+                         f"cache, the cached ones included, not only the new tokens'; 1 = real "
+                         f"token, 0 = padding)")
+    if cols > most_keys:
         raise ValueError(f"attention_mask has {cols} columns (shape {shape}) but there are "
-                         f"only {most} keys: give one column per token so far (cached + new), "
-                         f"not the mask of a longer input")
+                         f"only {most_keys} keys: give one column per key token so far, not "
+                         f"the mask of a longer input")
 
 
 def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
