@@ -98,8 +98,7 @@ def check_utf8(argv: list[str]) -> None:
             where = f"argument {argv[i - 1]}"
         else:
             where = f"command-line argument {i + 1}"
-        prog = f"multihead {argv[0]}" if argv and argv[0] in SUBCOMMANDS else "multihead"
-        raise UsageError(f"{prog}: error: {where}: {shown} is not valid UTF-8 text: pass it as "
+        raise UsageError(f"{_prog(argv)}: error: {where}: {shown} is not valid UTF-8 text: pass it as "
                          f"UTF-8 (set the terminal to UTF-8, or rename the file)")
 
 
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _prog(argv: list[str]) -> str:
-    """The name argparse gives the parser that printed ``--help``: ``multihead params``."""
+    """The name argparse gives the parser of ``argv``'s command: ``multihead params``."""
     return f"multihead {argv[0]}" if argv and argv[0] in SUBCOMMANDS else "multihead"
 
 

@@ -20,7 +20,7 @@ built in memory before the first one is written, each through a temporary file
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -43,8 +43,8 @@ class Inspection:
     looks: list[Look]           # strongest heads from the query token, best first (listed)
     selected: tuple[int, int]   # (layer, head) shown large
     attention: str = ""         # which tokens each token sees (the model's attention_note)
-    every: list[Look] | None = None     # every head's look, best first: the headline's
-    #                                     choice (None: ``looks`` are all there are)
+    every: list[Look] = field(default_factory=list)     # every head's look, best
+    #                                     first: the headline's choice (empty: ``looks``)
 
     def to_dict(self, digits: int = 4, *, curve: str = "sqrt") -> dict:
         """JSON-ready: tokens, weights (L, H, S, S) packed with ``curve``
@@ -81,8 +81,7 @@ class Inspection:
         s = (f"{len(c.tokens)} tokens" + (f" (truncated from {c.original_length})" if c.truncated
                                           else "")
              + f"; metrics averaged over {self.metrics.texts} text(s)")
-        best = headline(self.looks if self.every is None else self.every, self.query,
-                        c.tokens)
+        best = headline(self.every or self.looks, self.query, c.tokens)
         if best is not None:
             back = " (looking back)" if c.causal else ""
             far = "long-range " if best.long_range(self.query) else ""   # (none is further)
