@@ -106,6 +106,35 @@ def test_all_keys_padded_gives_zeros_where_torch_gives_nan():
     torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_two_float_masks_whose_sum_overflows_hide_the_key_as_in_torch(dtype, need_weights):
+    # Hugging Face style masks (finfo.min = ignore) given twice: torch's sum is -inf there
+    t, ours = _pair(True, None, None, True)
+    t, ours = t.to(dtype), ours.to(dtype)
+    q, k, v = (x.detach().to(dtype) for x in _inputs(True, None, None))
+    low = torch.finfo(dtype).min
+    attn_mask = torch.zeros(L, S, dtype=dtype)
+    attn_mask[:2] = low                            # rows 0-1: every key at finfo.min once
+    kpm = torch.zeros(B, S, dtype=dtype)
+    kpm[:, 3:] = low                               # keys 3.. at finfo.min twice in rows 0-1
+    kpm[2] = low                                   # batch 2, rows 0-1: every key twice: none left
+    kw = dict(attn_mask=attn_mask, key_padding_mask=kpm, need_weights=need_weights)
+    a_out, a_w = ours(q, k, v, **kw)
+    b_out, b_w = t(q, k, v, **kw)
+    tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else {}
+    finite = torch.ones(B, dtype=torch.bool)
+    finite[2] = False                              # (torch: NaN there, where it returns weights)
+    if need_weights:
+        assert (a_w[:2, :2, 3:] == 0).all()      # hidden, not weighted like keys 0-2
+        assert (a_w[2, :2] == 0).all() and torch.isfinite(a_out).all()
+        if dtype == torch.float32:   # (fp16: torch rounds -65504 + score to -65504, we add in fp32)
+            torch.testing.assert_close(a_w[:2], b_w[:2])
+            torch.testing.assert_close(a_out[finite], b_out[finite])
+    else:
+        torch.testing.assert_close(a_out, b_out, **tol)
+
+
 @pytest.mark.parametrize("kdim,bias", [(None, True), (None, False), (10, True)])
 def test_from_torch_and_back(kdim, bias):
     torch.manual_seed(0)

@@ -4,9 +4,10 @@ torch's masks say ``True`` = *ignore*; ours say ``True`` = *may attend*. The inv
 happens here and nowhere else. The drop-in follows torch's rules as torch's own tests pin
 them down: the inputs it refuses (with torch's exception type, which is also a
 ``ValueError``), the dtype mismatches it tolerates, the ``is_causal`` hint, TorchScript
-(which compiles torch's implementation on the same parameters), NestedTensor inputs, and
-the memory layout of the output. The deliberate differences: where torch returns NaN
-(a query whose keys are all masked), it returns zeros; a float mask holding NaN or +inf
+(which compiles torch's implementation on the same parameters), NestedTensor inputs, the
+memory layout of the output, and two float masks added as torch adds them (a sum past
+the dtype's range is ``-inf`` and hides its key). The deliberate differences: where
+torch returns NaN (a query whose keys are all masked), it returns zeros; a float mask holding NaN or +inf
 is refused (torch returns NaN rows); a float mask of another dtype than the query's is
 added at its own precision (torch refuses it on most paths and rounds it on others, where
 a finite value past the query's range becomes ``-inf`` and hides its key).
@@ -339,8 +340,14 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
             key_padding_mask = key_padding_mask[:, None, None, :]                # (B, 1, 1, S)
         pad = lambda m: F.pad(m, (0, n_extra), value=False if m.dtype == torch.bool else 0.0) \
             if n_extra and m is not None else m
-        masks = [m for m in (_torch_mask(pad(attn_mask), "attn_mask"),
-                             _torch_mask(pad(key_padding_mask), "key_padding_mask"))
+        attn_mask, key_padding_mask = pad(attn_mask), pad(key_padding_mask)
+        if all(m is not None and m.is_floating_point() for m in (attn_mask, key_padding_mask)):
+            # torch adds two float masks as they are: a sum past the dtype's range is -inf,
+            # which hides its key (where `&` of two biases would saturate at finfo.min)
+            both = attn_mask + key_padding_mask                            # (B, H|1, L, S)
+            return _torch_mask(both, "attn_mask + key_padding_mask")
+        masks = [m for m in (_torch_mask(attn_mask, "attn_mask"),
+                             _torch_mask(key_padding_mask, "key_padding_mask"))
                  if m is not None]
         if not masks:
             return None
