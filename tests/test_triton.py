@@ -185,6 +185,25 @@ def test_split_k_decode_reads_a_kv_cache_in_place():
     _check_decode(q, k, v, M.causal())
 
 
+@pytest.mark.parametrize("bad_length", [301, -3], ids=["past-Sk", "negative"])
+@pytest.mark.parametrize("splits", [None, 1])
+def test_a_decode_length_past_the_keys_gives_nan_rows_not_a_silent_cut(bad_length, splits):
+    """The lengths stay on the device (reading them is a sync): a sequence whose length is
+    past the keys given (its later keys would be dropped) or negative gets NaN rows and
+    lse, as in the paged kernel, and the other sequences are untouched."""
+    q, k, v = _inputs(3, 8, 2, 1, 300, 16, 16, torch.float16)
+    lens = torch.tensor([300, 120, 7], device=q.device)
+    run = lambda n: decode_forward(q, k, v, scale=0.25, kv_lengths=n, splits=splits)  # noqa: E731
+    good_out, good_lse = run(lens)
+    bad = lens.clone()
+    bad[1] = bad_length
+    out, lse = run(bad)
+    assert out[1].isnan().all() and lse[1].isnan().all()
+    torch.testing.assert_close(out[::2], good_out[::2], rtol=0, atol=0)
+    torch.testing.assert_close(lse[::2], good_lse[::2], rtol=0, atol=0)
+    assert not good_out.isnan().any()
+
+
 def test_the_last_split_merges_and_leaves_every_ticket_at_zero():
     """Each (batch, K/V head) merges once, in the program taking its last ticket, which
     sets the ticket back to 0: the next launch on the same buffer starts clean (a ticket

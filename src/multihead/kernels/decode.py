@@ -132,9 +132,11 @@ def _partial(Q, K, V, PO, PL, O, LSE, CNT, LENS, TBL, qk_scale,
                                                BLOCK_DV, BLOCK_R, BLOCK_N, CAUSAL, WINDOWED,
                                                PAGED, PAGE, True)
     out, lse = _finish(acc, m_i, l_i)
-    if PAGED:   # NaN rows, nothing read: a table entry outside the pool, or a length n
-        # (loaded above: PAGED has lengths) past max_len, whose keys would be cut silently
-        bad = (outside > 0) | (n > Sk) | (n < 0)
+    if HAS_LENS:    # NaN rows: a length n past the keys (Sk, or max_len when paged) or
+        # below 0, whose keys would be cut silently, or a table entry outside the pool
+        bad = (n > Sk) | (n < 0)
+        if PAGED:
+            bad = bad | (outside > 0)
         out = tl.where(bad, float("nan"), out)
         lse = tl.where(bad, float("nan"), lse)
     if SPLIT:
@@ -374,7 +376,9 @@ def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         window: with ``causal``, also ``j > i + offset - window``.
         offset: the band's alignment (``Sk - Sq``: lower-right).
         kv_lengths: ``(B,)`` int tensor on q's device; keys ``j >= kv_lengths[b]`` are unused
-            (a cache's filled lengths).
+            (a cache's filled lengths). Checking them on the host would read them (a
+            sync): a sequence whose length is past ``Sk`` or negative gets NaN rows (and
+            lse), never keys cut off silently.
         splits: how many parts the keys are split into (default: :func:`num_splits`).
         config: ``(BLOCK_N, num_warps, num_stages)`` of the kernel (default: the launch
             table's "decode" entry, :func:`._band.launch_config`).
