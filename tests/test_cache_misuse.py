@@ -497,9 +497,11 @@ def test_only_torch_funcs_refusal_is_reworded():
      r"k must be a tensor \(B, Hkv, n, D\) = \(2, 2, n, 8\), got \(2, 4\)"),
     (lambda c: c.update([[0.0]], torch.zeros(2, 2, 1, 8)), ValueError, r"k must be .* got list"),
     (lambda c: c.update(torch.zeros(2, 2, 1, 8), None), ValueError, r"v must be .* got NoneType"),
+    (lambda c: c.update(torch.zeros(2, 2, 1, 8).to_sparse(), torch.zeros(2, 2, 1, 8)), TypeError,
+     r"cache update: k is a torch.sparse_coo tensor; .* \.to_dense\(\)"),
     (lambda c: c.positions(-1), ValueError, r"n must be an int >= 0, got -1: how many new tokens"),
     (lambda c: c.rope_positions(-1), ValueError, r"n must be an int >= 0, got -1: how many new tokens"),
-], ids=["k 2-D", "k list", "v None", "positions", "rope_positions"])
+], ids=["k 2-D", "k list", "v None", "k sparse", "positions", "rope_positions"])
 def test_public_cache_methods_name_what_is_wrong_and_change_nothing(call, error, match):
     cache = mh.KVCache(2, 16, num_kv_heads=2, head_dim=8)
     cache.update(torch.ones(2, 2, 3, 8), torch.ones(2, 2, 3, 8))
@@ -678,3 +680,26 @@ def test_free_memory_unknown_is_no_reason_to_refuse(monkeypatch):
     cache = mh.KVCache(2**12, 2**12, 8, 128, device="meta")            # 64 GiB, on meta
     assert cache.k.shape == (2**12, 8, 2**12, 128)
 
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_cache_is_not_copied_in_the_middle_of_a_call(kind, how):
+    """Between begin() and its end the undo steps act on this cache: a copy's rollback
+    would undo the original. Copying is refused there, and works again after the call."""
+    import copy
+    import io
+    import pickle
+    m, seqs, cache = _prefilled(kind, 2, 3, seed=4)
+    copy_of = {"deepcopy": copy.deepcopy, "pickle": lambda c: pickle.loads(pickle.dumps(c)),
+               "torch.save": lambda c: torch.save(c, io.BytesIO())}[how]
+    before = _state(cache)
+    cache.begin()
+    cache.update(torch.ones(2, KV, 1, E // H), torch.ones(2, KV, 1, E // H))
+    with pytest.raises(RuntimeError, match=r"cannot copy or save a cache between begin\(\) "
+                       r"and commit\(\)/rollback\(\).*end the call first"):
+        copy_of(cache)
+    cache.rollback()                               # the call's write undone, as before
+    assert _same(_state(cache), before)
+    copy_of(cache)
+    _decoding_goes_on(m, cache, seqs, 3)

@@ -137,6 +137,15 @@ class _CacheBase:
         """
         self._journal = None
 
+    def __getstate__(self) -> dict:
+        """pickle, ``copy.deepcopy``, ``torch.save``: refused between :meth:`begin` and its
+        end, whose undo steps act on this cache (a copy's rollback would undo this one)."""
+        if self._journal is not None:
+            raise RuntimeError(f"{type(self).__name__}: cannot copy or save a cache between "
+                               f"begin() and commit()/rollback() (its undo steps act on this "
+                               f"cache, not on a copy): end the call first")
+        return self.__dict__
+
     def _record(self, undo) -> None:
         if self._journal is not None:
             self._journal.append(undo)
@@ -258,6 +267,7 @@ class _CacheBase:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"cache update: {name} must be a tensor (B, Hkv, n, {d}) = "
                                  f"({self.batch_size}, {self.num_kv_heads}, n, {width}), got {got}")
+            check_strided(f"cache update: {name}", t)
         n, batch = k.shape[2], self.batch_size
         want_k, want_v = (batch, self.num_kv_heads, n, self.head_dim), \
             (batch, self.num_kv_heads, n, self.value_dim)
