@@ -703,3 +703,20 @@ def test_a_cache_is_not_copied_in_the_middle_of_a_call(kind, how):
     assert _same(_state(cache), before)
     copy_of(cache)
     _decoding_goes_on(m, cache, seqs, 3)
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_a_mask_of_a_wrong_size_on_a_padded_cache_is_named_by_the_call_sizes(kind):
+    """The cache's own padding is combined with the caller's mask: the error names the
+    caller's mask and the call's sizes, not a composition with a padding it never passed."""
+    m = _module()
+    cache = _caches(m, 2)[kind]
+    with torch.no_grad():
+        m(torch.randn(2, 3, E), cache=cache, mask=CAUSAL,
+          valid=torch.tensor([[True, True, True], [False, True, True]]))
+    before = _state(cache)
+    wrong = M.dense(torch.ones(2, 1, 1, 3, dtype=torch.bool))       # Sk 3; the call has 4
+    with pytest.raises(ValueError, match=r"^mask: dense\(shape \(2, 1, 1, 3\)\) does not "
+                       r"broadcast to \(B, H, Sq, Sk\) = \(2, 4, 1, 4\)"):
+        m(torch.randn(2, 1, E), cache=cache, mask=wrong)
+    assert _same(_state(cache), before)

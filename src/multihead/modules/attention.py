@@ -495,8 +495,11 @@ class MultiHeadAttention(NotScriptable, AllOrNothing):
         k, v, key_valid = cache.update(k, v, valid)
         if key_valid is not None:
             pad = masks.padding(key_valid)
+            mask = as_mask(mask)
+            if mask is not None:       # (its sizes named, not the padding it is combined with)
+                mask.check(x.shape[0], self.num_heads, q.shape[2], k.shape[2])
             # (a tensor mask combines with the padding; distances count tokens, not slots)
-            mask = distances_in_tokens(as_mask(mask), key_valid, q.shape[2])
+            mask = distances_in_tokens(mask, key_valid, q.shape[2])
             mask = pad if mask is None else mask & pad
         return q, k, v, mask
 
