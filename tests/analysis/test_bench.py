@@ -97,6 +97,26 @@ def test_a_repeated_family_runs_once(tmp_path, capsys):
     assert "1 case in" in " ".join(capsys.readouterr().out.split())
 
 
+@pytest.mark.parametrize("load, busy", [(0.1, False), (64.0, True)])
+def test_a_run_on_a_busy_machine_says_so_before_and_in_its_files(tmp_path, capsys, load, busy):
+    """On a loaded machine calls stall for whole time slices and a row can even look
+    settled: the run warns as it starts, and the header and results.json say so."""
+    from multihead.bench import catalog
+    cases = [_tiny()]
+    with mock.patch.object(S, "suite_cases", return_value=cases), \
+            mock.patch.object(catalog, "suite_cases", return_value=cases), \
+            mock.patch("os.getloadavg", lambda: (load, load, load)):
+        assert main(["bench", "--out", str(tmp_path), "--dtype", "float32"]) == 0
+    captured = capsys.readouterr()
+    said = "The machine was busy as the run began (load average 64.0 on"
+    d = json.loads((tmp_path / "results.json").read_text())
+    assert d["dtype"] == "fp32"                         # torch's name taken, the short one kept
+    assert (said in " ".join(captured.err.split())) == busy
+    assert (said in " ".join(captured.out.split())) == busy
+    assert d["busy"].startswith(said) == busy and (d["busy"] == "") != busy
+    assert (said in (tmp_path / "results.md").read_text()) == busy
+
+
 def test_naive_peer_refused_when_it_does_not_fit():
     case = suite_cases("quick")[0]
     with mock.patch.object(S, "available_memory", return_value=1024):
@@ -248,6 +268,17 @@ def test_header_and_rows_use_the_units():
     assert (ours, spread, rate, frac) == ("428.0 µs", "-2% +0% (unsettled)", "2.51 TB/s", "90%")
     assert peers == "sdpa: 16.8 µs (0.50x); overhead = ours - sdpa: 15.8 µs per call"
     assert naive == "-"                                   # no naive peer: no naive size
+
+
+def test_a_peer_whose_calls_did_not_settle_is_marked_beside_its_ratio():
+    run = S.Run("quick", "cpu", "fp32", "cpu", LIMITS)
+    run.rows = [{"case": "dense", "mode": "fwd", "unit": "FLOP/s", "rate": 1e9,
+                 "fraction_of_limit": 0.1, "naive_bytes": 0,
+                 "ours": {"median_ms": 1.0, "low_ms": 1.0, "high_ms": 1.0, "peak_bytes": 0},
+                 "peers": {"torch MHA": {"median_ms": 17.3, "low_ms": 3.3, "high_ms": 27.4,
+                                         "ratio": 17.3, "settled": False},
+                           "sdpa": {"median_ms": 2.0, "ratio": 2.0, "settled": True}}}]
+    assert lines(run)[0][-1] == "torch MHA: 17.3 ms (17.30x, unsettled); sdpa: 2.00 ms (2.00x)"
 
 
 @pytest.mark.parametrize("rate, text", [(2.647, "2.65 texts/s"), (0.4, "0.4 texts/s"),

@@ -23,12 +23,21 @@ def _rate(row) -> str:
 
 
 def _peers(row) -> list[str]:
+    """Each peer's time and ratio; one whose calls did not settle (its spread past the
+    rule) is marked, as our own time's spread is: its ratio is not to be trusted.
+
+    Example:
+        >>> _peers({"peers": {"sdpa": {"median_ms": 2.0, "ratio": 2.0, "settled": False},
+        ...                   "flex": {"median_ms": 1.0, "ratio": 1.0, "compile_s": 3.2}}})
+        ['sdpa: 2.00 ms (2.00x, unsettled)', 'flex: 1.00 ms (1.00x, compile 3.2 s)']
+    """
     out = []
     for name, p in row["peers"].items():
         if "skipped" in p:
             out.append(f"{name}: {p['skipped']}")
         else:
             extra = f", compile {p['compile_s']:.1f} s" if "compile_s" in p else ""
+            extra += "" if p.get("settled", True) else ", unsettled"
             out.append(f"{name}: {duration(p['median_ms'] / 1e3)} ({p['ratio']:.2f}x{extra})")
     if "overhead_us" in row:
         out.append(f"overhead = ours - {row.get('overhead_vs', 'sdpa')}: "
@@ -81,6 +90,7 @@ def header_text(run) -> str:
             f"{run.machine}. Limits measured in this run: matmul {si(lim.gemm_flops, 'FLOP/s')}, "
             f"memory read {si(lim.read_bw, 'B/s')}."
             + (f" {run.timing}" if run.timing else "")
+            + (f" {run.busy}" if run.busy else "")
             + (" INTERRUPTED: partial results." if run.interrupted else ""))
 
 
@@ -106,6 +116,7 @@ def write(run, out: Path, *, plot: bool = True) -> list[Path]:
     data = {"suite": run.suite, "families": run.families, "device": run.device,
             "dtype": run.dtype, "machine": run.machine,
             "limits": asdict(run.limits), "cold_l2": run.cold_l2, "timing": run.timing,
+            "busy": run.busy,
             "interrupted": run.interrupted, "seconds": run.seconds, "notes": NOTES,
             "rows": run.rows}
     body = ["| " + " | ".join(HEADER) + " |", "|" + " --- |" * len(HEADER)]

@@ -19,8 +19,8 @@ from .._device import available_memory
 from .cases import Case
 from .catalog import device_type, suite_cases
 from .flex import NotComparable, compile_limits, forbid_recompiles
-from .measure import DTYPES, Limits, describe, machine_limits, peak_memory
-from .timing import describe_timing, measure
+from .measure import DTYPE_ALIASES, DTYPES, Limits, describe, machine_limits, peak_memory
+from .timing import busy_note, describe_timing, measure
 
 #: a naive peer runs only if its score matrices (times this factor) fit in free memory
 NAIVE_HEADROOM = 3
@@ -40,6 +40,7 @@ class Run:
     seconds: float = 0.0
     cold_l2: bool = False
     timing: str = ""          # how the times were taken (one sentence)
+    busy: str = ""            # other work running as the run began (a sentence), or ""
     families: list | None = None   # the --family options: only these cases were run
 
 
@@ -47,15 +48,17 @@ def check_target(device: str, dtype: str, cold_l2: bool = False) -> tuple[torch.
     """Validate --device, --dtype and --cold-l2; one clear error each.
 
     Example:
-        >>> check_target("cpu", "bf16")
-        (device(type='cpu'), torch.bfloat16)
+        >>> check_target("cpu", "bf16"), check_target("cpu", "float32")
+        ((device(type='cpu'), torch.bfloat16), (device(type='cpu'), torch.float32))
     """
     device_type(device)
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device cuda: CUDA is not available here (torch {torch.__version__}, "
                          f"no GPU found): use --device cpu")
     if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is unknown: choose one of {', '.join(DTYPES)}")
+        raise ValueError(f"--dtype {dtype!r} is unknown: choose one of {', '.join(DTYPES)} "
+                         f"(or torch's names: {', '.join(DTYPE_ALIASES)})")
     if device == "cpu" and dtype == "fp16":
         raise ValueError("--dtype fp16 is not supported on the CPU (emulated, not a fast path "
                          "anyone would use): use fp32 or bf16 on the CPU, fp16 on cuda")
@@ -172,10 +175,12 @@ def run_suite(suite: str = "quick", device: str = "cpu", dtype: str = "fp32",
     ``families`` when given); Ctrl-C keeps what was measured. ``cold_l2`` (CUDA): flush the
     L2 cache before every timed call."""
     dev, dt = check_target(device, dtype, cold_l2)
+    dtype = DTYPE_ALIASES.get(dtype, dtype)                 # (the run names it as fp32 does)
     cases = suite_cases(suite, dev, families)
     start = time.perf_counter()
+    busy = busy_note()                       # (before the limits: they are our own load)
     run = Run(suite, device, dtype, describe(dev), machine_limits(dev, dt, quick=suite == "quick"),
-              cold_l2=cold_l2, timing=describe_timing(dev, cold_l2),
+              cold_l2=cold_l2, timing=describe_timing(dev, cold_l2), busy=busy,
               families=list(families) if families else None)
     reps = 3 if suite == "quick" else 5
     try:

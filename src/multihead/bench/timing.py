@@ -25,6 +25,7 @@ runs on the CPU too with :class:`WallEvent` standing in for ``torch.cuda.Event``
 from __future__ import annotations
 
 import functools
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -38,6 +39,9 @@ TARGET_SPREAD = 0.05
 #: CPU: single calls whose (slowest - fastest) / median exceeds this are reported as not
 #: settled (a loaded machine: the ratios of such a row may flip)
 CPU_SPREAD = 0.5
+#: the machine is busy when its 1-minute load average as a run begins is above this many
+#: runnable processes per core the run may use
+BUSY_LOAD = 0.5
 #: CUDA: the fewest batches (or cold calls) behind a median
 MIN_GPU_REPS = 5
 #: the most back-to-back calls in one batch
@@ -278,6 +282,31 @@ def _measure_wall(fn, reps: int, warmup: int, budget_s: float | None) -> Stats:
         if budget_s is not None and i >= 2 and time.perf_counter() - start > budget_s:
             break
     return _stats(times, settled=spread(times) <= CPU_SPREAD)
+
+
+def busy_note() -> str:
+    """A sentence when other work is running as a run begins (the 1-minute load average
+    past :data:`BUSY_LOAD` per core this process may use): its times, and the ratios
+    between them, may not hold (calls stall for whole time slices, and a row can look
+    settled at a stall's length). Empty where the load is low, or unknown.
+
+    Example:
+        >>> from unittest import mock
+        >>> with mock.patch("os.getloadavg", lambda: (0.1, 0.1, 0.1)):
+        ...     busy_note()
+        ''
+    """
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):                  # (not on every platform)
+        return ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    if load <= BUSY_LOAD * cores:
+        return ""
+    return (f"The machine was busy as the run began (load average {load:.1f} on {cores} "
+            f"core{'s' if cores > 1 else ''}): times, and the ratios between them, may not "
+            f"hold; run again on an idle machine.")
 
 
 def describe_timing(device: torch.device, cold_l2: bool = False) -> str:

@@ -48,7 +48,12 @@ def run(args) -> int:
     prepare_out(args.out, FILES)
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..bench.timing import busy_note
     err = console(stderr=True)
+    busy = busy_note()
+    if busy:                                         # (said again above the table)
+        err.print(f"warning: {busy}", markup=False)
     result = None
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
