@@ -66,6 +66,27 @@ def test_scaling_cli(capsys):
     assert "seed 004 says" in out and "NaN" in out and "torch error" in out
 
 
+@pytest.mark.parametrize("width", [80, 60])
+def test_the_scaling_table_keeps_every_number_whole_on_a_narrow_terminal(width, capsys,
+                                                                         monkeypatch):
+    """At 80 columns the gradients were cut to '2.3e-…' (their size lost): a number column
+    now keeps its widest number, and where even that does not fit a cell folds onto more
+    lines; nothing is cut."""
+    from multihead.cli import _common, demo_cmd
+    narrow = lambda **kw: _common.console(**{**kw, "width": width})  # noqa: E731
+    monkeypatch.setattr(demo_cmd, "console", narrow)
+    assert main(["demo", "scaling", "--draws", "20", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["scaling"]
+    assert main(["demo", "scaling", "--draws", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and max(map(len, out.splitlines())) <= width
+    cells = "".join(line.split("│")[6] for line in out.splitlines() if line.count("│") == 10)
+    assert cells.replace(" ", "") == "".join(f"{r['unscaled_grad']:.2g}" for r in rows)
+    if width == 80:                                # each on its own line, whole
+        for r in rows:
+            assert f" {r['unscaled_grad']:.2g} │" in out
+
+
 def test_heads_demo_quick_end_to_end(tmp_path, capsys):
     assert main(["demo", "heads", "--quick", "--steps", "40", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -8,6 +8,7 @@ import errno
 import os
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 from .._args import plain
@@ -26,6 +27,70 @@ def console(width: int = 120, markup: bool = True, *, stderr: bool = False):
            Console(width=None if sys.stdout.isatty() else width, markup=markup))
     con.on_broken_pipe = _broken_pipe
     return con
+
+
+def table(title: str, columns, left=(), **kw):
+    """A rich table titled ``title`` with ``columns``: those in ``left`` justified left (text),
+    the rest right (numbers). Where the terminal is wide enough, each number's column is as
+    wide as its widest number (the headers and the text wrap instead); a cell still too
+    wide folds onto more lines rather than being cut with '…' (a number cut to '1,0…' or
+    '2.3e-…' loses its size).
+
+    Example:
+        >>> t = table("sizes", ["name", "bytes"], left=["name"])
+        >>> t.add_row("KV per token", "1,048,576")
+        >>> console(width=22).print(t)
+        sizes
+        ┏━━━━━━━━┳━━━━━━━━━━━┓
+        ┃ name   ┃     bytes ┃
+        ┡━━━━━━━━╇━━━━━━━━━━━┩
+        │ KV per │ 1,048,576 │
+        │ token  │           │
+        └────────┴───────────┘
+        >>> console(width=18).print(t)
+        sizes
+        ┏━━━━━━━┳━━━━━━━━┓
+        ┃ name  ┃  bytes ┃
+        ┡━━━━━━━╇━━━━━━━━┩
+        │ KV    │ 1,048, │
+        │ per   │    576 │
+        │ token │        │
+        └───────┴────────┘
+    """
+    from rich.table import Table
+
+    class _Table(Table):
+        widest: dict = {}                  # a number column's index -> its widest cell
+
+        def add_row(self, *cells, **kw):
+            for i, (col, cell) in enumerate(zip(self.columns, cells)):
+                if col.justify == "right" and isinstance(cell, str):
+                    wide = max(map(len, cell.splitlines() or [""]))
+                    self.widest = {**self.widest, i: max(self.widest.get(i, 0), wide)}
+            super().add_row(*cells, **kw)
+
+        def __rich_console__(self, console, options):
+            # a number column takes its widest cell (6 characters at least where its
+            # header has a word that long), its header wrapped to that, and may not wrap; a
+            # text column 4 characters at least; each plus 3 for padding and border. Where
+            # that fits, rich narrows only the text; else every column folds alike
+            words = {i: self.headers[i].split() for i in self.widest}
+            width = {i: max(w, min(6, max(map(len, words[i]), default=0)))
+                     for i, w in self.widest.items()}
+            heads = {i: textwrap.fill(" ".join(words[i]), w) for i, w in width.items()}
+            fits = 1 + sum(3 + width.get(i, 4) for i in range(len(self.columns))) \
+                <= options.max_width
+            for i, col in enumerate(self.columns):
+                number = fits and i in width
+                col.min_width, col.no_wrap = (width[i] if number else None), number
+                col.header = heads[i] if number else self.headers[i]
+            yield from super().__rich_console__(console, options)
+
+    t = _Table(title=title, title_justify="left", **kw)
+    t.headers = list(columns)
+    for col in columns:
+        t.add_column(col, justify="left" if col in left else "right", overflow="fold")
+    return t
 
 
 def _broken_pipe():

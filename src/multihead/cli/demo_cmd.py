@@ -12,7 +12,7 @@ import json
 
 from .._args import counted
 from .._files import atomic_write_all
-from ._common import console, int_in, path, prepare_out, summary, wrote
+from ._common import console, int_in, path, prepare_out, summary, table, wrote
 
 #: seeds are 32-bit (the experiment derives seed + 1 and seed + 2 from it)
 MAX_SEED = 2**32 - 1
@@ -52,7 +52,6 @@ def run(args) -> int:
 
 
 def _scaling(args) -> int:
-    from rich.table import Table
 
     from ..analysis.scaling import fp16_masking, scaling, summary
     draws = DRAWS if args.draws is None else args.draws
@@ -61,11 +60,9 @@ def _scaling(args) -> int:
         print(json.dumps({"scaling": rows, "fp16_masking": masks}, indent=2))
         return 0
     con = console(markup=False)
-    t = Table(title=f"q, k ~ N(0, 1); softmax over 10 keys; mean of {draws} draws "
-                    f"(seed {args.seed})", title_justify="left")
-    for col in ("d_k", "sqrt(d_k)", "std q·k", "seed 004 says", "max prob", "grad",
-                "std q·k/sqrt(d_k)", "max prob (scaled)", "grad (scaled)"):
-        t.add_column(col, justify="right")
+    t = table(f"q, k ~ N(0, 1); softmax over 10 keys; mean of {draws} draws (seed {args.seed})",
+              ("d_k", "sqrt(d_k)", "std q·k", "seed 004 says", "max prob", "grad",
+               "std q·k/sqrt(d_k)", "max prob (scaled)", "grad (scaled)"))
     for r in rows:
         t.add_row(str(r["d_k"]), f"{r['sqrt_d_k']:.1f}", f"{r['unscaled_std']:.2f}",
                   f"≈ {r['seed_004_unscaled_std']}", f"{r['unscaled_max_prob']:.3f}",
@@ -75,9 +72,8 @@ def _scaling(args) -> int:
     con.print("grad: the median norm of the softmax's Jacobian, how much the weights move when "
               "the scores do.", style="dim")
     con.print(summary(rows), style="dim")
-    m = Table(title="fp16: masking keys 2-3 of row 0 and every key of row 1", title_justify="left")
-    for col in ("mask", "row 0 (keys 2, 3 masked)", "row 1 (all masked)"):
-        m.add_column(col)
+    cols = ("mask", "row 0 (keys 2, 3 masked)", "row 1 (all masked)")
+    m = table("fp16: masking keys 2-3 of row 0 and every key of row 1", cols, left=cols)
     fmt = lambda w: "NaN" if w is not None and None in w else ", ".join(f"{x:.3f}" for x in w)
     for r in masks:
         if r["error"]:
@@ -117,10 +113,9 @@ def _heads(args) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    from rich.table import Table
-    t = Table(title="One attention layer, equal d_model", title_justify="left")
-    for col in ("model", "parameters", "eval loss", "accuracy", "train s", "what each head attends to"):
-        t.add_column(col, justify="left" if col in ("model", "what each head attends to") else "right")
+    t = table("One attention layer, equal d_model", ("model", "parameters", "eval loss",
+              "accuracy", "train s", "what each head attends to"),
+              left=("model", "what each head attends to"))
     for r in results:
         t.add_row(r.kind, f"{r.parameters:,}", f"{r.loss:.3f}", f"{r.accuracy:.1%}",
                   f"{r.seconds:.1f}", ", ".join(r.relations()))

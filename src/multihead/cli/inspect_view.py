@@ -6,7 +6,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..inspect.metrics import METRICS, shown, thresholds_text
-from ._common import plain
+from ._common import plain, table
 
 
 def _text(s: str) -> str:
@@ -35,10 +35,9 @@ def show(result, console, full: bool = False) -> None:
 
     back = ", to earlier tokens only" if c.causal else ""
     if result.looks:
-        q = Table(title=f"Heads attending most from {_text(repr(toks[result.query]))} "
-                        f"(token {result.query}{back})", title_justify="left")
-        for col in ("head", "from → to", "weight", "distance"):
-            q.add_column(col, justify="left" if col in ("head", "from → to") else "right")
+        q = table(f"Heads attending most from {_text(repr(toks[result.query]))} "
+                  f"(token {result.query}{back})", ("head", "from → to", "weight", "distance"),
+                  left=("head", "from → to"))
         for k in result.looks:
             far = (k.layer, k.head) == tuple(result.selected)
             q.add_row(f"L{k.layer}H{k.head}", _text(f"{toks[result.query]} → {toks[k.target]}"),
@@ -52,19 +51,18 @@ def show(result, console, full: bool = False) -> None:
                       f"{result.query}): none to show, the text has no {other} to look at "
                       f"besides special tokens; {fix}")
 
-    table, roles = result.metrics.table(), result.metrics.roles()
+    values, roles = result.metrics.table(), result.metrics.roles()
     na = result.metrics.not_applicable()
-    L, H = table["prev"].shape
+    L, H = values["prev"].shape
     avg = f", averaged over {result.metrics.texts} texts" if result.metrics.texts > 1 else ""
     if full:
-        t = Table(title=f"Every head: role (score) and metrics{avg}", title_justify="left")
-        for col in ("head", "role", "score", *METRICS):
-            t.add_column(col, justify="left" if col in ("head", "role") else "right")
+        t = table(f"Every head: role (score) and metrics{avg}", ("head", "role", "score", *METRICS),
+                  left=("head", "role"))
         for l in range(L):
             for h in range(H):
                 role, score = roles[l][h]
                 t.add_row(f"L{l}H{h}", escape(role), shown(score),
-                          *("n/a" if n in na else shown(float(table[n][l, h]))
+                          *("n/a" if n in na else shown(float(values[n][l, h]))
                             for n in METRICS),
                           style="bold" if (l, h) == tuple(result.selected) else None,
                           end_section=h == H - 1)

@@ -10,7 +10,7 @@ import json
 import re
 
 from ..analysis.params import DTYPES
-from ._common import console, int_in, summary
+from ._common import console, int_in, summary, table
 
 
 #: the accepted range of each numeric option: far beyond any real model, small enough that
@@ -129,13 +129,11 @@ def run(args) -> int:
 
 
 def _print_one(r, hb, hc) -> None:
-    from rich.table import Table
     c, con = r["config"], console(markup=False)
-    t = Table(title=f"{c['name'] or 'attention'}: d={c['d_model']}, h={c['heads']}, "
-                    f"h_kv={c['kv_heads']} ({c['kind']}), d_k={c['head_dim']}, layers={c['layers']}, "
-                    f"n={r['seq']}, batch={r['batch']}, {r['dtype']}", title_justify="left")
-    t.add_column("quantity")
-    t.add_column("value", justify="right")
+    t = table(f"{c['name'] or 'attention'}: d={c['d_model']}, h={c['heads']}, "
+              f"h_kv={c['kv_heads']} ({c['kind']}), d_k={c['head_dim']}, layers={c['layers']}, "
+              f"n={r['seq']}, batch={r['batch']}, {r['dtype']}", ("quantity", "value"),
+              left=("quantity",))
     check = "= sum(p.numel()) of a real MultiHeadAttention" if r["params_match_module"] else \
         f"!= module ({r['params_per_layer_module']:,})"
     rows = [
@@ -163,12 +161,10 @@ def _print_one(r, hb, hc) -> None:
 
 
 def _print_table(rows, variants, focus, args, hb, hc) -> None:
-    from rich.table import Table
     con = console(markup=False)
-    t = Table(title=f"Seed 003's configurations (n={args.seq}, {args.dtype})", title_justify="left")
-    for col in ("model", "d", "h", "h_kv", "d_k", "layers", "params/layer", "= 4d²\n(+4d)", "module",
-                "KV/token", "scores/layer"):
-        t.add_column(col, justify="left" if col == "model" else "right")
+    t = table(f"Seed 003's configurations (n={args.seq}, {args.dtype})",
+              ("model", "d", "h", "h_kv", "d_k", "layers", "params/layer", "= 4d²\n(+4d)",
+               "module", "KV/token", "scores/layer"), left=("model",))
     for r in rows:
         c = r["config"]
         four = "yes" if r["params_per_layer"] == r["mha_equivalent_params_per_layer"] else \
@@ -186,11 +182,10 @@ def _print_table(rows, variants, focus, args, hb, hc) -> None:
     kinds = [r["config"]["kind"].split("-")[0] for r in variants]
     named = ", ".join(dict.fromkeys(kinds[:-1])) + f" and {kinds[-1]}" if len(kinds) > 1 \
         else kinds[0]
-    v = Table(title=f"{focus.name or 'this model'}: the KV cache as {named} "
-                    f"(n={args.seq}, batch={args.batch}, {args.dtype})", title_justify="left")
-    for col in ("variant", "kv heads", "params/layer", "cache/token", "cache/sequence",
-                "cache/batch", "vs MHA"):
-        v.add_column(col, justify="left" if col == "variant" else "right")
+    v = table(f"{focus.name or 'this model'}: the KV cache as {named} "
+              f"(n={args.seq}, batch={args.batch}, {args.dtype})",
+              ("variant", "kv heads", "params/layer", "cache/token", "cache/sequence",
+               "cache/batch", "vs MHA"), left=("variant",))
     base = variants[0]["kv_cache_bytes_per_token"]
     for r in variants:
         c = r["config"]
