@@ -113,7 +113,14 @@ def test_the_table_has_one_row_per_kind_of_kv_heads(capsys):
     (["--d-model", "512", "--heads", "7", "--kv-heads", "3"],
      "no multiple of --kv-heads (3) divides it, so pass --head-dim"),
     (["--d-model", "512"], "give --preset NAME, or --d-model and --heads"),
-    (["--table", "--heads", "16"], "give --preset NAME, or --d-model and --heads"),
+    (["--table", "--heads", "16"], "give --preset NAME, or --d-model and --heads\n"),  # (no
+    #                                                        "see --table": it was given)
+    (["--heads", "16"], "give --preset NAME, or --d-model and --heads (see --table for presets)"),
+    (["--preset", "gpt2-small", "--d-model", "512"],            # 12 heads: the preset's, not given
+     "--d-model (512) must be divisible by --heads (12, the gpt2-small preset's) when "
+     "--head-dim is not given: try --heads in [1, 2, 4, 8,"),
+    (["--preset", "gpt2-small", "--kv-heads", "5"],
+     "--heads (12, the gpt2-small preset's) must be a multiple of --kv-heads (5): try"),
     (["--table", "--layers", "4"], "give --preset NAME, or --d-model and --heads"),
     (["--table", "--no-bias"], "--no-bias is not enough to describe a configuration: give "
                                "--preset NAME, or --d-model and --heads"),

@@ -46,15 +46,27 @@ SHAPE_OPTIONS = {"d_model": "--d-model", "heads": "--heads", "kv_heads": "--kv-h
                  "head_dim": "--head-dim", "layers": "--layers"}
 
 
-def _options_named(e: ValueError) -> ValueError:
-    """AttentionShape's message with its fields spelled as this command's options.
+def _options_named(e: ValueError, preset: str | None = None, given=()) -> ValueError:
+    """AttentionShape's message with its fields spelled as this command's options; with a
+    ``preset``, a value shown that the command line did not ``give`` is said to be the
+    preset's.
 
     Example:
         >>> str(_options_named(ValueError("heads (8) must be a multiple of kv_heads (3)")))
         '--heads (8) must be a multiple of --kv-heads (3)'
+        >>> str(_options_named(ValueError("d_model (512) must be divisible by heads (12)"),
+        ...                    "gpt2-small", given=["d_model"]))
+        "--d-model (512) must be divisible by --heads (12, the gpt2-small preset's)"
     """
     names = "|".join(sorted(SHAPE_OPTIONS, key=len, reverse=True))
-    return ValueError(re.sub(rf"(?<![\w-])({names})\b", lambda m: SHAPE_OPTIONS[m[1]], str(e)))
+
+    def spelled(m):
+        option, value = SHAPE_OPTIONS[m[1]], m[2]
+        if value is None:
+            return option
+        whose = f", the {preset} preset's" if preset is not None and m[1] not in given else ""
+        return f"{option} ({value}{whose})"
+    return ValueError(re.sub(rf"(?<![\w-])({names})\b(?: \((\d+)\))?", spelled, str(e)))
 
 
 def _shape(args):
@@ -81,13 +93,13 @@ def _shape(args):
                 if named else ""
             said = f"{listed} {'is' if len(named) == 1 else 'are'} not enough to " \
                    f"describe a configuration: " if named else ""
-            raise ValueError(f"{said}give --preset NAME, or --d-model and --heads (see --table "
-                             f"for presets)")
+            raise ValueError(f"{said}give --preset NAME, or --d-model and --heads"
+                             + ("" if args.table else " (see --table for presets)"))
         return AttentionShape(args.d_model, args.heads, kv_heads=args.kv_heads,
                               head_dim=args.head_dim, layers=args.layers or 1,
                               bias=not args.no_bias)
     except ValueError as e:
-        raise _options_named(e) from None
+        raise _options_named(e, args.preset, given) from None
 
 
 def _variants(s):
