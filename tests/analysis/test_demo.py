@@ -181,6 +181,11 @@ def test_the_finding_says_which_way_a_clear_gap_goes():
                     _result("h=8 shared", 0.9, [three] * 8)])
     assert "Eight heads and one head are within 2.0 points (+1.0 point)" in text
     assert "ended 1.0 point above the single full-width head: as predicted, within 2.0" in text
+    text = finding([_result("h=8", 0.9, [one] * 8), _result("h=1", 0.40, [one]),
+                    _result("h=8 shared", 0.6, [three] * 8)])
+    assert text.endswith("ended 20.0 points above the single full-width head: better than "
+                         "predicted (the seed expects the same loss as one head; one run does "
+                         "not say why: both heads' patterns are above).")  # (no reason guessed)
 
 
 @pytest.mark.parametrize("h8", [0.5204, 0.5196])

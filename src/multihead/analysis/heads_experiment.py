@@ -309,9 +309,8 @@ def finding(results: list[Result], setup: Setup = Setup()) -> str:
         text += (f" Heads sharing W_Q/W_K/W_V computed one pattern (largest difference between "
                  f"heads {same:.3f}: {_split(sh, a, b)}) and ended {_points(abs(s - h1))} "
                  f"{where} the single full-width head")
-        text += (": better than predicted. One pattern that puts unequal weights on both "
-                 "relations can still be partly decoded by the read-out; the single "
-                 "full-width head, trained from its own start, did not find one."
+        text += (": better than predicted (the seed expects the same loss as one head; "
+                 "one run does not say why: both heads' patterns are above)."
                  if ahead(s, h1, CLEAR) else
                  ": worse than predicted (the seed expects the same loss as one head)."
                  if ahead(h1, s, CLEAR) else f": as predicted, within {_points(CLEAR)} of it.")

@@ -137,7 +137,7 @@ def _plot(results) -> bytes:
         ax.set_xlabel("offset k (weight on x[t-k])")
         ax.set_ylabel("head")
         ax.set_yticks(range(len(r.offset_profile)))
-        ax.set_title(f"{r.kind}: accuracy {r.accuracy:.0%}", fontsize=10)
+        ax.set_title(f"{r.kind}: accuracy {r.accuracy:.1%}", fontsize=10)   # (as the table)
     fig.colorbar(im, ax=axes[0].tolist(), fraction=0.02)
     png = io.BytesIO()
     try:
