@@ -770,3 +770,13 @@ def test_an_export_with_a_dynamic_length_runs_every_length_as_the_module_does(ma
         for n in (2, 37, 200):
             y = torch.randn(B, n, E)
             torch.testing.assert_close(exported(y), plain(y), atol=1e-6, rtol=1e-5)
+
+
+def test_the_constructor_shows_torchs_signature():
+    """Tools that read a constructor's signature (config instantiation, hyperparameter
+    capture) see torch's parameters, not ``*args, **kwargs``."""
+    import inspect
+    assert inspect.signature(mh.nn.MultiheadAttention) == inspect.signature(nn.MultiheadAttention)
+    bound = inspect.signature(mh.nn.MultiheadAttention).bind(E, H, batch_first=True, kdim=10)
+    m = mh.nn.MultiheadAttention(*bound.args, **bound.kwargs)
+    assert m.batch_first and m.kdim == 10 and not m._qkv_same_embed_dim

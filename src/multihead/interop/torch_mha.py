@@ -170,6 +170,9 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
         _as_torch_raises(check_dtype, "dtype", dtype, optional=True)
         super().__init__(embed_dim, num_heads, *args, **kwargs)
 
+    # torch's signature, for tools that read it (config instantiation, hyperparameter capture)
+    __init__.__signature__ = _SIGNATURE
+
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
                 attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
