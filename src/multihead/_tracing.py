@@ -1,14 +1,12 @@
-"""Tracers and multihead: ``torch.jit.trace`` and ``torch.jit.script`` refused, with what
-to use instead, and code that ``torch.compile`` must run eagerly.
+"""Tracers and multihead: ``torch.jit.trace`` refused, with what to use instead, and code
+that ``torch.compile`` must run eagerly.
 
 A trace records the tensor ops of one call and replays them for every later input. Our
 calls choose a backend, a tile plan and RoPE's table rows from the sizes and the mask they
 are given, in Python, so a replay with another mask or length would run the first call's
 plan: silently wrong. ``torch.compile`` and ``torch.export.export`` trace those choices
-exactly (with guards), so the refusal points there. TorchScript cannot type our forwards
-(masks, caches, keyword-only arguments): it is refused with the same advice. The drop-in
-for ``torch.nn.MultiheadAttention`` is the exception: its trace or script runs torch's
-own forward.
+exactly (with guards), so the refusal points there. The drop-in for
+``torch.nn.MultiheadAttention`` is the exception: its trace runs torch's own forward.
 """
 
 from __future__ import annotations
@@ -36,11 +34,6 @@ def check_when_run(t: torch.Tensor, ok, message: str) -> None:
         torch._assert_async(ok(), message)
 
 
-_JIT_ADVICE = ("use torch.export.export or torch.compile, which trace it exactly (or, for a "
-               "drop-in for torch.nn.MultiheadAttention, multihead.nn.MultiheadAttention: "
-               "its {how} runs torch's implementation)")
-
-
 def refuse_jit_trace(what: str) -> None:
     """Raise a RuntimeError naming ``what`` while ``torch.jit.trace`` records.
 
@@ -51,30 +44,10 @@ def refuse_jit_trace(what: str) -> None:
         raise RuntimeError(
             f"{what} cannot be recorded by torch.jit.trace: a trace keeps the plan of the "
             f"one call it saw (its backend, the tiles its mask rules out, RoPE's table), so "
-            f"other masks or lengths would run it wrongly; " + _JIT_ADVICE.format(how="trace"))
-
-
-class NotScriptable:
-    """Mixin for a module ``torch.jit.script`` cannot compile: scripting it, or a module that
-    holds it, is refused with the advice (TorchScript calls ``__prepare_scriptable__`` on
-    every module first) instead of TorchScript's error about a line of its forward.
-
-    Example:
-        >>> import torch
-        >>> class Net(NotScriptable, torch.nn.Module):
-        ...     def forward(self, x, *, mask=None):
-        ...         return x
-        >>> torch.jit.script(torch.nn.Sequential(Net()))
-        Traceback (most recent call last):
-        ...
-        RuntimeError: Net cannot be compiled by torch.jit.script: TorchScript cannot type its forward (masks, caches, keyword-only arguments); use torch.export.export or torch.compile, which trace it exactly (or, for a drop-in for torch.nn.MultiheadAttention, multihead.nn.MultiheadAttention: its script runs torch's implementation)
-    """
-
-    def __prepare_scriptable__(self):
-        raise RuntimeError(
-            f"{type(self).__name__} cannot be compiled by torch.jit.script: TorchScript cannot "
-            f"type its forward (masks, caches, keyword-only arguments); "
-            + _JIT_ADVICE.format(how="script"))
+            f"other masks or lengths would run it wrongly; use torch.export.export or "
+            f"torch.compile, which trace it exactly (or, for a drop-in for "
+            f"torch.nn.MultiheadAttention, multihead.nn.MultiheadAttention: its trace runs "
+            f"torch's implementation)")
 
 
 def concrete(x):

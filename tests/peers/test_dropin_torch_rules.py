@@ -448,19 +448,6 @@ def test_a_trace_of_multihead_attention_is_refused_with_what_to_use():
     torch.testing.assert_close(exported(y), m(y, mask=mh.masks.causal()))
 
 
-@_NO_JIT_DEPRECATION
-def test_a_script_of_multihead_attention_is_refused_with_what_to_use():
-    m = mh.MultiHeadAttention(E, H, rope=mh.RotaryEmbedding(E // H))
-    for what, scripted in (("MultiHeadAttention", m), ("MultiHeadAttention", nn.Sequential(m)),
-                           ("RotaryEmbedding", m.rope)):           # itself, or held by a model
-        with pytest.raises(RuntimeError, match=f"{what} cannot be compiled by torch.jit.script"
-                           ".*use torch.export.export or torch.compile"):
-            torch.jit.script(scripted)
-    layer = nn.TransformerEncoderLayer(E, H, batch_first=True)
-    layer.self_attn = mh.nn.MultiheadAttention(E, H, batch_first=True)
-    torch.jit.script(layer)                        # the drop-in still scripts (torch's forward)
-
-
 class _EncoderLayerWithOurs(nn.TransformerEncoderLayer):
     """A user's layer that builds our attention itself."""
 

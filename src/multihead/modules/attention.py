@@ -24,8 +24,7 @@ from .. import masks
 from .._args import fraction, positive_int
 from .._device import usable_device
 from .._dtypes import AUTOCAST_CASTS, autocast_dtype, check_dtype, check_strided, check_weights
-from .._tracing import (NotScriptable, concrete, eager_under_compile, refuse_jit_trace,
-                        shape_text)
+from .._tracing import concrete, eager_under_compile, refuse_jit_trace, shape_text
 from ..masks.positioned import distances_in_tokens
 from ..functional import attention
 from ..functional.dispatch import check_backend
@@ -89,7 +88,7 @@ _CACHED_NOT_COMPILED = ("a forward with cache= writes the cache and keeps its co
                         "other layers, or capture the decoding step in a CUDA graph")
 
 
-class MultiHeadAttention(NotScriptable, AllOrNothing):
+class MultiHeadAttention(AllOrNothing):
     """Multi-head attention (Vaswani et al. 2017) with GQA/MQA, RoPE and cross-attention.
 
     Args:

@@ -32,7 +32,7 @@ from torch import nn
 from .._cache import BoundedCache
 from .._device import to_device, usable_device
 from .._dtypes import check_strided
-from .._tracing import NotScriptable, concrete, refuse_jit_trace, shape_text
+from .._tracing import concrete, refuse_jit_trace, shape_text
 
 #: rows of a table when first built (it doubles past them)
 FIRST_ROWS = 2048
@@ -127,7 +127,7 @@ def _check_base(base) -> float:
     return float(base)
 
 
-class RotaryEmbedding(NotScriptable, nn.Module):
+class RotaryEmbedding(nn.Module):
     """Rotary embedding applied to ``(B, H, S, D)`` queries/keys at explicit positions.
 
     Args:
