@@ -135,6 +135,42 @@ def test_two_float_masks_whose_sum_overflows_hide_the_key_as_in_torch(dtype, nee
         torch.testing.assert_close(a_out, b_out, **tol)
 
 
+def test_two_half_precision_masks_on_a_float32_query_are_summed_in_float32():
+    """torch refuses masks of another dtype than the query's; we add them at the query's
+    precision at least: -40000 twice in float16 is -80000 (a number), not -inf."""
+    _, ours = _pair(True, None, None, True)
+    q, k, v = (x.detach() for x in _inputs(True, None, None))
+    g = torch.Generator().manual_seed(5)
+    attn_mask = (torch.rand(L, S, generator=g) * -6e4).half()      # down to -60000: finite
+    kpm = (torch.rand(B, S, generator=g) * -6e4).half()
+    w = ours(q, k, v, attn_mask=attn_mask, key_padding_mask=kpm)[1]
+    scores = _scores(ours, q, k) + attn_mask.double() + kpm.double()[:, None, None, :]
+    torch.testing.assert_close(w, scores.softmax(-1).mean(1).float(), atol=1e-5, rtol=1e-4)
+
+
+def _scores(m, q, k):
+    """(B, H, L, S) scaled scores of the drop-in ``m`` in fp64 (batch_first inputs)."""
+    E_ = m.embed_dim
+    w_q, w_k, _ = m.in_proj_weight.double().split(E_)
+    b_q, b_k, _ = m.in_proj_bias.double().split(E_)
+    heads = lambda x: x.view(B, -1, H, E_ // H).transpose(1, 2)      # (B, H, n, E/H)  # noqa: E731
+    qh, kh = heads(q.double() @ w_q.T + b_q), heads(k.double() @ w_k.T + b_k)
+    return qh @ kh.transpose(-1, -2) / (E_ // H) ** 0.5
+
+
+@pytest.mark.parametrize("masks, named", [
+    ((torch.tensor([[0.0] * (S - 1) + [float("inf")]]).expand(L, S), torch.zeros(B, S)),
+     "attn_mask: bias contains NaN or \\+inf"),
+    ((torch.full((L, S), 3e38), torch.full((B, S), 3e38)),
+     "attn_mask \\+ key_padding_mask \\(their sum overflows to \\+inf\\)"),
+], ids=["one +inf", "sum past the range"])
+def test_a_bad_float_mask_is_named_before_the_sum(masks, named):
+    _, ours = _pair(True, None, None, True)
+    q, k, v = _inputs(True, None, None)
+    with pytest.raises(ValueError, match=named):
+        ours(q, k, v, attn_mask=masks[0], key_padding_mask=masks[1])
+
+
 @pytest.mark.parametrize("kdim,bias", [(None, True), (None, False), (10, True)])
 def test_from_torch_and_back(kdim, bias):
     torch.manual_seed(0)

@@ -6,8 +6,8 @@ them down: the inputs it refuses (with torch's exception type, which is also a
 ``ValueError``), the dtype mismatches it tolerates, the ``is_causal`` hint, TorchScript
 (which compiles torch's implementation on the same parameters), NestedTensor inputs, the
 memory layout of the output, and two float masks added as torch adds them (a sum past
-the dtype's range is ``-inf`` and hides its key). The deliberate differences: where
-torch returns NaN (a query whose keys are all masked), it returns zeros; a float mask holding NaN or +inf
+the query dtype's range is ``-inf`` and hides its key). The deliberate differences:
+where torch returns NaN (a query whose keys are all masked), it returns zeros; a float mask holding NaN or +inf
 is refused (torch returns NaN rows); a float mask of another dtype than the query's is
 added at its own precision (torch refuses it on most paths and rounds it on others, where
 a finite value past the query's range becomes ``-inf`` and hides its key).
@@ -267,7 +267,7 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
         if causal:                                     # the hint: query i sees keys 0..i
             mask = mh.masks.causal(align="upper_left")
         else:
-            mask = self._mask(attn_mask, key_padding_mask, B, n_extra)
+            mask = self._mask(attn_mask, key_padding_mask, B, n_extra, q.dtype)
         p = self.dropout if self.training else 0.0
         if not 0.0 <= p <= 1.0:          # (torch runs a negative one as 0 where it returns
             #                              weights, and fails where it does not)
@@ -335,8 +335,9 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
             w = w.masked_fill(q_pad, 0.0)
         return out, w
 
-    def _mask(self, attn_mask, key_padding_mask, B, n_extra):
-        """Combine torch-style masks (already checked) into one multihead mask over (B, H, L, S)."""
+    def _mask(self, attn_mask, key_padding_mask, B, n_extra, dtype):
+        """Combine torch-style masks (already checked) into one multihead mask over (B, H, L, S);
+        two float masks are summed as torch sums them, in ``dtype`` (the query's) at least."""
         if attn_mask is not None and attn_mask.dim() == 3:
             attn_mask = attn_mask.view(B, self.num_heads, *attn_mask.shape[1:])  # (B, H, L, S)
         if key_padding_mask is not None:
@@ -346,9 +347,14 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
         attn_mask, key_padding_mask = pad(attn_mask), pad(key_padding_mask)
         if all(m is not None and m.is_floating_point() for m in (attn_mask, key_padding_mask)):
             # torch adds two float masks as they are: a sum past the dtype's range is -inf,
-            # which hides its key (where `&` of two biases would saturate at finfo.min)
-            both = attn_mask + key_padding_mask                            # (B, H|1, L, S)
-            return _torch_mask(both, "attn_mask + key_padding_mask")
+            # which hides its key (where `&` of two biases would saturate at finfo.min); in
+            # the query's dtype at least (torch takes no other), each checked on its own first
+            _torch_mask(attn_mask, "attn_mask"), _torch_mask(key_padding_mask, "key_padding_mask")
+            wide = torch.promote_types(torch.promote_types(attn_mask.dtype,
+                                                           key_padding_mask.dtype), dtype)
+            both = attn_mask.to(wide) + key_padding_mask.to(wide)          # (B, H|1, L, S)
+            return _torch_mask(both, "attn_mask + key_padding_mask (their sum overflows to "
+                                     "+inf)")
         masks = [m for m in (_torch_mask(attn_mask, "attn_mask"),
                              _torch_mask(key_padding_mask, "key_padding_mask"))
                  if m is not None]
