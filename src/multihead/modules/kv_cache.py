@@ -62,6 +62,8 @@ class _CacheBase:
     value_dim: int
     #: undo steps of the call in progress (between ``begin`` and its end); None outside one
     _journal: list | None = None
+    #: a paged pool's batches between ``begin`` and its end (their undo steps act on it)
+    _open_calls: int = 0
     dtype: torch.dtype
     device: torch.device
 
@@ -122,7 +124,7 @@ class _CacheBase:
         """
         for undo in reversed(self._journal or []):
             undo()
-        self._journal = None
+        self._end_call()
 
     def commit(self) -> None:
         """Stop recording: the writes since :meth:`begin` stay (the module calls this when
@@ -135,12 +137,16 @@ class _CacheBase:
             >>> cache.commit(); cache.rollback(); cache.seen                 # kept
             3
         """
+        self._end_call()
+
+    def _end_call(self) -> None:
         self._journal = None
 
     def __getstate__(self) -> dict:
         """pickle, ``copy.deepcopy``, ``torch.save``: refused between :meth:`begin` and its
-        end, whose undo steps act on this cache (a copy's rollback would undo this one)."""
-        if self._journal is not None:
+        end, whose undo steps act on this cache (a copy's rollback would undo this one), and
+        for a paged pool while a batch of it is between them (its steps act on the pool)."""
+        if self._journal is not None or self._open_calls:
             raise RuntimeError(f"{type(self).__name__}: cannot copy or save a cache between "
                                f"begin() and commit()/rollback() (its undo steps act on this "
                                f"cache, not on a copy): end the call first")

@@ -316,6 +316,18 @@ class PagedBatch(_CacheBase):
     def _slot_tensors(self):
         return self.pool._slot_tensors()
 
+    # its undo steps act on the pool: the pool counts the calls open, and refuses to be
+    # copied meanwhile (as this batch does)
+    def begin(self) -> None:
+        if self._journal is None:
+            self.pool._open_calls += 1
+        super().begin()
+
+    def _end_call(self) -> None:
+        if self._journal is not None:
+            self.pool._open_calls -= 1
+        super()._end_call()
+
     def _real_counts(self) -> torch.Tensor:
         self._check_live()
         return torch.stack([self.pool._real[s] for s in self.ids])              # (B,)
