@@ -52,6 +52,7 @@ def test_quick_suite_writes_results(tmp_path, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--suite", "huge"], "--suite 'huge' is unknown: choose one of quick, standard, full"),
     (["--dtype", "fp16"], "--dtype fp16 is not supported on the CPU"),
+    (["--dtype", "float16"], "--dtype float16 is not supported on the CPU"),    # (as typed)
     (["--dtype", "int8"], "--dtype 'int8' is unknown"),
     (["--device", "tpu"], "--device 'tpu' is unknown"),
     (["--family", "hf model"], "--family 'hf model' is not in the quick suite on cpu (it is in "
@@ -97,18 +98,22 @@ def test_a_repeated_family_runs_once(tmp_path, capsys):
     assert "1 case in" in " ".join(capsys.readouterr().out.split())
 
 
-@pytest.mark.parametrize("load, busy", [(0.1, False), (64.0, True)])
-def test_a_run_on_a_busy_machine_says_so_before_and_in_its_files(tmp_path, capsys, load, busy):
+@pytest.mark.parametrize("others, busy", [(1.0, False), (3.0, True)])
+def test_a_run_on_a_busy_machine_says_so_before_and_in_its_files(tmp_path, capsys, others,
+                                                                busy):
     """On a loaded machine calls stall for whole time slices and a row can even look
-    settled: the run warns as it starts, and the header and results.json say so."""
+    settled: the run warns as it starts, and the header and results.json say so (read
+    once: the warning and the files agree)."""
     from multihead.bench import catalog
     cases = [_tiny()]
+    looks = iter([others, 0.0])                        # (a second look would see it idle)
     with mock.patch.object(S, "suite_cases", return_value=cases), \
             mock.patch.object(catalog, "suite_cases", return_value=cases), \
-            mock.patch("os.getloadavg", lambda: (load, load, load)):
+            mock.patch.object(T, "others_running", lambda: next(looks)), \
+            mock.patch.object(T, "usable_cores", lambda: 2):
         assert main(["bench", "--out", str(tmp_path), "--dtype", "float32"]) == 0
     captured = capsys.readouterr()
-    said = "The machine was busy as the run began (load average 64.0 on"
+    said = "The machine was busy as the run began (3 other threads running on 2 cores)"
     d = json.loads((tmp_path / "results.json").read_text())
     assert d["dtype"] == "fp32"                         # torch's name taken, the short one kept
     assert (said in " ".join(captured.err.split())) == busy

@@ -185,7 +185,7 @@ def test_the_finding_says_which_way_a_clear_gap_goes():
                     _result("h=8 shared", 0.6, [three] * 8)])
     assert text.endswith("ended 20.0 points above the single full-width head: better than "
                          "predicted (the seed expects the same loss as one head; one run does "
-                         "not say why: both heads' patterns are above).")  # (no reason guessed)
+                         "not say why; both patterns are shown above).")   # (no reason guessed)
 
 
 @pytest.mark.parametrize("h8", [0.5204, 0.5196])

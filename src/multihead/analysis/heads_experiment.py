@@ -310,7 +310,7 @@ def finding(results: list[Result], setup: Setup = Setup()) -> str:
                  f"heads {same:.3f}: {_split(sh, a, b)}) and ended {_points(abs(s - h1))} "
                  f"{where} the single full-width head")
         text += (": better than predicted (the seed expects the same loss as one head; "
-                 "one run does not say why: both heads' patterns are above)."
+                 "one run does not say why; both patterns are shown above)."
                  if ahead(s, h1, CLEAR) else
                  ": worse than predicted (the seed expects the same loss as one head)."
                  if ahead(h1, s, CLEAR) else f": as predicted, within {_points(CLEAR)} of it.")

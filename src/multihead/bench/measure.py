@@ -17,8 +17,9 @@ import torch
 from .timing import Stats, measure  # noqa: F401 (re-exported: benchmarks/ time with it)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: torch's names, accepted as the short ones (as ``multihead params --dtype`` does)
-DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+#: torch's names (float32, bfloat16, float16), accepted as the short ones, as ``multihead
+#: params --dtype`` accepts them
+DTYPE_ALIASES = {str(dt).removeprefix("torch."): short for short, dt in DTYPES.items()}
 
 
 def peak_memory(fn, device: torch.device) -> int:

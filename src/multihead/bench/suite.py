@@ -20,7 +20,7 @@ from .cases import Case
 from .catalog import device_type, suite_cases
 from .flex import NotComparable, compile_limits, forbid_recompiles
 from .measure import DTYPE_ALIASES, DTYPES, Limits, describe, machine_limits, peak_memory
-from .timing import busy_note, describe_timing, measure
+from .timing import busy_note, describe_timing, measure, others_running, usable_cores
 
 #: a naive peer runs only if its score matrices (times this factor) fit in free memory
 NAIVE_HEADROOM = 3
@@ -52,7 +52,7 @@ def check_target(device: str, dtype: str, cold_l2: bool = False) -> tuple[torch.
         ((device(type='cpu'), torch.bfloat16), (device(type='cpu'), torch.float32))
     """
     device_type(device)
-    dtype = DTYPE_ALIASES.get(dtype, dtype)
+    given, dtype = dtype, DTYPE_ALIASES.get(dtype, dtype)
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device cuda: CUDA is not available here (torch {torch.__version__}, "
                          f"no GPU found): use --device cpu")
@@ -60,8 +60,8 @@ def check_target(device: str, dtype: str, cold_l2: bool = False) -> tuple[torch.
         raise ValueError(f"--dtype {dtype!r} is unknown: choose one of {', '.join(DTYPES)} "
                          f"(or torch's names: {', '.join(DTYPE_ALIASES)})")
     if device == "cpu" and dtype == "fp16":
-        raise ValueError("--dtype fp16 is not supported on the CPU (emulated, not a fast path "
-                         "anyone would use): use fp32 or bf16 on the CPU, fp16 on cuda")
+        raise ValueError(f"--dtype {given} is not supported on the CPU (emulated, not a fast "
+                         f"path anyone would use): use fp32 or bf16 on the CPU, {given} on cuda")
     if cold_l2 and device != "cuda":
         raise ValueError(f"--cold-l2 needs --device cuda: it flushes the GPU's L2 cache before "
                          f"each timed call; on {device} the times are wall clock with warm caches "
@@ -170,15 +170,18 @@ def run_case(case: Case, device, dtype, limits: Limits, reps: int, *,
 
 
 def run_suite(suite: str = "quick", device: str = "cpu", dtype: str = "fp32",
-              on_row=None, progress=None, cold_l2: bool = False, families=None) -> Run:
+              on_row=None, progress=None, cold_l2: bool = False, families=None,
+              busy: str | None = None) -> Run:
     """Measure the limits, then every case of ``suite`` sized for ``device`` (only those of
     ``families`` when given); Ctrl-C keeps what was measured. ``cold_l2`` (CUDA): flush the
-    L2 cache before every timed call."""
+    L2 cache before every timed call. ``busy``: :func:`.timing.busy_note` as the caller read
+    it (default: read here, before the limits, which are this run's own load)."""
     dev, dt = check_target(device, dtype, cold_l2)
     dtype = DTYPE_ALIASES.get(dtype, dtype)                 # (the run names it as fp32 does)
     cases = suite_cases(suite, dev, families)
     start = time.perf_counter()
-    busy = busy_note()                       # (before the limits: they are our own load)
+    if busy is None:
+        busy = busy_note(others_running(), usable_cores())
     run = Run(suite, device, dtype, describe(dev), machine_limits(dev, dt, quick=suite == "quick"),
               cold_l2=cold_l2, timing=describe_timing(dev, cold_l2), busy=busy,
               families=list(families) if families else None)

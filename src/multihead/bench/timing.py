@@ -39,8 +39,8 @@ TARGET_SPREAD = 0.05
 #: CPU: single calls whose (slowest - fastest) / median exceeds this are reported as not
 #: settled (a loaded machine: the ratios of such a row may flip)
 CPU_SPREAD = 0.5
-#: the machine is busy when its 1-minute load average as a run begins is above this many
-#: runnable processes per core the run may use
+#: the machine is busy when, as a run begins, more than this many other threads per core
+#: the run may use are running or waiting to run
 BUSY_LOAD = 0.5
 #: CUDA: the fewest batches (or cold calls) behind a median
 MIN_GPU_REPS = 5
@@ -284,29 +284,48 @@ def _measure_wall(fn, reps: int, warmup: int, budget_s: float | None) -> Stats:
     return _stats(times, settled=spread(times) <= CPU_SPREAD)
 
 
-def busy_note() -> str:
-    """A sentence when other work is running as a run begins (the 1-minute load average
-    past :data:`BUSY_LOAD` per core this process may use): its times, and the ratios
-    between them, may not hold (calls stall for whole time slices, and a row can look
-    settled at a stall's length). Empty where the load is low, or unknown.
+def others_running() -> float | None:
+    """Threads of other programs running or waiting to run now: the median of a few looks
+    at Linux's count (``/proc/loadavg``), less this one; elsewhere the 1-minute load
+    average (which also remembers the last minute: a run just finished, this process's
+    start). None where neither can be read."""
+    try:
+        looks = []
+        for _ in range(5):
+            with open("/proc/loadavg") as f:
+                looks.append(int(f.read().split()[3].split("/")[0]) - 1)   # (ourselves)
+            time.sleep(0.02)
+        return float(sorted(looks)[2])
+    except (OSError, ValueError, IndexError):
+        try:
+            return os.getloadavg()[0]
+        except (AttributeError, OSError):
+            return None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count()) or 1
+
+
+def busy_note(others: float | None, cores: int) -> str:
+    """A sentence when other work runs as a run begins (``others`` threads running or
+    waiting, past :data:`BUSY_LOAD` per core): its times, and the ratios between them, may
+    not hold (calls stall for whole time slices, and a row can look settled at a stall's
+    length). Empty where the load is low, or unknown (None).
 
     Example:
-        >>> from unittest import mock
-        >>> with mock.patch("os.getloadavg", lambda: (0.1, 0.1, 0.1)):
-        ...     busy_note()
-        ''
+        >>> busy_note(0.0, 2), busy_note(None, 2)
+        ('', '')
+        >>> busy_note(3.0, 2)
+        'The machine was busy as the run began (3 other threads running on 2 cores): times, and the ratios between them, may not hold; run again on an idle machine.'
     """
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):                  # (not on every platform)
+    if others is None or others <= BUSY_LOAD * cores:
         return ""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = cores or 1
-    if load <= BUSY_LOAD * cores:
-        return ""
-    return (f"The machine was busy as the run began (load average {load:.1f} on {cores} "
-            f"core{'s' if cores > 1 else ''}): times, and the ratios between them, may not "
-            f"hold; run again on an idle machine.")
+    return (f"The machine was busy as the run began ({others:g} other threads running on "
+            f"{cores} core{'s' if cores > 1 else ''}): times, and the ratios between them, "
+            f"may not hold; run again on an idle machine.")
 
 
 def describe_timing(device: torch.device, cold_l2: bool = False) -> str:

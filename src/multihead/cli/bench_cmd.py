@@ -28,7 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--suite", default="quick", help="quick (< 1 min on 2 CPU cores), standard "
                    "or full (default quick)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (cuda) (default fp32)")
+    p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (cuda), or torch's names "
+                   "float32, bfloat16, float16 (default fp32)")
     p.add_argument("--cold-l2", action="store_true", help="cuda: flush the L2 cache before every "
                    "timed call and time calls singly (default: batches of back-to-back calls, "
                    "warm caches)")
@@ -49,9 +50,9 @@ def run(args) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..bench.timing import busy_note
+    from ..bench.timing import busy_note, others_running, usable_cores
     err = console(stderr=True)
-    busy = busy_note()
+    busy = busy_note(others_running(), usable_cores())
     if busy:                                         # (said again above the table)
         err.print(f"warning: {busy}", markup=False)
     result = None
@@ -60,7 +61,7 @@ def run(args) -> int:
                       TimeElapsedColumn(), console=err, transient=True) as bar:
             task = bar.add_task("measuring the machine's limits", total=len(cases))
             result = run_suite(args.suite, args.device, args.dtype, cold_l2=args.cold_l2,
-                               families=args.family,
+                               busy=busy, families=args.family,
                                progress=lambda c: bar.update(task, description=c.name[:60]),
                                on_row=lambda r: bar.advance(task))
     except KeyboardInterrupt:       # (while measuring the machine's limits, before any case)
