@@ -87,6 +87,15 @@ def test_the_scaling_table_keeps_every_number_whole_on_a_narrow_terminal(width, 
             assert f" {r['unscaled_grad']:.2g} │" in out
 
 
+def test_the_scaling_table_is_rich_s_own_where_nothing_is_cut(capsys):
+    """At the default 120 columns (piped) no number would be cut: the headers wrap at
+    their words, as rich lays them out, not to the width of a column's numbers."""
+    assert main(["demo", "scaling", "--draws", "20"]) == 0
+    out = capsys.readouterr().out
+    for word in ("sqrt(d_k)", "q·k/sqrt(d_k)", "(scaled)", "prob"):
+        assert f" {word} " in out
+
+
 def test_heads_demo_quick_end_to_end(tmp_path, capsys):
     assert main(["demo", "heads", "--quick", "--steps", "40", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -31,14 +31,22 @@ def console(width: int = 120, markup: bool = True, *, stderr: bool = False):
 
 def table(title: str, columns, left=(), **kw):
     """A rich table titled ``title`` with ``columns``: those in ``left`` justified left (text),
-    the rest right (numbers). Where the terminal is wide enough, each number's column is as
-    wide as its widest number (the headers and the text wrap instead); a cell still too
-    wide folds onto more lines rather than being cut with '…' (a number cut to '1,0…' or
-    '2.3e-…' loses its size).
+    the rest right (numbers). The layout is rich's own unless it would cut or split a
+    number ('2.3e-…' loses its size): then a column of numbers (right-justified, no spaces
+    in its cells) keeps its widest one whole, its header wrapped to that width, and the
+    text wraps instead; where even that does not fit, every cell folds onto more lines
+    (nothing is cut with '…').
 
     Example:
         >>> t = table("sizes", ["name", "bytes"], left=["name"])
         >>> t.add_row("KV per token", "1,048,576")
+        >>> console(width=30).print(t)
+        sizes
+        ┏━━━━━━━━━━━━━━┳━━━━━━━━━━━┓
+        ┃ name         ┃     bytes ┃
+        ┡━━━━━━━━━━━━━━╇━━━━━━━━━━━┩
+        │ KV per token │ 1,048,576 │
+        └──────────────┴───────────┘
         >>> console(width=22).print(t)
         sizes
         ┏━━━━━━━━┳━━━━━━━━━━━┓
@@ -57,37 +65,46 @@ def table(title: str, columns, left=(), **kw):
         │ token │        │
         └───────┴────────┘
     """
+    from rich.cells import cell_len
     from rich.table import Table
 
     class _Table(Table):
-        widest: dict = {}                  # a number column's index -> its widest cell
-
         def add_row(self, *cells, **kw):
             for i, (col, cell) in enumerate(zip(self.columns, cells)):
-                if col.justify == "right" and isinstance(cell, str):
-                    wide = max(map(len, cell.splitlines() or [""]))
-                    self.widest = {**self.widest, i: max(self.widest.get(i, 0), wide)}
+                if col.justify == "right" and isinstance(cell, str) and i in self.numbers:
+                    single = len(cell.split()) <= 1           # (a note beside it: text)
+                    self.numbers[i] = max(self.numbers[i], cell_len(cell)) if single else None
+                    if self.numbers[i] is None:
+                        del self.numbers[i]
             super().add_row(*cells, **kw)
 
         def __rich_console__(self, console, options):
-            # a number column takes its widest cell (6 characters at least where its
-            # header has a word that long), its header wrapped to that, and may not wrap; a
-            # text column 4 characters at least; each plus 3 for padding and border. Where
-            # that fits, rich narrows only the text; else every column folds alike
-            words = {i: self.headers[i].split() for i in self.widest}
-            width = {i: max(w, min(6, max(map(len, words[i]), default=0)))
-                     for i, w in self.widest.items()}
-            heads = {i: textwrap.fill(" ".join(words[i]), w) for i, w in width.items()}
-            fits = 1 + sum(3 + width.get(i, 4) for i in range(len(self.columns))) \
-                <= options.max_width
-            for i, col in enumerate(self.columns):
-                number = fits and i in width
-                col.min_width, col.no_wrap = (width[i] if number else None), number
-                col.header = heads[i] if number else self.headers[i]
+            for i, col in enumerate(self.columns):         # rich's own layout first
+                col.min_width, col.no_wrap, col.header = None, False, self.headers[i]
+            try:       # (as rich lays it out: borders taken off; widths include padding)
+                inner = options.update_width(options.max_width - self._extra_width)
+                natural = self._calculate_column_widths(console, inner)
+                cut = any(natural[i] - self._get_padding_width(i) < w
+                          for i, w in self.numbers.items())
+            except AttributeError:        # (rich's internals moved: judge by the width)
+                cut = self.__rich_measure__(console, options).maximum > options.max_width
+            if cut:
+                # each number column: its widest number (6 at least where a header word is
+                # that long), each text column 4, plus 3 for padding and border
+                width = {i: max(w, min(6, max(map(cell_len, self.headers[i].split()),
+                                              default=0)))
+                         for i, w in self.numbers.items()}
+                need = 1 + sum(3 + width.get(i, 4) for i in range(len(self.columns)))
+                if need <= options.max_width:
+                    for i, w in width.items():
+                        col = self.columns[i]
+                        col.min_width, col.no_wrap = w, True
+                        col.header = textwrap.fill(" ".join(self.headers[i].split()), w)
             yield from super().__rich_console__(console, options)
 
     t = _Table(title=title, title_justify="left", **kw)
     t.headers = list(columns)
+    t.numbers = {i: 0 for i, col in enumerate(columns) if col not in left}
     for col in columns:
         t.add_column(col, justify="left" if col in left else "right", overflow="fold")
     return t
