@@ -724,3 +724,20 @@ def test_a_mask_of_a_wrong_size_on_a_padded_cache_is_named_by_the_call_sizes(kin
                        r"broadcast to \(B, H, Sq, Sk\) = \(2, 4, 1, 4\)"):
         m(torch.randn(2, 1, E), cache=cache, mask=wrong)
     assert _same(_state(cache), before)
+
+
+def test_a_batch_dropped_in_the_middle_of_a_call_does_not_hold_its_pool():
+    """A pool refuses copies while a batch of it is between begin() and its end; a batch
+    made inline and dropped there (a rollback that itself failed) no longer holds it."""
+    import copy
+    import gc
+    m, seqs, batch = _prefilled("paged", 2, 3, seed=6)
+    pool = batch.pool
+    batch.begin()
+    with pytest.raises(RuntimeError, match="cannot copy or save a cache between begin"):
+        copy.deepcopy(pool)
+    del batch
+    gc.collect()
+    copy.deepcopy(pool)                            # (nothing open on it any more)
+    again = pool.batch(pool.sequences)
+    _decoding_goes_on(m, again, seqs, 3)

@@ -39,8 +39,8 @@ TARGET_SPREAD = 0.05
 #: CPU: single calls whose (slowest - fastest) / median exceeds this are reported as not
 #: settled (a loaded machine: the ratios of such a row may flip)
 CPU_SPREAD = 0.5
-#: the machine is busy when, as a run begins, more than this many other threads per core
-#: the run may use are running or waiting to run
+#: the machine is busy when, as a run begins, at least this many other threads per core
+#: the run may use are running or waiting to run (the run takes every core)
 BUSY_LOAD = 0.5
 #: CUDA: the fewest batches (or cold calls) behind a median
 MIN_GPU_REPS = 5
@@ -287,8 +287,8 @@ def _measure_wall(fn, reps: int, warmup: int, budget_s: float | None) -> Stats:
 def others_running() -> float | None:
     """Threads of other programs running or waiting to run now: the median of a few looks
     at Linux's count (``/proc/loadavg``), less this one; elsewhere the 1-minute load
-    average (which also remembers the last minute: a run just finished, this process's
-    start). None where neither can be read."""
+    average less this one (the average also remembers the last minute: a run just
+    finished, this process's start). None where neither can be read."""
     try:
         looks = []
         for _ in range(5):
@@ -298,7 +298,7 @@ def others_running() -> float | None:
         return float(sorted(looks)[2])
     except (OSError, ValueError, IndexError):
         try:
-            return os.getloadavg()[0]
+            return max(0.0, os.getloadavg()[0] - 1)
         except (AttributeError, OSError):
             return None
 
@@ -318,14 +318,15 @@ def busy_note(others: float | None, cores: int) -> str:
     Example:
         >>> busy_note(0.0, 2), busy_note(None, 2)
         ('', '')
-        >>> busy_note(3.0, 2)
-        'The machine was busy as the run began (3 other threads running on 2 cores): times, and the ratios between them, may not hold; run again on an idle machine.'
+        >>> busy_note(1.0, 2)
+        'The machine was busy as the run began (1 other thread running on 2 cores): times, and the ratios between them, may not hold; run again on an idle machine.'
     """
-    if others is None or others <= BUSY_LOAD * cores:
+    if others is None or others < BUSY_LOAD * cores:
         return ""
-    return (f"The machine was busy as the run began ({others:g} other threads running on "
-            f"{cores} core{'s' if cores > 1 else ''}): times, and the ratios between them, "
-            f"may not hold; run again on an idle machine.")
+    threads = f"{others:.3g} other thread{'' if others == 1 else 's'}"
+    return (f"The machine was busy as the run began ({threads} running on {cores} "
+            f"core{'s' if cores > 1 else ''}): times, and the ratios between them, may not "
+            f"hold; run again on an idle machine.")
 
 
 def describe_timing(device: torch.device, cold_l2: bool = False) -> str:

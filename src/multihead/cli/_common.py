@@ -90,11 +90,13 @@ def table(title: str, columns, left=(), **kw):
                 cut = self.__rich_measure__(console, options).maximum > options.max_width
             if cut:
                 # each number column: its widest number (6 at least where a header word is
-                # that long), each text column 4, plus 3 for padding and border
-                width = {i: max(w, min(6, max(map(cell_len, self.headers[i].split()),
-                                              default=0)))
-                         for i, w in self.numbers.items()}
-                need = 1 + sum(3 + width.get(i, 4) for i in range(len(self.columns)))
+                # that long, if that fits), each text column 4, plus 3 for padding and border
+                word = lambda i: max(map(cell_len, self.headers[i].split()), default=0)  # noqa: E731
+                for floor in (6, 0):
+                    width = {i: max(w, min(floor, word(i))) for i, w in self.numbers.items()}
+                    need = 1 + sum(3 + width.get(i, 4) for i in range(len(self.columns)))
+                    if need <= options.max_width:
+                        break
                 if need <= options.max_width:
                     for i, w in width.items():
                         col = self.columns[i]

@@ -5,8 +5,8 @@ happens here and nowhere else. The drop-in follows torch's rules as torch's own 
 them down: the inputs it refuses (with torch's exception type, which is also a
 ``ValueError``), the dtype mismatches it tolerates, the ``is_causal`` hint, TorchScript
 (which compiles torch's implementation on the same parameters), NestedTensor inputs, the
-memory layout of the output, and two float masks added as torch adds them (a sum past
-the query dtype's range is ``-inf`` and hides its key). The deliberate differences:
+memory layout of the output, and two float masks added as torch adds them (in the
+query's dtype, or a mask's wider one: a sum past its range is ``-inf`` and hides its key). The deliberate differences:
 where torch returns NaN (a query whose keys are all masked), it returns zeros; a float
 mask holding NaN or +inf is refused (torch returns NaN rows); a float mask of another
 dtype than the query's is added at its own precision (torch refuses it on most paths and rounds it on others, where

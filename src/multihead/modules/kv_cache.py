@@ -62,8 +62,6 @@ class _CacheBase:
     value_dim: int
     #: undo steps of the call in progress (between ``begin`` and its end); None outside one
     _journal: list | None = None
-    #: a paged pool's batches between ``begin`` and its end (their undo steps act on it)
-    _open_calls: int = 0
     dtype: torch.dtype
     device: torch.device
 
@@ -146,11 +144,15 @@ class _CacheBase:
         """pickle, ``copy.deepcopy``, ``torch.save``: refused between :meth:`begin` and its
         end, whose undo steps act on this cache (a copy's rollback would undo this one), and
         for a paged pool while a batch of it is between them (its steps act on the pool)."""
-        if self._journal is not None or self._open_calls:
+        if self._journal is not None or self._calls_open():
             raise RuntimeError(f"{type(self).__name__}: cannot copy or save a cache between "
                                f"begin() and commit()/rollback() (its undo steps act on this "
                                f"cache, not on a copy): end the call first")
-        return self.__dict__
+        return {k: v for k, v in self.__dict__.items() if k != "_open"}
+
+    def _calls_open(self) -> bool:
+        """Whether calls of other objects (a paged pool's batches) are open on this one."""
+        return False
 
     def _record(self, undo) -> None:
         if self._journal is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import array
 import functools
 import numbers
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -132,6 +133,10 @@ class PagedKVCache(_CacheBase):
         if "_next_id" not in state:
             state["_next_id"] = next(ids) if ids is not None else 0
         self.__dict__.update(state)
+
+    def _calls_open(self) -> bool:
+        """A batch of this pool between ``begin()`` and its end (not one that is gone)."""
+        return any(b._journal is not None for b in self.__dict__.get("_open", ()))
 
     # -- sequences ---------------------------------------------------------------------
     def add_sequence(self) -> int:
@@ -316,16 +321,14 @@ class PagedBatch(_CacheBase):
     def _slot_tensors(self):
         return self.pool._slot_tensors()
 
-    # its undo steps act on the pool: the pool counts the calls open, and refuses to be
-    # copied meanwhile (as this batch does)
+    # its undo steps act on the pool: the pool notes the batch (weakly: one dropped while
+    # its call is open does not hold the pool) and refuses to be copied meanwhile
     def begin(self) -> None:
-        if self._journal is None:
-            self.pool._open_calls += 1
+        self.pool.__dict__.setdefault("_open", weakref.WeakSet()).add(self)
         super().begin()
 
     def _end_call(self) -> None:
-        if self._journal is not None:
-            self.pool._open_calls -= 1
+        self.pool.__dict__.get("_open", weakref.WeakSet()).discard(self)
         super()._end_call()
 
     def _real_counts(self) -> torch.Tensor:
