@@ -6,11 +6,12 @@ them down: the inputs it refuses (with torch's exception type, which is also a
 ``ValueError``), the dtype mismatches it tolerates, the ``is_causal`` hint, TorchScript
 (which compiles torch's implementation on the same parameters), NestedTensor inputs, the
 memory layout of the output, and two float masks added as torch adds them (in the
-query's dtype, or a mask's wider one: a sum past its range is ``-inf`` and hides its key). The deliberate differences:
-where torch returns NaN (a query whose keys are all masked), it returns zeros; a float
-mask holding NaN or +inf is refused (torch returns NaN rows); a float mask of another
-dtype than the query's is added at its own precision (torch refuses it on most paths and rounds it on others, where
-a finite value past the query's range becomes ``-inf`` and hides its key).
+query's dtype, or a mask's wider one: a sum past its range is ``-inf`` and hides its
+key). The deliberate differences: where torch returns NaN (a query whose keys are all
+masked), it returns zeros; a float mask holding NaN or +inf is refused (torch returns
+NaN rows); a float mask of another dtype than the query's is added at its own precision
+(torch refuses it on most paths and rounds it on others, where a finite value past the
+query's range becomes ``-inf`` and hides its key).
 """
 
 from __future__ import annotations
@@ -348,13 +349,18 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
         if all(m is not None and m.is_floating_point() for m in (attn_mask, key_padding_mask)):
             # torch adds two float masks as they are: a sum past the dtype's range is -inf,
             # which hides its key (where `&` of two biases would saturate at finfo.min); in
-            # the query's dtype at least (torch takes no other), each checked on its own first
-            _torch_mask(attn_mask, "attn_mask"), _torch_mask(key_padding_mask, "key_padding_mask")
+            # the query's dtype at least (torch takes no other)
             wide = torch.promote_types(torch.promote_types(attn_mask.dtype,
                                                            key_padding_mask.dtype), dtype)
             both = attn_mask.to(wide) + key_padding_mask.to(wide)          # (B, H|1, L, S)
-            return _torch_mask(both, "attn_mask + key_padding_mask (their sum overflows to "
-                                     "+inf)")
+            try:                                       # (one scan where all is well)
+                return _torch_mask(both, "attn_mask + key_padding_mask")
+            except ValueError:       # name the mask holding NaN or +inf, else the overflow
+                _torch_mask(attn_mask, "attn_mask")
+                _torch_mask(key_padding_mask, "key_padding_mask")
+                raise ValueError("attn_mask + key_padding_mask (their sum overflows to +inf): "
+                                 "only finite values and -inf (masked) are allowed (torch "
+                                 "would return NaN rows)") from None
         masks = [m for m in (_torch_mask(attn_mask, "attn_mask"),
                              _torch_mask(key_padding_mask, "key_padding_mask"))
                  if m is not None]
