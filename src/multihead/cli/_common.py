@@ -70,12 +70,12 @@ def table(title: str, columns, left=(), **kw):
 
     class _Table(Table):
         def add_row(self, *cells, **kw):
-            for i, (col, cell) in enumerate(zip(self.columns, cells)):
-                if col.justify == "right" and isinstance(cell, str) and i in self.numbers:
-                    single = len(cell.split()) <= 1           # (a note beside it: text)
-                    self.numbers[i] = max(self.numbers[i], cell_len(cell)) if single else None
-                    if self.numbers[i] is None:
+            for i, cell in enumerate(cells):
+                if i in self.numbers and isinstance(cell, str):
+                    if len(cell.split()) > 1:             # (a note beside it: text)
                         del self.numbers[i]
+                    else:
+                        self.numbers[i] = max(self.numbers[i], cell_len(cell))
             super().add_row(*cells, **kw)
 
         def __rich_console__(self, console, options):
@@ -88,25 +88,24 @@ def table(title: str, columns, left=(), **kw):
                           for i, w in self.numbers.items())
             except AttributeError:        # (rich's internals moved: judge by the width)
                 cut = self.__rich_measure__(console, options).maximum > options.max_width
-            if cut:
-                # each number column: its widest number (6 at least where a header word is
-                # that long, if that fits), each text column 4, plus 3 for padding and border
-                word = lambda i: max(map(cell_len, self.headers[i].split()), default=0)  # noqa: E731
-                for floor in (6, 0):
-                    width = {i: max(w, min(floor, word(i))) for i, w in self.numbers.items()}
-                    need = 1 + sum(3 + width.get(i, 4) for i in range(len(self.columns)))
-                    if need <= options.max_width:
-                        break
-                if need <= options.max_width:
+            # where a number would be cut: each number column its widest number (6 at least
+            # where a header word is that long, if that fits), each text column 4, plus 3
+            # for padding and border; else rich folds every cell
+            word = lambda i: max(map(cell_len, self.headers[i].split()), default=0)  # noqa: E731
+            for floor in (6, 0) if cut else ():
+                width = {i: max(w, min(floor, word(i))) for i, w in self.numbers.items()}
+                if 1 + sum(3 + width.get(i, 4) for i in range(len(self.columns))) \
+                        <= options.max_width:
                     for i, w in width.items():
                         col = self.columns[i]
                         col.min_width, col.no_wrap = w, True
                         col.header = textwrap.fill(" ".join(self.headers[i].split()), w)
+                    break
             yield from super().__rich_console__(console, options)
 
     t = _Table(title=title, title_justify="left", **kw)
-    t.headers = list(columns)
-    t.numbers = {i: 0 for i, col in enumerate(columns) if col not in left}
+    t.headers = list(columns)                          # (as given: the layout rewraps them)
+    t.numbers = {i: 0 for i, col in enumerate(columns) if col not in left}   # widest cell
     for col in columns:
         t.add_column(col, justify="left" if col in left else "right", overflow="fold")
     return t

@@ -52,7 +52,6 @@ def run(args) -> int:
 
 
 def _scaling(args) -> int:
-
     from ..analysis.scaling import fp16_masking, scaling, summary
     draws = DRAWS if args.draws is None else args.draws
     rows, masks = scaling(draws=draws, seed=args.seed), fp16_masking(args.seed)

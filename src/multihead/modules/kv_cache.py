@@ -148,6 +148,7 @@ class _CacheBase:
             raise RuntimeError(f"{type(self).__name__}: cannot copy or save a cache between "
                                f"begin() and commit()/rollback() (its undo steps act on this "
                                f"cache, not on a copy): end the call first")
+        # (_open: a pool's weak set of its open batches, not state)
         return {k: v for k, v in self.__dict__.items() if k != "_open"}
 
     def _calls_open(self) -> bool:
