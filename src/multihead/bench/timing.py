@@ -288,7 +288,13 @@ def others_running() -> float | None:
     """Threads of other programs running or waiting to run now: the median of a few looks
     at Linux's count (``/proc/loadavg``), less this one; elsewhere the 1-minute load
     average less this one (the average also remembers the last minute: a run just
-    finished, this process's start). None where neither can be read."""
+    finished, this process's start). None where neither can be read.
+
+    Example:
+        >>> n = others_running()
+        >>> n is None or n >= 0
+        True
+    """
     try:
         looks = []
         for _ in range(5):
@@ -304,7 +310,12 @@ def others_running() -> float | None:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on."""
+    """The cores this process may run on (its affinity, where the system has one).
+
+    Example:
+        >>> usable_cores() >= 1
+        True
+    """
     return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else os.cpu_count()) or 1
 
