@@ -55,9 +55,14 @@ def _tile_reduce(allowed: torch.Tensor, tile_q: int, tile_k: int):
 def _check_broadcast(mask: Mask, t: torch.Tensor, batch, heads, sq, sk) -> None:
     want = (batch, heads, sq, sk)
     if any(n != 1 and n != w for n, w in zip(t.shape, want)):     # (symbolic sizes: no `in`)
+        hint = ""
+        if t.shape[:2] == (1, 1) and t.shape[2] == batch and t.shape[3] in (sk, 1):
+            hint = "; a (B, Sk) key padding " + (
+                "mask goes in as mh.masks.padding(mask) (True = real token) or as "
+                if t.dtype == torch.bool else "bias goes in as ") + "mask[:, None, None, :]"
         raise ValueError(f"mask: {mask.describe()} does not broadcast to (B, H, Sq, Sk) = "
                          f"{tuple(map(concrete, want))}: each dim must be 1 or equal to the "
-                         f"inputs'")
+                         f"inputs'{hint}")
 
 
 def _own_dim(t: torch.Tensor, dim: int) -> int | None:
