@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from multihead.cli.main import main
-from multihead.inspect.capture import capture, find_query, headline, strongest_looks
+from multihead.inspect.capture import (InspectError, capture, find_query, headline,
+                                       strongest_looks)
 from multihead.inspect.metrics import HeadMetrics
 from multihead.inspect.packing import unpack_weights
 from multihead.models import ModelLoadError, load
@@ -176,6 +177,11 @@ def test_headline_looks_back(dirs):
     first = model.tokenize("He left because it rained.").tokens
     assert first[find_query(model, first, None)] == "it"
     assert find_query(model, ["The", "dog", "."], None) == 2
+    # a library caller's error names the word as the caller says (the CLI: its option)
+    with pytest.raises(InspectError, match=r"^word 'zebra' \(tokens"):
+        find_query(model, toks, "zebra")
+    with pytest.raises(InspectError, match=r"^--query-token 'zebra' \(tokens"):
+        find_query(model, toks, "zebra", name="--query-token")
 
 
 def test_a_one_token_text_has_nothing_to_measure(dirs, capsys):

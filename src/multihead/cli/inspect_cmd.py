@@ -184,7 +184,7 @@ def run(args) -> int:
         raise InspectError(str(e)) from None
     try:
         query = find_query(model, cap.tokens, args.query_token, cap.words, text=cap.text,
-                           spans=cap.spans)
+                           spans=cap.spans, name="--query-token")
     except InspectError as e:
         if (isinstance(e, PartOfWordError) or not cap.truncated
                 or args.query_token.casefold() not in cap.text.casefold()):

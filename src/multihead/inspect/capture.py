@@ -216,7 +216,7 @@ def _ranges(xs: list[int]) -> str:
 
 def find_query(model: Inspectable, tokens: list[str], word: str | None,
                words: list | None = None, *, text: str | None = None,
-               spans: list | None = None) -> int:
+               spans: list | None = None, name: str = "word") -> int:
     """Position of ``word``'s first word piece in ``tokens`` (default: the first pronoun).
 
     For a decoder the default is the first pronoun with a word before it (a decoder's token
@@ -229,7 +229,8 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
     nor "s" in "it's" (while "it" is, and "dog" in "dog's", and "école" in "l'école"). A
     word the vocabulary lacks becomes an unknown token ([UNK]), which stands for
     any such word: it matches only where the ``text`` under the token's ``spans`` is the
-    word itself (without them, nowhere).
+    word itself (without them, nowhere). An error names the word as ``name`` (the command
+    line passes its option, ``"--query-token"``).
 
     Example:
         >>> from multihead.models import load
@@ -243,16 +244,16 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
         >>> find_query(model, c.tokens, "t", c.words, text=c.text, spans=c.spans)
         Traceback (most recent call last):
         ...
-        multihead.inspect.capture.PartOfWordError: --query-token 't' is only part of "can't" in the text: pass the whole word
+        multihead.inspect.capture.PartOfWordError: word 't' is only part of "can't" in the text: pass the whole word
         >>> c = capture(model, "A 🚀 and a 😀.")
         >>> find_query(model, c.tokens, "😀", c.words, text=c.text, spans=c.spans)
         5
     """
     if word is not None and not isinstance(word, str):
-        raise TypeError(f"word must be a str (or None: the first pronoun), got "
+        raise TypeError(f"{name} must be a str (or None: the first pronoun), got "
                         f"{type(word).__name__} {word!r}")
     if word is not None and len(word.split()) > 1:      # (its first token's row was used)
-        raise InspectError(f"--query-token {word!r} is {len(word.split())} words: pass one "
+        raise InspectError(f"{name} {word!r} is {len(word.split())} words: pass one "
                            f"word of the text; the query is one token's row")
     joined = _joined_pieces(text, spans, len(tokens))
     by_words = _whole_words(tokens, words)
@@ -271,7 +272,7 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
         return content[-1][0] if causal else content[0][0]
     found = model.query_pieces(word)
     if not found or not any(found):
-        raise InspectError(f"--query-token {word!r} has no tokens: pass a word from the text")
+        raise InspectError(f"{name} {word!r} has no tokens: pass a word from the text")
     unknown = UNKNOWN | {_unknown_token(model)}
 
     def written(i: int, n: int) -> bool:               # (an unknown token's text is the word)
@@ -290,10 +291,10 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
                 if part_of is None:
                     return i
     if part_of is not None:
-        raise PartOfWordError(f"--query-token {word!r} is only part of {part_of!r} in the "
+        raise PartOfWordError(f"{name} {word!r} is only part of {part_of!r} in the "
                               f"text: pass the whole word")
     shown = " ".join(t for _, t in content[:60]) + (" ..." if len(content) > 60 else "")
-    raise InspectError(f"--query-token {word!r} (tokens {found[0]}) is not in the text; its tokens "
+    raise InspectError(f"{name} {word!r} (tokens {found[0]}) is not in the text; its tokens "
                        f"are: {shown}")
 
 
