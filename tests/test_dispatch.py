@@ -9,6 +9,7 @@ import torch
 
 import multihead as mh
 from multihead.functional import registry
+from multihead.functional._call import make_call
 
 M = mh.masks
 
@@ -577,6 +578,40 @@ def test_a_new_thread_count_is_seen_by_the_next_call_and_explain_changes_nothing
         assert got == after == fresh == (e.reused or e.chosen), (two, ran)
     finally:
         torch.set_num_threads(threads)
+        mock.patch.stopall()
+
+
+@pytest.mark.parametrize("mask", [M.padding(torch.tensor([10, 10])), M.sliding_window(8)],
+                         ids=["kept on the mask", "kept for the exact call"])
+def test_explain_names_a_kept_plan_and_clear_cache_forgets_it(mask):
+    """A plan kept on a mask that holds tensors (or for an int mask's exact call) runs again
+    after auto's choice for the call's structure is forgotten: explain() names it as
+    chosen, with auto's fresh choice beside it, and clear_cache() makes the next call
+    decide afresh."""
+    dispatch = mh.functional.dispatch
+    q = torch.randn(2, 4, 512, 16)
+    dispatch.clear_cache()
+    fresh = mh.explain(q, q, q, mask=mask).chosen
+    other = next(n for n in ("sdpa", "reference") if n != fresh)
+    call = make_call(q, q, q, mask=mask, scale=None, dropout_p=0.0, return_weights=False,
+                     return_lse=False)
+    dispatch._CHOICES.put(dispatch._structure(call), other)
+    ran = _record("run")
+    try:
+        for _ in range(2):                              # (a plan is kept from the second)
+            mh.attention(q, q, q, mask=mask)
+        dispatch._CHOICES.clear()                       # (evicted, say)
+        e = mh.explain(q, q, q, mask=mask)
+        mh.attention(q, q, q, mask=mask)
+        assert ran == [other] * 3 and (e.chosen, e.reused, e.fresh) == (other, other, fresh)
+        assert f"backend: {other} (auto's earlier choice, kept; chosen afresh: {fresh})" in str(e)
+        assert f" * {other} " in str(e) and f" * {fresh} " not in str(e)
+        dispatch.clear_cache()
+        e = mh.explain(q, q, q, mask=mask)
+        mh.attention(q, q, q, mask=mask)
+        assert ran[-1] == e.chosen == fresh and e.fresh is None and e.reused is None
+        assert "note: attention() runs" not in str(e)
+    finally:
         mock.patch.stopall()
 
 

@@ -169,6 +169,13 @@ class BoundedCache:
             streams.order_here()
         return value
 
+    def peek(self, key, default=None):
+        """The value under ``key`` (or ``default``) for a caller that only looks at it: no
+        stream is ordered after its tensors, and none is held for a capturing graph."""
+        with self._lock:
+            hit = self._data.get(key, _MISSING)
+        return default if hit is _MISSING else hit[0]
+
     def put(self, key, value) -> None:
         """Keep ``value`` under ``key``, dropping the oldest entries to stay in bounds (while
         a CUDA graph captures: nothing; nor a value holding a tensor a ``torch.func``

@@ -20,6 +20,9 @@ Two caches, keyed by what fully determines what they hold:
   call naming its backend always does).
 
 A user's own mask class is in neither cache unless it says what determines it.
+``explain()`` names the backend these caches make ``attention()`` run, with auto's choice
+for the call alone beside it where the two differ; ``clear_cache()`` empties both and
+retires the plans kept on masks.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ AUTO = "auto"
 _DECISIONS = BoundedCache(1024, 64 << 20, keep_on_repeat=True)
 _CHOICES = BoundedCache(1024, 1 << 20)        # structure of a call -> the backend auto chose
 _EMPTY = "empty"
+#: how many times :func:`clear_cache` ran: part of every plan's key, so that plans kept on
+#: mask objects (which it cannot reach) are forgotten with the rest
+_cleared = 0
 
 
 @dataclass(frozen=True)
@@ -69,8 +75,9 @@ class Explanation:
         rows: a :class:`Row` per registered backend.
         call: a one-line summary of the call.
         profile: the :class:`~multihead.functional.cost.DeviceProfile` that priced it.
-        reused: the backend ``attention()`` runs instead, when auto's choice for calls of
-            this structure was made earlier and differs (see the module's docstring).
+        fresh: auto's choice for this call alone, when ``attention()`` runs another: a
+            choice made earlier, for calls of this structure or for this very call, that
+            it keeps (see the module's docstring); else None.
     """
 
     chosen: str
@@ -78,7 +85,13 @@ class Explanation:
     rows: tuple
     call: str
     profile: DeviceProfile
-    reused: str | None = None
+    fresh: str | None = None
+
+    @property
+    def reused(self) -> str | None:
+        """The backend that runs when it is an earlier choice that differs from
+        :attr:`fresh` (then :attr:`chosen`), else None."""
+        return self.chosen if self.fresh is not None else None
 
     @property
     def plan(self) -> Plan | None:
@@ -86,9 +99,11 @@ class Explanation:
         return next((r.plan for r in self.rows if r.name == self.chosen), None)
 
     def __str__(self) -> str:
+        how = (" (requested)" if self.requested != AUTO else
+               " (chosen by auto: cheapest exact backend)" if self.fresh is None else
+               f" (auto's earlier choice, kept; chosen afresh: {self.fresh})")
         lines = [f"attention {self.call}", f"device profile: {self.profile.describe()}",
-                 f"backend: {self.chosen}" + (" (chosen by auto: cheapest exact backend)"
-                                              if self.requested == AUTO else " (requested)")]
+                 f"backend: {self.chosen}{how}"]
         best = min((r.seconds for r in self.rows if r.plan is not None), default=None)
         for r in self.rows:
             mark = "*" if r.name == self.chosen else " "
@@ -107,10 +122,11 @@ class Explanation:
         elif self.plan.work.syncs:
             lines.append(f"note: the chosen plan reads the device back "
                          f"({self.plan.work.syncs} host syncs)")
-        if self.reused:
-            lines.append(f"note: attention() runs {self.reused}, auto's earlier choice for "
-                         f"calls of this structure (mh.functional.dispatch.clear_cache() "
-                         f"forgets it)")
+        if self.fresh is not None:
+            lines.append(f"note: attention() runs {self.chosen}, auto's earlier choice for "
+                         f"calls of this structure, not {self.fresh}, its choice for this call "
+                         f"alone (mh.functional.dispatch.clear_cache() forgets the earlier "
+                         f"choices)")
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -328,13 +344,62 @@ def _new_decision(q, k, v, mask, scale, dropout_p, backend, return_weights, retu
 
 
 def clear_cache() -> None:
-    """Forget every cached plan and choice (those kept on mask objects go with their masks).
+    """Forget every cached plan and choice: the next call of each kind decides afresh
+    (plans kept on mask objects are not used again, and go with their masks).
 
     Example:
         >>> clear_cache()
     """
+    global _cleared
+    _cleared += 1
     _DECISIONS.clear()
     _CHOICES.clear()
+
+
+def _plan_keys(q, k, v, mask, scale, dropout_p, backend, return_weights, return_lse,
+               lookup=BoundedCache.get):
+    """``(key, free, decision)``: the plan cache's key for a call, besides its mask (None
+    where its decision is not kept: while compiling, under a ``torch.func`` transform,
+    for a tensor scale or arguments that cannot key it); its length-free key
+    (:func:`_length_free_key`, or None); and the decision kept under that (found with
+    ``lookup``), or None. Only a miss hashes the key (a hit hashed its parts already)."""
+    if _uncached() or isinstance(scale, torch.Tensor):
+        return None, None, None
+    try:         # what determines the plan besides the mask (a miss validates all of it)
+        if q.is_nested or k.is_nested or v.is_nested:         # (no sizes to key on)
+            raise TypeError
+        shapes = (q.shape, k.shape, v.shape)
+        key = (shapes, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.layout,
+               k.layout, v.layout, scale,
+               scale.__class__, dropout_p, dropout_p.__class__, backend, return_weights,
+               return_weights.__class__, return_lse, return_lse.__class__,
+               torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad,
+               fwAD._current_level >= 0 and has_tangent(q, k, v, mask),
+               profiles.generation, registry.generation, torch.get_num_threads(), _cleared)
+        free = _length_free_key(key, shapes, mask)
+        decision = lookup(_DECISIONS, free) if free is not None else None
+        if decision is None:
+            hash(key)
+    except (AttributeError, TypeError):             # the miss path says what is wrong
+        return None, None, None
+    return key, free, decision
+
+
+def _kept_decision(args: tuple):
+    """The decision ``attention(*args)`` takes from a cache, or None where it decides
+    (then auto may still take its choice for the call's structure); looks only."""
+    key, _, decision = _plan_keys(*args, lookup=BoundedCache.peek)
+    mask = args[3]
+    if decision is not None or key is None:
+        return decision
+    if mask is None:
+        return _DECISIONS.peek((key, None))
+    if isinstance(mask, M.Mask) and mask.memoizable:
+        mask_key = mask.cache_key()
+        if mask_key is not None:
+            return _DECISIONS.peek((key, mask_key))
+        return mask.kept("plan", (key, mask.requires_grad))
+    return None
 
 
 def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
@@ -385,29 +450,11 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
     """
     refuse_jit_trace("multihead.attention")
     q, k, v, amp = _autocast(q, k, v)
-    key = free = decision = None
-    if not (_uncached() or isinstance(scale, torch.Tensor)):
-        try:     # what determines the plan besides the mask (a miss validates all of it)
-            if q.is_nested or k.is_nested or v.is_nested:     # (no sizes to key on)
-                raise TypeError
-            shapes = (q.shape, k.shape, v.shape)
-            key = (shapes, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.layout,
-                   k.layout, v.layout, scale,
-                   scale.__class__, dropout_p, dropout_p.__class__, backend, return_weights,
-                   return_weights.__class__, return_lse, return_lse.__class__,
-                   torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad,
-                   fwAD._current_level >= 0 and has_tangent(q, k, v, mask),
-                   profiles.generation, registry.generation, torch.get_num_threads())
-            free = _length_free_key(key, shapes, mask)
-            decision = _DECISIONS.get(free) if free is not None else None
-            if decision is None:
-                hash(key)                           # (a hit hashed its parts already)
-        except (AttributeError, TypeError):         # the miss path says what is wrong
-            key = free = decision = None
+    args = (q, k, v, mask, scale, dropout_p, backend, return_weights, return_lse)
+    key, free, decision = _plan_keys(*args)
     if decision is not None:
         free = None                                 # found: nothing to offer the cache
     call = None
-    args = (q, k, v, mask, scale, dropout_p, backend, return_weights, return_lse)
     if key is None or decision is not None:
         pass
     elif mask is None:
@@ -431,7 +478,7 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
     if call is None:                                # validated when the decision was made
         call = AttentionCall(q, k, v, mask, default_scale(q.shape[-1]) if scale is None
                              else float(scale), float(dropout_p), return_weights, return_lse,
-                             shapes)
+                             key[0])                 # (the key's first part: the shapes)
     backend_obj, plan = decision
     if plan is _EMPTY:
         out, w, lse = _empty(call)
@@ -497,13 +544,19 @@ def explain(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
                 for n, b in registry.all_backends().items()]
         return Explanation(_EMPTY, backend, tuple(rows), _describe(call), profile)
     rows = _rows(call, profile, device_type)
-    chosen = _choose(rows, backend, profile).name
-    structure = _structure(call) if backend == AUTO and device_type == call.q.device.type \
-        and profile is profiles.profile_for(call.q.device) and not _uncached() else None
-    reused = _CHOICES.get(structure) if structure is not None else None
-    runs = any(r.name == reused and r.plan is not None for r in rows)   # (else: chosen runs)
-    return Explanation(chosen, backend, tuple(rows), _describe(call), profile,
-                       reused if runs and reused != chosen else None)
+    fresh = _choose(rows, backend, profile).name
+    runs = None
+    if backend == AUTO and device_type == call.q.device.type \
+            and profile is profiles.profile_for(call.q.device):         # auto's own figures
+        kept = _kept_decision((q, k, v, mask, scale, dropout_p, backend, return_weights,
+                               return_lse))
+        structure = _structure(call) if kept is None and not _uncached() else None
+        runs = kept[0].name if kept is not None else \
+            _CHOICES.peek(structure) if structure is not None else None
+        if not any(r.name == runs and r.plan is not None for r in rows):   # (a choice this
+            runs = None                                        # call's content cannot use)
+    return Explanation(runs or fresh, backend, tuple(rows), _describe(call), profile,
+                       fresh if runs is not None and runs != fresh else None)
 
 
 __all__ = ["attention", "explain", "Explanation", "Row", "Backend", "clear_cache"]

@@ -363,6 +363,23 @@ class Mask:
             store = self.__dict__.setdefault("_memo", BoundedCache(_MEMO_ENTRIES, _MEMO_BYTES))
         return store.get_or_compute((what, args, versions), compute)
 
+    def kept(self, what: str, args: tuple):
+        """What :meth:`cached` keeps on this object for ``what`` and ``args`` while its
+        tensors are as they are now, or None; computes and stores nothing (a mask with a
+        :meth:`cache_key` keeps nothing on itself).
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> m = mh.masks.dense(torch.ones(4, 4, dtype=torch.bool))
+            >>> m.kept("n", ()) is None, m.cached("n", (), lambda: 1), m.kept("n", ())
+            (True, 1, 1)
+        """
+        store = self.__dict__.get("_memo")
+        if store is None or torch.compiler.is_compiling() or self.cache_key() is not None:
+            return None
+        versions = self._versions()
+        return None if versions is None else store.peek((what, args, versions))
+
     def _versions(self) -> tuple | None:
         """The version counters of the tensors this mask holds, each with the tensor's
         identity (a tensor assigned in place of another starts its own count, which may
