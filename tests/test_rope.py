@@ -193,15 +193,23 @@ def test_writes_past_the_version_counter_are_honoured_on_the_cpu(write):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
-def test_casting_a_module_with_written_frequencies_does_not_round_them(dtype):
+@pytest.mark.parametrize("kind", ["written", "parameter"])
+def test_casting_a_module_with_written_frequencies_does_not_round_them(dtype, kind):
     """Linear scaling, then ``model.half()``: the scaled frequencies keep fp32, so the
-    error at a far position is the output's rounding, as for an unscaled module."""
+    error at a far position is the output's rounding, as for an unscaled module; learned
+    ones in an nn.Parameter too (the same Parameter, and its gradient's dtype follows)."""
     x = torch.randn(1, 1, 3, 64)
     rope = mh.RotaryEmbedding(64)
     rope.inv_freq.mul_(0.25)
-    scaled = rope.inv_freq.clone()
+    if kind == "parameter":
+        rope.inv_freq = torch.nn.Parameter(rope.inv_freq.clone())
+        rope(x, 4000).sum().backward()
+    scaled, held = rope.inv_freq.detach().clone(), rope.inv_freq
     rope.to(dtype)
     assert rope.inv_freq.dtype == torch.float32 and torch.equal(rope.inv_freq, scaled)
+    if kind == "parameter":
+        assert rope.inv_freq is held and held.grad.dtype == torch.float32
+        rope(x.to(dtype), 4000).sum().backward()                         # accumulates
     got = rope(x.to(dtype), 4000).double()
     want = closed_form(x, torch.arange(4000, 4003), freq=scaled)          # fp32 frequencies
     tol = {torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float64: 1e-12}[dtype]
@@ -309,6 +317,17 @@ def test_inv_freq_is_the_frequencies():
                                torch.tensor([1.0, 100 ** -0.25, 0.1, 100 ** -0.75]))
 
 
+def test_repr_gives_the_base_exactly_and_says_when_the_frequencies_are_not_its():
+    assert repr(mh.RotaryEmbedding(8, base=1.0000001)) == \
+        "RotaryEmbedding(head_dim=8, base=1.0000001)"           # (not rounded to 1)
+    assert "base=1234567.0)" in repr(mh.RotaryEmbedding(8, base=1234567))
+    rope = mh.RotaryEmbedding(8)
+    rope.load_state_dict({"inv_freq": mh.RotaryEmbedding(8, base=5e5).inv_freq * 0.5})
+    assert repr(rope) == "RotaryEmbedding(head_dim=8, base=10000.0, inv_freq=written)"
+    rope.inv_freq.requires_grad_()
+    assert repr(rope).endswith(", inv_freq=learned)")
+
+
 @pytest.mark.parametrize("bad, error, match", [
     ([1, 2, 3], TypeError, r"positions must be an int \(the first of S consecutive positions\) "
                            r"or an integer or float tensor \(S,\) or \(B, S\), got list"),
@@ -317,8 +336,8 @@ def test_inv_freq_is_the_frequencies():
     (torch.zeros(1, 1, 3), ValueError, r"got shape \(1, 1, 3\)"),
     (torch.zeros(3, 3), ValueError, r"\(2, 3\) for x of shape \(2, 1, 3, 8\), got shape \(3, 3\)"),
     # as an int start past 2**53 is: those positions round to one another in any float
-    (torch.arange(3) + 2**60, ValueError, r"positions reach 1152921504606846978, past 2\*\*53"),
-    (torch.tensor([0, 1, -2**63]), ValueError, r"positions reach 9223372036854775808, past"),
+    (torch.arange(3) + 2**60, ValueError, r"positions reach 1152921504606846978, past ±2\*\*53"),
+    (torch.tensor([0, 1, -2**63]), ValueError, r"positions reach -9223372036854775808, past"),
 ])
 def test_bad_positions_are_named(bad, error, match):
     with pytest.raises(error, match=match):
@@ -676,6 +695,11 @@ def test_frequencies_written_that_cannot_serve_are_named_at_the_call(write, matc
         with pytest.raises(ValueError, match=r"inv_freq is a learned nn.Parameter here"):
             rope.base = rope.base
         return
+    learned = mh.RotaryEmbedding(8)
+    learned.inv_freq.requires_grad_()
+    with pytest.raises(ValueError, match=r"inv_freq is a learned buffer here \(it requires"):
+        learned.base = 500000.0
+    assert learned.inv_freq.requires_grad and learned.base == 10000.0
     rope.base = rope.base                     # setting the base rebuilds the frequencies
     assert rope(torch.randn(1, 1, 3, 8), 0).isfinite().all()
 
@@ -693,13 +717,31 @@ def test_built_frequencies_in_other_precisions_or_formulas_keep_the_table():
         assert _rotation_ops(rope) == fast, saved.dtype
 
 
-def test_loading_into_learned_frequencies_copies_into_them_and_copies_share_nothing():
+@pytest.mark.parametrize("saved", ["scaled", "built"])     # (built: a step-0 checkpoint)
+@pytest.mark.parametrize("learned", ["buffer", "parameter"])
+def test_loading_into_learned_frequencies_copies_into_them_and_copies_share_nothing(saved,
+                                                                                     learned):
+    """A learned inv_freq (a buffer that requires grad, or an nn.Parameter) is what an
+    optimizer holds: a load copies into it, built frequencies included (they replaced it
+    with a buffer that did not learn, or, for a Parameter, failed halfway through the
+    module's load), and every other tensor loads."""
     import copy
-    rope = mh.RotaryEmbedding(8)
-    rope.inv_freq.requires_grad_()
-    held = rope.inv_freq                                  # what an optimizer holds
-    rope.load_state_dict({"inv_freq": torch.tensor([1.0, 0.5, 0.25, 0.125])})
-    assert rope.inv_freq is held and held.requires_grad and held[1].item() == 0.5
+    src = mh.MultiHeadAttention(32, 4, rope=mh.RotaryEmbedding(8))
+    state = {**src.state_dict(), "rope.inv_freq": src.rope.inv_freq.clone() if saved == "built"
+             else torch.tensor([1.0, 0.5, 0.25, 0.125])}
+    mod = mh.MultiHeadAttention(32, 4, rope=mh.RotaryEmbedding(8))
+    if learned == "buffer":
+        mod.rope.inv_freq.requires_grad_()
+    else:
+        mod.rope.inv_freq = torch.nn.Parameter(mod.rope.inv_freq.clone())
+    held = mod.rope.inv_freq
+    mod.load_state_dict(state)
+    assert mod.rope.inv_freq is held and held.requires_grad
+    assert torch.equal(held, state["rope.inv_freq"])
+    assert torch.equal(mod.in_proj_weight, src.in_proj_weight)
+    assert torch.equal(mod.out_proj.weight, src.out_proj.weight)
+    mod(torch.randn(1, 3, 32)).sum().backward()
+    assert held.grad is not None and held.grad.abs().sum() > 0
     plain = mh.RotaryEmbedding(8)
     shallow = copy.copy(plain)
     assert "inv_freq" not in plain.state_dict() and "inv_freq" not in shallow.state_dict()

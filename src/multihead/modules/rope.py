@@ -90,9 +90,9 @@ def _check_values(positions: torch.Tensor) -> tuple[int, int] | None:
         return None
     if not positions.is_floating_point():
         lo, hi = int(positions.min()), int(positions.max())
-        most = max(-lo, hi)                                       # (int64's min has no abs)
-        if most >= EXACT:                                         # (as an int start's bound)
-            raise ValueError(f"RotaryEmbedding: positions reach {most}, past 2**53, where "
+        if max(-lo, hi) >= EXACT:                                 # (as an int start's bound)
+            raise ValueError(f"RotaryEmbedding: positions reach {lo if -lo > hi else hi}, "
+                             f"past ±2**53, where "
                              f"positions stop being exact even in float64: pass positions "
                              f"below it")
         return lo, hi
@@ -151,9 +151,12 @@ class RotaryEmbedding(nn.Module):
     Hugging Face's models). A checkpoint's ``inv_freq`` is loaded where present (strict
     loads accept it, from ours or an older export, checked before anything is copied); the
     built frequencies in any precision or formula (an fp16 export, Hugging Face's
-    ``1 / base^(2i/D)``) keep the table, and loading into written or learned frequencies
-    copies into them (an optimizer holding them goes on). Learned frequencies
-    (``inv_freq.requires_grad_()``) get gradients from every kind of position.
+    ``1 / base^(2i/D)``) keep the table, and loading into written frequencies copies into
+    them. Learned frequencies (``inv_freq.requires_grad_()``, or an ``nn.Parameter``) get
+    gradients from every kind of position; a load copies into them whatever it holds (an
+    optimizer holding them goes on), casts keep them in fp32, and setting ``base`` is
+    refused (write into them instead). ``repr`` says when the frequencies are not
+    ``base``'s (``inv_freq=written`` or ``learned``).
 
     Example:
         >>> import torch, multihead as mh
@@ -229,10 +232,12 @@ class RotaryEmbedding(nn.Module):
 
     @base.setter
     def base(self, value) -> None:
-        if "inv_freq" in self._parameters:
-            raise ValueError("RotaryEmbedding: inv_freq is a learned nn.Parameter here; setting "
-                             "base would replace it with a buffer: write new frequencies into "
-                             "it instead (with torch.no_grad(): rope.inv_freq.copy_(...))")
+        if "inv_freq" in self._parameters or self.inv_freq.requires_grad:
+            kind = "nn.Parameter" if "inv_freq" in self._parameters else "buffer"
+            raise ValueError(f"RotaryEmbedding: inv_freq is a learned {kind} here (it requires "
+                             f"grad); setting base would replace it with new frequencies that "
+                             f"do not learn: write new frequencies into it instead (with "
+                             f"torch.no_grad(): rope.inv_freq.copy_(...))")
         self._base = _check_base(value)
         self._set_canonical(self.inv_freq.device)
 
@@ -300,18 +305,23 @@ class RotaryEmbedding(nn.Module):
         if problem:
             error_msgs.append(f"{prefix}{problem}")
             return
+        if "inv_freq" in self._parameters:            # an nn.Parameter: torch's loading
+            return                                    # copied into it (or assigned it)
         mine, assign = self.inv_freq, local_metadata.get("assign_to_params_buffers", False)
         device = freq.device if assign else mine.device     # where it ends up, as torch's
         if device.type == "meta":                     # shapes only: nothing to compare
             self._buffers["inv_freq"] = torch.empty_like(freq, device="meta")
             self._canonical = (None, -1, -1, None)
+        elif mine.requires_grad and not assign:       # learned: copied into, so an
+            with torch.no_grad():                     # optimizer holding it goes on
+                mine.copy_(freq)
         elif self._built(freq):                       # the table serves them
             self._set_canonical(device)
         elif assign:
             self._buffers["inv_freq"] = freq
             self._canonical = (None, -1, -1, None)
-        elif not self._unchanged():                   # written or learned: copied into, so
-            with torch.no_grad():                     # an optimizer holding it goes on
+        elif not self._unchanged():                   # written: copied into
+            with torch.no_grad():
                 mine.copy_(freq)
         else:
             with torch.no_grad():
@@ -354,19 +364,31 @@ class RotaryEmbedding(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         # .to(), .cuda(), .half(): inv_freq moves, but its frequencies keep their precision
+        # (a Parameter's data is replaced in place: its values are kept aside first)
         unchanged, before = self._unchanged(), self.inv_freq
+        learned = "inv_freq" in self._parameters
+        values = before.detach().clone() if learned and not unchanged else before
         out = super()._apply(fn, *args, **kwargs)
         after = self.inv_freq
         if unchanged:                                 # exact, fp32, on the new device
             self._set_canonical(after.device)
-        elif after.dtype != before.dtype:             # written ones: moved, not rounded
+        elif after.dtype == values.dtype:
+            pass
+        elif learned:                                 # the same Parameter, its values kept
+            with torch.no_grad():
+                after.data = values.to(after.device)
+            if after.grad is not None:
+                after.grad = after.grad.to(values.dtype)
+        else:                                         # written ones: moved, not rounded
             self._buffers["inv_freq"] = before.to(after.device)
         return out
 
     def extra_repr(self) -> str:
         extra = (f", rotary_dim={self.rotary_dim}" if self.rotary_dim != self.head_dim else "") + (
             f", attention_factor={self.attention_factor:g}" if self.attention_factor != 1 else "")
-        return f"head_dim={self.head_dim}, base={self.base:g}{extra}"
+        if not self._unchanged():                     # (base no longer says what they are)
+            extra += ", inv_freq=" + ("learned" if self.inv_freq.requires_grad else "written")
+        return f"head_dim={self.head_dim}, base={self.base!r}{extra}"
 
     def forward(self, x: torch.Tensor, positions) -> torch.Tensor:
         return self.rotate(x, positions=positions)[0]
