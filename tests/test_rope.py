@@ -332,9 +332,12 @@ def test_repr_gives_the_base_exactly_and_says_when_the_frequencies_are_not_its()
     ([1, 2, 3], TypeError, r"positions must be an int \(the first of S consecutive positions\) "
                            r"or an integer or float tensor \(S,\) or \(B, S\), got list"),
     (torch.arange(5), ValueError, r"positions must be \(S,\) or \(B, S\) = \(3,\) or \(2, 3\) "
-                                  r"for x of shape \(2, 1, 3, 8\), got shape \(5,\)"),
+                                  r"for inputs of shape \(2, 1, 3, 8\), got shape \(5,\)"),
     (torch.zeros(1, 1, 3), ValueError, r"got shape \(1, 1, 3\)"),
-    (torch.zeros(3, 3), ValueError, r"\(2, 3\) for x of shape \(2, 1, 3, 8\), got shape \(3, 3\)"),
+    (torch.zeros(3, 3), ValueError, r"\(2, 3\) for inputs of shape \(2, 1, 3, 8\), got shape \(3, 3\)"),
+    (torch.arange(3, device="meta"), ValueError, r"positions are on the meta device \(they hold "
+                                                 r"no values\) and the inputs on cpu: pass "
+                                                 r"positions on cpu$"),
     # as an int start past 2**53 is: those positions round to one another in any float
     (torch.arange(3) + 2**60, ValueError, r"positions reach 1152921504606846978, past ±2\*\*53"),
     (torch.tensor([0, 1, -2**63]), ValueError, r"positions reach -9223372036854775808, past"),
@@ -357,6 +360,8 @@ def test_rotate_broadcasts_an_input_of_one_sequence_over_positions_per_sequence(
     rq, rk = rope.rotate(q, k, positions=p)
     assert rk.shape == (2, 2, 3, 8)
     torch.testing.assert_close(rk[1:], rope(k, 5))
+    kq, qk = rope.rotate(k, q, positions=p)             # the one sequence first, too
+    assert kq.shape == (2, 2, 3, 8) and torch.equal(kq, rk) and torch.equal(qk, rq)
 
 
 def test_rotate_needs_tensors_of_one_length_and_takes_numpy_ints():

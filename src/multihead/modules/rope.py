@@ -420,10 +420,10 @@ class RotaryEmbedding(nn.Module):
                                 f"point (queries and keys), got {t.dtype}: pass them as "
                                 f"float32, bfloat16, float16 or float64")
         wide = any(t.dtype == torch.float64 for t in xs)    # fp64 anywhere: fp64 angles
-        cos, sin = self._cos_sin(positions, x, torch.float64 if wide else _precision(x.dtype))
+        cos, sin = self._cos_sin(positions, xs, torch.float64 if wide else _precision(x.dtype))
         rows = positions.shape[0] if isinstance(positions, torch.Tensor) \
             and positions.dim() == 2 else 1
-        if rows != 1 and any(t.dim() != 4 or t.shape[0] not in (1, rows) for t in xs[1:]):
+        if rows != 1 and any(t.dim() != 4 or t.shape[0] not in (1, rows) for t in xs):
             raise ValueError(f"RotaryEmbedding: positions of shape {shape_text(positions)} "
                              f"hold one row per sequence, but the inputs are "
                              f"[{', '.join(shape_text(a) for a in xs)}]: rotate tensors "
@@ -445,9 +445,11 @@ class RotaryEmbedding(nn.Module):
         return out if R == self.head_dim else torch.cat([out, t[..., R:]], -1)  # (..., S, D)
 
     # -- angles --------------------------------------------------------------------------
-    def _cos_sin(self, positions, x: torch.Tensor, dtype: torch.dtype):
-        """``(cos, sin)`` in ``dtype`` broadcastable to ``x`` ``(B, H, S, D)``: ``(S, D)``
-        or ``(B, 1, S, D)``; for ``x`` of other ranks, ``(S, D)``."""
+    def _cos_sin(self, positions, xs: tuple, dtype: torch.dtype):
+        """``(cos, sin)`` in ``dtype`` broadcastable to each of ``xs`` ``(B, H, S, D)`` (of
+        one device; a batch of 1 broadcasts): ``(S, D)`` or ``(B, 1, S, D)``; for inputs of
+        other ranks, ``(S, D)``."""
+        x = xs[0]
         S, device = x.shape[-2], x.device
         tables = self._tables_serve(x)
         if type(positions) is int or (isinstance(positions, numbers.Integral)
@@ -466,12 +468,18 @@ class RotaryEmbedding(nn.Module):
                             f"consecutive positions) or an integer or float tensor (S,) or "
                             f"(B, S), got {type(positions).__name__}")
         span = _check_values(positions)                      # (lo, hi) of host integer ones
-        B = x.shape[0] if x.dim() == 4 else 1
+        if positions.device.type == "meta" and device.type != "meta":
+            raise ValueError(f"RotaryEmbedding: positions are on the meta device (they hold no "
+                             f"values) and the inputs on {device}: pass positions on "
+                             f"{device}" + ("" if device.type == "cpu" else " or the CPU"))
+        batches = [t.shape[0] for t in xs if t.dim() == 4 and t.shape[0] != 1]
+        B = batches[0] if batches else 1
         if positions.dim() not in (1, 2) or positions.shape[-1] != S or (
                 positions.dim() == 2 and positions.shape[0] != 1 and positions.shape[0] != B):
             B, S = concrete(B), concrete(S)
+            shapes = ", ".join(shape_text(t) for t in xs)
             raise ValueError(f"RotaryEmbedding: positions must be (S,) or (B, S) = ({S},) or "
-                             f"({B}, {S}) for x of shape {shape_text(x)}, got shape "
+                             f"({B}, {S}) for inputs of shape {shapes}, got shape "
                              f"{shape_text(positions)}")
         if positions.dim() == 2 and x.dim() != 4:
             positions = positions.reshape(S)                 # (1, S) -> (S,): x has no batch
