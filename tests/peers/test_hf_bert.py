@@ -84,9 +84,11 @@ def test_packed_batch_equals_one_by_one(ours):
 
 
 def test_do_lower_case_is_followed_as_sentence_transformers_does(tmp_path):
-    """A cased tokenizer with sentence_bert_config's do_lower_case: texts are lower-cased
-    before tokenizing (MiniLM's own tokenizer lower-cases, so its copy here does not), for
-    embeddings and for what inspect shows (its tokens were [UNK] for every capital)."""
+    """A cased tokenizer with sentence_bert_config's do_lower_case: the tokenizer lower-cases
+    texts (MiniLM's own tokenizer does, so its copy here does not), for embeddings and for
+    what inspect shows (its tokens were [UNK] for every capital). As in sentence-transformers
+    6, after special tokens are found (a literal [MASK] stays one; lower-casing the text
+    first broke it into pieces), and a word's characters are those of the text as given."""
     import json
     import shutil
     st = pytest.importorskip("sentence_transformers")
@@ -96,14 +98,22 @@ def test_do_lower_case_is_followed_as_sentence_transformers_does(tmp_path):
     spec = json.loads((src / "tokenizer.json").read_text())
     spec["normalizer"]["lowercase"] = False
     (d / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((src / "tokenizer_config.json").read_text())    # (transformers 5 builds
+    config["do_lower_case"] = False                                      # its tokenizer from it)
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
     (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 256,
                                                               "do_lower_case": True}))
-    texts = ["The Animal Didn't Cross The Street", "HELLO World"]
+    texts = ["The Animal Didn't Cross The Street", "HELLO World", "Hello [MASK] WORLD",
+             "ΣΊΣΥΦΟΣ", "İİİ big cat"]
     want = st.SentenceTransformer(str(d), device="cpu").encode(texts, convert_to_tensor=True)
     ours = load(d)
     assert ours.sentence.lower_case
     assert ours.tokenize(texts[1]).tokens == ["[CLS]", "hello", "world", "[SEP]"]
-    assert ours._read(texts) != texts and ours.tokenizer.encode(texts[1]).tokens[1] == "[UNK]"
+    from tokenizers import Tokenizer
+    assert Tokenizer.from_file(str(d / "tokenizer.json")).encode(texts[1]).tokens[1] == "[UNK]"
+    assert ours.tokenize(texts[2]).tokens[1:4] == ["hello", "[MASK]", "world"]
+    t = ours.tokenize(texts[4])
+    assert [texts[4][a:b] for a, b in t.spans[-3:-1]] == ["big", "cat"]
     torch.testing.assert_close(ours.embed(texts), want.cpu(), atol=2e-6, rtol=1e-5)
     from multihead.inspect.capture import capture, find_query
     cap = capture(ours, texts[0])
@@ -177,4 +187,70 @@ def test_a_pipeline_multihead_would_run_differently_is_refused(tmp_path, entries
     (d / "modules.json").write_text(json.dumps(_modules(*entries)))
     with pytest.raises(ModelLoadError, match="modules.json " + message
                        if not message.startswith("the") else "modules.json: " + message):
+        load(d)
+
+
+@pytest.mark.parametrize("mode", ["mean", "cls"])
+@pytest.mark.parametrize("include_prompt", [True, False])
+def test_prompts_and_sentence_transformers_6_pooling_files_embed_as_it_does(tmp_path, mode,
+                                                                            include_prompt):
+    """sentence-transformers 6 writes the Pooling config as one pooling_mode (with
+    include_prompt), and puts the default prompt before every text: both were ignored (a
+    [CLS] model ran mean pooling, and no prompt was added)."""
+    import json
+    st = pytest.importorskip("sentence_transformers")
+    d = _copy_of_the_model(tmp_path / "m")
+    (d / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"embedding_dimension": 384, "pooling_mode": mode, "include_prompt": include_prompt}))
+    (d / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "query: ", "passage": "passage of text: ", "none": None},
+         "default_prompt_name": "query", "similarity_fn_name": "cosine"}))
+    texts = TEXTS + ["", " ".join(["attention"] * 300)]       # (an empty text; a cut one)
+    theirs = st.SentenceTransformer(str(d), device="cpu")
+    ours = load(d)
+    assert (ours.sentence.pooling, ours.sentence.include_prompt) == (mode, include_prompt)
+    for kwargs in ({}, {"prompt_name": "passage"}, {"prompt_name": "none"}, {"prompt": ""},
+                   {"prompt": "Represent this: "}):
+        want = theirs.encode(texts, convert_to_tensor=True, **kwargs)
+        torch.testing.assert_close(ours.embed(texts, **kwargs), want.cpu(), atol=2e-6,
+                                   rtol=1e-5, msg=str(kwargs))
+    assert not torch.allclose(ours.embed(texts[:1]), ours.embed(texts[:1], prompt=""))
+    with pytest.raises(ValueError, match=r"prompt_name 'doc' is not one of this model's "
+                                         r"prompts \(\['none', 'passage', 'query'\]"):
+        ours.embed(texts, prompt_name="doc")
+    with pytest.raises(ValueError, match=r"pass prompt or prompt_name, not both"):
+        ours.embed(texts, prompt="a", prompt_name="query")
+
+
+@pytest.mark.parametrize("pool, message", [
+    ({"embedding_dimension": 384, "pooling_mode": "max"}, r"pools with max, which multihead "
+                                                          r"does not compute: only mean or cls"),
+    ({"pooling_mode": ["mean", "cls"]}, r"pools with mean \+ cls, which multihead"),
+    ({"pooling_mode": "average"}, r"pooling_mode is 'average', but it must be a pooling's name"),
+    ({"embedding_dimension": 768, "pooling_mode": "mean"}, r"embedding_dimension is 768, but "
+                                                           r"config.json's hidden_size is 384"),
+    ({"pooling_mode": "mean", "include_prompt": "no"}, r"include_prompt is 'no', but it must be"),
+], ids=["max", "two", "unknown", "dimension", "include_prompt"])
+def test_a_sentence_transformers_6_pooling_multihead_does_not_run_is_refused(tmp_path, pool,
+                                                                              message):
+    import json
+    from multihead.models import ModelLoadError
+    d = _copy_of_the_model(tmp_path / "m")
+    (d / "1_Pooling" / "config.json").write_text(json.dumps(pool))
+    with pytest.raises(ModelLoadError, match=message):
+        load(d)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"prompts": {"q": "q: "}, "default_prompt_name": "query"},
+     r"default_prompt_name is 'query', but it must be one of the prompts' names \['q'\]"),
+    ({"prompts": ["q: "]}, r"prompts is an array \['q: '\], but it must be an object"),
+    ({"prompts": {"q": 3}}, r"prompts is an object \{'q': 3\}, but it must be an object"),
+])
+def test_prompts_that_cannot_be_read_are_refused(tmp_path, settings, message):
+    import json
+    from multihead.models import ModelLoadError
+    d = _copy_of_the_model(tmp_path / "m")
+    (d / "config_sentence_transformers.json").write_text(json.dumps(settings))
+    with pytest.raises(ModelLoadError, match=r"config_sentence_transformers.json: " + message):
         load(d)

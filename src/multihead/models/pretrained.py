@@ -244,13 +244,7 @@ class Pretrained:
         """
         texts = check_texts(texts)
         limit = check_max_length(max_length, self.config.max_position_embeddings, self.tokenizer)
-        return [kept_tokens(enc, limit) for enc in self.tokenizer.encode_batch(self._read(texts))]
-
-    def _read(self, texts: list[str]) -> list[str]:
-        """The texts as the model reads them: lower-cased where its sentence-transformers
-        config says ``do_lower_case`` (a cased tokenizer would otherwise see capitals the
-        model was never given, as ``[UNK]``)."""
-        return [t.lower() for t in texts] if self.sentence.lower_case else texts
+        return [kept_tokens(enc, limit) for enc in self.tokenizer.encode_batch(texts)]
 
     def query_pieces(self, word: str) -> list[list[str]]:
         """The word pieces ``word`` becomes in a text (one way for BERT's WordPiece).
@@ -260,7 +254,7 @@ class Pretrained:
             >>> load().query_pieces("Tired")
             [['tired']]
         """
-        return [self.tokenizer.encode(self._read([word])[0], add_special_tokens=False).tokens]
+        return [self.tokenizer.encode(word, add_special_tokens=False).tokens]
 
     @property
     def device(self) -> torch.device:
@@ -275,7 +269,8 @@ class Pretrained:
             return self.encoder(ids, return_weights=True)
 
     @torch.inference_mode()
-    def embed(self, texts: Sequence[str], *, progress: bool = False,
+    def embed(self, texts: Sequence[str], *, prompt_name: str | None = None,
+              prompt: str | None = None, progress: bool = False,
               pack_tokens: int = PACK_TOKENS) -> torch.Tensor:
         """Sentence embeddings ``(n, E)``: pooled (mean over tokens for MiniLM) and normalized
         as the model's sentence-transformers files say, computed packed with no padding, in
@@ -284,6 +279,12 @@ class Pretrained:
         Texts are sorted longest first and packed back to back into forwards of at most
         ``pack_tokens`` tokens; each text attends only to itself (a document mask run by the
         ``varlen`` backend), and the token-wise layers never see a padding token.
+
+        A prompt is put before each text, as sentence-transformers' ``encode`` does:
+        ``prompt`` (its text; ``""`` for none), else the one named ``prompt_name`` in
+        ``sentence.prompts``, else the model's default (``sentence.default_prompt_name``).
+        Its tokens are pooled with the text's unless the Pooling config's
+        ``include_prompt`` is false.
 
         Example:
             >>> from multihead.models import load
@@ -297,9 +298,12 @@ class Pretrained:
         if self.sentence.pooling not in POOLINGS.values():           # (set after loading?)
             raise ValueError(f"sentence.pooling must be 'mean' or 'cls', got "
                              f"{self.sentence.pooling!r}: the poolings multihead runs")
+        prompt = self._prompt(prompt_name, prompt)
+        skip = 0 if not prompt or self.sentence.include_prompt else self._prompt_length(prompt)
         E = self.config.hidden_size
         device = self.device
-        toks = self.tokenize_batch(texts, max_length=self.sentence.max_seq_length)
+        toks = self.tokenize_batch([prompt + t for t in texts] if prompt else texts,
+                                   max_length=self.sentence.max_seq_length)
         lengths = torch.tensor([len(t.ids) for t in toks])                       # (n,)
         order = torch.argsort(lengths, descending=True, stable=True).tolist()
         result = torch.empty(len(texts), E, dtype=next(self.encoder.parameters()).dtype)
@@ -318,18 +322,49 @@ class Pretrained:
                 ln = lengths[pack].to(device)                                    # (m,)
                 cu = torch.nn.functional.pad(ln.cumsum(0), (1, 0))               # (m + 1,)
                 h = self.encoder.forward_packed(ids, cu)                         # (N, E)
-                result[pack] = self._pool(h, ln).cpu()
+                result[pack] = self._pool(h, ln, skip).cpu()
         return result
 
-    def _pool(self, h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Pool packed token states ``(N, E)`` into one vector per text ``(m, E)``."""
+    def _prompt(self, name, text) -> str:
+        """The prompt :meth:`embed` puts before each text (see there); ``""`` for none."""
+        if text is not None:
+            if name is not None:
+                raise ValueError(f"pass prompt or prompt_name, not both (got prompt={text!r} "
+                                 f"and prompt_name={name!r})")
+            return check_text("prompt", text)
+        prompts = self.sentence.prompts
+        if name is None:
+            name = self.sentence.default_prompt_name
+            return "" if name is None else prompts[name]
+        if not isinstance(name, str) or name not in prompts:
+            raise ValueError(f"prompt_name {name!r} is not one of this model's prompts "
+                             f"({sorted(prompts) or 'it has none'}, from "
+                             f"config_sentence_transformers.json): pass one of them, or the "
+                             f"prompt's text as prompt=")
+        return prompts[name]
+
+    def _prompt_length(self, prompt: str) -> int:
+        """The tokens a text's ``prompt`` takes at its start, its leading [CLS] included (as
+        sentence-transformers counts them: the prompt alone, without its closing [SEP])."""
+        enc = self.tokenizer.encode(prompt)
+        keep = kept(enc.special_tokens_mask, self.sentence.max_seq_length)
+        return len(keep) - (1 if enc.special_tokens_mask[keep[-1]] else 0)
+
+    def _pool(self, h: torch.Tensor, lengths: torch.Tensor, skip: int = 0) -> torch.Tensor:
+        """Pool packed token states ``(N, E)`` into one vector per text ``(m, E)``, leaving
+        out each text's first ``skip`` tokens (a prompt's; a text no longer than them pools
+        to zeros, or to its [CLS], as in sentence-transformers)."""
+        starts = torch.nn.functional.pad(lengths.cumsum(0)[:-1], (1, 0))       # (m,)
         if self.sentence.pooling == "cls":
-            starts = torch.nn.functional.pad(lengths.cumsum(0)[:-1], (1, 0))
-            pooled = h[starts]                                                   # (m, E)
+            first = torch.where(lengths > skip, skip, 0)                        # (m,)
+            pooled = h[starts + first]                                          # (m, E)
         else:
             seg = torch.repeat_interleave(torch.arange(len(lengths), device=h.device), lengths)
+            if skip:                                     # a prompt's tokens count as zeros
+                pooled_tokens = torch.arange(h.shape[0], device=h.device) - starts[seg] >= skip
+                h = h * pooled_tokens[:, None].to(h.dtype)                      # (N, E)
             pooled = h.new_zeros(len(lengths), h.shape[1]).index_add_(0, seg, h)  # (m, E)
-            pooled = pooled / lengths[:, None].to(h.dtype)
+            pooled = pooled / (lengths - skip).clamp(min=1)[:, None].to(h.dtype)
         if self.sentence.normalize:
             pooled = torch.nn.functional.normalize(pooled, dim=-1)
         return pooled

@@ -1,20 +1,23 @@
 """How sentence embeddings are made: sentence-transformers' side files, checked.
 
-Three optional files describe it: ``modules.json`` (the pipeline: Transformer, then
+Four optional files describe it: ``modules.json`` (the pipeline: Transformer, then
 Pooling, then optionally Normalize, in that order; the Pooling entry's ``path`` names its
-folder), the Pooling folder's ``config.json`` (mean or [CLS] pooling) and
-``sentence_bert_config.json`` (the longest input, and whether texts are lower-cased before
-the tokenizer sees them). A missing file means the defaults (``1_Pooling``, mean pooling,
-normalized, texts as given); without a ``max_seq_length``, the longest input is the
-tokenizer's ``model_max_length`` (``tokenizer_config.json``) within the model's positions,
-as sentence-transformers takes it. A file of the wrong shape, a pipeline in another order,
-or one asking for something multihead does not compute, raises :class:`ModelLoadError`
-naming the file and field.
+folder), the Pooling folder's ``config.json`` (mean or [CLS] pooling, and whether a prompt's
+tokens are pooled: sentence-transformers 6's ``pooling_mode`` or the older
+``pooling_mode_*`` flags), ``sentence_bert_config.json`` (the longest input, and whether
+texts are lower-cased) and ``config_sentence_transformers.json`` (the ``prompts`` a text may
+start with, and the ``default_prompt_name`` every text gets unless another is asked for).
+A missing file means the defaults (``1_Pooling``, mean pooling, normalized, texts as given,
+no prompt); without a ``max_seq_length``, the longest input is the tokenizer's
+``model_max_length`` (``tokenizer_config.json``) within the model's positions, as
+sentence-transformers takes it. A file of the wrong shape, a pipeline in another order, or
+one asking for something multihead does not compute, raises :class:`ModelLoadError` naming
+the file and field.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._files import ModelLoadError, describe, read_json, read_object, show
@@ -22,18 +25,34 @@ from .bert import BertConfig
 
 #: the sentence-transformers modules that multihead runs (the last part of their type)
 MODULES = ("Transformer", "Pooling", "Normalize")
-#: pooling_mode_* flag -> our pooling; any other flag set to true is refused
+#: pooling_mode_* flag (sentence-transformers before 6) -> our pooling; any other flag set
+#: to true is refused
 POOLINGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+#: sentence-transformers 6's pooling_mode values that multihead does not compute
+OTHER_POOLINGS = ("max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 
 
 @dataclass
 class SentenceConfig:
-    """How sentence embeddings are made (sentence-transformers' files; defaults otherwise)."""
+    """How sentence embeddings are made (sentence-transformers' files; defaults otherwise).
+
+    Attributes:
+        max_seq_length: the most tokens a text keeps, its prompt included.
+        pooling: ``"mean"`` or ``"cls"``.
+        normalize: whether embeddings are scaled to length 1.
+        lower_case: texts are lower-cased by the tokenizer (``do_lower_case``).
+        prompts: prompt name -> the text put before each text (``config_sentence_transformers.json``).
+        default_prompt_name: the prompt every text gets unless another is asked for, or None.
+        include_prompt: whether a prompt's tokens are pooled with the text's.
+    """
 
     max_seq_length: int
-    pooling: str          # "mean" or "cls"
+    pooling: str
     normalize: bool
-    lower_case: bool = False   # texts lower-cased before tokenizing (do_lower_case)
+    lower_case: bool = False
+    prompts: dict = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    include_prompt: bool = True
 
 
 #: the pipelines multihead runs, as the last part of each module's type
@@ -77,15 +96,34 @@ def _pipeline(d: Path) -> tuple[Path, bool]:
     return pooling, len(kinds) == 3
 
 
-def _pooling(path: Path, c: BertConfig) -> str:
-    """``"mean"`` or ``"cls"``, from a sentence-transformers Pooling config (mean without one)."""
+def _pooling(path: Path, c: BertConfig) -> tuple[str, bool]:
+    """``("mean" or "cls", include_prompt)`` from a sentence-transformers Pooling config
+    (mean, prompts included, without one). Its ``pooling_mode`` (sentence-transformers 6: a
+    name, or a list of names concatenated) wins over the older ``pooling_mode_*`` flags, as
+    there."""
     if not path.is_file():
-        return "mean"
+        return "mean", True
     pool = read_object(path, hint="fix it, or delete it to use mean pooling")
-    dim = pool.get("word_embedding_dimension", c.hidden_size)
-    if dim != c.hidden_size or isinstance(dim, bool):
-        raise ModelLoadError(f"{path}: word_embedding_dimension is {show(dim)}, but config.json's "
-                             f"hidden_size is {c.hidden_size}: set it to {c.hidden_size}")
+    for name in ("embedding_dimension", "word_embedding_dimension"):
+        dim = pool.get(name, c.hidden_size)
+        if dim != c.hidden_size or isinstance(dim, bool):
+            raise ModelLoadError(f"{path}: {name} is {show(dim)}, but config.json's hidden_size "
+                                 f"is {c.hidden_size}: set it to {c.hidden_size}")
+    include = pool.get("include_prompt", True)
+    if not isinstance(include, bool):
+        raise ModelLoadError(f"{path}: include_prompt is {show(include)}, but it must be true "
+                             f"or false")
+    if "pooling_mode" in pool:
+        mode = pool["pooling_mode"]
+        modes = [mode] if isinstance(mode, str) else mode
+        if not (isinstance(modes, list) and modes and all(
+                isinstance(m, str) and m in (*POOLINGS.values(), *OTHER_POOLINGS) for m in modes)):
+            raise ModelLoadError(f"{path}: pooling_mode is {show(mode)}, but it must be a "
+                                 f"pooling's name (\"mean\" or \"cls\" here) or a list of them")
+        if len(modes) > 1 or modes[0] not in POOLINGS.values():
+            raise ModelLoadError(f"{path} pools with {' + '.join(modes)}, which multihead does "
+                                 f"not compute: only {' or '.join(POOLINGS.values())} alone")
+        return modes[0], include
     on = []
     for key, value in pool.items():
         if key.startswith("pooling_mode_"):
@@ -96,7 +134,27 @@ def _pooling(path: Path, c: BertConfig) -> str:
     if len(on) > 1 or (on and on[0] not in POOLINGS):
         raise ModelLoadError(f"{path} pools with {' + '.join(on)}, which multihead does not compute: "
                              f"only {' or '.join(POOLINGS)} alone")
-    return POOLINGS[on[0]] if on else "mean"
+    return (POOLINGS[on[0]] if on else "mean"), include
+
+
+def _prompts(d: Path) -> tuple[dict, str | None]:
+    """``(prompts, default_prompt_name)`` from ``config_sentence_transformers.json`` (none
+    without it); a prompt given as null is empty, as in sentence-transformers."""
+    path = d / "config_sentence_transformers.json"
+    if not path.is_file():
+        return {}, None
+    settings = read_object(path, hint="fix it, or delete it (no prompts)")
+    prompts = settings.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(
+            isinstance(v, (str, type(None))) for v in prompts.values()):
+        raise ModelLoadError(f"{path}: prompts is {describe(prompts)}, but it must be an object "
+                             f"of prompt texts by name, e.g. {{\"query\": \"query: \"}}")
+    prompts = {name: text or "" for name, text in prompts.items()}
+    default = settings.get("default_prompt_name")
+    if default is not None and (not isinstance(default, str) or default not in prompts):
+        raise ModelLoadError(f"{path}: default_prompt_name is {show(default)}, but it must be "
+                             f"one of the prompts' names {sorted(prompts)} (or null: none)")
+    return prompts, default
 
 
 def _tokenizer_limit(d: Path, limit: int) -> int:
@@ -141,8 +199,11 @@ def sentence_config(d: Path, c: BertConfig) -> SentenceConfig:
         >>> from multihead.models import BertConfig, default_model_dir
         >>> cfg = BertConfig.from_file(default_model_dir() / "config.json")
         >>> sentence_config(default_model_dir(), cfg)
-        SentenceConfig(max_seq_length=256, pooling='mean', normalize=True, lower_case=False)
+        SentenceConfig(max_seq_length=256, pooling='mean', normalize=True, lower_case=False,
+                       prompts={}, default_prompt_name=None, include_prompt=True)
     """
     longest, lower = _input_settings(d, c)
     pooling, normalize = _pipeline(d)
-    return SentenceConfig(longest, _pooling(pooling, c), normalize, lower)
+    mode, include = _pooling(pooling, c)
+    prompts, default = _prompts(d)
+    return SentenceConfig(longest, mode, normalize, lower, prompts, default, include)

@@ -84,6 +84,32 @@ def load_tokenizer(path: Path, vocab_size: int, *, markers: bool = False):
     return tok
 
 
+def lower_cased(tokenizer):
+    """``tokenizer`` made to lower-case every text first, as sentence-transformers does for a
+    model whose ``do_lower_case`` is set: a ``Lowercase`` normalizer before its own (unless it
+    has one). It runs after the tokenizer has found its special tokens, so a literal
+    ``[MASK]`` in a text stays one, and offsets point into the text as given.
+
+    Example:
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> tok = Tokenizer(models.WordLevel({"hello": 0, "[UNK]": 1}, unk_token="[UNK]"))
+        >>> tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> lower_cased(tok).encode("HeLLo").tokens
+        ['hello']
+    """
+    from tokenizers import normalizers
+    own = tokenizer.normalizer
+    try:                           # (a Sequence lists its steps in tokenizers 0.20 and later)
+        steps = list(own) if isinstance(own, normalizers.Sequence) else [own]
+    except TypeError:
+        steps = [own]
+    if any(isinstance(n, normalizers.Lowercase) for n in steps):
+        return tokenizer
+    tokenizer.normalizer = normalizers.Lowercase() if own is None else \
+        normalizers.Sequence([normalizers.Lowercase(), own])
+    return tokenizer
+
+
 def display(tokenizer, token_id: int, token: str) -> str:
     """A token as a reader expects it: word-boundary markers (``Ġ``, ``▁``) and byte-level
     spelling decoded by ``tokenizer``'s decoder, surrounding spaces dropped; a token that is
