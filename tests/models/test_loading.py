@@ -49,6 +49,22 @@ def test_missing_tensor_is_named(tmp_path):
         load(d)
 
 
+@pytest.mark.parametrize("extra", ["encoder.layer.0.attention.self.adapter.weight",
+                                   "encoder.layer.5.output.dense.weight"],
+                         ids=["in a layer", "a layer after a gap"])
+def test_a_tensor_in_the_encoder_the_layers_have_not_is_refused(tmp_path, extra):
+    """BertModel-shaped checkpoints keep heads and buffers outside the encoder (accepted);
+    a tensor inside it that no layer uses was ignored, and the model computed something
+    else than the network it belongs to."""
+    d = tiny_checkpoint(tmp_path / "m")
+    w = load_file(str(d / "model.safetensors"))
+    save_file(w | {extra: torch.zeros(32, 32), "pooler.dense.weight": torch.zeros(32, 32)},
+              str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"holds 1 tensor\(s\) in its encoder that "
+                       r"config.json's 2-layer BERT encoder has not, e.g. \['" + re.escape(extra)):
+        load(d)
+
+
 def test_misshaped_tensor_is_named(tmp_path):
     d = tiny_checkpoint(tmp_path / "m")
     w = load_file(str(d / "model.safetensors"))

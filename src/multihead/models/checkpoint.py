@@ -175,7 +175,8 @@ def check_header(path: Path, header: dict[str, TensorInfo], c: BertConfig, confi
 
     The layer count and every size a tensor shape states are compared first (so a per-layer
     list is only ever built for layers the file holds), then every expected tensor's
-    presence, shape and dtype.
+    presence, shape and dtype; a tensor in the encoder that the layers have not (an adapter,
+    a layer after a gap) is refused.
 
     Returns:
         The prefix of the checkpoint's tensor names: ``"bert."`` (BertForMaskedLM and the
@@ -206,6 +207,14 @@ def check_header(path: Path, header: dict[str, TensorInfo], c: BertConfig, confi
     if missing:
         raise ModelLoadError(f"{path}: {len(missing)} expected tensor(s) missing, e.g. "
                              f"{missing[:3]}: is this a BERT checkpoint for this config.json?")
+    extra = sorted(n for n in header if n.startswith(prefix + "encoder.")
+                   and n[len(prefix):] not in want)
+    if extra:                # (heads and buffers outside the encoder are left, as BertModel)
+        raise ModelLoadError(f"{path} holds {len(extra)} tensor(s) in its encoder that "
+                             f"config.json's {c.num_hidden_layers}-layer BERT encoder has not, "
+                             f"e.g. {extra[:3]}: they would be ignored, and the model would "
+                             f"compute something else than the network they belong to; remove "
+                             f"them, or load the checkpoint with the code that made it")
     both = [n for n in want if not prefix and "bert." + n in header]
     if both:
         raise ModelLoadError(f"{path} holds both {both[0]} and bert.{both[0]}: which one is meant "
