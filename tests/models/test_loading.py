@@ -65,6 +65,19 @@ def test_a_tensor_in_the_encoder_the_layers_have_not_is_refused(tmp_path, extra)
         load(d)
 
 
+def test_a_tokenizer_without_its_unknown_token_is_refused_when_loaded(tmp_path):
+    """A WordPiece vocabulary without [UNK] loaded, then failed inside the tokenizer on the
+    first text holding a word it lacks."""
+    d = tiny_checkpoint(tmp_path / "m")
+    spec = json.loads((d / "tokenizer.json").read_text())
+    del spec["model"]["vocab"]["[UNK]"]
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ModelLoadError, match=r"tokenizer.json: the unknown-word token "
+                                             r"\(model.unk_token '\[UNK\]'\) is not in its "
+                                             r"vocabulary"):
+        load(d)
+
+
 def test_misshaped_tensor_is_named(tmp_path):
     d = tiny_checkpoint(tmp_path / "m")
     w = load_file(str(d / "model.safetensors"))

@@ -66,6 +66,12 @@ def load_tokenizer(path: Path, vocab_size: int, *, markers: bool = False):
                              f"original model, or save one with tokenizers' Tokenizer.save") from None
     if not vocab:
         raise ModelLoadError(f"{path} has an empty vocabulary: copy tokenizer.json from the original model")
+    unknown = getattr(tok.model, "unk_token", None)
+    if isinstance(unknown, str) and tok.model.token_to_id(unknown) is None:
+        raise ModelLoadError(f"{path}: the unknown-word token (model.unk_token {unknown!r}) is "
+                             f"not in its vocabulary, so a text with a word the vocabulary "
+                             f"lacks could not be tokenized: copy tokenizer.json from the "
+                             f"original model")
     top = max([*vocab.values(), *probe.ids])
     if top >= vocab_size:
         raise ModelLoadError(f"{path} has token ids up to {top} but config.json's vocab_size is "
