@@ -343,3 +343,17 @@ def test_tokenize_refuses_a_max_length_that_is_not_a_positive_integer(tmp_path, 
                                          f"{max_length!r}"):
         m.tokenize("a cat sat", max_length=max_length)
     assert len(m.tokenize("a cat sat on the mat", max_length=3).ids) == 3
+
+
+def test_a_max_length_past_the_models_positions_is_refused_naming_where_it_came_from(tmp_path):
+    """It kept every token, and the encoder then refused the text ("a sequence has 102
+    tokens but the model has 64 positions"), naming neither."""
+    m = load(tiny_checkpoint(tmp_path / "m"))                   # 64 positions
+    with pytest.raises(ValueError, match=r"^max_length=100 is more than the model's 64 "
+                                         r"positions \(config.json max_position_embeddings\)"):
+        m.tokenize("word " * 100, max_length=100)
+    assert len(m.tokenize("word " * 100, max_length=64).ids) == 64
+    m.sentence.max_seq_length = 100
+    with pytest.raises(ValueError, match=r"^sentence.max_seq_length=100 is more than the "
+                                         r"model's 64 positions"):
+        m.embed(["word " * 100])

@@ -36,9 +36,11 @@ class Tokens(NamedTuple):
     spans: list[tuple[int, int]] | None = None
 
 
-def check_max_length(max_length, positions: int, tokenizer=None) -> int:
+def check_max_length(max_length, positions: int, tokenizer=None, *,
+                     name: str = "max_length") -> int:
     """The tokens a text keeps: ``max_length`` (a positive int, at least the special tokens
-    ``tokenizer`` adds to a text: fewer would cut its markers), or ``positions`` for None.
+    ``tokenizer`` adds to a text: fewer would cut its markers, and at most the model's
+    ``positions``), or ``positions`` for None; an error names it as ``name``.
 
     Example:
         >>> check_max_length(None, 512), check_max_length(8, 512)
@@ -47,6 +49,10 @@ def check_max_length(max_length, positions: int, tokenizer=None) -> int:
         Traceback (most recent call last):
         ...
         ValueError: max_length must be a positive integer (or None: the model's 512 positions), got 0
+        >>> check_max_length(1000, 512)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_length=1000 is more than the model's 512 positions (config.json max_position_embeddings): pass at most 512 (or None)
     """
     post = getattr(tokenizer, "post_processor", None)
     added = 0 if post is None else post.num_special_tokens_to_add(False)
@@ -59,12 +65,16 @@ def check_max_length(max_length, positions: int, tokenizer=None) -> int:
         return positions
     if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral) \
             or max_length < 1:
-        raise ValueError(f"max_length must be a positive integer (or None: the model's "
+        raise ValueError(f"{name} must be a positive integer (or None: the model's "
                          f"{positions} positions), got {max_length!r}")
+    if max_length > positions:
+        raise ValueError(f"{name}={max_length} is more than the model's {positions} positions "
+                         f"(config.json max_position_embeddings): pass at most {positions} (or "
+                         f"None)")
     if max_length < added:
-        raise ValueError(f"max_length={max_length} is shorter than the "
+        raise ValueError(f"{name}={max_length} is shorter than the "
                          f"{counted(added, 'special token')} the tokenizer adds to every text "
-                         f"(BERT's [CLS] and [SEP], say): pass max_length={added} or more")
+                         f"(BERT's [CLS] and [SEP], say): pass {name}={added} or more")
     return int(max_length)
 
 
@@ -298,6 +308,8 @@ class Pretrained:
         if self.sentence.pooling not in POOLINGS.values():           # (set after loading?)
             raise ValueError(f"sentence.pooling must be 'mean' or 'cls', got "
                              f"{self.sentence.pooling!r}: the poolings multihead runs")
+        check_max_length(self.sentence.max_seq_length, self.config.max_position_embeddings,
+                         self.tokenizer, name="sentence.max_seq_length")     # (it may be set)
         prompt = self._prompt(prompt_name, prompt)
         skip = 0 if not prompt or self.sentence.include_prompt else self._prompt_length(prompt)
         E = self.config.hidden_size
