@@ -124,6 +124,25 @@ def test_a_stack_with_more_layers_than_its_config_is_refused(tmp_path):
         load(d)
 
 
+@pytest.mark.parametrize("kind, name", [("gpt2", "transformer.h.1.ln_2.bias"),
+                                        ("llama", "model.layers.1.post_attention_layernorm.weight"),
+                                        ("gpt2", "h.1.ln_2.bias")],
+                         ids=["gpt2", "llama", "gpt2 without its prefix"])
+def test_a_missing_tensor_is_named_not_counted(dirs, tmp_path, kind, name):
+    """One missing tensor was reported as the network needing more values than the
+    checkpoint holds (is model_type right? are its sizes?), never naming it (Llama's file
+    also holds its lm_head, so there transformers' list of missing tensors names it)."""
+    d = _edited(dirs, kind, tmp_path)
+    bare = not name.startswith(("transformer.", "model."))
+    rewrite_weights(d, lambda w: [w.update({k.split(".", 1)[1] if bare else k: w.pop(k)
+                                            for k in list(w) if k.startswith("transformer.")}),
+                                  w.pop(name)])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors(:| lacks) 1 (missing )?tensor"
+                       r"\(s\) (of|for) config\.json's " + kind) as e:   # (llama: transformers'
+        load(d)                                             # list, its lm_head making up the count)
+    assert name.split(".", 1)[-1 if kind == "llama" else 0] in str(e.value)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
 def test_weights_that_are_not_floats_are_refused(dirs, tmp_path, dtype):
     d = _edited(dirs, "llama", tmp_path)

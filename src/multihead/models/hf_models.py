@@ -517,10 +517,15 @@ def _check_size(transformers, hf_config, weights: Path, kind: str, header: dict 
         raise ModelLoadError(f"{config_file} is not a usable {kind} config.json "
                              f"({first_line(e)})") from None
     prefix = getattr(network, "base_model_prefix", "")
+    missing, found = [], 0                   # (named as the checkpoint names its tensors)
+    prefixed = bool(prefix) and any(k.startswith(prefix + ".") for k in header)
     for name, p in network.named_parameters():
         key = _file_key(name, header, prefix)
         info, where = header.get(key, (None, None))
-        if info is not None:
+        if info is None:
+            missing.append(key if prefixed else name)
+        else:
+            found += p.numel()
             check_float(where, repr(key), info)
         if info is not None and info.shape != tuple(p.shape):
             raise ModelLoadError(f"{where}: tensor {key!r} is {info.shape} there, but "
@@ -529,6 +534,10 @@ def _check_size(transformers, hf_config, weights: Path, kind: str, header: dict 
                                  f"it another model's config.json?)")
     need = sum(p.numel() for p in network.parameters())
     held = sum(math.prod(t.shape) for t, _ in header.values())
+    if need > held and found >= need / 2:    # most of it there: a few tensors are not
+        raise ModelLoadError(f"{weights} lacks {len(missing)} tensor(s) of config.json's "
+                             f"{kind} network, e.g. {show(missing[:3], 200)}: the checkpoint is "
+                             f"incomplete; re-download or re-export it")
     if need > held:
         raise ModelLoadError(f"{config_file} describes a {kind} network of "
                              f"{need:,} parameters, but {weights} holds {held:,} values: the "
