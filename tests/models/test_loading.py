@@ -357,3 +357,11 @@ def test_a_max_length_past_the_models_positions_is_refused_naming_where_it_came_
     with pytest.raises(ValueError, match=r"^sentence.max_seq_length=100 is more than the "
                                          r"model's 64 positions"):
         m.embed(["word " * 100])
+
+
+def test_a_model_loaded_from_dot_is_named_after_its_folder(tmp_path, monkeypatch):
+    d = tiny_checkpoint(tmp_path / "tiny-bert")
+    monkeypatch.chdir(d)
+    assert load(".").name == "tiny-bert"
+    monkeypatch.chdir(d / "..")
+    assert load("tiny-bert/").name == "tiny-bert"

@@ -355,9 +355,10 @@ def _quiet(transformers):
 
 
 def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
-            device: str | torch.device = "cpu") -> HFModel:
+            device: str | torch.device = "cpu", name: str | None = None) -> HFModel:
     """Load a GPT-2, Llama, Mistral, Qwen2 (a :class:`Decoder`) or BART (an
-    :class:`EncoderDecoder`) directory; see :func:`multihead.models.load`.
+    :class:`EncoderDecoder`) directory; see :func:`multihead.models.load` (``name``: the
+    model's, its folder's by default).
 
     Raises:
         ModelLoadError: a missing or unusable file, ``transformers`` not installed (the message
@@ -430,7 +431,7 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
                       "the checkpoint is corrupt; re-export it")
     _check_rotary(network, str(config_file), getattr(hf_config, "rope_parameters", None))
     model = Decoder if kind in DECODER_TYPES else EncoderDecoder
-    return model(network.to(device).eval(), tokenizer, config, d, d.name)
+    return model(network.to(device).eval(), tokenizer, config, d, name or d.resolve().name)
 
 
 def _check_rotary(network: torch.nn.Module, source: str, rope) -> None:

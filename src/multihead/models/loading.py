@@ -96,11 +96,11 @@ def load(model_dir: str | Path | None = None, *, dtype: torch.dtype = torch.floa
     if model_dir is not None and not isinstance(model_dir, (str, os.PathLike)):
         raise TypeError(f"model_dir must be a path (str or pathlib.Path), got {show(model_dir)}")
     d = default_model_dir() if model_dir is None else Path(model_dir)
-    name = DEFAULT_NAME if model_dir is None else d.name
-    kind = model_type(d)
+    name = DEFAULT_NAME if model_dir is None else os.path.basename(os.path.abspath(d))
+    kind = model_type(d)                           # (the folder's name: "." and ".." too)
     if kind in HF_TYPES:
         from .hf_models import load_hf
-        return load_hf(d, dtype=dtype, device=device)
+        return load_hf(d, dtype=dtype, device=device, name=name)
     return _load_bert(d, name, dtype, device)
 
 
