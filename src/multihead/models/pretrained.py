@@ -26,7 +26,9 @@ PACK_TOKENS = 16384
 class Tokens(NamedTuple):
     """One tokenized text: ``ids`` (S,), the token strings, whether it was truncated, and
     each token's word (the tokenizer's word ids: the pieces of one word share one; None for
-    a special token) and characters in the text (``(start, end)``; a special token's: (0, 0))."""
+    a marker the tokenizer adds, such as [CLS]) and characters in the text (``(start,
+    end)``; a marker's: (0, 0)). A special token written in the text (``"[MASK]"``) is one
+    of its words, with its characters, as in ``transformers``."""
 
     ids: torch.Tensor
     tokens: list[str]
