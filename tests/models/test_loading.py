@@ -365,3 +365,14 @@ def test_a_model_loaded_from_dot_is_named_after_its_folder(tmp_path, monkeypatch
     assert load(".").name == "tiny-bert"
     monkeypatch.chdir(d / "..")
     assert load("tiny-bert/").name == "tiny-bert"
+
+
+def test_a_sharded_bert_checkpoint_is_refused_saying_so(tmp_path):
+    d = tiny_checkpoint(tmp_path / "m")
+    (d / "model.safetensors").rename(d / "model-00001-of-00001.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"embeddings.word_embeddings.weight": "model-00001-of-00001.safetensors"}}))
+    with pytest.raises(ModelLoadError, match=r"has no model.safetensors: it holds shards "
+                                             r"\(model.safetensors.index.json\), which the BERT "
+                                             r"loader does not read"):
+        load(d)

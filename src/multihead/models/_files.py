@@ -163,4 +163,8 @@ def check_model_dir(d: Path, weights: tuple[str, ...] = ("model.safetensors",)) 
         if any(d.glob("pytorch_model*.bin")):
             hint = (": weights are read only from safetensors (a pickled pytorch_model.bin is "
                     "never loaded); convert it with safetensors.torch.save_file")
+        elif (d / "model.safetensors.index.json").is_file():
+            hint = (": it holds shards (model.safetensors.index.json), which the BERT loader "
+                    "does not read (BERT-family models fit one file): save them as one, e.g. "
+                    "with transformers' save_pretrained(dir, max_shard_size=\"10GB\")")
         raise ModelLoadError(f"{d} has no {' or '.join(weights)}{hint}")
