@@ -56,6 +56,10 @@ BAD = [
        r"padding: lengths_or_mask must be lengths \(a list of ints or a 1-D integer tensor "
        r"\(B,\)\) or a \(B, S\) bool tensor, got .*\((str|NoneType|list)\)")
       for bad in ("32", None, [3, None])),
+    ("mask to a dtype", lambda: M.padding([3]).to(torch.float16), TypeError,
+     r"Mask.to takes a device \(a torch.device or a name such as 'cuda:0'\), got torch.float16"),
+    ("mask to nothing", lambda: (M.causal() & M.sliding_window(2)).to(3.5), TypeError,
+     r"Mask.to takes a device .*got 3.5"),
     ("padding ragged", lambda: M.padding([[3, 2], [1]]), ValueError,
      r"padding: lengths_or_mask \[\[3, 2\], \[1\]\] cannot be a tensor \(expected sequence"),
     ("padding overflow", lambda: M.padding([2 ** 70]), ValueError,

@@ -829,3 +829,10 @@ def test_a_mask_whose_bias_broadcasts_over_the_queries_runs_on_the_gqa_fold():
     assert "folded" in str(mh.explain(q, k, k, mask=KeyBias(), backend="sdpa"))
     torch.testing.assert_close(mh.attention(q, k, k, mask=KeyBias(), backend="sdpa"),
                                mh.attention(q, k, k, mask=KeyBias(), backend="reference"))
+
+
+def test_an_empty_list_of_lengths_or_ids_is_an_empty_batch_not_floats():
+    """torch makes [] a float tensor: padding([]) was refused for a dtype never passed."""
+    assert mh.masks.padding([]).batch_size == 0
+    assert mh.masks.padding(torch.tensor([], dtype=torch.long)).batch_size == 0
+    assert mh.masks.document([]).ids.dtype == torch.int64

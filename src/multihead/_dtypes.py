@@ -170,7 +170,10 @@ def host_tensor(name: str, x, expected: str, fix: str) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
     try:
-        return torch.as_tensor(x, device="cpu")
+        t = torch.as_tensor(x, device="cpu")
+        # an empty list has no element to give a dtype (torch's default is float): no lengths
+        # or ids are integers
+        return t.long() if t.numel() == 0 and isinstance(x, (list, tuple)) else t
     except (ValueError, OverflowError) as e:             # ragged, or past int64
         raise ValueError(f"{name} {x!r:.60} cannot be a tensor ({e}): pass {fix}, each below "
                          f"2**63") from None

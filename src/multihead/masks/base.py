@@ -647,8 +647,28 @@ class Mask:
 
         Host tensors are copied without synchronizing the device, and the host facts the
         mask derived from them (lengths, document runs) travel along: build masks from host
-        (CPU) data, then move them.
+        (CPU) data, then move them. A mask keeps its tensors' dtypes (a bias is cast to the
+        scores' dtype by the call).
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> mh.masks.padding(torch.tensor([2, 3])).to("cpu").lengths.device
+            device(type='cpu')
+            >>> mh.masks.causal().to(torch.float16)
+            Traceback (most recent call last):
+            ...
+            TypeError: Mask.to takes a device (a torch.device or a name such as 'cuda:0'), got torch.float16: a mask keeps its dtypes (a bias is cast to the scores' dtype by the call)
         """
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError):
+            raise TypeError(f"Mask.to takes a device (a torch.device or a name such as "
+                            f"'cuda:0'), got {device!r:.60}: a mask keeps its dtypes (a bias "
+                            f"is cast to the scores' dtype by the call)") from None
+        return self._to(device)
+
+    def _to(self, device) -> "Mask":
+        """:meth:`to` for a device it checked; a mask that holds tensors moves them."""
         return self
 
     def _moved(self, device, *names: str) -> "Mask":

@@ -171,7 +171,7 @@ class _Binary(Mask):
         sa, sb = self.a.structure(), self.b.structure()
         return None if sa is None or sb is None or not self.memoizable else (self.op, sa, sb)
 
-    def to(self, device):
+    def _to(self, device):
         return type(self)(self.a.to(device), self.b.to(device))
 
     def _preview_size(self):
@@ -307,7 +307,7 @@ class Not(Mask):
         """The mask complemented. Read-only."""
         return self._m
 
-    def to(self, device):
+    def _to(self, device):
         return Not(self.m.to(device))
 
     def _preview_size(self):

@@ -93,7 +93,7 @@ class Positioned(Mask):
     def _tensors(self):
         return [self.q_positions, self.k_positions, *self.m._tensors()]
 
-    def to(self, device) -> "Positioned":
+    def _to(self, device) -> "Positioned":
         new = self._moved(device, "q_positions", "k_positions")
         new._m = self.m.to(device)
         return new

@@ -260,7 +260,7 @@ class Padding(Mask):
     def _tensors(self):
         return [self.lengths if self.real is None else self.real]
 
-    def to(self, device):
+    def _to(self, device):
         return self._moved(device, "lengths", "real")
 
     def may_have_empty_rows(self, sq: int, sk: int) -> bool:
@@ -474,7 +474,7 @@ class Document(Mask):
     def _tensors(self):
         return [self.ids] + ([self.kv_ids] if self.kv_ids is not None else [])
 
-    def to(self, device):
+    def _to(self, device):
         if self.ids.device.type == "cpu" and self.kv_ids is None:
             self.runs()                                    # free on the host: take it along
         return self._moved(device, "ids", "kv_ids")

@@ -102,7 +102,7 @@ class Dense(Mask):
     def _tensors(self):
         return [self.t]
 
-    def to(self, device):
+    def _to(self, device):
         return self._moved(device, "t")
 
     def structure(self):
@@ -189,7 +189,7 @@ class Bias(Mask):
     def _tensors(self):
         return [self.raw]
 
-    def to(self, device):
+    def _to(self, device):
         return self._moved(device, "raw")
 
     def structure(self):
