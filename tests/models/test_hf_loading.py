@@ -220,3 +220,9 @@ def test_values_float16_cannot_hold_are_named_as_such(dirs, tmp_path):
             "torch.float16 cannot hold the checkpoint's values (F32 there): load with "
             "dtype=torch.float32")):
         load(d, dtype=torch.float16)
+
+
+def test_a_decoder_loaded_from_dot_is_named_after_its_folder(dirs, tmp_path, monkeypatch):
+    d = _edited(dirs, "gpt2", tmp_path)
+    monkeypatch.chdir(d)
+    assert load(".").name == "gpt2"

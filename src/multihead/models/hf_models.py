@@ -366,6 +366,7 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
             NaN/inf weights; the message names the file.
     """
     d = Path(d)
+    title = name or os.path.basename(os.path.abspath(d))
     check_model_dir(d, WEIGHT_FILES)
     config_file = d / "config.json"
     raw = read_object(config_file, hint="copy config.json from the original model")
@@ -431,7 +432,7 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
                       "the checkpoint is corrupt; re-export it")
     _check_rotary(network, str(config_file), getattr(hf_config, "rope_parameters", None))
     model = Decoder if kind in DECODER_TYPES else EncoderDecoder
-    return model(network.to(device).eval(), tokenizer, config, d, name or d.resolve().name)
+    return model(network.to(device).eval(), tokenizer, config, d, title)
 
 
 def _check_rotary(network: torch.nn.Module, source: str, rope) -> None:
