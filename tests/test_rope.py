@@ -362,6 +362,12 @@ def test_rotate_broadcasts_an_input_of_one_sequence_over_positions_per_sequence(
     torch.testing.assert_close(rk[1:], rope(k, 5))
     kq, qk = rope.rotate(k, q, positions=p)             # the one sequence first, too
     assert kq.shape == (2, 2, 3, 8) and torch.equal(kq, rk) and torch.equal(qk, rq)
+    with pytest.raises(ValueError, match=r"positions of shape \(3, 3\) hold one row per "
+                                         r"sequence, but the inputs are \[\(2, 4, 3, 8\), "
+                                         r"\(3, 2, 3, 8\)\]"):
+        rope.rotate(q, torch.randn(3, 2, 3, 8), positions=torch.arange(9).view(3, 3))
+    a, b = rope.rotate(q, torch.randn(3, 2, 3, 8), positions=5)    # (one row: any batches)
+    assert a.shape == (2, 4, 3, 8) and b.shape == (3, 2, 3, 8)
 
 
 def test_rotate_needs_tensors_of_one_length_and_takes_numpy_ints():
@@ -702,7 +708,7 @@ def test_frequencies_written_that_cannot_serve_are_named_at_the_call(write, matc
         return
     learned = mh.RotaryEmbedding(8)
     learned.inv_freq.requires_grad_()
-    with pytest.raises(ValueError, match=r"inv_freq is a learned buffer here \(it requires"):
+    with pytest.raises(ValueError, match=r"inv_freq is a learned buffer \(it requires grad\) here"):
         learned.base = 500000.0
     assert learned.inv_freq.requires_grad and learned.base == 10000.0
     rope.base = rope.base                     # setting the base rebuilds the frequencies
@@ -747,6 +753,14 @@ def test_loading_into_learned_frequencies_copies_into_them_and_copies_share_noth
     assert torch.equal(mod.out_proj.weight, src.out_proj.weight)
     mod(torch.randn(1, 3, 32)).sum().backward()
     assert held.grad is not None and held.grad.abs().sum() > 0
+    mod.load_state_dict(state, assign=True)              # replaced, as torch's assign does,
+    assert mod.rope.inv_freq is not held and mod.rope.inv_freq.requires_grad     # still learned
+    assert torch.equal(mod.rope.inv_freq, state["rope.inv_freq"])
+    bad = {**state, "rope.inv_freq": torch.full((4,), float("nan"))}
+    before = mod.rope.inv_freq.detach().clone()
+    with pytest.raises(RuntimeError, match=r"inv_freq holds NaN or inf in the checkpoint"):
+        mod.rope.load_state_dict({"inv_freq": bad["rope.inv_freq"]})
+    assert torch.equal(mod.rope.inv_freq, before)        # (a Parameter was written first)
     plain = mh.RotaryEmbedding(8)
     shallow = copy.copy(plain)
     assert "inv_freq" not in plain.state_dict() and "inv_freq" not in shallow.state_dict()

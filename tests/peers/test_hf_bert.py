@@ -112,6 +112,9 @@ def test_do_lower_case_is_followed_as_sentence_transformers_does(tmp_path):
     from tokenizers import Tokenizer
     assert Tokenizer.from_file(str(d / "tokenizer.json")).encode(texts[1]).tokens[1] == "[UNK]"
     assert ours.tokenize(texts[2]).tokens[1:4] == ["hello", "[MASK]", "world"]
+    ours.sentence.lower_case = False                     # (followed when set after loading)
+    assert ours.tokenize(texts[1]).tokens[1] == "[UNK]"
+    ours.sentence.lower_case = True
     t = ours.tokenize(texts[4])
     assert [texts[4][a:b] for a, b in t.spans[-3:-1]] == ["big", "cat"]
     torch.testing.assert_close(ours.embed(texts), want.cpu(), atol=2e-6, rtol=1e-5)

@@ -123,10 +123,10 @@ class Explanation:
             lines.append(f"note: the chosen plan reads the device back "
                          f"({self.plan.work.syncs} host syncs)")
         if self.fresh is not None:
-            lines.append(f"note: attention() runs {self.chosen}, auto's earlier choice for "
-                         f"calls of this structure, not {self.fresh}, its choice for this call "
-                         f"alone (mh.functional.dispatch.clear_cache() forgets the earlier "
-                         f"choices)")
+            lines.append(f"note: attention() runs {self.chosen}, a choice auto kept from an "
+                         f"earlier call (of these arguments, or of calls of this structure), "
+                         f"not {self.fresh}, its choice for this call alone "
+                         f"(mh.functional.dispatch.clear_cache() forgets kept choices)")
         return "\n".join(lines)
 
     __repr__ = __str__

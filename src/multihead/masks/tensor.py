@@ -56,7 +56,7 @@ def _check_broadcast(mask: Mask, t: torch.Tensor, batch, heads, sq, sk) -> None:
     want = (batch, heads, sq, sk)
     if any(n != 1 and n != w for n, w in zip(t.shape, want)):     # (symbolic sizes: no `in`)
         hint = ""
-        if t.shape[:2] == (1, 1) and t.shape[2] == batch and t.shape[3] in (sk, 1):
+        if t.shape[:2] == (1, 1) and t.shape[2] == batch and t.shape[3] == sk:
             hint = "; a (B, Sk) key padding " + (
                 "mask goes in as mh.masks.padding(mask) (True = real token) or as "
                 if t.dtype == torch.bool else "bias goes in as ") + "mask[:, None, None, :]"

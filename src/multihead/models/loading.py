@@ -32,7 +32,7 @@ from .bert import BertConfig, BertEncoder, UnsupportedModel
 from .checkpoint import check_header, expected_tensors, read_header, read_weights, to_ours
 from .hf_models import DECODER_TYPES, ENCODER_DECODER_TYPES, HF_TYPES
 from .sentence import SentenceConfig, sentence_config
-from .tokenizer import load_tokenizer, lower_cased
+from .tokenizer import load_tokenizer
 
 __all__ = ["ModelLoadError", "SentenceConfig", "default_model_dir", "expected_tensors", "load"]
 
@@ -147,8 +147,6 @@ def _load_bert(d: Path, name: str, dtype: torch.dtype, device: torch.device):
     prefix = check_header(weights, read_header(weights), config, d / "config.json")
     sentence = sentence_config(d, config)
     tokenizer = load_tokenizer(d / "tokenizer.json", config.vocab_size, markers=True)
-    if sentence.lower_case:
-        tokenizer = lower_cased(tokenizer)
     state = to_ours(read_weights(weights, config, prefix), config, dtype, weights)
     with skip_init():       # every parameter is assigned below: random init would be wasted
         encoder = BertEncoder(config, dtype=dtype)

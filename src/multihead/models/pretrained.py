@@ -18,6 +18,7 @@ from .._args import counted, positive_int
 from .._progress import track
 from .bert import BertConfig, BertEncoder, EncoderOutput
 from .sentence import POOLINGS, SentenceConfig
+from .tokenizer import lower_cased
 
 #: tokens per packed forward in :meth:`Pretrained.embed` (bounds peak memory)
 PACK_TOKENS = 16384
@@ -256,7 +257,20 @@ class Pretrained:
         """
         texts = check_texts(texts)
         limit = check_max_length(max_length, self.config.max_position_embeddings, self.tokenizer)
-        return [kept_tokens(enc, limit) for enc in self.tokenizer.encode_batch(texts)]
+        return [kept_tokens(enc, limit) for enc in self._texts_tokenizer().encode_batch(texts)]
+
+    def _texts_tokenizer(self):
+        """The tokenizer texts go through: :attr:`tokenizer`, made to lower-case them first
+        (see :func:`.tokenizer.lower_cased`) while ``sentence.lower_case`` says so; that copy
+        is kept, and made again for another :attr:`tokenizer`."""
+        if not self.sentence.lower_case:
+            return self.tokenizer
+        kept_copy = self.__dict__.get("_lower_cased")
+        if kept_copy is None or kept_copy[0] is not self.tokenizer:
+            copy = type(self.tokenizer).from_str(self.tokenizer.to_str())
+            kept_copy = (self.tokenizer, lower_cased(copy))
+            self.__dict__["_lower_cased"] = kept_copy
+        return kept_copy[1]
 
     def query_pieces(self, word: str) -> list[list[str]]:
         """The word pieces ``word`` becomes in a text (one way for BERT's WordPiece).
@@ -266,7 +280,7 @@ class Pretrained:
             >>> load().query_pieces("Tired")
             [['tired']]
         """
-        return [self.tokenizer.encode(word, add_special_tokens=False).tokens]
+        return [self._texts_tokenizer().encode(word, add_special_tokens=False).tokens]
 
     @property
     def device(self) -> torch.device:
@@ -296,7 +310,8 @@ class Pretrained:
         ``prompt`` (its text; ``""`` for none), else the one named ``prompt_name`` in
         ``sentence.prompts``, else the model's default (``sentence.default_prompt_name``).
         Its tokens are pooled with the text's unless the Pooling config's
-        ``include_prompt`` is false.
+        ``include_prompt`` is false. (Passing both ``prompt`` and ``prompt_name`` is an
+        error; sentence-transformers warns and takes ``prompt``.)
 
         Example:
             >>> from multihead.models import load
@@ -360,7 +375,7 @@ class Pretrained:
     def _prompt_length(self, prompt: str) -> int:
         """The tokens a text's ``prompt`` takes at its start, its leading [CLS] included (as
         sentence-transformers counts them: the prompt alone, without its closing [SEP])."""
-        enc = self.tokenizer.encode(prompt)
+        enc = self._texts_tokenizer().encode(prompt)
         keep = kept(enc.special_tokens_mask, self.sentence.max_seq_length)
         return len(keep) - (1 if enc.special_tokens_mask[keep[-1]] else 0)
 

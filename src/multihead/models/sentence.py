@@ -40,7 +40,8 @@ class SentenceConfig:
         max_seq_length: the most tokens a text keeps, its prompt included.
         pooling: ``"mean"`` or ``"cls"``.
         normalize: whether embeddings are scaled to length 1.
-        lower_case: texts are lower-cased by the tokenizer (``do_lower_case``).
+        lower_case: texts are lower-cased by the tokenizer, after it finds special tokens
+            (``do_lower_case``).
         prompts: prompt name -> the text put before each text (``config_sentence_transformers.json``).
         default_prompt_name: the prompt every text gets unless another is asked for, or None.
         include_prompt: whether a prompt's tokens are pooled with the text's.

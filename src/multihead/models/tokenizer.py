@@ -18,6 +18,9 @@ from ._files import ModelLoadError, first_line, is_library_error
 
 #: the largest tokenizer.json read (large multilingual ones are about 35 MB)
 TOKENIZER_LIMIT = 256 * 2**20
+#: a text made of characters no vocabulary holds as words (rare symbols): encoding it needs
+#: the tokenizer's unknown token, or byte-level pieces
+RARE = "\U0001F9FF\u2603\u27C1 q\u0336\u0337x"
 #: the least share of config.json's vocab_size a model's own tokenizer covers: checkpoints
 #: pad their embedding past the tokenizer by a few rows (Phi-2: 50,295 of 51,200, 98%), so a
 #: tokenizer far smaller than the embedding is another model's (BERT's 30,522 on GPT-2's 50,257)
@@ -66,12 +69,15 @@ def load_tokenizer(path: Path, vocab_size: int, *, markers: bool = False):
                              f"original model, or save one with tokenizers' Tokenizer.save") from None
     if not vocab:
         raise ModelLoadError(f"{path} has an empty vocabulary: copy tokenizer.json from the original model")
-    unknown = getattr(tok.model, "unk_token", None)
-    if isinstance(unknown, str) and tok.model.token_to_id(unknown) is None:
-        raise ModelLoadError(f"{path}: the unknown-word token (model.unk_token {unknown!r}) is "
-                             f"not in its vocabulary, so a text with a word the vocabulary "
-                             f"lacks could not be tokenized: copy tokenizer.json from the "
-                             f"original model")
+    try:                     # a word no vocabulary holds: WordPiece needs its unknown token
+        tok.encode(RARE)
+    except BaseException as e:
+        if not is_library_error(e):
+            raise
+        raise ModelLoadError(f"{path} cannot tokenize a word its vocabulary lacks "
+                             f"({first_line(e)}; its model.unk_token is "
+                             f"{getattr(tok.model, 'unk_token', None)!r}): copy tokenizer.json "
+                             f"from the original model") from None
     top = max([*vocab.values(), *probe.ids])
     if top >= vocab_size:
         raise ModelLoadError(f"{path} has token ids up to {top} but config.json's vocab_size is "

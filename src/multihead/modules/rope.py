@@ -94,7 +94,7 @@ def _check_values(positions: torch.Tensor) -> tuple[int, int] | None:
             raise ValueError(f"RotaryEmbedding: positions reach {lo if -lo > hi else hi}, "
                              f"past ±2**53, where "
                              f"positions stop being exact even in float64: pass positions "
-                             f"below it")
+                             f"within it")
         return lo, hi
     exact = HALF_EXACT.get(positions.dtype)
     if exact is not None and bool((positions.abs() > exact).any()):
@@ -154,8 +154,9 @@ class RotaryEmbedding(nn.Module):
     ``1 / base^(2i/D)``) keep the table, and loading into written frequencies copies into
     them. Learned frequencies (``inv_freq.requires_grad_()``, or an ``nn.Parameter``) get
     gradients from every kind of position; a load copies into them whatever it holds (an
-    optimizer holding them goes on), casts keep them in fp32, and setting ``base`` is
-    refused (write into them instead). ``repr`` says when the frequencies are not
+    optimizer holding them goes on; with ``assign=True`` they are replaced, and still
+    learn), casts keep them in fp32, and setting ``base`` is refused (write into them
+    instead). ``repr`` says when the frequencies are not
     ``base``'s (``inv_freq=written`` or ``learned``).
 
     Example:
@@ -233,11 +234,12 @@ class RotaryEmbedding(nn.Module):
     @base.setter
     def base(self, value) -> None:
         if "inv_freq" in self._parameters or self.inv_freq.requires_grad:
-            kind = "nn.Parameter" if "inv_freq" in self._parameters else "buffer"
-            raise ValueError(f"RotaryEmbedding: inv_freq is a learned {kind} here (it requires "
-                             f"grad); setting base would replace it with new frequencies that "
-                             f"do not learn: write new frequencies into it instead (with "
-                             f"torch.no_grad(): rope.inv_freq.copy_(...))")
+            kind = "nn.Parameter" if "inv_freq" in self._parameters else \
+                "buffer (it requires grad)"
+            raise ValueError(f"RotaryEmbedding: inv_freq is a learned {kind} here; setting base "
+                             f"would replace it with new frequencies that do not learn: write "
+                             f"new frequencies into it instead (with torch.no_grad(): "
+                             f"rope.inv_freq.copy_(...))")
         self._base = _check_base(value)
         self._set_canonical(self.inv_freq.device)
 
@@ -293,18 +295,21 @@ class RotaryEmbedding(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        key = prefix + "inv_freq"
+        problem = self._optional_problem("inv_freq", state_dict[key]) if key in state_dict \
+            else None
+        if problem:                  # (before torch's loading copies into an nn.Parameter)
+            error_msgs.append(f"{prefix}{problem}")
+            state_dict = {k: v for k, v in state_dict.items() if k != key}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)
-        key = prefix + "inv_freq"
+        if problem and key in missing_keys:
+            missing_keys.remove(key)
         if key not in state_dict:
             return
         if key in unexpected_keys:
             unexpected_keys.remove(key)
         freq = state_dict[key]
-        problem = self._optional_problem("inv_freq", freq)
-        if problem:
-            error_msgs.append(f"{prefix}{problem}")
-            return
         if "inv_freq" in self._parameters:            # an nn.Parameter: torch's loading
             return                                    # copied into it (or assigned it)
         mine, assign = self.inv_freq, local_metadata.get("assign_to_params_buffers", False)
@@ -312,7 +317,10 @@ class RotaryEmbedding(nn.Module):
         if device.type == "meta":                     # shapes only: nothing to compare
             self._buffers["inv_freq"] = torch.empty_like(freq, device="meta")
             self._canonical = (None, -1, -1, None)
-        elif mine.requires_grad and not assign:       # learned: copied into, so an
+        elif mine.requires_grad and assign:           # learned: replaced, still learned
+            self._buffers["inv_freq"] = freq.detach().requires_grad_()   # (as torch's Parameters)
+            self._canonical = (None, -1, -1, None)
+        elif mine.requires_grad:                      # learned: copied into, so an
             with torch.no_grad():                     # optimizer holding it goes on
                 mine.copy_(freq)
         elif self._built(freq):                       # the table serves them
@@ -472,8 +480,12 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RotaryEmbedding: positions are on the meta device (they hold no "
                              f"values) and the inputs on {device}: pass positions on "
                              f"{device}" + ("" if device.type == "cpu" else " or the CPU"))
+        # (positions per sequence: the batch of any input; inputs that disagree are named
+        # by rotate)
         batches = [t.shape[0] for t in xs if t.dim() == 4 and t.shape[0] != 1]
         B = batches[0] if batches else 1
+        if positions.dim() == 2 and positions.shape[0] in batches:
+            B = positions.shape[0]
         if positions.dim() not in (1, 2) or positions.shape[-1] != S or (
                 positions.dim() == 2 and positions.shape[0] != 1 and positions.shape[0] != B):
             B, S = concrete(B), concrete(S)
