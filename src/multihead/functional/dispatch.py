@@ -385,21 +385,30 @@ def _plan_keys(q, k, v, mask, scale, dropout_p, backend, return_weights, return_
     return key, free, decision
 
 
+def _slot(key: tuple, mask):
+    """Where the decision of a call with plan key ``key`` is kept: ``("shared", its key in
+    the plan cache)`` (no mask, or one made of ints: shared by equal masks), ``("mask",
+    the mask's cache arguments)`` (a mask holding tensors keeps it), or ``(None, None)``
+    (raw tensors, user masks that say nothing: not kept)."""
+    if mask is None:
+        return "shared", (key, None)
+    if isinstance(mask, M.Mask) and mask.memoizable:
+        mask_key = mask.cache_key()
+        if mask_key is not None:
+            return "shared", (key, mask_key)
+        return "mask", (key, mask.requires_grad)
+    return None, None
+
+
 def _kept_decision(args: tuple):
     """The decision ``attention(*args)`` takes from a cache, or None where it decides
     (then auto may still take its choice for the call's structure); looks only."""
     key, _, decision = _plan_keys(*args, lookup=BoundedCache.peek)
-    mask = args[3]
     if decision is not None or key is None:
         return decision
-    if mask is None:
-        return _DECISIONS.peek((key, None))
-    if isinstance(mask, M.Mask) and mask.memoizable:
-        mask_key = mask.cache_key()
-        if mask_key is not None:
-            return _DECISIONS.peek((key, mask_key))
-        return mask.kept("plan", (key, mask.requires_grad))
-    return None
+    where, slot = _slot(key, args[3])
+    return _DECISIONS.peek(slot) if where == "shared" else \
+        args[3].kept("plan", slot) if where == "mask" else None
 
 
 def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
@@ -455,22 +464,17 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
     if decision is not None:
         free = None                                 # found: nothing to offer the cache
     call = None
-    if key is None or decision is not None:
-        pass
-    elif mask is None:
-        call, decision = _shared_decision((key, None), args)
-    elif isinstance(mask, M.Mask) and mask.memoizable:
-        mask_key = mask.cache_key()
-        if mask_key is not None:                    # made of ints: shared by equal masks
-            call, decision = _shared_decision((key, mask_key), args)
-        else:                                       # holds tensors: kept on the mask
-            made = []
+    where, slot = _slot(key, mask) if key is not None and decision is None else (None, None)
+    if where == "shared":
+        call, decision = _shared_decision(slot, args)
+    elif where == "mask":
+        made = []
 
-            def new():
-                made.append(_new_decision(*args))
-                return made[0][1]
-            decision = mask.cached("plan", (key, mask.requires_grad), new)
-            call = made[0][0] if made else None
+        def new():
+            made.append(_new_decision(*args))
+            return made[0][1]
+        decision = mask.cached("plan", slot, new)
+        call = made[0][0] if made else None
     if decision is None:                            # raw tensors, user masks, compiling
         call, decision = _new_decision(*args)
     if free is not None and decision[0] is not None and decision[0].length_free(decision[1]):
