@@ -361,12 +361,13 @@ class Pretrained:
                 raise ValueError(f"pass prompt or prompt_name, not both (got prompt={text!r} "
                                  f"and prompt_name={name!r})")
             return check_text("prompt", text)
-        prompts = self.sentence.prompts
+        prompts, what = self.sentence.prompts, "prompt_name"
         if name is None:
-            name = self.sentence.default_prompt_name
-            return "" if name is None else prompts[name]
+            name, what = self.sentence.default_prompt_name, "sentence.default_prompt_name"
+            if name is None:
+                return ""
         if not isinstance(name, str) or name not in prompts:
-            raise ValueError(f"prompt_name {name!r} is not one of this model's prompts "
+            raise ValueError(f"{what} {name!r} is not one of this model's prompts "
                              f"({sorted(prompts) or 'it has none'}, from "
                              f"config_sentence_transformers.json): pass one of them, or the "
                              f"prompt's text as prompt=")
