@@ -314,22 +314,17 @@ class RotaryEmbedding(nn.Module):
             return                                    # copied into it (or assigned it)
         mine, assign = self.inv_freq, local_metadata.get("assign_to_params_buffers", False)
         device = freq.device if assign else mine.device     # where it ends up, as torch's
+        learned = mine.requires_grad
         if device.type == "meta":                     # shapes only: nothing to compare
             self._buffers["inv_freq"] = torch.empty_like(freq, device="meta")
             self._canonical = (None, -1, -1, None)
-        elif mine.requires_grad and assign:           # learned: replaced, still learned
-            self._buffers["inv_freq"] = freq.detach().requires_grad_()   # (as torch's Parameters)
-            self._canonical = (None, -1, -1, None)
-        elif mine.requires_grad:                      # learned: copied into, so an
-            with torch.no_grad():                     # optimizer holding it goes on
-                mine.copy_(freq)
-        elif self._built(freq):                       # the table serves them
+        elif not learned and self._built(freq):       # the table serves them
             self._set_canonical(device)
-        elif assign:
-            self._buffers["inv_freq"] = freq
-            self._canonical = (None, -1, -1, None)
-        elif not self._unchanged():                   # written: copied into
-            with torch.no_grad():
+        elif assign:                                  # replaced (learned: still learned, as
+            self._buffers["inv_freq"] = freq.detach().requires_grad_() if learned else freq
+            self._canonical = (None, -1, -1, None)    # torch's Parameters are)
+        elif learned or not self._unchanged():        # learned or written: copied into, so
+            with torch.no_grad():                     # an optimizer holding it goes on
                 mine.copy_(freq)
         else:
             with torch.no_grad():
@@ -374,15 +369,15 @@ class RotaryEmbedding(nn.Module):
         # .to(), .cuda(), .half(): inv_freq moves, but its frequencies keep their precision
         # (a Parameter's data is replaced in place: its values are kept aside first)
         unchanged, before = self._unchanged(), self.inv_freq
-        learned = "inv_freq" in self._parameters
-        values = before.detach().clone() if learned and not unchanged else before
+        parameter = "inv_freq" in self._parameters   # (never unchanged: the table's is a buffer)
+        values = before.detach().clone() if parameter else before
         out = super()._apply(fn, *args, **kwargs)
         after = self.inv_freq
         if unchanged:                                 # exact, fp32, on the new device
             self._set_canonical(after.device)
         elif after.dtype == values.dtype:
             pass
-        elif learned:                                 # the same Parameter, its values kept
+        elif parameter:                               # the same Parameter, its values kept
             with torch.no_grad():
                 after.data = values.to(after.device)
             if after.grad is not None:
@@ -484,8 +479,8 @@ class RotaryEmbedding(nn.Module):
         # by rotate)
         batches = [t.shape[0] for t in xs if t.dim() == 4 and t.shape[0] != 1]
         B = batches[0] if batches else 1
-        if positions.dim() == 2 and positions.shape[0] in batches:
-            B = positions.shape[0]
+        if positions.dim() == 2 and any(positions.shape[0] == b for b in batches):
+            B = positions.shape[0]                   # (symbolic sizes: no `in`)
         if positions.dim() not in (1, 2) or positions.shape[-1] != S or (
                 positions.dim() == 2 and positions.shape[0] != 1 and positions.shape[0] != B):
             B, S = concrete(B), concrete(S)
