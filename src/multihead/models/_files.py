@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 #: the largest JSON side file read (a real config.json is about 1 KB)
@@ -133,6 +134,17 @@ def is_real(value) -> bool:
 #: other tokenizer files, and how to turn them into the tokenizer.json that is read instead
 _TOKENIZER_HINTS = {"vocab.txt": "vocab.txt", "vocab.json": "vocab.json/merges.txt",
                     "tokenizer.model": "a SentencePiece tokenizer.model"}
+
+
+def folder_name(d: Path) -> str:
+    """The name of the folder ``d`` names, also for ``"."``, ``".."`` or a trailing slash
+    (a model's name when it is loaded from a path).
+
+    Example:
+        >>> folder_name(Path("models/minilm/")), folder_name(Path("/a/b/.."))
+        ('minilm', 'a')
+    """
+    return os.path.basename(os.path.abspath(d))
 
 
 def check_model_dir(d: Path, weights: tuple[str, ...] = ("model.safetensors",)) -> None:

@@ -35,8 +35,8 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from ._files import (ModelLoadError, check_model_dir, first_line, is_library_error, read_json,
-                     read_object, show, whole_message)
+from ._files import (ModelLoadError, check_model_dir, first_line, folder_name,
+                     is_library_error, read_json, read_object, show, whole_message)
 from .bert import EncoderOutput, check_ids, check_length
 from .checkpoint import FLOAT_DTYPES, _check_finite, check_float, read_header
 from .pretrained import (Tokens, check_max_length, check_text, check_texts, evaluating,
@@ -366,7 +366,7 @@ def load_hf(d: Path, *, dtype: torch.dtype = torch.float32,
             NaN/inf weights; the message names the file.
     """
     d = Path(d)
-    title = name or os.path.basename(os.path.abspath(d))
+    title = name or folder_name(d)
     check_model_dir(d, WEIGHT_FILES)
     config_file = d / "config.json"
     raw = read_object(config_file, hint="copy config.json from the original model")

@@ -27,7 +27,7 @@ import torch
 from .._device import usable_device
 from .._dtypes import check_dtype
 from .._init import skip_init
-from ._files import ModelLoadError, check_model_dir, read_json, show
+from ._files import ModelLoadError, check_model_dir, folder_name, read_json, show
 from .bert import BertConfig, BertEncoder, UnsupportedModel
 from .checkpoint import check_header, expected_tensors, read_header, read_weights, to_ours
 from .hf_models import DECODER_TYPES, ENCODER_DECODER_TYPES, HF_TYPES
@@ -96,8 +96,8 @@ def load(model_dir: str | Path | None = None, *, dtype: torch.dtype = torch.floa
     if model_dir is not None and not isinstance(model_dir, (str, os.PathLike)):
         raise TypeError(f"model_dir must be a path (str or pathlib.Path), got {show(model_dir)}")
     d = default_model_dir() if model_dir is None else Path(model_dir)
-    name = DEFAULT_NAME if model_dir is None else os.path.basename(os.path.abspath(d))
-    kind = model_type(d)                           # (the folder's name: "." and ".." too)
+    name = DEFAULT_NAME if model_dir is None else folder_name(d)
+    kind = model_type(d)
     if kind in HF_TYPES:
         from .hf_models import load_hf
         return load_hf(d, dtype=dtype, device=device, name=name)

@@ -255,8 +255,11 @@ class Pretrained:
             >>> [len(t.ids) for t in load().tokenize_batch(["hi", "a b c"], max_length=4)]
             [3, 4]
         """
-        texts = check_texts(texts)
         limit = check_max_length(max_length, self.config.max_position_embeddings, self.tokenizer)
+        return self._encode(check_texts(texts), limit)
+
+    def _encode(self, texts: list[str], limit: int) -> list[Tokens]:
+        """:meth:`tokenize_batch` of texts and a limit already checked."""
         return [kept_tokens(enc, limit) for enc in self._texts_tokenizer().encode_batch(texts)]
 
     def _texts_tokenizer(self):
@@ -325,14 +328,15 @@ class Pretrained:
         if self.sentence.pooling not in POOLINGS.values():           # (set after loading?)
             raise ValueError(f"sentence.pooling must be 'mean' or 'cls', got "
                              f"{self.sentence.pooling!r}: the poolings multihead runs")
-        check_max_length(self.sentence.max_seq_length, self.config.max_position_embeddings,
-                         self.tokenizer, name="sentence.max_seq_length")     # (it may be set)
+        limit = check_max_length(self.sentence.max_seq_length,          # (it may be set)
+                                 self.config.max_position_embeddings, self.tokenizer,
+                                 name="sentence.max_seq_length")
         prompt = self._prompt(prompt_name, prompt)
-        skip = 0 if not prompt or self.sentence.include_prompt else self._prompt_length(prompt)
+        skip = 0 if not prompt or self.sentence.include_prompt else \
+            self._prompt_length(prompt, limit)
         E = self.config.hidden_size
         device = self.device
-        toks = self.tokenize_batch([prompt + t for t in texts] if prompt else texts,
-                                   max_length=self.sentence.max_seq_length)
+        toks = self._encode([prompt + t for t in texts] if prompt else texts, limit)
         lengths = torch.tensor([len(t.ids) for t in toks])                       # (n,)
         order = torch.argsort(lengths, descending=True, stable=True).tolist()
         result = torch.empty(len(texts), E, dtype=next(self.encoder.parameters()).dtype)
@@ -373,11 +377,12 @@ class Pretrained:
                              f"prompt's text as prompt=")
         return prompts[name]
 
-    def _prompt_length(self, prompt: str) -> int:
+    def _prompt_length(self, prompt: str, limit: int) -> int:
         """The tokens a text's ``prompt`` takes at its start, its leading [CLS] included (as
-        sentence-transformers counts them: the prompt alone, without its closing [SEP])."""
+        sentence-transformers counts them: the prompt alone, cut at ``limit`` tokens, without
+        its closing [SEP])."""
         enc = self._texts_tokenizer().encode(prompt)
-        keep = kept(enc.special_tokens_mask, self.sentence.max_seq_length)
+        keep = kept(enc.special_tokens_mask, limit)
         return len(keep) - (1 if enc.special_tokens_mask[keep[-1]] else 0)
 
     def _pool(self, h: torch.Tensor, lengths: torch.Tensor, skip: int = 0) -> torch.Tensor:

@@ -61,6 +61,7 @@ def load_tokenizer(path: Path, vocab_size: int, *, markers: bool = False):
         tok.no_truncation()
         vocab = tok.get_vocab()
         probe = tok.encode("hello world")        # runs the normalizer, model and post-processor
+        tok.encode(RARE)                         # a word it lacks: WordPiece's unknown token
         count = tok.get_vocab_size(with_added_tokens=True)
     except BaseException as e:
         if not is_library_error(e):
@@ -69,15 +70,6 @@ def load_tokenizer(path: Path, vocab_size: int, *, markers: bool = False):
                              f"original model, or save one with tokenizers' Tokenizer.save") from None
     if not vocab:
         raise ModelLoadError(f"{path} has an empty vocabulary: copy tokenizer.json from the original model")
-    try:                     # a word no vocabulary holds: WordPiece needs its unknown token
-        tok.encode(RARE)
-    except BaseException as e:
-        if not is_library_error(e):
-            raise
-        raise ModelLoadError(f"{path} cannot tokenize a word its vocabulary lacks "
-                             f"({first_line(e)}; its model.unk_token is "
-                             f"{getattr(tok.model, 'unk_token', None)!r}): copy tokenizer.json "
-                             f"from the original model") from None
     top = max([*vocab.values(), *probe.ids])
     if top >= vocab_size:
         raise ModelLoadError(f"{path} has token ids up to {top} but config.json's vocab_size is "
