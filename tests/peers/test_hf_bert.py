@@ -223,6 +223,12 @@ def test_prompts_and_sentence_transformers_6_pooling_files_embed_as_it_does(tmp_
         ours.embed(texts, prompt_name="doc")
     with pytest.raises(ValueError, match=r"pass prompt or prompt_name, not both"):
         ours.embed(texts, prompt="a", prompt_name="query")
+    with pytest.raises(TypeError, match=r"^prompt must be a str, got int"):
+        ours.embed(texts, prompt=3)
+    ours.sentence.default_prompt_name = "gone"              # (set after loading)
+    with pytest.raises(ValueError, match=r"^sentence.default_prompt_name 'gone' is not one of "
+                                         r"this model's prompts"):
+        ours.embed(texts)
 
 
 @pytest.mark.parametrize("pool, message", [

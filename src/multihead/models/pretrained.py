@@ -321,6 +321,9 @@ class Pretrained:
             >>> e = load().embed(["a cat sat", "the dog ran away"])
             >>> e.shape, [round(float(x), 4) for x in e.norm(dim=1)]
             (torch.Size([2, 384]), [1.0, 1.0])
+            >>> q = load().embed(["a cat sat"], prompt="query: ")      # (MiniLM has no prompts)
+            >>> round(float(q[0] @ e[0]), 2) < 1
+            True
         """
         texts = check_texts(texts)
         pack_tokens = positive_int("pack_tokens", pack_tokens,
