@@ -217,6 +217,24 @@ def test_repr_draws_the_mask():
 
 
 @pytest.mark.parametrize("make", [
+    lambda: M.sliding_window(2) & M.padding([3]),
+    lambda: (M.sliding_window(2) & M.padding([3])) & M.causal(),
+    lambda: M.causal() & (M.padding([3]) & M.sliding_window(2)),
+    lambda: ~(~M.sliding_window(2) | ~M.padding([3])),
+], ids=["window-padding", "nested-left", "nested-right", "complement"])
+def test_repr_draws_a_composition_where_it_allows_something(make):
+    """A window's preview (4 queries, 8 keys, lower right) keeps no key of a padding to
+    3: the composition was drawn as an empty grid. It is drawn at the padding's 3 by 3,
+    and as the mask itself gives it there."""
+    m = make()
+    lines = repr(m).splitlines()
+    assert "Sq=3, Sk=3" in lines[1], lines
+    want = m.materialize(3, 3)[0, 0]
+    assert want.any() and lines[2:] == ["  " + " ".join("1" if x else "." for x in row)
+                                        for row in want.tolist()]
+
+
+@pytest.mark.parametrize("make", [
     lambda: M.causal() & M.padding(torch.ones(2, 5, dtype=torch.bool)),
     lambda: M.padding(torch.ones(1, 5, dtype=torch.bool), side="query") | M.sliding_window(9),
     lambda: ~M.dense(torch.ones(1, 1, 5, 5, dtype=torch.bool)) & M.causal(),

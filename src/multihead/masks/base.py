@@ -736,6 +736,11 @@ class Mask:
     def _preview_size(self) -> tuple[int, int]:
         return 8, 8
 
+    def _preview_sizes(self) -> list[tuple[int, int]]:
+        """The (Sq, Sk) repr may draw the mask at, best first: it draws the first where
+        the mask allows something."""
+        return [self._preview_size()]
+
     def _preview_cap(self) -> tuple[int | None, int | None]:
         """The largest (Sq, Sk) a tensor of the mask covers (None: any size)."""
         return None, None
@@ -758,20 +763,29 @@ class Mask:
         return self.describe()
 
     def __repr__(self) -> str:
-        sq, sk = self._preview_size()
         try:
             batch = self.batch_size            # (ours follow their tensors: rows may disagree)
         except ValueError as exc:               # a repr must never raise
             return f"{self.describe()} ({exc})"
         if batch == 0:
             return f"{self.describe()} (an empty batch: nothing to draw)"
-        if max(sq, sk) > self._DRAWN:
+        drawn = None                            # (Sq, Sk, grid) of the first size drawable
+        for sq, sk in self._preview_sizes():
+            if max(sq, sk) > self._DRAWN:
+                continue
+            try:
+                grid = self._grid(sq, sk, device="cpu", first=True)[0, 0]
+            except Exception as exc:  # a repr must never raise
+                return f"{self.describe()} (preview unavailable: {exc})"
+            drawn = drawn or (sq, sk, grid)
+            if grid.any():
+                drawn = (sq, sk, grid)
+                break
+        if drawn is None:
+            sq, sk = self._preview_size()
             return (f"{self.describe()} (Sq={sq}, Sk={sk}: too large to draw here; "
                     f"m.materialize(Sq, Sk) gives it at a call's lengths)")
-        try:
-            grid = self._grid(sq, sk, device="cpu", first=True)[0, 0]
-        except Exception as exc:  # a repr must never raise
-            return f"{self.describe()} (preview unavailable: {exc})"
+        sq, sk, grid = drawn
         rows = [" ".join("1" if x else "." for x in row.tolist()) for row in grid]
         what = f"Sq={sq}, Sk={sk}"
         if self.batch_size or self.num_heads:

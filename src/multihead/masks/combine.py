@@ -176,9 +176,21 @@ class _Binary(Mask):
 
     def _preview_size(self):
         (a0, a1), (b0, b1) = self.a._preview_size(), self.b._preview_size()
+        return self._fit(max(a0, b0), max(a1, b1))
+
+    def _preview_sizes(self):
+        """The size covering both sides first, then each side's own (``window & padding``:
+        the window's wide preview may leave no key the padding keeps)."""
+        sizes = [self._preview_size()]
+        for q, k in self.a._preview_sizes() + self.b._preview_sizes():
+            if self._fit(q, k) not in sizes:
+                sizes.append(self._fit(q, k))
+        return sizes
+
+    def _fit(self, q, k):
+        """(q, k) within what a call of the composition may have."""
         cq, ck = self._preview_cap()
         cq, ck = cq or ck, ck or cq                   # one capped side: keep the preview square
-        q, k = max(a0, b0), max(a1, b1)
         q, k = (q if cq is None else min(q, cq)), (k if ck is None else min(k, ck))
         (eq, ek), (lq, lk) = self._lengths(), self._least()     # what a call must have
         return (max(q, lq) if eq is None else eq), (max(k, lk) if ek is None else ek)
@@ -312,6 +324,9 @@ class Not(Mask):
 
     def _preview_size(self):
         return self.m._preview_size()
+
+    def _preview_sizes(self):
+        return self.m._preview_sizes()
 
     def _preview_cap(self):
         return self.m._preview_cap()
