@@ -203,7 +203,7 @@ class SDPA(Backend):
 
     def run(self, call, plan):
         mode, fold, row_fix, upcast, exact = plan.detail
-        q, k, v = call.q, call.k, call.v
+        q, k, v = _apart(call.q), call.k, call.v
         if upcast:
             q, k, v = q.float(), k.float(), v.float()
         attn_mask, row_ok = _dense_mask(call, row_fix, q.dtype) if mode == "masked" \
@@ -217,6 +217,36 @@ class SDPA(Backend):
         if out.dtype != call.q.dtype:                   # (a no-op .to still costs a dispatch)
             out = out.to(call.q.dtype)
         return out, None, None
+
+
+def _apart(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy where two of its elements share memory (a view made by
+    ``as_strided`` with overlapping strides): torch's fused CPU kernel gives garbage for
+    such a query (broadcast dims, of stride 0, it handles).
+
+    Example:
+        >>> t = torch.arange(8.).as_strided((2, 4), (1, 1))     # rows overlap
+        >>> s = torch.zeros(4, 2).t()                            # strided, apart
+        >>> _apart(t).is_contiguous(), _apart(s) is s
+        (True, True)
+    """
+    if t.is_contiguous() or (_OVERLAP is not None and not torch.compiler.is_compiling()
+                             and _OVERLAP(t) == 0):      # (0: torch knows none; 0.3 us)
+        return t
+    ends = 0                # the furthest element reached by the dims of smaller stride
+    for stride, size in sorted(zip(t.stride(), t.shape)):
+        if size == 1 or not stride:
+            continue                            # (a broadcast dim reads one element)
+        if not isinstance(stride, int) or not isinstance(size, int):
+            return t                            # (symbolic: traced layouts are torch's)
+        if stride <= ends:
+            return t.contiguous()
+        ends += (size - 1) * stride
+    return t
+
+
+#: torch's own overlap test (0: none; 1: some, stride 0 included; 2: too hard to tell)
+_OVERLAP = getattr(torch, "_debug_has_internal_overlap", None)
 
 
 def _needs_math(attn_mask: torch.Tensor, row_ok: torch.Tensor | None) -> bool:
