@@ -219,6 +219,28 @@ def test_mh_load_state_dict_puts_everything_back_when_torchs_load_fails():
     assert torch.equal(model[1].weight, torch.ones(8, 8))
 
 
+@pytest.mark.parametrize("change", ["out_proj.half()", "in_proj_weight.data", "q_proj_weight.data",
+                                    "out_proj.bias.data"])
+def test_projections_converted_apart_are_refused_by_name_before_torch_fails(change):
+    """``m.out_proj.half()`` (or a float64 tensor put in a weight's ``.data``) left the
+    forward to fail in F.linear with "mat1 and mat2 must have the same dtype"."""
+    m = mh.MultiHeadAttention(16, 4, **(dict(kdim=8, vdim=8) if "q_proj" in change else {}))
+    x, ctx = torch.randn(1, 3, 16), torch.randn(1, 2, 8) if "q_proj" in change else None
+    if change == "out_proj.half()":
+        m.out_proj.half()
+        x = x.half()
+    else:
+        name, _, attr = change.rpartition(".")
+        owner, _, leaf = name.rpartition(".")
+        t = getattr(m.get_submodule(owner) if owner else m, leaf)
+        t.data = t.data.double()
+    with pytest.raises(TypeError, match=r"the module's parameters disagree \(.*(float64|float16).*"
+                                        r"\): convert the whole module, e\.g\. module\.to\("):
+        m(x, ctx)
+    m.to(torch.float32)                                   # converted whole: it runs again
+    assert m(x.float(), ctx).shape == (1, 3, 16)
+
+
 def test_assigned_tensors_of_two_dtypes_are_refused_before_the_forward_fails_in_torch():
     """assign=True makes the checkpoint's tensors the parameters: bfloat16 weights beside
     float32 biases loaded, then failed in F.linear; a float32 norm beside a bfloat16
