@@ -228,7 +228,9 @@ def test_decoding_calls_plan_the_split_k_kernel_and_auto_keeps_sdpa_until_measur
     q = torch.empty(1, 32, 1, 128, dtype=torch.bfloat16, device="meta")
     k = torch.empty(1, 8, 32768, 128, dtype=torch.bfloat16, device="meta")
     e = mh.explain(q, k, k, mask=M.causal(), profile="h100", backend="triton")
-    assert "split-K decode: 16 splits" in str(e) and "4 query head(s)" in str(e)
+    assert "split-K decode: the keys in 16 splits" in str(e) and "the 4 query heads of" in str(e)
+    one = mh.explain(q[:, :8], k[:1, :1, :64], k[:1, :1, :64], profile="h100", backend="triton")
+    assert "the keys in 1 split, " in str(one) and "the 8 query heads of" in str(one)
     assert mh.explain(q, k, k, mask=M.causal(), profile="h100").chosen == "sdpa"
 
 

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..._args import counted
 from ... import _second_order as second_order
 from ... import kernels
 from ... import masks as M
@@ -232,8 +233,10 @@ class TritonFlash(Backend):
         work = Work(flops=2.0 * pairs * (call.D + call.Dv), kernel="fused",
                     dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=1),
                     launches=1 + DECODE_HOST_LAUNCHES, parallel=call.B * call.Hkv * splits)
-        note = f"split-K decode: {shown(splits)} splits of the keys, each K/V byte read once for " \
-               f"the {call.group} query head(s) of a group"
+        # (traced, a count may be symbolic: comparing it to 1 would specialize the graph)
+        n = (lambda k, noun: f"{shown(k)} {noun}s") if torch.compiler.is_compiling() else counted
+        note = f"split-K decode: the keys in {n(splits, 'split')}, each K/V byte read once for " \
+               f"the {n(call.group, 'query head')} of a group"
         return Plan(work, note, (band, "decode"))
 
     def length_free(self, plan):
