@@ -1,5 +1,6 @@
 """Every bad input gets a ValueError/TypeError naming the argument, the value and the fix."""
 
+import math
 import re
 
 import pytest
@@ -26,13 +27,18 @@ BAD = [
     ("gqa", lambda: mh.attention(q, torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)), ValueError,
      r"q has 4 heads and k/v have 3.*one of \[1, 2, 4\]"),
     ("mask broadcast", lambda: mh.attention(q, k, v, mask=M.dense(torch.ones(5, 6, dtype=torch.bool))),
-     ValueError, r"dense\(shape \(1, 1, 5, 6\)\) does not broadcast to \(B, H, Sq, Sk\) = \(2, 4, 5, 7\)"),
+     ValueError, r"dense\(shape \(1, 1, 5, 6\)\) does not broadcast to \(B, H, Sq, Sk\) = \(2, 4, 5, 7\) "
+                 r"\(Sk 6 where the inputs have 7\)"),
     ("key padding as dense", lambda: mh.attention(q, k, v, mask=torch.ones(2, 7, dtype=torch.bool)),
      ValueError, r"\(B, Sk\) key padding mask goes in as mh\.masks\.padding\(mask\)"),
     ("key padding as bias", lambda: mh.attention(q, k, v, mask=torch.zeros(2, 7)),
      ValueError, r"\(B, Sk\) key padding bias goes in as mask\[:, None, None, :\]"),
     ("mask dtype", lambda: mh.attention(q, k, v, mask=torch.ones(5, 7, dtype=torch.int32)), TypeError,
-     r"mask has dtype torch.int32"),
+     r"mask has dtype torch.int32.*: mask\.bool\(\) where nonzero means may attend; a "
+     r"torch\.nn\.MultiheadAttention mask, where nonzero means ignore, is ~mask\.bool\(\)"),
+    ("bias with NaN", lambda: mh.attention(q, k, v, mask=torch.zeros(5, 7).index_fill_(1, torch.tensor([2, 4]), math.nan)),
+     ValueError, r"bias contains NaN or \+inf \(10 of 35 values; the first at index \(0, 2\): nan\).*"
+                 r"torch\.where\(bias\.isnan\(\), float\('-inf'\), bias\)"),
     ("dense dtype", lambda: M.dense(torch.ones(5, 7)), TypeError, r"bool tensor.*bias"),
     ("padding batch", lambda: mh.attention(q, k, v, mask=M.padding(torch.tensor([1, 2, 3]))),
      ValueError, r"batch size 3.*batch size 2"),
@@ -71,7 +77,7 @@ BAD = [
     ("scale overflows the scores", lambda: mh.attention(q, k, v, scale=1e39), ValueError,
      r"scale 1e\+39 is past the largest torch.float32 \(3.403e\+38\)"),
     ("scale past any float", lambda: mh.attention(q, k, v, scale=2 ** 1100), ValueError,
-     r"scale must be finite and > 0, got inf"),
+     r"scale must be finite and > 0, got an int of 1101 bits, past any float"),
     ("no heads", lambda: mh.attention(q[:, :0], k[:, :0], v[:, :0]), ValueError,
      r"q has 0 heads \(\(2, 0, 5, 8\)\)"),
     ("backend name", lambda: mh.attention(q, k, v, backend="flash"), ValueError,

@@ -125,7 +125,9 @@ def as_mask(mask) -> M.Mask | None:
         if mask.is_floating_point():
             return M.bias(mask)
         raise TypeError(f"mask has dtype {mask.dtype}: pass a bool tensor (True = may attend), a "
-                        f"float tensor (additive bias), or a multihead.masks object")
+                        f"float tensor (additive bias), or a multihead.masks object: mask.bool() "
+                        f"where nonzero means may attend; a torch.nn.MultiheadAttention mask, "
+                        f"where nonzero means ignore, is ~mask.bool()")
     raise TypeError(f"mask must be a multihead.masks object, a bool/float tensor or None, got "
                     f"{type(mask).__name__}{uncalled(mask)}")
 
@@ -291,13 +293,17 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
             scale = float(scale)
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+        given = scale
         try:
             scale = float(scale)
         except OverflowError:                                    # an int past any float
             scale = math.inf
+            given = (f"{'a negative' if given < 0 else 'an'} int of "
+                     f"{abs(int(given)).bit_length()} bits, past any float")
         if not 0 < scale < math.inf:            # (NaN too; comparisons, which a float
             #                                     traced by torch.compile takes as guards)
-            raise ValueError(f"scale must be finite and > 0, got {concrete(scale)} (default: "
+            raise ValueError(f"scale must be finite and > 0, got "
+                             f"{given if isinstance(given, str) else concrete(scale)} (default: "
                              f"1/sqrt(D) = {default_scale(concrete(D)):.4g})")
         scores = torch.promote_types(q.dtype, torch.float32)          # what scores are in
         if scale > torch.finfo(scores).max:

@@ -60,9 +60,11 @@ def _check_broadcast(mask: Mask, t: torch.Tensor, batch, heads, sq, sk) -> None:
             hint = "; a (B, Sk) key padding " + (
                 "mask goes in as mh.masks.padding(mask) (True = real token) or as "
                 if t.dtype == torch.bool else "bias goes in as ") + "mask[:, None, None, :]"
+        wrong = ", ".join(f"{name} {n} where the inputs have {concrete(w)}" for name, n, w in
+                          zip(("B", "H", "Sq", "Sk"), t.shape, want) if n != 1 and n != w)
         raise ValueError(f"mask: {mask.describe()} does not broadcast to (B, H, Sq, Sk) = "
-                         f"{tuple(map(concrete, want))}: each dim must be 1 or equal to the "
-                         f"inputs'{hint}")
+                         f"{tuple(map(concrete, want))} ({wrong}): each dim must be 1 or equal "
+                         f"to the inputs'{hint}")
 
 
 def _own_dim(t: torch.Tensor, dim: int) -> int | None:
@@ -174,8 +176,13 @@ class Bias(Mask):
                             f"multihead.masks.dense(t) for bool masks")
         t = _as_4d(values, "bias")
         if t.device.type == "cpu" and not torch.compiler.is_compiling() and _nan_or_posinf(t):
-            raise ValueError("bias contains NaN or +inf: only finite values and -inf (masked) "
-                             "are allowed")
+            bad = (torch.isnan(values) | torch.isposinf(values)).nonzero()
+            at = tuple(bad[0].tolist())
+            raise ValueError(f"bias contains NaN or +inf ({len(bad)} of {values.numel()} values; "
+                             f"the first at index {at}: {values[at].item()}): only finite values "
+                             f"and -inf (masked) are allowed: mask a pair with -inf, e.g. "
+                             f"torch.where(bias.isnan(), float('-inf'), bias), and give +inf a "
+                             f"finite value")
         self.raw = t                                           # (B|1, H|1, Sq|1, Sk|1)
 
     batch_size = property(lambda self: _own_dim(self.raw, 0))

@@ -230,15 +230,13 @@ def _apart(t: torch.Tensor) -> torch.Tensor:
         >>> _apart(t).is_contiguous(), _apart(s) is s
         (True, True)
     """
-    if t.is_contiguous() or (_OVERLAP is not None and not torch.compiler.is_compiling()
-                             and _OVERLAP(t) == 0):      # (0: torch knows none; 0.3 us)
-        return t
+    if torch.compiler.is_compiling() or t.is_contiguous() or (
+            _OVERLAP is not None and _OVERLAP(t) == 0):  # (0: torch knows none; 0.3 us)
+        return t                                # (traced, the layouts are torch's to keep)
     ends = 0                # the furthest element reached by the dims of smaller stride
     for stride, size in sorted(zip(t.stride(), t.shape)):
         if size == 1 or not stride:
             continue                            # (a broadcast dim reads one element)
-        if not isinstance(stride, int) or not isinstance(size, int):
-            return t                            # (symbolic: traced layouts are torch's)
         if stride <= ends:
             return t.contiguous()
         ends += (size - 1) * stride
