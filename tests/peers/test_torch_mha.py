@@ -222,8 +222,31 @@ def test_from_torch_refuses_bias_kv_clearly():
         mh.MultiHeadAttention.from_torch(t)
     with pytest.raises(ValueError, match="add_zero_attn"):
         mh.MultiHeadAttention.from_torch(nn.MultiheadAttention(E, H, add_zero_attn=True))
-    with pytest.raises(ValueError, match="GQA"):
-        mh.MultiHeadAttention(E, H, num_kv_heads=2).to_torch()
+    with pytest.raises(ValueError, match=r"to_torch: torch\.nn\.MultiheadAttention needs head_dim "
+                                         r"== embed_dim / num_heads; this module has 4 heads of "
+                                         r"head_dim 3 and embed_dim 16"):
+        mh.MultiHeadAttention(16, 4, head_dim=3).to_torch()
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("kdim, bias", [(None, True), (None, False), (7, True)])
+def test_to_torch_of_a_gqa_module_repeats_its_kv_heads(kv_heads, kdim, bias):
+    """torch's module has no GQA/MQA: to_torch refused it. Each K/V head's projection rows
+    are now repeated for its group's query heads; torch's outputs and weights are ours."""
+    g = torch.Generator().manual_seed(kv_heads)
+    ours = mh.MultiHeadAttention(E, H, num_kv_heads=kv_heads, kdim=kdim, vdim=kdim, bias=bias)
+    ours.in_proj_weight.requires_grad_(False) if ours.packed else ours.k_proj_weight.requires_grad_(False)
+    t = ours.to_torch().eval()
+    assert t.num_heads == H and (t.in_proj_bias is not None) == bias
+    x, ctx = torch.randn(B, L, E, generator=g), torch.randn(B, S, kdim or E, generator=g)
+    mask = torch.rand(L, S, generator=g) > 0.3
+    mask[:, 0] = True
+    a = ours.eval()(x, ctx, mask=mh.masks.dense(mask), return_weights=True)
+    b = t(x, ctx, ctx, attn_mask=~mask, average_attn_weights=False)
+    torch.testing.assert_close(b[0], a[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b[1], a[1], atol=1e-6, rtol=1e-5)
+    frozen = "in_proj_weight" if ours.packed else "k_proj_weight"
+    assert [n for n, p in t.named_parameters() if not p.requires_grad] == [frozen]
 
 
 def _compile_masks(dtype):

@@ -54,6 +54,11 @@ def _copy_weights(dst, src, packed: bool) -> None:
     names = ["in_proj_weight"] if packed else [f"{r}_proj_weight" for r in "qkv"]
     for name in names + (["in_proj_bias"] if src.in_proj_bias is not None else []):
         getattr(dst, name).copy_(getattr(src, name))
+    _copy_rest(dst, src)
+
+
+def _copy_rest(dst, src) -> None:
+    """The output projection, and which parameters are frozen, from ``src`` to ``dst``."""
     dst.out_proj.load_state_dict(src.out_proj.state_dict())
     frozen = {name: p.requires_grad for name, p in src.named_parameters()}
     for name, p in dst.named_parameters():          # a frozen layer stays frozen
@@ -90,21 +95,48 @@ def from_torch(m: nn.MultiheadAttention) -> "mh.MultiHeadAttention":
 
 @torch.no_grad()
 def to_torch(ours: "mh.MultiHeadAttention") -> nn.MultiheadAttention:
-    """An equivalent ``torch.nn.MultiheadAttention(batch_first=True)`` with copied weights."""
+    """An equivalent ``torch.nn.MultiheadAttention(batch_first=True)`` with copied weights.
+
+    torch's module has one K/V head per query head: a GQA/MQA module's K/V projection
+    rows are repeated for the query heads of their group (the same outputs, from a module
+    with more parameters; converted back, it is an MHA module).
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> gqa = mh.MultiHeadAttention(16, 4, num_kv_heads=2)
+        >>> t = gqa.to_torch()
+        >>> x = torch.randn(2, 5, 16)
+        >>> torch.allclose(gqa(x), t(x, x, x, need_weights=False)[0], atol=1e-6)
+        True
+    """
     if not isinstance(ours, mh.MultiHeadAttention):
         raise TypeError(f"to_torch takes a multihead.MultiHeadAttention, got "
                         f"{type(ours).__name__}")
-    if ours.num_kv_heads != ours.num_heads or ours.head_dim * ours.num_heads != ours.embed_dim:
-        raise ValueError(f"to_torch: torch.nn.MultiheadAttention has no GQA/MQA and needs "
-                         f"head_dim == embed_dim / num_heads; this module has {ours.num_heads} "
-                         f"heads, {ours.num_kv_heads} kv heads, head_dim {ours.head_dim}")
+    if ours.head_dim * ours.num_heads != ours.embed_dim:
+        raise ValueError(f"to_torch: torch.nn.MultiheadAttention needs head_dim == embed_dim / "
+                         f"num_heads; this module has {ours.num_heads} heads of head_dim "
+                         f"{ours.head_dim} and embed_dim {ours.embed_dim}")
     if ours.rope is not None:
         raise ValueError("to_torch: torch.nn.MultiheadAttention has no rotary embedding")
     p = ours.out_proj.weight
     t = nn.MultiheadAttention(ours.embed_dim, ours.num_heads, dropout=ours.dropout,
                               bias=ours.in_proj_bias is not None, kdim=ours.kdim, vdim=ours.vdim,
                               batch_first=True, device=p.device, dtype=p.dtype)
-    _copy_weights(t, ours, packed=ours.packed)
+    group, dh = ours.num_heads // ours.num_kv_heads, ours.head_dim
+    w, b = [], []
+    for role, repeat in (("q", 1), ("k", group), ("v", group)):
+        proj = getattr(ours, f"{role}_proj")             # (heads*Dh, in), (heads*Dh,)
+        w.append(proj.weight.unflatten(0, (-1, dh)).repeat_interleave(repeat, 0).flatten(0, 1))
+        if proj.bias is not None:                        # w[-1]: (H*Dh, in), as torch's
+            b.append(proj.bias.unflatten(0, (-1, dh)).repeat_interleave(repeat, 0).flatten())
+    if t._qkv_same_embed_dim:
+        t.in_proj_weight.copy_(torch.cat(w))                            # (3*E, E)
+    else:
+        for role, weight in zip("qkv", w):
+            getattr(t, f"{role}_proj_weight").copy_(weight)
+    if b:
+        t.in_proj_bias.copy_(torch.cat(b))                              # (3*E,)
+    _copy_rest(t, ours)
     return t.train(ours.training)
 
 
