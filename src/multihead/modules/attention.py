@@ -413,7 +413,6 @@ class MultiHeadAttention(AllOrNothing):
                 res = attention(q, k, v, mask=mask, dropout_p=p, backend=self.backend,
                                 return_weights=return_weights)
             y = self._output(res, return_weights, average_weights)
-            cache.guard_backward(*(y if return_weights else (y,)))
         except BaseException as e:   # a failed call (to its last op) leaves the cache
             cache.rollback()         # as it found it
             if _refused_by_torch_func(e):

@@ -19,8 +19,7 @@ ops): its undo is recorded before it starts and puts back what it finds changed.
 mode the caches hold constants: the buffers keep no autograd history (the views a write
 returns do), so a call's gradients reach the keys and values it wrote, never a graph an
 earlier call's backward freed. A call's backward must run before the next call writes
-(the write changes, in place, a buffer its graph saved): one run after says so
-(:meth:`_CacheBase.guard_backward`).
+(the write changes, in place, a buffer its graph saved).
 
 A cache is not thread-safe: one thread writes it at a time. ``reset()`` or ``free()`` of a
 sequence between a failed call's write and its rollback is safe (the rollback leaves it).
@@ -258,41 +257,6 @@ class _CacheBase:
     def _slot_tensors(self) -> tuple[torch.Tensor, ...]:
         """The tensors the cache writes into (each holds zeros where it holds no token)."""
         return self.k, self.v, self.valid
-
-    def guard_backward(self, *outs) -> None:
-        """Make a backward through ``outs`` (a finished call's results) that runs after a
-        later write to this cache fail with a message that says so, before autograd's own
-        "modified by an inplace operation" error: the call's graph saved views of the key
-        and value buffers, and a write changes them in place (their shared version
-        counter, which this compares, is what autograd checks).
-
-        Example:
-            >>> import torch, multihead as mh
-            >>> m = mh.MultiHeadAttention(8, 2); cache = m.make_cache(1, 8)
-            >>> x = torch.randn(1, 3, 8, requires_grad=True)
-            >>> y1 = m(x[:, :2], cache=cache); y2 = m(x[:, 2:], cache=cache)
-            >>> try:
-            ...     (y1.sum() + y2.sum()).backward()
-            ... except RuntimeError as e:
-            ...     print(str(e)[:55])
-            backward through a cached call after the cache was writ
-        """
-        outs = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
-        held = self._slot_tensors()[:2]                 # the key and value buffers
-        if not outs or held[0].is_inference():          # (no graph saved them: none to guard)
-            return
-        seen = [t._version for t in held]
-
-        def check(grad):
-            if any(t._version != n for t, n in zip(held, seen)):
-                raise RuntimeError(
-                    "backward through a cached call after the cache was written again: the "
-                    "call's graph saved the cached keys and values, which a later write "
-                    "(a next step, reset(), free()) changed in place. Run each call's "
-                    "backward before the next call writes the cache (or run the steps "
-                    "under torch.no_grad())")
-        for t in outs:
-            t.register_hook(check)
 
     def _check_writable(self, action: str) -> None:
         """Refuse, before anything changes, a write torch would refuse part way: into
