@@ -225,6 +225,19 @@ def test_a_head_on_a_far_token_is_read_at_its_offset():
     assert Result("h=2", 1, 1.0, 0.5, 0.1, prof).relations() == ["x[t-10] 0.46", "x[t-1] 0.40"]
 
 
+def test_a_heads_entropy_and_confidence_are_a_causal_layers():
+    """The experiment's layer is causal: its heads' entropy was normalized by log(T) over
+    every row, as an encoder's (row t sees t+1 keys, so log(t+1) is its maximum; row 0
+    has no choice and counts for nothing). A head spread evenly over what each row sees
+    has entropy 1 and the confidence of those rows' maximum, 1/(t+1) averaged."""
+    from multihead.analysis.heads_experiment import Setup, _head_relations
+    T = 8
+    even = torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]       # (T, T)
+    _, entropy, confidence = _head_relations(even.expand(2, 1, T, T), Setup(length=T))
+    assert entropy == [pytest.approx(1.0)]
+    assert confidence == [pytest.approx(sum(1 / (t + 1) for t in range(1, T)) / (T - 1))]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["demo", "scaling", "--draws", "1"], "argument --draws: 1 is out of range: give an integer "
                                           "from 2 to 5000"),

@@ -208,7 +208,7 @@ def _head_relations(w: torch.Tensor, s: Setup):
     n = T - start
     prof = [[float(rows.diagonal(offset=start - k, dim1=-2, dim2=-1)[:, h].sum(-1).mean()) / n
              for k in range(T)] for h in range(w.shape[1])]  # key t - k: col r + start - k (rows t >= k)
-    m = HeadMetrics()
+    m = HeadMetrics(causal=True)                       # (the model's one layer is causal)
     for i in range(min(len(w), 200)):
         m.add(w[i][None], [f"t{j}" for j in range(T)])
     return prof, m.value("entropy")[0].tolist(), m.value("confidence")[0].tolist()
