@@ -217,3 +217,24 @@ def test_every_threshold_shows_as_reached_exactly_when_it_is():
         assert round_down(float(at)) == t and round_down(float(below)) < t
         pair = torch.tensor([at, below])
         assert round_down(pair).tolist() == [t, round_down(float(below))]
+
+
+def test_a_float64_mean_a_hair_below_a_threshold_takes_the_role_it_shows():
+    """Metrics are float64 means of float32 weights: rows putting 0.5, 0.5 and 0.49999997
+    on the previous token average to 0.49999999, shown as 0.50 (within FLOAT32_SLACK), but
+    the role rule compared the raw mean and called the head broad. Roles now compare the
+    value as shown, so what a head shows and the role it gets agree."""
+    from multihead.inspect.metrics import round_down
+    w = torch.zeros(1, 1, 4, 4)
+    w[0, 0, 0] = 0.25
+    for i, p in zip((1, 2, 3), (0.5, 0.5, 0.49999997)):
+        w[0, 0, i] = (1 - p) / 2
+        w[0, 0, i, i], w[0, 0, i, i - 1] = 0.0, p
+    m = HeadMetrics.of(w, ["a", "b", "c", "d"])
+    prev = float(m.value("prev")[0, 0])
+    assert 0.5 - 3e-8 < prev < 0.5 and round_down(prev) == 0.5
+    assert m.roles()[0][0][0] == "previous token"
+    w[0, 0, 3, 2] = 0.4999                                 # shown 0.49: still no role
+    w[0, 0, 3, 0] += 0.0001
+    assert round_down(float(HeadMetrics.of(w, ["a", "b", "c", "d"]).value("prev")[0, 0])) == 0.49
+    assert HeadMetrics.of(w, ["a", "b", "c", "d"]).roles()[0][0][0] != "previous token"

@@ -61,7 +61,7 @@ def round_down(x, digits: int = 2):
     """``x`` (a float or a tensor) cut to ``digits`` decimals, never rounded up: every rule
     in :data:`ROLE_RULES` is ``metric >= threshold``, so a shown value reaches a threshold
     exactly when the value does (0.4996 shows as 0.49, not as a 0.50 that "should" be a
-    role). Shown scores and the JSON's metrics use it.
+    role). Shown scores, the JSON's metrics and the role rules' comparisons use it.
 
     Values computed in float32 (weights, metrics) are read as the two-decimal number they
     stand for: float32 stores 0.7 as 0.69999998, which shows as 0.70, while its largest
@@ -277,17 +277,18 @@ class HeadMetrics:
         L, H = t["prev"].shape
         na = self.not_applicable()
         rules = [(role, m, thr) for role, m, thr in ROLE_RULES if m not in na]
+        reaches = lambda x, thr: round_down(x) >= thr     # as shown (float64 means too)
         out = []
         for l in range(L):
             row = []
             for h in range(H):
                 hits = [(float(t[m][l, h]), role) for role, m, thr in rules
-                        if float(t[m][l, h]) >= thr]
+                        if reaches(float(t[m][l, h]), thr)]
                 if hits:
                     score, role = max(hits)
-                elif float(t["entropy"][l, h]) >= BROAD:
+                elif reaches(float(t["entropy"][l, h]), BROAD):
                     role, score = "broad", float(t["entropy"][l, h])
-                elif float(t["confidence"][l, h]) >= FOCUSED:
+                elif reaches(float(t["confidence"][l, h]), FOCUSED):
                     role, score = "focused", float(t["confidence"][l, h])
                 else:
                     role, score = "mixed", float(t["confidence"][l, h])
