@@ -146,6 +146,22 @@ def test_a_word_the_vocabulary_lacks_matches_only_its_own_text():
         find_query(model, c.tokens, "😀", c.words)
 
 
+def test_a_word_inside_an_unknown_token_says_what_the_token_stands_for():
+    """😀🚀 written together are one [UNK]: asking for 😀 said it "is not in the text"."""
+    from multihead.models import load
+    model = load()
+    c = capture(model, "I like it 😀🚀 so much.")
+    at = dict(text=c.text, spans=c.spans)
+    with pytest.raises(ValueError, match=re.escape("word '😀' is only part of '😀🚀', which the "
+                                                   "tokenizer reads as one unknown token ([UNK]): "
+                                                   "pass '😀🚀', or put spaces around '😀'")):
+        find_query(model, c.tokens, "😀", c.words, **at)
+    assert find_query(model, c.tokens, "😀🚀", c.words, **at) == c.tokens.index("[UNK]")
+    spaced = capture(model, "I like it 😀 🚀 so much.")                   # what it advises
+    assert find_query(model, spaced.tokens, "😀", spaced.words, text=spaced.text,
+                      spans=spaced.spans) == 4
+
+
 @pytest.fixture(scope="module")
 def minilm_tokens():
     from multihead.models import load

@@ -275,24 +275,33 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
         raise InspectError(f"{name} {word!r} has no tokens: pass a word from the text")
     unknown = UNKNOWN | {_unknown_token(model)}
 
-    def written(i: int, n: int) -> bool:               # (an unknown token's text is the word)
-        if not any(p in unknown for p in tokens[i:i + n]):
-            return True
+    def under(i: int, n: int) -> str | None:           # the text an unknown token stands for
         if text is None or spans is None or len(spans) != len(tokens):
-            return False                               # (a span may start at its space)
-        return text[spans[i][0]:spans[i + n - 1][1]].strip().casefold() == word.strip().casefold()
+            return None                                # (a span may start at its space)
+        return text[spans[i][0]:spans[i + n - 1][1]].strip()
 
-    part_of = None
+    part_of = unknown_of = None
     for i in range(len(tokens)):
         for pieces in found:
             n = len(pieces)
-            if tokens[i:i + n] == pieces and by_words(i, n) and written(i, n):
-                part_of = joined(i, n)
-                if part_of is None:
-                    return i
+            if tokens[i:i + n] != pieces or not by_words(i, n):
+                continue
+            if any(p in unknown for p in pieces):      # (it stands for any word it lacks)
+                seen = under(i, n)
+                if seen is None or seen.casefold() != word.strip().casefold():
+                    if seen and word.strip().casefold() in seen.casefold():
+                        unknown_of = unknown_of or seen
+                    continue
+            part_of = joined(i, n)
+            if part_of is None:
+                return i
     if part_of is not None:
         raise PartOfWordError(f"{name} {word!r} is only part of {part_of!r} in the "
                               f"text: pass the whole word")
+    if unknown_of is not None:
+        raise PartOfWordError(f"{name} {word!r} is only part of {unknown_of!r}, which the "
+                              f"tokenizer reads as one unknown token ({' '.join(found[0])}): pass "
+                              f"{unknown_of!r}, or put spaces around {word!r} in the text")
     shown = " ".join(t for _, t in content[:60]) + (" ..." if len(content) > 60 else "")
     raise InspectError(f"{name} {word!r} (tokens {found[0]}) is not in the text; its tokens "
                        f"are: {shown}")
