@@ -81,10 +81,10 @@ def test_the_scaling_table_keeps_every_number_whole_on_a_narrow_terminal(width, 
     out = capsys.readouterr().out
     assert "…" not in out and max(map(len, out.splitlines())) <= width
     cells = "".join(line.split("│")[6] for line in out.splitlines() if line.count("│") == 10)
-    assert cells.replace(" ", "") == "".join(f"{r['unscaled_grad']:.2g}" for r in rows)
+    assert cells.replace(" ", "") == "".join(f"{r['unscaled_grad']:.1g}" for r in rows)
     if width == 80:                                # each on its own line, whole
         for r in rows:
-            assert f" {r['unscaled_grad']:.2g} │" in out
+            assert f" {r['unscaled_grad']:.1g} │" in out
 
 
 def test_the_scaling_table_is_rich_s_own_where_nothing_is_cut(capsys):
@@ -223,6 +223,16 @@ def test_a_head_on_a_far_token_is_read_at_its_offset():
     assert len(prof[0]) == T and prof[0][10] == pytest.approx(6 / 13)     # queries 10..15
     assert prof[1][1] == pytest.approx(0.4) and prof[1][15] == pytest.approx(0.6 / 13)
     assert Result("h=2", 1, 1.0, 0.5, 0.1, prof).relations() == ["x[t-10] 0.46", "x[t-1] 0.40"]
+
+
+def test_a_heads_weight_is_cut_as_inspect_cuts_it():
+    """A head at 0.4996 on x[t-1] showed '0.50' but was not counted as mainly on it
+    (more than 0.5): weights are cut to two decimals, as inspect's scores are."""
+    from multihead.analysis.heads_experiment import Result, _split
+    r = Result("h=2", 1, 1.0, 0.5, 0.1, [[0.0, 0.4996, 0.5004], [0.0, 0.5004, 0.4996]])
+    assert r.relations() == ["x[t-2] 0.50", "x[t-1] 0.50"] and _split(r, 1, 2) == "0.49 on x[t-1], 0.50 on x[t-2]"
+    assert Result("h=1", 1, 1.0, 0.5, 0.1, [[0.5, 0.4996]]).relations() == ["itself 0.50"]
+    assert Result("h=1", 1, 1.0, 0.5, 0.1, [[0.1, 0.4996]]).relations() == ["x[t-1] 0.49"]
 
 
 def test_a_heads_entropy_and_confidence_are_a_causal_layers():

@@ -166,8 +166,11 @@ class Result:
         return [max(enumerate(prof), key=lambda kw: kw[1]) for prof in self.offset_profile]
 
     def relations(self) -> list[str]:
-        """Each head's dominant relation: 'x[t-k] 0.93' (mean weight at its top offset)."""
-        return [("itself" if k == 0 else f"x[t-{k}]") + f" {w:.2f}" for k, w in self.tops()]
+        """Each head's dominant relation: 'x[t-k] 0.93' (mean weight at its top offset, cut
+        to two decimals as inspect's scores are: 0.4996 shows as 0.49, not as a 0.50 a head
+        "mainly" on it would have)."""
+        from ..inspect.metrics import shown
+        return [("itself" if k == 0 else f"x[t-{k}]") + f" {shown(w)}" for k, w in self.tops()]
 
 
 def train(kind: str, s: Setup) -> Result:
@@ -232,8 +235,9 @@ def one_relation(s: Setup) -> float:
 
 def _split(r: Result, a: int, b: int, head: int = 0) -> str:
     """``"0.98 on x[t-1], 0.00 on x[t-3]"``: one head's weight on the two relations."""
+    from ..inspect.metrics import shown
     p = r.offset_profile[head]
-    return f"{p[a]:.2f} on x[t-{a}], {p[b]:.2f} on x[t-{b}]"
+    return f"{shown(p[a])} on x[t-{a}], {shown(p[b])} on x[t-{b}]"
 
 
 #: accuracy above what one relation alone gives that counts as having learned the task

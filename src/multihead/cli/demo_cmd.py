@@ -52,7 +52,7 @@ def run(args) -> int:
 
 
 def _scaling(args) -> int:
-    from ..analysis.scaling import fp16_masking, scaling, summary
+    from ..analysis.scaling import GRAD_FORMAT, fp16_masking, scaling, summary
     draws = DRAWS if args.draws is None else args.draws
     rows, masks = scaling(draws=draws, seed=args.seed), fp16_masking(args.seed)
     if args.json:
@@ -65,11 +65,12 @@ def _scaling(args) -> int:
     for r in rows:
         t.add_row(str(r["d_k"]), f"{r['sqrt_d_k']:.1f}", f"{r['unscaled_std']:.2f}",
                   f"≈ {r['seed_004_unscaled_std']}", f"{r['unscaled_max_prob']:.3f}",
-                  f"{r['unscaled_grad']:.2g}", f"{r['scaled_std']:.3f}",
+                  f"{r['unscaled_grad']:{GRAD_FORMAT}}", f"{r['scaled_std']:.3f}",
                   f"{r['scaled_max_prob']:.3f}", f"{r['scaled_grad']:.2g}")
     con.print(t)
     con.print("grad: the median norm of the softmax's Jacobian, how much the weights move when "
-              "the scores do.", style="dim")
+              "the scores do (unscaled, one figure: it moves several-fold with the seed).",
+              style="dim")
     con.print(summary(rows), style="dim")
     cols = ("mask", "row 0 (keys 2, 3 masked)", "row 1 (all masked)")
     m = table("fp16: masking keys 2-3 of row 0 and every key of row 1", cols, left=cols)
