@@ -272,6 +272,23 @@ def test_repr_draws_batch_0_and_head_0_alone():
                                         for row in t[0, 0].tolist()]
 
 
+@pytest.mark.parametrize("make", [
+    lambda: M.document(torch.tensor([[0, 0, 1], [0, 1, 1]])),
+    lambda: M.causal() & M.document(torch.tensor([[0, 0, 1], [0, 1, 1]])),
+    lambda: M.document(torch.tensor([[0, 0, 1], [0, 1, 1]]), kv_ids=torch.tensor([[0, 1, 1, 1]])),
+    lambda: M.document(torch.tensor([[0, 1, 1]]), kv_ids=torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])),
+], ids=["ids", "composed", "kv_ids", "kv_ids-batched"])
+def test_a_batched_document_mask_draws_its_first_sequence(make):
+    """ids of two sequences: repr's one-sequence grid failed in expand ("preview
+    unavailable: The expanded size of the tensor (1) must match ...")."""
+    m = make()
+    sk = 4 if "kv_ids" in m.describe() else 3
+    grid = m._grid(3, sk, first=True)
+    assert torch.equal(grid, m.materialize(3, sk)[:1, :1])
+    assert repr(m).splitlines()[2:] == ["  " + " ".join("1" if x else "." for x in row)
+                                        for row in grid[0, 0].tolist()]
+
+
 def test_masks_made_of_ints_are_values_and_repr_shows_alignment_and_long_masks():
     assert M.causal() == M.causal() and M.sliding_window(4) == M.sliding_window(4)
     assert M.causal() != M.causal(align="upper_left") and M.alibi(4) != M.alibi(8)

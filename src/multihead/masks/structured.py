@@ -584,12 +584,13 @@ class Document(Mask):
         return ids, self.kv_ids.to(device)
 
     def _allowed(self, ix: Index):
-        qid, kid = self._q_k_ids(ix.sq, ix.sk, ix.q.device)
-        # one row of ids serves every sequence: expanded (a view), not a test of the row
-        # count, which would be a guard on a batch size torch.export traces as dynamic
-        B = ix.b.shape[0]
-        qid, kid = qid.expand(B, -1), kid.expand(B, -1)                   # (B', Sq), (B', Sk)
-        return qid[ix.b, ix.q] == kid[ix.b, ix.k]
+        qid, kid = self._q_k_ids(ix.sq, ix.sk, ix.q.device)               # (B', Sq), (B', Sk)
+        # one row of ids serves every sequence: the sequence's own row by clamping (b of a
+        # batch of B' rows is below B'; one row is row 0), not by a test of the row count,
+        # which would be a guard on a batch size torch.export traces as dynamic; ix.b may
+        # name some sequences only (repr draws sequence 0)
+        row = lambda ids: ix.b.clamp(max=ids.shape[0] - 1)
+        return qid[row(qid), ix.q] == kid[row(kid), ix.k]
 
     def _tile_bounds(self, tx: TileIndex):
         qid, kid = self._q_k_ids(tx.sq, tx.sk, tx.q0.device)
