@@ -50,22 +50,6 @@ def refuse_jit_trace(what: str) -> None:
             f"torch's implementation)")
 
 
-def refuse_jit_script(what: str):
-    """A RuntimeError naming ``what``, for ``torch.jit.script``, which calls a module's
-    ``__prepare_scriptable__`` (its own, and each submodule's) before compiling it: our
-    modules' Python (masks, plans, caches) is beyond TorchScript.
-
-    Example:
-        >>> print(str(refuse_jit_script("RotaryEmbedding"))[:47])
-        RotaryEmbedding cannot be compiled by torch.jit
-    """
-    return RuntimeError(
-        f"{what} cannot be compiled by torch.jit.script: its Python (the checks and "
-        f"choices it makes at each call) is beyond TorchScript; use torch.compile or torch.export.export "
-        f"(or, for a drop-in for torch.nn.MultiheadAttention, "
-        f"multihead.nn.MultiheadAttention: its script runs torch's implementation)")
-
-
 def concrete(x):
     """``x`` for an error message: a number ``torch.compile`` traces as symbolic (dynamic
     shapes, a float argument) as the value it has in this call, which a message can format

@@ -429,18 +429,6 @@ def test_a_trace_of_the_drop_in_runs_torchs_forward_for_masks_it_did_not_see():
     torch.testing.assert_close(traced(x, am, kpm), SelfAttention(theirs)(x, am, kpm))
 
 
-@_NO_JIT_DEPRECATION
-def test_a_script_of_multihead_attention_is_refused_with_what_to_use():
-    """torch.jit.script reached TorchScript's "Keyword-only arguments are not supported"
-    in our forward: refused before compiling, for the module or one holding it."""
-    m = mh.MultiHeadAttention(E, H, rope=mh.RotaryEmbedding(E // H))
-    for what, scripted in (("MultiHeadAttention", m), ("RotaryEmbedding", m.rope),
-                           ("MultiHeadAttention", nn.Sequential(nn.Linear(E, E), m))):
-        with pytest.raises(RuntimeError, match=f"^{what} cannot be compiled by torch.jit.script: "
-                                               ".*use torch.compile or torch.export.export"):
-            torch.jit.script(scripted)
-
-
 def test_a_trace_of_multihead_attention_is_refused_with_what_to_use():
     m = mh.MultiHeadAttention(E, H, num_kv_heads=2, rope=mh.RotaryEmbedding(E // H)).eval()
     x = torch.randn(B, L, E)

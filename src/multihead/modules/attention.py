@@ -24,8 +24,7 @@ from .. import masks
 from .._args import fraction, positive_int
 from .._device import usable_device
 from .._dtypes import AUTOCAST_CASTS, autocast_dtype, check_dtype, check_strided, check_weights
-from .._tracing import (concrete, eager_under_compile, refuse_jit_script, refuse_jit_trace,
-                        shape_text)
+from .._tracing import concrete, eager_under_compile, refuse_jit_trace, shape_text
 from ..masks.positioned import distances_in_tokens
 from ..functional import attention
 from ..functional.dispatch import check_backend
@@ -356,9 +355,6 @@ class MultiHeadAttention(AllOrNothing):
     def _merge(self, heads: torch.Tensor) -> torch.Tensor:
         B, H, S, Dh = heads.shape
         return heads.transpose(1, 2).reshape(B, S, H * Dh)            # (B, Sq, H*Dh)
-
-    def __prepare_scriptable__(self):
-        raise refuse_jit_script("MultiHeadAttention")
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask=None,
                 return_weights: bool = False, average_weights: bool = False,

@@ -32,7 +32,7 @@ from torch import nn
 from .._cache import BoundedCache
 from .._device import to_device, usable_device
 from .._dtypes import check_strided
-from .._tracing import concrete, refuse_jit_script, refuse_jit_trace, shape_text
+from .._tracing import concrete, refuse_jit_trace, shape_text
 
 #: rows of a table when first built (it doubles past them)
 FIRST_ROWS = 2048
@@ -392,9 +392,6 @@ class RotaryEmbedding(nn.Module):
         if not self._unchanged():                     # (base no longer says what they are)
             extra += ", inv_freq=" + ("learned" if self.inv_freq.requires_grad else "written")
         return f"head_dim={self.head_dim}, base={self.base!r}{extra}"
-
-    def __prepare_scriptable__(self):
-        raise refuse_jit_script("RotaryEmbedding")
 
     def forward(self, x: torch.Tensor, positions) -> torch.Tensor:
         return self.rotate(x, positions=positions)[0]
