@@ -429,6 +429,25 @@ def test_a_trace_of_the_drop_in_runs_torchs_forward_for_masks_it_did_not_see():
     torch.testing.assert_close(traced(x, am, kpm), SelfAttention(theirs)(x, am, kpm))
 
 
+@_NO_JIT_DEPRECATION
+def test_a_model_that_keeps_multihead_attention_out_of_its_script_still_scripts():
+    """TorchScript calls every submodule's ``__prepare_scriptable__`` before it reads
+    ``__jit_ignored_attributes__``: a refusal there (tried twice, reverted twice) broke
+    models that hold the module outside what they script."""
+    class Model(nn.Module):
+        __jit_ignored_attributes__ = ["attn"]
+
+        def __init__(self):
+            super().__init__()
+            self.lin, self.attn = nn.Linear(E, E), mh.MultiHeadAttention(E, H)
+
+        def forward(self, x):
+            return self.lin(x)
+    model = Model()
+    x = torch.randn(B, L, E)
+    torch.testing.assert_close(torch.jit.script(model)(x), model(x))
+
+
 def test_a_trace_of_multihead_attention_is_refused_with_what_to_use():
     m = mh.MultiHeadAttention(E, H, num_kv_heads=2, rope=mh.RotaryEmbedding(E // H)).eval()
     x = torch.randn(B, L, E)
