@@ -293,18 +293,15 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
             scale = float(scale)
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale must be a float, got {type(scale).__name__}")
-        given = scale
         try:
-            scale = float(scale)
+            scale, past = float(scale), None
         except OverflowError:                                    # an int past any float
-            scale = math.inf
-            given = (f"{'a negative' if given < 0 else 'an'} int of "
-                     f"{abs(int(given)).bit_length()} bits, past any float")
+            scale, past = math.inf, (f"{'a negative' if scale < 0 else 'an'} int of "
+                                     f"{abs(int(scale)).bit_length()} bits, past any float")
         if not 0 < scale < math.inf:            # (NaN too; comparisons, which a float
             #                                     traced by torch.compile takes as guards)
-            raise ValueError(f"scale must be finite and > 0, got "
-                             f"{given if isinstance(given, str) else concrete(scale)} (default: "
-                             f"1/sqrt(D) = {default_scale(concrete(D)):.4g})")
+            raise ValueError(f"scale must be finite and > 0, got {past or concrete(scale)} "
+                             f"(default: 1/sqrt(D) = {default_scale(concrete(D)):.4g})")
         scores = torch.promote_types(q.dtype, torch.float32)          # what scores are in
         if scale > torch.finfo(scores).max:
             raise ValueError(f"scale {concrete(scale):g} is past the largest {scores} "

@@ -280,6 +280,7 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
             return None                                # (a span may start at its space)
         return text[spans[i][0]:spans[i + n - 1][1]].strip()
 
+    wanted = word.strip().casefold()
     part_of = unknown_of = None
     for i in range(len(tokens)):
         for pieces in found:
@@ -288,8 +289,8 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
                 continue
             if any(p in unknown for p in pieces):      # (it stands for any word it lacks)
                 seen = under(i, n)
-                if seen is None or seen.casefold() != word.strip().casefold():
-                    if seen and word.strip().casefold() in seen.casefold():
+                if seen is None or seen.casefold() != wanted:
+                    if seen and wanted in seen.casefold():
                         unknown_of = unknown_of or seen
                     continue
             part_of = joined(i, n)

@@ -183,8 +183,9 @@ class _Binary(Mask):
         the window's wide preview may leave no key the padding keeps)."""
         sizes = [self._preview_size()]
         for q, k in self.a._preview_sizes() + self.b._preview_sizes():
-            if self._fit(q, k) not in sizes:
-                sizes.append(self._fit(q, k))
+            fit = self._fit(q, k)
+            if fit not in sizes:
+                sizes.append(fit)
         return sizes
 
     def _fit(self, q, k):
