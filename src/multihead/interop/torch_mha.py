@@ -29,8 +29,8 @@ from multihead.modules.attention import _divisors
 from multihead.modules.loading import AllOrNothing
 
 from .torch_rules import (_AssertionArgError, _as_torch_raises, _check_inputs, _check_nested,
-                          _FusedPathArgError, _lengths, _RuntimeArgError, _takes_fast_path,
-                          _torch_mask)
+                          _FusedPathArgError, _lengths, _read_weights, _RuntimeArgError,
+                          _takes_fast_path, _torch_mask)
 
 
 def _refuse_extras(m: nn.MultiheadAttention) -> None:
@@ -252,17 +252,20 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
         # torch's other path applies the causal mask in place of attn_mask when it returns no
         # weights and has no padding mask; its fused kernel ignores the hint
         causal = is_causal and key_padding_mask is None and not need_weights
+        # torch's test of its fused path, then one read of each parameter: a parametrization
+        # runs as often as in torch's module (spectral_norm steps, a random one draws)
+        fast = _takes_fast_path(self, query, key, value, key_padding_mask, attn_mask)
+        weights = _read_weights(self)
         try:
             unbatched = not _check_inputs(self, query, key, value, key_padding_mask, attn_mask,
-                                          causal)
+                                          causal, weights)
         except _AssertionArgError as e:           # torch's fused kernel raises RuntimeError
-            if _takes_fast_path(self, query, key, value, key_padding_mask, attn_mask):
+            if fast:
                 raise _FusedPathArgError(str(e)) from None
             raise
-        fast = _takes_fast_path(self, query, key, value, key_padding_mask, attn_mask)
         if causal and fast:
             causal = False
-            _check_inputs(self, query, key, value, key_padding_mask, attn_mask, causal)
+            _check_inputs(self, query, key, value, key_padding_mask, attn_mask, causal, weights)
         if is_causal and attn_mask is None:
             raise _RuntimeArgError(
                 "Need attn_mask if specifying the is_causal hint (torch's rule): pass "
@@ -276,19 +279,17 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))  # (B, S, E)
         B, L, E = query.shape
         H, Dh = self.num_heads, self.head_dim
-        if self._qkv_same_embed_dim:
-            w_q, w_k, w_v = self.in_proj_weight.split(E)
-        else:
-            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        w_in = weights.w_in if isinstance(weights.w_in, tuple) else weights.w_in.split(E)
+        w_q, w_k, w_v = w_in                                                # (E, E|kdim|vdim)
         b_q = b_k = b_v = None
-        if self.in_proj_bias is not None:               # torch adds a bias of another dtype
-            b_q, b_k, b_v = self.in_proj_bias.to(w_q.dtype).split(E)
+        if weights.b_in is not None:                    # torch adds a bias of another dtype
+            b_q, b_k, b_v = weights.b_in.to(w_q.dtype).split(E)
         q = F.linear(query, w_q, b_q).reshape(B, L, H, Dh).transpose(1, 2)  # (B, H, L, Dh)
         k, v = F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)          # (B, S, E)
         n_extra = 0                                                         # keys added at the end
-        if self.bias_k is not None:
-            k = torch.cat([k, self.bias_k.view(1, 1, E).expand(B, 1, E)], dim=1)
-            v = torch.cat([v, self.bias_v.view(1, 1, E).expand(B, 1, E)], dim=1)
+        if weights.bias_k is not None:
+            k = torch.cat([k, weights.bias_k.view(1, 1, E).expand(B, 1, E)], dim=1)
+            v = torch.cat([v, weights.bias_v.view(1, 1, E).expand(B, 1, E)], dim=1)
             n_extra += 1
         if self.add_zero_attn:
             k = torch.cat([k, k.new_zeros(B, 1, E)], dim=1)
@@ -322,7 +323,7 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
             out = out.transpose(1, 2).reshape(B, L, E)                      # (B, L, E)
         else:
             out = out.permute(2, 0, 1, 3).reshape(L, B, E)                  # (L, B, E)
-        out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
+        out = F.linear(out, weights.w_out, weights.b_out)
         if unbatched:
             out = out.squeeze(1)                                            # (L, E)
         elif self.batch_first and not fast:

@@ -9,6 +9,7 @@ rules; and the NestedTensor inputs torch's inference path accepts.
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -89,10 +90,33 @@ def _check_mask_dtypes(key_padding_mask, attn_mask) -> None:
                       "Use same type for both instead.", stacklevel=4)
 
 
-def _check_input_dtypes(m: nn.MultiheadAttention, query, key, value) -> None:
+class _Weights(NamedTuple):
+    """The parameters one forward computes with, each read once (see :func:`_read_weights`)."""
+    w_in: "torch.Tensor | tuple"          # the packed (3*E, E) weight, or (W_q, W_k, W_v)
+    b_in: Optional[torch.Tensor]
+    bias_k: Optional[torch.Tensor]
+    bias_v: Optional[torch.Tensor]
+    w_out: object                         # a tensor, unless out_proj is not a Linear
+    b_out: object
+
+
+def _read_weights(m: nn.MultiheadAttention) -> _Weights:
+    """Read each parameter once, in the order torch's call to its functional forward reads
+    them: a parametrization runs on every read (``spectral_norm`` steps its power iteration
+    in training, a random one draws), so the module's run as often as in torch's module
+    and, with :func:`_takes_fast_path` before this, compute the same weights."""
+    packed, b_in = m.in_proj_weight, m.in_proj_bias        # (in_proj_weight is None unless packed)
+    bias_k, bias_v = m.bias_k, m.bias_v
+    w_out, b_out = getattr(m.out_proj, "weight", None), getattr(m.out_proj, "bias", None)
+    w_in = packed if m._qkv_same_embed_dim else (m.q_proj_weight, m.k_proj_weight,
+                                                 m.v_proj_weight)
+    return _Weights(w_in, b_in, bias_k, bias_v, w_out, b_out)
+
+
+def _check_input_dtypes(m: nn.MultiheadAttention, query, key, value, weights: _Weights) -> None:
     """query, key and value in the dtype of the weights that project them (torch's
     projection refuses others, except under autocast, which casts them)."""
-    w = getattr(m.out_proj, "weight", None)
+    w = weights.w_out
     if not isinstance(w, torch.Tensor):
         what = (f"out_proj is a {type(m.out_proj).__module__}.{type(m.out_proj).__name__} "
                 f"whose weight is a {type(w).__name__}, not a tensor")
@@ -108,10 +132,8 @@ def _check_input_dtypes(m: nn.MultiheadAttention, query, key, value) -> None:
     kind = query.device.type                  # (meta has no autocast: asking it raises)
     if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
         return
-    fused = m._qkv_same_embed_dim
-    for name, t, w in (("query", query, m.in_proj_weight if fused else m.q_proj_weight),
-                       ("key", key, m.in_proj_weight if fused else m.k_proj_weight),
-                       ("value", value, m.in_proj_weight if fused else m.v_proj_weight)):
+    w_in = weights.w_in if isinstance(weights.w_in, tuple) else (weights.w_in,) * 3
+    for name, t, w in zip(("query", "key", "value"), (query, key, value), w_in):
         want = w.dtype
         if getattr(t, "dtype", want) != want:
             module = (f" or convert the module with .to({t.dtype})"
@@ -152,13 +174,14 @@ def _kpm_error(shape, batched: bool, N: int, S: int) -> str:
 
 
 def _check_inputs(m: nn.MultiheadAttention, query, key, value, key_padding_mask, attn_mask,
-                  causal_hint: bool) -> bool:
+                  causal_hint: bool, weights: _Weights) -> bool:
     """Refuse every input torch refuses, with torch's exception type; return ``batched``.
 
     ``causal_hint``: the ``is_causal`` hint replaces ``attn_mask``, whose size is then not
-    checked (torch checks its rank and dtype only).
+    checked (torch checks its rank and dtype only). ``weights``: the module's, as
+    :func:`_read_weights` read them (read here, a parametrization would run again).
     """
-    _check_input_dtypes(m, query, key, value)
+    _check_input_dtypes(m, query, key, value, weights)
     _check_mask_dtypes(key_padding_mask, attn_mask)
     kpm, am = key_padding_mask, attn_mask
     for name, mask in (("key_padding_mask", kpm), ("attn_mask", am)):
@@ -275,25 +298,40 @@ def _takes_fast_path(m: nn.MultiheadAttention, query, key, value, key_padding_ma
     whose output is a contiguous ``(N, L, E)`` (its other path returns a transposed view of
     a contiguous ``(L, N, E)``): torch's conditions, in its order (while ``torch.compile``
     traces, torch's make_fx test is not asked: it reads as tracing there, but torch's
-    compiled module takes its fused kernel)."""
-    if any(t is not None and t.is_floating_point() for t in (key_padding_mask, attn_mask)):
+    compiled module takes its fused kernel).
+
+    It reads the module's parameters where torch's test reads them, as often: a
+    parametrization runs on every read, and torch's module computes with the next read
+    (:func:`_read_weights`), after its test.
+    """
+    if not isinstance(query, torch.Tensor):        # (refused after, by _check_inputs)
         return False
-    proj = (m.in_proj_weight, m.in_proj_bias, m.out_proj.weight, m.out_proj.bias)
+    float_mask = any(isinstance(t, torch.Tensor) and t.is_floating_point()
+                     for t in (key_padding_mask, attn_mask))
+    # torch's chain of conditions, each parameter read as in its own (float masks end the
+    # path after the chain, which torch reads all the same)
     if not (torch.backends.mha.get_fastpath_enabled() and query.dim() == 3
-            and query is key and key is value and m.in_proj_weight is not None
-            and m.in_proj_bias is not None and query.dtype == m.in_proj_bias.dtype
-            and query.dtype == m.in_proj_weight.dtype and not m.training
-            and m.num_heads % 2 == 0 and m.batch_first and m.bias_k is None
-            and m.bias_v is None and not m.add_zero_attn and m._qkv_same_embed_dim
-            and not torch.is_autocast_enabled()):
+            and query is key and key is value):
         return False
-    tensors = (query, *proj)
+    if m.in_proj_bias is not None and query.dtype != m.in_proj_bias.dtype:
+        return False
+    if m.in_proj_weight is None or query.dtype != m.in_proj_weight.dtype:
+        return False
+    if (m.training or m.num_heads % 2 or not m.batch_first or m.bias_k is not None
+            or m.bias_v is not None or m.add_zero_attn or not m._qkv_same_embed_dim
+            or torch.is_autocast_enabled() or float_mask):
+        return False
+    tensors = (query, m.in_proj_weight, m.in_proj_bias, m.out_proj.weight, m.out_proj.bias)
+    if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
+        return False                               # (out_proj is not a Linear: refused after)
     devices = ("cpu", "cuda", torch.utils.backend_registration._privateuse1_backend_name)
-    return (not torch.overrides.has_torch_function(tensors)
-            and all(t is None or t.device.type in devices for t in tensors)
-            and not (torch.is_grad_enabled()
-                     and any(t is not None and t.requires_grad for t in tensors))
-            and (torch.compiler.is_compiling() or not _make_fx_tracing()))
+    if (torch.overrides.has_torch_function(tensors)
+            or not all(t is None or t.device.type in devices for t in tensors)
+            or (torch.is_grad_enabled()
+                and any(t is not None and t.requires_grad for t in tensors))
+            or not (torch.compiler.is_compiling() or not _make_fx_tracing())):
+        return False
+    return m.in_proj_bias is not None and m.in_proj_weight is not None   # (torch's last test)
 
 
 def _make_fx_tracing() -> bool:

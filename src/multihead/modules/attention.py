@@ -11,6 +11,7 @@ Notation used for tensor shapes:
 
 from __future__ import annotations
 
+import functools
 import numbers
 import re
 from typing import NamedTuple
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+from torch.nn.utils import parametrize
 
 from .. import masks
 from .._args import fraction, positive_int
@@ -73,6 +75,21 @@ class Projection(NamedTuple):
 
     weight: torch.Tensor
     bias: torch.Tensor | None
+
+
+def _reads_weights_once(method):
+    """Run ``method`` with each parametrized weight evaluated once (torch's parametrization
+    cache): a forward reads ``out_proj.weight`` for its checks and its product, and a packed
+    cross-attention ``in_proj_weight`` for q and for k, v, where a parametrization with
+    effects would run each time (``spectral_norm`` steps its power iteration in training, a
+    random one draws). A module without parametrizations is called as it is."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if not (parametrize.is_parametrized(self) or parametrize.is_parametrized(self.out_proj)):
+            return method(self, *args, **kwargs)
+        with parametrize.cached():
+            return method(self, *args, **kwargs)
+    return run
 
 
 def _divisors(n: int) -> list[int]:
@@ -356,6 +373,7 @@ class MultiHeadAttention(AllOrNothing):
         B, H, S, Dh = heads.shape
         return heads.transpose(1, 2).reshape(B, S, H * Dh)            # (B, Sq, H*Dh)
 
+    @_reads_weights_once
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask=None,
                 return_weights: bool = False, average_weights: bool = False,
                 positions: torch.Tensor | int | None = None, cache=None,
@@ -429,6 +447,7 @@ class MultiHeadAttention(AllOrNothing):
             return y
         return y, (w.mean(dim=1) if average_weights else w)
 
+    @_reads_weights_once
     def make_cache(self, batch_size: int, max_len: int) -> KVCache:
         """A :class:`KVCache` with this module's K/V heads, head_dim, dtype and device;
         made under ``torch.autocast``, in autocast's dtype (the K/V the module computes
@@ -446,6 +465,7 @@ class MultiHeadAttention(AllOrNothing):
         return KVCache(batch_size, max_len, self.num_kv_heads, self.head_dim,
                        dtype=self._kv_dtype(), device=self.out_proj.weight.device)
 
+    @_reads_weights_once
     def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """K/V cache bytes one token costs in this layer: ``2 * Hkv * Dh * itemsize``
         (the seeds' MQA/GQA memory argument: H/Hkv times less than MHA)."""
@@ -515,6 +535,7 @@ class MultiHeadAttention(AllOrNothing):
             mask = pad if mask is None else mask & pad
         return q, k, v, mask
 
+    @_reads_weights_once
     def head_contributions(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
                            mask=None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Each head's write into the output, ``head_i @ W_O^(i)`` (seed 004): ``(B, H, Sq, E)``.

@@ -13,6 +13,7 @@ A parent's load has copied the modules it reached before, which no child can und
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import torch
@@ -67,6 +68,34 @@ def load_problems(module: nn.Module, state_dict: Mapping, strict: bool,
         problems += [f"{what} keys {keys}" for what, keys in
                      (("missing", missing), ("unexpected", unexpected)) if keys]
     return problems
+
+
+_PARAMETRIZED = re.compile(r"(^|.*\.)parametrizations\.([^.]+)\..+")
+
+
+def _parametrization_hint(own, theirs) -> str | None:
+    """The fix where the module and the checkpoint (their keys) differ only in which
+    tensors are parametrized (``torch.nn.utils.parametrize`` stores ``weight`` as
+    ``parametrizations.weight.original``), or None.
+
+    Example:
+        >>> _parametrization_hint(["parametrizations.weight.original", "bias"], ["weight", "bias"])
+        'This module parametrizes weight, the checkpoint holds it plain: load the checkpoint before registering the parametrization, or remove it first (torch.nn.utils.parametrize.remove_parametrizations)'
+    """
+    own, theirs = set(own), set(theirs)
+    plain = lambda k: _PARAMETRIZED.sub(r"\1\2", k)                   # noqa: E731
+    here, there = own - theirs, theirs - own
+    if not (here or there) or {plain(k) for k in here} != {plain(k) for k in there}:
+        return None
+    ours = sorted({plain(k) for k in here if _PARAMETRIZED.match(k)})
+    if ours:
+        return (f"This module parametrizes {', '.join(ours)}, the checkpoint holds "
+                f"{'it' if len(ours) == 1 else 'them'} plain: load the checkpoint before "
+                f"registering the parametrization, or remove it first "
+                f"(torch.nn.utils.parametrize.remove_parametrizations)")
+    names = sorted({plain(k) for k in there if _PARAMETRIZED.match(k)})
+    return (f"The checkpoint parametrizes {', '.join(names)}, this module does not: register "
+            f"the same parametrization (torch.nn.utils.parametrize) before loading")
 
 
 def _optional(module: nn.Module) -> dict:
@@ -192,8 +221,9 @@ class AllOrNothing(nn.Module):
             what = f"This module is {sizes()}; build it" if sizes else "Build the module"
             advice = f"{what} with the checkpoint's sizes{loose}. "
         hint = getattr(self, "_layout_hint", None)
-        hint = hint([k[len(prefix):] for k in state_dict if isinstance(k, str)
-                     and k.startswith(prefix)]) if hint else None
+        theirs = [k[len(prefix):] for k in state_dict if isinstance(k, str) and k.startswith(prefix)]
+        hint = (hint(theirs) if hint else None) or (
+            _parametrization_hint(self.state_dict(keep_vars=True), theirs) if strict else None)
         advice = f"{hint}. " if hint else advice
         where = f" at {prefix[:-1]!r}" if prefix else ""
         parent = (" (but the load of the model holding it has copied the modules it reached "
