@@ -666,3 +666,41 @@ def test_a_4d_integer_mask_is_refused_with_what_to_pass():
                                model("llama", "sdpa")(input_ids=ids,
                                                       attention_mask=causal.bool()).logits,
                                atol=ATOL, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_a_softcapping_field_the_model_never_reads_is_not_refused():
+    """attn_logit_softcapping set on a config whose class has no such field (Llama's): its
+    model never reads it, so it runs, as on eager; Gemma2's declares it and is refused."""
+    cfg = transformers.LlamaConfig(**_SMALL, attn_logit_softcapping=30.0)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    ours = copy.deepcopy(ref)
+    ours.config._attn_implementation = "multihead"
+    ids = torch.randint(3, VOCAB, (2, 6))
+    torch.testing.assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits,
+                               atol=ATOL, rtol=1e-5)
+
+
+def test_decreasing_packing_offsets_name_the_argument():
+    with pytest.raises(ValueError, match=r"^cu_seq_lens_k: .*never decrease, got \[0, 5, 3, 6\]"):
+        hf._flash_packing({"cu_seq_lens_q": (cu := torch.tensor([0, 5, 3, 6])),
+                           "cu_seq_lens_k": cu}, None, 1, 6, 6)
+
+
+@torch.inference_mode()
+def test_a_hybrid_models_mask_sized_by_a_linear_layer_is_refused_naming_the_cause():
+    """MiniMax sizes its decoding mask from its first layer's cache, a linear-attention one
+    (one key): the error names that, not the user's attention_mask, which is right."""
+    cfg = transformers.MiniMaxConfig(**dict(_SMALL, head_dim=8), num_local_experts=2,
+                                     num_experts_per_tok=1, block_size=4,
+                                     layer_types=["linear_attention", "full_attention"])
+    cfg._attn_implementation = "multihead"
+    torch.manual_seed(0)
+    m = transformers.MiniMaxForCausalLM(cfg).eval()
+    ids = torch.randint(3, VOCAB, (2, 6))
+    hint = r"MiniMaxConfig.layer_types mixes in 'linear_attention': transformers sizes"
+    for attention_mask in (torch.ones_like(ids), torch.tensor([[1] * 6, [0, 0] + [1] * 4])):
+        with pytest.raises(ValueError, match=hint):
+            m.generate(ids, attention_mask=attention_mask, max_new_tokens=2, do_sample=False,
+                       pad_token_id=PAD)

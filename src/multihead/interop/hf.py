@@ -25,7 +25,7 @@ from .. import masks as M
 from ..functional import attention
 from ..masks import Mask
 from ..masks.structured import ids_from_offsets
-from .hf_masks import HFMask, build_mask, unreadable_mask
+from .hf_masks import HFMask, build_mask, hybrid_hint, unreadable_mask
 from .._tracing import check_when_run, shape_text
 
 NAME = "multihead"
@@ -125,11 +125,13 @@ def _mask_for(module, attention_mask, q_len: int, k_len: int, is_causal):
                              f"keys but this layer attends with {q_len} queries to {k_len} "
                              f"keys, so the mask cannot say which keys each query sees (eager "
                              f"and sdpa broadcast such a mask, and their results then differ "
-                             f"from a forward without the cache). transformers sizes this "
-                             f"model's mask apart from its cache (a layer kind its mask code "
-                             f"does not size, or a sliding window shorter than a cached step "
-                             f"needs): run it with attn_implementation='eager' if you accept "
-                             f"that, or without a cache")
+                             f"from a forward without the cache where it masks anything). "
+                             f"transformers sizes this model's mask apart from its cache (a "
+                             f"layer kind its mask code does not size, or a sliding window "
+                             f"shorter than a cached step needs)"
+                             f"{hybrid_hint(getattr(module, 'config', None))}: run it with "
+                             f"attn_implementation='eager' if you accept that, or without a "
+                             f"cache")
         return attention_mask.mask, attention_mask.keys
     if attention_mask is None:       # (a layer without is_causal: not causal, as eager does)
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
@@ -188,7 +190,10 @@ def _read_packing(cu_k: torch.Tensor, length: int) -> Mask:
     ref, version, docs = _PACKED
     now = _version(cu_k)
     if ref is None or ref() is not cu_k or version != now:
-        docs = M.document(cu_seqlens=cu_k)             # (reads the offsets: once per forward)
+        try:
+            docs = M.document(cu_seqlens=cu_k)         # (reads the offsets: once per forward)
+        except ValueError as e:
+            raise ValueError(f"cu_seq_lens_k: {e}") from None
         if docs.ids.shape[1] != length:         # (the offsets are wrong: not for eager)
             raise ValueError(f"cu_seq_lens_k ends at {docs.ids.shape[1]}, but the packed row "
                              f"has {length} tokens: its last offset must be the row's length "

@@ -14,6 +14,7 @@ says when that happened.
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 from typing import NamedTuple
 
@@ -90,13 +91,45 @@ SINK_MODELS = frozenset({"gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_fl
                          "deepseek_v4", "hy_v4", "openai_privacy_filter", "inkling2"})
 
 
+#: the attention kinds of ``config.layer_types``; other kinds (linear attention, Mamba,
+#: convolutions) keep caches that hold no keys per token
+_ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
+
+def hybrid_hint(config) -> str:
+    """Why a mask may be sized for other keys than a layer's, where ``config.layer_types``
+    mixes in layers that are not attention ("" where it does not)."""
+    kinds = getattr(config, "layer_types", None)
+    others = sorted({k for k in kinds if isinstance(k, str)} - _ATTENTION_KINDS) \
+        if isinstance(kinds, (list, tuple)) else []
+    if not others:
+        return ""
+    return (f" ({type(config).__name__}.layer_types mixes in {', '.join(map(repr, others))}: "
+            f"transformers sizes this model's mask from the cache of such a layer, which holds "
+            f"no keys per token)")
+
+
+def _declares(config, field: str) -> bool:
+    """Whether ``config``'s class has ``field`` (a model of that class may read it), rather
+    than the instance holding an extra attribute its model never reads."""
+    cls = type(config)
+    if any(field in getattr(k, "__annotations__", {}) for k in cls.__mro__):
+        return True
+    try:
+        return field in inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):              # (cannot tell: as if it did)
+        return True
+
+
 def check_config(config) -> None:
     """Refuse, before any layer runs (and so before a cache is written), a model whose
     attention we do not compute (logit softcapping, attention sinks) or whose layers use
-    the mask as a tensor (:data:`MASK_AS_TENSOR`)."""
+    the mask as a tensor (:data:`MASK_AS_TENSOR`). Softcapping is refused where the config's
+    class has the field (Gemma2's, Gemma3's): an attribute added to another config is one
+    its model never reads (a layer that passes ``softcap`` is refused where it does)."""
     cap = getattr(config, "attn_logit_softcapping", None)
     name = type(config).__name__
-    if cap is not None:
+    if cap is not None and _declares(config, "attn_logit_softcapping"):
         raise ValueError(f"attn_implementation='multihead' does not support attention logit "
                          f"softcapping ({name}.attn_logit_softcapping is {cap}): load this "
                          f"model with attn_implementation='eager' instead")
@@ -262,7 +295,7 @@ def _padding(attention_mask, kv_offset: int, keys: int):
     return M.padding(pm)
 
 
-def _check_columns(attention_mask, tokens: int, slots: int) -> None:
+def _check_columns(attention_mask, tokens: int, slots: int, config=None) -> None:
     """A 2-D mask must cover every key that is a token so far: transformers pads a shorter
     one with zeros (the tokens past its end are then masked, every key of a query in a
     window too: silently wrong), and reads only the columns it needs of a longer one.
@@ -280,7 +313,7 @@ def _check_columns(attention_mask, tokens: int, slots: int) -> None:
     if cols > most_keys:
         raise ValueError(f"attention_mask has {cols} columns (shape {shape}) but there are "
                          f"only {most_keys} keys: give one column per key token so far, not "
-                         f"the mask of a longer input")
+                         f"the mask of a longer input{hybrid_hint(config)}")
 
 
 def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
@@ -326,7 +359,8 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         attention_mask = attention_mask.bool()          # (0/1 ints, as tokenizers give)
     q_offset, kv_offset = int(q_offset), int(kv_offset)
     if attention_mask is not None:
-        _check_columns(attention_mask, q_offset + q_length, kv_offset + kv_length)
+        _check_columns(attention_mask, q_offset + q_length, kv_offset + kv_length,
+                       kwargs.get("config"))
     shape = (batch_size, 1, q_length, kv_length)
     try:
         offsets = bool(q_offset or kv_offset)
