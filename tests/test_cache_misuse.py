@@ -556,6 +556,47 @@ def test_a_sequence_id_must_be_a_live_int(sid, error, match):
         pool.batch(1)
 
 
+def test_a_batch_of_no_ids_or_repeated_ids_says_which():
+    pool = mh.PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4)
+    a, b = pool.add_sequence(), pool.add_sequence()
+    with pytest.raises(ValueError, match=r"at least one sequence id, got none"):
+        pool.batch([])
+    with pytest.raises(ValueError, match=r"got \[1, 0, 1\] \(\[1\] more than once\)"):
+        pool.batch([b, a, b])
+
+
+def test_pool_sizes_given_as_tensors_or_zero_say_what_to_pass():
+    with pytest.raises(ValueError, match=r"num_pages must be a positive int, got tensor\(4\): "
+                                         r"pass int\(\.\.\.\) of the tensor"):
+        mh.PagedKVCache(torch.tensor(4), 2, 1, 4)
+    with pytest.raises(ValueError, match=r"page_size must be a positive int, got 0: token slots"):
+        mh.PagedKVCache(4, 0, 1, 4)
+
+
+def test_a_numpy_valid_says_to_convert_it():
+    np = pytest.importorskip("numpy")
+    cache = mh.KVCache(1, 4, num_kv_heads=1, head_dim=4)
+    with pytest.raises(TypeError, match=r"got a numpy.ndarray of bool \(1, 1\): pass "
+                                        r"torch.from_numpy\(valid\)"):
+        cache.update(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), valid=np.ones((1, 1), bool))
+    assert cache.seen == 0
+
+
+def test_pool_and_batch_reprs_show_their_state():
+    pool = mh.PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4,
+                           dtype=torch.float16)
+    a = pool.add_sequence()
+    batch = pool.batch([a])
+    batch.update(torch.ones(1, 1, 3, 4, dtype=torch.float16), torch.ones(1, 1, 3, 4,
+                                                                       dtype=torch.float16))
+    assert repr(pool).endswith("sequences=1, pages_used=2, float16, cpu, 0.0 MiB)")
+    assert repr(batch).startswith("PagedBatch(ids=[0], lengths=[3], pool=PagedKVCache(")
+    assert pool.bytes_per_token() == batch.bytes_per_token() == 2 * 4 * 2
+    assert pool.nbytes == 2 * 2 * pool.bytes_per_token()
+    pool.free(a)
+    assert "lengths=['freed']" in repr(batch)
+
+
 def test_a_batch_of_a_freed_sequence_is_refused_by_its_own_methods():
     pool = mh.PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=4)
     a, b = pool.add_sequence(), pool.add_sequence()
@@ -741,3 +782,48 @@ def test_a_batch_dropped_in_the_middle_of_a_call_does_not_hold_its_pool():
     copy.deepcopy(pool)                            # (nothing open on it any more)
     again = pool.batch(pool.sequences)
     _decoding_goes_on(m, again, seqs, 3)
+
+
+@pytest.mark.parametrize("kind, inner_ids", [("static", "same"), ("paged", "same"),
+                                             ("paged", "overlapping"), ("paged", "other")])
+def test_a_forward_reentered_from_a_hook_cannot_write_what_the_outer_call_holds(kind, inner_ids):
+    """A hook of a cached forward running another forward on the same cache (or sequences):
+    the inner call is refused before it writes, so the outer call's failure puts the cache
+    back as it was (the outer's undo did not see the inner's writes: a page went to two
+    sequences, a static cache kept both calls' tokens). Other sequences of a pool may be
+    written meanwhile."""
+    m, seqs, cache = _prefilled(kind, 2, 3, seed=7)
+    inner = _module(seed=1)
+    if kind == "paged":
+        pool = cache.pool
+        spare = pool.add_sequence()
+        ids = {"same": cache.ids, "overlapping": [spare, cache.ids[1]], "other": [spare]}[inner_ids]
+        before = _state(cache)
+        inner_cache = lambda: pool.batch(ids)                                  # noqa: E731
+    else:
+        before = _state(cache)
+        inner_cache = lambda: cache                                            # noqa: E731
+    seen = []
+
+    def hook(*_):
+        x = torch.randn(len(getattr(inner_cache(), "ids", [0, 0])), 2, E)
+        try:
+            inner(x, cache=inner_cache(), mask=CAUSAL)
+            seen.append("ran")
+        except RuntimeError as e:
+            seen.append(str(e))
+        raise KeyboardInterrupt                     # the outer call fails after it
+
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        with m.out_proj.register_forward_hook(hook):
+            m(seqs[:, 3:4], cache=cache, mask=CAUSAL)
+    if inner_ids == "other":                    # (the spare sequence's write stays)
+        assert seen == ["ran"] and pool.length(spare) == 2
+        assert [pool.length(s) for s in cache.ids] == [3, 3]
+    else:
+        assert len(seen) == 1 and "is still open" in seen[0] and "nothing was written" in seen[0]
+        assert _same(_state(cache), before)
+    _decoding_goes_on(m, cache, seqs, 3)
+    if kind == "paged":                             # every page owned once, or free
+        owned = [pg for t in pool._tables.values() for pg in t]
+        assert sorted(owned + pool._free) == list(range(pool.num_pages))

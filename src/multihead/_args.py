@@ -33,6 +33,10 @@ def positive_int(name: str, value, *, least: int = 1, hint: str = "") -> int:
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         what = "a positive int" if least == 1 else f"an int >= {least}"
+        import torch                        # (only for this message)
+        if (isinstance(value, torch.Tensor) and value.numel() == 1
+                and not value.is_floating_point() and value.dtype != torch.bool):
+            hint = "pass int(...) of the tensor" + (f"; {hint}" if hint else "")
         raise ValueError(f"{name} must be {what}, got {value!r:.60}" + (f": {hint}" if hint else ""))
     if value > INT64_MAX:
         raise ValueError(f"{name} must be at most 2**63 - 1 (an int64), got {value!r:.60}"

@@ -98,14 +98,41 @@ class _CacheBase:
             raise TypeError(f"cache is {self.dtype} on {self.device} but the module is {dtype} on "
                             f"{device}: build the cache with dtype/device of the module")
 
+    def bytes_per_token(self) -> int:
+        """K/V bytes one token costs in one layer: ``Hkv * (D + Dv) * itemsize``."""
+        return self.num_kv_heads * (self.head_dim + self.value_dim) * self.dtype.itemsize
+
     def _real_counts(self) -> torch.Tensor:
         """Real (non-padding) tokens stored per sequence, ``(B,)``."""
         raise NotImplementedError
 
     # -- a forward's writes, undone if the forward fails after them ----------------------
     def begin(self) -> None:
-        """Start recording writes: :meth:`rollback` undoes exactly those made since."""
+        """Start recording writes: :meth:`rollback` undoes exactly those made since.
+
+        Refused while a call on this cache is open (a forward called from a hook of another
+        forward writing the same cache): the outer call's rollback could not undo the
+        inner's writes, and its keys were gathered before them.
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> cache = mh.KVCache(1, 8, num_kv_heads=1, head_dim=4)
+            >>> cache.begin()
+            >>> try:
+            ...     cache.begin()
+            ... except RuntimeError as e:
+            ...     print(str(e)[:52])
+            KVCache: a call writing this cache is still open (a
+        """
+        self._refuse_nested("this cache")
         self._journal = []
+
+    def _refuse_nested(self, what: str) -> None:
+        if self._journal is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}: a call writing {what} is still open (a forward called "
+                f"from inside another that uses it, from a hook say); nothing was written. Give "
+                f"the inner call a cache of its own, or make it after the outer one returns")
 
     def rollback(self) -> None:
         """Undo the writes since :meth:`begin` (the module calls this when attention fails
@@ -120,9 +147,11 @@ class _CacheBase:
             >>> cache.rollback(); cache.seen, cache.lengths.tolist()
             (0, [0])
         """
-        for undo in reversed(self._journal or []):
-            undo()
-        self._end_call()
+        try:
+            for undo in reversed(self._journal or []):
+                undo()
+        finally:                     # (an undo that fails ends the call all the same)
+            self._end_call()
 
     def commit(self) -> None:
         """Stop recording: the writes since :meth:`begin` stay (the module calls this when
@@ -209,9 +238,14 @@ class _CacheBase:
         batch = self.batch_size
         wrong = not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool
         if wrong or tuple(valid.shape) != (batch, n):
-            raise (TypeError if wrong else ValueError)(f"valid must be a bool tensor (B, n) = ({batch}, {n}) marking the real "
-                             f"new tokens, got {getattr(valid, 'dtype', type(valid).__name__)} "
-                             f"{tuple(getattr(valid, 'shape', ()))}")
+            kind = "" if isinstance(valid, torch.Tensor) else (
+                f"a {type(valid).__module__.split('.')[0]}.{type(valid).__name__} of ")
+            fix = (": pass torch.from_numpy(valid)" if type(valid).__module__ == "numpy"
+                   else "")
+            raise (TypeError if wrong else ValueError)(
+                f"valid must be a bool tensor (B, n) = ({batch}, {n}) marking the real new "
+                f"tokens, got {kind}{getattr(valid, 'dtype', type(valid).__name__)} "
+                f"{tuple(getattr(valid, 'shape', ()))}{fix}")
         check_strided("valid", valid)
         if valid.is_meta and self.device.type != "meta":
             raise ValueError(f"valid is on the meta device (it holds no values), the cache on "
@@ -337,10 +371,6 @@ class KVCache(_CacheBase):
     def nbytes(self) -> int:
         """Bytes of the K/V buffers (what the seeds' MQA/GQA argument is about)."""
         return self.k.nbytes + self.v.nbytes
-
-    def bytes_per_token(self) -> int:
-        """K/V bytes one token costs in one layer: ``Hkv * (D + Dv) * itemsize``."""
-        return self.num_kv_heads * (self.head_dim + self.value_dim) * self.k.element_size()
 
     def reset(self) -> None:
         """Forget every sequence; the buffers are kept and reused, the slots written zeroed

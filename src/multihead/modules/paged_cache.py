@@ -109,7 +109,8 @@ class PagedKVCache(_CacheBase):
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
                  value_dim: int | None = None, dtype: torch.dtype | None = None, device=None):
-        P, p = positive_int("num_pages", num_pages), positive_int("page_size", page_size)
+        P = positive_int("num_pages", num_pages, hint="the pool's size in pages, e.g. 1024")
+        p = positive_int("page_size", page_size, hint="token slots per page, e.g. 16")
         self.num_pages, self.page_size = P, p
         fk = self._geometry(num_kv_heads, head_dim, value_dim, dtype, device, P * p,
                             f"num_pages={P} x page_size={p}")
@@ -226,8 +227,7 @@ class PagedKVCache(_CacheBase):
     @property
     def nbytes(self) -> int:
         """Bytes of the K/V held by pages in use (grows with the tokens stored)."""
-        per_slot = self.num_kv_heads * (self.head_dim + self.value_dim) * self.k.element_size()
-        return self.pages_used * self.page_size * per_slot
+        return self.pages_used * self.page_size * self.bytes_per_token()
 
     def batch(self, seq_ids) -> "PagedBatch":
         """The cache view a forward uses for these sequences (rows of x in this order).
@@ -249,14 +249,21 @@ class PagedKVCache(_CacheBase):
             raise TypeError(f"batch takes a list of sequence ids, got {seq_ids!r} "
                             f"({type(seq_ids).__name__}): e.g. pool.batch([sid])")
         ids = [self._check_id(sid) for sid in seq_ids]
-        if not ids or len(set(ids)) != len(ids):
-            raise ValueError(f"batch needs distinct sequence ids, got {ids}")
+        if not ids:
+            raise ValueError("batch needs at least one sequence id, got none: e.g. "
+                             "pool.batch([pool.add_sequence()])")
+        twice = sorted({s for s in ids if ids.count(s) > 1})
+        if twice:
+            raise ValueError(f"batch needs distinct sequence ids, got {ids} ({twice} more than "
+                             f"once): one row of x per sequence")
         return PagedBatch(self, ids)
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"sequences={len(self._tables)}, pages_used={self.pages_used})")
+                f"sequences={len(self._tables)}, pages_used={self.pages_used}, "
+                f"{str(self.dtype).replace('torch.', '')}, {self.device}, "
+                f"{(self.k.nbytes + self.v.nbytes) / 2**20:.1f} MiB)")
 
     # -- slots ---------------------------------------------------------------------------
     def _device_tables(self, ids: list[int], n: int = 0) -> tuple[torch.Tensor, ...]:
@@ -321,10 +328,25 @@ class PagedBatch(_CacheBase):
     def _slot_tensors(self):
         return self.pool._slot_tensors()
 
+    def __repr__(self) -> str:
+        lengths = [self.pool.length(s) if s in self.pool._tables else "freed" for s in self.ids]
+        return f"PagedBatch(ids={self.ids}, lengths={lengths}, pool={self.pool!r})"
+
     # its undo steps act on the pool: the pool notes the batch (weakly: one dropped while
     # its call is open does not hold the pool) and refuses to be copied meanwhile
     def begin(self) -> None:
-        self.pool.__dict__.setdefault("_open", weakref.WeakSet()).add(self)
+        """As :meth:`KVCache.begin`; refused too while another batch's open call holds one of
+        this batch's sequences (its rollback could not undo this call's pages)."""
+        self._refuse_nested("this batch")
+        open_calls = self.pool.__dict__.setdefault("_open", weakref.WeakSet())
+        busy = sorted({s for b in open_calls if b._journal is not None for s in b.ids}
+                      .intersection(self.ids))
+        if busy:
+            raise RuntimeError(
+                f"PagedBatch: a call writing sequence(s) {busy} is still open (a forward called "
+                f"from inside another that uses them, from a hook say); nothing was written. "
+                f"Write them after the outer call returns, or use other sequences")
+        open_calls.add(self)
         super().begin()
 
     def _end_call(self) -> None:
