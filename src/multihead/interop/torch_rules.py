@@ -103,8 +103,9 @@ class _Weights(NamedTuple):
 def _read_weights(m: nn.MultiheadAttention) -> _Weights:
     """Read each parameter once, in the order torch's call to its functional forward reads
     them: a parametrization runs on every read (``spectral_norm`` steps its power iteration
-    in training, a random one draws), so the module's run as often as in torch's module
-    and, with :func:`_takes_fast_path` before this, compute the same weights."""
+    in training, a random one draws): after :func:`_takes_fast_path`'s reads, the
+    module's parametrizations have run as often as in torch's module, and give the same
+    weights."""
     packed, b_in = m.in_proj_weight, m.in_proj_bias        # (in_proj_weight is None unless packed)
     bias_k, bias_v = m.bias_k, m.bias_v
     w_out, b_out = getattr(m.out_proj, "weight", None), getattr(m.out_proj, "bias", None)

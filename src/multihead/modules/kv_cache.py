@@ -128,6 +128,7 @@ class _CacheBase:
         self._journal = []
 
     def _refuse_nested(self, what: str) -> None:
+        """Raise where this cache's call is open (``what``: how the error names it)."""
         if self._journal is not None:
             raise RuntimeError(
                 f"{type(self).__name__}: a call writing {what} is still open (a forward called "
