@@ -690,3 +690,30 @@ def test_the_cpu_peak_counts_each_allocation_once_and_sees_freed_scratch():
     assert peak_memory(lambda: torch.zeros(1 << 20), cpu) == 4 * 2**20
     assert peak_memory(lambda: torch.nn.functional.linear(a, a), cpu) == 2**20
     assert peak_memory(scratch_then_result, cpu) == 16 * 2**20
+
+
+def test_the_minilm_corpus_reads_the_standard_library_only_and_runs_nothing(tmp_path, monkeypatch):
+    """Its texts were the docstrings of every top-level module found, imported: a script in
+    the current folder (first on the path under ``python -m``) ran, and installed packages'
+    texts made the sample change with them."""
+    import types
+    from multihead.bench.corpus import corpus
+    (tmp_path / "probe_runs_me.py").write_text(
+        '"""words that would be read here"""\nimport pathlib\n'
+        f'pathlib.Path({str(tmp_path / "RAN")!r}).write_text("x")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    words = types.SimpleNamespace(tokenize=lambda p: types.SimpleNamespace(ids=p.split()))
+    texts = corpus(words, n=256)
+    assert not (tmp_path / "RAN").exists()
+    assert not any("would be read" in t for t in texts)
+    torch_doc = " ".join(torch.__doc__.split("\n\n")[0].split())        # an installed package
+    assert torch_doc not in texts and corpus(words, n=256) == texts
+
+
+@pytest.mark.parametrize("argv, where", [
+    (["--family", "masks"], "(it is in --device cuda)"),
+    (["--family", "hf model"], "(it is in --suite standard)"),
+])
+def test_a_family_of_another_suite_or_device_says_where_it_is(argv, where, capsys):
+    assert main(["bench", *argv]) == 2
+    assert where in " ".join(capsys.readouterr().err.split())

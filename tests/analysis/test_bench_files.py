@@ -67,6 +67,12 @@ def test_ctrl_c_while_plotting_leaves_whole_results_of_a_complete_run(tmp_path, 
     assert "INTERRUPTED" not in (tmp_path / "results.md").read_text()
     said = " ".join(capsys.readouterr().err.split())
     assert "interrupted while writing: all 2 cases were measured" in said
+    assert f"results.png in {tmp_path} was not written" in said         # (there was none)
+    _earlier_results(tmp_path)
+    with mock.patch.object(R, "_plot", side_effect=KeyboardInterrupt):
+        assert main(["bench", "--out", str(tmp_path)]) == 130
+    assert (tmp_path / "results.png").read_text() == EARLIER["results.png"]
+    assert f"results.png in {tmp_path} was not updated" in " ".join(capsys.readouterr().err.split())
 
 
 def test_ctrl_c_while_writing_the_json_leaves_whole_results(tmp_path, tiny_suite):

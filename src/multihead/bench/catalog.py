@@ -60,7 +60,12 @@ def suite_cases(suite: str, device: str | torch.device = "cpu", families=None) -
         if unknown:
             elsewhere = [s for s in SUITES if s != suite and unknown[0] in
                          {c.family for c in sized(s)}]
-            where = f" (it is in --suite {elsewhere[0]})" if elsewhere else ""
+            other_device = [s for s in SUITES if unknown[0] in {
+                c.family for c in (_cuda if kind == "cpu" else _cpu)(s)}]
+            where = (f" (it is in --suite {elsewhere[0]})" if elsewhere else
+                     f" (it is in --device {'cuda' if kind == 'cpu' else 'cpu'}"
+                     f"{'' if suite in other_device else f' --suite {other_device[0]}'})"
+                     if other_device else "")
             raise ValueError(f"--family {unknown[0]!r} is not in the {suite} suite on {kind}"
                              f"{where}: choose from {', '.join(known)}")
         cases = [c for c in cases if c.family in families]

@@ -120,9 +120,11 @@ def _save(result, out: Path, err, planned: int) -> bool:
     except KeyboardInterrupt:
         stopped = True
         result.interrupted = len(result.rows) < planned
+        png = (out / "results.png").exists()
         with _sigint_ignored():
             paths = write(result, out, plot=False)
-        err.print(f"results.png in {out} was not updated", markup=False)
+        err.print(f"results.png in {out} was not {'updated' if png else 'written'}",
+                  markup=False)
     for p in paths:
         wrote(err, p)
     return stopped
