@@ -5,6 +5,7 @@ masks that broadcast, empty batches, misused paged batches)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import pytest
@@ -280,3 +281,45 @@ def test_another_default_device_and_dtype_through_the_module_and_caches():
         assert y.dtype == torch.float64
     finally:
         torch.set_default_dtype(previous)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("held", ["a plan cache", "the rope tables"])
+def test_a_child_forked_while_a_thread_holds_a_lock_can_still_attend(held):
+    """A lock held by another thread at fork stays held in the child, where that thread does
+    not exist: its first call that took it waited forever (a DataLoader worker forked while
+    a serving thread was inside attention())."""
+    import time
+    from multihead.functional import dispatch
+    from multihead.modules import rope
+    x = torch.randn(1, 2, 16, 8)
+    attn = mh.MultiHeadAttention(16, 2, rope=mh.RotaryEmbedding(8))
+    lock = dispatch._DECISIONS._lock if held == "a plan cache" else rope._GROWING
+    taken, release = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            taken.set()
+            release.wait(30)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:                                   # the child: one call of each kind
+            try:
+                mh.attention(x, x, x, mask=mh.masks.causal())
+                attn(torch.randn(1, 5000, 16))         # (a longer table than any yet)
+                os._exit(0)
+            except BaseException:                      # noqa: BLE001
+                os._exit(3)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the child hung"
+    finally:
+        release.set()
+        holder.join()

@@ -26,6 +26,7 @@ import threading
 import torch
 
 from . import _device
+from ._fork import renew_after_fork
 
 _MISSING = object()
 
@@ -136,6 +137,18 @@ class BoundedCache:
         self._bytes = 0
         self._lock = threading.Lock()
         self._noted: set | None = set() if keep_on_repeat else None   # keys put once
+        renew_after_fork(self)
+
+    def _renew_after_fork(self) -> None:
+        """In a child forked while another thread held the lock (that thread is not in the
+        child, the lock would never be released): a fresh lock, and the cache emptied (it
+        may have been caught mid-update)."""
+        if self._lock.locked():
+            self._lock = threading.Lock()
+            self._data.clear()
+            self._bytes = 0
+            if self._noted is not None:
+                self._noted.clear()
 
     def __getstate__(self):
         """Copied or pickled empty (what it holds is recomputed on use; a lock cannot be

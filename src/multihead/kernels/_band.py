@@ -25,7 +25,6 @@ import json
 import math
 import operator
 import os
-import threading
 from typing import NamedTuple
 
 import torch
@@ -35,6 +34,7 @@ import triton.language as tl
 
 from .._cache import BoundedCache
 from .._device import to_device
+from .._fork import module_lock
 from .mask_program import LOG2E  # noqa: F401  (the kernels' one constant, shared with programs)
 
 
@@ -338,7 +338,7 @@ def _covers(docs, B, Sq) -> bool:
 _DERIVED = torch.utils.weak.WeakTensorKeyDictionary()
 
 
-_DERIVED_LOCK = threading.Lock()      # one memo per table, whichever thread comes first
+_DERIVED_LOCK = module_lock(globals(), "_DERIVED_LOCK")      # one memo per table, whichever thread comes first
 
 
 def _derived(docs: torch.Tensor, key, compute):

@@ -34,10 +34,10 @@ import inspect
 import json
 import os
 import sysconfig
-import threading
 from pathlib import Path
 
 from .._files import atomic_write
+from .._fork import module_lock
 
 #: the file, in Triton's cache folder, that keeps the key and its fingerprint
 FILE = "multihead-triton-key.json"
@@ -47,7 +47,7 @@ _FOLDERS = ("compiler", "backends", "language")
 #: fingerprinted here (Triton 3.6.0 and 3.9.0 have the same one)
 KNOWN = frozenset({"7d2c8021b5b5b005dc2a4457bc365b3d78ac10d2613df98d5bb216e343fe1140"})
 
-_LOCK = threading.Lock()
+_LOCK = module_lock(globals(), "_LOCK")
 _DONE = False
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, NamedTuple, Sequence
@@ -15,6 +14,7 @@ from typing import ClassVar, NamedTuple, Sequence
 import torch
 
 from .._args import counted, positive_int
+from .._fork import module_lock
 from .._progress import track
 from .bert import BertConfig, BertEncoder, EncoderOutput
 from .sentence import POOLINGS, SentenceConfig
@@ -83,7 +83,7 @@ def check_max_length(max_length, positions: int, tokenizer=None, *,
 
 #: the modules inside an :func:`evaluating` block: id -> (blocks inside, its mode before)
 _EVALUATING: dict[int, tuple[int, bool]] = {}
-_EVALUATING_LOCK = threading.Lock()
+_EVALUATING_LOCK = module_lock(globals(), "_EVALUATING_LOCK")
 
 
 @contextlib.contextmanager

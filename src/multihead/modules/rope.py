@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import math
 import numbers
-import threading
 
 import torch
 from torch import nn
 
 from .._cache import BoundedCache
+from .._fork import module_lock
 from .._device import to_device, usable_device
 from .._dtypes import check_strided
 from .._tracing import concrete, refuse_jit_trace, shape_text
@@ -43,7 +43,7 @@ TABLE_BYTES = 64 << 20
 #: (rotary_dim, base, device, dtype) -> table (rows, 2, R): [:, 0] cos, [:, 1] sin with the
 #: sign of the rotation folded in (the first half negated)
 _TABLES = BoundedCache(max_entries=64, max_bytes=4 * TABLE_BYTES)
-_GROWING = threading.Lock()
+_GROWING = module_lock(globals(), "_GROWING")
 
 
 def _frequencies(head_dim: int, base: float, dtype: torch.dtype, device) -> torch.Tensor:
