@@ -307,7 +307,8 @@ def test_a_child_forked_while_a_thread_holds_a_lock_can_still_attend(held):
     try:
         pid = os.fork()
         if pid == 0:                                   # the child: one call of each kind
-            try:
+            try:      # (one thread: torch's OpenMP pool, forked after use, can hang alone)
+                torch.set_num_threads(1)
                 mh.attention(x, x, x, mask=mh.masks.causal())
                 attn(torch.randn(1, 5000, 16))         # (a longer table than any yet)
                 os._exit(0)
