@@ -60,12 +60,14 @@ def suite_cases(suite: str, device: str | torch.device = "cpu", families=None) -
         if unknown:
             elsewhere = [s for s in SUITES if s != suite and unknown[0] in
                          {c.family for c in sized(s)}]
-            other_device = [s for s in SUITES if unknown[0] in {
-                c.family for c in (_cuda if kind == "cpu" else _cpu)(s)}]
-            where = (f" (it is in --suite {elsewhere[0]})" if elsewhere else
-                     f" (it is in --device {'cuda' if kind == 'cpu' else 'cpu'}"
-                     f"{'' if suite in other_device else f' --suite {other_device[0]}'})"
-                     if other_device else "")
+            other, other_sized = ("cuda", _cuda) if kind == "cpu" else ("cpu", _cpu)
+            there = [s for s in SUITES if unknown[0] in {c.family for c in other_sized(s)}]
+            where = ""
+            if elsewhere:
+                where = f" (it is in --suite {elsewhere[0]})"
+            elif there:                                  # (this suite's first, if it has it)
+                flag = "" if suite in there else f" --suite {there[0]}"
+                where = f" (it is in --device {other}{flag})"
             raise ValueError(f"--family {unknown[0]!r} is not in the {suite} suite on {kind}"
                              f"{where}: choose from {', '.join(known)}")
         cases = [c for c in cases if c.family in families]

@@ -279,8 +279,7 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))  # (B, S, E)
         B, L, E = query.shape
         H, Dh = self.num_heads, self.head_dim
-        w_in = weights.w_in if isinstance(weights.w_in, tuple) else weights.w_in.split(E)
-        w_q, w_k, w_v = w_in                                                # (E, E|kdim|vdim)
+        w_q, w_k, w_v = weights.w_in                                        # (E, E|kdim|vdim)
         b_q = b_k = b_v = None
         if weights.b_in is not None:                    # torch adds a bias of another dtype
             b_q, b_k, b_v = weights.b_in.to(w_q.dtype).split(E)

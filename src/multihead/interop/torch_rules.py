@@ -92,7 +92,7 @@ def _check_mask_dtypes(key_padding_mask, attn_mask) -> None:
 
 class _Weights(NamedTuple):
     """The parameters one forward computes with, each read once (see :func:`_read_weights`)."""
-    w_in: "torch.Tensor | tuple"          # the packed (3*E, E) weight, or (W_q, W_k, W_v)
+    w_in: tuple                           # (W_q, W_k, W_v): (E, E|kdim|vdim) each
     b_in: Optional[torch.Tensor]
     bias_k: Optional[torch.Tensor]
     bias_v: Optional[torch.Tensor]
@@ -109,8 +109,8 @@ def _read_weights(m: nn.MultiheadAttention) -> _Weights:
     packed, b_in = m.in_proj_weight, m.in_proj_bias        # (in_proj_weight is None unless packed)
     bias_k, bias_v = m.bias_k, m.bias_v
     w_out, b_out = getattr(m.out_proj, "weight", None), getattr(m.out_proj, "bias", None)
-    w_in = packed if m._qkv_same_embed_dim else (m.q_proj_weight, m.k_proj_weight,
-                                                 m.v_proj_weight)
+    w_in = tuple(packed.split(m.embed_dim)) if m._qkv_same_embed_dim else (
+        m.q_proj_weight, m.k_proj_weight, m.v_proj_weight)          # packed: views of (3*E, E)
     return _Weights(w_in, b_in, bias_k, bias_v, w_out, b_out)
 
 
@@ -133,8 +133,7 @@ def _check_input_dtypes(m: nn.MultiheadAttention, query, key, value, weights: _W
     kind = query.device.type                  # (meta has no autocast: asking it raises)
     if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
         return
-    w_in = weights.w_in if isinstance(weights.w_in, tuple) else (weights.w_in,) * 3
-    for name, t, w in zip(("query", "key", "value"), (query, key, value), w_in):
+    for name, t, w in zip(("query", "key", "value"), (query, key, value), weights.w_in):
         want = w.dtype
         if getattr(t, "dtype", want) != want:
             module = (f" or convert the module with .to({t.dtype})"

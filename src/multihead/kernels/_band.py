@@ -338,7 +338,8 @@ def _covers(docs, B, Sq) -> bool:
 _DERIVED = torch.utils.weak.WeakTensorKeyDictionary()
 
 
-_DERIVED_LOCK = module_lock(globals(), "_DERIVED_LOCK")      # one memo per table, whichever thread comes first
+#: one memo per table, whichever thread comes first
+_DERIVED_LOCK = module_lock(globals(), "_DERIVED_LOCK")
 
 
 def _derived(docs: torch.Tensor, key, compute):

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from .._cache import BoundedCache
-from .._fork import module_lock
 from .._device import to_device, usable_device
 from .._dtypes import check_strided
+from .._fork import module_lock
 from .._tracing import concrete, refuse_jit_trace, shape_text
 
 #: rows of a table when first built (it doubles past them)
