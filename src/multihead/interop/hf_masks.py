@@ -98,7 +98,15 @@ _ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_at
 
 def hybrid_hint(config) -> str:
     """Why a mask may be sized for other keys than a layer's, where ``config.layer_types``
-    mixes in layers that are not attention ("" where it does not)."""
+    mixes in layers that are not attention ("" where it does not).
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> hybrid_hint(NS(layer_types=["full_attention", "sliding_attention"]))
+        ''
+        >>> hybrid_hint(NS(layer_types=["linear_attention", "full_attention"]))[:57]
+        " (SimpleNamespace.layer_types mixes in 'linear_attention'"
+    """
     kinds = getattr(config, "layer_types", None)
     others = sorted({k for k in kinds if isinstance(k, str)} - _ATTENTION_KINDS) \
         if isinstance(kinds, (list, tuple)) else []

@@ -99,7 +99,15 @@ class _CacheBase:
                             f"{device}: build the cache with dtype/device of the module")
 
     def bytes_per_token(self) -> int:
-        """K/V bytes one token costs in one layer: ``Hkv * (D + Dv) * itemsize``."""
+        """K/V bytes one token costs in one layer: ``Hkv * (D + Dv) * itemsize``.
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> mh.KVCache(1, 8, num_kv_heads=2, head_dim=64, dtype=torch.float16).bytes_per_token()
+            512
+            >>> mh.PagedKVCache(4, 16, num_kv_heads=2, head_dim=64).bytes_per_token()
+            1024
+        """
         return self.num_kv_heads * (self.head_dim + self.value_dim) * self.dtype.itemsize
 
     def _real_counts(self) -> torch.Tensor:
