@@ -37,6 +37,21 @@ from .paged_cache import PagedBatch, PagedView
 from .rope import RotaryEmbedding
 
 
+#: the state-dict keys of the projections' biases
+_BIASES = ("in_proj_bias", "out_proj.bias")
+
+
+class OutProjection(NonDynamicallyQuantizableLinear):
+    """The output projection: ``nn.Linear``'s init, with the bias zero (as the module's
+    own init leaves it), also where each submodule's ``reset_parameters`` is called in
+    turn (FSDP's init of a model built on the meta device)."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()               # (draws the bias too, as construction does)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
 def _check_cached_mask(mask, cross: bool, n: int) -> None:
     """Refuse a mask that would place a cached call's ``n`` queries wrongly: one aligned
     upper-left (with a cache they are the sequence's last ``n``), and, for cross-attention,
@@ -188,11 +203,29 @@ class MultiHeadAttention(AllOrNothing):
             self.in_proj_bias = nn.Parameter(torch.empty(nq + 2 * nkv, **fk)) if bias else None
         # as torch's MHA: forward reads out_proj.weight, which dynamic quantization (it
         # swaps each nn.Linear for a packed one) would take away
-        self.out_proj = NonDynamicallyQuantizableLinear(nq, E, bias=bias, **fk)
-        self.reset_parameters()
+        self.out_proj = OutProjection(nq, E, bias=bias, **fk)
+        self._init_in_proj()
 
     def reset_parameters(self) -> None:
-        """Xavier-uniform projections and zero biases (torch.nn.MultiheadAttention's init)."""
+        """torch.nn.MultiheadAttention's init, of every parameter: ``out_proj.weight`` as
+        ``nn.Linear``'s, Xavier-uniform input projections and zero biases. It draws the
+        random numbers in the order construction does, so after ``torch.manual_seed(s)``
+        both give the same weights (a module built on the meta device and materialized with
+        ``to_empty`` gets its values here).
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> _ = torch.manual_seed(0); built = mh.MultiHeadAttention(16, 4)
+            >>> other = mh.MultiHeadAttention(16, 4)
+            >>> _ = torch.manual_seed(0); other.reset_parameters()
+            >>> all(torch.equal(a, b) for a, b in zip(built.parameters(), other.parameters()))
+            True
+        """
+        self.out_proj.reset_parameters()
+        self._init_in_proj()
+
+    def _init_in_proj(self) -> None:
+        """Xavier-uniform input projections and zero biases (construction's last step)."""
         names = ["in_proj_weight"] if self.packed else [f"{r}_proj_weight" for r in "qkv"]
         for name in names:
             nn.init.xavier_uniform_(getattr(self, name))
@@ -233,8 +266,19 @@ class MultiHeadAttention(AllOrNothing):
         return sum(p.numel() for p in self.parameters())
 
     def _layout_hint(self, keys: list[str]) -> str | None:
-        """The fix for a checkpoint in Hugging Face's layout (separate q/k/v projections)."""
+        """The fix for a checkpoint (its ``keys``) of another layout: Hugging Face's
+        (separate q/k/v projections), torch's with ``add_bias_kv``, or one whose
+        projections have biases where this module's have none (or the other way)."""
         names = {k.split(".")[0] for k in keys}
+        if {"bias_k", "bias_v"} <= names:
+            return ("The checkpoint is torch.nn.MultiheadAttention's with add_bias_kv=True, "
+                    "which this module has no counterpart for: load it into "
+                    "multihead.nn.MultiheadAttention, the drop-in, built as that module was")
+        plain = lambda ks: {k for k in ks if k not in _BIASES and not k.startswith("rope.")}  # noqa: E731
+        theirs = any(k in _BIASES for k in keys)
+        if theirs != (self.in_proj_bias is not None) and plain(keys) == plain(self.state_dict()):
+            return (f"The checkpoint's projections have {'' if theirs else 'no '}biases: build "
+                    f"the module with bias={theirs}")
         if not {"q_proj", "k_proj", "v_proj"} <= names:
             return None
         weights = ("q_proj_weight = q_proj.weight (k_ and v_ likewise)" if self.kdim !=
@@ -262,6 +306,8 @@ class MultiHeadAttention(AllOrNothing):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor (B, S, {width}), got {type(t).__name__}")
         check_strided(name, t)
+        p = self.out_proj.weight
+        check_weights(p.dtype)                   # (the weights' dtype first: x's fix is theirs)
         if not t.is_floating_point():
             raise TypeError(f"{name} must be floating point (the module's dtype "
                             f"{self.out_proj.weight.dtype}), got {t.dtype}: convert it with "
@@ -269,8 +315,6 @@ class MultiHeadAttention(AllOrNothing):
         if t.dim() != 3 or t.shape[-1] != width:
             raise ValueError(f"{name} must be (B, S, {width}), got shape {shape_text(t)}"
                              + (" (add a batch dim with x.unsqueeze(0))" if t.dim() == 2 else ""))
-        p = self.out_proj.weight
-        check_weights(p.dtype)
         if (t.dtype != p.dtype and not (t.dtype in AUTOCAST_CASTS and self._autocast_dtype())
                 or t.device != p.device):      # (autocast casts x itself, as torch's modules)
             raise TypeError(f"{name} is {t.dtype} on {t.device} but the module is {p.dtype} on "

@@ -9,12 +9,20 @@ a tensor. (A key missing from a parent's strict load is the parent's to report: 
 does, after copying the rest, and does not tell the children whether the load is strict.)
 A parent's load has copied the modules it reached before, which no child can undo:
 :func:`load_state_dict` loads a whole model all or nothing.
+
+torch's load hooks keep working: the check runs after the module's load pre-hooks (which
+may rename or convert an old checkpoint's keys), and where a module of the subtree has a
+post-hook (which may forgive missing or unexpected keys), the strict check of keys waits
+for it: that load copies, and is put back if keys are still wrong.
 """
 
 from __future__ import annotations
 
+import contextvars
 import re
+from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -60,7 +68,7 @@ def load_problems(module: nn.Module, state_dict: Mapping, strict: bool,
             problems.append(f"{prefix}{key} is {theirs.dtype} in the checkpoint but "
                             f"{mine.dtype} here (its imaginary part would be dropped)")
     if assign:
-        problems += _mixed(module, state_dict, prefix)
+        problems += _unassignable(module, state_dict, prefix) + _mixed(module, state_dict, prefix)
     if strict:
         missing = [prefix + k for k in own if prefix + k not in state_dict and k not in optional]
         unexpected = [k for k in state_dict
@@ -105,6 +113,22 @@ def _optional(module: nn.Module) -> dict:
             for name, sub in module.named_modules() for key in getattr(sub, "_optional_keys", ())}
 
 
+def _unassignable(module: nn.Module, state_dict: Mapping, prefix: str) -> list[str]:
+    """``module``'s parameters that require grad whose checkpoint tensor is not floating
+    point: assigned (``assign=True``), torch would fail making it a Parameter, after
+    assigning the tensors before it."""
+    problems = []
+    for key, mine in module.named_parameters(remove_duplicate=False):
+        theirs = state_dict.get(prefix + key)
+        if mine.requires_grad and isinstance(theirs, torch.Tensor) and not (
+                theirs.is_floating_point() or theirs.is_complex()):
+            problems.append(f"{prefix}{key} is {theirs.dtype} in the checkpoint, which a "
+                            f"parameter that requires grad cannot be assigned (assign=True): "
+                            f"convert it to {mine.dtype}, or load without assign (which "
+                            f"copies it into the module's own)")
+    return problems
+
+
 def _mixed(module: nn.Module, state_dict: Mapping, prefix: str) -> list[str]:
     """Each of our modules (an :class:`AllOrNothing` in ``module``, or ``module`` itself)
     whose floating-point tensors after an ``assign=True`` load would have two dtypes or
@@ -139,10 +163,11 @@ def load_state_dict(model: nn.Module, state_dict: Mapping, strict: bool = True,
     """``model.load_state_dict(state_dict, strict, assign)``, all or nothing for any model
     (one holding several :class:`multihead.MultiHeadAttention` layers, say). torch's own
     load copies each module it reaches, so a layer refusing the checkpoint would leave the
-    layers before it loaded. Here our layers check their keys, shapes and dtypes first;
-    then torch's load runs (its hooks and rules for old checkpoints included), and if it
-    raises, every parameter and buffer is put back: the same tensors, their values
-    restored. The model's state is copied, on its device, for the time of the load.
+    layers before it loaded. Here torch's load runs (its hooks and rules for old
+    checkpoints included); each of our layers it reaches checks its shapes and dtypes
+    (after the pre-hooks) and notes what does not fit; if any did, or torch raises, every
+    module is put back: its attributes, the same tensors, their values restored. The
+    model's state is copied, on its device, for the time of the load.
 
     Returns:
         torch's ``(missing_keys, unexpected_keys)`` (empty where ``strict``).
@@ -168,37 +193,70 @@ def load_state_dict(model: nn.Module, state_dict: Mapping, strict: bool = True,
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping of names to tensors (model.state_dict()"
                         f"'s), got {type(state_dict).__name__}")
-    problems, checked = [], []
-    for name, sub in model.named_modules():                 # our outermost layers
-        at = f"{name}." if name else ""
-        if isinstance(sub, AllOrNothing) and not any(at.startswith(c) for c in checked):
-            checked.append(at)
-            problems += load_problems(sub, state_dict, False, at, assign)
-    if problems:
-        raise RuntimeError(f"load_state_dict: {'; '.join(problems)}. Nothing was loaded")
+    load = _Load(model, strict_keys=False, problems=[])    # our layers note, copy nothing
     saved = _snapshot(model)
+    token = _LOAD.set(load)
+    refused = None
     try:
-        return model.load_state_dict(state_dict, strict=strict, assign=assign)
+        keys = nn.Module.load_state_dict(model, state_dict, strict=strict, assign=assign)
+    except Exception as e:             # (a tensor of our layers' children torch failed on,
+        refused = e                    # say: our layers' words say why, where they have some)
     except BaseException:
         _restore(saved)
         raise
+    finally:
+        _LOAD.reset(token)
+    if load.problems or refused:
+        _restore(saved)
+        if not load.problems:
+            raise refused
+        raise RuntimeError(f"load_state_dict: {'; '.join(load.problems)}. Nothing was "
+                           f"loaded") from refused
+    return keys
+
+
+@dataclass
+class _Load:
+    """A load in progress: the module whose ``load_state_dict`` was called, whether its
+    own check also covers missing and unexpected keys, and (for :func:`load_state_dict`)
+    where our layers note their problems instead of raising."""
+    root: nn.Module
+    strict_keys: bool
+    problems: list | None = None
+
+
+_LOAD: contextvars.ContextVar = contextvars.ContextVar("multihead_load", default=None)
 
 
 def _snapshot(model: nn.Module) -> list:
-    """Every parameter and buffer of ``model``: where it is held, the tensor, a copy of its
-    values (a lazy module's uninitialized parameter has none, and is left out)."""
+    """What :func:`_restore` needs to put ``model`` back as it is: each module's attributes
+    (a RoPE's note of its frequencies, say), and each parameter and buffer: where it is
+    held, the tensor, and a copy of its values (a lazy module's uninitialized parameter,
+    which a load materializes in place, its class and empty data instead)."""
     lazy = nn.parameter.UninitializedTensorMixin
-    return [(store, key, t, t.detach().clone())
-            for m in model.modules() for store in (m._parameters, m._buffers)
-            for key, t in store.items() if t is not None and not isinstance(t, lazy)]
+    attrs = [(m, dict(m.__dict__)) for m in model.modules()]
+    tensors = [(store, key, t, (type(t), t.data) if isinstance(t, lazy) else t.detach().clone())
+               for m in model.modules() for store in (m._parameters, m._buffers)
+               for key, t in store.items() if t is not None]
+    return [attrs, tensors]
 
 
 @torch.no_grad()
 def _restore(saved: list) -> None:
-    """Put :func:`_snapshot`'s tensors back in their modules, with their values."""
-    for store, key, t, values in saved:
+    """Put :func:`_snapshot`'s modules back: their attributes, their tensors, and the
+    values of those that changed (only those: a write counts as a change for some, as the
+    version a RoPE notes of its frequencies)."""
+    attrs, tensors = saved
+    for m, state in attrs:
+        m.__dict__.clear()
+        m.__dict__.update(state)
+    for store, key, t, values in tensors:
         store[key] = t
-        t.copy_(values)
+        if isinstance(values, tuple):                       # (lazy: materialized in place)
+            if type(t) is not values[0]:
+                t.data, t.__class__ = values[1], values[0]
+        elif not t.is_meta and not torch.equal(t, values):
+            t.copy_(values)
 
 
 class AllOrNothing(nn.Module):
@@ -209,10 +267,8 @@ class AllOrNothing(nn.Module):
     names below this module) are another library's layout, or None.
     """
 
-    def _refuse(self, state_dict, strict: bool, prefix: str = "", assign: bool = False) -> None:
-        problems = load_problems(self, state_dict, strict, prefix, assign)
-        if not problems:
-            return
+    def _refuse(self, problems: list[str], state_dict, strict: bool, prefix: str = "") -> None:
+        """Raise a RuntimeError naming ``problems`` (:func:`load_problems`'s) with the fix."""
         keys = any(p.startswith(("missing", "unexpected")) for p in problems)
         advice = ""
         if keys or any(" has shape " in p for p in problems):     # (else the problems say it)
@@ -236,6 +292,8 @@ class AllOrNothing(nn.Module):
         """As :meth:`torch.nn.Module.load_state_dict`, but all or nothing: the keys and
         shapes are checked before any tensor is copied, so a checkpoint of other sizes
         leaves the module as it was (torch's copies the tensors that fit, then raises).
+        Load hooks run as in torch: pre-hooks before the check; where a post-hook may
+        forgive keys, the keys are checked after it, and a refused load is put back.
 
         Raises:
             RuntimeError: naming each key missing, unexpected (``strict``) or of another
@@ -253,15 +311,47 @@ class AllOrNothing(nn.Module):
             >>> torch.equal(gqa.out_proj.weight, before)
             True
         """
-        if isinstance(state_dict, Mapping):
-            self._refuse(state_dict, strict, assign=assign)
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if not isinstance(state_dict, Mapping):           # (torch's error names it)
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        later = strict and any(m._load_state_dict_post_hooks for m in self.modules())
+        saved = _snapshot(self) if later else None
+        token = _LOAD.set(_Load(self, strict_keys=strict and not later))
+        try:
+            keys = super().load_state_dict(state_dict, strict=strict and not later,
+                                           assign=assign)
+            if later and (keys.missing_keys or keys.unexpected_keys):   # (after the hooks)
+                problems = [f"{what} keys {found}" for what, found in
+                            (("missing", keys.missing_keys),
+                             ("unexpected", keys.unexpected_keys)) if found]
+                self._refuse(problems, state_dict, strict)
+            return keys
+        except BaseException:
+            if saved is not None:
+                _restore(saved)
+            raise
+        finally:
+            _LOAD.reset(token)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        if prefix:      # a parent's load: check this subtree's shapes first (torch passes
-            self._refuse(state_dict, False, prefix,     # strict=True here whatever the
-                         local_metadata.get("assign_to_params_buffers", False))
-            # caller's, and reports missing keys itself, after copying what fits)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
-                                      missing_keys, unexpected_keys, error_msgs)
+        hooks = self._load_state_dict_pre_hooks
+        for hook in hooks.values():     # torch runs them first (they may convert old keys)
+            hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                 error_msgs)
+        load = _LOAD.get()
+        # (a parent's load passes strict=True whatever the caller's, and reports missing
+        # keys itself, after copying what fits: only our own load checks keys here)
+        keys = load is not None and load.root is self and not prefix and load.strict_keys
+        problems = load_problems(self, state_dict, keys, prefix,
+                                 local_metadata.get("assign_to_params_buffers", False))
+        if problems and load is not None and load.problems is not None:
+            load.problems += [p for p in problems if p not in load.problems]
+            return                       # (multihead.load_state_dict puts the model back)
+        if problems:
+            self._refuse(problems, state_dict, keys, prefix)
+        self._load_state_dict_pre_hooks = OrderedDict()     # (run above; torch's runs them)
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+        finally:
+            self._load_state_dict_pre_hooks = hooks

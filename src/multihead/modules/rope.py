@@ -191,7 +191,7 @@ class RotaryEmbedding(nn.Module):
         self._head_dim, self._base = head_dim, _check_base(base)
         self._rotary_dim, self._factor = rotary_dim, float(attention_factor)
         device = None if device is None else usable_device("device", device)
-        self._set_canonical(torch.device("cpu") if device is None else device)
+        self._set_canonical(torch.get_default_device() if device is None else device)
         if device is not None:
             self._table(self.inv_freq.device, torch.float32, FIRST_ROWS)
 
@@ -507,6 +507,14 @@ class RotaryEmbedding(nn.Module):
         still holds its built fp32 value is the exact fp64 one (no host check, so also
         while traced)."""
         self._check_written()
+        if self.inv_freq.is_meta and device.type != "meta":
+            if not self._unchanged():
+                raise ValueError(f"RotaryEmbedding: inv_freq is on the meta device (written "
+                                 f"frequencies that hold no values) and the inputs on "
+                                 f"{device}: load them (a checkpoint's inv_freq), or set "
+                                 f".base to rebuild them")
+            # (built on meta, its parameters loaded with assign=True: the built ones)
+            return _frequencies(self.rotary_dim, self.base, _precision(dtype), device).to(dtype)
         freq = self.inv_freq.to(device, dtype)
         if dtype != torch.float64 or self.inv_freq.dtype != torch.float32:
             return freq

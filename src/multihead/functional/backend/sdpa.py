@@ -230,9 +230,12 @@ def _apart(t: torch.Tensor) -> torch.Tensor:
         >>> _apart(t).is_contiguous(), _apart(s) is s
         (True, True)
     """
-    if torch.compiler.is_compiling() or t.is_contiguous() or (
-            _OVERLAP is not None and _OVERLAP(t) == 0):  # (0: torch knows none; 0.3 us)
+    if torch.compiler.is_compiling() or t.is_contiguous():
         return t                                # (traced, the layouts are torch's to keep)
+    if torch._C._are_functorch_transforms_active():
+        return t.contiguous()                   # (vmap's tensors have no overlap test)
+    if _OVERLAP is not None and _OVERLAP(t) == 0:   # (0: torch knows none; 0.3 us)
+        return t
     ends = 0                # the furthest element reached by the dims of smaller stride
     for stride, size in sorted(zip(t.stride(), t.shape)):
         if size == 1 or not stride:
