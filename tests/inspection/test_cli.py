@@ -96,6 +96,10 @@ def test_long_text_truncates_with_warning_or_refuses(capsys):
     (["--query-token", "🐱", "a 🚀 flew"], "--query-token '🐱' (tokens ['[UNK]']) is not in the"),
     (["--query-token", "the dog", "The dog barked"], "--query-token 'the dog' is 2 words: pass "
                                                       "one word of the text"),
+    # the [SEP] the tokenizer adds is no word of the text; a piece of a word names the word
+    (["--query-token", "[SEP]", "it is"], "--query-token '[SEP]' (tokens ['[SEP]']) is not in"),
+    (["--query-token", "zero", "a zero\u200bwidth"], "--query-token 'zero' is only part of "
+                                                     "'zero\\u200bwidth' in the text"),
     (["-it"], "unrecognized arguments: -it (a text that starts with '-' goes after --: "
               "multihead inspect -- -it)"),
     (["the cat", "-z"], "unrecognized arguments: -z (see multihead inspect --help)"),  # (a text)
@@ -111,6 +115,14 @@ def test_bad_input_is_one_line(argv, message, capsys):
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
     assert "the text was cut" not in err
+
+
+def test_a_marker_written_in_the_text_is_the_query_not_the_one_added(tmp_path, capsys):
+    import json
+    assert main(["inspect", "[CLS] it is", "--query-token", "[CLS]", "--out", str(tmp_path),
+                 "--format", "json"]) == 0
+    d = json.loads((tmp_path / "inspect.json").read_text())
+    assert d["tokens"][:2] == ["[CLS]", "[CLS]"] and d["query"]["position"] == 1
 
 
 def test_a_query_word_cut_off_by_truncation_is_said_to_be_cut_off(capsys):

@@ -430,3 +430,41 @@ def test_attention_weights_are_evaluated_in_eval_mode_whatever_the_network_is_in
         torch.testing.assert_close(got.hidden, want.hidden, rtol=0, atol=0)
         assert all(torch.equal(a, b) for a, b in zip(got.weights, want.weights))
     assert m.network.training                # the caller's mode is left as it was
+
+
+def test_byte_pieces_are_named_by_their_characters(dirs, tmp_path, capsys):
+    """A byte-level tokenizer cuts a character its vocabulary lacks into byte pieces, which
+    decode alone to U+FFFD: every such token showed as '\ufffd' (all alike, in the terminal,
+    the page and the figures) and a CJK query word was never found. Each is named by its
+    character, numbered where several share it; the query word is found by those names;
+    inside a longer word, the error says which."""
+    model = load(dirs["gpt2"])
+    toks = model.tokenize("我 爱 北京 and it").tokens
+    assert toks[:3] == ["我(1/3)", "我(2/3)", "我(3/3)"] and toks[4] == "爱(1/3)"
+    assert not any("\ufffd" in t for t in toks)
+    assert main(["inspect", "我 爱 北京 and it", "--model", str(dirs["gpt2"]), "--query-token",
+                 "北京", "--out", str(tmp_path), "--format", "json"]) == 0
+    d = json.loads((tmp_path / "inspect.json").read_text())
+    assert d["query"]["token"] == "北(1/3)" and d["tokens"][d["query"]["position"] + 3] == "京(1/3)"
+    capsys.readouterr()
+    assert main(["inspect", "我爱北京 and it", "--model", str(dirs["gpt2"]),
+                 "--query-token", "北京"]) == 2
+    assert "'北京' is only part of '我爱北京' in the text" in _one_line_error(capsys)
+
+
+def test_control_characters_of_tokens_are_drawn_escaped(dirs, tmp_path, capsys):
+    """A byte-level tokenizer keeps control characters as tokens: the SVG held them raw (not
+    XML: browsers refused to draw it) and matplotlib's warning about their glyphs printed
+    them raw to the terminal. The figures draw them as the terminal shows them (``\\x01``)."""
+    import warnings
+    import xml.etree.ElementTree as ET
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                 # (no glyph warning either)
+        assert main(["inspect", "it a\x01b\x0bc\x0cd", "--model", str(dirs["gpt2"]),
+                     "--out", str(tmp_path), "--format", "svg"]) == 0
+    head = next(tmp_path.glob("head_*.svg"))
+    for svg in (tmp_path / "heads.svg", head):
+        ET.parse(svg)                                  # well-formed XML
+        assert "\x01" not in svg.read_text(encoding="utf-8")
+    assert "\\x01" in head.read_text(encoding="utf-8")      # (the label's text, in a comment)
+    assert "\x01" not in capsys.readouterr().err

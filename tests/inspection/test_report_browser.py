@@ -118,16 +118,29 @@ def test_long_report_works(browser, tmp_path, long_text, capsys):
     assert errors == []
 
 
+def _capture_rows(text: str, q: int) -> torch.Tensor:
+    """The query token's rows of every head, as the model computes them ``(L, H, S)``."""
+    from multihead.inspect.capture import capture
+    from multihead.models import load
+    return capture(load(), text).weights[:, :, q].double()
+
+
 def test_the_pages_weights_are_the_jsons_and_the_page_works_from_the_keyboard(browser, tmp_path,
                                                                                 capsys):
     """The page decoded its own linear packing (64% of its three-decimal weights differed
     from inspect.json's, up to 0.005); no cell or token could be reached from the keyboard;
-    a right-to-left override in the text reversed what the page showed."""
+    a right-to-left override in the text reversed what the page showed. The query token's
+    rows are exact, as the summary's weights are (the page said 'it → an 0.50' in its
+    summary and 'it attends to an 0.49' on the token, from the packed byte)."""
     import json
     from multihead.inspect.packing import unpack_weights
     text = "The animal didn't cross \u202ethe street because it was too tired.\x1b[2J"
     assert main(["inspect", text, "--out", str(tmp_path), "--format", "html,json"]) == 0
-    stored = unpack_weights(json.loads((tmp_path / "inspect.json").read_text())["weights"])
+    data = json.loads((tmp_path / "inspect.json").read_text())
+    stored = unpack_weights(data["weights"])
+    q, rows = data["query"]["position"], torch.tensor(data["query"]["rows"], dtype=torch.float64)
+    stored[:, :, q] = rows                    # the query token's rows: exact (4 decimals, cut)
+    torch.testing.assert_close(rows, _capture_rows(text, q), atol=1e-4, rtol=0)
     page, errors, _, _ = _open(browser, tmp_path / "report.html")
     S = stored.shape[-1]
     for l, h in ((0, 2), (3, 1), (5, 11)):
@@ -136,6 +149,9 @@ def test_the_pages_weights_are_the_jsons_and_the_page_works_from_the_keyboard(br
         torch.testing.assert_close(torch.tensor(shown, dtype=torch.float64).view(S, S),
                                    stored[l, h].double(),
                                    atol=1e-6, rtol=0)
+    for look in data["query"]["heads"]:       # the summary's weights are the page's
+        row = page.evaluate(f"head({look['layer']}, {look['head']}).row({q})")
+        assert page.evaluate(f"down({row[look['target']]}, 2)") == f"{look['weight']:.4f}"[:4]
     assert page.text_content("#text").endswith("\\u202ethe street because it was too tired.\\x1b[2J")
     assert "\u202e" not in page.inner_text("body")                # (the data keeps it, as the JSON)
     page.keyboard.press("Tab")                                   # the first head's cell

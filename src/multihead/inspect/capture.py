@@ -281,11 +281,14 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
         return text[spans[i][0]:spans[i + n - 1][1]].strip()
 
     wanted = word.strip().casefold()
-    part_of = unknown_of = None
+    part_of = unknown_of = inside = None
     for i in range(len(tokens)):
         for pieces in found:
             n = len(pieces)
-            if tokens[i:i + n] != pieces or not by_words(i, n):
+            if tokens[i:i + n] != pieces or _added(tokens, spans, i, n):
+                continue
+            if not by_words(i, n):                     # ("it" of "bandit")
+                inside = inside or _word_at(text, spans, words, i)
                 continue
             if any(p in unknown for p in pieces):      # (it stands for any word it lacks)
                 seen = under(i, n)
@@ -303,9 +306,32 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
         raise PartOfWordError(f"{name} {word!r} is only part of {unknown_of!r}, which the "
                               f"tokenizer reads as one unknown token ({' '.join(found[0])}): pass "
                               f"{unknown_of!r}, or put spaces around {word!r} in the text")
+    if inside is not None:
+        raise PartOfWordError(f"{name} {word!r} is only part of {inside!r} in the text: "
+                              f"pass the whole word")
     shown = " ".join(t for _, t in content[:60]) + (" ..." if len(content) > 60 else "")
     raise InspectError(f"{name} {word!r} (tokens {found[0]}) is not in the text; its tokens "
                        f"are: {shown}")
+
+
+def _added(tokens: list[str], spans: list | None, i: int, n: int) -> bool:
+    """Whether ``tokens[i:i + n]`` hold a marker the tokenizer added (a special token with
+    no characters in the text: the [SEP] at the end, not one the text writes)."""
+    return spans is not None and len(spans) == len(tokens) and any(
+        is_special(tokens[j]) and spans[j][0] == spans[j][1] for j in range(i, i + n))
+
+
+def _word_at(text: str | None, spans: list | None, words: list | None, i: int) -> str | None:
+    """The text of the word that token ``i`` is a piece of, or None where it cannot tell.
+
+    Example:
+        >>> _word_at("a cafés", [(0, 1), (2, 6), (6, 7)], [0, 1, 1], 1)
+        'cafés'
+    """
+    if text is None or spans is None or words is None or words[i] is None:
+        return None
+    mine = [spans[j] for j in range(len(words)) if words[j] == words[i]]
+    return text[min(s for s, _ in mine):max(e for _, e in mine)].strip() or None
 
 
 def _unknown_token(model) -> str | None:

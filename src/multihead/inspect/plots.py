@@ -18,6 +18,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .._args import plain
 from .metrics import shown
 
 #: pixels per side of a head's thumbnail in the grid figure (larger texts are pooled)
@@ -131,7 +132,7 @@ def _grid(plt, inspection, w: torch.Tensor):
                     ha="center", va="bottom", fontsize=6)
     pooled_note = "" if s == S else "; long text: max over blocks of tokens"
     causal = "\ndecoder (causal): nothing above the diagonal" if inspection.capture.causal else ""
-    fig.suptitle(f"{inspection.model}: attention of every head ({S} tokens{pooled_note}){causal}",
+    fig.suptitle(f"{plain(inspection.model)}: attention of every head ({S} tokens{pooled_note}){causal}",
                  fontsize=9)
     return fig
 
@@ -149,7 +150,7 @@ def _big(plt, inspection, w: torch.Tensor):
                    extent=(-0.5, S - 0.5, S - 0.5, -0.5))                       # axes in tokens
     step = math.ceil(S / LABELS)
     ticks = list(range(0, S, step))
-    names = [c.tokens[i] if step == 1 else f"{c.tokens[i]} {i}" for i in ticks]
+    names = [plain(c.tokens[i]) if step == 1 else f"{plain(c.tokens[i])} {i}" for i in ticks]
     ax.set_xticks(ticks, names, rotation=90, fontsize=7)
     ax.set_yticks(ticks, names, fontsize=7)
     every = "" if step == 1 else f" (every {step}th token labelled)"
@@ -188,7 +189,9 @@ def render_figures(inspection, formats: set[str]) -> dict[str, bytes]:
 
     w = inspection.capture.weights                                              # (L, H, S, S)
     l, h = inspection.selected
-    fallbacks, missing = fonts_for([inspection.model, *inspection.capture.tokens])
+    # (drawn as the terminal and the page show them: a control character escaped, which
+    # an SVG could not hold, nor a font draw)
+    fallbacks, missing = fonts_for([plain(inspection.model), *map(plain, inspection.capture.tokens)])
     fonts = {"font.family": [*matplotlib.rcParams["font.family"], *fallbacks]}
     files = {}
     with matplotlib.rc_context({**LITERAL_TEXT, **fonts}), warnings.catch_warnings():

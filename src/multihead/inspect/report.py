@@ -9,7 +9,9 @@ renders as text.
 Attention weights are packed one byte each (:mod:`multihead.inspect.packing`): a 512-token
 report is 13.6 MB, not hundreds. The page and ``inspect.json`` hold the same bytes, so the
 weights the page shows (two decimals: a byte keeps a weight within 1/255 of its head's
-largest) are the ones the JSON unpacks to. The characters the terminal shows escaped
+largest) are the ones the JSON unpacks to; the query token's rows are also kept exact
+(``query.rows``, cut to the JSON's decimals), and the page shows those for it, so a weight
+of the summary and the same weight on the page are one number. The characters the terminal shows escaped
 (control and bidirectional-override ones, :data:`multihead._args.CONTROLS`) are escaped in
 the page's data and shown escaped (``\\u202e``, ``\\r``), never obeyed; the text keeps its
 newlines and tabs. JSON is strict (no ``NaN``/``Infinity``), and every file is
@@ -68,6 +70,7 @@ class Inspection:
             "roles": [[[r, round_down(s, digits)] for r, s in row] for row in roles],
             "thresholds": thresholds_text(skip=na),
             "query": {"position": self.query, "token": toks[self.query],
+                      "rows": rnd(c.weights[:, :, self.query, :]),            # [L][H][S]
                       "heads": [{"layer": k.layer, "head": k.head, "target": k.target,
                                  "target_token": toks[k.target], "weight": round_down(k.weight, digits),
                                  "label": k.label(toks, self.query)} for k in self.looks]},

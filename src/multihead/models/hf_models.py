@@ -41,7 +41,7 @@ from .bert import EncoderOutput, check_ids, check_length
 from .checkpoint import FLOAT_DTYPES, _check_finite, check_float, read_header
 from .pretrained import (Tokens, check_max_length, check_text, check_texts, evaluating,
                          kept_tokens)
-from .tokenizer import display, load_tokenizer
+from .tokenizer import byte_pieces, display, load_tokenizer
 
 __all__ = ["DECODER_TYPES", "ENCODER_DECODER_TYPES", "HF_TYPES", "Decoder", "EncoderDecoder",
            "HFConfig", "HFModel", "load_hf"]
@@ -232,7 +232,9 @@ class HFModel:
         texts = check_texts(texts)
         limit = check_max_length(max_length, self.config.max_position_embeddings, self.tokenizer)
         show = functools.partial(display, self.tokenizer)
-        return [kept_tokens(enc, limit, show) for enc in self.tokenizer.encode_batch(texts)]
+        kept = [kept_tokens(enc, limit, show) for enc in self.tokenizer.encode_batch(texts)]
+        return [t._replace(tokens=byte_pieces(t.tokens, t.spans, text))
+                for t, text in zip(kept, texts)]
 
     def query_pieces(self, word: str) -> list[list[str]]:
         """How ``word`` can appear among the shown tokens: inside a text (after a space, the
@@ -241,6 +243,7 @@ class HFModel:
         for variant in (" " + word, word):
             enc = self.tokenizer.encode(variant, add_special_tokens=False)
             pieces = [display(self.tokenizer, i, t) for i, t in zip(enc.ids, enc.tokens)]
+            pieces = byte_pieces(pieces, enc.offsets, variant)     # as the text's are named
             pieces = [p for p in pieces if p != "␣"]         # a lone word-boundary marker
             if pieces and pieces not in found:
                 found.append(pieces)

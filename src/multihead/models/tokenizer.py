@@ -142,3 +142,29 @@ def display(tokenizer, token_id: int, token: str) -> str:
     for space in (" ", "▁", "Ġ"):
         text = text.replace(space, "␣")
     return text.encode("unicode_escape").decode("ascii").replace("\\u2423", "␣")
+
+
+#: what a decoder gives for bytes that are not a whole character
+REPLACEMENT = "\ufffd"
+
+
+def byte_pieces(shown: list[str], spans: list, text: str) -> list[str]:
+    """``shown`` (tokens as :func:`display` gives them) with each piece that holds part of a
+    character's bytes (a byte-level tokenizer's: decoded alone, it is U+FFFD) named by
+    that character in ``text`` (the piece's span), numbered where several pieces share it.
+
+    Example:
+        >>> byte_pieces(["\ufffd", "\ufffd", "\ufffd", "a"], [(0, 1), (0, 1), (0, 1), (2, 3)], "北 a")
+        ['北(1/3)', '北(2/3)', '北(3/3)', 'a']
+    """
+    groups = {}                                  # a span: the pieces that share it
+    for i, (piece, (start, end)) in enumerate(zip(shown, spans)):
+        under = text[start:end].strip()
+        if REPLACEMENT in piece and under and REPLACEMENT not in under:
+            groups.setdefault((start, end), []).append(i)
+    out = list(shown)
+    for (start, end), pieces in groups.items():
+        for k, i in enumerate(pieces, 1):
+            name = text[start:end].strip()
+            out[i] = name if len(pieces) == 1 else f"{name}({k}/{len(pieces)})"
+    return out
