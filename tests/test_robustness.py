@@ -324,3 +324,30 @@ def test_a_child_forked_while_a_thread_holds_a_lock_can_still_attend(held):
     finally:
         release.set()
         holder.join()
+
+
+def test_rows_evaluates_a_query_dependent_mask_one_sequence_at_a_time(monkeypatch):
+    """Key and query padding together vary by query: rows materialized them whole, (B, 1,
+    Sq, Sk) bools (5.8 GB for B=64, S=8192, where one sequence was real). Each sequence's
+    mask is now evaluated on its own live keys; the outputs stay the oracle's."""
+    g = torch.Generator().manual_seed(4)
+    lens = torch.tensor([0, 40, 0, 17, 64, 0])
+    q = torch.randn(6, 2, 64, 8, generator=g, dtype=torch.float64)
+    k, v = torch.randn(6, 2, 64, 8, generator=g, dtype=torch.float64), torch.randn(6, 2, 64, 8, generator=g, dtype=torch.float64)
+    seen = []
+    real_at = mh.masks.Mask.at
+
+    def at(self, ix):
+        out = real_at(self, ix)
+        seen.append(torch.broadcast_shapes(ix.b.shape, ix.h.shape, ix.q.shape, ix.k.shape))
+        return out
+    for mask in (mh.masks.padding(lens) & mh.masks.padding(lens, side="query"),
+                 mh.masks.padding(lens) & mh.masks.padding(lens, side="query") & mh.masks.causal()
+                 & mh.masks.alibi(2)):
+        seen.clear()
+        monkeypatch.setattr(mh.masks.Mask, "at", at)
+        out = mh.attention(q, k, v, mask=mask, backend="rows")
+        monkeypatch.setattr(mh.masks.Mask, "at", real_at)
+        torch.testing.assert_close(out, oracle(q, k, v, mask), atol=1e-12, rtol=0)
+        assert seen and all(b == 1 and sk <= 64 for b, _, _, sk in seen)
+        assert sum(sk for *_, sk in seen) == int(lens.sum())      # the live keys, row by row

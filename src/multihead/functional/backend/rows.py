@@ -5,7 +5,10 @@ scores and returns weights and lse, but for each batch row it computes only the 
 keys the mask leaves that row (a padded batch's real keys), runs GQA on the K/V heads in
 place (the group's query heads share one matmul, no ``repeat_interleave``), and works in
 place on one row's scores at a time. Forward only: a call that needs gradients goes to
-``reference``. It reads the mask back once per call to find the spans, so on a GPU it
+``reference``. A mask on the host is evaluated one batch row at a time, on that row's
+span (its spans come from the mask's tile bounds, one tile of all queries per key): a
+mask that varies by query (query-side padding) is never held as ``(B, H', Sq, Sk)``. A
+mask on a device is materialized once and read back to find the spans, so on a GPU it
 prices itself out.
 
 Notation used for tensor shapes: B batch, H heads, Hkv K/V heads, G = H / Hkv, Sq queries,
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ...masks.base import bias_as
+from ...masks.base import Index, bias_as
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
@@ -61,6 +64,30 @@ def _row(x: torch.Tensor | None, b: int, lo: int, hi: int):
     return None if x is None else x[b if x.shape[0] > 1 else 0, :, :, lo:hi]
 
 
+def _row_terms(call, device):
+    """``(spans, terms)``: each batch row's ``[lo, hi)`` of live keys, and ``terms(b, lo,
+    hi)``: that row's ``(allowed, bias)`` on those keys, ``(H', Sq, L)`` or None. A mask on
+    the host is evaluated row by row (its spans from the tile bounds); one on a device once,
+    whole (a host read finds the spans)."""
+    m = call.effective_mask
+    if m is None or not _tiles.on_host(call) or not m.has_predicate or not call.Sq * call.Sk:
+        allowed, bias = mask_terms(call, device)
+        return (_spans(allowed, call.B, call.Sk),
+                lambda b, lo, hi: (_row(allowed, b, lo, hi), _row(bias, b, lo, hi)))
+    nonempty, _ = _tiles._classify(call, call.Sq, 1, 1, call.Sk, "cpu")      # (Bm, 1, Sk)
+    first, end = _bounds(nonempty.any(1).expand(call.B, call.Sk))            # (B,) keys
+    ix = m.index(call.Sq, 1, device, call.compute_dtype)                     # (B', H', Sq, 1)
+    rows = ix.b.shape[0]
+
+    def terms(b: int, lo: int, hi: int):
+        k = torch.arange(lo, hi, device=device).view(1, 1, 1, -1)            # (1, 1, 1, L)
+        at = Index(ix.b[b if rows > 1 else 0].view(1, 1, 1, 1), ix.h, ix.q, k,
+                   call.Sq, call.Sk, call.compute_dtype)
+        return tuple(t[0] if t is not None and t.dim() == 4 else t          # (H', Sq, L)
+                     for t in m.at(at))
+    return list(zip(first.tolist(), end.tolist())), terms
+
+
 class Rows(Backend):
     name = "rows"
     summary = "materialized scores one sequence at a time, cropped to its live keys; weights"
@@ -84,12 +111,12 @@ class Rows(Backend):
         B, H, Hkv, Sq, Sk, G = call.B, call.H, call.Hkv, call.Sq, call.Sk, call.group
         work = call.compute_dtype
         q, k, v = call.q.to(work), call.k.to(work), call.v.to(work)
-        allowed, bias = mask_terms(call, q.device)
+        spans, terms = _row_terms(call, q.device)
         out = q.new_zeros(B, H, Sq, call.Dv)
         weights = (call.q.new_empty(B, H, Sq, Sk) if call.return_weights    # each byte once,
                    else None)                                            # in the inputs' dtype
         lse = q.new_full((B, H, Sq), float("-inf")) if call.return_lse else None
-        for b, (lo, hi) in enumerate(_spans(allowed, B, Sk)):
+        for b, (lo, hi) in enumerate(spans):
             if weights is not None:                                    # zeros outside the span
                 weights[b, :, :, :lo].zero_()
                 weights[b, :, :, hi:].zero_()
@@ -98,7 +125,7 @@ class Rows(Backend):
             qb = q[b].reshape(Hkv, G * Sq, call.D)                     # (Hkv, G·Sq, D)
             s = torch.bmm(qb, k[b, :, lo:hi].transpose(1, 2))          # (Hkv, G·Sq, L)
             s = s.view(H, Sq, hi - lo).mul_(call.scale)                # (H, Sq, L)
-            bb, ab = _row(bias, b, lo, hi), _row(allowed, b, lo, hi)
+            ab, bb = terms(b, lo, hi)
             if bb is not None:
                 s += bias_as(bb, work)
             if ab is not None:
