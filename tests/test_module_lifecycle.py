@@ -73,6 +73,14 @@ def test_rope_built_on_meta_serves_after_an_assign_load():
     for positions in (None, torch.arange(6.0) + 0.5, torch.tensor([[-3, 0, 9, 2, 4, 1]] * 2)):
         torch.testing.assert_close(m(x, positions=positions), ref(x, positions=positions),
                                    atol=0, rtol=0)
+    m.to(torch.float32)                                 # moves, as before the change
+    with torch.device("meta"):
+        moved = mh.MultiHeadAttention(64, 4, rope=mh.RotaryEmbedding(16))
+    moved.load_state_dict(ref.state_dict(), assign=True)
+    moved.to("cpu")                                     # (.to/.cuda of a meta buffer fails)
+    assert moved.rope.inv_freq.device.type == "cpu" and "written" not in repr(moved.rope)
+    torch.testing.assert_close(moved(x, positions=positions), ref(x, positions=positions),
+                               atol=0, rtol=0)
     with torch.device("meta"):
         written = mh.RotaryEmbedding(16)
     with torch.no_grad():
@@ -210,3 +218,70 @@ def test_vmap_over_the_module_and_over_a_transposed_query():
     want = torch.stack([mh.attention(a, b, c, mask=mh.masks.causal()) for a, b, c in zip(q, k, v)])
     torch.testing.assert_close(got, want)
 
+
+
+def test_a_submodules_pre_hook_runs_before_the_check_too():
+    """A pre-hook of ``out_proj`` (renaming an old key) runs when torch's load reaches
+    ``out_proj``, after the parent's check of its subtree would have refused the key: the
+    check is then torch's, and a refused load is put back."""
+    sd = dict(nn.MultiheadAttention(16, 4).state_dict())
+    old = {("out_proj.w" if k == "out_proj.weight" else k): v for k, v in sd.items()}
+
+    def rename(module, state_dict, prefix, *args):
+        if prefix + "w" in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "w")
+
+    for make in (lambda: nn.MultiheadAttention(16, 4), lambda: mh.nn.MultiheadAttention(16, 4),
+                 lambda: mh.MultiHeadAttention(16, 4)):
+        m = make()
+        m.out_proj.register_load_state_dict_pre_hook(rename)
+        m.load_state_dict(old)
+        assert torch.equal(m.out_proj.weight, sd["out_proj.weight"])
+        outer = nn.Sequential(make())
+        outer[0].out_proj.register_load_state_dict_pre_hook(rename)
+        mh.load_state_dict(outer, {"0." + k: v for k, v in old.items()})
+        assert torch.equal(outer[0].out_proj.weight, sd["out_proj.weight"])
+    m = mh.MultiHeadAttention(16, 4)
+    m.out_proj.register_load_state_dict_pre_hook(rename)
+    before = _params(m)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        m.load_state_dict({**old, "in_proj_weight": torch.zeros(3, 16)})
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(m)))
+
+
+class _Unwrapping(nn.Module):
+    """A model whose own load_state_dict strips DDP's ``module.`` prefix."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = mh.MultiHeadAttention(16, 4)
+
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        state_dict = {k.removeprefix("module."): v for k, v in state_dict.items()}
+        return super().load_state_dict(state_dict, *args, **kwargs)
+
+
+def test_the_whole_model_load_calls_the_models_own_load_state_dict():
+    source = _Unwrapping()
+    model = _Unwrapping()
+    mh.load_state_dict(model, {"module." + k: v for k, v in source.state_dict().items()})
+    assert _same(model, source)
+
+
+def test_a_failed_load_that_swapped_tensors_puts_their_dtype_back():
+    """Under torch's swap mode a load changes a tensor's dtype in place, which copying the
+    old values back cannot undo."""
+    model = nn.Sequential(nn.Linear(8, 16), mh.MultiHeadAttention(16, 4))
+    sd = {**model.state_dict()}
+    sd["0.weight"] = sd["0.weight"].bfloat16()
+    sd["1.out_proj.weight"] = torch.zeros(16, 8)
+    before = _params(model)
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with pytest.raises(RuntimeError, match="Nothing was loaded"):
+            mh.load_state_dict(model, sd, assign=True)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    assert model[0].weight.dtype == torch.float32 and isinstance(model[0].weight, nn.Parameter)
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(model)))

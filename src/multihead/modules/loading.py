@@ -193,12 +193,13 @@ def load_state_dict(model: nn.Module, state_dict: Mapping, strict: bool = True,
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping of names to tensors (model.state_dict()"
                         f"'s), got {type(state_dict).__name__}")
-    load = _Load(model, strict_keys=False, problems=[])    # our layers note, copy nothing
+    load = _Load(model, strict_keys=False, problems=[],   # our layers note, copy nothing
+                 members={id(m) for m in model.modules()})
     saved = _snapshot(model)
     token = _LOAD.set(load)
     refused = None
     try:
-        keys = nn.Module.load_state_dict(model, state_dict, strict=strict, assign=assign)
+        keys = model.load_state_dict(state_dict, strict=strict, assign=assign)
     except Exception as e:             # (a tensor of our layers' children torch failed on,
         refused = e                    # say: our layers' words say why, where they have some)
     except BaseException:
@@ -223,6 +224,16 @@ class _Load:
     root: nn.Module
     strict_keys: bool
     problems: list | None = None
+    members: set | None = None        # (ids of the modules whose problems are collected)
+
+    def collects(self, module: nn.Module) -> bool:
+        return self.problems is not None and id(module) in self.members
+
+
+def _hooked_below(module: nn.Module) -> bool:
+    """Whether a module below ``module`` has load pre-hooks: torch runs them as its load
+    reaches that module, after ``module``'s check of its whole subtree would have run."""
+    return any(m._load_state_dict_pre_hooks for m in module.modules() if m is not module)
 
 
 _LOAD: contextvars.ContextVar = contextvars.ContextVar("multihead_load", default=None)
@@ -255,6 +266,8 @@ def _restore(saved: list) -> None:
         if isinstance(values, tuple):                       # (lazy: materialized in place)
             if type(t) is not values[0]:
                 t.data, t.__class__ = values[1], values[0]
+        elif (t.dtype, t.shape, t.device) != (values.dtype, values.shape, values.device):
+            t.data = values                     # (swapped in place: torch's swap mode)
         elif not t.is_meta and not torch.equal(t, values):
             t.copy_(values)
 
@@ -311,15 +324,20 @@ class AllOrNothing(nn.Module):
             >>> torch.equal(gqa.out_proj.weight, before)
             True
         """
-        if not isinstance(state_dict, Mapping):           # (torch's error names it)
+        load = _LOAD.get()
+        if not isinstance(state_dict, Mapping) or (load is not None and load.collects(self)):
+            # (torch's error names a bad state_dict; multihead.load_state_dict checks)
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
-        later = strict and any(m._load_state_dict_post_hooks for m in self.modules())
+        # a pre-hook below this module, or a post-hook that may forgive keys: torch's load
+        # runs first, the keys are checked after it, and a refused load is put back
+        below = _hooked_below(self)
+        later = below or (strict and any(m._load_state_dict_post_hooks for m in self.modules()))
         saved = _snapshot(self) if later else None
         token = _LOAD.set(_Load(self, strict_keys=strict and not later))
         try:
             keys = super().load_state_dict(state_dict, strict=strict and not later,
                                            assign=assign)
-            if later and (keys.missing_keys or keys.unexpected_keys):   # (after the hooks)
+            if later and strict and (keys.missing_keys or keys.unexpected_keys):
                 problems = [f"{what} keys {found}" for what, found in
                             (("missing", keys.missing_keys),
                              ("unexpected", keys.unexpected_keys)) if found]
@@ -342,14 +360,16 @@ class AllOrNothing(nn.Module):
         # (a parent's load passes strict=True whatever the caller's, and reports missing
         # keys itself, after copying what fits: only our own load checks keys here)
         keys = load is not None and load.root is self and not prefix and load.strict_keys
-        problems = load_problems(self, state_dict, keys, prefix,
-                                 local_metadata.get("assign_to_params_buffers", False))
-        if problems and load is not None and load.problems is not None:
+        problems = [] if _hooked_below(self) else load_problems(   # (torch's check, then)
+            self, state_dict, keys, prefix, local_metadata.get("assign_to_params_buffers", False))
+        if problems and load is not None and load.collects(self):
             load.problems += [p for p in problems if p not in load.problems]
             return                       # (multihead.load_state_dict puts the model back)
         if problems:
             self._refuse(problems, state_dict, keys, prefix)
-        self._load_state_dict_pre_hooks = OrderedDict()     # (run above; torch's runs them)
+        # (run above: torch's would run them again; a hook registered by a hook during
+        # torch's load below goes into this empty dict, and is dropped)
+        self._load_state_dict_pre_hooks = OrderedDict()
         try:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                           missing_keys, unexpected_keys, error_msgs)

@@ -369,6 +369,9 @@ class RotaryEmbedding(nn.Module):
         # .to(), .cuda(), .half(): inv_freq moves, but its frequencies keep their precision
         # (a Parameter's data is replaced in place: its values are kept aside first)
         unchanged, before = self._unchanged(), self.inv_freq
+        if unchanged and before.is_meta:              # (built on meta: the built ones, so
+            self._set_canonical(torch.device("cpu"))  # that .to(device) can move them)
+            before = self.inv_freq
         parameter = "inv_freq" in self._parameters   # (never unchanged: the table's is a buffer)
         values = before.detach().clone() if parameter else before
         out = super()._apply(fn, *args, **kwargs)
