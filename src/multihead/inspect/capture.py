@@ -299,6 +299,8 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
             part_of = joined(i, n)
             if part_of is None:
                 return i
+    if part_of is None and unknown_of is None:
+        part_of = inside                               # (a piece of a word, named last)
     if part_of is not None:
         raise PartOfWordError(f"{name} {word!r} is only part of {part_of!r} in the "
                               f"text: pass the whole word")
@@ -306,9 +308,6 @@ def find_query(model: Inspectable, tokens: list[str], word: str | None,
         raise PartOfWordError(f"{name} {word!r} is only part of {unknown_of!r}, which the "
                               f"tokenizer reads as one unknown token ({' '.join(found[0])}): pass "
                               f"{unknown_of!r}, or put spaces around {word!r} in the text")
-    if inside is not None:
-        raise PartOfWordError(f"{name} {word!r} is only part of {inside!r} in the text: "
-                              f"pass the whole word")
     shown = " ".join(t for _, t in content[:60]) + (" ..." if len(content) > 60 else "")
     raise InspectError(f"{name} {word!r} (tokens {found[0]}) is not in the text; its tokens "
                        f"are: {shown}")

@@ -157,14 +157,13 @@ def byte_pieces(shown: list[str], spans: list, text: str) -> list[str]:
         >>> byte_pieces(["\ufffd", "\ufffd", "\ufffd", "a"], [(0, 1), (0, 1), (0, 1), (2, 3)], "北 a")
         ['北(1/3)', '北(2/3)', '北(3/3)', 'a']
     """
-    groups = {}                                  # a span: the pieces that share it
+    groups = {}                           # the characters of a span: the pieces sharing it
     for i, (piece, (start, end)) in enumerate(zip(shown, spans)):
         under = text[start:end].strip()
         if REPLACEMENT in piece and under and REPLACEMENT not in under:
-            groups.setdefault((start, end), []).append(i)
+            groups.setdefault((start, end, under), []).append(i)
     out = list(shown)
-    for (start, end), pieces in groups.items():
+    for (_, _, name), pieces in groups.items():
         for k, i in enumerate(pieces, 1):
-            name = text[start:end].strip()
             out[i] = name if len(pieces) == 1 else f"{name}({k}/{len(pieces)})"
     return out

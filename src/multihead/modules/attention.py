@@ -44,7 +44,14 @@ _BIASES = ("in_proj_bias", "out_proj.bias")
 class OutProjection(NonDynamicallyQuantizableLinear):
     """The output projection: ``nn.Linear``'s init, with the bias zero (as the module's
     own init leaves it), also where each submodule's ``reset_parameters`` is called in
-    turn (FSDP's init of a model built on the meta device)."""
+    turn (FSDP's init of a model built on the meta device).
+
+    Example:
+        >>> proj = OutProjection(8, 4)                  # (in_features, out_features)
+        >>> proj.reset_parameters()
+        >>> proj.weight.shape, proj.bias.abs().max().item()
+        (torch.Size([4, 8]), 0.0)
+    """
 
     def reset_parameters(self) -> None:
         super().reset_parameters()               # (draws the bias too, as construction does)
@@ -274,9 +281,9 @@ class MultiHeadAttention(AllOrNothing):
             return ("The checkpoint is torch.nn.MultiheadAttention's with add_bias_kv=True, "
                     "which this module has no counterpart for: load it into "
                     "multihead.nn.MultiheadAttention, the drop-in, built as that module was")
-        plain = lambda ks: {k for k in ks if k not in _BIASES and not k.startswith("rope.")}  # noqa: E731
+        rest = lambda ks: {k for k in ks if k not in _BIASES and not k.startswith("rope.")}  # noqa: E731
         theirs = any(k in _BIASES for k in keys)
-        if theirs != (self.in_proj_bias is not None) and plain(keys) == plain(self.state_dict()):
+        if theirs != (self.in_proj_bias is not None) and rest(keys) == rest(self.state_dict()):
             return (f"The checkpoint's projections have {'' if theirs else 'no '}biases: build "
                     f"the module with bias={theirs}")
         if not {"q_proj", "k_proj", "v_proj"} <= names:
@@ -310,8 +317,7 @@ class MultiHeadAttention(AllOrNothing):
         check_weights(p.dtype)                   # (the weights' dtype first: x's fix is theirs)
         if not t.is_floating_point():
             raise TypeError(f"{name} must be floating point (the module's dtype "
-                            f"{self.out_proj.weight.dtype}), got {t.dtype}: convert it with "
-                            f"{name}.to({self.out_proj.weight.dtype})")
+                            f"{p.dtype}), got {t.dtype}: convert it with {name}.to({p.dtype})")
         if t.dim() != 3 or t.shape[-1] != width:
             raise ValueError(f"{name} must be (B, S, {width}), got shape {shape_text(t)}"
                              + (" (add a batch dim with x.unsqueeze(0))" if t.dim() == 2 else ""))

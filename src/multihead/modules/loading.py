@@ -11,9 +11,10 @@ A parent's load has copied the modules it reached before, which no child can und
 :func:`load_state_dict` loads a whole model all or nothing.
 
 torch's load hooks keep working: the check runs after the module's load pre-hooks (which
-may rename or convert an old checkpoint's keys), and where a module of the subtree has a
-post-hook (which may forgive missing or unexpected keys), the strict check of keys waits
-for it: that load copies, and is put back if keys are still wrong.
+may rename or convert an old checkpoint's keys); where a submodule has pre-hooks (run as
+torch's load reaches it, after this module's check would), or a module of the subtree has
+a post-hook (which may forgive missing or unexpected keys), torch's load runs first and
+checks, the keys are checked after the hooks, and a refused load is put back.
 """
 
 from __future__ import annotations
@@ -305,8 +306,9 @@ class AllOrNothing(nn.Module):
         """As :meth:`torch.nn.Module.load_state_dict`, but all or nothing: the keys and
         shapes are checked before any tensor is copied, so a checkpoint of other sizes
         leaves the module as it was (torch's copies the tensors that fit, then raises).
-        Load hooks run as in torch: pre-hooks before the check; where a post-hook may
-        forgive keys, the keys are checked after it, and a refused load is put back.
+        Load hooks run as in torch: the module's pre-hooks before the check; where a
+        submodule has pre-hooks, or a post-hook may forgive keys, torch's load runs first,
+        the keys are checked after the hooks, and a refused load is put back.
 
         Raises:
             RuntimeError: naming each key missing, unexpected (``strict``) or of another

@@ -49,13 +49,19 @@ def _spans(allowed: torch.Tensor | None, B: int, Sk: int) -> list[tuple[int, int
     return list(zip(first.tolist(), end.tolist()))
 
 
+def _host_bounds(call) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each mask batch row's ``[first, end)`` of keys some query may attend ``(Bm,)``, from
+    the host tile map of one tile of all queries by one key (a mask on the host, Sq and Sk
+    above 0)."""
+    nonempty, _ = _tiles._classify(call, call.Sq, 1, 1, call.Sk, "cpu")  # (Bm, 1, Sk)
+    return _bounds(nonempty.any(1))                                     # (Bm,) keys
+
+
 def _live_fraction(call) -> float:
-    """Share of the keys the crop keeps, key by key: the host tile map of one tile of all
-    queries by one key (1.0 where unknown)."""
+    """Share of the keys the crop keeps, key by key (1.0 where unknown)."""
     if call.effective_mask is None or not _tiles.on_host(call) or call.Sk == 0 or call.Sq == 0:
         return 1.0
-    nonempty, _ = _tiles._classify(call, call.Sq, 1, 1, call.Sk, "cpu")  # (Bm, 1, Sk)
-    first, end = _bounds(nonempty.any(1))                               # (Bm,) keys
+    first, end = _host_bounds(call)
     return float((end - first).float().mean()) / call.Sk
 
 
@@ -74,8 +80,7 @@ def _row_terms(call, device):
         allowed, bias = mask_terms(call, device)
         return (_spans(allowed, call.B, call.Sk),
                 lambda b, lo, hi: (_row(allowed, b, lo, hi), _row(bias, b, lo, hi)))
-    nonempty, _ = _tiles._classify(call, call.Sq, 1, 1, call.Sk, "cpu")      # (Bm, 1, Sk)
-    first, end = _bounds(nonempty.any(1).expand(call.B, call.Sk))            # (B,) keys
+    first, end = (t.expand(call.B) for t in _host_bounds(call))             # (B,) keys
     ix = m.index(call.Sq, 1, device, call.compute_dtype)                     # (B', H', Sq, 1)
     rows = ix.b.shape[0]
 
