@@ -26,6 +26,19 @@ KERNELS = {
 }
 
 
+def share(fraction: float) -> str:
+    """A fraction as a percentage a plan's note can state: one decimal, or two significant
+    digits below 0.1% (a window over a long sequence computes a small share, not none).
+
+    Example:
+        >>> share(0.125), share(0.00049), share(0.0)
+        ('12.5%', '0.049%', '0.0%')
+    """
+    if 0 < fraction < 1e-3:
+        return f"{fraction * 100:.2g}%"
+    return f"{fraction:.1%}"
+
+
 @dataclass(frozen=True)
 class Work:
     """What one call costs a plan, in units that mean the same on every device.

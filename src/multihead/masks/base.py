@@ -78,7 +78,12 @@ def _serial(t: torch.Tensor) -> int:
 
 @dataclass(frozen=True)
 class TileIndex:
-    """First and last query/key index of every tile, shaped to broadcast to (B, H, nQ, nK)."""
+    """First and last query/key index of every tile, shaped to broadcast to (B, H, nQ, nK).
+
+    A *banded* index (``kt`` set) names, for each query tile, only the ``W`` key tiles its
+    band may reach: ``k0``/``k1`` are then ``(1, 1, nQ, W)`` and a bound computed per key tile
+    (a ``(..., nK)`` tensor) is read through :meth:`cols`.
+    """
 
     b: torch.Tensor   # (B, 1, 1, 1) or (1, 1, 1, 1)
     h: torch.Tensor   # (1, H, 1, 1) or (1, 1, 1, 1)
@@ -90,6 +95,16 @@ class TileIndex:
     sk: int
     tile_q: int
     tile_k: int
+    kt: torch.Tensor | None = None  # (1, 1, nQ, W) key tile of each column when banded
+
+    def cols(self, t: torch.Tensor) -> torch.Tensor:
+        """A bound of one value per key tile, ``(B', H', nQ or 1, nK or 1)``, at this index's
+        columns: as it is, or read at each query tile's key tiles when banded."""
+        if self.kt is None or t.shape[-1] == 1:
+            return t
+        b, h, _, nk = t.shape
+        n, w = self.kt.shape[2:]
+        return t.expand(b, h, n, nk).gather(-1, self.kt.expand(b, h, n, w))  # (B', H', nQ, W)
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,9 @@ class TileMap:
             likewise for heads.
         tile_q, tile_k: the tile sizes.
         sq, sk: the sequence lengths.
+        keys: None, or for a *banded* map (kept by the kernels' planners, never returned by
+            :meth:`Mask.tiles`) the key tile of each column, ``(nQ, W)``: ``state`` is then
+            ``(B', H', nQ, W)``, and every key tile a query tile's row does not name is EMPTY.
 
     Example:
         >>> import multihead as mh
@@ -117,18 +135,25 @@ class TileMap:
     tile_k: int
     sq: int
     sk: int
+    keys: torch.Tensor | None = None
 
     @property
     def density(self) -> float:
         """Fraction of tile pairs that must be computed (partial or full)."""
-        if self.state.numel() == 0:
-            return 0.0
-        return float((self.state != EMPTY).float().mean())
+        total = self._pairs()
+        return int((self.state != EMPTY).sum()) / total if total else 0.0
 
     def counts(self) -> dict[str, int]:
         """Number of empty, partial and full tile pairs."""
-        return {name: int((self.state == code).sum()) for name, code in
-                (("empty", EMPTY), ("partial", PARTIAL), ("full", FULL))}
+        partial, full = (int((self.state == code).sum()) for code in (PARTIAL, FULL))
+        return {"empty": self._pairs() - partial - full, "partial": partial, "full": full}
+
+    def _pairs(self) -> int:
+        """Tile pairs the map stands for (a banded map's columns included or not)."""
+        if self.keys is None:
+            return self.state.numel()
+        b, h, nq, _ = self.state.shape
+        return b * h * nq * -(-self.sk // self.tile_k)
 
 
 def versioned():
@@ -438,6 +463,19 @@ class Mask:
         """Return ``(any, all)`` bool tensors broadcastable to (B, H, nQ, nK)."""
         raise NotImplementedError(f"{type(self).__name__} must implement _tile_bounds")
 
+    def _key_span(self, tx: TileIndex) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(first, last)``: int64 tensors broadcastable to ``(B, H, nQ, 1)``, the least and
+        greatest key any query of each query tile may attend (every key outside is ruled
+        out; ``last < first`` where none is allowed), or None where unknown (any key).
+        Reads ``tx``'s rows only (``q0``, ``q1``, ``b``, ``h``, the lengths)."""
+        return None
+
+    def _takes_bands(self) -> bool:
+        """Whether :meth:`_tile_bounds` accepts a banded :class:`TileIndex`: set as
+        ``_banded = True`` in the body of each of our classes that does (not inherited: a
+        user's subclass may redefine its bounds)."""
+        return type(self).__dict__.get("_banded", False)
+
     def _tensors(self) -> list[torch.Tensor]:
         """Tensors the mask holds (for device checks)."""
         return []
@@ -592,8 +630,12 @@ class Mask:
         return dataclasses.replace(tm, state=tm.state.clone())
 
     def _tile_map(self, sq: int, sk: int, *, tile_q: int = 64, tile_k: int = 64,
-                  device=None, batch: int | None = None, heads: int | None = None) -> TileMap:
-        """:meth:`tiles` as cached, shared with every later call: only to read."""
+                  device=None, batch: int | None = None, heads: int | None = None,
+                  banded: bool = False) -> TileMap:
+        """:meth:`tiles` as cached, shared with every later call: only to read. ``banded``:
+        on the host, a banded map (see :class:`TileMap`) where the mask bounds each query
+        tile's keys to fewer than half the key tiles (memory and time linear in the length
+        for a window or packed documents, not quadratic)."""
         tile_q, tile_k = (_length("tiles", name, n, least=1)
                           for name, n in (("tile_q", tile_q), ("tile_k", tile_k)))
         batch, heads = (None if n is None else _length("tiles", name, n)
@@ -604,7 +646,7 @@ class Mask:
                                  f"{name}={own} (or leave it out: the mask's own)")
         sq, sk = self._check_sizes("tiles", sq, sk)
         device = torch.device(device) if device is not None else self._device()
-        args = (sq, sk, tile_q, tile_k, batch, heads)
+        args = (sq, sk, tile_q, tile_k, batch, heads, banded and device.type == "cpu")
         if self.cache_key() is not None and device.type != "cpu":
             # determined by ints: classify on the host once, copy to the device without a sync
             host = self.cached("tiles", (*args, "cpu"), lambda: self._classify(*args, "cpu"))
@@ -612,7 +654,7 @@ class Mask:
                 to_device(host.state, device), tile_q, tile_k, sq, sk))
         return self.cached("tiles", (*args, str(device)), lambda: self._classify(*args, device))
 
-    def _classify(self, sq, sk, tile_q, tile_k, batch, heads, device) -> TileMap:
+    def _classify(self, sq, sk, tile_q, tile_k, batch, heads, banded, device) -> TileMap:
         device = torch.device(device)
         nq, nk = -(-sq // tile_q), -(-sk // tile_k)
         q0 = torch.arange(nq, device=device) * tile_q
@@ -625,7 +667,15 @@ class Mask:
             q0=q0.view(1, 1, nq, 1), q1=(q0 + tile_q - 1).clamp(max=max(sq - 1, 0)).view(1, 1, nq, 1),
             k0=k0.view(1, 1, 1, nk), k1=(k0 + tile_k - 1).clamp(max=max(sk - 1, 0)).view(1, 1, 1, nk),
             sq=sq, sk=sk, tile_q=tile_q, tile_k=tile_k)
-        shape = (1, 1, nq, nk)
+        shape, inside = (1, 1, nq, nk), None
+        if banded and self.has_predicate and nq * nk and self._takes_bands():
+            band = self._band(tx, nk)
+            if band is not None:
+                kt, inside = band                                           # (nQ, W) each
+                tx = dataclasses.replace(tx, k0=(kt * tile_k)[None, None],
+                                         k1=(kt * tile_k + tile_k - 1).clamp(max=sk - 1)[None, None],
+                                         kt=kt[None, None])
+                shape = (1, 1, *kt.shape)
         if not self.has_predicate:
             state = torch.full(shape, FULL, dtype=torch.int8, device=device)
         else:
@@ -633,9 +683,32 @@ class Mask:
             # both 4-D, broadcast (a size 1 takes the other's, 0 included); torch's
             # broadcast_shapes would import sympy on its first use (0.35 s)
             any_ = torch.broadcast_to(any_, [b if a == 1 else a for a, b in zip(any_.shape, shape)])
+            if inside is not None:
+                any_ = any_ & inside                                        # past a row's band
             all_ = torch.broadcast_to(all_, any_.shape) & any_
             state = torch.where(all_, FULL, torch.where(any_, PARTIAL, EMPTY)).to(torch.int8)
-        return TileMap(state=state, tile_q=tile_q, tile_k=tile_k, sq=sq, sk=sk)
+        return TileMap(state=state, tile_q=tile_q, tile_k=tile_k, sq=sq, sk=sk,
+                       keys=None if inside is None else tx.kt[0, 0])
+
+    def _band(self, tx: TileIndex, nk: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(kt, inside)``, both ``(nQ, W)``: the key tiles each query tile may reach (from
+        :meth:`_key_span`, over every sequence and head), first to last, and whether each
+        column is one of them (a row of fewer repeats its last); None where the span is
+        unknown or reaches half the key tiles (a dense map is then as cheap)."""
+        span = self._key_span(tx)
+        if span is None:
+            return None
+        nq = tx.q0.shape[2]
+        first, last = (torch.broadcast_to(t, (*t.shape[:2], nq, 1)) for t in span)
+        first = first.amin(dim=(0, 1)).view(nq).clamp(min=0) // tx.tile_k   # (nQ,) key tiles
+        last = last.amax(dim=(0, 1)).view(nq).clamp(max=tx.sk - 1) // tx.tile_k
+        count = (last - first + 1).clamp(min=0)                              # (nQ,)
+        width = int(count.max())
+        if 2 * width > nk:
+            return None
+        cols = torch.arange(max(width, 1), device=first.device)                # (W,)
+        kt = (first[:, None] + cols).clamp(max=nk - 1)                       # (nQ, W)
+        return kt, cols < count[:, None]
 
     @property
     def requires_grad(self) -> bool:

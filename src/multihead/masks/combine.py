@@ -110,6 +110,10 @@ class _Binary(Mask):
         self.has_bias = a.has_bias or b.has_bias
         self.has_predicate = a.has_predicate or b.has_predicate
 
+    def _takes_bands(self):
+        return super()._takes_bands() and all(not m.has_predicate or m._takes_bands()
+                                               for m in (self.a, self.b))
+
     @classmethod
     def _validate(cls, a: Mask, b: Mask) -> None:
         """Raise unless some call fits both ``a`` and ``b`` (this check holds or fails
@@ -226,6 +230,7 @@ class And(_Binary):
     """Both masks allow the pair; biases add. Built by ``a & b``."""
 
     op = "&"
+    _banded = True
 
     def _allowed(self, ix):
         pa, pb = _pred(self.a, ix), _pred(self.b, ix)
@@ -240,6 +245,14 @@ class And(_Binary):
         (any_a, all_a), (any_b, all_b) = _bounds(self.a, tx), _bounds(self.b, tx)
         return any_a & any_b, all_a & all_b
 
+    def _key_span(self, tx):
+        spans = [m._key_span(tx) for m in (self.a, self.b) if m.has_predicate]
+        known = [s for s in spans if s is not None]
+        if len(known) < 2:
+            return known[0] if known else None
+        (fa, la), (fb, lb) = known
+        return torch.maximum(fa, fb), torch.minimum(la, lb)       # keys both allow
+
     def may_have_empty_rows(self, sq, sk):
         if not (self.a.has_predicate and self.b.has_predicate):  # a bias rules nothing out
             return (self.a if self.a.has_predicate else self.b).may_have_empty_rows(sq, sk)
@@ -250,6 +263,7 @@ class Or(_Binary):
     """Either mask allows the pair. Built by ``a | b``; biases cannot be or-ed."""
 
     op = "|"
+    _banded = True
 
     @classmethod
     def _validate(cls, a: Mask, b: Mask) -> None:
@@ -268,6 +282,12 @@ class Or(_Binary):
         (any_a, all_a), (any_b, all_b) = self.a._tile_bounds(tx), self.b._tile_bounds(tx)
         return any_a | any_b, all_a | all_b
 
+    def _key_span(self, tx):
+        sa, sb = self.a._key_span(tx), self.b._key_span(tx)
+        if sa is None or sb is None:
+            return None
+        return torch.minimum(sa[0], sb[0]), torch.maximum(sa[1], sb[1])  # keys either allows
+
     def may_have_empty_rows(self, sq, sk):
         return self.a.may_have_empty_rows(sq, sk) and self.b.may_have_empty_rows(sq, sk)
 
@@ -276,6 +296,7 @@ class Not(Mask):
     """The complement of a boolean mask. Built by ``~m``."""
 
     kind = "not"
+    _banded = True
 
     def __init__(self, m: Mask):
         if m.has_bias or not m.has_predicate:
@@ -293,6 +314,9 @@ class Not(Mask):
 
     def _check(self, batch, heads, sq, sk):
         self.m._check(batch, heads, sq, sk)
+
+    def _takes_bands(self):
+        return super()._takes_bands() and self.m._takes_bands()
 
     def _tensors(self):
         return self.m._tensors()

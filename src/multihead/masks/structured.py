@@ -45,6 +45,7 @@ class Window(Mask):
     """
 
     _immutable = True
+    _banded = True
 
     def __init__(self, size: int | None, align: str = "lower_right"):
         if size is not None:
@@ -98,6 +99,12 @@ class Window(Mask):
         if self.size is None:
             return dmax >= 0, dmin >= 0
         return (dmax >= 0) & (dmin < self.size), (dmin >= 0) & (dmax < self.size)
+
+    def _key_span(self, tx: TileIndex):
+        off = _offset(self.align, tx.sq, tx.sk)
+        last = tx.q1 + off                  # (1, 1, nQ, 1): distance 0 from the tile's last query
+        first = last * 0 if self.size is None else tx.q0 + off - self.size + 1
+        return first, last
 
 
 def causal(align: str = "lower_right") -> Window:
@@ -179,6 +186,7 @@ class Padding(Mask):
 
     kind = "padding"
     _immutable = True
+    _banded = True
 
     def __init__(self, lengths_or_mask, side: str = "key"):
         if side not in ("key", "query"):
@@ -341,7 +349,13 @@ class Padding(Mask):
         lo, hi = _tile_minmax(real, tile)           # (B, n): all real iff min == 1
         B, n = lo.shape                             # (n = 0 for no positions: no -1 to infer)
         shape = (B, 1, 1, n) if self.side == "key" else (B, 1, n, 1)
-        return (hi == 1).view(shape), (lo == 1).view(shape)
+        return tx.cols((hi == 1).view(shape)), tx.cols((lo == 1).view(shape))
+
+    def _key_span(self, tx: TileIndex):
+        if self.side != "key" or self.real is not None:
+            return None
+        n = self.lengths.to(tx.q0.device)[self._row(tx.b)]  # (B, 1, 1, 1)
+        return n * 0, n - 1
 
 
 def padding(lengths_or_mask, *, side: str = "key") -> Padding:
@@ -441,6 +455,7 @@ class Document(Mask):
 
     kind = "document"
     _immutable = True
+    _banded = True
     #: built from cu_seqlens (its last entry is the ids' length): errors name it
     _from_cu_seqlens = False
 
@@ -597,10 +612,21 @@ class Document(Mask):
         qlo, qhi = _tile_minmax(qid, tx.tile_q)        # (B', nQ)
         klo, khi = _tile_minmax(kid, tx.tile_k)        # (B', nK)
         qlo, qhi = qlo[:, None, :, None], qhi[:, None, :, None]  # (B', 1, nQ, 1)
-        klo, khi = klo[:, None, None, :], khi[:, None, None, :]  # (B', 1, 1, nK)
+        klo, khi = tx.cols(klo[:, None, None, :]), tx.cols(khi[:, None, None, :])  # (B', 1, 1, nK)
         any_ = (qlo <= khi) & (klo <= qhi)
         all_ = (qlo == qhi) & (klo == khi) & (qlo == klo)
         return any_, all_
+
+    def _key_span(self, tx: TileIndex):
+        qid, kid = self._q_k_ids(tx.sq, tx.sk, tx.q0.device)       # (B', Sq), (B', Sk)
+        if kid.shape[1] > 1 and not bool((kid[:, 1:] >= kid[:, :-1]).all()):
+            return None                     # ids out of order: a document's keys may be anywhere
+        qlo, qhi = _tile_minmax(qid, tx.tile_q)                     # (B', nQ)
+        b = max(len(qlo), len(kid))
+        kid, qlo, qhi = (t.expand(b, t.shape[1]).contiguous() for t in (kid, qlo, qhi))
+        first = torch.searchsorted(kid, qlo)                        # (B, nQ) keys of the
+        last = torch.searchsorted(kid, qhi, right=True) - 1         # tile's least/greatest id
+        return first[:, None, :, None], last[:, None, :, None]      # (B, 1, nQ, 1)
 
 
 def document(ids=None, *, kv_ids=None, cu_seqlens=None) -> Document:

@@ -88,6 +88,7 @@ class Dense(Mask):
 
     kind = "dense"
     _immutable = True
+    _banded = True
 
     def __init__(self, allowed: torch.Tensor):
         if not isinstance(allowed, torch.Tensor):
@@ -128,7 +129,7 @@ class Dense(Mask):
         return _gather4(self.t, ix)
 
     def _tile_bounds(self, tx: TileIndex):
-        return _tile_reduce(self.t.to(tx.q0.device), tx.tile_q, tx.tile_k)
+        return tuple(map(tx.cols, _tile_reduce(self.t.to(tx.q0.device), tx.tile_q, tx.tile_k)))
 
 
 def _cap(t: torch.Tensor) -> tuple[int | None, int | None]:
@@ -168,6 +169,7 @@ class Bias(Mask):
     has_bias = True
     has_predicate = True          # -inf entries mask (whether there are any is never read)
     _immutable = True
+    _banded = True
 
     def __init__(self, values: torch.Tensor):
         if not isinstance(values, torch.Tensor) or not values.is_floating_point():
@@ -220,7 +222,8 @@ class Bias(Mask):
         return ~torch.isneginf(_gather4(self.raw, ix))
 
     def _tile_bounds(self, tx):
-        return _tile_reduce(~torch.isneginf(self.raw.to(tx.q0.device)), tx.tile_q, tx.tile_k)
+        allowed = ~torch.isneginf(self.raw.to(tx.q0.device))
+        return tuple(map(tx.cols, _tile_reduce(allowed, tx.tile_q, tx.tile_k)))
 
     def _bias(self, ix):
         b = _gather4(self.raw, ix)
@@ -298,6 +301,7 @@ class ALiBi(Mask):
     has_bias = True
     has_predicate = False
     _immutable = True
+    _banded = True
 
     def __init__(self, num_heads: int, align: str = "lower_right"):
         from .structured import _check_align

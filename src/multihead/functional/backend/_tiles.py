@@ -108,7 +108,7 @@ def estimate(call: AttentionCall) -> Estimate:
         steps = chunks * -(-nk // g.width)
         return Estimate(unit * nq * nk, unit * nq * nk, steps, steps, chunks, nq * nk, 1.0, 1.0,
                         False)
-    nonempty, full = _classify(call, tq, tk, nq, nk, "cpu")       # (Bm, nQ, nK)
+    nonempty, full, _ = _classify(call, tq, tk, nq, nk, "cpu", banded=True)  # (Bm, nQ, nK|W)
     count = nonempty.sum(-1).amax(0)                              # (nQ,) key tiles per row
     partial = (nonempty & ~full).any(-1).any(0)                   # (nQ,) rows with a mask
     g = geometry(call, int(count.max()) if nq else 0)
@@ -124,7 +124,7 @@ def estimate(call: AttentionCall) -> Estimate:
     gathered = 0 if call.effective_mask is None else visited
     return Estimate(int(pairs_c.sum()), int(pairs_c[masked].sum()), int(steps_c.sum()),
                     int(steps_c[masked].sum()), chunks, gathered, visited / max(nq * nk, 1),
-                    float(nonempty.float().mean()), True)
+                    int(nonempty.sum()) / max(nonempty.shape[0] * nq * nk, 1), True)
 
 
 def on_host(call: AttentionCall) -> bool:
@@ -134,20 +134,26 @@ def on_host(call: AttentionCall) -> bool:
     return m is None or not m.has_predicate or m.on_host
 
 
-def _classify(call: AttentionCall, tq: int, tk: int, nq: int, nk: int, device):
-    """(nonempty, full) bool tensors (Bm, nQ, nK) on ``device``, reduced over heads soundly."""
+def _classify(call: AttentionCall, tq: int, tk: int, nq: int, nk: int, device,
+              banded: bool = False):
+    """``(nonempty, full, keys)``: bool tensors (Bm, nQ, nK) on ``device``, reduced over
+    heads soundly, and None; or with ``banded`` and a mask that bounds each query tile's
+    keys (a window, packed documents), (Bm, nQ, W) over the key tiles ``keys`` (nQ, W)
+    names (see :class:`~multihead.masks.base.TileMap`)."""
     mask = call.effective_mask
+    keys = None
     if mask is None or not mask.has_predicate:
         ones = torch.ones(1, nq, nk, dtype=torch.bool, device=device)
         nonempty, full = ones, ones.clone()
     else:
-        state = mask._tile_map(call.Sq, call.Sk, tile_q=tq, tile_k=tk, device=device).state
-        nonempty = (state != M.EMPTY).any(dim=1)                 # (Bm, nQ, nK)
-        full = (state == M.FULL).all(dim=1)
+        tm = mask._tile_map(call.Sq, call.Sk, tile_q=tq, tile_k=tk, device=device, banded=banded)
+        keys = tm.keys
+        nonempty = (tm.state != M.EMPTY).any(dim=1)              # (Bm, nQ, nK|W)
+        full = (tm.state == M.FULL).all(dim=1)
     if call.Sk % tk:
-        full = full.clone()
-        full[..., -1] = False                                    # padded keys need masking
-    return nonempty, full
+        # padded keys need masking
+        full = full & (torch.arange(nk, device=device) < nk - 1 if keys is None else keys < nk - 1)
+    return nonempty, full, keys
 
 
 def make_plan(call: AttentionCall) -> Plan:
@@ -157,9 +163,10 @@ def make_plan(call: AttentionCall) -> Plan:
     tq, tk = tile_sizes(call)
     nq, nk = -(-call.Sq // tq), -(-call.Sk // tk)
     device = torch.device("cpu") if on_host(call) else call.q.device
-    nonempty, full = _classify(call, tq, tk, nq, nk, device)
-    rank = torch.where(nonempty, 0, 1) * nk + torch.arange(nk, device=device)
-    order = rank.argsort(dim=-1)                                 # (Bm, nQ, nK): visited first
+    nonempty, full, keys = _classify(call, tq, tk, nq, nk, device, banded=True)
+    w = nonempty.shape[-1]                                       # nK, or W columns if banded
+    rank = torch.where(nonempty, 0, 1) * w + torch.arange(w, device=device)
+    order = rank.argsort(dim=-1)                                 # (Bm, nQ, w): visited first
     ncount = nonempty.sum(-1).cpu()                              # (Bm, nQ)
     _, _, _, _, width, per_chunk = geometry(call, int(ncount.max()) if ncount.numel() else 0)
     target = call.q.device
@@ -168,9 +175,11 @@ def make_plan(call: AttentionCall) -> Plan:
         i1 = min(nq, i0 + per_chunk)
         count = ncount[:, i0:i1]
         kc = int(count.max())
-        ord_c = order[:, i0:i1, :kc]                             # (Bm, nQc, Kc)
+        ord_c = order[:, i0:i1, :kc]                             # (Bm, nQc, Kc) columns
         valid_c = torch.arange(kc, device=device) < count.to(device).unsqueeze(-1)
         full_c = full[:, i0:i1].gather(-1, ord_c) & valid_c      # (Bm, nQc, Kc)
+        if keys is not None:                                     # columns -> key tiles
+            ord_c = keys[i0:i1].expand(len(ord_c), i1 - i0, w).gather(-1, ord_c)
         steps = []
         for s0 in range(0, kc, width):
             idx, valid = ord_c[..., s0:s0 + width], valid_c[..., s0:s0 + width]

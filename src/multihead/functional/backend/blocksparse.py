@@ -33,7 +33,7 @@ from ... import _second_order as second_order
 from ...masks.base import Index, bias_as
 from .._call import AttentionCall
 from ..capabilities import Capabilities
-from ..cost import Work
+from ..cost import Work, share
 from ..registry import Backend, Plan, register
 from . import _blocksparse_op, _tiles
 from ._common import HUGE_LSE
@@ -392,10 +392,10 @@ class BlockSparse(Backend):
         est = _tiles.estimate(call)
         work = _work(call, est)
         if est.exact:
-            note = f"computes {est.density:.1%} of the tiles" + (
-                f" ({est.allowed:.1%} hold pairs the mask allows; every query tile of a "
+            note = f"computes {share(est.density)} of the tiles" + (
+                f" ({share(est.allowed)} hold pairs the mask allows; every query tile of a "
                 f"chunk visits as many key tiles as the chunk's busiest one)"
-                if round(est.allowed, 3) != round(est.density, 3) else "")
+                if share(est.allowed) != share(est.density) else "")
         else:
             note = (f"the mask's tiles are on {call.q.device}: planning reads them back "
                     f"({work.syncs} syncs); estimated as if every tile were computed")

@@ -21,7 +21,7 @@ import torch
 
 from ...masks.base import Index, bias_as
 from ..capabilities import Capabilities
-from ..cost import Work
+from ..cost import Work, share
 from ..registry import Backend, Plan, register
 from . import _tiles
 from ._common import mask_launches, mask_terms
@@ -53,7 +53,7 @@ def _host_bounds(call) -> tuple[torch.Tensor, torch.Tensor]:
     """Each mask batch row's ``[first, end)`` of keys some query may attend ``(Bm,)``, from
     the host tile map of one tile of all queries by one key (a mask on the host, Sq and Sk
     above 0)."""
-    nonempty, _ = _tiles._classify(call, call.Sq, 1, 1, call.Sk, "cpu")  # (Bm, 1, Sk)
+    nonempty, _, _ = _tiles._classify(call, call.Sq, 1, 1, call.Sk, "cpu")  # (Bm, 1, Sk)
     return _bounds(nonempty.any(1))                                     # (Bm,) keys
 
 
@@ -110,7 +110,7 @@ class Rows(Backend):
                     launches=4 + ROW_OPS * call.B + mask_launches(call),
                     syncs=0 if call.effective_mask is None or profile.device_type == "cpu" else 1,
                     memory=3 * size * pairs / max(call.B, 1))
-        return Plan(work, f"computes {frac:.1%} of the keys, one sequence at a time")
+        return Plan(work, f"computes {share(frac)} of the keys, one sequence at a time")
 
     def run(self, call, plan):
         B, H, Hkv, Sq, Sk, G = call.B, call.H, call.Hkv, call.Sq, call.Sk, call.group

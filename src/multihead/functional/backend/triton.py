@@ -31,7 +31,7 @@ from ...masks.structured import _offset
 from .._call import AttentionCall
 from ..capabilities import Capabilities, shown
 from ._common import BandParts, band_parts, mask_launches
-from ..cost import Work
+from ..cost import Work, share
 from ..registry import Backend, Plan, register
 
 #: its FLOP rate against the vendor's fused kernel on the same device (priced as slower,
@@ -156,7 +156,7 @@ def _share(pairs, total) -> str:
     """``"12.5% of the pairs"``; while tracing (sizes may be symbolic), no figure."""
     if torch.compiler.is_compiling():
         return "the pairs (not counted while tracing)"
-    return f"{pairs / max(1, total):.1%} of the pairs"
+    return f"{share(pairs / max(1, total))} of the pairs"
 
 
 def _work(call: AttentionCall, pairs: int, block_m: int, launches: float = 1) -> Work:
@@ -213,8 +213,8 @@ class TritonFlash(Backend):
                     f"every block were visited (counting them would read the device)")
         else:
             if mask.has_predicate:
-                state = mask._tile_map(call.Sq, call.Sk, tile_q=bm, tile_k=bn, device="cpu").state
-                pairs = int(float((state != M.EMPTY).float().mean()) * call.pairs)
+                pairs = int(mask._tile_map(call.Sq, call.Sk, tile_q=bm, tile_k=bn, device="cpu",
+                                           banded=True).density * call.pairs)
             note = f"block lists: {_share(pairs, call.pairs)} visited"
         launches = 1
         if _decoding_step(call):
