@@ -26,6 +26,8 @@ import sys
 
 import torch
 
+from . import _host_memory
+
 #: what captured CUDA graphs read (cached device tensors, pinned sources of their copies),
 #: by id: kept for the life of the process, since a graph reads their memory on every replay
 _HELD: dict[int, object] = {}
@@ -235,7 +237,8 @@ _CUDA = _Cuda
 def free_memory(device: torch.device) -> int | None:
     """Bytes an allocation on ``device`` can still take, or None where that is not known
     (no /proc/meminfo, an MPS or meta device): CUDA's free memory plus what torch's caching
-    allocator holds unused (it is reused first), or the CPU's ``MemAvailable``.
+    allocator holds unused (it is reused first), or the host's (``MemAvailable``, or less
+    where the process's cgroup or ``ulimit -v`` leaves less: see :mod:`multihead._host_memory`).
 
     Example:
         >>> free_memory(torch.device("meta")) is None
@@ -244,16 +247,7 @@ def free_memory(device: torch.device) -> int | None:
     if device.type == "cuda":
         unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return torch.cuda.mem_get_info(device)[0] + unused
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _host_memory.free() if device.type == "cpu" else None
 
 
 def check_fits(need: int, device: torch.device, what: str, fix: str) -> None:

@@ -18,11 +18,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 import torch
 
+from .. import _host_memory as host_memory
 from .._args import counted
 from .cost import DeviceProfile
 
@@ -238,7 +238,6 @@ def calibrate(device="cpu") -> DeviceProfile:
 
 
 def _host_memory() -> float:
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return float(_CPU.memory)
+    """What the process may hold: the machine's RAM within its cgroup and rlimit."""
+    n = host_memory.capacity()
+    return float(_CPU.memory if n is None else n)
