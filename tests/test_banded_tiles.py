@@ -39,6 +39,11 @@ BANDED = {      # masks that bound each query tile's keys: (mask, batch)
     "docs|docs": (lambda S: M.document(_docs(S, 20)) | M.document(_docs(S, 31)), None),
     "docs&unsorted": (lambda S: M.document(_docs(S, 30)) & M.document(torch.randint(0, 3, (S,))),
                       None),
+    "placed_window&docs": (lambda S: M.at_positions(M.sliding_window(30), *[
+        torch.sort(torch.randint(0, S, (2, S)), 1).values] * 2) & M.document(_docs(S, 50)), 2),
+    "bool_padding": (lambda S: M.padding((torch.arange(S) >= torch.tensor([[40], [150], [S]]))
+                                         & (torch.arange(S) < torch.tensor([[90], [170], [S]]))),
+                     3),
 }
 DENSE = {       # masks whose tiles may reach every key: classified whole
     "causal": lambda S: M.causal(),
@@ -53,7 +58,7 @@ def spread(tm, nk: int) -> torch.Tensor:
     """A banded map's states at their key tiles, EMPTY elsewhere: ``(B', H', nQ, nK)``."""
     b, h, nq, w = tm.state.shape
     out = torch.full((b, h, nq, nk), EMPTY, dtype=torch.int8)
-    return out.scatter_reduce(-1, tm.keys.expand(b, h, nq, w).long(), tm.state, reduce="amax")
+    return out.scatter_reduce(-1, tm.key_tiles.expand(b, h, nq, w).long(), tm.state, reduce="amax")
 
 
 @pytest.mark.parametrize("name", BANDED)
@@ -62,15 +67,15 @@ def test_a_banded_map_is_the_dense_map_at_a_fraction_of_its_columns(name, sq, ti
     torch.manual_seed(0)
     S = 300
     make, batch = BANDED[name]
-    if sq != S and name in ("window&dense", "window&bias"):
-        pytest.skip("a tensor mask is built for one Sq")
+    if sq != S and name in ("window&dense", "window&bias", "placed_window&docs"):
+        pytest.skip("built for one Sq")
     m = make(S)
     tq, tk = tiles
     nk = -(-S // tk)
     kw = dict(tile_q=tq, tile_k=tk, batch=batch)
     banded = m._tile_map(sq, S, banded=True, **kw)
     dense = m._tile_map(sq, S, **kw).state
-    assert banded.keys is not None and 2 * banded.state.shape[-1] <= nk, banded.state.shape
+    assert banded.key_tiles is not None and 2 * banded.state.shape[-1] <= nk, banded.state.shape
     got = spread(banded, nk)
     want = exact_states(m.materialize(sq, S).expand(batch or 1, -1, sq, S), tq, tk)
     got, dense = (t.long().expand_as(want) for t in (got, dense))
@@ -86,7 +91,7 @@ def test_masks_whose_tiles_reach_every_key_get_the_dense_map(name):
     torch.manual_seed(0)
     m = DENSE[name](300)
     tm = m._tile_map(300, 300, tile_q=8, tile_k=8, banded=True)
-    assert tm.keys is None and tm.state.shape[-1] == 38
+    assert tm.key_tiles is None and tm.state.shape[-1] == 38
     assert torch.equal(tm.state, m._tile_map(300, 300, tile_q=8, tile_k=8).state)
 
 
@@ -98,7 +103,7 @@ def test_a_users_subclass_is_classified_whole_since_its_bounds_may_assume_every_
 
     for m in (Mine(16, "lower_right"), Mine(16, "lower_right") & M.padding(torch.tensor([200]))):
         tm = m._tile_map(300, 300, tile_q=8, tile_k=8, banded=True)
-        assert tm.keys is None
+        assert tm.key_tiles is None
         assert torch.equal(tm.state, M.sliding_window(16)._tile_map(300, 300, tile_q=8, tile_k=8,
                                                                      batch=1).state
                            .minimum(m._tile_map(300, 300, tile_q=8, tile_k=8).state))
@@ -118,7 +123,7 @@ def test_a_window_over_a_million_tokens_is_planned_in_linear_memory():
 
 
 @pytest.mark.parametrize("name", ["window", "ids_per_row", "causal&docs", "window&padding",
-                                  "window&alibi", "window&dense"])
+                                  "window&alibi", "window&dense", "placed_window&docs"])
 def test_blocksparse_on_a_banded_plan_matches_the_oracle_forward_and_backward(name):
     torch.manual_seed(0)
     make, batch = BANDED[name]
@@ -137,3 +142,11 @@ def test_blocksparse_on_a_banded_plan_matches_the_oracle_forward_and_backward(na
     want = torch.autograd.grad(oracle(q, k, v, mask=m), (q, k, v), g.double())
     for got, ref in zip(grads, want):
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)  # (fp64, rounded)
+
+
+@pytest.mark.parametrize("make", [lambda: M.padding(torch.zeros(0, dtype=torch.long)),
+                                  lambda: M.document(torch.zeros(0, 400, dtype=torch.long)),
+                                  lambda: M.sliding_window(8) & M.padding(torch.zeros(0).long())])
+def test_a_mask_of_no_sequence_has_an_empty_map(make):
+    tm = make()._tile_map(400, 400, tile_q=16, tile_k=16, banded=True)
+    assert tm.state.shape[0] == 0 and tm.counts() == {"empty": 0, "partial": 0, "full": 0}

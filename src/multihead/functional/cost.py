@@ -31,11 +31,11 @@ def share(fraction: float) -> str:
     digits below 0.1% (a window over a long sequence computes a small share, not none).
 
     Example:
-        >>> share(0.125), share(0.00049), share(0.0)
-        ('12.5%', '0.049%', '0.0%')
+        >>> share(0.125), share(0.00049), share(5e-9), share(0.0)
+        ('12.5%', '0.049%', '0.00000050%', '0.0%')
     """
     if 0 < fraction < 1e-3:
-        return f"{fraction * 100:.2g}%"
+        return f"{fraction * 100:.{1 - math.floor(math.log10(fraction * 100))}f}%"
     return f"{fraction:.1%}"
 
 

@@ -117,9 +117,10 @@ class TileMap:
             likewise for heads.
         tile_q, tile_k: the tile sizes.
         sq, sk: the sequence lengths.
-        keys: None, or for a *banded* map (kept by the kernels' planners, never returned by
-            :meth:`Mask.tiles`) the key tile of each column, ``(nQ, W)``: ``state`` is then
-            ``(B', H', nQ, W)``, and every key tile a query tile's row does not name is EMPTY.
+        key_tiles: None, or for a *banded* map (kept by the kernels' planners, never
+            returned by :meth:`Mask.tiles`) the key tile of each column, ``(nQ, W)``:
+            ``state`` is then ``(B', H', nQ, W)``, and every key tile a query tile's row
+            does not name is EMPTY.
 
     Example:
         >>> import multihead as mh
@@ -135,7 +136,7 @@ class TileMap:
     tile_k: int
     sq: int
     sk: int
-    keys: torch.Tensor | None = None
+    key_tiles: torch.Tensor | None = None
 
     @property
     def density(self) -> float:
@@ -149,8 +150,8 @@ class TileMap:
         return {"empty": self._pairs() - partial - full, "partial": partial, "full": full}
 
     def _pairs(self) -> int:
-        """Tile pairs the map stands for (a banded map's columns included or not)."""
-        if self.keys is None:
+        """All ``B' x H' x nQ x nK`` tile pairs, a banded map's unnamed key tiles included."""
+        if self.key_tiles is None:
             return self.state.numel()
         b, h, nq, _ = self.state.shape
         return b * h * nq * -(-self.sk // self.tile_k)
@@ -473,7 +474,7 @@ class Mask:
     def _takes_bands(self) -> bool:
         """Whether :meth:`_tile_bounds` accepts a banded :class:`TileIndex`: set as
         ``_banded = True`` in the body of each of our classes that does (not inherited: a
-        user's subclass may redefine its bounds)."""
+        user's subclass may redefine its bounds). Compositions also ask their operands."""
         return type(self).__dict__.get("_banded", False)
 
     def _tensors(self) -> list[torch.Tensor]:
@@ -688,15 +689,17 @@ class Mask:
             all_ = torch.broadcast_to(all_, any_.shape) & any_
             state = torch.where(all_, FULL, torch.where(any_, PARTIAL, EMPTY)).to(torch.int8)
         return TileMap(state=state, tile_q=tile_q, tile_k=tile_k, sq=sq, sk=sk,
-                       keys=None if inside is None else tx.kt[0, 0])
+                       key_tiles=None if inside is None else tx.kt[0, 0])
 
     def _band(self, tx: TileIndex, nk: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(kt, inside)``, both ``(nQ, W)``: the key tiles each query tile may reach (from
         :meth:`_key_span`, over every sequence and head), first to last, and whether each
-        column is one of them (a row of fewer repeats its last); None where the span is
-        unknown or reaches half the key tiles (a dense map is then as cheap)."""
+        column is one of them (a row that reaches fewer names later tiles in its last
+        columns, the last tile at most: marked outside, they are EMPTY); None where the span
+        is unknown or reaches half the key tiles (a dense map is then as cheap), or where
+        there is no sequence or head to bound."""
         span = self._key_span(tx)
-        if span is None:
+        if span is None or any(t.numel() == 0 for t in span):
             return None
         nq = tx.q0.shape[2]
         first, last = (torch.broadcast_to(t, (*t.shape[:2], nq, 1)) for t in span)

@@ -36,6 +36,7 @@ class Positioned(Mask):
     backends that evaluate any predicate run it."""
 
     kind = "custom"
+    _banded = True                      # (its bounds read a key tile's positions per column)
     #: what a backend's refusal calls it (its kind is a user's mask's)
     kind_label = "at_positions"
 
@@ -134,8 +135,8 @@ class Positioned(Mask):
         qlo, qhi = _tile_minmax(self.q_positions.to(dev), tx.tile_q)          # (Bq, nQ)
         klo, khi = _tile_minmax(self.k_positions.to(dev), tx.tile_k)          # (Bk, nK)
         placed = TileIndex(tx.b, tx.h, qlo[:, None, :, None], qhi[:, None, :, None],
-                           klo[:, None, None, :], khi[:, None, None, :],      # lengths equal:
-                           tx.sk, tx.sk, tx.tile_q, tx.tile_k)               # no alignment
+                           tx.cols(klo[:, None, None, :]), tx.cols(khi[:, None, None, :]),
+                           tx.sk, tx.sk, tx.tile_q, tx.tile_k)   # lengths equal: no alignment
         return self.m._tile_bounds(placed)
 
 

@@ -352,10 +352,16 @@ class Padding(Mask):
         return tx.cols((hi == 1).view(shape)), tx.cols((lo == 1).view(shape))
 
     def _key_span(self, tx: TileIndex):
-        if self.side != "key" or self.real is not None:
+        if self.side != "key":
             return None
-        n = self.lengths.to(tx.q0.device)[self._row(tx.b)]  # (B, 1, 1, 1)
-        return n * 0, n - 1
+        if self.real is None:
+            n = self.lengths.to(tx.q0.device)[self._row(tx.b)]  # (B, 1, 1, 1)
+            return n * 0, n - 1
+        real = self.real.to(tx.q0.device)                        # (B, S) bool
+        at = torch.arange(real.shape[1], device=real.device)     # (S,)
+        first = torch.where(real, at, real.shape[1]).amin(-1)    # (B,) first real key
+        last = torch.where(real, at, -1).amax(-1)                # (B,) last (-1: none)
+        return first.view(-1, 1, 1, 1), last.view(-1, 1, 1, 1)
 
 
 def padding(lengths_or_mask, *, side: str = "key") -> Padding:

@@ -301,7 +301,6 @@ class ALiBi(Mask):
     has_bias = True
     has_predicate = False
     _immutable = True
-    _banded = True
 
     def __init__(self, num_heads: int, align: str = "lower_right"):
         from .structured import _check_align

@@ -141,13 +141,13 @@ def _classify(call: AttentionCall, tq: int, tk: int, nq: int, nk: int, device,
     keys (a window, packed documents), (Bm, nQ, W) over the key tiles ``keys`` (nQ, W)
     names (see :class:`~multihead.masks.base.TileMap`)."""
     mask = call.effective_mask
-    keys = None
+    keys = None                                                  # key tile of each column
     if mask is None or not mask.has_predicate:
         ones = torch.ones(1, nq, nk, dtype=torch.bool, device=device)
         nonempty, full = ones, ones.clone()
     else:
         tm = mask._tile_map(call.Sq, call.Sk, tile_q=tq, tile_k=tk, device=device, banded=banded)
-        keys = tm.keys
+        keys = tm.key_tiles
         nonempty = (tm.state != M.EMPTY).any(dim=1)              # (Bm, nQ, nK|W)
         full = (tm.state == M.FULL).all(dim=1)
     if call.Sk % tk:
