@@ -22,12 +22,11 @@ try:
 except ImportError:              # (Windows)
     resource = None
 
-#: v2 and v1: (the directory of the hierarchy, the limit's, the usage's and the stat's file,
-#: the stat's line of reclaimable page cache)
-_LAYOUTS = {"v2": ("/sys/fs/cgroup", "memory.max", "memory.current", "memory.stat",
-                   "inactive_file"),
-            "v1": ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
-                   "memory.stat", "total_inactive_file")}
+#: v2 and v1: (the hierarchy's directory under the cgroup mount, the limit's and the
+#: usage's file, the line of ``memory.stat`` that counts reclaimable page cache)
+_LAYOUTS = {"v2": ("", "memory.max", "memory.current", "inactive_file"),
+            "v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                   "total_inactive_file")}
 
 
 class Limit(NamedTuple):
@@ -47,9 +46,9 @@ def _read_int(path: str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _stat(path: str, key: str) -> int:
+def _stat(path: str, key: str) -> int | None:
     """The first number on the line of ``path`` that ``key`` starts (``"inactive_file 4096"``,
-    ``"VmSize:\t 2048 kB"``), or 0."""
+    ``"MemAvailable:   2048 kB"``), or None."""
     try:
         with open(path) as f:
             for line in f:
@@ -58,7 +57,7 @@ def _stat(path: str, key: str) -> int:
                     return int(words[1])
     except (OSError, ValueError):
         pass
-    return 0
+    return None
 
 
 def _cgroup_dirs(proc: str, root: str) -> list[tuple[str, str]]:
@@ -75,7 +74,7 @@ def _cgroup_dirs(proc: str, root: str) -> list[tuple[str, str]]:
         layout = "v2" if controllers == "" else "v1" if "memory" in controllers.split(",") else None
         if layout is None:
             continue
-        base = root + _LAYOUTS[layout][0][len("/sys/fs/cgroup"):]
+        base = os.path.join(root, _LAYOUTS[layout][0])
         parts = [p for p in path.split("/") if p]
         # the leaf first, then each ancestor up to the mount's root (a container's cgroup
         # namespace shows its own cgroup as that root, so its path may be missing: skipped)
@@ -93,11 +92,11 @@ def cgroup_limit(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") 
     """
     best = None
     for layout, d in _cgroup_dirs(proc, root):
-        _, limit_file, usage_file, stat_file, cache_key = _LAYOUTS[layout]
+        _, limit_file, usage_file, cache_key = _LAYOUTS[layout]
         limit, usage = _read_int(os.path.join(d, limit_file)), _read_int(os.path.join(d, usage_file))
         if limit is None or usage is None or limit >= 1 << 60:     # unlimited (v1: ~2**63)
             continue
-        cache = _stat(os.path.join(d, stat_file), cache_key)
+        cache = _stat(os.path.join(d, "memory.stat"), cache_key) or 0
         here = Limit(limit, max(0, limit - max(0, usage - cache)))
         if best is None or here.free < best.free:
             best = here
@@ -111,19 +110,8 @@ def _address_space() -> Limit | None:
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY:
         return None
-    used = _stat("/proc/self/status", "VmSize:") * 1024           # (kB; 0 where unknown)
+    used = (_stat("/proc/self/status", "VmSize:") or 0) * 1024     # (kB; 0 where unknown)
     return Limit(soft, max(0, soft - used))
-
-
-def _meminfo(key: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def free() -> int | None:
@@ -134,7 +122,8 @@ def free() -> int | None:
         >>> free() is None or free() > 0
         True
     """
-    known = [n for n in (_meminfo("MemAvailable:"),) if n is not None]
+    available = _stat("/proc/meminfo", "MemAvailable:")           # (kB)
+    known = [] if available is None else [available * 1024]
     known += [x.free for x in (cgroup_limit(), _address_space()) if x is not None]
     return min(known) if known else None
 

@@ -89,7 +89,7 @@ def get_profile(name: str) -> DeviceProfile:
 def _cpu_profile() -> DeviceProfile:
     threads = max(1, torch.get_num_threads())
     return dataclasses.replace(_CPU, flops=_scaled(_CPU_PER_THREAD, threads), units=threads,
-                               memory=_host_memory(),
+                               memory=_host_capacity(),
                                name=f"cpu (2-core Xeon figures, {counted(threads, 'thread')})")
 
 
@@ -234,10 +234,10 @@ def calibrate(device="cpu") -> DeviceProfile:
         base, name=f"{base.name.split(' (')[0]} (calibrated {time.strftime('%Y-%m-%d')})",
         flops=flops, bandwidth=bandwidth, launch_s=launch, sync_s=sync,
         memory=float(torch.cuda.get_device_properties(device).total_memory) if cuda
-        else _host_memory())
+        else _host_capacity())
 
 
-def _host_memory() -> float:
+def _host_capacity() -> float:
     """What the process may hold: the machine's RAM within its cgroup and rlimit."""
     n = host_memory.capacity()
     return float(_CPU.memory if n is None else n)

@@ -702,9 +702,13 @@ class Mask:
         if span is None or any(t.numel() == 0 for t in span):
             return None
         nq = tx.q0.shape[2]
-        first, last = (torch.broadcast_to(t, (*t.shape[:2], nq, 1)) for t in span)
-        first = first.amin(dim=(0, 1)).view(nq).clamp(min=0) // tx.tile_k   # (nQ,) key tiles
-        last = last.amax(dim=(0, 1)).view(nq).clamp(max=tx.sk - 1) // tx.tile_k
+        first, last = (torch.broadcast_to(t, (*t.shape[:2], nq, 1))  # (B', H', nQ, 1) keys
+                       for t in torch.broadcast_tensors(*span))
+        some = last >= first                                        # (a sequence that sees
+        first = torch.where(some, first, tx.sk).amin(dim=(0, 1))    # none widens no band)
+        last = torch.where(some, last, -1).amax(dim=(0, 1))
+        first = first.view(nq).clamp(min=0) // tx.tile_k            # (nQ,) key tiles
+        last = last.view(nq).clamp(max=tx.sk - 1) // tx.tile_k
         count = (last - first + 1).clamp(min=0)                              # (nQ,)
         width = int(count.max())
         if 2 * width > nk:

@@ -168,6 +168,19 @@ def _tile_minmax(ids: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tens
     return tiles.amin(-1), tiles.amax(-1)
 
 
+def true_span(live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``[first, end)`` of True columns of ``live`` ``(R, N)``; ``(0, 0)`` if none.
+
+    Example:
+        >>> true_span(torch.tensor([[False, True, True, False], [False] * 4]))
+        (tensor([1, 0]), tensor([3, 0]))
+    """
+    idx = torch.arange(live.shape[1], device=live.device)
+    end = torch.where(live, idx, -1).amax(1) + 1                                   # (R,)
+    first = torch.where(live, idx, live.shape[1]).amin(1)                         # (R,)
+    return torch.where(end > 0, first, 0), end
+
+
 class Padding(Mask):
     """Only real (non-padding) positions may be attended (``side="key"``) or may attend.
 
@@ -357,11 +370,8 @@ class Padding(Mask):
         if self.real is None:
             n = self.lengths.to(tx.q0.device)[self._row(tx.b)]  # (B, 1, 1, 1)
             return n * 0, n - 1
-        real = self.real.to(tx.q0.device)                        # (B, S) bool
-        at = torch.arange(real.shape[1], device=real.device)     # (S,)
-        first = torch.where(real, at, real.shape[1]).amin(-1)    # (B,) first real key
-        last = torch.where(real, at, -1).amax(-1)                # (B,) last (-1: none)
-        return first.view(-1, 1, 1, 1), last.view(-1, 1, 1, 1)
+        first, end = true_span(self.real.to(tx.q0.device))      # (B,) real keys
+        return first.view(-1, 1, 1, 1), end.view(-1, 1, 1, 1) - 1
 
 
 def padding(lengths_or_mask, *, side: str = "key") -> Padding:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ...masks.base import Index, bias_as
+from ...masks.structured import true_span
 from ..capabilities import Capabilities
 from ..cost import Work, share
 from ..registry import Backend, Plan, register
@@ -33,19 +34,11 @@ SCORE_PASSES = 8
 ROW_OPS = 10
 
 
-def _bounds(live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's ``[first, end)`` of True columns of ``live`` ``(R, N)``; ``(0, 0)`` if none."""
-    idx = torch.arange(live.shape[1], device=live.device)
-    end = torch.where(live, idx, -1).amax(1) + 1                                   # (R,)
-    first = torch.where(live, idx, live.shape[1]).amin(1)                         # (R,)
-    return torch.where(end > 0, first, 0), end
-
-
 def _spans(allowed: torch.Tensor | None, B: int, Sk: int) -> list[tuple[int, int]]:
     """Each batch row's ``[first, last + 1)`` of keys any query may attend (one host read)."""
     if allowed is None:
         return [(0, Sk)] * B
-    first, end = _bounds(allowed.any(2).any(1).expand(B, Sk).cpu())              # (B,)
+    first, end = true_span(allowed.any(2).any(1).expand(B, Sk).cpu())           # (B,)
     return list(zip(first.tolist(), end.tolist()))
 
 
@@ -54,7 +47,7 @@ def _host_bounds(call) -> tuple[torch.Tensor, torch.Tensor]:
     the host tile map of one tile of all queries by one key (a mask on the host, Sq and Sk
     above 0)."""
     nonempty, _, _ = _tiles._classify(call, call.Sq, 1, 1, call.Sk, "cpu")  # (Bm, 1, Sk)
-    return _bounds(nonempty.any(1))                                     # (Bm,) keys
+    return true_span(nonempty.any(1))                                   # (Bm,) keys
 
 
 def _live_fraction(call) -> float:
