@@ -295,6 +295,78 @@ def test_blocksparse_says_the_share_of_tiles_its_plan_multiplies(B, S, make):
     assert note.startswith(f"computes {multiplied / (plan.nq * plan.nk):.1%} of the tiles")
 
 
+def _plan_counts(plan):
+    """(steps, masked steps, key tiles copied per K/V head) of a built blocksparse plan:
+    a shared step of consecutive tiles reads a slice; a shared one copies its tiles once;
+    others copy every query tile's."""
+    steps = [s for c in plan.chunks for s in c.steps]
+    copied = sum(0 if s.first is not None else s.idx.shape[-1] * (1 if s.shared else s.idx.shape[1])
+                 for s in steps)
+    return len(steps), sum(s.masked for s in steps), copied
+
+
+@pytest.mark.parametrize("B, S, make", [
+    (1, 2048, lambda: M.causal()),
+    (1, 2048, lambda: M.padding(torch.tensor([1034]))),
+    (4, 3000, lambda: M.causal() & M.padding(torch.tensor([3000, 1700, 640, 1]))),
+    (2, 1500, lambda: M.padding(torch.tensor([1500, 700]), side="query")),
+    (1, 4096, lambda: M.sliding_window(200)),
+    (1, 2048, lambda: M.document(torch.arange(2048) % 3)),
+    (1, 2500, lambda: M.document(torch.arange(2500) // 300) & M.causal()),
+    (1, 1000, lambda: M.dense(torch.rand(1000, 1000, generator=torch.Generator().manual_seed(0))
+                              > 0.999)),
+    (1, 1024, lambda: M.causal() & M.alibi(2)),
+    (1, 9000, lambda: M.sliding_window(64) | M.at_positions(M.sliding_window(64), torch.arange(9000) // 2,
+                                                           torch.arange(9000) // 2)),
+], ids=["causal", "padding", "causal&padding", "query padding", "window", "interleaved",
+        "documents&causal", "dense", "alibi", "window|placed"])
+def test_blocksparse_estimate_counts_the_plan_that_runs(B, S, make):
+    """The estimate counted a step as masked when any tile of its chunk was (causal at 16k:
+    544 masked steps for the plan's 64), and every visited tile as copied (2,560 for 33,280),
+    so blocksparse priced itself 1.3-1.9x too high against SDPA on padding and causal
+    masks. Now it lays out the steps as the plan does."""
+    from multihead.functional._call import make_call
+    from multihead.functional.backend import _tiles
+    q = torch.empty(B, 2, S, 16)
+    call = make_call(q, q, q, mask=make(), scale=None, dropout_p=0.0, return_weights=False,
+                     return_lse=False)
+    plan, est = _tiles.make_plan(call), _tiles.estimate(call)
+    assert (est.steps, est.masked_steps, est.gathered_tiles) == _plan_counts(plan)
+    assert est.chunks == len(plan.chunks)
+    masked_pairs = sum((c.i1 - c.i0) * s.idx.shape[-1] for c in plan.chunks for s in c.steps
+                       if s.masked) * B * 2 * plan.tq * plan.tk
+    assert est.masked_pairs == masked_pairs
+
+
+@pytest.mark.parametrize("B, S, make", [
+    (1, 4096, lambda: M.causal()),
+    (3, 3000, lambda: M.causal() & M.padding(torch.tensor([3000, 1200, 64]))),
+    (3, 2048, lambda: M.causal() & M.padding(torch.arange(2048) >= torch.tensor([[0], [300],
+                                                                              [1900]]))),
+], ids=["causal", "causal&padding", "causal&left padding"])
+def test_a_causal_chunk_shares_its_steps_and_computes_no_extra_tile(B, S, make):
+    """A chunk of causal query tiles visits, together, one run of key tiles (from the least
+    padded sequence's first real key to the chunk's last query): each step reads them as one
+    slice for every query tile and sequence (one matmul), where it copied every query tile's
+    own list (2,560 tiles for causal at 16k; a left-padded batch's lists differ by sequence).
+    It computes as many tiles as its busiest query tile needs, counted from the mask's public
+    tile map."""
+    from multihead.functional._call import make_call
+    from multihead.functional.backend import _tiles
+    q = torch.empty(B, 2, S, 16)
+    mask = make()
+    call = make_call(q, q, q, mask=mask, scale=None, dropout_p=0.0, return_weights=False,
+                     return_lse=False)
+    plan = _tiles.make_plan(call)
+    steps = [s for c in plan.chunks for s in c.steps]
+    assert all(s.shared and s.first is not None for s in steps)
+    busy = (mask.tiles(S, S, tile_q=plan.tq, tile_k=plan.tk).state != M.EMPTY).sum(-1)
+    busy = busy.amax(dim=(0, 1))                                  # (nQ,) most tiles of a row
+    want = sum((c.i1 - c.i0) * int(busy[c.i0:c.i1].max()) for c in plan.chunks)
+    assert sum((c.i1 - c.i0) * s.idx.shape[-1] for c in plan.chunks for s in c.steps) == want
+    assert _tiles.estimate(call).gathered_tiles == 0
+
+
 @pytest.mark.parametrize("lengths", [[5, 3], [64, 10], [1000, 999]])
 def test_rows_says_the_share_of_keys_its_spans_hold(lengths):
     """The share was counted in 64-key tiles: lengths 5 and 3 of 64 keys read 100% (and

@@ -97,8 +97,20 @@ class Estimate(NamedTuple):
 
 
 def estimate(call: AttentionCall) -> Estimate:
-    """Count the plan's work from the host tile map, with no loop over its steps; an upper
-    bound (every tile computed and masked) when the mask's tiles live on a device."""
+    """Count the plan's work from the host tile map, as :func:`make_plan` would lay it out
+    (its steps, which of them evaluate the mask, which copy key tiles) without building it;
+    an upper bound (every tile computed and masked) when the mask's tiles live on a device.
+
+    Example:
+        >>> import multihead as mh
+        >>> from multihead.functional._call import make_call
+        >>> q = torch.empty(1, 8, 2048, 16)
+        >>> call = make_call(q, q, q, mask=mh.masks.padding([1034]), scale=None,
+        ...                  dropout_p=0.0, return_weights=False, return_lse=False)
+        >>> e = estimate(call)      # 8 chunks of 2 steps: the second holds key 1034's tile
+        >>> e.steps, e.masked_steps, e.gathered_tiles, round(e.density, 3)
+        (16, 8, 0, 0.531)
+    """
     tq, tk = tile_sizes(call)
     nq, nk = -(-call.Sq // tq), -(-call.Sk // tk)
     unit = call.B * call.H * tq * tk
@@ -108,23 +120,15 @@ def estimate(call: AttentionCall) -> Estimate:
         steps = chunks * -(-nk // g.width)
         return Estimate(unit * nq * nk, unit * nq * nk, steps, steps, chunks, nq * nk, 1.0, 1.0,
                         False)
-    nonempty, full, _ = _classify(call, tq, tk, nq, nk, "cpu", banded=True)  # (Bm, nQ, nK|W)
-    count = nonempty.sum(-1).amax(0)                              # (nQ,) key tiles per row
-    partial = (nonempty & ~full).any(-1).any(0)                   # (nQ,) rows with a mask
-    g = geometry(call, int(count.max()) if nq else 0)
-    chunks = -(-nq // g.per_chunk)
-    pad = chunks * g.per_chunk - nq
-    kc = F.pad(count, (0, pad)).view(chunks, g.per_chunk).amax(1)           # (chunks,)
-    rows = torch.full((chunks,), g.per_chunk, device=count.device)       # (chunks,) host
-    rows[-1] -= pad
-    masked = F.pad(partial, (0, pad)).view(chunks, g.per_chunk).any(1)       # (chunks,)
-    steps_c = -(-kc // g.width)
-    pairs_c = rows * kc * unit
-    visited = int((rows * kc).sum())                              # tile pairs multiplied
-    gathered = 0 if call.effective_mask is None else visited
-    return Estimate(int(pairs_c.sum()), int(pairs_c[masked].sum()), int(steps_c.sum()),
-                    int(steps_c[masked].sum()), chunks, gathered, visited / max(nq * nk, 1),
-                    int(nonempty.sum()) / max(nonempty.shape[0] * nq * nk, 1), True)
+    v = _visits(call, "cpu")
+    f = _step_facts(v)
+    pairs = f.width * f.rows.unsqueeze(1)                          # (chunks, S) tile pairs
+    copied = torch.where(f.first >= 0, 0, torch.where(f.shared, f.width, pairs))
+    visited = int(pairs.sum())
+    return Estimate(visited * unit, int(pairs[f.masked].sum()) * unit, int((f.width > 0).sum()),
+                    int(f.masked.sum()), len(f.rows), int(copied.sum()),
+                    visited / max(nq * nk, 1),
+                    int(v.count.sum()) / max(len(v.count) * nq * nk, 1), True)
 
 
 def on_host(call: AttentionCall) -> bool:
@@ -156,40 +160,125 @@ def _classify(call: AttentionCall, tq: int, tk: int, nq: int, nk: int, device,
     return nonempty, full, keys
 
 
+class Visits(NamedTuple):
+    """Each query tile's key tiles in the order the plan visits them: the tiles the mask does
+    not rule out, by key (K: the most visits of any query tile; a row with fewer is padded
+    with tiles it does not visit, marked invalid), or a run of key tiles its chunk shares
+    (:func:`_aligned`)."""
+
+    tiles: torch.Tensor          # (Bm, nQ, K) key tile of each visit
+    valid: torch.Tensor          # (Bm, nQ, K) False past the query tile's own visits
+    full: torch.Tensor           # (Bm, nQ, K) a valid visit whose every pair is allowed
+    count: torch.Tensor          # (Bm, nQ) visits of each query tile
+    geometry: Geometry
+
+
+def _visits(call: AttentionCall, device) -> Visits:
+    """The visits of :func:`make_plan`, classified on ``device`` (a device reads its most
+    visits back: one sync)."""
+    tq, tk = tile_sizes(call)
+    nq, nk = -(-call.Sq // tq), -(-call.Sk // tk)
+    nonempty, full, keys = _classify(call, tq, tk, nq, nk, device, banded=True)  # (Bm, nQ, w)
+    w = nonempty.shape[-1]                                       # nK, or W columns if banded
+    count = nonempty.sum(-1)                                     # (Bm, nQ)
+    most = int(count.max()) if count.numel() else 0
+    rank = torch.where(nonempty, 0, 1) * w + torch.arange(w, device=device)
+    order = rank.argsort(dim=-1)[..., :most]                     # (Bm, nQ, K): visited first
+    valid = torch.arange(most, device=device) < count.unsqueeze(-1)
+    tiles = order if keys is None else keys.expand(len(order), nq, w).gather(-1, order)
+    v = Visits(tiles, valid, full.gather(-1, order) & valid, count, geometry(call, most))
+    return _aligned(v, nonempty, full, keys) if most else v
+
+
+def _aligned(v: Visits, nonempty: torch.Tensor, full: torch.Tensor,
+             keys: torch.Tensor | None) -> Visits:
+    """``v`` where a chunk's query tiles visit, together, a run of no more key tiles than its
+    busiest visits alone (causal: the chunk's triangle; causal & padding): each of them then
+    visits the whole run in key order, the tiles it does not need marked invalid (masked).
+    Its steps are shared (one matmul, no copy) at no more tiles computed."""
+    g = v.geometry
+    bm, nq, most = v.tiles.shape
+    P, C, dev = g.per_chunk, -(-nq // g.per_chunk), v.tiles.device
+    seen = v.count > 0
+    last = v.tiles.gather(-1, (v.count - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (Bm, nQ)
+
+    def per_chunk(t: torch.Tensor, fill: int) -> torch.Tensor:      # (Bm, nQ) -> (Bm, C, P)
+        return F.pad(t, (0, C * P - nq), value=fill).view(bm, C, P)
+    lo = per_chunk(torch.where(seen, v.tiles[..., 0], g.nk), g.nk).amin(dim=(0, 2))  # (C,)
+    hi = per_chunk(torch.where(seen, last, -1), -1).amax(dim=(0, 2)) + 1            # (C,)
+    kc = per_chunk(v.count, 0).amax(dim=(0, 2))                                     # (C,)
+    aligned = ((hi - lo == kc) & (kc > 0)).repeat_interleave(P)[:nq].view(1, nq, 1)
+    run = (lo.repeat_interleave(P)[:nq].view(nq, 1)
+           + torch.arange(most, device=dev)).clamp(max=g.nk - 1)                     # (nQ, K)
+    col, inside = run, True                                     # the run's columns in the map
+    if keys is not None:
+        col = run - keys[:, :1]
+        inside = (col >= 0) & (col < keys.shape[1])
+        col = col.clamp(0, keys.shape[1] - 1)
+    col = col.expand(bm, nq, most)
+    valid = nonempty.gather(-1, col) & inside                              # (Bm, nQ, K)
+    return v._replace(tiles=torch.where(aligned, run, v.tiles),
+                      valid=torch.where(aligned, valid, v.valid),
+                      full=torch.where(aligned, full.gather(-1, col) & valid, v.full))
+
+
+class StepFacts(NamedTuple):
+    """What each step of the plan does, per chunk of query tiles and step (C chunks, S the
+    most steps of a chunk)."""
+
+    rows: torch.Tensor           # (C,) query tiles of the chunk
+    width: torch.Tensor          # (C, S) key tiles of the step (0: the chunk has no such step)
+    masked: torch.Tensor         # (C, S) some pair of the step needs the mask (or bounds)
+    shared: torch.Tensor         # (C, S) every query tile (and batch row) visits the same tiles
+    first: torch.Tensor          # (C, S) when shared and consecutive, the first key tile; else -1
+
+
+def _step_facts(v: Visits) -> StepFacts:
+    """Lay the visits out in chunks of ``per_chunk`` query tiles and steps of ``width`` key
+    tiles: a chunk takes as many steps as its busiest query tile needs."""
+    g = v.geometry
+    bm, nq, most = v.tiles.shape
+    P, W = g.per_chunk, g.width
+    C, S = -(-nq // P), -(-most // W)
+    dev = v.tiles.device
+
+    def blocks(t: torch.Tensor) -> torch.Tensor:                 # (Bm, nQ, K) -> (Bm, C, P, S, W)
+        return F.pad(t, (0, S * W - most, 0, C * P - nq)).view(bm, C, P, S, W)
+    tiles, full = blocks(v.tiles), blocks(v.full)
+    kc = F.pad(v.count, (0, C * P - nq)).view(bm, C, P).amax(dim=(0, 2))       # (C,) visits
+    rows = (nq - torch.arange(C, device=dev) * P).clamp(max=P)                  # (C,)
+    start = torch.arange(S, device=dev) * W                                      # (S,)
+    width = (kc.view(C, 1) - start).clamp(0, W)                                  # (C, S)
+    inside = ((torch.arange(W, device=dev) < width.unsqueeze(-1)).view(1, C, 1, S, W)
+              & (torch.arange(P, device=dev) < rows.view(C, 1)).view(1, C, P, 1, 1))
+    masked = (inside & ~full).any(4).any(2).any(0)                               # (C, S)
+    same = tiles == tiles[:1, :, :1]                             # as the chunk's first row
+    shared = (width > 0) & ~(inside & ~same).any(4).any(2).any(0)
+    lead = tiles[0, :, 0]                                        # (C, S, W)
+    steady = (lead == lead[..., :1] + torch.arange(W, device=dev)) | ~inside[0, :, 0]
+    first = torch.where(shared & steady.all(-1), lead[..., 0], -1)
+    return StepFacts(rows, width, masked, shared, first)
+
+
 def make_plan(call: AttentionCall) -> Plan:
     """The kernel's plan. Built on the host when :func:`on_host` (then no host-device sync:
     its index tensors are copied to the device without one); else on the device, reading
-    its tile counts back (syncs)."""
-    tq, tk = tile_sizes(call)
-    nq, nk = -(-call.Sq // tq), -(-call.Sk // tk)
+    its visit counts and step facts back (two syncs)."""
     device = torch.device("cpu") if on_host(call) else call.q.device
-    nonempty, full, keys = _classify(call, tq, tk, nq, nk, device, banded=True)
-    w = nonempty.shape[-1]                                       # nK, or W columns if banded
-    rank = torch.where(nonempty, 0, 1) * w + torch.arange(w, device=device)
-    order = rank.argsort(dim=-1)                                 # (Bm, nQ, w): visited first
-    ncount = nonempty.sum(-1).cpu()                              # (Bm, nQ)
-    _, _, _, _, width, per_chunk = geometry(call, int(ncount.max()) if ncount.numel() else 0)
+    v = _visits(call, device)
+    g, f = v.geometry, _step_facts(v)
+    facts = torch.stack([f.width, f.masked.long(), f.shared.long(), f.first.long()]).tolist()
     target = call.q.device
     chunks = []
-    for i0 in range(0, nq, per_chunk):
-        i1 = min(nq, i0 + per_chunk)
-        count = ncount[:, i0:i1]
-        kc = int(count.max())
-        ord_c = order[:, i0:i1, :kc]                             # (Bm, nQc, Kc) columns
-        valid_c = torch.arange(kc, device=device) < count.to(device).unsqueeze(-1)
-        full_c = full[:, i0:i1].gather(-1, ord_c) & valid_c      # (Bm, nQc, Kc)
-        if keys is not None:                                     # columns -> key tiles
-            ord_c = keys[i0:i1].expand(len(ord_c), i1 - i0, w).gather(-1, ord_c)
+    for c, i0 in enumerate(range(0, g.nq, g.per_chunk)):
+        i1 = min(g.nq, i0 + g.per_chunk)
         steps = []
-        for s0 in range(0, kc, width):
-            idx, valid = ord_c[..., s0:s0 + width], valid_c[..., s0:s0 + width]
-            masked = not bool(full_c[..., s0:s0 + width].all())
-            # shared: every query tile of the chunk (and every batch) visits the same tiles
-            shared = bool(valid.all()) and bool((idx == idx[:1, :1]).all())
-            row, first = idx[0, 0], None
-            if shared and bool((row == row[0] + torch.arange(len(row), device=device)).all()):
-                first = int(row[0])
-            steps.append(Step(to_device(idx, target), to_device(valid, target), masked, shared,
-                              first))
+        for s, (w, masked, shared, first) in enumerate(zip(*(x[c] for x in facts))):
+            if not w:
+                break
+            a = s * g.width
+            idx, valid = v.tiles[:, i0:i1, a:a + w], v.valid[:, i0:i1, a:a + w]
+            steps.append(Step(to_device(idx, target), to_device(valid, target), bool(masked),
+                              bool(shared), None if first < 0 else first))
         chunks.append(Chunk(i0, i1, steps))
-    return Plan(tq, tk, nq, nk, chunks)
+    return Plan(g.tq, g.tk, g.nq, g.nk, chunks)

@@ -362,7 +362,7 @@ def _work(call: AttentionCall, est: _tiles.Estimate) -> Work:
                 + convert + call.io_bytes(),
                 launches=10 + est.chunks * CHUNK_OPS + est.steps * STEP_OPS
                 + evaluated * MASKED_STEP_OPS,
-                syncs=0 if est.exact else 2 + est.chunks + 3 * est.steps,
+                syncs=0 if est.exact else 2,             # (make_plan: counts, steps)
                 memory=4 * _tiles.BUDGET * size)
     if call.requires_grad:
         work = work.times(flops=2.5, bytes=2.5, launches=2.2)
