@@ -486,3 +486,32 @@ def test_per_sample_gradients_under_vmap_keep_rows_only_a_huge_bias_reaches_exac
         return torch.func.vmap(torch.func.grad(f))(q, k, v, b)
     torch.testing.assert_close(per_sample("auto"), per_sample("reference"),
                                atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_rows_weights_over_a_wide_range_of_scores_are_the_fp64_softmax(dtype):
+    """rows computes its softmax in place and gives weight 0 to a score more than 79 below
+    its row's largest (exp of such scores takes a slow path on x86); weights, output and
+    lse must still be the fp64 softmax's, masked keys exactly 0 and an empty row zeros."""
+    g = torch.Generator().manual_seed(3)
+    B, H, S, D = 2, 3, 40, 8
+    q, k, v = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(3))
+    spread = torch.linspace(0, -240, S, dtype=torch.float64)      # scores from 0 to -240,
+    bias = spread[torch.randperm(S, generator=g)].expand(B, H, S, S).clone()  # per key
+    allowed = torch.rand(B, 1, S, S, generator=g) > 0.3
+    allowed[0, :, 5] = False                                      # a row with nothing to see
+    mask = M.bias(bias) & M.dense(allowed)
+    out, w, lse = mh.attention(*(t.to(dtype) for t in (q, k, v)), mask=mask, backend="rows",
+                               return_weights=True, return_lse=True)
+    s = (q @ k.transpose(-1, -2)) * D ** -0.5 + bias
+    s = s.masked_fill(~allowed, float("-inf"))
+    want_lse = torch.logsumexp(s, -1)
+    want_w = torch.exp(s - want_lse[..., None]).nan_to_num(0.0)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(w.double(), want_w, **tol)
+    torch.testing.assert_close(out.double(), want_w @ v, **tol)
+    torch.testing.assert_close(lse.double(), want_lse, **tol)
+    assert (w[~allowed.expand(B, H, S, S)] == 0).all()
+    assert (w[0, :, 5] == 0).all() and (lse[0, :, 5] == float("-inf")).all()
+    far = (s - s.amax(-1, keepdim=True)) < -80                    # flushed to 0, not left
+    assert far.any() and (w[far] == 0).all()                      # subnormal (slow on x86)

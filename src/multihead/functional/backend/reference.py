@@ -7,7 +7,10 @@ inputs are computed in float32 (softmax statistics in fp32) and cast back.
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from ..._dtypes import without_autocast
 from ...masks.base import bias_as
@@ -35,6 +38,32 @@ def safe_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     weights = p / torch.where(empty, torch.ones_like(l), l)
     lse = (m + torch.log(l)).squeeze(-1)                              # log(0) = -inf, no NaN
     return weights, lse
+
+
+#: :func:`softmax_` clamps shifted scores at this and gives weight 0 below ``FLUSH + 1``:
+#: exp of inputs that underflow to subnormals takes a slow path on x86 CPUs (36x slower
+#: from about -88, 3x for -inf), and exp(-79) = 4.9e-35 is below any row sum's resolution
+FLUSH = -80.0
+
+
+def softmax_(scores: torch.Tensor) -> torch.Tensor:
+    """:func:`safe_softmax` in place, for a forward without gradients: ``scores`` become
+    the weights (no allocation the size of the scores, which page-faults on a CPU), and a
+    weight below ``exp(FLUSH + 1)`` of its row's largest is 0. Returns the lse.
+
+    Example:
+        >>> s = torch.tensor([[0.0, 0.0, float("-inf"), -200.0], [float("-inf")] * 4])
+        >>> lse = softmax_(s)
+        >>> s.tolist(), [round(x, 4) for x in lse.tolist()]
+        ([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], [0.6931, -inf])
+    """
+    m = scores.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))       # an all -inf row: shift 0
+    p = scores.sub_(m).clamp_(min=FLUSH).exp_()
+    F.threshold_(p, math.exp(FLUSH + 1), 0.0)                        # flushed: 0 (NaN stays)
+    l = p.sum(dim=-1, keepdim=True)
+    p.div_(torch.where(l == 0, torch.ones_like(l), l))
+    return (m + torch.log(l)).squeeze(-1)                            # log(0) = -inf, no NaN
 
 
 class _Product(torch.autograd.Function):

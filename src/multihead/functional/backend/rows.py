@@ -26,7 +26,7 @@ from ..cost import Work, share
 from ..registry import Backend, Plan, register
 from . import _tiles
 from ._common import mask_launches, mask_terms
-from .reference import safe_softmax
+from .reference import softmax_
 
 #: fp32 passes over one row's scores (matmul out, scale, bias, mask, softmax, copy out)
 SCORE_PASSES = 8
@@ -128,13 +128,13 @@ class Rows(Backend):
                 s += bias_as(bb, work)
             if ab is not None:
                 s.masked_fill_(~ab, float("-inf"))
-            w, lse_b = safe_softmax(s)                 # (H, Sq, L); empty rows: zeros, -inf
-            if lse is not None:
+            lse_b = softmax_(s)                        # s: the weights (H, Sq, L); a row
+            if lse is not None:                        # that sees nothing: zeros, lse -inf
                 lse[b] = lse_b
-            ob = torch.bmm(w.view(Hkv, G * Sq, hi - lo), v[b, :, lo:hi])  # (Hkv, G·Sq, Dv)
+            ob = torch.bmm(s.view(Hkv, G * Sq, hi - lo), v[b, :, lo:hi])  # (Hkv, G·Sq, Dv)
             out[b] = ob.view(H, Sq, call.Dv)
             if weights is not None:
-                weights[b, :, :, lo:hi] = w
+                weights[b, :, :, lo:hi] = s
         return out.to(call.q.dtype), weights, lse
 
 
