@@ -88,9 +88,11 @@ class Window(Mask):
         return n // 2, n
 
     def _allowed(self, ix: Index) -> torch.Tensor:
-        d = ix.q + _offset(self.align, ix.sq, ix.sk) - ix.k
-        ok = d >= 0
-        return ok if self.size is None else ok & (d < self.size)
+        # 0 <= d < size as k <= q + offset < k + size: the query's edge is computed on the
+        # small query index, and the (Sq, Sk) grid is only compared (no int64 distances)
+        edge = ix.q + _offset(self.align, ix.sq, ix.sk)
+        ok = ix.k <= edge
+        return ok if self.size is None else ok & (ix.k > edge - self.size)
 
     def _tile_bounds(self, tx: TileIndex):
         off = _offset(self.align, tx.sq, tx.sk)

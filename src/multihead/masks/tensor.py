@@ -329,11 +329,12 @@ class ALiBi(Mask):
 
     def _bias(self, ix: Index):
         from .structured import _offset
-        dist = (ix.q + _offset(self.align, ix.sq, ix.sk) - ix.k).abs()
         wide = ix.dtype == torch.float64          # slopes such as 2^(-1/2), exact in it
         slopes = self.cached("slopes", (str(ix.q.device), wide), lambda: to_device(
             torch.tensor(self._slopes, dtype=torch.float64 if wide else torch.float32,
                          device="cpu"), ix.q.device))                         # (H,)
+        # |d| converted once (as the product would convert it for every head: the same values)
+        dist = (ix.q + _offset(self.align, ix.sq, ix.sk) - ix.k).abs_().to(slopes.dtype)
         h = ix.h if self.num_heads > 1 else ix.h * 0    # one slope broadcasts to every head
         return -slopes[h] * dist
 
