@@ -645,6 +645,17 @@ def test_a_tensor_assigned_in_place_of_another_never_gets_its_cached_tiles():
     assert reused >= 3, "no id was reused: the case was not exercised"
 
 
+def test_a_window_wider_than_any_distance_is_causal_at_negative_positions_too():
+    """A window compares each key with the query's edge minus its size: for a size near
+    2**63 that difference wrapped around at negative positions, and rows saw nothing."""
+    import sys
+    p = torch.tensor([-3, -2, -1, 0, 5])
+    for size in (sys.maxsize, 1 << 62):
+        got = mh.masks.at_positions(mh.masks.sliding_window(size), p, p).materialize(5, 5)
+        want = mh.masks.at_positions(mh.masks.causal(), p, p).materialize(5, 5)
+        assert torch.equal(got, want), size
+
+
 def test_a_padded_caches_window_skips_the_tiles_outside_it():
     """The tile map of a window at positions: a decoding step over 4096 slots (the first
     1000 of the second row padding) with a window of 256 tokens visits the key tiles that

@@ -252,16 +252,18 @@ def test_fp32_inputs_with_an_fp64_bias_are_not_upcast():
     assert "computed in float32" in str(e) and e.plan.detail.upcast
 
 
-@pytest.mark.parametrize("where", ["k", "v", "k-minus-inf"])
+@pytest.mark.parametrize("where", ["k", "v", "k-minus-inf", "v-nothing-seen"])
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_a_hidden_nan_changes_no_gradient(backend, where):
     """A NaN in a key or value padding hides from every row: the gradients of q, k and v
     equal those of the same inputs with that position zeroed (finite: no ``0 * NaN``
     reaches them through the score or weight products). So does a hidden key whose one
     -inf component makes its scores -inf: the output stayed finite, and q's gradient
-    summed ``0 * -inf`` into NaN on sdpa and blocksparse."""
+    summed ``0 * -inf`` into NaN on sdpa and blocksparse. So does a NaN value of a
+    sequence of length 0: its rows are zeros (finite), and blocksparse's dq and dk were
+    NaN (the backward's ``dO · vᵀ`` times weight 0)."""
     S = 12
-    mask = M.padding(torch.tensor([S - 3, S]))
+    mask = M.padding(torch.tensor([0 if where == "v-nothing-seen" else S - 3, S]))
     q, k, v = _qkv(B=2, H=2, S=S, D=8, seed=5)
     q[..., 0] = q[..., 0].abs() + 0.1                        # a -inf k component: score -inf
     skip_unless_runs(backend, q.clone().requires_grad_(), k, v, mask=mask)

@@ -22,9 +22,12 @@ with the opposite sign makes its scores ``-inf``, which IEEE arithmetic turns in
 call takes the careful path for another reason (then its rows are NaN, as the rule says).
 A call whose q requires gradients, with a finite output, reads k too on backends whose
 backward multiplies every key (q's gradient sums ``0 * inf`` over the keys: one hidden
-infinite key made every row's gradient NaN): where k is not finite, the call runs again
-with the keys no row may attend to zeroed (same output; a visible infinite key stays, in
-both runs, so the output is the one a call without gradients gives).
+infinite key made every row's gradient NaN), and one whose q or k requires them reads v
+(their gradients multiply every value through ``dO · vᵀ``: a non-finite value of a
+sequence that sees nothing leaves its rows zeros, and made their gradients NaN): where k
+or v is not finite, the call runs again with the keys and values no row may attend to
+zeroed (same output; a visible infinite key stays, in both runs, so the output is the one
+a call without gradients gives).
 On devices where a read-back stalls the queue (GPUs) nothing is inspected, and the fused
 kernels' own NaN handling applies. Our Triton kernels keep the first part of the rule
 themselves where hidden positions may hold anything: a program whose accumulators end non-
@@ -83,6 +86,15 @@ def _finite(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor,
         return True
 
 
+def _sums_finite(t: torch.Tensor) -> bool:
+    """Whether ``t``'s sum is finite (a host read; a sum that overflows only costs the
+    careful path); True where it cannot be read (vmap and friends, as in :func:`_finite`)."""
+    try:
+        return math.isfinite(t.sum().item())
+    except RuntimeError:
+        return True
+
+
 def _replaced(call: AttentionCall, q, k, v) -> AttentionCall:
     """The same call on other tensors of the same shapes."""
     return AttentionCall(q, k, v, call.mask, call.scale, call.dropout_p, call.return_weights,
@@ -94,20 +106,21 @@ _CHUNK_ELEMS = 1 << 24
 
 
 def _without_hidden_keys(backend, call: AttentionCall, plan, rng, result):
-    """A finite output whose q needs gradients, with a non-finite key: run again with the
-    keys no row may attend to zeroed, where the first run's ``result`` would give q the
-    gradient ``0 * inf`` (a hidden key whose scores are ``-inf`` has weight 0 in the
-    forward, but the backward's product over the keys reads it). The output is the same;
-    a visible infinite key is left as it is, in both runs (its rows drop it, as without
-    gradients, and their gradients are NaN)."""
-    bad = ~torch.isfinite(call.k)                                          # (B, Hkv, Sk, D)
-    hidden = bad & _hidden_keys(call)[..., None]
-    if not bool(hidden.any()):
+    """A finite output that needs gradients, with a non-finite key or value: run again with
+    the keys and values no row may attend to zeroed, where the first run's ``result`` would
+    give q (or k) the gradient ``0 * inf`` (a hidden key whose scores are ``-inf``, or a
+    value of a row that sees nothing, has weight 0 in the forward, but the backward's
+    products over the keys read it). The output is the same; a visible infinite key is left
+    as it is, in both runs (its rows drop it, as without gradients, and their gradients are
+    NaN)."""
+    hidden = _hidden_keys(call)[..., None]                                 # (B, Hkv, Sk, 1)
+    bad_k, bad_v = (~torch.isfinite(t) & hidden for t in (call.k, call.v))  # (B, Hkv, Sk, D)
+    if not bool(bad_k.any() or bad_v.any()):
         return result
     if rng is not None:                   # the same dropout draws as the first run
         torch.random.set_rng_state(rng)
-    out, w, lse = backend.run(_replaced(call, call.q, call.k.masked_fill(hidden, 0.0), call.v),
-                              plan)
+    out, w, lse = backend.run(_replaced(call, call.q, call.k.masked_fill(bad_k, 0.0),
+                                        call.v.masked_fill(bad_v, 0.0)), plan)
     return out, w, lse
 
 
@@ -176,15 +189,15 @@ def run(backend, call: AttentionCall, plan):
 
     def finite_k() -> bool:                       # read once, when first asked (a closure:
         if not read:                              # functools.cache cost ~3 us per call)
-            try:
-                read.append(math.isfinite(call.k.sum().item()))
-            except RuntimeError:                  # vmap and friends: finite, as in _finite
-                read.append(True)
+            read.append(_sums_finite(call.k))
         return read[0]
     if _finite(call.q, out, call.k, backend.zero_rows_for_nan_scores, finite_k):
-        # (in half precision a finite result already summed k)
-        if (call.q.requires_grad and torch.is_grad_enabled() and backend.grad_reads_hidden_keys
-                and call.k.dtype not in HALF and not finite_k()):
+        if torch.is_grad_enabled() and backend.grad_reads_hidden_keys and (
+                # q's gradient multiplies every key (in half precision a finite result
+                # already summed k); q's and k's multiply every value, through dO · vᵀ
+                call.q.requires_grad and call.k.dtype not in HALF and not finite_k()
+                or (call.q.requires_grad or call.k.requires_grad)
+                and not _sums_finite(call.v)):
             return _without_hidden_keys(backend, call, plan, rng, (out, w, lse))
         return out, w, lse
     if rng is not None:                   # the same dropout draws as the first run

@@ -34,6 +34,9 @@ def _check_align(align: str) -> str:
     return align
 
 
+_INT64_MIN = -(1 << 63)
+
+
 def _offset(align: str, sq: int, sk: int) -> int:
     return sk - sq if align == "lower_right" else 0
 
@@ -92,7 +95,11 @@ class Window(Mask):
         # small query index, and the (Sq, Sk) grid is only compared (no int64 distances)
         edge = ix.q + _offset(self.align, ix.sq, ix.sk)
         ok = ix.k <= edge
-        return ok if self.size is None else ok & (ix.k > edge - self.size)
+        if self.size is None:
+            return ok
+        low = edge.clamp(min=_INT64_MIN + self.size) - self.size    # (saturates, never wraps:
+        return ok & (ix.k > low)                                     # a huge window at negative
+                                                                     # positions sees all)
 
     def _tile_bounds(self, tx: TileIndex):
         off = _offset(self.align, tx.sq, tx.sk)

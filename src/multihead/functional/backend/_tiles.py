@@ -216,7 +216,8 @@ def _aligned(v: Visits, nonempty: torch.Tensor, full: torch.Tensor,
         inside = (col >= 0) & (col < keys.shape[1])
         col = col.clamp(0, keys.shape[1] - 1)
     col = col.expand(bm, nq, most)
-    valid = nonempty.gather(-1, col) & inside                              # (Bm, nQ, K)
+    within = torch.arange(most, device=dev) < (hi - lo).repeat_interleave(P)[:nq].view(nq, 1)
+    valid = nonempty.gather(-1, col) & inside & within                     # (Bm, nQ, K)
     return v._replace(tiles=torch.where(aligned, run, v.tiles),
                       valid=torch.where(aligned, valid, v.valid),
                       full=torch.where(aligned, full.gather(-1, col) & valid, v.full))

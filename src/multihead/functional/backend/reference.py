@@ -40,16 +40,17 @@ def safe_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return weights, lse
 
 
-#: :func:`softmax_` clamps shifted scores at this and gives weight 0 below ``FLUSH + 1``:
-#: exp of inputs that underflow to subnormals takes a slow path on x86 CPUs (36x slower
-#: from about -88, 3x for -inf), and exp(-79) = 4.9e-35 is below any row sum's resolution
+#: :func:`softmax_` clamps shifted scores at this and gives weight 0 at or below
+#: ``FLUSH + 1``: exp of inputs that underflow to subnormals takes a slow path on x86 CPUs
+#: (36x slower from about -88, 3x for -inf), and exp(-79) = 4.9e-35 is below any row
+#: sum's resolution
 FLUSH = -80.0
 
 
 def softmax_(scores: torch.Tensor) -> torch.Tensor:
     """:func:`safe_softmax` in place, for a forward without gradients: ``scores`` become
     the weights (no allocation the size of the scores, which page-faults on a CPU), and a
-    weight below ``exp(FLUSH + 1)`` of its row's largest is 0. Returns the lse.
+    weight at most ``exp(FLUSH + 1)`` of its row's largest is 0. Returns the lse.
 
     Example:
         >>> s = torch.tensor([[0.0, 0.0, float("-inf"), -200.0], [float("-inf")] * 4])
