@@ -1,6 +1,7 @@
 """How good are auto's choices on this machine? Every able backend, timed, per call.
 
 Run:  .venv/bin/python -m benchmarks.dispatch [--quick] [--device cuda] [--dtype bf16]
+                                               [--threads 1]
       .venv/bin/python -m benchmarks.dispatch --overhead [--device cuda]
 
 For a grid of calls (mask kinds, lengths, GQA, decoding, lse, gradients) every backend
@@ -200,6 +201,9 @@ if __name__ == "__main__":
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--overhead", action="store_true", help="only the per-call overhead")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
     a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     result = overhead(a.device) if a.overhead else run(a.quick, a.device, a.dtype)
     save_json(a.json, result)
