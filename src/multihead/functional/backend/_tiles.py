@@ -167,7 +167,8 @@ class Visits(NamedTuple):
     (:func:`_aligned`)."""
 
     tiles: torch.Tensor          # (Bm, nQ, K) key tile of each visit
-    valid: torch.Tensor          # (Bm, nQ, K) False past the query tile's own visits
+    valid: torch.Tensor          # (Bm, nQ, K) the query tile needs this visit (False on
+                                 # padding positions and on a shared run's other tiles)
     full: torch.Tensor           # (Bm, nQ, K) a valid visit whose every pair is allowed
     count: torch.Tensor          # (Bm, nQ) visits of each query tile
     geometry: Geometry
