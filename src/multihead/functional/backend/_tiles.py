@@ -208,16 +208,16 @@ def _aligned(v: Visits, nonempty: torch.Tensor, full: torch.Tensor,
     lo = per_chunk(torch.where(seen, v.tiles[..., 0], g.nk), g.nk).amin(dim=(0, 2))  # (C,)
     hi = per_chunk(torch.where(seen, last, -1), -1).amax(dim=(0, 2)) + 1            # (C,)
     kc = per_chunk(v.count, 0).amax(dim=(0, 2))                                     # (C,)
-    aligned = ((hi - lo == kc) & (kc > 0)).repeat_interleave(P)[:nq].view(1, nq, 1)
-    run = (lo.repeat_interleave(P)[:nq].view(nq, 1)
-           + torch.arange(most, device=dev)).clamp(max=g.nk - 1)                     # (nQ, K)
+    chunk = torch.arange(nq, device=dev) // P                          # (nQ,) each row's chunk
+    aligned = ((hi - lo == kc) & (kc > 0))[chunk].view(1, nq, 1)
+    run = (lo[chunk].view(nq, 1) + torch.arange(most, device=dev)).clamp(max=g.nk - 1)  # (nQ, K)
     col, inside = run, True                                     # the run's columns in the map
     if keys is not None:
         col = run - keys[:, :1]
         inside = (col >= 0) & (col < keys.shape[1])
         col = col.clamp(0, keys.shape[1] - 1)
     col = col.expand(bm, nq, most)
-    within = torch.arange(most, device=dev) < (hi - lo).repeat_interleave(P)[:nq].view(nq, 1)
+    within = torch.arange(most, device=dev) < (hi - lo)[chunk].view(nq, 1)
     valid = nonempty.gather(-1, col) & inside & within                     # (Bm, nQ, K)
     return v._replace(tiles=torch.where(aligned, run, v.tiles),
                       valid=torch.where(aligned, valid, v.valid),
