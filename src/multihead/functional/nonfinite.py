@@ -64,7 +64,7 @@ def _finite(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor,
     read once per call. Inputs it cannot read (``torch.func`` transforms) count as finite:
     the kernels' own handling applies, as on GPUs."""
     half = k.dtype in HALF
-    finite_k = finite_k or (lambda: math.isfinite(k.sum().item()))
+    finite_k = finite_k or (lambda: _sums_finite(k))
     try:
         if (q.shape == out.shape and q.dtype in (torch.float32, torch.float64)
                 and q.is_contiguous() and out.is_contiguous()):
@@ -192,12 +192,15 @@ def run(backend, call: AttentionCall, plan):
             read.append(_sums_finite(call.k))
         return read[0]
     if _finite(call.q, out, call.k, backend.zero_rows_for_nan_scores, finite_k):
+        m = call.effective_mask
         if torch.is_grad_enabled() and backend.grad_reads_hidden_keys and (
                 # q's gradient multiplies every key (in half precision a finite result
-                # already summed k); q's and k's multiply every value, through dO · vᵀ
+                # already summed k); q's and k's multiply every value through dO · vᵀ,
+                # and a hidden non-finite value leaves the output finite only where its
+                # rows see nothing (zeros)
                 call.q.requires_grad and call.k.dtype not in HALF and not finite_k()
-                or (call.q.requires_grad or call.k.requires_grad)
-                and not _sums_finite(call.v)):
+                or (call.q.requires_grad or call.k.requires_grad) and m is not None
+                and m.may_have_empty_rows(call.Sq, call.Sk) and not _sums_finite(call.v)):
             return _without_hidden_keys(backend, call, plan, rng, (out, w, lse))
         return out, w, lse
     if rng is not None:                   # the same dropout draws as the first run

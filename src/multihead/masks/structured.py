@@ -97,9 +97,9 @@ class Window(Mask):
         ok = ix.k <= edge
         if self.size is None:
             return ok
-        low = edge.clamp(min=_INT64_MIN + self.size) - self.size    # (saturates, never wraps:
-        return ok & (ix.k > low)                                     # a huge window at negative
-                                                                     # positions sees all)
+        # (saturated, never wrapped: a window near 2**63 at negative positions sees all)
+        low = edge.clamp(min=_INT64_MIN + self.size) - self.size
+        return ok & (ix.k > low)
 
     def _tile_bounds(self, tx: TileIndex):
         off = _offset(self.align, tx.sq, tx.sk)

@@ -176,7 +176,16 @@ class Visits(NamedTuple):
 
 def _visits(call: AttentionCall, device) -> Visits:
     """The visits of :func:`make_plan`, classified on ``device`` (a device reads its most
-    visits back: one sync)."""
+    visits back: one sync), kept on the mask as its tile maps are: :func:`estimate` prices
+    the plan with the visits :func:`make_plan` then builds it from."""
+    m = call.effective_mask
+    if m is None:
+        return _new_visits(call, device)
+    key = (call.Sq, call.Sk, call.B * call.H, str(device))       # (what geometry reads)
+    return m.cached("visits", key, lambda: _new_visits(call, device))
+
+
+def _new_visits(call: AttentionCall, device) -> Visits:
     tq, tk = tile_sizes(call)
     nq, nk = -(-call.Sq // tq), -(-call.Sk // tk)
     nonempty, full, keys = _classify(call, tq, tk, nq, nk, device, banded=True)  # (Bm, nQ, w)

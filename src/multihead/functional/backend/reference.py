@@ -24,14 +24,19 @@ from ._common import mask_launches, mask_terms
 SCORE_PASSES = 20
 
 
+def _shift(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's largest score ``(..., 1)``, 0 where it is not finite (an all -inf row)."""
+    m = scores.amax(dim=-1, keepdim=True)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
 def safe_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the last dim where an all ``-inf`` row gives zeros (not NaN).
 
     Returns ``(weights, lse)``; ``lse`` is ``-inf`` for rows with nothing to attend to.
     Gradients stay finite (zero) for such rows.
     """
-    m = scores.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))       # an all -inf row: shift 0
+    m = _shift(scores)
     p = torch.exp(scores - m)
     l = p.sum(dim=-1, keepdim=True)
     empty = l == 0
@@ -58,8 +63,7 @@ def softmax_(scores: torch.Tensor) -> torch.Tensor:
         >>> s.tolist(), [round(x, 4) for x in lse.tolist()]
         ([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], [0.6931, -inf])
     """
-    m = scores.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))       # an all -inf row: shift 0
+    m = _shift(scores)
     p = scores.sub_(m).clamp_(min=FLUSH).exp_()
     F.threshold_(p, math.exp(FLUSH + 1), 0.0)                        # flushed: 0 (NaN stays)
     l = p.sum(dim=-1, keepdim=True)
