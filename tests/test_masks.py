@@ -1,6 +1,7 @@
 """The mask model: semantics, composition, tile classification soundness, repr."""
 
 import copy
+import dataclasses
 import pickle
 import re
 
@@ -197,6 +198,41 @@ def test_tile_states_are_exact_or_sound(name, tiles):
     if name not in ("document", "and", "or", "not", "padding_bool", "positions",
                     "positions_cache"):
         assert torch.equal(got, want)           # exact for these
+
+
+def _gathered(t, ix):
+    """``t[b, h, q, k]`` by advanced indexing, as torch reads it (size-1 dims broadcast)."""
+    idx = [i if n > 1 else i * 0 for i, n in zip((ix.b, ix.h, ix.q, ix.k), t.shape)]
+    return t[idx[0], idx[1], idx[2], idx[3]]
+
+
+@pytest.mark.parametrize("shape", [(6, 7), (3, 1, 1, 7), (1, 2, 6, 7), (3, 2, 6, 7), (3, 2, 6, 1)])
+@pytest.mark.parametrize("kind", ["dense", "bias"])
+def test_a_tensor_mask_on_its_grid_is_read_where_it_lies_with_the_values_a_gather_reads(
+        shape, kind):
+    g = torch.Generator().manual_seed(len(shape))
+    if kind == "dense":
+        t = torch.rand(shape, generator=g) > 0.4
+        m, read = M.dense(t), lambda ix: m.at(ix)[0]
+    else:
+        t = torch.randn(shape, generator=g).masked_fill(torch.rand(shape, generator=g) > 0.8,
+                                                        float("-inf"))
+        m, read = M.bias(t), lambda ix: m.at(ix)[1]
+    ix = m.index(6, 7)
+    got = read(ix)
+    t4 = t.reshape((1,) * (4 - t.dim()) + t.shape)
+    want = _gathered(t4, ix)
+    if kind == "bias":
+        want = want.masked_fill(want.isneginf(), 0.0)
+    assert got.shape == want.shape and torch.equal(got, want)
+    if kind == "dense":     # no copy: the mask's own memory, expanded
+        assert got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    # an index copied, sliced or written in place is read as it is, by a gather
+    rows = dataclasses.replace(ix, q=ix.q[:, :, 2:5])
+    assert torch.equal(read(rows), read(ix)[:, :, 2:5])
+    ix.k[..., 0] = 3                                                    # key 3 read twice
+    again = read(ix)
+    assert torch.equal(again[..., 0], again[..., 3]) and torch.equal(again[..., 1:], got[..., 1:])
 
 
 def test_tile_map_density_and_counts():

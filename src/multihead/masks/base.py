@@ -62,6 +62,38 @@ class Index:
     dtype: torch.dtype = torch.float32
 
 
+def axis_range(start: int, stop: int, dim: int, device) -> torch.Tensor:
+    """``arange(start, stop)`` along ``dim`` of a 4-D index (1 elsewhere), marked as that
+    range: a tensor mask indexed by it reads a slice of the dim, with no gather (see
+    :func:`range_of`).
+
+    Example:
+        >>> t = axis_range(2, 5, 3, "cpu")
+        >>> tuple(t.shape), range_of(t, 3), range_of(t + 0, 3)
+        ((1, 1, 1, 3), (2, 5), None)
+    """
+    shape = [1, 1, 1, 1]
+    shape[dim] = stop - start
+    t = torch.arange(start, stop, device=device).view(shape)        # (n at dim, 1 elsewhere)
+    if not torch.compiler.is_compiling():    # (traced: no attributes on a graph's tensors)
+        t._multihead_range = (dim, start, stop, _version(t))
+    return t
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter; None for an inference tensor, which has none."""
+    return None if t.is_inference() else t._version
+
+
+def range_of(t: torch.Tensor, dim: int) -> tuple[int, int] | None:
+    """``(start, stop)`` where index ``t`` is :func:`axis_range` along ``dim``, unchanged
+    since it was made (an index sliced, copied or written in place is not); else None."""
+    mark = getattr(t, "_multihead_range", None)
+    if mark is None or mark[0] != dim or mark[3] != _version(t):
+        return None
+    return mark[1], mark[2]
+
+
 _SERIALS = WeakIdKeyDictionary()
 _NEXT_SERIAL = itertools.count()
 
@@ -542,11 +574,8 @@ class Mask:
         """The (B', H', Sq, Sk) index grid this mask is materialized on, for scores of
         ``dtype`` (float32, or float64)."""
         device = torch.device(device) if device is not None else self._device()
-        b = torch.arange(_size(self.batch_size), device=device).view(-1, 1, 1, 1)
-        h = torch.arange(_size(self.num_heads), device=device).view(1, -1, 1, 1)
-        q = torch.arange(sq, device=device).view(1, 1, sq, 1)
-        k = torch.arange(sk, device=device).view(1, 1, 1, sk)
-        return Index(b, h, q, k, sq, sk, dtype)
+        return Index(*(axis_range(0, n, dim, device) for dim, n in enumerate(
+            (_size(self.batch_size), _size(self.num_heads), sq, sk))), sq, sk, dtype)
 
     def _check_sizes(self, fn: str, sq, sk) -> tuple:
         """``(sq, sk)`` as ints, after checking they are lengths the mask applies to (a

@@ -15,7 +15,7 @@ from .._args import positive_int
 from .._dtypes import check_strided
 from .._device import to_device
 from .._tracing import concrete, shape_text
-from .base import Index, Mask, TileIndex
+from .base import Index, Mask, TileIndex, range_of
 
 
 def _as_4d(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -29,12 +29,27 @@ def _as_4d(t: torch.Tensor, name: str) -> torch.Tensor:
 def _gather4(t: torch.Tensor, ix: Index) -> torch.Tensor:
     """``t[b, h, q, k]`` for a 4-D tensor whose size-1 dims broadcast (a half-precision
     ``t`` that takes a gradient is read as float32, so that its gradient is summed over the
-    broadcast in float32, not in its dtype; the values are the same)."""
-    # a broadcast (size-1) dim reads index 0; ``i * 0`` keeps the index's rank
-    idx = [i if n > 1 else i * 0 for i, n in zip((ix.b, ix.h, ix.q, ix.k), t.shape)]
+    broadcast in float32, not in its dtype; the values are the same).
+
+    Where each index is a range of its dim (:func:`.base.axis_range`: :meth:`Mask.index`'s
+    grid, a row's keys) or the dim broadcasts, the result is a slice of ``t``, expanded: a
+    view that shares its memory, to read, never to write into (a gather took 2.7 ns per
+    entry on a CPU: 11 ms for one 2048 x 2048 grid).
+    """
+    axes = (ix.b, ix.h, ix.q, ix.k)
     if t.dtype in (torch.float16, torch.bfloat16) and t.requires_grad and torch.is_grad_enabled():
         t = t.float()
-    return t.to(ix.q.device)[idx[0], idx[1], idx[2], idx[3]]
+    t = t.to(ix.q.device)
+    spans = [None if n == 1 else range_of(i, d) for d, (i, n) in enumerate(zip(axes, t.shape))]
+    if all(i.dim() == 4 for i in axes) and all(
+            n == 1 or (s is not None and s[1] <= n) for s, n in zip(spans, t.shape)):
+        for d, s in enumerate(spans):
+            if s is not None:
+                t = t.narrow(d, s[0], s[1] - s[0])
+        return t.expand(torch.broadcast_shapes(*(i.shape for i in axes)))   # (B', H', Sq, Sk)
+    # a broadcast (size-1) dim reads index 0; ``i * 0`` keeps the index's rank
+    idx = [i if n > 1 else i * 0 for i, n in zip(axes, t.shape)]
+    return t[idx[0], idx[1], idx[2], idx[3]]
 
 
 def _tile_reduce(allowed: torch.Tensor, tile_q: int, tile_k: int):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ...masks.base import Index, bias_as
+from ...masks.base import Index, axis_range, bias_as
 from ...masks.structured import true_span
 from ..capabilities import Capabilities
 from ..cost import Work, share
@@ -78,8 +78,9 @@ def _row_terms(call, device):
     rows = ix.b.shape[0]
 
     def terms(b: int, lo: int, hi: int):
-        k = torch.arange(lo, hi, device=device).view(1, 1, 1, -1)            # (1, 1, 1, L)
-        at = Index(ix.b[b if rows > 1 else 0].view(1, 1, 1, 1), ix.h, ix.q, k,
+        row = b if rows > 1 else 0
+        at = Index(axis_range(row, row + 1, 0, device), ix.h, ix.q,
+                   axis_range(lo, hi, 3, device),                            # (1, 1, 1, L)
                    call.Sq, call.Sk, call.compute_dtype)
         return tuple(t[0] if t is not None and t.dim() == 4 else t          # (H', Sq, L)
                      for t in m.at(at))
