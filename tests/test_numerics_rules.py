@@ -517,3 +517,37 @@ def test_rows_weights_over_a_wide_range_of_scores_are_the_fp64_softmax(dtype):
     assert (w[0, :, 5] == 0).all() and (lse[0, :, 5] == float("-inf")).all()
     far = (s - s.amax(-1, keepdim=True)) < -80                    # flushed to 0, not left
     assert far.any() and (w[far] == 0).all()                      # subnormal (slow on x86)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_sdpa_joins_a_predicate_to_a_bias_of_more_dims_exactly(dtype):
+    """SDPA's materialized mask adds 0 or -inf for a predicate that broadcasts over the
+    bias's heads (causal & ALiBi, padding & a per-head bias), and fills -inf in the others:
+    the same mask, entry for entry, as torch.where puts -inf in, in every dtype; a bias's
+    gradient flows the same."""
+    from multihead.functional._call import make_call
+    from multihead.functional.backend.sdpa import _dense_mask
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 6, 8, generator=g, dtype=dtype)
+    learned = torch.randn(1, 4, 6, 6, generator=g, dtype=dtype, requires_grad=True)
+    for mask in (mh.masks.causal() & mh.masks.alibi(4),
+                 mh.masks.padding(torch.tensor([3, 6])) & mh.masks.bias(learned),
+                 mh.masks.padding(torch.tensor([3, 6])) & mh.masks.alibi(1)):   # masked_fill
+        call = make_call(q, q, q, mask=mask, scale=None, dropout_p=0.0, return_weights=False,
+                         return_lse=False)
+        got, _ = _dense_mask(call, False, dtype)
+        allowed, bias = mask.at(mask.index(6, 6, dtype=call.compute_dtype))
+        want = torch.where(allowed, bias.to(dtype), float("-inf"))
+        assert got.dtype == dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+    weights = torch.rand(2, 4, 6, 6, generator=g, dtype=dtype)
+    mask = mh.masks.padding(torch.tensor([3, 6])) & mh.masks.bias(learned)
+    call = make_call(q, q, q, mask=mask, scale=None, dropout_p=0.0, return_weights=False,
+                     return_lse=False)
+    got, _ = _dense_mask(call, False, dtype)
+    (dgot,) = torch.autograd.grad(got.masked_fill(got.isneginf(), 0).mul(weights).sum(), learned)
+    allowed, bias = mask.at(mask.index(6, 6, dtype=call.compute_dtype))
+    want = torch.where(allowed, bias.to(dtype), float("-inf"))
+    (dwant,) = torch.autograd.grad(want.masked_fill(want.isneginf(), 0).mul(weights).sum(),
+                                   learned)
+    assert torch.equal(dgot, dwant)
