@@ -52,6 +52,8 @@ class Work:
         syncs: host-device synchronizations (reading a device value back).
         memory: peak scratch bytes beyond the inputs and the output.
         parallel: independent work items of the main kernel (tiles x heads x batch).
+        fresh: the bytes of each large buffer a call allocates anew (a materialized mask):
+            a host allocator maps the largest fresh from the system, page by page.
 
     Example:
         >>> w = Work(flops=2e9, bytes=1e6, launches=3)
@@ -67,6 +69,7 @@ class Work:
     syncs: int = 0
     memory: float = 0.0
     parallel: float = math.inf
+    fresh: tuple = ()
 
     def times(self, *, flops: float = 1.0, bytes: float = 1.0, launches: float = 1.0) -> "Work":
         """This work with its FLOPs, bytes and launches scaled (e.g. to add a backward pass)."""
@@ -91,6 +94,9 @@ class DeviceProfile:
         features: facts about the device's kernels that backends read, e.g.
             ``"sdpa_native_gqa"``: SDPA's ``enable_gqa`` reads each K/V head once and keeps
             every query head in parallel.
+        mapped_from: buffers of at least this many bytes are mapped fresh from the system
+            on every call (glibc's malloc: from 32 MiB), not reused; None: none is.
+        fault_s: seconds per byte such a buffer costs on its first write (page faults).
     """
 
     name: str
@@ -102,6 +108,8 @@ class DeviceProfile:
     units: int
     memory: float
     features: frozenset = frozenset()
+    mapped_from: float | None = None
+    fault_s: float = 0.0
 
     def rate(self, kernel: str, dtype: torch.dtype) -> float:
         """FLOP/s of ``kernel`` in ``dtype`` (its slowest dtype when this one is unknown)."""
@@ -114,10 +122,11 @@ class DeviceProfile:
         return self.sync_s > 0
 
     def breakdown(self, w: Work) -> dict:
-        """Seconds by cause: ``compute``, ``memory``, ``launches``, ``syncs``.
+        """Seconds by cause: ``compute``, ``memory``, ``launches``, ``syncs``, ``faults``.
 
         Compute and memory time are stretched when the main kernel has fewer independent
-        pieces (``w.parallel``) than the device has units.
+        pieces (``w.parallel``) than the device has units. Faults are the pages of the
+        fresh buffers the host allocator maps anew (``w.fresh`` from ``mapped_from`` on).
 
         Example:
             >>> from multihead.functional.profiles import get_profile
@@ -131,8 +140,12 @@ class DeviceProfile:
             stretch = 1.0 / torch.sym_min(1.0, torch.sym_max(p, 1.0) / self.units)  # symbols,
         else:                                       # not a guard that torch.export refuses
             stretch = 1.0 / min(1.0, max(p, 1.0) / self.units)
+        mapped = 0.0 if self.mapped_from is None else sum(
+            b for b in w.fresh               # (sizes traced as symbols: not priced, no guard)
+            if not isinstance(b, (torch.SymInt, torch.SymFloat)) and b >= self.mapped_from)
         return {"compute": w.flops / rate * stretch, "memory": w.bytes / self.bandwidth * stretch,
-                "launches": w.launches * self.launch_s, "syncs": w.syncs * self.sync_s}
+                "launches": w.launches * self.launch_s, "syncs": w.syncs * self.sync_s,
+                "faults": mapped * self.fault_s}
 
     def seconds(self, w: Work) -> float:
         """The estimated time of ``w`` on this device.

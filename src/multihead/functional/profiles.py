@@ -42,9 +42,13 @@ _CPU_PER_THREAD = {
     "matmul": {F32: 55e9, BF16: 200e9, F16: 40e9, F64: 30e9},
     "tiles": {F32: 80e9, F64: 40e9},
 }
+#: glibc's malloc maps a buffer of 32 MiB or more fresh from the system on every call (its
+#: largest mmap threshold), and each page faults on its first write: 0.25 ns per byte
+#: (64 MiB: 16.8 ms where filling a kept buffer takes 1.7 ms; 2-core AMD EPYC)
 _CPU = DeviceProfile(
     name="cpu (2-core Xeon figures)", device_type="cpu", flops=_scaled(_CPU_PER_THREAD, 2),
-    bandwidth=20e9, launch_s=4e-6, sync_s=0.0, units=2, memory=24 * 2**30)
+    bandwidth=20e9, launch_s=4e-6, sync_s=0.0, units=2, memory=24 * 2**30,
+    mapped_from=32 * 2**20, fault_s=0.25e-9)
 
 #: measured on an H100 80GB HBM3 (torch 2.11, CUDA 13): bf16 GEMM 712 TFLOP/s, 2.8 TB/s read;
 #: SDPA's flash kernel ~605 TFLOP/s, its kernel with a dense mask ~280 TFLOP/s
@@ -224,6 +228,11 @@ def calibrate(device="cpu") -> DeviceProfile:
         flops["tiles"][dt] = 2 * H * 64 * 64 * D * 512 / _best(lambda: tiles @ keys, device)
     x = torch.ones((256 if cuda else 64) * 2**20, device=device)
     bandwidth = x.nbytes / _best(lambda: x.sum(), device)
+    fault_s = base.fault_s
+    if not cuda and base.mapped_from is not None:    # a mapped buffer's first write, less a kept one's
+        n = int(2 * base.mapped_from) // 4
+        fault_s = max(0.0, _best(lambda: torch.empty(n).fill_(1.0), device)
+                      - _best(lambda: x[:n].fill_(1.0), device)) / (4 * n)
     tiny = torch.zeros(1, device=device)
     t = time.perf_counter()
     for _ in range(200):
@@ -232,7 +241,7 @@ def calibrate(device="cpu") -> DeviceProfile:
     sync = _best(lambda: tiny.sum().item(), device) if cuda else 0.0
     return dataclasses.replace(
         base, name=f"{base.name.split(' (')[0]} (calibrated {time.strftime('%Y-%m-%d')})",
-        flops=flops, bandwidth=bandwidth, launch_s=launch, sync_s=sync,
+        flops=flops, bandwidth=bandwidth, launch_s=launch, sync_s=sync, fault_s=fault_s,
         memory=float(torch.cuda.get_device_properties(device).total_memory) if cuda
         else _host_capacity())
 

@@ -341,7 +341,9 @@ class _BlockSparseAttention(torch.autograd.Function):
 
 #: per (query, key) pair the kernel computes: fp32 bytes of its elementwise passes over the
 #: scores (scale, max, exp, sum, the weights' matmul), and more where the mask is evaluated
-PAIR_BYTES, MASKED_PAIR_BYTES = 8, 40
+#: (measured per masked pair, in bytes' time at 20 GB/s: padding 3-5 more, a dense mask
+#: 14-17, ALiBi 12-21; 2-core AMD EPYC, S = 512-2048)
+PAIR_BYTES, MASKED_PAIR_BYTES = 8, 20
 #: torch ops a step launches (gathers, matmuls, online softmax), more where it is masked,
 #: and per chunk of query tiles (slicing, folding, the final division and writes)
 STEP_OPS, MASKED_STEP_OPS, CHUNK_OPS = 22, 16, 12

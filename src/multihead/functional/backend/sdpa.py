@@ -180,11 +180,18 @@ class SDPA(Backend):
         pairs = B * H * _causal_pairs(Sq, Sk, profile.device_type == "cpu") \
             if mode == "causal" else call.pairs
         heads, rows = (B * Hkv, G * Sq) if fold else (B * H, Sq)
-        mask_bytes = 0.0
-        if mode == "masked":   # materialized from int64 index grids, converted to the dtype
+        mask_bytes, fresh = 0.0, ()
+        if mode == "masked":   # materialized on the index grid, converted to the dtype
             elems = (m.batch_size or 1) * (m.num_heads or 1) * Sq * Sk
-            per = 8 * (4 + 2 * sum(1 for _ in m.leaves())) if m.has_bias else \
-                call.q.element_size() * (3 + sum(1 for _ in m.leaves()))
+            leaves = list(m.leaves())
+            if m.has_bias:     # each leaf past the first joins in a pass; a tensor bias's
+                tensors = sum(1 for leaf in leaves if leaf.kind == "bias")   # -inf are filled
+                per = 8 + 16 * (len(leaves) - 1) + 40 * tensors
+                # the bias, and the predicate joined to it: fresh buffers of the full grid
+                fresh = (elems * call.compute_dtype.itemsize,) * (1 + m.has_predicate)
+            else:
+                per = call.q.element_size() * (3 + len(leaves))
+                fresh = (elems,) * (1 + row_fix)                         # bool
             mask_bytes = elems * per
         io = call.io_bytes(kv_reads) * (1 if not upcast else 2 * 4 / call.q.element_size())
         unfused = _unfused(call, profile, fold)
@@ -194,7 +201,7 @@ class SDPA(Backend):
                     "fused_masked" if mode == "masked" else "fused", dtype=dtype,
                     bytes=io + mask_bytes + MATH_SCORE_PASSES * scores,
                     launches=1 + (mask_launches(call) + 4 * row_fix if mode == "masked" else 0),
-                    memory=mask_bytes / 2 + 3 * scores,
+                    memory=mask_bytes / 2 + 3 * scores, fresh=fresh,
                     parallel=heads * -(-rows // FUSED_ROWS)
                     * (1 if mode == "masked" else -(-Sk // KEY_SPLIT)))
         if call.requires_grad:
