@@ -1,7 +1,7 @@
 """How good are auto's choices on this machine? Every able backend, timed, per call.
 
 Run:  .venv/bin/python -m benchmarks.dispatch [--quick] [--device cuda] [--dtype bf16]
-                                               [--threads 1]
+                                               [--threads 1] [--wide]
       .venv/bin/python -m benchmarks.dispatch --overhead [--device cuda]
 
 For a grid of calls (mask kinds, lengths, GQA, decoding, lse, gradients) every backend
@@ -49,7 +49,27 @@ def _masks(S: int, B: int, device):
     yield "causal&alibi", M.causal() & M.alibi(8)
 
 
-def _calls(quick: bool, device, dtype):
+def _wide(device):
+    """Batches and head counts beyond the grid's one sequence of 8 heads, with tensor masks
+    (a float bias, a dense bool mask) and ALiBi, whose materialized forms grow with them."""
+    for B, H, S in ((4, 8, 1024), (1, 16, 2048), (8, 8, 512), (1, 8, 1024)):
+        g = torch.Generator().manual_seed(0)
+        lengths = torch.randint(S // 4, S + 1, (B,), generator=g)
+        pattern = torch.rand(S, S, generator=g) > 0.5
+        pattern[:, 0] = True
+        for name, mask in (("alibi", M.alibi(H)), ("causal&alibi", M.causal() & M.alibi(H)),
+                           ("bias", M.bias(torch.randn(S, S, generator=g))),
+                           ("padding", M.padding(lengths)),
+                           ("causal&padding", M.causal() & M.padding(lengths)),
+                           ("dense 50%", M.dense(pattern))):
+            yield f"{name} B={B} H={H} S={S}", dict(shape=(B, H, H, S, S, 64),
+                                                   mask=mask.to(device))
+
+
+def _calls(quick: bool, device, dtype, wide: bool = False):
+    if wide:
+        yield from _wide(device)
+        return
     sizes = (256, 1024) if quick else (128, 512, 2048)
     for S in sizes:
         for name, mask in _masks(S, 1, device):
@@ -65,12 +85,12 @@ def _calls(quick: bool, device, dtype):
         yield f"GQA chunk of 16, L={L}", dict(shape=(1, 32, 8, 16, L, 128), mask=M.causal())
 
 
-def run(quick: bool, device: str, dtype: str) -> list[dict]:
+def run(quick: bool, device: str, dtype: str, wide: bool = False) -> list[dict]:
     dev, dt = torch.device(device), {"fp32": torch.float32, "bf16": torch.bfloat16,
                                      "fp16": torch.float16}[dtype]
     profile = profiles.profile_for(dev)
     rows = []
-    for label, c in _calls(quick, dev, dt):
+    for label, c in _calls(quick, dev, dt, wide):
         B, H, Hkv, Sq, Sk, D = c["shape"]
         grad = c.get("grad", False)
         q = torch.randn(B, H, Sq, D, device=dev, dtype=dt, requires_grad=grad)
@@ -202,8 +222,10 @@ if __name__ == "__main__":
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--overhead", action="store_true", help="only the per-call overhead")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
+    p.add_argument("--wide", action="store_true",
+                   help="other batches and head counts, with tensor masks and ALiBi")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    result = overhead(a.device) if a.overhead else run(a.quick, a.device, a.dtype)
+    result = overhead(a.device) if a.overhead else run(a.quick, a.device, a.dtype, a.wide)
     save_json(a.json, result)
