@@ -142,7 +142,7 @@ def profile_for(device) -> DeviceProfile:
         # _RESOLVED holds would recompile the graph once an eager call fills it; and no
         # thread-count or device query in a graph)
         return _H100 if device.type == "cuda" else dataclasses.replace(
-            _CPU, device_type=device.type)
+            _CPU, **_as_device(device.type))
     found = found or _RESOLVED.get(key)
     if (found is not None and found is _RESOLVED.get(key) and device.type != "cuda"
             and found.units != max(1, torch.get_num_threads())):
@@ -152,9 +152,16 @@ def profile_for(device) -> DeviceProfile:
         if device.type == "cuda":
             found = _cuda_profile(device)
         else:       # the CPU, and devices without figures of their own (priced as the CPU)
-            found = dataclasses.replace(_cpu_profile(), device_type=device.type)
+            found = dataclasses.replace(_cpu_profile(), **_as_device(device.type))
         _RESOLVED[key] = found
     return found
+
+
+def _as_device(device_type: str) -> dict:
+    """The CPU's figures for another device without its own: its type, and no host
+    allocator's fresh mappings (its memory is not glibc's)."""
+    return dict(device_type=device_type,
+                mapped_from=_CPU.mapped_from if device_type == "cpu" else None)
 
 
 def set_profile(device, profile: DeviceProfile | str | None) -> None:
@@ -229,8 +236,8 @@ def calibrate(device="cpu") -> DeviceProfile:
     x = torch.ones((256 if cuda else 64) * 2**20, device=device)
     bandwidth = x.nbytes / _best(lambda: x.sum(), device)
     fault_s = base.fault_s
-    if not cuda and base.mapped_from is not None:    # a mapped buffer's first write, less a kept one's
-        n = int(2 * base.mapped_from) // 4
+    if device.type == "cpu" and base.mapped_from is not None:   # a mapped buffer's first
+        n = min(int(2 * base.mapped_from) // 4, x.numel())         # write, less a kept one's
         fault_s = max(0.0, _best(lambda: torch.empty(n).fill_(1.0), device)
                       - _best(lambda: x[:n].fill_(1.0), device)) / (4 * n)
     tiny = torch.zeros(1, device=device)

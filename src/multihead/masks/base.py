@@ -88,6 +88,8 @@ def _version(t: torch.Tensor) -> int | None:
 def range_of(t: torch.Tensor, dim: int) -> tuple[int, int] | None:
     """``(start, stop)`` where index ``t`` is :func:`axis_range` along ``dim``, unchanged
     since it was made (an index sliced, copied or written in place is not); else None."""
+    if torch.compiler.is_compiling():        # (traced: marks are not read, as not made)
+        return None
     mark = getattr(t, "_multihead_range", None)
     if mark is None or mark[0] != dim or mark[3] != _version(t):
         return None
@@ -548,7 +550,9 @@ class Mask:
     def at(self, ix: Index) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The mask at the positions ``ix``: ``(allowed or None, bias or None)``, each
         broadcastable to the index tensors' shape (None: rules nothing out / adds nothing).
-        Backends evaluate masks through this, on the tiles they compute.
+        Backends evaluate masks through this, on the tiles they compute. Read the results,
+        never write into them: on :meth:`index`'s grid a tensor mask's are views of its
+        own tensor.
 
         Example:
             >>> import multihead as mh
