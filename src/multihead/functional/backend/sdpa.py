@@ -99,7 +99,7 @@ def _causal_pairs(sq: int, sk: int, cpu: bool = False) -> int:
         >>> _causal_pairs(512, 512, cpu=True) / 512**2, _causal_pairs(2048, 2048, cpu=True) / 2048**2
         (1.0, 0.625)
     """
-    if cpu and not traced(sq, sk):
+    if cpu and not (traced(sq, sk) or torch.compiler.is_compiling()):   # (no guards)
         return sum(max(0, sq - c) * min(CPU_KEY_BLOCK, sk - c)
                    for c in range(0, sk, CPU_KEY_BLOCK))
     n = min(sq, sk)
@@ -180,7 +180,7 @@ class SDPA(Backend):
         pairs = B * H * _causal_pairs(Sq, Sk, profile.device_type == "cpu") \
             if mode == "causal" else call.pairs
         heads, rows = (B * Hkv, G * Sq) if fold else (B * H, Sq)
-        mask_bytes, fresh = 0.0, ()
+        mask_bytes, fresh, peak = 0.0, (), 0.0
         if mode == "masked":   # materialized on the index grid, converted to the dtype
             elems = (m.batch_size or 1) * (m.num_heads or 1) * Sq * Sk
             leaves = list(m.leaves())
@@ -189,10 +189,12 @@ class SDPA(Backend):
                 per = 8 + 16 * (len(leaves) - 1) + 40 * tensors
                 # the bias, and the predicate joined to it: fresh buffers of the full grid
                 fresh = (elems * call.compute_dtype.itemsize,) * (1 + m.has_predicate)
-            else:
-                per = call.q.element_size() * (3 + len(leaves))
+                held = 4 * (4 + 2 * len(leaves))      # peak bytes per entry, kept on the
+            else:                                     # safe side (ALiBi(8) at 16k: 11.5 GB)
+                per = held = call.q.element_size() * (3 + len(leaves))
                 fresh = (elems,) * (1 + row_fix)                         # bool
-            mask_bytes = elems * per
+                held /= 2
+            mask_bytes, peak = elems * per, elems * held
         io = call.io_bytes(kv_reads) * (1 if not upcast else 2 * 4 / call.q.element_size())
         unfused = _unfused(call, profile, fold)
         scores = 0 if unfused is None else dtype.itemsize * call.pairs   # (every pair)
@@ -201,7 +203,7 @@ class SDPA(Backend):
                     "fused_masked" if mode == "masked" else "fused", dtype=dtype,
                     bytes=io + mask_bytes + MATH_SCORE_PASSES * scores,
                     launches=1 + (mask_launches(call) + 4 * row_fix if mode == "masked" else 0),
-                    memory=mask_bytes / 2 + 3 * scores, fresh=fresh,
+                    memory=peak + 3 * scores, fresh=fresh,
                     parallel=heads * -(-rows // FUSED_ROWS)
                     * (1 if mode == "masked" else -(-Sk // KEY_SPLIT)))
         if call.requires_grad:
