@@ -523,8 +523,8 @@ def test_rows_weights_over_a_wide_range_of_scores_are_the_fp64_softmax(dtype):
 def test_sdpa_joins_a_predicate_to_a_bias_of_more_dims_exactly(dtype):
     """SDPA's materialized mask adds 0 or -inf for a predicate that broadcasts over the
     bias's heads (causal & ALiBi, padding & a per-head bias), and fills -inf in the others:
-    the same mask, entry for entry, as torch.where puts -inf in, in every dtype; a bias's
-    gradient flows the same."""
+    the same mask, entry for entry, as torch.where puts -inf in, in every dtype, and the
+    same as the mask's own additive form; a bias's gradient flows the same."""
     from multihead.functional._call import make_call
     from multihead.functional.backend.sdpa import _dense_mask
     g = torch.Generator().manual_seed(3)
@@ -540,6 +540,8 @@ def test_sdpa_joins_a_predicate_to_a_bias_of_more_dims_exactly(dtype):
         want = torch.where(allowed, bias.to(dtype), float("-inf"))
         assert got.dtype == dtype and got.shape == want.shape
         assert torch.equal(got, want)
+        additive = mask.additive(6, 6, dtype=dtype)    # the mask's own form: the same join
+        assert torch.equal(additive, want.expand(additive.shape))
     weights = torch.rand(2, 4, 6, 6, generator=g, dtype=dtype)
     mask = mh.masks.padding(torch.tensor([3, 6])) & mh.masks.bias(learned)
     call = make_call(q, q, q, mask=mask, scale=None, dropout_p=0.0, return_weights=False,
