@@ -87,7 +87,13 @@ def _version(t: torch.Tensor) -> int | None:
 
 def range_of(t: torch.Tensor, dim: int) -> tuple[int, int] | None:
     """``(start, stop)`` where index ``t`` is :func:`axis_range` along ``dim``, unchanged
-    since it was made (an index sliced, copied or written in place is not); else None."""
+    since it was made (an index sliced, copied or written in place is not); else None.
+
+    Example:
+        >>> t = axis_range(0, 4, 2, "cpu")                                # (1, 1, 4, 1)
+        >>> range_of(t, 2), range_of(t, 3), range_of(t[:, :, 1:], 2)
+        ((0, 4), None, None)
+    """
     if torch.compiler.is_compiling():        # (traced: marks are not read, as not made)
         return None
     mark = getattr(t, "_multihead_range", None)
