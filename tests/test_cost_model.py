@@ -140,6 +140,9 @@ CPU_MEASURED = [
      "blocksparse", (70, 118)),
     ("causal & padding to 847 of 2048, H=16", (1, 16, 2048),
      M.causal() & M.padding(torch.tensor([847])), "blocksparse", (65, 122)),
+    # (a float attn_mask per head: before SDPA read it as it is, 75 ms, auto ran blocksparse)
+    ("a per-head bias, S=1024", (1, 8, 1024), M.bias(torch.randn(1, 8, 1024, 1024)), "sdpa",
+     (69, 30)),
 ]
 
 

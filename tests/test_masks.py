@@ -551,6 +551,34 @@ def test_masks_built_and_written_in_inference_mode_follow_their_tensors():
         assert (mh.attention(q, q, q, mask=pad, backend="sdpa") == 0).all()
 
 
+def test_a_bias_says_whether_a_row_is_minus_inf_everywhere_and_follows_writes_into_it():
+    """A host bias is read once (each row's maximum) for NaN, +inf and rows with nothing to
+    attend to; written in place (also as an inference tensor, which counts no versions), it
+    is read again, and a device's, a subclass's or a traced one's rows are never vouched for."""
+    inf = float("inf")
+    t = torch.tensor([[0.0, -inf, 1.0], [-inf, 2.0, -inf]])
+    b = M.bias(t)
+    assert not b.may_have_empty_rows(2, 3) and b.may_have_empty_rows(2, 0)
+    t[1, 1] = -inf                                   # row 1 has nothing left to attend to
+    assert b.may_have_empty_rows(2, 3)
+    assert M.bias(torch.full((1, 2, 3, 1), -inf)).may_have_empty_rows(3, 5)   # broadcast keys
+    assert not M.bias(torch.zeros(1, 2, 3, 1)).may_have_empty_rows(3, 5)
+    with torch.inference_mode():
+        u = torch.zeros(2, 3)
+        c = M.bias(u)
+        assert not c.may_have_empty_rows(2, 3)
+        u[0] = -inf
+        assert c.may_have_empty_rows(2, 3)
+    assert M.bias(torch.zeros(2, 3, device="meta")).may_have_empty_rows(2, 3)
+
+    class Mine(type(b)):
+        pass
+    assert Mine(torch.zeros(2, 3)).may_have_empty_rows(2, 3)
+    with pytest.raises(ValueError, match=r"bias contains NaN or \+inf \(2 of 6 values; the "
+                                         r"first at index \(0, 2\): inf\)"):
+        M.bias(torch.tensor([[0.0, 1.0, inf], [-inf, float("nan"), 0.0]]))
+
+
 def test_lengths_written_negative_or_too_long_are_refused_by_the_call_not_the_repr():
     q = torch.randn(2, 2, 4, 8)
     pad = M.padding(torch.tensor([2, 3]))

@@ -513,6 +513,22 @@ class Mask:
             return False
         return at == self._versions()
 
+    def _fact(self, name: str):
+        """The host fact ``name`` (an attribute :meth:`_read_facts` sets, then stamps), or
+        None where it may no longer hold and cannot be read again without a sync: a device
+        tensor written in place since, a CUDA graph capturing, ``torch.compile`` tracing.
+        Host tensors written in place since are read again."""
+        if not self._facts_hold():
+            if torch.compiler.is_compiling() or not self.on_host:
+                return None
+            self._read_facts(check=False)
+        return getattr(self, name)
+
+    def _read_facts(self, check: bool = True) -> None:
+        """Read this mask's host facts from its (host) tensors and :meth:`_stamp` them;
+        ``check``: also raise on values the mask refuses."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no host facts")
+
     # -- what subclasses implement ---------------------------------------------------------
     def _allowed(self, ix: Index) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement _allowed")
@@ -572,6 +588,25 @@ class Mask:
                     raise ValueError(
                         f"mask: {self!s} holds a tensor on {t.device}, but the inputs are on "
                         f"{device}: move it with mask.to({str(device)!r}) or build it there")
+
+    def _additive_at(self, ix: Index, dtype: torch.dtype) -> torch.Tensor | None:
+        """The additive form at the positions ``ix`` in the float ``dtype``: the bias
+        (saturated to ``dtype``, see :func:`bias_as`) with ``-inf`` where the mask rules a
+        pair out, broadcastable to the index tensors' shape; None where it neither rules out
+        nor adds. Read it, never write into it: a tensor bias's may be a view of its own
+        tensor (see :meth:`_additive_view`)."""
+        allowed, bias = self.at(ix)
+        out = None if bias is None else bias_as(bias, dtype)
+        if allowed is None:
+            return out
+        if out is None:
+            out = torch.zeros((), dtype=dtype, device=allowed.device)
+        return with_minus_inf(out, allowed)
+
+    def _additive_view(self, dtype: torch.dtype) -> bool:
+        """True where :meth:`_additive_at` on :meth:`index`'s grid is a view of this mask's
+        own tensor in ``dtype`` (no pass over the grid, no new buffer)."""
+        return False
 
     def at(self, ix: Index) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The mask at the positions ``ix``: ``(allowed or None, bias or None)``, each
@@ -658,12 +693,8 @@ class Mask:
         check_dtype("additive: dtype", dtype)
         ix = self.index(sq, sk, device, torch.promote_types(dtype, torch.float32))
         out = torch.zeros(len(ix.b), len(ix.h), sq, sk, dtype=dtype, device=ix.q.device)
-        bias = self._bias(ix) if self.has_bias else None
-        if bias is not None:
-            out = out + bias_as(bias, dtype)
-        if self.has_predicate:
-            out = with_minus_inf(out, self._allowed(ix))
-        return out
+        form = self._additive_at(ix, dtype)
+        return out if form is None else out + form      # (a new tensor: never a view)
 
     def tiles(self, sq: int, sk: int, *, tile_q: int = 64, tile_k: int = 64,
               device=None, batch: int | None = None, heads: int | None = None) -> TileMap:

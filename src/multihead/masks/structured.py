@@ -265,15 +265,6 @@ class Padding(Mask):
         """``"key"`` or ``"query"``. Read-only (a tile map made for one side stays cached)."""
         return self._side
 
-    def _fact(self, name: str):
-        # a host fact, None where it may no longer hold (the tensor was written in place on
-        # a device, or a graph captures): host tensors written in place are read again
-        if not self._facts_hold():
-            if torch.compiler.is_compiling() or self._tensors()[0].device.type != "cpu":
-                return None
-            self._read_facts(check=False)
-        return getattr(self, name)
-
     @property
     def _host_lengths(self) -> torch.Tensor | None:
         """The lengths as a host tensor, when known without a sync."""

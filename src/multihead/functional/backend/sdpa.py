@@ -130,7 +130,12 @@ def _rounds_a_tensor_bias(m, dtype: torch.dtype) -> bool:
 
 
 def _dense_mask(call: AttentionCall, row_fix: bool, dtype: torch.dtype):
-    """Return (attn_mask or None, row_ok or None) for SDPA: (B', H', Sq, Sk) bool or float."""
+    """Return (attn_mask or None, row_ok or None) for SDPA: (B', H', Sq, Sk) bool or float
+    (a tensor bias with no row to open: a view of it, -inf and all)."""
+    m = call.effective_mask
+    if m.has_bias and not row_fix:
+        return m._additive_at(m.index(call.Sq, call.Sk, call.q.device, call.compute_dtype),
+                              dtype), None
     allowed, bias = mask_terms(call, call.q.device)
     row_ok = None
     if allowed is not None:
@@ -174,11 +179,15 @@ class SDPA(Backend):
             if mode == "causal" else call.pairs
         heads, rows = (B * Hkv, G * Sq) if fold else (B * H, Sq)
         mask_bytes, fresh, peak = 0.0, (), 0.0
+        # a tensor bias with no row to open goes to the kernel as it is
+        direct = mode == "masked" and m.has_bias and not row_fix and m._additive_view(dtype)
         if mode == "masked":   # materialized on the index grid, converted to the dtype
             elems = (m.batch_size or 1) * (m.num_heads or 1) * Sq * Sk
             leaves = list(m.leaves())
             # peak bytes per entry kept on the safe side (ALiBi(8) at 16k: 11.5 GB)
-            if m.has_bias:     # each leaf past the first joins in a pass; a tensor bias's
+            if direct:
+                per, held = dtype.itemsize, 0          # (the kernel reads it)
+            elif m.has_bias:   # each leaf past the first joins in a pass; a tensor bias's
                 tensors = sum(1 for leaf in leaves if leaf.kind == "bias")   # -inf are filled
                 per, held = 8 + 16 * (len(leaves) - 1) + 40 * tensors, 4 * (4 + 2 * len(leaves))
                 # the bias, and the predicate joined to it: fresh buffers of the full grid
@@ -200,13 +209,13 @@ class SDPA(Backend):
                     * (1 if mode == "masked" else -(-Sk // KEY_SPLIT)))
         if call.requires_grad:
             work = work.times(flops=3.5, bytes=3.0, launches=2.0)
+        masked = "bias tensor passed as it is" if direct else "mask materialized densely"
         note = {"plain": "no mask: plain fused kernel",
                 "causal": "is_causal=True: the fused kernel skips the upper triangle",
-                "masked": "mask materialized densely, every pair computed"}[mode]
+                "masked": f"{masked}, every pair computed"}[mode]
         if unfused:
             note = (f"torch runs its unfused math path ({unfused}): every score materialized"
-                    + {"plain": "", "causal": ", is_causal=True",
-                       "masked": ", mask materialized densely"}[mode])
+                    + {"plain": "", "causal": ", is_causal=True", "masked": f", {masked}"}[mode])
         if G > 1:
             note += ("; query heads folded into the query axis" if fold else
                      "; enable_gqa" + ("" if native else " (K/V read once per query head)"))
