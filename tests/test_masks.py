@@ -551,10 +551,11 @@ def test_masks_built_and_written_in_inference_mode_follow_their_tensors():
         assert (mh.attention(q, q, q, mask=pad, backend="sdpa") == 0).all()
 
 
-def test_a_bias_says_whether_a_row_is_minus_inf_everywhere_and_follows_writes_into_it():
+def test_a_tensor_mask_says_whether_a_row_allows_nothing_and_follows_writes_into_it():
     """A host bias is read once (each row's maximum) for NaN, +inf and rows with nothing to
-    attend to; written in place (also as an inference tensor, which counts no versions), it
-    is read again, and a device's, a subclass's or a traced one's rows are never vouched for."""
+    attend to, a dense mask for rows with no True; written in place (also as an inference
+    tensor, which counts no versions), they are read again, and a device's or a subclass's
+    rows are never vouched for."""
     inf = float("inf")
     t = torch.tensor([[0.0, -inf, 1.0], [-inf, 2.0, -inf]])
     b = M.bias(t)
@@ -574,6 +575,12 @@ def test_a_bias_says_whether_a_row_is_minus_inf_everywhere_and_follows_writes_in
     class Mine(type(b)):
         pass
     assert Mine(torch.zeros(2, 3)).may_have_empty_rows(2, 3)
+    a = torch.tensor([[True, False], [False, True]])
+    d = M.dense(a)                                   # (read at its first question)
+    assert not d.may_have_empty_rows(2, 2) and d.may_have_empty_rows(2, 0)
+    a[0, 0] = False
+    assert d.may_have_empty_rows(2, 2)
+    assert M.dense(torch.ones(2, 1, dtype=torch.bool, device="meta")).may_have_empty_rows(2, 2)
     with pytest.raises(ValueError, match=r"bias contains NaN or \+inf \(2 of 6 values; the "
                                          r"first at index \(0, 2\): inf\)"):
         M.bias(torch.tensor([[0.0, 1.0, inf], [-inf, float("nan"), 0.0]]))

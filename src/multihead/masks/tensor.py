@@ -98,8 +98,25 @@ def _broadcasts(t: torch.Tensor) -> tuple:
     return b, h, sq == 1, sk == 1
 
 
-class Dense(Mask):
-    """Any pattern, as a bool tensor broadcastable to (B, H, Sq, Sk); True = may attend."""
+class _RowsRead(Mask):
+    """A tensor mask whose host tensor is read for rows with nothing to attend to: its
+    :meth:`_read_facts` sets ``_live`` (every row has a key; None: unknown) and stamps it."""
+
+    _live = None
+
+    def may_have_empty_rows(self, sq, sk):
+        if sq > 0 and sk == 0:
+            return True
+        return not (self.memoizable and self._fact("_live"))     # (a subclass: unsure)
+
+
+class Dense(_RowsRead):
+    """Any pattern, as a bool tensor broadcastable to (B, H, Sq, Sk); True = may attend.
+
+    Whether a row of a host (CPU) tensor allows no key is read at its first call (and again
+    after a write into it), so that backends open and zero rows only where there are such
+    rows; a device tensor is not read (that would synchronize), and its rows are opened.
+    """
 
     kind = "dense"
     _immutable = True
@@ -113,6 +130,13 @@ class Dense(Mask):
                 f"dense() takes a bool tensor (True = may attend), got dtype {allowed.dtype}: "
                 f"use mask > 0 for a 0/1 tensor, or multihead.masks.bias(t) for additive floats")
         self.t = _as_4d(allowed, "dense mask")
+
+    def _read_facts(self, check: bool = True) -> None:
+        # whether every row allows a key (a row broadcast over the keys: its one entry)
+        t = self.t
+        self._live = _read_back(t, lambda: t.shape[-1] > 0 and bool(t.any(dim=-1).all()))
+        if self._live is not None:
+            self._stamp()
 
     batch_size = property(lambda self: _own_dim(self.t, 0))
     num_heads = property(lambda self: _own_dim(self.t, 1))
@@ -164,7 +188,7 @@ def dense(allowed: torch.Tensor) -> Dense:
     return Dense(allowed)
 
 
-class Bias(Mask):
+class Bias(_RowsRead):
     """An additive float bias; ``-inf`` entries are masked. Gradients flow to the bias.
 
     Every backend adds it to float32 scores at the bias's own precision (never rounded to
@@ -212,18 +236,13 @@ class Bias(Mask):
         # it), +inf where it holds +inf, -inf where every entry is -inf. Sets whether every
         # row has a finite entry (None: the values cannot be read now) and returns whether
         # a NaN or +inf was seen (which the constructor refuses, naming the entry).
-        peaks = _row_peaks(self.raw)
+        peaks = _read_back(self.raw, lambda: _row_peaks(self.raw))
         if peaks is None:                                  # (vmap, fake tensors: unknown)
             self._live = None
             return False
         self._live = not peaks[1]
         self._stamp()
         return peaks[0]
-
-    def may_have_empty_rows(self, sq, sk):
-        if sq > 0 and sk == 0:
-            return True
-        return not (self.memoizable and self._fact("_live"))     # (a subclass: unsure)
 
     def _additive_at(self, ix, dtype):
         if self._as_it_is(dtype):
@@ -296,12 +315,10 @@ def bias(values: torch.Tensor) -> Bias:
     return Bias(values)
 
 
-def _row_peaks(t: torch.Tensor) -> tuple[bool, bool] | None:
+def _row_peaks(t: torch.Tensor) -> tuple[bool, bool]:
     """``(NaN or +inf anywhere, some row -inf everywhere)`` of a ``(B, H, Sq, Sk)`` tensor,
     from one pass (each row's maximum: 2.3 ms for 8 x 2048 x 2048 on a 2-core CPU, where
-    ``isnan(t).any()`` and ``isposinf(t).any()`` took 116); None where its values cannot be
-    read now (a tensor batched by ``torch.func.vmap``, a fake tensor): those are not
-    checked, as a GPU bias.
+    ``isnan(t).any()`` and ``isposinf(t).any()`` took 116).
 
     Example:
         >>> inf = float("inf")
@@ -310,10 +327,28 @@ def _row_peaks(t: torch.Tensor) -> tuple[bool, bool] | None:
         >>> _row_peaks(torch.tensor([[[[1.0, float("nan")]]]]))
         (True, False)
     """
+    with torch.no_grad():
+        peaks = t.amax(dim=-1) if t.shape[-1] else t.new_full(t.shape[:-1], -math.inf)
+        return bool((peaks.isnan() | peaks.isposinf()).any()), bool(peaks.isneginf().any())
+
+
+def _read_back(t: torch.Tensor, read):
+    """``read()``, facts of ``t``'s values on the host; None where they cannot be read now (a
+    tensor batched by ``torch.func.vmap``, a fake tensor): such a tensor is not checked, as
+    a GPU one is not.
+
+    Example:
+        >>> from torch._subclasses.fake_tensor import FakeTensorMode
+        >>> t = torch.ones(2)
+        >>> _read_back(t, lambda: bool(t.all()))
+        True
+        >>> with FakeTensorMode():
+        ...     f = torch.ones(2)
+        ...     print(_read_back(f, lambda: bool(f.all())))
+        None
+    """
     try:
-        with torch.no_grad():
-            peaks = t.amax(dim=-1) if t.shape[-1] else t.new_full(t.shape[:-1], -math.inf)
-            return bool((peaks.isnan() | peaks.isposinf()).any()), bool(peaks.isneginf().any())
+        return read()
     except RuntimeError:
         from torch._subclasses.fake_tensor import is_fake
         if torch._C._are_functorch_transforms_active() or is_fake(t):
