@@ -92,7 +92,9 @@ def test_sdpa_takes_a_tensor_bias_as_it_is_while_no_row_is_minus_inf_everywhere(
     """A float bias (torch's attn_mask) reached the kernel split into a predicate and a bias
     and joined again: passes over the whole grid and two fresh buffers, 4x SDPA's own time
     for 8 x 2048 x 2048 on a CPU (241 against 62 ms). While no row is -inf everywhere, the
-    kernel reads the tensor itself; a row written to -inf in place is opened and zeroed."""
+    kernel reads the tensor itself (a copy of it where a backward keeps it, so that the
+    tensor may be written before the backward runs); a row written to -inf in place is
+    opened and zeroed."""
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 4, 64, 16, generator=g, dtype=torch.float64).requires_grad_()
                for _ in range(3))
@@ -101,23 +103,51 @@ def test_sdpa_takes_a_tensor_bias_as_it_is_while_no_row_is_minus_inf_everywhere(
     t[..., 0] = 0.5                                  # every row has a key
     t.requires_grad_()
     mask = M.bias(t)
+    shares = lambda sent: sent.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
     with mock.patch("torch.nn.functional.scaled_dot_product_attention",
                     wraps=torch.nn.functional.scaled_dot_product_attention) as f:
+        with torch.no_grad():
+            plain = mh.attention(q, k, v, mask=mask, backend="sdpa")
+        assert shares(f.call_args.kwargs["attn_mask"])
         out = mh.attention(q, k, v, mask=mask, backend="sdpa")
-    sent = f.call_args.kwargs["attn_mask"]
-    assert sent.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-    assert "bias tensor passed as it is" in mh.explain(q, k, v, mask=mask, backend="sdpa").plan.note
+        assert not shares(f.call_args.kwargs["attn_mask"])
+    assert "bias tensor passed as it is" in mh.explain(q.detach(), k, v, mask=mask,
+                                                       backend="sdpa").plan.note
     want = mh.attention(q, k, v, mask=mask, backend="reference")
-    grads = torch.autograd.grad(out.sum(), (q, k, v, t))
-    for got, ref in zip(grads, torch.autograd.grad(want.sum(), (q, k, v, t))):
-        torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(plain, want.detach())
     torch.testing.assert_close(out, want)
+    wanted = torch.autograd.grad(want.sum(), (q, k, v, t))
+    with torch.no_grad():
+        t.mul_(2.0)                                  # the next step's bias, before backward
+    for got, ref in zip(torch.autograd.grad(out.sum(), (q, k, v, t)), wanted):
+        torch.testing.assert_close(got, ref)
     with torch.no_grad():
         t[0] = float("-inf")                         # written in place: rows with no key
     out = mh.attention(q, k, v, mask=mask, backend="sdpa")
     empty = (out == 0).all(-1)
     assert not out.isnan().any() and empty.sum() == empty.numel() // (2 if t.dim() > 2 else 64)
     torch.testing.assert_close(out, mh.attention(q, k, v, mask=mask, backend="reference"))
+
+
+def test_sdpa_opens_the_rows_of_a_joined_mask_only_where_one_allows_nothing():
+    """A bias joined to key padding is built in one pass (the bias's tensor, -inf where the
+    padding rules out); a host mask's rows are then read, and opened (and zeroed after the
+    kernel) only where a row allows no key."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 32, 8, generator=g) for _ in range(3))
+    t = torch.randn(2, 4, 32, 32, generator=g)
+    for lengths in ([32, 20], [32, 0]):
+        mask = M.bias(t) & M.padding(torch.tensor(lengths))
+        with mock.patch("torch.nn.functional.scaled_dot_product_attention",
+                        wraps=torch.nn.functional.scaled_dot_product_attention) as f:
+            out = mh.attention(q, k, v, mask=mask, backend="sdpa")
+        sent, form = f.call_args.kwargs["attn_mask"], mask.additive(32, 32)
+        if lengths[1]:
+            assert torch.equal(sent, form)
+        else:
+            assert torch.equal(sent[0], form[0]) and (sent[1] == 0).all() and \
+                (out[1] == 0).all()
+        torch.testing.assert_close(out, mh.attention(q, k, v, mask=mask, backend="reference"))
 
 
 def test_sdpa_takes_a_dense_mask_as_it_is_while_every_row_allows_a_key():

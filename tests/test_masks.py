@@ -586,6 +586,26 @@ def test_a_tensor_mask_says_whether_a_row_allows_nothing_and_follows_writes_into
         M.bias(torch.tensor([[0.0, 1.0, inf], [-inf, float("nan"), 0.0]]))
 
 
+def test_a_subclass_of_a_tensor_mask_is_read_through_its_own_methods():
+    """The tensor of a bias passes as its own additive form only for the class itself: a
+    subclass's ``_bias`` and ``_allowed`` are what it means, wherever it is read."""
+    inf = float("inf")
+
+    class Doubled(type(M.bias(torch.zeros(1)))):
+        def _bias(self, ix):
+            return super()._bias(ix) * 2
+
+        def may_have_empty_rows(self, sq, sk):
+            return False
+
+    t = torch.tensor([[0.5, -inf, 1.0], [0.25, 0.0, 2.0], [1.0, 1.0, 1.0]])
+    m = Doubled(t)
+    assert m.additive(3, 3)[0, 0].tolist() == [[1.0, -inf, 2.0], [0.5, 0.0, 4.0], [2.0] * 3]
+    q = torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(mh.attention(q, q, q, mask=m, backend="sdpa"),
+                               mh.attention(q, q, q, mask=M.bias(2 * t), backend="reference"))
+
+
 def test_lengths_written_negative_or_too_long_are_refused_by_the_call_not_the_repr():
     q = torch.randn(2, 2, 4, 8)
     pad = M.padding(torch.tensor([2, 3]))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Index, Mask, TileIndex, _max_opt, bias_sum, uncalled
+from .base import Index, Mask, TileIndex, _max_opt, bias_sum, uncalled, with_minus_inf
 
 
 def _as_mask(other, op: str) -> Mask:
@@ -235,6 +235,23 @@ class And(_Binary):
     def _allowed(self, ix):
         pa, pb = _pred(self.a, ix), _pred(self.b, ix)
         return pb if pa is None else pa if pb is None else pa & pb
+
+    def _additive_at(self, ix, dtype):
+        split = self._bias_and_predicate()
+        if split is None:
+            return super()._additive_at(ix, dtype)
+        x, y = split                       # x's own additive form, -inf where y rules out
+        return with_minus_inf(x._additive_at(ix, dtype), y._allowed(ix))
+
+    def _bias_and_predicate(self) -> tuple[Mask, Mask] | None:
+        """``(x, y)``: the side with a bias and the side that only rules pairs out (a
+        drop-in's float ``attn_mask`` and its key padding), or None where the sides are not
+        so split: :meth:`_additive_at` joins y's predicate to x's own additive form (a
+        tensor bias's tensor) in one pass."""
+        for x, y in ((self.a, self.b), (self.b, self.a)):
+            if x.has_bias and not y.has_bias and y.has_predicate:
+                return x, y
+        return None
 
     def _bias(self, ix):
         ba = self.a._bias(ix) if self.a.has_bias else None

@@ -100,14 +100,18 @@ def _broadcasts(t: torch.Tensor) -> tuple:
 
 class _RowsRead(Mask):
     """A tensor mask whose host tensor is read for rows with nothing to attend to: its
-    :meth:`_read_facts` sets ``_live`` (every row has a key; None: unknown) and stamps it."""
+    :meth:`_read_facts` sets ``_live`` (every row has a key; None: unknown) and stamps it.
+    Writes in place are followed (read again); writes through ``.data`` or a shared numpy
+    array are not seen (as by :meth:`~multihead.masks.Mask.cached`): build a new mask. A
+    subclass's rows, and every row while ``torch.compile`` traces (a graph is kept for
+    later calls, whose tensors it cannot read), are opened where empty."""
 
     _live = None
 
     def may_have_empty_rows(self, sq, sk):
-        if sq > 0 and sk == 0:
+        if sq > 0 and sk == 0 or not self.memoizable or torch.compiler.is_compiling():
             return True
-        return not (self.memoizable and self._fact("_live"))     # (a subclass: unsure)
+        return not self._fact("_live")
 
 
 class Dense(_RowsRead):
@@ -134,7 +138,7 @@ class Dense(_RowsRead):
     def _read_facts(self, check: bool = True) -> None:
         # whether every row allows a key (a row broadcast over the keys: its one entry)
         t = self.t
-        self._live = _read_back(t, lambda: t.shape[-1] > 0 and bool(t.any(dim=-1).all()))
+        self._live = read_back(t, lambda: t.shape[-1] > 0 and bool(t.any(dim=-1).all()))
         if self._live is not None:
             self._stamp()
 
@@ -236,7 +240,7 @@ class Bias(_RowsRead):
         # it), +inf where it holds +inf, -inf where every entry is -inf. Sets whether every
         # row has a finite entry (None: the values cannot be read now) and returns whether
         # a NaN or +inf was seen (which the constructor refuses, naming the entry).
-        peaks = _read_back(self.raw, lambda: _row_peaks(self.raw))
+        peaks = read_back(self.raw, lambda: _row_peaks(self.raw))
         if peaks is None:                                  # (vmap, fake tensors: unknown)
             self._live = None
             return False
@@ -255,10 +259,11 @@ class Bias(_RowsRead):
     def _as_it_is(self, dtype) -> bool:
         # whether the tensor, -inf and all, is its own additive form in ``dtype``: ``dtype``
         # holds each of its values exactly, and its keys lie along its last dim in memory
-        # order (not broadcast, not strided), the layout fused kernels read a mask in
+        # order (not broadcast, not strided), the layout fused kernels read a mask in; not
+        # for a subclass, whose _bias or _allowed may read it otherwise
         t = self.raw
-        return torch.promote_types(t.dtype, dtype) == dtype and t.shape[-1] > 1 and \
-            t.stride(-1) == 1
+        return self.memoizable and torch.promote_types(t.dtype, dtype) == dtype and \
+            t.shape[-1] > 1 and t.stride(-1) == 1
 
     batch_size = property(lambda self: _own_dim(self.raw, 0))
     num_heads = property(lambda self: _own_dim(self.raw, 1))
@@ -332,7 +337,7 @@ def _row_peaks(t: torch.Tensor) -> tuple[bool, bool]:
         return bool((peaks.isnan() | peaks.isposinf()).any()), bool(peaks.isneginf().any())
 
 
-def _read_back(t: torch.Tensor, read):
+def read_back(t: torch.Tensor, read):
     """``read()``, facts of ``t``'s values on the host; None where they cannot be read now (a
     tensor batched by ``torch.func.vmap``, a fake tensor): such a tensor is not checked, as
     a GPU one is not.
@@ -340,11 +345,11 @@ def _read_back(t: torch.Tensor, read):
     Example:
         >>> from torch._subclasses.fake_tensor import FakeTensorMode
         >>> t = torch.ones(2)
-        >>> _read_back(t, lambda: bool(t.all()))
+        >>> read_back(t, lambda: bool(t.all()))
         True
         >>> with FakeTensorMode():
         ...     f = torch.ones(2)
-        ...     print(_read_back(f, lambda: bool(f.all())))
+        ...     print(read_back(f, lambda: bool(f.all())))
         None
     """
     try:

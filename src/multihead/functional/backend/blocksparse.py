@@ -344,9 +344,25 @@ class _BlockSparseAttention(torch.autograd.Function):
 #: (measured per masked pair, in bytes' time at 20 GB/s: padding 3-5 more, a dense mask
 #: 14-17, ALiBi 12-21; 2-core AMD EPYC, S = 512-2048)
 PAIR_BYTES, MASKED_PAIR_BYTES = 8, 20
+#: per mask entry a step gathers from a tensor mask (4-D advanced indexing on the step's
+#: tile positions: 2.7 ns an entry on a 2-core AMD EPYC, 54 bytes' time at 20 GB/s): a
+#: bias's on every step, and again for its -inf on masked steps; a dense mask's on masked
+#: steps; as many entries as the mask has own batch and head dims (a shared one broadcasts)
+GATHER_BYTES = 54
 #: torch ops a step launches (gathers, matmuls, online softmax), more where it is masked,
 #: and per chunk of query tiles (slicing, folding, the final division and writes)
 STEP_OPS, MASKED_STEP_OPS, CHUNK_OPS = 22, 16, 12
+
+
+def _tensor_reads(call: AttentionCall, est: _tiles.Estimate) -> float:
+    """Bytes' time of the entries the steps gather from the mask's tensors."""
+    m = call.effective_mask
+    if m is None:
+        return 0.0
+    reads = sum(est.pairs + est.masked_pairs if leaf.kind == "bias" else
+                est.masked_pairs if leaf.kind == "dense" else 0 for leaf in m.leaves())
+    own = (m.batch_size or 1) * (m.num_heads or 1) / (call.B * call.H)
+    return GATHER_BYTES * own * reads
 
 
 def _work(call: AttentionCall, est: _tiles.Estimate) -> Work:
@@ -361,7 +377,7 @@ def _work(call: AttentionCall, est: _tiles.Estimate) -> Work:
         * (D + Dv) * size
     work = Work(flops=2.0 * est.pairs * (D + Dv), kernel="tiles", dtype=call.compute_dtype,
                 bytes=PAIR_BYTES * (est.pairs - masked) + MASKED_PAIR_BYTES * masked + gathered
-                + convert + call.io_bytes(),
+                + _tensor_reads(call, est) + convert + call.io_bytes(),
                 launches=10 + est.chunks * CHUNK_OPS + est.steps * STEP_OPS
                 + evaluated * MASKED_STEP_OPS,
                 syncs=0 if est.exact else 2,             # (make_plan: counts, steps)

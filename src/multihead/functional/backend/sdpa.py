@@ -35,13 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ...masks.base import bias_as, with_minus_inf
+from ...masks.combine import And
+from ...masks.tensor import read_back
 from ...masks.structured import _offset
 from .._call import AttentionCall, traced
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
-from ._common import FUSED_ROWS, HUGE_LSE, KEY_SPLIT, mask_launches, mask_terms
+from ._common import FUSED_ROWS, HUGE_LSE, KEY_SPLIT, mask_launches
 
 #: the most queries for which a masked GQA call folds its query heads (decoding, verifying)
 FOLD_MASKED_MAX_SQ = 16
@@ -130,24 +131,59 @@ def _rounds_a_tensor_bias(m, dtype: torch.dtype) -> bool:
 
 
 def _dense_mask(call: AttentionCall, row_fix: bool, dtype: torch.dtype):
-    """Return (attn_mask or None, row_ok or None) for SDPA: (B', H', Sq, Sk) bool or float
-    (a tensor bias with no row to open: a view of it, -inf and all)."""
+    """Return (attn_mask, row_ok or None) for SDPA: the mask ``(B', H', Sq, Sk)`` as bool,
+    or as its additive float form where it has a bias (a tensor bias: a view of it, -inf
+    and all, where nothing is joined to it); ``row_ok (B', H', Sq, 1)``: the rows to keep
+    where ``row_fix`` opened rows that allow nothing (to zero after the kernel). A host
+    mask's rows are read first: where every row allows a key, nothing is opened."""
     m = call.effective_mask
-    if m.has_bias and not row_fix:
-        return m._additive_at(m.index(call.Sq, call.Sk, call.q.device, call.compute_dtype),
-                              dtype), None
-    allowed, bias = mask_terms(call, call.q.device)
-    row_ok = None
-    if allowed is not None:
-        allowed = allowed.expand(*allowed.shape[:2], call.Sq, call.Sk)
-        if row_fix:
-            has_any = allowed.any(dim=-1, keepdim=True)                   # (B', H', Sq, 1)
-            allowed = allowed | ~has_any                                  # open empty rows ...
-            row_ok = has_any                                              # ... zero them after
-    if bias is None:
-        return allowed, row_ok
-    attn = bias_as(bias, dtype)
-    return (attn if allowed is None else with_minus_inf(attn, allowed)), row_ok
+    ix = m.index(call.Sq, call.Sk, call.q.device, call.compute_dtype)
+    if m.has_bias:
+        attn = m._additive_at(ix, dtype)
+        if call.requires_grad and m._additive_view(dtype):
+            # (the kernel keeps its mask for the backward: a copy, so that the tensor may be
+            # written before the backward runs, as the other masks' may)
+            attn = attn.clone()
+        if not row_fix:
+            return attn, None
+        live = attn.amax(dim=-1, keepdim=True) != float("-inf")   # (B', H', Sq, 1); NaN: live
+        if _every_row(live):
+            return attn, None
+        return attn.masked_fill(~live, 0.0), live          # open empty rows; zero them after
+    allowed = m._allowed(ix)
+    allowed = allowed.expand(*allowed.shape[:2], call.Sq, call.Sk)
+    if not row_fix:
+        return allowed, None
+    live = allowed.any(dim=-1, keepdim=True)                              # (B', H', Sq, 1)
+    if _every_row(live):
+        return allowed, None
+    return allowed | ~live, live                           # open empty rows; zero them after
+
+
+def _additive_cost(m, dtype) -> tuple[int, int]:
+    """``(bytes per grid entry, fresh full-grid buffers)`` of building ``m._additive_at``:
+    a tensor bias's own tensor costs nothing; a predicate joined to a bias's form, a pass
+    (the join: 8 bytes) and its buffer; else each leaf past the first joins in a pass (16)
+    and a tensor bias's -inf are filled (40), into two buffers (the bias, and the predicate
+    joined to it). Measured on a CPU, 8 x 1024 x 1024 fp32: a tensor bias & key padding 10
+    bytes' time and its buffer's pages."""
+    if m._additive_view(dtype):
+        return 0, 0
+    split = m._bias_and_predicate() if isinstance(m, And) else None
+    if split is not None:
+        per, buffers = _additive_cost(split[0], dtype)
+        return per + 8, buffers + 1
+    leaves = list(m.leaves())
+    tensors = sum(1 for leaf in leaves if leaf.kind == "bias")
+    return 8 + 16 * (len(leaves) - 1) + 40 * tensors, 1 + m.has_predicate
+
+
+def _every_row(live: torch.Tensor) -> bool:
+    """Whether ``live`` is True everywhere, where reading it costs nothing: a host tensor,
+    outside ``torch.compile``, ``torch.func`` transforms and fake tensors; else False."""
+    if live.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    return bool(read_back(live, lambda: bool(live.all())))
 
 
 class SDPA(Backend):
@@ -180,21 +216,26 @@ class SDPA(Backend):
         heads, rows = (B * Hkv, G * Sq) if fold else (B * H, Sq)
         mask_bytes, fresh, peak = 0.0, (), 0.0
         # a tensor bias with no row to open goes to the kernel as it is
-        direct = mode == "masked" and m.has_bias and not row_fix and m._additive_view(dtype)
+        direct = mode == "masked" and m.has_bias and not row_fix and not fold and \
+            m._additive_view(dtype)
         if mode == "masked":   # materialized on the index grid, converted to the dtype
             elems = (m.batch_size or 1) * (m.num_heads or 1) * Sq * Sk
             leaves = list(m.leaves())
             # peak bytes per entry kept on the safe side (ALiBi(8) at 16k: 11.5 GB)
-            if direct:
-                per, held = dtype.itemsize, 0          # (the kernel reads it)
-            elif m.has_bias:   # each leaf past the first joins in a pass; a tensor bias's
-                tensors = sum(1 for leaf in leaves if leaf.kind == "bias")   # -inf are filled
-                per, held = 8 + 16 * (len(leaves) - 1) + 40 * tensors, 4 * (4 + 2 * len(leaves))
-                # the bias, and the predicate joined to it: fresh buffers of the full grid
-                fresh = (elems * call.compute_dtype.itemsize,) * (1 + m.has_predicate)
-            else:
-                per = call.q.element_size() * (3 + len(leaves))
-                held, fresh = per / 2, (elems,) * (1 + row_fix)                # bool
+            if direct:     # the kernel reads it (copied first where a backward keeps it)
+                copy = call.requires_grad
+                per, held = dtype.itemsize * (1 + 2 * copy), dtype.itemsize * copy
+                fresh = (elems * dtype.itemsize,) * copy
+            elif m.has_bias:
+                per, buffers = _additive_cost(m, dtype)
+                held = 4 * (4 + 2 * len(leaves))
+                per += 4 * row_fix      # (rows read; opened where empty: on a device, or rare)
+                fresh = (elems * call.compute_dtype.itemsize,) * buffers
+            else:          # bool; torch turns it into floats (its logical_not, its where)
+                per = call.q.element_size() * (3 + len(leaves)) + 1 + dtype.itemsize
+                opened = row_fix and profile.device_type != "cpu"   # (a host's rows: read)
+                held = per / 2
+                fresh = (elems,) * (1 + opened) + (elems, elems * dtype.itemsize)
             mask_bytes, peak = elems * per, elems * held
         io = call.io_bytes(kv_reads) * (1 if not upcast else 2 * 4 / call.q.element_size())
         unfused = _unfused(call, profile, fold)
@@ -209,7 +250,9 @@ class SDPA(Backend):
                     * (1 if mode == "masked" else -(-Sk // KEY_SPLIT)))
         if call.requires_grad:
             work = work.times(flops=3.5, bytes=3.0, launches=2.0)
-        masked = "bias tensor passed as it is" if direct else "mask materialized densely"
+        masked = "mask materialized densely" if not direct else \
+            "bias tensor passed as it is" + (" (a copy: the backward keeps it)"
+                                             if call.requires_grad else "")
         note = {"plain": "no mask: plain fused kernel",
                 "causal": "is_causal=True: the fused kernel skips the upper triangle",
                 "masked": f"{masked}, every pair computed"}[mode]
