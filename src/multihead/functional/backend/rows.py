@@ -97,13 +97,16 @@ class Rows(Backend):
         size = call.compute_dtype.itemsize
         frac = _live_fraction(call)
         pairs = call.pairs * frac
+        # each sequence's scores and weights (H, Sq, L): new buffers (an average sequence's;
+        # from 1 MiB on, where a host allocator may map them fresh)
+        seq = size * pairs / max(call.B, 1)
         work = Work(flops=2.0 * pairs * (call.D + call.Dv), kernel="matmul",
                     dtype=call.compute_dtype,
                     bytes=SCORE_PASSES * size * pairs + call.io_bytes()
                     + (size * call.pairs if call.return_weights else 0),    # weights written
                     launches=4 + ROW_OPS * call.B + mask_launches(call),
                     syncs=0 if call.effective_mask is None or profile.device_type == "cpu" else 1,
-                    memory=3 * size * pairs / max(call.B, 1))
+                    memory=3 * seq, fresh=(seq,) * (2 * call.B) if seq >= 1 << 20 else ())
         return Plan(work, f"computes {share(frac)} of the keys, one sequence at a time")
 
     def run(self, call, plan):
