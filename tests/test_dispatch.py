@@ -903,3 +903,40 @@ def test_a_backend_refusing_at_positions_names_it():
     text = str(mh.explain(q, k, k, mask=m))
     assert "does not apply at_positions masks (a padded KV cache puts a window" in text
     assert "custom masks" not in text
+
+
+def test_blocksparse_keeps_its_host_scratch_between_calls_and_returns_none_of_it():
+    """A step's scratch buffers of a few MiB were mapped fresh by glibc on every call and
+    page-faulted as written (a 64-key window over 2048 tokens: 22.5 against 10.5 ms kept).
+    A thread keeps its workspace per dtype; results never live in it; a call made while it
+    is in use (here: inside a backward) gets its own; inference mode and autograd share it."""
+    from multihead.functional.backend import blocksparse as bs
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 4, 300, 16, generator=g, requires_grad=True) for _ in range(3))
+    mask = M.sliding_window(40)
+    want = mh.attention(q, k, v, mask=mask, backend="reference")
+    bs._KEPT.__dict__.pop("by_dtype", None)
+    first = mh.attention(q, k, v, mask=mask, backend="blocksparse")
+    kept = bs._KEPT.by_dtype[torch.float32]
+    buffers = {n: b.data_ptr() for n, b in kept.bufs.items()}
+    assert buffers and kept.nbytes <= bs.KEEP_BYTES
+    with torch.inference_mode():
+        again = mh.attention(q, k, v, mask=mask, backend="blocksparse")
+    second = mh.attention(q, k, v, mask=mask, backend="blocksparse")
+    assert bs._KEPT.by_dtype[torch.float32] is kept
+    assert {n: kept.bufs[n].data_ptr() for n in buffers} == buffers       # written in place
+    for out in (first, again, second):
+        assert all(out.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+                   for b in kept.bufs.values())
+        torch.testing.assert_close(out, want)
+    grads = torch.autograd.grad(second.square().sum(), (q, k, v))
+    for got, ref in zip(grads, torch.autograd.grad(want.square().sum(), (q, k, v))):
+        torch.testing.assert_close(got, ref)
+    assert bs._KEPT.by_dtype[torch.float32] is kept
+    with bs._workspace(q) as taken:                  # in use: a call meanwhile gets its own
+        assert taken is kept and torch.float32 not in bs._KEPT.by_dtype
+        inner = mh.attention(q, k, v, mask=mask, backend="blocksparse")
+        assert bs._KEPT.by_dtype[torch.float32] is not kept
+        assert {n: kept.bufs[n].data_ptr() for n in buffers} == buffers
+    assert bs._KEPT.by_dtype[torch.float32] is kept
+    torch.testing.assert_close(inner, want)
