@@ -1,5 +1,6 @@
 """backend="auto" picks the cheapest exact backend; explain() says why; dispatch verified by mock."""
 
+import threading
 from unittest import mock
 
 import importlib.util
@@ -915,7 +916,8 @@ def test_blocksparse_keeps_its_host_scratch_between_calls_and_returns_none_of_it
     q, k, v = (torch.randn(1, 4, 300, 16, generator=g, requires_grad=True) for _ in range(3))
     mask = M.sliding_window(40)
     want = mh.attention(q, k, v, mask=mask, backend="reference")
-    bs._KEPT.__dict__.pop("by_dtype", None)
+    mh.functional.dispatch.clear_cache()                             # (frees kept scratch)
+    assert not getattr(bs._KEPT, "by_dtype", {})
     first = mh.attention(q, k, v, mask=mask, backend="blocksparse")
     kept = bs._KEPT.by_dtype[torch.float32]
     buffers = {n: b.data_ptr() for n, b in kept.bufs.items()}
@@ -940,3 +942,11 @@ def test_blocksparse_keeps_its_host_scratch_between_calls_and_returns_none_of_it
         assert {n: kept.bufs[n].data_ptr() for n in buffers} == buffers
     assert bs._KEPT.by_dtype[torch.float32] is kept
     torch.testing.assert_close(inner, want)
+    done = []                                        # another thread's scratch is freed too
+    worker = threading.Thread(target=lambda: done.append(
+        mh.attention(q.detach(), k.detach(), v.detach(), mask=mask, backend="blocksparse")))
+    worker.start()
+    worker.join()
+    assert len(bs._EVERY_KEPT) >= 1 and any(len(d) for d in bs._EVERY_KEPT)
+    mh.functional.dispatch.clear_cache()
+    assert not any(len(d) for d in bs._EVERY_KEPT) and not bs._KEPT.by_dtype

@@ -345,15 +345,18 @@ def _new_decision(q, k, v, mask, scale, dropout_p, backend, return_weights, retu
 
 def clear_cache() -> None:
     """Forget every cached plan and choice: the next call of each kind decides afresh
-    (plans kept on mask objects are not used again, and go with their masks).
+    (plans kept on mask objects are not used again, and go with their masks); and free the
+    scratch memory blocksparse keeps between calls on the CPU.
 
     Example:
         >>> clear_cache()
     """
     global _cleared
+    from .backend.blocksparse import release_workspaces
     _cleared += 1
     _DECISIONS.clear()
     _CHOICES.clear()
+    release_workspaces()
 
 
 def _plan_keys(q, k, v, mask, scale, dropout_p, backend, return_weights, return_lse,

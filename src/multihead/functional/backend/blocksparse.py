@@ -18,7 +18,8 @@ Limits and caveats:
 - half-precision inputs are computed in float32 and cast back (exact, not fast, on CPU);
 - cost follows the mask's *tile* density: a pattern scattered over every tile gains nothing;
 - on the CPU each thread keeps its scratch buffers between calls (up to
-  :data:`KEEP_BYTES` per dtype), so that they are not mapped and page-faulted anew.
+  :data:`KEEP_BYTES` per dtype), so that they are not mapped and page-faulted anew;
+  ``mh.functional.dispatch.clear_cache()`` frees them.
 
 Notation: B batch, H query heads, Hkv K/V heads, G = H // Hkv, nQc query tiles of a chunk,
 tq/tk tile sizes, W key tiles in a step, L = W * tk keys in a step, R = nQc * G * tq rows.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +94,27 @@ KEEP_BYTES = 64 << 20
 _KEPT = threading.local()
 
 
+class _Kept(dict):
+    """A thread's kept workspaces by dtype (freed with the thread); one object, compared
+    and hashed as itself (in :data:`_EVERY_KEPT`)."""
+
+    __eq__, __hash__ = object.__eq__, object.__hash__
+
+
+_EVERY_KEPT: "weakref.WeakSet[_Kept]" = weakref.WeakSet()
+
+
+def release_workspaces() -> None:
+    """Free the scratch every thread keeps between calls (a workspace in use is kept
+    again when its call ends). :func:`multihead.functional.dispatch.clear_cache` calls it.
+
+    Example:
+        >>> release_workspaces()
+    """
+    for kept in list(_EVERY_KEPT):
+        kept.clear()
+
+
 @contextlib.contextmanager
 def _workspace(like: torch.Tensor):
     """A workspace for one forward or backward: this thread's kept one for ``like``'s dtype
@@ -100,7 +123,10 @@ def _workspace(like: torch.Tensor):
     if like.device.type != "cpu":
         yield _Workspace(like.dtype, like.device)
         return
-    kept = _KEPT.__dict__.setdefault("by_dtype", {})
+    kept = getattr(_KEPT, "by_dtype", None)
+    if kept is None:
+        kept = _KEPT.by_dtype = _Kept()
+        _EVERY_KEPT.add(kept)
     ws = kept.pop(like.dtype, None) or _Workspace(like.dtype, like.device)
     try:
         yield ws
