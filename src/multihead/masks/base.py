@@ -527,7 +527,8 @@ class Mask:
     def _read_facts(self, check: bool = True) -> None:
         """Read this mask's host facts from its (host) tensors and :meth:`_stamp` them;
         ``check``: also raise on values the mask refuses."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no host facts")
+        raise NotImplementedError(f"{type(self).__name__} must implement _read_facts to "
+                                  f"keep host facts")
 
     # -- what subclasses implement ---------------------------------------------------------
     def _allowed(self, ix: Index) -> torch.Tensor:

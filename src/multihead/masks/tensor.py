@@ -225,7 +225,7 @@ class Bias(_RowsRead):
             raise TypeError(f"bias() takes a floating-point tensor, got {what}: use "
                             f"multihead.masks.dense(t) for bool masks")
         t = _as_4d(values, "bias")
-        self.raw, self._live = t, None                         # (B|1, H|1, Sq|1, Sk|1)
+        self.raw = t                                           # (B|1, H|1, Sq|1, Sk|1)
         if t.device.type == "cpu" and not torch.compiler.is_compiling() and self._read_facts():
             bad = (torch.isnan(values) | torch.isposinf(values)).nonzero()
             at = tuple(bad[0].tolist())
@@ -341,6 +341,9 @@ def read_back(t: torch.Tensor, read):
     """``read()``, facts of ``t``'s values on the host; None where they cannot be read now (a
     tensor batched by ``torch.func.vmap``, a fake tensor): such a tensor is not checked, as
     a GPU one is not.
+
+    Shapes:
+        ``t`` any; ``read`` reads it (or anything derived from it).
 
     Example:
         >>> from torch._subclasses.fake_tensor import FakeTensorMode

@@ -261,43 +261,37 @@ def _forward(g: _Geo, q, k, v, scale):
     out6 = out.view(B, Hkv, G, nq, tq, g.Dv)                      # (B, Hkv, G, nQ, tq, Dv)
     rows6 = rows.view(3, B, Hkv, G, nq, tq)
     with _workspace(q) as ws:
-        _forward_chunks(g, q6, kp, vp, out6, rows6, ws, scale)
+        for chunk in g.plan.chunks:
+            if not chunk.steps:
+                continue
+            i0, i1 = chunk.i0, chunk.i1
+            qc = _chunk_q(q6, g, i0, i1, scale)                       # (B, Hkv, nQc, G*tq, D)
+            m = l = acc = None
+            for step in chunk.steps:
+                kg, _ = _gather(kp, step, g, ws, "k")
+                vg, _ = _gather(vp, step, g, ws, "v")
+                s, keep = _scores(qc, kg, step, g, ws, i0, i1)        # (B, Hkv, nQc, G*tq, L)
+                mx = s.amax(dim=-1, keepdim=True)
+                m_new = mx if m is None else torch.maximum(m, mx)
+                m_safe = m_new.masked_fill(m_new == NEG_INF, 0.0)     # empty rows: shift by 0
+                p = _exp_(s, m_safe, keep, g)
+                pv = _mm(p, vg, step.shared, out=ws.get("pv", (*p.shape[:4], g.Dv)))
+                if m is None:                                         # pv: (B, Hkv, nQc, G*tq, Dv)
+                    l, acc = p.sum(dim=-1, keepdim=True), pv.clone()
+                else:
+                    alpha = (m - m_safe).exp_()
+                    l = l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+                    acc = acc.mul_(alpha).add_(pv)
+                m = m_new
+            empty = m == NEG_INF            # no finite score: zeros and lse -inf (a score of
+            m_safe = m.masked_fill(empty, 0.0)  # -inf from an infinite key has weight 0, though
+            l = l.masked_fill(empty, 0.0)       # its exp was clamped at -80)
+            res = acc.masked_fill_(empty, 0.0) / l.masked_fill(l == 0, 1.0)
+            shape6 = (B, Hkv, i1 - i0, G, tq)
+            out6[:, :, :, i0:i1] = res.view(*shape6, g.Dv).permute(0, 1, 3, 2, 4, 5)
+            stats = torch.stack(_split(m_safe, l.log()))              # (3, B, Hkv, nQc, G*tq, 1)
+            rows6[:, :, :, :, i0:i1] = stats.view(3, *shape6).permute(0, 1, 2, 4, 3, 5)
     return out[:, :, :g.Sq], rows[..., :g.Sq]
-
-
-def _forward_chunks(g: _Geo, q6, kp, vp, out6, rows6, ws: _Workspace, scale) -> None:
-    """The forward's loop over chunks of query tiles, writing out6 and rows6."""
-    B, Hkv, G, tq = g.B, g.Hkv, g.G, g.tq
-    for chunk in g.plan.chunks:
-        if not chunk.steps:
-            continue
-        i0, i1 = chunk.i0, chunk.i1
-        qc = _chunk_q(q6, g, i0, i1, scale)                   # (B, Hkv, nQc, G*tq, D)
-        m = l = acc = None
-        for step in chunk.steps:
-            kg, _ = _gather(kp, step, g, ws, "k")
-            vg, _ = _gather(vp, step, g, ws, "v")
-            s, keep = _scores(qc, kg, step, g, ws, i0, i1)    # (B, Hkv, nQc, G*tq, L)
-            mx = s.amax(dim=-1, keepdim=True)
-            m_new = mx if m is None else torch.maximum(m, mx)
-            m_safe = m_new.masked_fill(m_new == NEG_INF, 0.0) # empty rows: shift by 0
-            p = _exp_(s, m_safe, keep, g)
-            pv = _mm(p, vg, step.shared, out=ws.get("pv", (*p.shape[:4], g.Dv)))
-            if m is None:                                     # pv: (B, Hkv, nQc, G*tq, Dv)
-                l, acc = p.sum(dim=-1, keepdim=True), pv.clone()
-            else:
-                alpha = (m - m_safe).exp_()
-                l = l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
-                acc = acc.mul_(alpha).add_(pv)
-            m = m_new
-        empty = m == NEG_INF        # no finite score: zeros and lse -inf (a score of
-        m_safe = m.masked_fill(empty, 0.0)  # -inf from an infinite key has weight 0, though
-        l = l.masked_fill(empty, 0.0)   # its exp was clamped at -80)
-        res = acc.masked_fill_(empty, 0.0) / l.masked_fill(l == 0, 1.0)
-        shape6 = (B, Hkv, i1 - i0, G, tq)
-        out6[:, :, :, i0:i1] = res.view(*shape6, g.Dv).permute(0, 1, 3, 2, 4, 5)
-        stats = torch.stack(_split(m_safe, l.log()))          # (3, B, Hkv, nQc, G*tq, 1)
-        rows6[:, :, :, :, i0:i1] = stats.view(3, *shape6).permute(0, 1, 2, 4, 3, 5)
 
 
 def _split(m: torch.Tensor, log_l: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -315,37 +309,37 @@ def _backward(g: _Geo, q, k, v, out, hi, lo, dout, dlse, scale):
     # dS = exp(s - hi) * (c dP - c delta), with no pass over the scores.
     B, Hkv, G, nq, tq, nk, tk = g.B, g.Hkv, g.G, g.nq, g.tq, g.nk, g.tk
     q6 = _pad_seq(q, nq * tq).view(B, Hkv, G, nq, tq, g.D)
-    c = lo.neg().exp_().unsqueeze(-1)                          # (B, H, Sq, 1)
-    delta = (dout * out).sum(-1, keepdim=True)                 # (B, H, Sq, 1)
+    c = lo.neg().exp_().unsqueeze(-1)                              # (B, H, Sq, 1)
+    delta = (dout * out).sum(-1, keepdim=True)                     # (B, H, Sq, 1)
     if dlse is not None:
-        delta = delta - dlse.unsqueeze(-1)                    # d lse / d s = p
-    delta = (delta * c).squeeze(-1)                           # (B, H, Sq)
+        delta = delta - dlse.unsqueeze(-1)                        # d lse / d s = p
+    delta = (delta * c).squeeze(-1)                               # (B, H, Sq)
     do6 = _pad_seq(dout * c, nq * tq).view(B, Hkv, G, nq, tq, g.Dv)
-    lse_safe = hi.masked_fill(hi == NEG_INF, float("inf"))    # empty rows: p = 0
+    lse_safe = hi.masked_fill(hi == NEG_INF, float("inf"))        # empty rows: p = 0
     pad_rows = nq * tq - g.Sq
     lse6 = F.pad(lse_safe, (0, pad_rows), value=float("inf")).view(B, Hkv, G, nq, tq)
     dl6 = F.pad(delta, (0, pad_rows)).view(B, Hkv, G, nq, tq)
     kp, vp = _pad_seq(k, nk * tk), _pad_seq(v, nk * tk)
-    dq = torch.zeros_like(q6)                                 # (B, Hkv, G, nQ, tq, D)
-    dk, dv = torch.zeros_like(kp), torch.zeros_like(vp)       # (B, Hkv, nK*tk, D|Dv)
+    dq = torch.zeros_like(q6)                                     # (B, Hkv, G, nQ, tq, D)
+    dk, dv = torch.zeros_like(kp), torch.zeros_like(vp)           # (B, Hkv, nK*tk, D|Dv)
     with _workspace(q) as ws:
         for chunk in g.plan.chunks:
             i0, i1 = chunk.i0, chunk.i1
             nqc = i1 - i0
-            qc = _chunk_q(q6, g, i0, i1, scale)                   # (B, Hkv, nQc, G*tq, D)
-            doc = _chunk_q(do6, g, i0, i1, 1.0)                   # (B, Hkv, nQc, G*tq, Dv)
+            qc = _chunk_q(q6, g, i0, i1, scale)                       # (B, Hkv, nQc, G*tq, D)
+            doc = _chunk_q(do6, g, i0, i1, 1.0)                       # (B, Hkv, nQc, G*tq, Dv)
             fold = lambda t: t[:, :, :, i0:i1].permute(0, 1, 3, 2, 4).reshape(
-                B, Hkv, nqc, G * tq, 1)
+                B, Hkv, nqc, G * tq, 1)                           # (B, Hkv, nQc, G*tq, 1)
             lse_c, dl_c = fold(lse6), fold(dl6)
             dq_c = None
             for step in chunk.steps:
                 kg, flat = _gather(kp, step, g, ws, "k")
                 vg, _ = _gather(vp, step, g, ws, "v")
-                s, keep = _scores(qc, kg, step, g, ws, i0, i1)    # (B, Hkv, nQc, G*tq, L)
-                p = _exp_(s, lse_c, keep, g)                       # the forward's weights
+                s, keep = _scores(qc, kg, step, g, ws, i0, i1)        # (B, Hkv, nQc, G*tq, L)
+                p = _exp_(s, lse_c, keep, g)                           # the forward's weights
                 dp = _mm(doc, vg.transpose(-1, -2), step.shared, out=ws.get("dp", p.shape))
-                ds = dp.sub_(dl_c).mul_(p)                        # (B, Hkv, nQc, G*tq, L)
-                part = _mm(ds, kg, step.shared)                   # (B, Hkv, nQc, G*tq, D)
+                ds = dp.sub_(dl_c).mul_(p)                            # (B, Hkv, nQc, G*tq, L)
+                part = _mm(ds, kg, step.shared)                       # (B, Hkv, nQc, G*tq, D)
                 dq_c = part if dq_c is None else dq_c.add_(part)
                 _scatter(dv, _tmm(p, doc, step.shared), step, flat, g)
                 _scatter(dk, _tmm(ds, qc, step.shared), step, flat, g)

@@ -144,20 +144,17 @@ def _dense_mask(call: AttentionCall, row_fix: bool, dtype: torch.dtype):
             # (the kernel keeps its mask for the backward: a copy, so that the tensor may be
             # written before the backward runs, as the other masks' may)
             attn = attn.clone()
-        if not row_fix:
-            return attn, None
-        live = attn.amax(dim=-1, keepdim=True) != float("-inf")   # (B', H', Sq, 1); NaN: live
-        if _every_row(live):
-            return attn, None
-        return attn.masked_fill(~live, 0.0), live          # open empty rows; zero them after
-    allowed = m._allowed(ix)
-    allowed = allowed.expand(*allowed.shape[:2], call.Sq, call.Sk)
+    else:
+        attn = m._allowed(ix)
+        attn = attn.expand(*attn.shape[:2], call.Sq, call.Sk)
     if not row_fix:
-        return allowed, None
-    live = allowed.any(dim=-1, keepdim=True)                              # (B', H', Sq, 1)
+        return attn, None
+    live = attn.amax(dim=-1, keepdim=True) != float("-inf") if m.has_bias else \
+        attn.any(dim=-1, keepdim=True)                          # (B', H', Sq, 1); NaN: live
     if _every_row(live):
-        return allowed, None
-    return allowed | ~live, live                           # open empty rows; zero them after
+        return attn, None
+    opened = 0.0 if m.has_bias else True                   # (0: no bias; True: every key)
+    return attn.masked_fill(~live, opened), live           # open empty rows; zero them after
 
 
 def _additive_cost(m, dtype) -> tuple[int, int]:
