@@ -326,6 +326,41 @@ def test_a_child_forked_while_a_thread_holds_a_lock_can_still_attend(held):
         holder.join()
 
 
+def test_rows_leaves_out_a_predicate_that_rules_nothing_out_in_a_sequence(monkeypatch):
+    """A padded batch's full-length sequence (and each sequence's span of real keys) is left
+    whole by the padding: rows skipped evaluating and applying the predicate there (a pass
+    over the scores each), but still adds the bias; outputs, weights and lse stay the
+    oracle's, GQA included."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(3, 4, 48, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(3, 2, 48, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    lens = torch.tensor([48, 20, 0])
+    table = torch.randn(3, 4, 48, 48, generator=g, dtype=torch.float64)
+    evaluated = []
+    real_at = mh.masks.Mask.at
+
+    def at(self, ix):
+        evaluated.append(int(ix.b.reshape(-1)[0]))
+        return real_at(self, ix)
+    for mask in (mh.masks.padding(lens), mh.masks.padding(lens) & mh.masks.alibi(4),
+                 mh.masks.padding(lens) & mh.masks.bias(table)):
+        evaluated.clear()
+        monkeypatch.setattr(mh.masks.Mask, "at", at)
+        out, w, lse = mh.attention(q, k, v, mask=mask, backend="rows", return_weights=True,
+                                   return_lse=True)
+        monkeypatch.setattr(mh.masks.Mask, "at", real_at)
+        ref, ref_w, ref_lse = mh.attention(q, k, v, mask=mask, backend="reference",
+                                           return_weights=True, return_lse=True)
+        torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+        torch.testing.assert_close(w, ref_w, atol=1e-12, rtol=0)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=0)
+        assert evaluated == []                    # neither sequence's span needed the mask
+    # a predicate that rules keys out inside the span is still applied
+    mask = mh.masks.padding(lens) & mh.masks.causal()
+    out = mh.attention(q, k, v, mask=mask, backend="rows")
+    torch.testing.assert_close(out, oracle(q, k, v, mask), atol=1e-12, rtol=0)
+
+
 def test_rows_evaluates_a_query_dependent_mask_one_sequence_at_a_time(monkeypatch):
     """Key and query padding together vary by query: rows materialized them whole, (B, 1,
     Sq, Sk) bools (5.8 GB for B=64, S=8192, where one sequence was real). Each sequence's
@@ -341,13 +376,14 @@ def test_rows_evaluates_a_query_dependent_mask_one_sequence_at_a_time(monkeypatc
         out = real_at(self, ix)
         seen.append(torch.broadcast_shapes(ix.b.shape, ix.h.shape, ix.q.shape, ix.k.shape))
         return out
-    for mask in (mh.masks.padding(lens) & mh.masks.padding(lens, side="query"),
-                 mh.masks.padding(lens) & mh.masks.padding(lens, side="query") & mh.masks.causal()
-                 & mh.masks.alibi(2)):
+    # (the sequence of all 64 tokens: its padding rules nothing out, so it is not evaluated)
+    for mask, live in ((mh.masks.padding(lens) & mh.masks.padding(lens, side="query"), 40 + 17),
+                       (mh.masks.padding(lens) & mh.masks.padding(lens, side="query")
+                        & mh.masks.causal() & mh.masks.alibi(2), 40 + 17 + 64)):
         seen.clear()
         monkeypatch.setattr(mh.masks.Mask, "at", at)
         out = mh.attention(q, k, v, mask=mask, backend="rows")
         monkeypatch.setattr(mh.masks.Mask, "at", real_at)
         torch.testing.assert_close(out, oracle(q, k, v, mask), atol=1e-12, rtol=0)
         assert seen and all(b == 1 and sk <= 64 for b, _, _, sk in seen)
-        assert sum(sk for *_, sk in seen) == int(lens.sum())      # the live keys, row by row
+        assert sum(sk for *_, sk in seen) == live                 # the live keys, row by row
