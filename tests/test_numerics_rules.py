@@ -553,3 +553,67 @@ def test_sdpa_joins_a_predicate_to_a_bias_of_more_dims_exactly(dtype):
     (dwant,) = torch.autograd.grad(want.masked_fill(want.isneginf(), 0).mul(weights).sum(),
                                    learned)
     assert torch.equal(dgot, dwant)
+
+
+@pytest.mark.parametrize("empty", ["none", "masked rows", "overflowed row"])
+def test_the_reference_softmax_is_torchs_softmax_to_every_order_with_empty_rows_zero(empty):
+    """The reference's softmax takes torch's fused softmax where no row is all -inf (read on
+    the CPU), the formula where one is: weights, lse, their gradients, second derivatives
+    and forward-mode tangents are torch's softmax and logsumexp (fp64) on every row that
+    has a finite score, and zeros (lse -inf, no NaN gradient through the weights) on a row
+    that has none, whatever the caller says it knows (an overflowed row is found by the
+    read). (An lse of -inf has no finite gradient: :func:`multihead.attention` keeps such
+    rows out of it.)"""
+    from multihead.functional.backend.reference import safe_softmax
+    g = torch.Generator().manual_seed(7)
+    scores = torch.randn(2, 3, 5, 9, generator=g, dtype=torch.float64) * 4
+    scores[0, 1, 2, 4:] = float("-inf")                             # a partly masked row
+    if empty != "none":
+        scores[1, 0, 3] = float("-inf")                             # a row that sees nothing
+        scores[0, 2, 0] = float("-inf")
+    live = ~torch.isinf(scores).all(-1)                             # (2, 3, 5)
+    s = scores.clone().requires_grad_()
+    w, lse = safe_softmax(s, may_be_empty=empty == "masked rows")
+    up = torch.randn(w.shape, generator=g, dtype=torch.float64)
+    up_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
+    def loss(w, lse):                      # (with an empty row, through the weights only)
+        return (w * up).sum() + ((lse * up_lse).sum() if empty == "none" else 0)
+    (gs,) = torch.autograd.grad(loss(w, lse), s, create_graph=True)
+    (gg,) = torch.autograd.grad((gs * up).sum(), s)                 # a second derivative
+
+    ref_s = scores.clone().requires_grad_()
+    ref_w, ref_lse = torch.softmax(ref_s, -1), torch.logsumexp(ref_s, -1)
+    (ref_gs,) = torch.autograd.grad(loss(ref_w, ref_lse), ref_s, create_graph=True)
+    (ref_gg,) = torch.autograd.grad((ref_gs * up).sum(), ref_s)
+    for ours, ref in ((w, ref_w), (lse, ref_lse), (gs, ref_gs), (gg, ref_gg)):
+        torch.testing.assert_close(ours[live], ref.detach()[live], atol=1e-12, rtol=1e-12)
+    assert (w[~live] == 0).all() and (lse[~live] == float("-inf")).all()
+    assert (gs[~live] == 0).all() and (gg[~live] == 0).all()        # finite: no NaN
+
+    tangent = torch.randn(scores.shape, generator=g, dtype=torch.float64)
+    _, jw = torch.func.jvp(lambda x: safe_softmax(x, may_be_empty=empty == "masked rows")[0],
+                           (scores,), (tangent.masked_fill(torch.isinf(scores), 0),))
+    _, ref_jw = torch.func.jvp(lambda x: torch.softmax(x, -1), (scores,),
+                               (tangent.masked_fill(torch.isinf(scores), 0),))
+    torch.testing.assert_close(jw[live], ref_jw[live], atol=1e-12, rtol=1e-12)
+    assert (jw[~live] == 0).all()
+
+
+def test_the_reference_softmax_under_vmap_trusts_the_callers_facts():
+    """Under vmap the scores cannot be read: a row that may be empty takes the formula
+    (zeros), as the caller's mask says; the module's call does the same."""
+    from multihead.functional.backend.reference import safe_softmax
+    scores = torch.randn(3, 4, 6, dtype=torch.float64)
+    scores[1, 2] = float("-inf")
+    w, lse = torch.func.vmap(lambda x: safe_softmax(x, may_be_empty=True))(scores)
+    assert (w[1, 2] == 0).all() and lse[1, 2] == float("-inf")
+    torch.testing.assert_close(w[0], torch.softmax(scores[0], -1), atol=1e-12, rtol=0)
+    q, k, v = _qkv(B=3, S=16, dtype=torch.float64)
+    mask = M.padding(torch.tensor([16, 0, 5]))
+    outs = torch.func.vmap(lambda a, b, c: mh.attention(a[None], b[None], c[None],
+                                                        mask=M.padding(torch.tensor([5])),
+                                                        backend="reference")[0])(q, k, v)
+    torch.testing.assert_close(outs, oracle(q, k, v, M.padding(torch.tensor([5] * 3))),
+                               atol=1e-12, rtol=0)
+    out = mh.attention(q, k, v, mask=mask, backend="reference")
+    assert (out[1] == 0).all()
