@@ -617,3 +617,28 @@ def test_the_reference_softmax_under_vmap_trusts_the_callers_facts():
                                atol=1e-12, rtol=0)
     out = mh.attention(q, k, v, mask=mask, backend="reference")
     assert (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None])
+def test_the_reference_gradient_product_reads_a_non_finite_operand_as_zero(bad):
+    """The reference's backward reads non-finite entries of an operand as 0; where that
+    operand is the large one (the weights, in the values' gradient) it multiplies first and
+    cleans only when the product is not finite: the same values either way, bit for bit
+    where all is finite."""
+    from multihead.functional.backend.reference import _finite_product
+    g = torch.Generator().manual_seed(5)
+    w = torch.rand(2, 3, 40, 50, generator=g, dtype=torch.float64)       # weights (B, H, Sq, Sk)
+    up = torch.randn(2, 3, 40, 8, generator=g, dtype=torch.float64)       # dO (B, H, Sq, Dv)
+    if bad is not None:
+        w[1, 2, 7, 11] = bad
+    clean = w.nan_to_num(0.0, 0.0, 0.0)
+    got = _finite_product(w.transpose(-2, -1), up, clean=0)               # (B, H, Sk, Dv)
+    assert torch.equal(got, clean.transpose(-2, -1) @ up)
+    small = torch.randn(2, 3, 8, 50, generator=g, dtype=torch.float64)    # vᵀ
+    if bad is not None:
+        small[0, 1, 2, 3] = bad
+    got = _finite_product(up, small, clean=1)                             # (B, H, Sq, Sk)
+    assert torch.equal(got, up @ small.nan_to_num(0.0, 0.0, 0.0))
+    batched = torch.func.vmap(lambda a, b: _finite_product(a, b, clean=0))(
+        w.transpose(-2, -1), up)
+    assert torch.equal(batched, clean.transpose(-2, -1) @ up)

@@ -104,6 +104,31 @@ def softmax_(scores: torch.Tensor) -> torch.Tensor:
     return (m + torch.log(l)).squeeze(-1)                            # log(0) = -inf, no NaN
 
 
+def _finite_product(x: torch.Tensor, y: torch.Tensor, clean: int) -> torch.Tensor:
+    """``x @ y`` with the non-finite entries of ``(x, y)[clean]`` read as 0. Where that
+    operand is larger than the product (the weights, in the gradient of the values), on the
+    CPU the product is taken as it is first and kept if finite: IEEE arithmetic makes every
+    row (or column) that meets a non-finite entry non-finite (``NaN * 0`` and ``inf * 0``
+    are NaN), so a finite product saw none, and a pass that writes a cleaned copy of a
+    score-sized operand is saved. Otherwise (a smaller operand; a read would stall a GPU;
+    traced, batched or fake tensors cannot be read) the operand is cleaned first.
+
+    Example:
+        >>> x = torch.tensor([[1.0, float("nan")]])
+        >>> _finite_product(x, torch.tensor([[2.0], [3.0]]), clean=0).tolist()
+        [[2.0]]
+    """
+    operand = (x, y)[clean]
+    product = x.numel() // max(x.shape[-1], 1) * y.shape[-1]       # (about: batch dims)
+    if (operand.numel() > product and x.device.type == "cpu"
+            and not torch.compiler.is_compiling()):
+        out = x @ y
+        if read_back(out, lambda: bool(torch.isfinite(out).all())):
+            return out
+    cleaned = operand.nan_to_num(0.0, 0.0, 0.0)
+    return cleaned @ y if clean == 0 else x @ cleaned
+
+
 class _Product(torch.autograd.Function):
     """``a @ b`` (IEEE arithmetic, as written) whose gradients read the non-finite entries
     of ``a`` and ``b`` as 0: a NaN in a key or value the mask hides, weighted by 0 in the
@@ -124,8 +149,10 @@ class _Product(torch.autograd.Function):
     @staticmethod
     @without_autocast
     def backward(ctx, grad):
-        a, b = (t.nan_to_num(0.0, 0.0, 0.0) for t in ctx.saved_tensors)
-        return grad @ b.transpose(-2, -1), a.transpose(-2, -1) @ grad
+        a, b = ctx.saved_tensors
+        need_a, need_b = ctx.needs_input_grad
+        return (_finite_product(grad, b.transpose(-2, -1), clean=1) if need_a else None,
+                _finite_product(a.transpose(-2, -1), grad, clean=0) if need_b else None)
 
 
 class _TangentProduct(_Product):
