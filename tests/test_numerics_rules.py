@@ -642,3 +642,19 @@ def test_the_reference_gradient_product_reads_a_non_finite_operand_as_zero(bad):
     batched = torch.func.vmap(lambda a, b: _finite_product(a, b, clean=0))(
         w.transpose(-2, -1), up)
     assert torch.equal(batched, clean.transpose(-2, -1) @ up)
+
+
+def test_the_reference_lse_gradient_sums_to_one_on_a_row_a_huge_bias_shifts():
+    """A row whose every score carries -1e30 keeps an lse of -1e30 (adding log Sk rounds
+    away): torch.logsumexp's gradient, exp(s - lse), was 1 per key there, Sk times the
+    softmax it must be; the reference's lse is its own, whose gradient is the weights."""
+    from multihead.functional.backend.reference import safe_softmax
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randn(3, 24, generator=g, dtype=torch.float64)
+    scores[1] += -1e30
+    s = scores.clone().requires_grad_()
+    w, lse = safe_softmax(s, may_be_empty=False)
+    (grad,) = torch.autograd.grad(lse.sum(), s)
+    torch.testing.assert_close(grad.sum(-1), torch.ones(3, dtype=torch.float64),
+                               atol=1e-12, rtol=0)
+    torch.testing.assert_close(grad, w.detach(), atol=1e-12, rtol=0)

@@ -144,6 +144,29 @@ def to_torch(ours: "mh.MultiHeadAttention") -> nn.MultiheadAttention:
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.__init__)
 
 
+def _project(query: Tensor, key: Tensor, value: Tensor, weights, same_qkv: bool,
+             same_kv: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """The input projections ``(q, k, v)`` ``(B, L|S, E)``, computed as torch's module does:
+    where the weights are packed, one matmul for self-attention, one for the key and value
+    where they are one tensor (the same numbers, and one launch, not three)."""
+    E = query.shape[-1] if weights.packed is None else weights.packed.shape[-1]
+    w_q, w_k, w_v = weights.w_in                                        # (E, E|kdim|vdim)
+    b_in = None                                         # (torch adds a bias of another dtype)
+    b_q = b_k = b_v = None
+    if weights.b_in is not None:
+        b_in = weights.b_in.to(w_q.dtype)
+        b_q, b_k, b_v = b_in.split(E)
+    packed = weights.packed
+    if packed is not None and same_qkv:
+        q, k, v = F.linear(query, packed, b_in).split(E, dim=-1)       # (B, L, 3E) -> 3x E
+        return q, k, v
+    q = F.linear(query, w_q, b_q)                                       # (B, L, E)
+    if packed is not None and same_kv:
+        k, v = F.linear(key, packed[E:], None if b_in is None else b_in[E:]).split(E, dim=-1)
+        return q, k, v                                                  # (B, S, 2E) -> 2x E
+    return q, F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
+
+
 class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
     """Drop-in for ``torch.nn.MultiheadAttention``: same constructor, forward, parameters and
     ``state_dict``; computed by :func:`multihead.attention`.
@@ -249,6 +272,10 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
         if query.is_nested or key.is_nested or value.is_nested:
             return self._forward_nested(query, key, value, key_padding_mask, need_weights,
                                         attn_mask, average_attn_weights, is_causal)
+        # self-attention (and key is value) are projected as torch does: one matmul of the
+        # packed weights (and one of the key's and value's)
+        same_kv = key is value
+        same_qkv = same_kv and query is key
         # torch's other path applies the causal mask in place of attn_mask when it returns no
         # weights and has no padding mask; its fused kernel ignores the hint
         causal = is_causal and key_padding_mask is None and not need_weights
@@ -279,12 +306,8 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))  # (B, S, E)
         B, L, E = query.shape
         H, Dh = self.num_heads, self.head_dim
-        w_q, w_k, w_v = weights.w_in                                        # (E, E|kdim|vdim)
-        b_q = b_k = b_v = None
-        if weights.b_in is not None:                    # torch adds a bias of another dtype
-            b_q, b_k, b_v = weights.b_in.to(w_q.dtype).split(E)
-        q = F.linear(query, w_q, b_q).reshape(B, L, H, Dh).transpose(1, 2)  # (B, H, L, Dh)
-        k, v = F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)          # (B, S, E)
+        q, k, v = _project(query, key, value, weights, same_qkv, same_kv)  # (B, L|S, E)
+        q = q.reshape(B, L, H, Dh).transpose(1, 2)                          # (B, H, L, Dh)
         n_extra = 0                                                         # keys added at the end
         if weights.bias_k is not None:
             k = torch.cat([k, weights.bias_k.view(1, 1, E).expand(B, 1, E)], dim=1)

@@ -98,6 +98,7 @@ class _Weights(NamedTuple):
     bias_v: Optional[torch.Tensor]
     w_out: object                         # a tensor, unless out_proj is not a Linear
     b_out: object
+    packed: Optional[torch.Tensor] = None  # (3*E, E): W_q, W_k, W_v stacked, where packed
 
 
 def _read_weights(m: nn.MultiheadAttention) -> _Weights:
@@ -111,7 +112,8 @@ def _read_weights(m: nn.MultiheadAttention) -> _Weights:
     w_out, b_out = getattr(m.out_proj, "weight", None), getattr(m.out_proj, "bias", None)
     w_in = tuple(packed.split(m.embed_dim)) if m._qkv_same_embed_dim else (
         m.q_proj_weight, m.k_proj_weight, m.v_proj_weight)          # packed: views of (3*E, E)
-    return _Weights(w_in, b_in, bias_k, bias_v, w_out, b_out)
+    return _Weights(w_in, b_in, bias_k, bias_v, w_out, b_out,
+                    packed if m._qkv_same_embed_dim else None)
 
 
 def _check_input_dtypes(m: nn.MultiheadAttention, query, key, value, weights: _Weights) -> None:

@@ -85,6 +85,19 @@ def _version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
+def grid_shape(*shapes) -> list:
+    """The shape that shapes of one rank which broadcast together take: in each dim the
+    size other than 1, if any (0 included). :func:`torch.broadcast_shapes` without its
+    import of sympy on first use (0.35 s) or its cost per call (70 us, a third of a small
+    call).
+
+    Example:
+        >>> grid_shape((2, 1, 5, 1), (1, 1, 1, 7), (2, 1, 1, 1))
+        [2, 1, 5, 7]
+    """
+    return [next((n for n in sizes if n != 1), 1) for sizes in zip(*shapes)]
+
+
 def range_of(t: torch.Tensor, dim: int) -> tuple[int, int] | None:
     """``(start, stop)`` where index ``t`` is :func:`axis_range` along ``dim``, unchanged
     since it was made (an index sliced, copied or written in place is not); else None.
@@ -772,9 +785,7 @@ class Mask:
             state = torch.full(shape, FULL, dtype=torch.int8, device=device)
         else:
             any_, all_ = self._tile_bounds(tx)
-            # both 4-D, broadcast (a size 1 takes the other's, 0 included); torch's
-            # broadcast_shapes would import sympy on its first use (0.35 s)
-            any_ = torch.broadcast_to(any_, [b if a == 1 else a for a, b in zip(any_.shape, shape)])
+            any_ = torch.broadcast_to(any_, grid_shape(any_.shape, shape))  # (both 4-D)
             if inside is not None:
                 any_ = any_ & inside                                        # past a row's band
             all_ = torch.broadcast_to(all_, any_.shape) & any_

@@ -15,7 +15,7 @@ from .._args import positive_int
 from .._dtypes import check_strided
 from .._device import to_device
 from .._tracing import concrete, shape_text
-from .base import Index, Mask, TileIndex, range_of
+from .base import Index, Mask, TileIndex, grid_shape, range_of
 
 
 def _as_4d(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -46,7 +46,7 @@ def _gather4(t: torch.Tensor, ix: Index) -> torch.Tensor:
         for d, s in enumerate(spans):
             if s is not None:
                 t = t.narrow(d, s[0], s[1] - s[0])
-        return t.expand(torch.broadcast_shapes(*(i.shape for i in axes)))   # (B', H', Sq, Sk)
+        return t.expand(grid_shape(*(i.shape for i in axes)))               # (B', H', Sq, Sk)
     # a broadcast (size-1) dim reads index 0; ``i * 0`` keeps the index's rank
     idx = [i if n > 1 else i * 0 for i, n in zip(axes, t.shape)]
     return t[idx[0], idx[1], idx[2], idx[3]]

@@ -26,20 +26,20 @@ from ._common import mask_launches, mask_terms
 SCORE_PASSES = 20
 
 
-def _shift(scores: torch.Tensor) -> torch.Tensor:
-    """Each row's largest score ``(..., 1)``, 0 where it is not finite (an all -inf row)."""
-    m = scores.amax(dim=-1, keepdim=True)
+def _shift(scores: torch.Tensor, peak: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's largest score ``(..., 1)`` (``peak``, if given), 0 where it is not finite
+    (an all -inf row)."""
+    m = scores.amax(dim=-1, keepdim=True) if peak is None else peak
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
 
-def _surely_no_empty_row(scores: torch.Tensor, may_be_empty: bool) -> bool:
-    """Whether no row of ``scores`` is all ``-inf``: read on the CPU (one reduction, and
-    free to read back; a score that overflowed to ``-inf`` is seen too), else the caller's
-    host fact (``may_be_empty``: from the mask, never a device read)."""
-    if scores.device.type != "cpu" or torch.compiler.is_compiling() or not scores.numel():
+def _surely_no_empty_row(peak: torch.Tensor, may_be_empty: bool) -> bool:
+    """Whether no row is all ``-inf``, from the rows' largest scores ``peak``: read on the
+    CPU (free to read back; a score that overflowed to ``-inf`` is seen too), else the
+    caller's host fact (``may_be_empty``: from the mask, never a device read)."""
+    if peak.device.type != "cpu" or torch.compiler.is_compiling() or not peak.numel():
         return not may_be_empty
-    peak = scores.detach().amax(dim=-1)                                # (...,)
-    found = read_back(scores, lambda: bool((peak == float("-inf")).any()))
+    found = read_back(peak, lambda: bool((peak == float("-inf")).any()))
     return found is False if found is not None else not may_be_empty
 
 
@@ -47,11 +47,14 @@ def safe_softmax(scores: torch.Tensor, may_be_empty: bool = True,
                  lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax over the last dim where an all ``-inf`` row gives zeros (not NaN).
 
-    Where no row can be all ``-inf`` (:func:`_surely_no_empty_row`), torch's fused softmax
-    (and logsumexp): its backward is one pass, 3-4x faster on a CPU than the formula's
-    ops each differentiated. Otherwise the formula, shifted by the rows' largest score
-    (a constant to autograd: softmax and logsumexp do not depend on the shift, so every
-    derivative, of every order, is the same without its backward).
+    Where no row can be all ``-inf`` (:func:`_surely_no_empty_row`), the weights are torch's
+    fused softmax: its backward is one pass, 3-4x faster on a CPU than the formula's ops
+    each differentiated. Otherwise the formula, shifted by the rows' largest score (a
+    constant to autograd: softmax and logsumexp do not depend on the shift, so every
+    derivative, of every order, is the same without its backward). The lse is always the
+    formula's: ``torch.logsumexp``'s gradient, ``exp(s - lse)``, is ``Sk`` times too large
+    on a row whose scores carry a bias so large that adding the log of the sum rounds away
+    (-1e30 in float64).
 
     Args:
         scores: ``(..., Sk)``.
@@ -67,14 +70,17 @@ def safe_softmax(scores: torch.Tensor, may_be_empty: bool = True,
         >>> w.tolist(), lse.tolist()
         ([[0.5, 0.5], [0.0, 0.0]], [0.6931471824645996, -inf])
     """
-    if _surely_no_empty_row(scores, may_be_empty):
-        return (torch.softmax(scores, dim=-1),
-                torch.logsumexp(scores, dim=-1) if lse else None)
-    m = _shift(scores.detach())
-    p = torch.exp(scores - m)
-    l = p.sum(dim=-1, keepdim=True)
-    empty = l == 0
-    weights = p / torch.where(empty, torch.ones_like(l), l)
+    peak = scores.detach().amax(dim=-1, keepdim=True)                 # (..., 1)
+    m = _shift(scores, peak)
+    if _surely_no_empty_row(peak, may_be_empty):
+        weights = torch.softmax(scores, dim=-1)
+        if not lse:
+            return weights, None
+        l = torch.exp(scores - m).sum(dim=-1, keepdim=True)
+    else:
+        p = torch.exp(scores - m)
+        l = p.sum(dim=-1, keepdim=True)
+        weights = p / torch.where(l == 0, torch.ones_like(l), l)
     return weights, ((m + torch.log(l)).squeeze(-1) if lse else None)  # log(0): -inf, no NaN
 
 
@@ -199,9 +205,13 @@ class Reference(Backend):
         q, k, v = call.q, call.k, call.v
         work = call.compute_dtype
         q, k, v = q.to(work), k.to(work), v.to(work)
-        k = k.repeat_interleave(call.group, dim=1)                    # (B, H, Sk, D)
-        v = v.repeat_interleave(call.group, dim=1)                    # (B, H, Sk, Dv)
-        product = _TangentProduct.apply if call.forward_ad else _Product.apply
+        if call.group > 1:
+            k = k.repeat_interleave(call.group, dim=1)                # (B, H, Sk, D)
+            v = v.repeat_interleave(call.group, dim=1)                # (B, H, Sk, Dv)
+        # (no derivative taken: the plain product, the same numbers without a Function's
+        # per-call cost)
+        product = (_TangentProduct.apply if call.forward_ad else _Product.apply
+                   if call.requires_grad else torch.matmul)
         # (q scaled, not the scores: a pass over (B, H, Sq, D) and its gradient, not over
         # the scores; the order torch's attention takes)
         scores = product(q * call.scale, k.transpose(-2, -1))         # (B, H, Sq, Sk)
