@@ -68,6 +68,31 @@ def test_drop_in_parity(batch_first, kdim, bias, mask_kind, mask_dtype, need_wei
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("batch_first,bias", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("which", ["self", "key is value"])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_self_attention_and_a_shared_key_value_tensor_project_as_torch(which, batch_first,
+                                                                       bias, need_weights):
+    """Where query, key and value are one tensor (or key and value are), the packed weights
+    project them in one matmul, as torch does: outputs, weights and every gradient agree
+    with torch's (the other test passes three tensors)."""
+    t, ours = _pair(batch_first, None, None, bias)
+    x, mem, _ = _inputs(batch_first, None, None)
+    args = (x, x, x) if which == "self" else (x, mem, mem)
+    kpm = torch.zeros(B, L if which == "self" else S, dtype=torch.bool)
+    kpm[1, 3:] = True
+    kw = dict(key_padding_mask=kpm, need_weights=need_weights)
+    (a_out, a_w), (b_out, b_w) = ours(*args, **kw), t(*args, **kw)
+    torch.testing.assert_close(a_out, b_out, atol=1e-6, rtol=1e-5)
+    if need_weights:
+        torch.testing.assert_close(a_w, b_w, atol=1e-6, rtol=1e-5)
+    leaves = (x,) if which == "self" else (x, mem)
+    ga = torch.autograd.grad(a_out.square().sum(), (*leaves, *ours.parameters()))
+    gb = torch.autograd.grad(b_out.square().sum(), (*leaves, *t.parameters()))
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("add_bias_kv,add_zero_attn", [(True, False), (False, True), (True, True)])
 def test_bias_kv_and_zero_attn(add_bias_kv, add_zero_attn):
     t, ours = _pair(True, None, None, True, add_bias_kv, add_zero_attn)
