@@ -557,13 +557,12 @@ def test_sdpa_joins_a_predicate_to_a_bias_of_more_dims_exactly(dtype):
 
 @pytest.mark.parametrize("empty", ["none", "masked rows", "overflowed row"])
 def test_the_reference_softmax_is_torchs_softmax_to_every_order_with_empty_rows_zero(empty):
-    """The reference's softmax takes torch's fused softmax where no row is all -inf (read on
-    the CPU), the formula where one is: weights, lse, their gradients, second derivatives
-    and forward-mode tangents are torch's softmax and logsumexp (fp64) on every row that
-    has a finite score, and zeros (lse -inf, no NaN gradient through the weights) on a row
-    that has none, whatever the caller says it knows (an overflowed row is found by the
-    read). (An lse of -inf has no finite gradient: :func:`multihead.attention` keeps such
-    rows out of it.)"""
+    """The reference's softmax is torch's fused softmax, with rows that are all -inf (read
+    on the CPU) filled around it: weights, lse, their gradients, second derivatives and
+    forward-mode tangents are torch's softmax and logsumexp (fp64) on every row that has a
+    finite score, and zeros (lse -inf, no NaN gradient through the weights) on a row that
+    has none, masked or overflowed. (An lse of -inf has no finite gradient:
+    :func:`multihead.attention` keeps such rows out of it.)"""
     from multihead.functional.backend.reference import safe_softmax
     g = torch.Generator().manual_seed(7)
     scores = torch.randn(2, 3, 5, 9, generator=g, dtype=torch.float64) * 4
@@ -573,7 +572,7 @@ def test_the_reference_softmax_is_torchs_softmax_to_every_order_with_empty_rows_
         scores[0, 2, 0] = float("-inf")
     live = ~torch.isinf(scores).all(-1)                             # (2, 3, 5)
     s = scores.clone().requires_grad_()
-    w, lse = safe_softmax(s, may_be_empty=empty == "masked rows")
+    w, lse = safe_softmax(s)
     up = torch.randn(w.shape, generator=g, dtype=torch.float64)
     up_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
     def loss(w, lse):                      # (with an empty row, through the weights only)
@@ -591,7 +590,7 @@ def test_the_reference_softmax_is_torchs_softmax_to_every_order_with_empty_rows_
     assert (gs[~live] == 0).all() and (gg[~live] == 0).all()        # finite: no NaN
 
     tangent = torch.randn(scores.shape, generator=g, dtype=torch.float64)
-    _, jw = torch.func.jvp(lambda x: safe_softmax(x, may_be_empty=empty == "masked rows")[0],
+    _, jw = torch.func.jvp(lambda x: safe_softmax(x)[0],
                            (scores,), (tangent.masked_fill(torch.isinf(scores), 0),))
     _, ref_jw = torch.func.jvp(lambda x: torch.softmax(x, -1), (scores,),
                                (tangent.masked_fill(torch.isinf(scores), 0),))
@@ -599,24 +598,40 @@ def test_the_reference_softmax_is_torchs_softmax_to_every_order_with_empty_rows_
     assert (jw[~live] == 0).all()
 
 
-def test_the_reference_softmax_under_vmap_trusts_the_callers_facts():
-    """Under vmap the scores cannot be read: a row that may be empty takes the formula
-    (zeros), as the caller's mask says; the module's call does the same."""
+def test_the_reference_gives_a_row_of_minus_inf_scores_zeros_where_it_reads_nothing():
+    """Under vmap and torch.compile nothing is read back, and a row may be -inf everywhere
+    whatever the mask says (infinite keys, or scores past float32's range): such a row
+    stays zeros there as in eager (torch's softmax alone gives NaN), and the weights of the
+    other rows are torch's softmax."""
     from multihead.functional.backend.reference import safe_softmax
     scores = torch.randn(3, 4, 6, dtype=torch.float64)
     scores[1, 2] = float("-inf")
-    w, lse = torch.func.vmap(lambda x: safe_softmax(x, may_be_empty=True))(scores)
+    w, lse = torch.func.vmap(safe_softmax)(scores)
     assert (w[1, 2] == 0).all() and lse[1, 2] == float("-inf")
     torch.testing.assert_close(w[0], torch.softmax(scores[0], -1), atol=1e-12, rtol=0)
-    q, k, v = _qkv(B=3, S=16, dtype=torch.float64)
-    mask = M.padding(torch.tensor([16, 0, 5]))
-    outs = torch.func.vmap(lambda a, b, c: mh.attention(a[None], b[None], c[None],
-                                                        mask=M.padding(torch.tensor([5])),
-                                                        backend="reference")[0])(q, k, v)
-    torch.testing.assert_close(outs, oracle(q, k, v, M.padding(torch.tensor([5] * 3))),
-                               atol=1e-12, rtol=0)
-    out = mh.attention(q, k, v, mask=mask, backend="reference")
-    assert (out[1] == 0).all()
+    v = torch.randn(1, 1, 3, 2)
+    cases = {"infinite keys": (torch.ones(1, 1, 1, 2), torch.full((1, 1, 3, 2), -float("inf"))),
+             "overflowing scores": (torch.full((1, 1, 1, 2), 1e20), torch.full((1, 1, 3, 2), -1e20))}
+    for name, (q, k) in cases.items():
+        def f(q, k, v):
+            return mh.attention(q, k, v, backend="reference")
+        for run in (f, torch.func.vmap(f)):
+            args = (q, k, v) if run is f else (q[None], k[None], v[None])
+            assert (run(*args) == 0).all(), name
+    q, k = cases["infinite keys"]
+    assert (torch.compile(f, backend="eager")(q, k, v) == 0).all()
+
+
+def test_the_reference_scales_the_scores_where_scaling_the_queries_would_overflow():
+    """q is scaled before its product with k (torch's order) only for a scale of at most 1:
+    a larger one scales the scores, where q times it could overflow and q·k not."""
+    q = torch.full((1, 1, 1, 1), 1e20)
+    k = torch.tensor([1e-30, 2e-30, -1e-30]).view(1, 1, 3, 1)
+    v = torch.arange(3.0).view(1, 1, 3, 1)
+    ref = mh.attention(q.double(), k.double(), v.double(), scale=1e20, backend="reference")
+    out = mh.attention(q, k, v, scale=1e20, backend="reference")
+    torch.testing.assert_close(out, ref.float())
+    assert out.item() == 1.0
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None])
@@ -653,7 +668,7 @@ def test_the_reference_lse_gradient_sums_to_one_on_a_row_a_huge_bias_shifts():
     scores = torch.randn(3, 24, generator=g, dtype=torch.float64)
     scores[1] += -1e30
     s = scores.clone().requires_grad_()
-    w, lse = safe_softmax(s, may_be_empty=False)
+    w, lse = safe_softmax(s)
     (grad,) = torch.autograd.grad(lse.sum(), s)
     torch.testing.assert_close(grad.sum(-1), torch.ones(3, dtype=torch.float64),
                                atol=1e-12, rtol=0)

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from ..._dtypes import without_autocast
 from ...masks.base import bias_as
 from ...masks.tensor import read_back
-from .._call import traced
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
@@ -33,36 +32,38 @@ def _shift(scores: torch.Tensor, peak: torch.Tensor | None = None) -> torch.Tens
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
 
-def _surely_no_empty_row(peak: torch.Tensor, may_be_empty: bool) -> bool:
-    """Whether no row is all ``-inf``, from the rows' largest scores ``peak``: read on the
-    CPU (free to read back; a score that overflowed to ``-inf`` is seen too), else the
-    caller's host fact (``may_be_empty``: from the mask, never a device read)."""
+def _no_empty_row(peak: torch.Tensor) -> bool:
+    """Whether surely no row is all ``-inf``, from the rows' largest scores ``peak``: read
+    where that is free (the CPU, eager, tensors that hold values); False where it is not (a
+    GPU, where a read stalls the queue; ``torch.compile``; ``vmap``; fake tensors). A row
+    that is ``-inf`` everywhere may come from the inputs, not the mask (infinite keys, or
+    scores that overflow), so the mask's facts cannot answer."""
     if peak.device.type != "cpu" or torch.compiler.is_compiling() or not peak.numel():
-        return not may_be_empty
+        return not peak.numel()
     found = read_back(peak, lambda: bool((peak == float("-inf")).any()))
-    return found is False if found is not None else not may_be_empty
+    return found is False
 
 
-def safe_softmax(scores: torch.Tensor, may_be_empty: bool = True,
-                 lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def safe_softmax(scores: torch.Tensor, lse: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax over the last dim where an all ``-inf`` row gives zeros (not NaN).
 
-    Where no row can be all ``-inf`` (:func:`_surely_no_empty_row`), the weights are torch's
-    fused softmax: its backward is one pass, 3-4x faster on a CPU than the formula's ops
-    each differentiated. Otherwise the formula, shifted by the rows' largest score (a
-    constant to autograd: softmax and logsumexp do not depend on the shift, so every
-    derivative, of every order, is the same without its backward). The lse is always the
-    formula's: ``torch.logsumexp``'s gradient, ``exp(s - lse)``, is ``Sk`` times too large
-    on a row whose scores carry a bias so large that adding the log of the sum rounds away
-    (-1e30 in float64).
+    The weights are torch's fused softmax (its backward is one pass, 3-4x faster on a CPU
+    than a formula's ops each differentiated); where a row may be all ``-inf``
+    (:func:`_no_empty_row`), such rows are set to 0 before it (uniform weights, nothing to
+    propagate) and their weights to 0 after it (two passes more, each its own backward).
+    The lse is the formula's, shifted by the rows' largest score (a constant to autograd:
+    logsumexp does not depend on the shift, so every derivative, of every order, is the
+    same without its backward): ``torch.logsumexp``'s gradient, ``exp(s - lse)``, is ``Sk``
+    times too large on a row whose scores carry a bias so large that adding the log of the
+    sum rounds away (-1e30 in float64).
 
     Args:
         scores: ``(..., Sk)``.
-        may_be_empty: False when the caller knows every row has a finite score.
         lse: also compute the log-sum-exp (else None is returned for it).
 
     Returns ``(weights, lse)``; ``lse`` is ``-inf`` for rows with nothing to attend to.
-    Gradients stay finite (zero) for such rows.
+    Gradients through the weights stay finite (zero) for such rows.
 
     Example:
         >>> s = torch.tensor([[0.0, 0.0], [float("-inf")] * 2])
@@ -71,17 +72,16 @@ def safe_softmax(scores: torch.Tensor, may_be_empty: bool = True,
         ([[0.5, 0.5], [0.0, 0.0]], [0.6931471824645996, -inf])
     """
     peak = scores.detach().amax(dim=-1, keepdim=True)                 # (..., 1)
-    m = _shift(scores, peak)
-    if _surely_no_empty_row(peak, may_be_empty):
+    if _no_empty_row(peak):
         weights = torch.softmax(scores, dim=-1)
-        if not lse:
-            return weights, None
-        l = torch.exp(scores - m).sum(dim=-1, keepdim=True)
     else:
-        p = torch.exp(scores - m)
-        l = p.sum(dim=-1, keepdim=True)
-        weights = p / torch.where(l == 0, torch.ones_like(l), l)
-    return weights, ((m + torch.log(l)).squeeze(-1) if lse else None)  # log(0): -inf, no NaN
+        empty = peak == float("-inf")                                 # (..., 1); NaN: not
+        weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    if not lse:
+        return weights, None
+    m = _shift(scores, peak)
+    l = torch.exp(scores - m).sum(dim=-1, keepdim=True)
+    return weights, (m + torch.log(l)).squeeze(-1)                    # log(0): -inf, no NaN
 
 
 #: :func:`softmax_` clamps shifted scores at this and gives weight 0 at or below
@@ -212,18 +212,19 @@ class Reference(Backend):
         # per-call cost)
         product = (_TangentProduct.apply if call.forward_ad else _Product.apply
                    if call.requires_grad else torch.matmul)
-        # (q scaled, not the scores: a pass over (B, H, Sq, D) and its gradient, not over
-        # the scores; the order torch's attention takes)
-        scores = product(q * call.scale, k.transpose(-2, -1))         # (B, H, Sq, Sk)
+        # q scaled, not the scores: a pass over (B, H, Sq, D) and its gradient, not over
+        # the scores (the order torch's attention takes); a scale above 1 scales the
+        # scores, where q times it could overflow and their product not
+        if call.scale <= 1:
+            scores = product(q * call.scale, k.transpose(-2, -1))     # (B, H, Sq, Sk)
+        else:
+            scores = product(q, k.transpose(-2, -1)) * call.scale
         allowed, bias = mask_terms(call, q.device)
         if bias is not None:
             scores = scores + bias_as(bias, work)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
-        m = call.effective_mask
-        may_be_empty = m is not None and (traced(call.Sq, call.Sk)
-                                          or m.may_have_empty_rows(call.Sq, call.Sk))
-        weights, lse = safe_softmax(scores, may_be_empty, call.return_lse)
+        weights, lse = safe_softmax(scores, call.return_lse)
         if call.dropout_p > 0:
             weights = torch.nn.functional.dropout(weights, p=call.dropout_p)
         out = product(weights, v)                                     # (B, H, Sq, Dv)
