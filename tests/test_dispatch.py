@@ -11,6 +11,7 @@ import torch
 import multihead as mh
 from multihead.functional import registry
 from multihead.functional._call import make_call
+from conftest import oracle
 
 M = mh.masks
 
@@ -73,6 +74,23 @@ def test_sdpa_uses_is_causal_only_when_aligned():
         mh.attention(q2, k, v, mask=M.causal(), backend="sdpa")   # Sq != Sk: lower-right
         assert not f.call_args.kwargs["is_causal"]
         assert f.call_args.kwargs["attn_mask"] is not None
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["MHA", "GQA folded"])
+def test_sdpa_gets_a_key_padding_mask_as_one_row_it_broadcasts(heads):
+    """A mask the same for every query (key padding) reaches SDPA as ``(B, 1, 1, Sk)``,
+    which it broadcasts: expanded over the queries (a view) torch's CPU kernel ran 20%
+    slower, and a GQA fold copied it G x Sq times. The rows that see nothing stay zeros."""
+    H, Hkv = heads
+    q, k, v = _qkv(B=3, S=8 if Hkv < H else 64, H=H, Hkv=Hkv)
+    mask = M.padding(torch.tensor([64, 0, 9])) if Hkv == H else \
+        M.padding(torch.tensor([8, 0, 5]))
+    with mock.patch("torch.nn.functional.scaled_dot_product_attention",
+                    wraps=torch.nn.functional.scaled_dot_product_attention) as f:
+        out = mh.attention(q, k, v, mask=mask, backend="sdpa")
+    assert f.call_args.kwargs["attn_mask"].shape == (3, 1, 1, k.shape[2])
+    torch.testing.assert_close(out, oracle(q, k, v, mask).float(), atol=1e-5, rtol=1e-5)
+    assert (out[1] == 0).all()
 
 
 def test_sdpa_gqa_never_copies_kv():

@@ -131,7 +131,7 @@ def _rounds_a_tensor_bias(m, dtype: torch.dtype) -> bool:
 
 
 def _dense_mask(call: AttentionCall, row_fix: bool, dtype: torch.dtype):
-    """Return (attn_mask, row_ok or None) for SDPA: the mask ``(B', H', Sq, Sk)`` as bool,
+    """Return (attn_mask, row_ok or None) for SDPA: the mask ``(B', H', Sq|1, Sk)`` as bool,
     or as its additive float form where it has a bias (a tensor bias: a view of it, -inf
     and all, where nothing is joined to it); ``row_ok (B', H', Sq, 1)``: the rows to keep
     where ``row_fix`` opened rows that allow nothing (to zero after the kernel). A host
@@ -145,8 +145,10 @@ def _dense_mask(call: AttentionCall, row_fix: bool, dtype: torch.dtype):
             # written before the backward runs, as the other masks' may)
             attn = attn.clone()
     else:
+        # (B', H', Sq|1, Sk): a mask the same for every query (key padding) stays one row,
+        # which SDPA broadcasts (its CPU kernel ran 20% slower on the mask expanded)
         attn = m._allowed(ix)
-        attn = attn.expand(*attn.shape[:2], call.Sq, call.Sk)
+        attn = attn.expand(*attn.shape[:3], call.Sk)
     if not row_fix:
         return attn, None
     live = attn.amax(dim=-1, keepdim=True) != float("-inf") if m.has_bias else \
@@ -349,9 +351,8 @@ def _kernel(call: AttentionCall, q, k, v, attn_mask, fold: bool, kw: dict,
         # (contiguous first: folding a strided q, as RoPE's split leaves it, makes Inductor's
         # backward assert the strides of the length it compiled for at the next length)
         qf = q.contiguous().view(B, Hkv, G * Sq, call.D)                 # (B, Hkv, G*Sq, D)
-        if attn_mask is not None:            # the mask once per query head of the group
-            attn_mask = attn_mask.expand(-1, -1, Sq, -1)                  # (B', 1, Sq, Sk')
-            attn_mask = attn_mask.repeat(1, 1, G, 1)                      # (B', 1, G*Sq, Sk')
+        if attn_mask is not None and attn_mask.shape[2] > 1:   # (one row: it broadcasts)
+            attn_mask = attn_mask.repeat(1, 1, G, 1)     # once per query head: (B', 1, G*Sq, Sk')
         out = sdpa(qf, k, v, attn_mask=attn_mask, **kw)
         # not view: some kernels (CUDA's fp32 ones) return a transposed layout; and not
         # reshape, whose view check on a symbolic length adds a guard torch.export refuses
