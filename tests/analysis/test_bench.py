@@ -328,6 +328,9 @@ STANDARD_CPU = [
     ("Llama-like 8x512 (GQA 8/2), 32 texts of 16-512 tokens, ours padded", "fwd"),
     ("Llama-like 8x512 (GQA 8/2), 32 texts of 16-512 tokens, attention weights, ours padded",
      "fwd"),
+    ("drop-in MHA, need_weights=True (default), B=2 S=1024 E=512 H=8", "fwd"),
+    ("drop-in MHA, need_weights=True (default), B=2 S=1024 E=512 H=8", "fwd+bwd"),
+    ("drop-in MHA, need_weights=False, key_padding_mask, B=2 S=1024 E=512 H=8", "fwd+bwd"),
 ]
 FULL_CPU = (STANDARD_CPU[:3]                        # standard's rows, with longer sequences
             + [("dense, B=1 H=12 S=8192 D=64", "fwd"), ("dense, B=1 H=12 S=16384 D=64", "fwd")]
@@ -345,7 +348,7 @@ FULL_CPU = (STANDARD_CPU[:3]                        # standard's rows, with long
 def test_cpu_suites_are_frozen(suite, expected):
     """CPU runs before and after a change are compared row by row: names and sizes are pinned
     (new rows come at the end of standard and full: the per-call overhead, then the
-    Hugging Face model rows)."""
+    Hugging Face model rows, then the drop-in's)."""
     assert [(c.name, c.mode) for c in suite_cases(suite, "cpu")] == expected
     assert [(c.name, c.mode) for c in suite_cases(suite)] == expected      # cpu is the default
 
@@ -357,9 +360,14 @@ def test_cuda_suites_are_gpu_sized():
         assert [c.seq for c in full if c.family == kind and c.mode == "fwd"] == \
             [1024, 2048, 4096, 8192, 16384, 32768]
     attention = [c for c in full
-                 if c.family not in ("decode", "mha", "minilm", "overhead", "hf model")]
+                 if c.family not in ("decode", "mha", "drop-in", "minilm", "overhead",
+                                     "hf model")]
     assert all("D=128" in c.name and ("H=16 " in c.name or "H=32 " in c.name) for c in attention)
     assert "causal, B=1 H=32 S=8192 D=128" in names
+    assert [c.name for c in full if c.family == "drop-in"] == [
+        "drop-in MHA, need_weights=True (default), B=8 S=2048 E=1024 H=16",
+        "drop-in MHA, need_weights=True (default), B=8 S=2048 E=1024 H=16",
+        "drop-in MHA, need_weights=False, key_padding_mask, B=8 S=2048 E=1024 H=16"]
     decode = ["GQA decode step, H=32 Hkv=8 D=128, cache 4096",
               "GQA decode step, H=32 Hkv=8 D=128, cache 32768",
               "GQA decode step, B=8 H=32 Hkv=8 D=128, cache 4096",

@@ -275,6 +275,34 @@ def mha_case(B: int, S: int, E: int, H: int, *, train=False) -> Case:
     return Case("mha", f"MHA layer, B={B} S={S} E={E} H={H}", S, "fwd+bwd" if train else "fwd", build)
 
 
+def dropin_case(B: int, S: int, E: int, H: int, *, train=False, need_weights=True,
+                padding=False) -> Case:
+    """The drop-in ``multihead.nn.MultiheadAttention`` (copied weights) against
+    ``torch.nn.MultiheadAttention`` on the same call: self-attention as written for torch
+    (its default ``need_weights=True``, or not), and a ``key_padding_mask`` (a quarter of one
+    sequence padded) where ``padding``."""
+    def build(device, dtype) -> Built:
+        torch.manual_seed(0)
+        ref = torch.nn.MultiheadAttention(E, H, batch_first=True).to(device, dtype)
+        ours = mh.nn.MultiheadAttention(E, H, batch_first=True).to(device, dtype)
+        ours.load_state_dict(ref.state_dict())
+        x = torch.randn(B, S, E, device=device).to(dtype).requires_grad_(train)
+        kw = dict(need_weights=need_weights)
+        if padding:
+            kpm = torch.zeros(B, S, dtype=torch.bool, device=device)
+            kpm[0, S - S // 4:] = True
+            kw["key_padding_mask"] = kpm
+        call = lambda m: _with_backward(lambda: m(x, x, x, **kw)[0], (x,), train)  # noqa: E731
+        scores = B * H * S * S * torch.empty((), dtype=dtype).element_size()
+        return Built(call(ours), {"torch MHA (the same call)": call(ref)},
+                     flops=mha_flops(B, S, E, train), naive_bytes=scores if need_weights else 0,
+                     naive={"torch MHA (the same call)"} if need_weights else set())
+    what = ("need_weights=True (default)" if need_weights else "need_weights=False") + (
+        ", key_padding_mask" if padding else "")
+    return Case("drop-in", f"drop-in MHA, {what}, B={B} S={S} E={E} H={H}", S,
+                "fwd+bwd" if train else "fwd", build)
+
+
 def minilm_case(n: int = 256) -> Case:
     """Sentence embedding with the embedded MiniLM: packed (ours) vs HF padded batches of 32."""
     def build(device, dtype) -> Built:

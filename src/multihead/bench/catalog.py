@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .cases import (Case, attention_case, decode_case, mha_case, minilm_case, overhead_case,
-                    paged_decode_case)
+from .cases import (Case, attention_case, decode_case, dropin_case, mha_case, minilm_case,
+                    overhead_case, paged_decode_case)
 from .hf_cases import hf_model_cases
 
 SUITES = ("quick", "standard", "full")
@@ -78,6 +78,13 @@ def _overhead() -> list[Case]:
     return [overhead_case("dense"), overhead_case("causal")]
 
 
+def _dropin(B: int, S: int, E: int, H: int) -> list[Case]:
+    """The drop-in on torch's most common calls: its default (weights returned), in
+    inference and training, and training with a key padding mask and no weights."""
+    return [dropin_case(B, S, E, H), dropin_case(B, S, E, H, train=True),
+            dropin_case(B, S, E, H, train=True, need_weights=False, padding=True)]
+
+
 def _cpu(suite: str) -> list[Case]:
     if suite == "quick":
         return ([attention_case(k, S, H=8) for k in ("dense", "causal") for S in (256, 512)]
@@ -96,7 +103,8 @@ def _cpu(suite: str) -> list[Case]:
     if suite == "full":
         cases += [attention_case("window", 16384, flex=True),
                   attention_case("documents", 16384), mha_case(8, 512, 768, 12, train=True)]
-    return cases + _overhead() + hf_model_cases()        # (the newest rows come last)
+    cases += _overhead() + hf_model_cases()
+    return cases + _dropin(2, 1024, 512, 8)              # (the newest rows come last)
 
 
 def _cuda(suite: str) -> list[Case]:
@@ -115,6 +123,8 @@ def _cuda(suite: str) -> list[Case]:
     cases += [decode_case(L, B=B) for B in (1, 8) for L in ((4096,) if quick else (4096, 32768))]
     cases += [mha_case(8, 2048, 1024, 16)] + ([] if quick else [mha_case(8, 2048, 1024, 16,
                                                                           train=True)])
+    if not quick:
+        cases += _dropin(8, 2048, 1024, 16)
     if full:       # issue 12's band targets (B=1, fwd and fwd+bwd); a 7B-class layer's shape
         cases += [attention_case("window", 16384, window=w, train=t, family="window, S=16384",
                                  **gpu) for w in (256, 2048) for t in (False, True)]
