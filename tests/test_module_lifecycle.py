@@ -285,3 +285,28 @@ def test_a_failed_load_that_swapped_tensors_puts_their_dtype_back():
         torch.__future__.set_swap_module_params_on_conversion(previous)
     assert model[0].weight.dtype == torch.float32 and isinstance(model[0].weight, nn.Parameter)
     assert all(torch.equal(a, b) for a, b in zip(before, _params(model)))
+
+
+def test_a_load_pre_hook_registered_while_torch_loads_is_kept_and_removable():
+    """A hook registered while torch's load copies the tensors (here from a
+    ``__torch_function__`` mode; a tensor subclass's copy could do it) is kept, after the
+    hooks there were, and its handle removes it: our load used to set the module's hooks
+    aside in a dict of their own, and what was registered there was dropped."""
+    from torch.overrides import TorchFunctionMode
+    for make in (lambda: nn.MultiheadAttention(16, 4), lambda: mh.nn.MultiheadAttention(16, 4),
+                 lambda: mh.MultiHeadAttention(16, 4)):
+        m = make()
+        sd = make().state_dict()
+        first = m.register_load_state_dict_pre_hook(lambda *args: None)
+        handles = []
+
+        class Registers(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func is torch.Tensor.copy_ and not handles:
+                    handles.append(m.register_load_state_dict_pre_hook(lambda *args: None))
+                return func(*args, **(kwargs or {}))
+        with Registers():
+            m.load_state_dict(sd)
+        assert handles and list(m._load_state_dict_pre_hooks) == [first.id, handles[0].id]
+        handles[0].remove()
+        assert list(m._load_state_dict_pre_hooks) == [first.id], type(m)

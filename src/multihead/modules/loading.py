@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextvars
 import re
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -369,11 +368,16 @@ class AllOrNothing(nn.Module):
             return                       # (multihead.load_state_dict puts the model back)
         if problems:
             self._refuse(problems, state_dict, keys, prefix)
-        # (run above: torch's would run them again; a hook registered by a hook during
-        # torch's load below goes into this empty dict, and is dropped)
-        self._load_state_dict_pre_hooks = OrderedDict()
+        # (run above: torch's would run them again. The dict itself is emptied and filled
+        # again, not swapped: a hook registered during torch's load below is kept after the
+        # others, and its handle, which holds this dict, removes it)
+        kept = list(hooks.items())
+        hooks.clear()
         try:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                           missing_keys, unexpected_keys, error_msgs)
         finally:
-            self._load_state_dict_pre_hooks = hooks
+            added = list(hooks.items())
+            hooks.clear()
+            hooks.update(kept)
+            hooks.update(added)
