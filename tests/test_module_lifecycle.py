@@ -310,3 +310,59 @@ def test_a_load_pre_hook_registered_while_torch_loads_is_kept_and_removable():
         assert handles and list(m._load_state_dict_pre_hooks) == [first.id, handles[0].id]
         handles[0].remove()
         assert list(m._load_state_dict_pre_hooks) == [first.id], type(m)
+
+
+@pytest.mark.parametrize("base", [nn.MultiheadAttention, mh.nn.MultiheadAttention,
+                                  mh.MultiHeadAttention])
+def test_a_load_pre_hook_removed_while_torch_loads_stays_removed(base):
+    """A hook whose handle is removed while torch's load runs (here from the module's
+    set_extra_state) is gone for the next load, as in torch's module."""
+    calls = []
+
+    class Removes(base):
+        handle = None
+
+        def get_extra_state(self):
+            return torch.zeros(1)
+
+        def set_extra_state(self, state):
+            if Removes.handle is not None:
+                Removes.handle.remove()
+                Removes.handle = None
+    m, sd = Removes(8, 2), Removes(8, 2).state_dict()
+    Removes.handle = m.register_load_state_dict_pre_hook(lambda *args: calls.append(1))
+    m.load_state_dict(sd)
+    assert calls == [1]
+    m.load_state_dict(sd)
+    assert calls == [1] and not m._load_state_dict_pre_hooks
+
+
+@pytest.mark.parametrize("base", [nn.MultiheadAttention, mh.nn.MultiheadAttention,
+                                  mh.MultiHeadAttention])
+def test_extra_state_of_any_type_loads_and_a_failing_one_loads_nothing(base):
+    """A module's extra state is whatever its set_extra_state takes (a dict here), as in
+    torch: it loads, where a check of ours refused it as not a tensor. A set_extra_state
+    that raises runs after torch has copied the tensors: the module is put back (torch's
+    own keeps the copied tensors; ours loads all or nothing)."""
+    class Stepped(base):
+        step, fail = 0, False
+
+        def get_extra_state(self):
+            return {"step": self.step}
+
+        def set_extra_state(self, state):
+            if self.fail:
+                raise ValueError("refused")
+            self.step = state["step"]
+    src, m = Stepped(8, 2), Stepped(8, 2)
+    src.step = 5
+    m.load_state_dict(src.state_dict())
+    assert m.step == 5 and torch.equal(m.in_proj_weight, src.in_proj_weight)
+    if base is nn.MultiheadAttention:
+        return
+    m = Stepped(8, 2)
+    before = [t.detach().clone() for t in m.parameters()]
+    m.fail = True
+    with pytest.raises(ValueError, match="refused"):
+        m.load_state_dict(src.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters())) and m.step == 0

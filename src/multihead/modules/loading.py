@@ -49,6 +49,8 @@ def load_problems(module: nn.Module, state_dict: Mapping, strict: bool,
     problems = []
     for key, mine in own.items():
         theirs = state_dict.get(prefix + key)
+        if key.rpartition(".")[2] == _EXTRA_STATE:
+            continue                 # (whatever the module's set_extra_state takes, as torch)
         if key in optional and prefix + key in state_dict:
             owner, _, local = key.rpartition(".")
             problem = module.get_submodule(owner)._optional_problem(local, theirs)
@@ -76,6 +78,16 @@ def load_problems(module: nn.Module, state_dict: Mapping, strict: bool,
         problems += [f"{what} keys {keys}" for what, keys in
                      (("missing", missing), ("unexpected", unexpected)) if keys]
     return problems
+
+
+#: the key of a module's extra state (``get_extra_state``) in its state dict, as torch names it
+_EXTRA_STATE = "_extra_state"
+
+
+def _has_extra_state(model: nn.Module) -> bool:
+    """Whether a module in ``model`` keeps extra state: its ``set_extra_state`` (user code)
+    runs last in torch's load, after the tensors are copied, and may raise."""
+    return any(type(m).get_extra_state is not nn.Module.get_extra_state for m in model.modules())
 
 
 _PARAMETRIZED = re.compile(r"(^|.*\.)parametrizations\.([^.]+)\..+")
@@ -230,6 +242,10 @@ class _Load:
         return self.problems is not None and id(module) in self.members
 
 
+def _ran_already(*args, **kwargs) -> None:
+    """Stands in for a load pre-hook that our load has run, while torch's runs."""
+
+
 def _hooked_below(module: nn.Module) -> bool:
     """Whether a module below ``module`` has load pre-hooks: torch runs them as its load
     reaches that module, after ``module``'s check of its whole subtree would have run."""
@@ -333,7 +349,7 @@ class AllOrNothing(nn.Module):
         # runs first, the keys are checked after it, and a refused load is put back
         below = _hooked_below(self)
         later = below or (strict and any(m._load_state_dict_post_hooks for m in self.modules()))
-        saved = _snapshot(self) if later else None
+        saved = _snapshot(self) if later or _has_extra_state(self) else None
         token = _LOAD.set(_Load(self, strict_keys=strict and not later))
         try:
             keys = super().load_state_dict(state_dict, strict=strict and not later,
@@ -368,16 +384,16 @@ class AllOrNothing(nn.Module):
             return                       # (multihead.load_state_dict puts the model back)
         if problems:
             self._refuse(problems, state_dict, keys, prefix)
-        # (run above: torch's would run them again. The dict itself is emptied and filled
-        # again, not swapped: a hook registered during torch's load below is kept after the
-        # others, and its handle, which holds this dict, removes it)
-        kept = list(hooks.items())
-        hooks.clear()
+        # (run above: torch's would run them again. Each is stood in for by a no-op in
+        # this same dict while torch's load runs, then put back where still there: a hook
+        # registered meanwhile is kept, and one whose handle removes it meanwhile is gone)
+        kept = dict(hooks)
+        for key in kept:
+            hooks[key] = _ran_already
         try:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                           missing_keys, unexpected_keys, error_msgs)
         finally:
-            added = list(hooks.items())
-            hooks.clear()
-            hooks.update(kept)
-            hooks.update(added)
+            for key, hook in kept.items():
+                if key in hooks:
+                    hooks[key] = hook
