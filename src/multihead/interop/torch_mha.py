@@ -148,9 +148,9 @@ def _project(query: Tensor, key: Tensor, value: Tensor, weights, same_qkv: bool,
              same_kv: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """The input projections ``(q, k, v)`` ``(B, L|S, E)``, computed as torch's module does:
     where the weights are packed, one matmul for self-attention, one for the key and value
-    where they are one tensor (the same numbers, and one launch, not three)."""
-    E = query.shape[-1] if weights.packed is None else weights.packed.shape[-1]
+    where they are one tensor (torch's matmul shapes, and one launch, not three)."""
     w_q, w_k, w_v = weights.w_in                                        # (E, E|kdim|vdim)
+    E = w_q.shape[0]
     b_in = None                                         # (torch adds a bias of another dtype)
     b_q = b_k = b_v = None
     if weights.b_in is not None:
