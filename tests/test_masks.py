@@ -973,3 +973,21 @@ def test_an_empty_list_of_lengths_or_ids_is_an_empty_batch_not_floats():
     assert mh.masks.padding([]).batch_size == 0
     assert mh.masks.padding(torch.tensor([], dtype=torch.long)).batch_size == 0
     assert mh.masks.document([]).ids.dtype == torch.int64
+
+
+def test_read_free_reads_a_host_tensor_and_nothing_it_cannot_read_for_free():
+    """The one gate of the backends' host reads: a CPU tensor in eager is read; under vmap,
+    a fake-tensor mode or torch.compile nothing is (None), and nothing raises."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from multihead.masks.tensor import read_free
+    t = torch.tensor([[0.0, float("-inf")], [1.0, 2.0]])
+    assert read_free(t, lambda: bool(t.isneginf().any())) is True
+    seen = torch.func.vmap(lambda r: torch.tensor(float(
+        read_free(r, lambda: bool(r.isneginf().any())) is None)))(t)
+    assert seen.tolist() == [1.0, 1.0]
+    with FakeTensorMode():
+        f = torch.ones(2)
+        assert read_free(f, lambda: bool(f.all())) is None
+    compiled = torch.compile(lambda x: x + float(read_free(x, lambda: 1.0) is None),
+                             backend="eager", fullgraph=True)
+    assert compiled(torch.zeros(1)).item() == 1.0

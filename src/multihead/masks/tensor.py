@@ -364,6 +364,24 @@ def read_back(t: torch.Tensor, read):
         raise
 
 
+def read_free(t: torch.Tensor, read):
+    """``read()`` where reading ``t``'s values back costs nothing: a CPU tensor, outside
+    ``torch.compile``; None elsewhere (a device, where a read stalls its queue; a traced,
+    batched or fake tensor, see :func:`read_back`).
+
+    Shapes:
+        ``t`` any; ``read`` reads it (or anything derived from it).
+
+    Example:
+        >>> t = torch.tensor([1.0, float("-inf")])
+        >>> read_free(t, lambda: bool(t.isneginf().any()))
+        True
+    """
+    if t.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    return read_back(t, read)
+
+
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """ALiBi's per-head slopes (Press et al. 2022), the geometric sequence ``2^(-8i/n)``.
 

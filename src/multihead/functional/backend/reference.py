@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..._dtypes import without_autocast
 from ...masks.base import bias_as
-from ...masks.tensor import read_back
+from ...masks.tensor import read_free
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
@@ -38,10 +38,7 @@ def _no_empty_row(peak: torch.Tensor) -> bool:
     GPU, where a read stalls the queue; ``torch.compile``; ``vmap``; fake tensors). A row
     that is ``-inf`` everywhere may come from the inputs, not the mask (infinite keys, or
     scores that overflow), so the mask's facts cannot answer."""
-    if peak.device.type != "cpu" or torch.compiler.is_compiling() or not peak.numel():
-        return not peak.numel()
-    found = read_back(peak, lambda: bool((peak == float("-inf")).any()))
-    return found is False
+    return not peak.numel() or read_free(peak, lambda: bool(peak.isneginf().any())) is False
 
 
 def safe_softmax(scores: torch.Tensor, lse: bool = True
@@ -126,10 +123,9 @@ def _finite_product(x: torch.Tensor, y: torch.Tensor, clean: int) -> torch.Tenso
     """
     operand = (x, y)[clean]
     product = x.numel() // max(x.shape[-1], 1) * y.shape[-1]       # (about: batch dims)
-    if (operand.numel() > product and x.device.type == "cpu"
-            and not torch.compiler.is_compiling()):
-        out = x @ y
-        if read_back(out, lambda: bool(torch.isfinite(out).all())):
+    if operand.numel() > product and x.device.type == "cpu":
+        out = x @ y                                   # (traced, unused: the graph drops it)
+        if read_free(out, lambda: bool(torch.isfinite(out).all())):
             return out
     cleaned = operand.nan_to_num(0.0, 0.0, 0.0)
     return cleaned @ y if clean == 0 else x @ cleaned

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...masks.combine import And
-from ...masks.tensor import read_back
+from ...masks.tensor import read_free
 from ...masks.structured import _offset
 from .._call import AttentionCall, traced
 from ..capabilities import Capabilities
@@ -153,7 +153,7 @@ def _dense_mask(call: AttentionCall, row_fix: bool, dtype: torch.dtype):
         return attn, None
     live = attn.amax(dim=-1, keepdim=True) != float("-inf") if m.has_bias else \
         attn.any(dim=-1, keepdim=True)                          # (B', H', Sq, 1); NaN: live
-    if _every_row(live):
+    if read_free(live, lambda: bool(live.all())):       # (a host's rows: every one live)
         return attn, None
     opened = 0.0 if m.has_bias else True                   # (0: no bias; True: every key)
     return attn.masked_fill(~live, opened), live           # open empty rows; zero them after
@@ -175,14 +175,6 @@ def _additive_cost(m, dtype) -> tuple[int, int]:
     leaves = list(m.leaves())
     tensors = sum(1 for leaf in leaves if leaf.kind == "bias")
     return 8 + 16 * (len(leaves) - 1) + 40 * tensors, 1 + m.has_predicate
-
-
-def _every_row(live: torch.Tensor) -> bool:
-    """Whether ``live`` is True everywhere, where reading it costs nothing: a host tensor,
-    outside ``torch.compile``, ``torch.func`` transforms and fake tensors; else False."""
-    if live.device.type != "cpu" or torch.compiler.is_compiling():
-        return False
-    return bool(read_back(live, lambda: bool(live.all())))
 
 
 class SDPA(Backend):
