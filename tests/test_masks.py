@@ -991,3 +991,20 @@ def test_read_free_reads_a_host_tensor_and_nothing_it_cannot_read_for_free():
     compiled = torch.compile(lambda x: x + float(read_free(x, lambda: 1.0) is None),
                              backend="eager", fullgraph=True)
     assert compiled(torch.zeros(1)).item() == 1.0
+
+
+def test_index_grids_are_kept_and_made_again_when_written():
+    m = mh.masks.causal()
+    ix = m.index(3, 4)
+    assert m.index(3, 4).q is ix.q
+    ix.q.add_(1)                                  # written: the next grid is a fresh one
+    again = m.index(3, 4)
+    assert again.q is not ix.q and again.q.flatten().tolist() == [0, 1, 2]
+    assert m.materialize(3, 4)[0, 0].tolist() == torch.ones(3, 4).tril(1).bool().tolist()
+
+
+def test_index_grids_made_in_inference_mode_are_normal_tensors():
+    mh.masks.base._GRIDS.clear()
+    with torch.inference_mode():
+        ix = mh.masks.causal().index(5, 7)
+    assert not any(t.is_inference() for t in (ix.b, ix.h, ix.q, ix.k))
