@@ -651,6 +651,24 @@ def test_a_4d_mask_wider_than_the_keys_is_refused_not_cut():
                           atol=ATOL)
 
 
+def test_a_models_own_4d_mask_is_decided_once_for_all_its_layers(monkeypatch):
+    """Each layer gets the same 4-D tensor: one mask object (by its contents), one decision
+    of the backend, not one per layer; the logits are still sdpa's."""
+    from multihead.functional import dispatch
+    m = model("llama", "multihead")
+    ids = torch.randint(3, VOCAB, (2, 6))
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    causal[:, 4] = False                        # a pattern no earlier test built
+    mask = causal.expand(2, 1, 6, 6)
+    made, real = [], dispatch._new_decision
+    monkeypatch.setattr(dispatch, "_new_decision", lambda *a: made.append(1) or real(*a))
+    got = m(input_ids=ids, attention_mask=mask).logits
+    assert len(made) == 1 and m.config.num_hidden_layers == 2
+    torch.testing.assert_close(got, model("llama", "sdpa")(input_ids=ids,
+                                                           attention_mask=mask).logits,
+                               atol=ATOL, rtol=1e-5)
+
+
 def test_a_4d_integer_mask_is_refused_with_what_to_pass():
     """eager adds a 0/1 integer mask as a bias (1 for a token it should attend, which
     masks nothing) and sdpa refuses its dtype; ours refused it with a message about

@@ -16,6 +16,7 @@ from .. import masks as M
 from .._args import fraction
 from .._dtypes import SUPPORTED_DTYPES, check_strided
 from .._tracing import concrete, shape_text, vmapped, vmapped_empty
+from ..masks._content import by_content
 from ..masks.base import uncalled
 from ..masks.structured import _offset
 
@@ -130,6 +131,22 @@ def as_mask(mask) -> M.Mask | None:
                         f"where nonzero means ignore, is ~mask.bool()")
     raise TypeError(f"mask must be a multihead.masks object, a bool/float tensor or None, got "
                     f"{type(mask).__name__}{uncalled(mask)}")
+
+
+def shared_mask(mask):
+    """``mask``, where a tensor: its :func:`as_mask`, one object for tensors of equal small
+    host contents (:func:`multihead.masks._content.by_content`), so that its decision is
+    made once, not at every call that passes such a tensor. Anything else as it is.
+
+    Example:
+        >>> import torch
+        >>> a = shared_mask(torch.tensor([[True, False]]))
+        >>> a is shared_mask(torch.tensor([[True, False]])), shared_mask(None)
+        (True, None)
+    """
+    if isinstance(mask, torch.Tensor):
+        return by_content("attention's mask", as_mask, (mask,))
+    return mask
 
 
 class AttentionCall:

@@ -39,7 +39,8 @@ from .._tracing import refuse_jit_trace
 from ..analysis.params import human_bytes
 from .. import _second_order as second_order
 from . import nonfinite, profiles, registry
-from ._call import AttentionCall, default_scale, has_tangent, in_effect, make_call
+from ._call import (AttentionCall, default_scale, has_tangent, in_effect, make_call,
+                    shared_mask)
 from .cost import DeviceProfile
 from .registry import Backend, Plan
 
@@ -462,6 +463,7 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
     """
     refuse_jit_trace("multihead.attention")
     q, k, v, amp = _autocast(q, k, v)
+    mask = shared_mask(mask)                    # (a tensor's: decided once for its contents)
     args = (q, k, v, mask, scale, dropout_p, backend, return_weights, return_lse)
     key, free, decision = _plan_keys(*args)
     if decision is not None:
@@ -534,6 +536,7 @@ def explain(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
     """
     check_backend(backend)
     q, k, v, _ = _autocast(q, k, v)
+    mask = shared_mask(mask)
     call = make_call(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p,
                      return_weights=return_weights, return_lse=return_lse)
     if profile is None:

@@ -24,6 +24,7 @@ import torch
 from .. import masks as M
 from ..functional import attention
 from ..masks import Mask
+from ..masks._content import by_content
 from ..masks.structured import ids_from_offsets
 from .hf_masks import HFMask, build_mask, hybrid_hint, unreadable_mask
 from .._tracing import check_when_run, shape_text
@@ -144,10 +145,11 @@ def _mask_for(module, attention_mask, q_len: int, k_len: int, is_causal):
                              f"(shape {shape_text(attention_mask)}) but the layer has {k_len} "
                              f"keys: a 4-D mask has one column per key the layer attends to "
                              f"(its cache's and this call's), (B, 1, {q_len}, {k_len})")
+        # (every layer of a forward passes the same one: one mask object, decided once)
         if attention_mask.dtype == torch.bool:        # a model's own 4-D mask, True = attend
-            return M.dense(attention_mask), k_len
-        if attention_mask.is_floating_point():
-            return M.bias(attention_mask), k_len      # additive, as eager adds it
+            return by_content("a model's 4-D mask", M.dense, (attention_mask,)), k_len
+        if attention_mask.is_floating_point():        # additive, as eager adds it
+            return by_content("a model's 4-D bias", M.bias, (attention_mask,)), k_len
         raise TypeError(f"attention_mask is a 4-D {attention_mask.dtype} tensor (shape "
                         f"{shape_text(attention_mask)}): a 4-D mask is bool (True = attend) or "
                         f"additive float (0 = attend, -inf = masked); pass mask.bool() for a "

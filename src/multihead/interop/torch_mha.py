@@ -26,6 +26,7 @@ from torch import Tensor, nn
 import multihead as mh
 from multihead._dtypes import check_dtype
 from multihead.modules.attention import _divisors
+from multihead.masks._content import by_content
 from multihead.modules.loading import AllOrNothing
 
 from .torch_rules import (_AssertionArgError, _as_torch_raises, _check_inputs, _check_nested,
@@ -323,7 +324,11 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
         if causal:                                     # the hint: query i sees keys 0..i
             mask = mh.masks.causal(align="upper_left")
         else:
-            mask = self._mask(attn_mask, key_padding_mask, B, n_extra, q.dtype)
+            # (each layer of a forward, each batch of one padding: the same mask object,
+            # whose backend is chosen already)
+            mask = by_content("torch's masks",
+                              lambda a, p: self._mask(a, p, B, n_extra, q.dtype),
+                              (attn_mask, key_padding_mask), (B, self.num_heads, n_extra, q.dtype))
         p = self.dropout if self.training else 0.0
         if not 0.0 <= p <= 1.0:          # (torch runs a negative one as 0 where it returns
             #                              weights, and fails where it does not)
