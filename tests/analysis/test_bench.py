@@ -331,6 +331,8 @@ STANDARD_CPU = [
     ("drop-in MHA, need_weights=True (default), B=2 S=1024 E=512 H=8", "fwd"),
     ("drop-in MHA, need_weights=True (default), B=2 S=1024 E=512 H=8", "fwd+bwd"),
     ("drop-in MHA, need_weights=False, key_padding_mask, B=2 S=1024 E=512 H=8", "fwd+bwd"),
+    ("per-call overhead, padding, B=4 H=8 S=128 D=64", "fwd"),
+    ("drop-in MHA, need_weights=False, key_padding_mask, B=16 S=16 E=64 H=4", "fwd"),
 ]
 FULL_CPU = (STANDARD_CPU[:3]                        # standard's rows, with longer sequences
             + [("dense, B=1 H=12 S=8192 D=64", "fwd"), ("dense, B=1 H=12 S=16384 D=64", "fwd")]
@@ -348,7 +350,7 @@ FULL_CPU = (STANDARD_CPU[:3]                        # standard's rows, with long
 def test_cpu_suites_are_frozen(suite, expected):
     """CPU runs before and after a change are compared row by row: names and sizes are pinned
     (new rows come at the end of standard and full: the per-call overhead, then the
-    Hugging Face model rows, then the drop-in's)."""
+    Hugging Face model rows, then the drop-in's, then the small masked calls)."""
     assert [(c.name, c.mode) for c in suite_cases(suite, "cpu")] == expected
     assert [(c.name, c.mode) for c in suite_cases(suite)] == expected      # cpu is the default
 
@@ -367,7 +369,8 @@ def test_cuda_suites_are_gpu_sized():
     assert [c.name for c in full if c.family == "drop-in"] == [
         "drop-in MHA, need_weights=True (default), B=8 S=2048 E=1024 H=16",
         "drop-in MHA, need_weights=True (default), B=8 S=2048 E=1024 H=16",
-        "drop-in MHA, need_weights=False, key_padding_mask, B=8 S=2048 E=1024 H=16"]
+        "drop-in MHA, need_weights=False, key_padding_mask, B=8 S=2048 E=1024 H=16",
+        "drop-in MHA, need_weights=False, key_padding_mask, B=16 S=16 E=64 H=4"]
     decode = ["GQA decode step, H=32 Hkv=8 D=128, cache 4096",
               "GQA decode step, H=32 Hkv=8 D=128, cache 32768",
               "GQA decode step, B=8 H=32 Hkv=8 D=128, cache 4096",
@@ -378,8 +381,10 @@ def test_cuda_suites_are_gpu_sized():
     assert {c.name.split(",")[0] for c in masks} == {
         "dense", "causal", "sliding window 256", "sliding window 2048", "packed documents 64-512",
         "key padding", "causal & key padding", "ALiBi bias"}
-    assert names[-2:] == ["per-call overhead, dense, B=1 H=8 S=128 D=64",
-                          "per-call overhead, causal, B=1 H=8 S=128 D=64"]
+    assert names[-4:] == ["per-call overhead, dense, B=1 H=8 S=128 D=64",
+                          "per-call overhead, causal, B=1 H=8 S=128 D=64",
+                          "per-call overhead, padding, B=4 H=8 S=128 D=64",
+                          "drop-in MHA, need_weights=False, key_padding_mask, B=16 S=16 E=64 H=4"]
     standard = suite_cases("standard", "cuda")
     assert max(c.seq or 0 for c in standard if c.family != "decode") == 16384
     assert [c.name for c in standard if c.family == "decode"] == decode
@@ -426,8 +431,16 @@ def test_overhead_rows_report_ours_minus_sdpa():
     sdpa = row["peers"]["sdpa is_causal"]
     assert row["overhead_us"] == pytest.approx((row["ours"]["median_ms"] - sdpa["median_ms"]) * 1e3)
     assert "overhead = ours - sdpa is_causal: " in lines(run)[0][-1]       # the peer it is
-    with pytest.raises(ValueError, match="kind must be 'dense' or 'causal'"):
+    with pytest.raises(ValueError, match="kind must be 'dense', 'causal' or 'padding'"):
         overhead_case("window")
+
+
+def test_the_padding_overhead_row_times_the_same_attention_on_both_sides():
+    b = overhead_case("padding", B=4, H=2, S=40, D=8).build(CPU, torch.float32)
+    ours, sdpa = b.ours(), b.peers["sdpa (bool mask)"]()
+    torch.testing.assert_close(ours, sdpa)
+    assert b.overhead_vs == "sdpa (bool mask)"
+    assert b.flops == pytest.approx(4 * 2 * 40 * 8 * (40 + 32 + 24 + 16))     # H, Sq, D, keys
 
 
 # -- timing: batches of calls, settling, cold L2 (CUDA's logic, on a fake clock) --------------
@@ -643,7 +656,7 @@ def test_quick_suite_on_cuda_has_a_time_or_a_reason_in_every_row():
     flex = [r["peers"][FX.NAME] for r in run.rows if FX.NAME in r["peers"]]
     assert flex and all("median_ms" in p and p["compile_s"] > 0 for p in flex), flex
     overhead = [r for r in run.rows if r["family"] == "overhead"]
-    assert len(overhead) == 2 and all("overhead_us" in r for r in overhead)
+    assert len(overhead) == 3 and all("overhead_us" in r for r in overhead)
 
 
 @pytest.mark.cuda

@@ -220,9 +220,12 @@ def decode_case(L: int, *, B=1, H=32, Hkv=8, D=128) -> Case:
 
 def overhead_case(kind: str, *, B=1, H=8, S=128, D=64) -> Case:
     """Per-call overhead: a call so small that launching it is most of its cost, ours vs
-    SDPA (``is_causal`` for causal); the row reports ours - SDPA per call as well."""
-    if kind not in ("dense", "causal"):
-        raise ValueError(f"overhead_case: kind must be 'dense' or 'causal', got {kind!r}")
+    SDPA (``is_causal`` for causal; for padding, the same bool key padding tensor, made
+    afresh at each call as each batch brings its own, row b keeping ``S - 8 b`` keys); the
+    row reports ours - SDPA per call as well."""
+    if kind not in ("dense", "causal", "padding"):
+        raise ValueError(f"overhead_case: kind must be 'dense', 'causal' or 'padding', "
+                         f"got {kind!r}")
 
     def build(device, dtype) -> Built:
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -230,8 +233,17 @@ def overhead_case(kind: str, *, B=1, H=8, S=128, D=64) -> Case:
         causal = kind == "causal"
         mask = mh.masks.causal() if causal else None
         nograd = lambda f: _with_backward(f, (), False)
-        name = "sdpa is_causal" if causal else "sdpa"
+        name = {"causal": "sdpa is_causal", "padding": "sdpa (bool mask)"}.get(kind, "sdpa")
         density = (S + 1) / (2 * S) if causal else 1.0
+        if kind == "padding":
+            kept = torch.tensor([S - 8 * b for b in range(B)], device=device)   # (B,)
+            keys = torch.arange(S, device=device)
+            padding = lambda: (keys < kept[:, None])[:, None, None, :]     # (B, 1, 1, S) fresh
+            density = float(kept.sum()) / (B * S)
+            return Built(nograd(lambda: mh.attention(q, k, v, mask=padding())),
+                         {name: nograd(lambda: F.scaled_dot_product_attention(
+                             q, k, v, attn_mask=padding()))},
+                         flops=4 * B * H * S * S * D * density, overhead_vs=name)
         return Built(nograd(lambda: mh.attention(q, k, v, mask=mask)),
                      {name: nograd(lambda: F.scaled_dot_product_attention(
                          q, k, v, is_causal=causal))},

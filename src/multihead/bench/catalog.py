@@ -78,6 +78,13 @@ def _overhead() -> list[Case]:
     return [overhead_case("dense"), overhead_case("causal")]
 
 
+def _small_calls() -> list[Case]:
+    """Small masked calls, where deciding and checking are most of the cost: a fresh key
+    padding tensor per call, and the drop-in with torch's key_padding_mask."""
+    return [overhead_case("padding", B=4),
+            dropin_case(16, 16, 64, 4, need_weights=False, padding=True)]
+
+
 def _dropin(B: int, S: int, E: int, H: int) -> list[Case]:
     """The drop-in on torch's most common calls: its default (weights returned), in
     inference and training, and training with a key padding mask and no weights."""
@@ -104,7 +111,7 @@ def _cpu(suite: str) -> list[Case]:
         cases += [attention_case("window", 16384, flex=True),
                   attention_case("documents", 16384), mha_case(8, 512, 768, 12, train=True)]
     cases += _overhead() + hf_model_cases()
-    return cases + _dropin(2, 1024, 512, 8)              # (the newest rows come last)
+    return cases + _dropin(2, 1024, 512, 8) + _small_calls()    # (the newest rows last)
 
 
 def _cuda(suite: str) -> list[Case]:
@@ -136,4 +143,4 @@ def _cuda(suite: str) -> list[Case]:
             cases += [paged_decode_case(32768, B=B) for B in (1, 8)]
     if not quick:
         cases += [minilm_case(), *hf_model_cases()]
-    return cases + _overhead()
+    return cases + _overhead() + _small_calls()
