@@ -995,10 +995,11 @@ def test_read_free_reads_a_host_tensor_and_nothing_it_cannot_read_for_free():
 
 def test_index_grids_are_kept_and_made_again_when_written():
     m = mh.masks.causal()
-    ix = m.index(3, 4)
-    assert m.index(3, 4).q is ix.q
+    ix = m._index_grid(3, 4)
+    assert m._index_grid(3, 4).q is ix.q
+    assert m.index(3, 4).q is not ix.q            # the public grid: the caller's own
     ix.q.add_(1)                                  # written: the next grid is a fresh one
-    again = m.index(3, 4)
+    again = m._index_grid(3, 4)
     assert again.q is not ix.q and again.q.flatten().tolist() == [0, 1, 2]
     assert m.materialize(3, 4)[0, 0].tolist() == torch.ones(3, 4).tril(1).bool().tolist()
 
@@ -1006,5 +1007,36 @@ def test_index_grids_are_kept_and_made_again_when_written():
 def test_index_grids_made_in_inference_mode_are_normal_tensors():
     mh.masks.base._GRIDS.clear()
     with torch.inference_mode():
-        ix = mh.masks.causal().index(5, 7)
+        ix = mh.masks.causal()._index_grid(5, 7)
     assert not any(t.is_inference() for t in (ix.b, ix.h, ix.q, ix.k))
+
+
+class _WritesItsIndex(mh.masks.Mask):
+    """A user's mask whose predicate writes into its index where no version counter sees."""
+
+    def _allowed(self, ix):
+        ix.q.numpy()[...] += 1
+        return ix.q >= ix.k
+
+    def _tile_bounds(self, tx):
+        t = torch.ones_like(tx.q0, dtype=torch.bool)
+        return t, ~t
+
+
+def test_a_users_mask_is_given_grids_of_its_own():
+    q = torch.randn(1, 1, 4, 8)
+    want = mh.attention(q, q, q, mask=mh.masks.causal(), backend="reference")
+    for m in (_WritesItsIndex(), mh.masks.causal() & _WritesItsIndex()):
+        mh.attention(q, q, q, mask=m, backend="reference")
+        torch.testing.assert_close(
+            mh.attention(q, q, q, mask=mh.masks.causal(), backend="reference"), want)
+
+
+def test_no_grid_is_kept_from_a_fake_tensor_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mh.masks.base._GRIDS.clear()
+    with FakeTensorMode():
+        mh.masks.causal()._index_grid(3, 5)
+    assert len(mh.masks.base._GRIDS) == 0
+    assert mh.masks.causal().materialize(3, 5)[0, 0].tolist() == \
+        torch.ones(3, 5).tril(2).bool().tolist()

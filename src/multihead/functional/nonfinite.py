@@ -140,7 +140,7 @@ def _hidden_keys(call: AttentionCall) -> torch.Tensor:
 def _allowed_chunks(call: AttentionCall, m):
     """The mask's ``allowed`` over chunks of query rows ``(B', H', rows, Sk)``, memory bounded
     by :data:`_CHUNK_ELEMS` whatever Sq and Sk."""
-    ix = m.index(call.Sq, call.Sk, call.q.device)
+    ix = m._index_grid(call.Sq, call.Sk, call.q.device)
     step = max(1, _CHUNK_ELEMS // max(1, call.B * call.H * call.Sk))
     for i in range(0, call.Sq, step):
         part = dataclasses.replace(ix, q=ix.q[:, :, i:i + step])

@@ -85,18 +85,20 @@ def axis_range(start: int, stop: int, dim: int, device) -> torch.Tensor:
 _GRIDS = BoundedCache(max_entries=64, max_bytes=1 << 20)
 
 
-def _grid_axes(sizes: tuple, device: torch.device) -> tuple:
-    """The four :func:`axis_range` axes ``(b, h, q, k)`` of a grid of ``sizes``: kept
-    between calls where the sizes are ints, outside ``torch.compile`` (one written into
-    since is made again), and made as normal tensors in inference mode (an inference tensor
-    could not be saved for a backward outside it).
+def _grid_axes(sizes: tuple, device: torch.device, keep: bool = True) -> tuple:
+    """The four :func:`axis_range` axes ``(b, h, q, k)`` of a grid of ``sizes``: with
+    ``keep``, kept between calls where the sizes are ints, outside ``torch.compile`` and
+    any ``TorchDispatchMode`` (a fake tensor's mode, say: its tensors hold no values);
+    one written into since is made again, and they are made as normal tensors in inference
+    mode (an inference tensor could not be saved for a backward outside it).
 
     Example:
         >>> a = _grid_axes((2, 1, 3, 4), torch.device("cpu"))
         >>> [tuple(t.shape) for t in a], a[3] is _grid_axes((2, 1, 3, 4), torch.device("cpu"))[3]
         ([(2, 1, 1, 1), (1, 1, 1, 1), (1, 1, 3, 1), (1, 1, 1, 4)], True)
     """
-    if torch.compiler.is_compiling() or not all(type(n) is int for n in sizes):
+    if (not keep or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or not all(type(n) is int for n in sizes)):
         return tuple(axis_range(0, n, dim, device) for dim, n in enumerate(sizes))
     key = (sizes, device)
     axes = _GRIDS.get(key)
@@ -678,10 +680,18 @@ class Mask:
 
     def index(self, sq: int, sk: int, device=None, dtype: torch.dtype = torch.float32) -> Index:
         """The (B', H', Sq, Sk) index grid this mask is materialized on, for scores of
-        ``dtype`` (float32, or float64)."""
+        ``dtype`` (float32, or float64): tensors of the caller's own."""
+        return self._index_grid(sq, sk, device, dtype, keep=False)
+
+    def _index_grid(self, sq: int, sk: int, device=None, dtype: torch.dtype = torch.float32,
+                    *, keep: bool = True) -> Index:
+        """:meth:`index`, whose axes are kept between calls (``keep``) where only the
+        library's own masks read them (a user's mask could write into them unseen, through
+        ``.numpy()`` or ``.data``, and every later call would read the writes)."""
         device = torch.device(device) if device is not None else self._device()
         sizes = (_size(self.batch_size), _size(self.num_heads), sq, sk)
-        return Index(*_grid_axes(sizes, device), sq, sk, dtype)
+        keep = keep and all(leaf.memoizable for leaf in self.leaves())
+        return Index(*_grid_axes(sizes, device, keep), sq, sk, dtype)
 
     def _check_sizes(self, fn: str, sq, sk) -> tuple:
         """``(sq, sk)`` as ints, after checking they are lengths the mask applies to (a
@@ -710,7 +720,7 @@ class Mask:
         """:meth:`materialize`; ``first``: batch 0 and head 0 only, ``(1, 1, Sq, Sk)`` (what
         repr draws, in memory of one grid however many sequences the mask was built for)."""
         sq, sk = self._check_sizes("materialize", sq, sk)
-        ix = self.index(sq, sk, device)
+        ix = self._index_grid(sq, sk, device)
         if first:
             ix = dataclasses.replace(ix, b=ix.b[:1], h=ix.h[:1])
         full = torch.ones(len(ix.b), len(ix.h), sq, sk, dtype=torch.bool, device=ix.q.device)
@@ -732,7 +742,7 @@ class Mask:
             raise TypeError("additive: dtype must be a floating-point dtype (the form holds "
                             "-inf where masked), got torch.bool: use materialize() for bool")
         check_dtype("additive: dtype", dtype)
-        ix = self.index(sq, sk, device, torch.promote_types(dtype, torch.float32))
+        ix = self._index_grid(sq, sk, device, torch.promote_types(dtype, torch.float32))
         out = torch.zeros(len(ix.b), len(ix.h), sq, sk, dtype=dtype, device=ix.q.device)
         form = self._additive_at(ix, dtype)
         return out if form is None else out + form      # (a new tensor: never a view)

@@ -29,7 +29,7 @@ def mask_terms(call: AttentionCall, device) -> tuple[torch.Tensor | None, torch.
     m = call.effective_mask
     if m is None:
         return None, None
-    return m.at(m.index(call.Sq, call.Sk, device, call.compute_dtype))
+    return m.at(m._index_grid(call.Sq, call.Sk, device, call.compute_dtype))
 
 
 def mask_launches(call: AttentionCall) -> int:

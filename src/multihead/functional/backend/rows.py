@@ -81,7 +81,7 @@ def _row_terms(call, device):
                 lambda b, lo, hi: (_row(allowed, b, lo, hi), _row(bias, b, lo, hi)))
     first, end, whole = (t.expand(call.B) for t in _host_bounds(call))      # (B,)
     whole = whole.tolist()
-    ix = m.index(call.Sq, 1, device, call.compute_dtype)                     # (B', H', Sq, 1)
+    ix = m._index_grid(call.Sq, 1, device, call.compute_dtype)               # (B', H', Sq, 1)
     rows = ix.b.shape[0]
 
     def terms(b: int, lo: int, hi: int):

@@ -137,7 +137,7 @@ def _dense_mask(call: AttentionCall, row_fix: bool, dtype: torch.dtype):
     where ``row_fix`` opened rows that allow nothing (to zero after the kernel). A host
     mask's rows are read first: where every row allows a key, nothing is opened."""
     m = call.effective_mask
-    ix = m.index(call.Sq, call.Sk, call.q.device, call.compute_dtype)
+    ix = m._index_grid(call.Sq, call.Sk, call.q.device, call.compute_dtype)
     if m.has_bias:
         attn = m._additive_at(ix, dtype)
         if call.requires_grad and m._additive_view(dtype):
