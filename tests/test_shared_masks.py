@@ -6,6 +6,7 @@ gradient, a forward-mode tangent)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 
@@ -146,6 +147,28 @@ def test_by_content_keys_dtype_shape_and_values():
     assert by_content("t", build, (torch.zeros(2, 3, dtype=torch.bfloat16),)) is half
     big = torch.zeros(64, 1024)                                              # past MAX_BYTES
     assert by_content("t", build, (big,)) is not by_content("t", build, (big,))
+
+
+def test_the_calls_other_arguments_are_checked_before_its_mask():
+    q, nan = torch.randn(1, 2, 4, 8), torch.full((4, 4), float("nan"))
+    for call in (lambda: mh.attention(q[0], q, q, mask=nan),
+                 lambda: mh.explain(q[0], q, q, mask=nan)):
+        with pytest.raises(ValueError, match="q must be 4-D"):
+            call()
+    with pytest.raises(ValueError, match="dropout_p must be"):
+        mh.attention(q, q, q, mask=torch.zeros(4, 4, dtype=torch.long), dropout_p=2.0)
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        mh.attention(q, q, q, mask=nan, backend="nope")
+
+
+def test_nothing_is_kept_from_a_fake_tensor_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from multihead.masks import _content
+    _content._BUILT.clear()
+    real = torch.tensor([[True, False, True, True]] * 4)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        assert by_content("t", mh.masks.dense, (real,)) is not None
+    assert len(_content._BUILT) == 0
 
 
 def test_a_refused_mask_is_refused_every_time():

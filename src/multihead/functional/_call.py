@@ -134,9 +134,11 @@ def as_mask(mask) -> M.Mask | None:
 
 
 def shared_mask(mask):
-    """``mask``, where a tensor: its :func:`as_mask`, one object for tensors of equal small
-    host contents (:func:`multihead.masks._content.by_content`), so that its decision is
-    made once, not at every call that passes such a tensor. Anything else as it is.
+    """``mask``, where a tensor of small host contents: its :func:`as_mask`, one object for
+    tensors of equal contents (:func:`multihead.masks._content.by_content`), so that its
+    decision is made once, not at every call that passes such a tensor. Anything else,
+    and a tensor :func:`as_mask` refuses (:func:`make_call` says so, after what it checks
+    first), as it is.
 
     Example:
         >>> import torch
@@ -144,9 +146,13 @@ def shared_mask(mask):
         >>> a is shared_mask(torch.tensor([[True, False]])), shared_mask(None)
         (True, None)
     """
-    if isinstance(mask, torch.Tensor):
-        return by_content("attention's mask", as_mask, (mask,))
-    return mask
+    if not isinstance(mask, torch.Tensor):
+        return mask
+    try:
+        shared = by_content("attention's mask", as_mask, (mask,), unkeyed=False)
+    except (TypeError, ValueError):
+        return mask
+    return mask if shared is None else shared
 
 
 class AttentionCall:

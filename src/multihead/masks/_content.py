@@ -26,6 +26,7 @@ from .._device import capturing
 #: the largest tensor (in bytes) whose contents key a mask
 MAX_BYTES = 16 << 10
 
+#: (bytes counted: the drop-in's sum of two float masks is as large as their broadcast)
 _BUILT = BoundedCache(max_entries=32, max_bytes=8 << 20)
 
 
@@ -47,13 +48,14 @@ def _content(t: torch.Tensor | None):
     return t.dtype, tuple(t.shape), values
 
 
-def by_content(what: str, build, tensors: tuple, extra: tuple = ()):
+def by_content(what: str, build, tensors: tuple, extra: tuple = (), *, unkeyed: bool = True):
     """``build(*tensors)``, or the object it returned for earlier tensors of the same
     contents (for the same ``what`` and ``extra``: whatever else ``build`` reads). A kept object is
     built from copies (it shares no memory with a caller's tensor, which may be written
-    later). Built afresh while ``torch.compile`` traces, a ``torch.func`` transform runs or
-    a CUDA graph captures, inside a forward-mode ``dual_level``, or where a tensor cannot
-    key it; an error ``build`` raises is raised each time (nothing is kept). A kept object
+    later). Built afresh while ``torch.compile`` traces, a ``torch.func`` transform, a
+    ``TorchDispatchMode`` (fake tensors, say) or a CUDA graph capture runs, inside a
+    forward-mode ``dual_level``, or where a tensor cannot key it (or, without ``unkeyed``,
+    not built: None); an error ``build`` raises is raised each time (nothing is kept). A kept object
     is built outside inference mode (its tensors may be saved for a backward later).
 
     Args:
@@ -62,6 +64,7 @@ def by_content(what: str, build, tensors: tuple, extra: tuple = ()):
         build: makes the mask from ``tensors`` (and ``extra``).
         tensors: the tensors ``build`` reads (None for one not given).
         extra: hashable values ``build`` also depends on.
+        unkeyed: build a mask that cannot be kept (else return None for it).
 
     Example:
         >>> import torch, multihead as mh
@@ -72,14 +75,17 @@ def by_content(what: str, build, tensors: tuple, extra: tuple = ()):
         >>> a is by_content("inverted", invert, (torch.tensor([[True, True]]),))
         False
     """
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or capturing() or fwAD._current_level >= 0):
-        return build(*tensors)
-    key = tuple(_content(t) for t in tensors)
-    if None in key:
-        return build(*tensors)
+    key = None
+    if not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._len_torch_dispatch_stack() or capturing()
+            or fwAD._current_level >= 0):
+        key = tuple(_content(t) for t in tensors)
+    if key is None or None in key:
+        return build(*tensors) if unkeyed else None
 
     def kept():
+        if not torch.is_inference_mode_enabled():
+            return build(*(None if t is None else t.clone() for t in tensors))
         with torch.inference_mode(False):
             return build(*(None if t is None else t.clone() for t in tensors))
     return _BUILT.get_or_compute((what, key, extra), kept)
