@@ -216,6 +216,20 @@ def test_the_cache_counts_each_storage_once_and_survives_cycles():
     assert nbytes(nodes[0]) == 0
 
 
+def test_the_caches_walk_skips_classes_that_hold_no_tensors():
+    from multihead._cache import _tensors
+    from multihead.functional.cost import Work
+
+    class Figures:
+        _cache_no_tensors = True                 # (a class's own word: not entered)
+
+        def __init__(self):
+            self.t = torch.zeros(3)
+    assert _tensors(Figures()) == [] and _tensors(Work(flops=1.0)) == []
+    held = (Work(), torch.zeros(2))
+    assert [t is held[1] for t, _ in _tensors(held)] == [True]
+
+
 # ------------------------------------------------------------------ torch's defaults
 
 _HOST_MASKS = {

@@ -36,7 +36,8 @@ def nbytes(value, depth: int = 8) -> int:
     named tuples and plain objects, ``depth`` levels deep): each storage counted once, at
     its own size (an expanded view costs what it holds, not what it shows). The walk does
     not enter objects the value refers to but does not own: masks and other caches (their
-    classes set ``_cache_opaque``).
+    classes set ``_cache_opaque``), nor those whose class holds no tensors by design
+    (``_cache_no_tensors``: a plan's cost figures).
 
     Example:
         >>> import torch
@@ -77,6 +78,8 @@ def _tensors(value, depth: int = 8) -> list:
         if depth == 0 or v is None or isinstance(v, (int, float, str, bool, bytes)):
             return
         if id(v) in seen_objects or (v is not value and getattr(type(v), "_cache_opaque", False)):
+            return
+        if getattr(type(v), "_cache_no_tensors", False):     # (a class that says so)
             return
         seen_objects.add(id(v))
         if isinstance(v, dict):

@@ -71,6 +71,9 @@ class Work:
     parallel: float = math.inf
     fresh: tuple = ()
 
+    #: numbers only: a cache's walk for tensors does not enter it (see multihead._cache)
+    _cache_no_tensors = True
+
     def times(self, *, flops: float = 1.0, bytes: float = 1.0, launches: float = 1.0) -> "Work":
         """This work with its FLOPs, bytes and launches scaled (e.g. to add a backward pass)."""
         return dataclasses.replace(self, flops=self.flops * flops, bytes=self.bytes * bytes,
