@@ -131,16 +131,26 @@ def run(quick: bool, device: str, dtype: str, wide: bool = False) -> list[dict]:
 
 def overhead(device: str = "cpu", n: int = 20000) -> dict:
     """Per-call overhead of attention() over the SDPA call it wraps, for dense and causal
-    calls small enough that the kernel is not the cost: best of 5 loops of ``n`` calls;
-    without gradients, and (``dense+grad``) for a forward that records them (the
-    second-order node of :mod:`multihead._second_order` is then on the call)."""
+    calls small enough that the kernel is not the cost, and for a key padding mask: a bool
+    tensor made afresh at each call (``tensor``: SDPA gets the same tensor) and a padding
+    mask object used again (``padding``, as a forward's layers use it): best of 5 loops of
+    ``n`` calls; without gradients, and (``dense+grad``) for a forward that records them
+    (the second-order node of :mod:`multihead._second_order` is then on the call)."""
     dev = torch.device(device)
     q = torch.randn(1, 8, 16 if dev.type == "cpu" else 128, 64, device=dev)
     causal = M.causal()
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    S = q.shape[2]
+    keys, kept = torch.arange(S, device=dev), torch.tensor([S - 3], device=dev)
+    fresh = lambda: (keys < kept[:, None])[:, None, None, :]           # (1, 1, 1, S) bool
+    padding, allowed = M.padding(kept), fresh()
     pairs = {"dense": (lambda: sdpa(q, q, q), lambda: mh.attention(q, q, q)),
              "causal": (lambda: sdpa(q, q, q, is_causal=True),
-                        lambda: mh.attention(q, q, q, mask=causal))}
+                        lambda: mh.attention(q, q, q, mask=causal)),
+             "tensor": (lambda: sdpa(q, q, q, attn_mask=fresh()),
+                        lambda: mh.attention(q, q, q, mask=fresh())),
+             "padding": (lambda: sdpa(q, q, q, attn_mask=allowed),
+                         lambda: mh.attention(q, q, q, mask=padding))}
 
     def per_call(fn):
         for _ in range(200):
