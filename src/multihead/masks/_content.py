@@ -17,6 +17,8 @@ for its derivative to reach it or be read).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.autograd.forward_ad as fwAD
 
@@ -50,13 +52,15 @@ def _content(t: torch.Tensor | None):
 
 def by_content(what: str, build, tensors: tuple, extra: tuple = (), *, unkeyed: bool = True):
     """``build(*tensors)``, or the object it returned for earlier tensors of the same
-    contents (for the same ``what`` and ``extra``: whatever else ``build`` reads). A kept object is
-    built from copies (it shares no memory with a caller's tensor, which may be written
-    later). Built afresh while ``torch.compile`` traces, a ``torch.func`` transform, a
-    ``TorchDispatchMode`` (fake tensors, say) or a CUDA graph capture runs, inside a
-    forward-mode ``dual_level``, or where a tensor cannot key it (or, without ``unkeyed``,
-    not built: None); an error ``build`` raises is raised each time (nothing is kept). A kept object
-    is built outside inference mode (its tensors may be saved for a backward later).
+    contents (for the same ``what`` and ``extra``: whatever else ``build`` reads).
+
+    A kept object is built from copies (it shares no memory with a caller's tensor, which
+    may be written later), outside inference mode (its tensors may be saved for a backward
+    later). It is built afresh, and not kept, while ``torch.compile`` traces, a
+    ``torch.func`` transform, a ``TorchDispatchMode`` (fake tensors, say) or a CUDA graph
+    capture runs, inside a forward-mode ``dual_level``, and where a tensor cannot key it
+    (without ``unkeyed``: not built, None). An error ``build`` raises is raised each time
+    (nothing is kept).
 
     Args:
         what: the caller's name for what ``build`` makes (callers that read the same
@@ -65,6 +69,9 @@ def by_content(what: str, build, tensors: tuple, extra: tuple = (), *, unkeyed: 
         tensors: the tensors ``build`` reads (None for one not given).
         extra: hashable values ``build`` also depends on.
         unkeyed: build a mask that cannot be kept (else return None for it).
+
+    Shapes:
+        ``tensors`` any shapes; each of at most :data:`MAX_BYTES` bytes to key an object.
 
     Example:
         >>> import torch, multihead as mh
@@ -84,8 +91,7 @@ def by_content(what: str, build, tensors: tuple, extra: tuple = (), *, unkeyed: 
         return build(*tensors) if unkeyed else None
 
     def kept():
-        if not torch.is_inference_mode_enabled():
-            return build(*(None if t is None else t.clone() for t in tensors))
-        with torch.inference_mode(False):
+        with (torch.inference_mode(False) if torch.is_inference_mode_enabled()
+              else contextlib.nullcontext()):
             return build(*(None if t is None else t.clone() for t in tensors))
     return _BUILT.get_or_compute((what, key, extra), kept)

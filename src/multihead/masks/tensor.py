@@ -41,20 +41,15 @@ def _gather4(t: torch.Tensor, ix: Index) -> torch.Tensor:
         t = t.float()
     t = t.to(ix.q.device)
     spans = [range_of(i, d) for d, i in enumerate(axes)]
-    if None not in spans and all(n == 1 or s[1] <= n for s, n in zip(spans, t.shape)):
-        # (every index a range, as Mask.index makes them: the grid is their lengths, and a
-        # dim read whole is not narrowed; 5 us of a small call's 12)
-        for d, ((lo, hi), n) in enumerate(zip(spans, t.shape)):
-            if n > 1 and (lo or hi != n):
-                t = t.narrow(d, lo, hi - lo)
-        return t.expand([hi - lo for lo, hi in spans])                      # (B', H', Sq, Sk)
-    spans = [None if n == 1 else s for s, n in zip(spans, t.shape)]
     if all(i.dim() == 4 for i in axes) and all(
             n == 1 or (s is not None and s[1] <= n) for s, n in zip(spans, t.shape)):
-        for d, s in enumerate(spans):
-            if s is not None:
+        for d, (s, n) in enumerate(zip(spans, t.shape)):
+            if n > 1 and (s[0] or s[1] != n):           # (a dim read whole: not narrowed)
                 t = t.narrow(d, s[0], s[1] - s[0])
-        return t.expand(grid_shape(*(i.shape for i in axes)))               # (B', H', Sq, Sk)
+        # (every index a range, as Mask.index makes them: the grid is their lengths)
+        grid = [s[1] - s[0] for s in spans] if None not in spans else \
+            grid_shape(*(i.shape for i in axes))
+        return t.expand(grid)                                               # (B', H', Sq, Sk)
     # a broadcast (size-1) dim reads index 0; ``i * 0`` keeps the index's rank
     idx = [i if n > 1 else i * 0 for i, n in zip(axes, t.shape)]
     return t[idx[0], idx[1], idx[2], idx[3]]
