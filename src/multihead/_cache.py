@@ -192,11 +192,12 @@ class BoundedCache:
             hit = self._data.get(key, _MISSING)
         return default if hit is _MISSING else hit[0]
 
-    def put(self, key, value) -> None:
+    def put(self, key, value, limit: int | None = None) -> None:
         """Keep ``value`` under ``key``, dropping the oldest entries to stay in bounds (while
         a CUDA graph captures: nothing; nor a value holding a tensor a ``torch.func``
         transform wrapped, which belongs to that transform's level: kept, it would escape
-        it, and a later transform that met it failed inside functorch)."""
+        it, and a later transform that met it failed inside functorch; nor a value of more
+        tensor bytes than ``limit``, where given, or than the cache's ``max_bytes``)."""
         if _device.capturing():
             return
         if self._noted is not None:
@@ -212,12 +213,13 @@ class BoundedCache:
                 torch._C._functorch.is_functorch_wrapped_tensor(t) for t, _ in tensors):
             return
         size = sum(n for _, n in tensors)
-        streams = _device.StreamUse.of(t for t, _ in tensors) if size <= self.max_bytes else None
+        most = self.max_bytes if limit is None else min(limit, self.max_bytes)
+        streams = _device.StreamUse.of(t for t, _ in tensors) if size <= most else None
         with self._lock:
             old = self._data.pop(key, None)
             if old is not None:
                 self._bytes -= old[1]
-            if size > self.max_bytes:
+            if size > most:
                 return
             while self._data and (len(self._data) >= self.max_entries
                                   or self._bytes + size > self.max_bytes):
@@ -225,8 +227,9 @@ class BoundedCache:
             self._data[key] = (value, size, streams)
             self._bytes += size
 
-    def get_or_compute(self, key, compute):
-        """The value under ``key``, computing and keeping it on a miss."""
+    def get_or_compute(self, key, compute, limit: int | None = None):
+        """The value under ``key``, computing and keeping it on a miss (not kept where it
+        holds more tensor bytes than ``limit``: see :meth:`put`)."""
         hit = self.get(key, _MISSING)
         if hit is not _MISSING:
             return hit
@@ -234,7 +237,7 @@ class BoundedCache:
         hit = self.get(key, _MISSING)    # another thread may have kept one meanwhile
         if hit is not _MISSING:
             return hit
-        self.put(key, value)
+        self.put(key, value, limit)
         return value
 
     def clear(self) -> None:

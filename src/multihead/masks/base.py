@@ -450,9 +450,10 @@ class Mask:
         if state.get("_facts_at") == _FACTS_HELD:      # the copy's own counters vouch now
             self.__dict__["_facts_at"] = self._versions()
 
-    def cached(self, what: str, args: tuple, compute):
+    def cached(self, what: str, args: tuple, compute, limit: int | None = None):
         """``compute()``, cached by what determines it: globally under :meth:`cache_key`, else
-        on this object while its tensors are unmodified (their version counters), else not.
+        on this object while its tensors are unmodified (their version counters), else not;
+        with ``limit``, a value holding more tensor bytes than that is not kept.
 
         Changes that bypass version counters (writes through ``.data`` or a shared numpy
         array) are not seen: build a new mask after such a change.
@@ -482,14 +483,14 @@ class Mask:
             except TypeError:
                 raise TypeError(f"{type(self).__name__}.cache_key() must return a hashable value "
                                 f"(a tuple of ints and strings, say), got {key!r}") from None
-            return _SHARED.get_or_compute(full, compute)
+            return _SHARED.get_or_compute(full, compute, limit)
         versions = self._versions()
         if not self.memoizable or devices.capturing() or versions is None:
             return compute()
         store = self.__dict__.get("_memo")
         if store is None:                  # setdefault: one store even if threads race here
             store = self.__dict__.setdefault("_memo", BoundedCache(_MEMO_ENTRIES, _MEMO_BYTES))
-        return store.get_or_compute((what, args, versions), compute)
+        return store.get_or_compute((what, args, versions), compute, limit)
 
     def kept(self, what: str, args: tuple):
         """What :meth:`cached` keeps on this object for ``what`` and ``args`` while its

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from ... import masks as M
+from ...masks.base import versioned
 from ...kernels import HUGE_LSE2
 from .._call import AttentionCall
 
@@ -24,12 +25,53 @@ FUSED_ROWS, KEY_SPLIT = 128, 1024
 HUGE_LSE = HUGE_LSE2 * math.log(2)
 
 
+#: the most tensor bytes of a mask's dense form kept on the mask for its next call
+KEPT_MASK_BYTES = 1 << 20
+
+
+def kept_mask(call: AttentionCall, what: str, args: tuple, build):
+    """``build()``: tensors made from the call's mask alone (its dense form for a kernel),
+    kept on the mask (:meth:`~multihead.masks.Mask.cached`) for its next call of the same
+    lengths and ``args`` where the mask adds no bias and they hold at most
+    :data:`KEPT_MASK_BYTES`: a mask given to every layer of a forward, or to every step of
+    a loop, is then built once (a small call's mask took as long as its kernel, and on a
+    GPU it is several launches). A bias is built at every call: it may be a view of the
+    caller's tensor, or need its gradient. A mask that holds tensors keeps it from its
+    second call on (a mask made for one call, as a loop that builds one per step, costs no
+    store). What is kept is made outside inference mode (usable by a later call that
+    records gradients) and is only read, never written.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> from multihead.functional._call import AttentionCall
+        >>> q = torch.zeros(1, 1, 2, 4)
+        >>> call = AttentionCall(q, q, q, mh.masks.padding([1]), 0.5, 0.0, False, False)
+        >>> build = lambda: call.effective_mask.materialize(2, 2)
+        >>> first = kept_mask(call, "doc", (), build)          # a padding mask's first call
+        >>> kept_mask(call, "doc", (), build) is kept_mask(call, "doc", (), build)
+        True
+    """
+    m = call.effective_mask
+    if m.has_bias or torch.compiler.is_compiling():
+        return build()
+    if m.cache_key() is None and not m.__dict__.get("_dense_again"):
+        m.__dict__["_dense_again"] = True           # (its next call keeps what it builds)
+        return build()
+
+    def made():
+        with versioned():
+            return build()
+    return m.cached(what, (call.Sq, call.Sk) + args, made, limit=KEPT_MASK_BYTES)
+
+
 def mask_terms(call: AttentionCall, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The mask's ``(allowed, bias)`` as dense tensors ``(B', H', Sq, Sk)`` (None: none)."""
+    """The mask's ``(allowed, bias)`` as dense tensors ``(B', H', Sq, Sk)`` (None: none);
+    ``allowed`` of a mask without a bias is kept (:func:`kept_mask`)."""
     m = call.effective_mask
     if m is None:
         return None, None
-    return m.at(m._index_grid(call.Sq, call.Sk, device, call.compute_dtype))
+    return kept_mask(call, "dense terms", (device,), lambda: m.at(
+        m._index_grid(call.Sq, call.Sk, device, call.compute_dtype)))
 
 
 def mask_launches(call: AttentionCall) -> int:

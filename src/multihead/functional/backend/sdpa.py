@@ -42,7 +42,7 @@ from .._call import AttentionCall, traced
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
-from ._common import FUSED_ROWS, HUGE_LSE, KEY_SPLIT, mask_launches
+from ._common import FUSED_ROWS, HUGE_LSE, KEY_SPLIT, kept_mask, mask_launches
 
 #: the most queries for which a masked GQA call folds its query heads (decoding, verifying)
 FOLD_MASKED_MAX_SQ = 16
@@ -135,7 +135,14 @@ def _dense_mask(call: AttentionCall, row_fix: bool, dtype: torch.dtype):
     or as its additive float form where it has a bias (a tensor bias: a view of it, -inf
     and all, where nothing is joined to it); ``row_ok (B', H', Sq, 1)``: the rows to keep
     where ``row_fix`` opened rows that allow nothing (to zero after the kernel). A host
-    mask's rows are read first: where every row allows a key, nothing is opened."""
+    mask's rows are read first: where every row allows a key, nothing is opened. Kept on
+    the mask for its next call where it adds no bias (:func:`kept_mask`)."""
+    return kept_mask(call, "sdpa mask", (call.q.device, row_fix),
+                     lambda: _build_dense_mask(call, row_fix, dtype))
+
+
+def _build_dense_mask(call: AttentionCall, row_fix: bool, dtype: torch.dtype):
+    """:func:`_dense_mask`, built."""
     m = call.effective_mask
     ix = m._index_grid(call.Sq, call.Sk, call.q.device, call.compute_dtype)
     if m.has_bias:
