@@ -98,6 +98,23 @@ def test_a_write_into_the_masks_tensor_is_seen(backend):
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("write", ["numpy", "data"])
+def test_a_write_that_bumps_no_version_counter_is_seen(backend, write):
+    q, k, v = _qkv()
+    hidden = torch.zeros(S, S, dtype=torch.bool)
+    m = ~mh.masks.dense(hidden) & mh.masks.causal()
+    for _ in range(3):
+        mh.attention(q, k, v, mask=m, backend=backend)
+    if write == "numpy":
+        hidden.numpy()[1:, 0] = True
+    else:
+        hidden.data[1:, 0] = True
+    got = mh.attention(q, k, v, mask=m, backend=backend)
+    want = _expected(q, k, v, ~hidden.clone() & torch.ones(S, S, dtype=torch.bool).tril())
+    torch.testing.assert_close(got, want)
+
+
 def test_a_write_into_a_dense_masks_tensor_is_seen_through_a_composition():
     q, k, v = _qkv()
     hidden = torch.zeros(S, S, dtype=torch.bool)
@@ -172,3 +189,33 @@ def test_a_kept_mask_serves_another_stream():
         got = mh.attention(q, k, v, mask=m, backend="sdpa")
     torch.cuda.current_stream().wait_stream(side)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference", "auto"])
+@pytest.mark.parametrize("make", [lambda: mh.masks.causal(),
+                                  lambda: mh.masks.sliding_window(3),
+                                  lambda: mh.masks.causal() & mh.masks.padding(torch.tensor([3, 6]))],
+                         ids=["causal", "window", "causal&padding"])
+def test_calls_under_a_fake_tensor_mode_keep_nothing_for_real_ones(backend, make):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    q, k, v = _qkv()
+    m = make()
+    mh.attention(q, k, v, mask=m, backend=backend)   # (auto plans from values: a real call)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fakes = [mode.from_tensor(t) for t in (q, k, v)]
+        for _ in range(3):
+            mh.attention(*fakes, mask=m, backend=backend)
+    for mask in (m, make()):                         # the same object, and an equal one
+        got = mh.attention(q, k, v, mask=mask, backend=backend)
+        assert type(got) is torch.Tensor
+        torch.testing.assert_close(got, _expected(q, k, v, m.materialize(S, S)))
+
+
+def test_a_trace_for_symbolic_lengths_takes_a_tensor_free_mask():
+    from torch.fx.experimental.proxy_tensor import make_fx
+    run = lambda a, b, c: mh.attention(a, b, c, mask=mh.masks.sliding_window(2),
+                                       backend="sdpa")
+    graph = make_fx(run, tracing_mode="symbolic")(*_qkv())
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, H, 9, D, generator=g, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(graph(q, k, v), run(q, k, v))

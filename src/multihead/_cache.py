@@ -193,12 +193,15 @@ class BoundedCache:
         return default if hit is _MISSING else hit[0]
 
     def put(self, key, value, limit: int | None = None) -> None:
-        """Keep ``value`` under ``key``, dropping the oldest entries to stay in bounds (while
-        a CUDA graph captures: nothing; nor a value holding a tensor a ``torch.func``
-        transform wrapped, which belongs to that transform's level: kept, it would escape
-        it, and a later transform that met it failed inside functorch; nor a value of more
-        tensor bytes than ``limit``, where given, or than the cache's ``max_bytes``)."""
-        if _device.capturing():
+        """Keep ``value`` under ``key``, dropping the oldest entries to stay in bounds.
+
+        Nothing is kept while a CUDA graph captures or a ``TorchDispatchMode`` is on (what
+        was made there may be a graph's, or a fake tensor with no values); nor a value
+        holding a tensor a ``torch.func`` transform wrapped, which belongs to that
+        transform's level (kept, it would escape it, and a later transform that met it
+        failed inside functorch); nor one of more tensor bytes than ``limit``, where
+        given, or than the cache's ``max_bytes``."""
+        if _device.capturing() or torch._C._len_torch_dispatch_stack():
             return
         if self._noted is not None:
             with self._lock:

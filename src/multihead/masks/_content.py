@@ -24,6 +24,7 @@ import torch.autograd.forward_ad as fwAD
 
 from .._cache import BoundedCache
 from .._device import capturing
+from .base import Mask
 
 #: the largest tensor (in bytes) whose contents key a mask
 MAX_BYTES = 16 << 10
@@ -93,5 +94,9 @@ def by_content(what: str, build, tensors: tuple, extra: tuple = (), *, unkeyed: 
     def kept():
         with (torch.inference_mode(False) if torch.is_inference_mode_enabled()
               else contextlib.nullcontext()):
-            return build(*(None if t is None else t.clone() for t in tensors))
+            built = build(*(None if t is None else t.clone() for t in tensors))
+        for leaf in built.leaves() if isinstance(built, Mask) else ():
+            if not leaf._own_tensors:            # (on copies no caller holds: what is
+                leaf.__dict__["_own_tensors"] = True    # derived from them may be kept)
+        return built
     return _BUILT.get_or_compute((what, key, extra), kept)

@@ -368,6 +368,11 @@ class Mask:
     #: construction (or, for tensors they share with the caller, are version-tracked), so
     #: facts derived from them may be cached. Not inherited: a user's subclass is not cached.
     _immutable: bool = False
+    #: False where the mask holds a tensor as the caller gave it (dense, bias, positions):
+    #: the caller may write into it through ``.data`` or a numpy array, unseen by version
+    #: counters, so what is derived from it is not kept past a call (its own copies, or
+    #: tensors no caller holds, mark it True)
+    _own_tensors: bool = True
     #: how many compositions (``&``, ``|``, ``~``) nest above the deepest leaf (0: a leaf)
     _depth: int = 0
     #: in a chain of one operator: how deep it may grow before it is rebuilt balanced
@@ -460,7 +465,8 @@ class Mask:
 
         While a CUDA graph captures, facts of a mask's tensors are computed in the graph (a
         graph's inputs change between replays, written in place, and the graph must see
-        their contents at each replay, not those a cache kept), and nothing is stored.
+        their contents at each replay, not those a cache kept), and nothing is stored; nor
+        while a ``TorchDispatchMode`` is on (fake tensors hold no values to keep).
 
         Example:
             >>> import torch, multihead as mh
@@ -477,12 +483,12 @@ class Mask:
             compute = _outside_transforms(self, compute)
         key = self.cache_key()
         if key is not None:
-            full = (key, what, args)
             try:
-                hash(full)
+                hash(key)
             except TypeError:
                 raise TypeError(f"{type(self).__name__}.cache_key() must return a hashable value "
                                 f"(a tuple of ints and strings, say), got {key!r}") from None
+            full = (key, what, args)
             return _SHARED.get_or_compute(full, compute, limit)
         versions = self._versions()
         if not self.memoizable or devices.capturing() or versions is None:

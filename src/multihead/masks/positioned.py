@@ -39,6 +39,7 @@ class Positioned(Mask):
     _banded = True                      # (its bounds read a key tile's positions per column)
     #: what a backend's refusal calls it (its kind is a user's mask's)
     kind_label = "at_positions"
+    _own_tensors = False                  # (the caller's positions, not copies)
 
     def __init__(self, mask: Mask, q_positions: torch.Tensor, k_positions: torch.Tensor):
         if not isinstance(mask, Mask):

@@ -127,6 +127,7 @@ class Dense(_RowsRead):
 
     kind = "dense"
     _immutable = True
+    _own_tensors = False                  # (the caller's tensor, not a copy)
     _banded = True
 
     def __init__(self, allowed: torch.Tensor):
@@ -220,6 +221,7 @@ class Bias(_RowsRead):
     has_bias = True
     has_predicate = True          # -inf entries mask
     _immutable = True
+    _own_tensors = False                  # (the caller's tensor, not a copy)
     _banded = True
 
     def __init__(self, values: torch.Tensor):
