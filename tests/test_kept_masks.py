@@ -219,3 +219,32 @@ def test_a_trace_for_symbolic_lengths_takes_a_tensor_free_mask():
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, H, 9, D, generator=g, dtype=torch.float64) for _ in range(3))
     torch.testing.assert_close(graph(q, k, v), run(q, k, v))
+
+
+def test_a_counting_dispatch_mode_still_keeps_plans_and_masks(monkeypatch):
+    from torch.utils.flop_counter import FlopCounterMode
+    from multihead.functional import dispatch
+    made = []
+    real = dispatch._new_decision
+    monkeypatch.setattr(dispatch, "_new_decision", lambda *a: made.append(1) or real(*a))
+    q, k, v = _qkv()
+    m = mh.masks.causal() & mh.masks.padding(torch.tensor([4, 6]))
+    built = _count_builds(monkeypatch)
+    with FlopCounterMode(display=False):             # on from the first call (real tensors)
+        for _ in range(5):
+            got = mh.attention(q, k, v, mask=m, backend="sdpa")
+    assert len(made) == 1 and len(built) == 2
+    torch.testing.assert_close(got, _expected(q, k, v, m.materialize(S, S)))
+
+
+@pytest.mark.cuda
+def test_a_gpu_bool_padding_is_read_at_every_call():
+    q, k, v = _qkv(device="cuda", dtype=torch.float16)
+    real = torch.ones(B, S, dtype=torch.bool, device="cuda")
+    m = mh.masks.padding(real)                       # (a GPU bool mask: the caller's tensor)
+    for _ in range(3):
+        mh.attention(q, k, v, mask=m, backend="sdpa")
+    real.data[0, 2:] = False                         # (no version bump)
+    got = mh.attention(q, k, v, mask=m, backend="sdpa")
+    want = _expected(q, k, v, mh.masks.padding(real.clone()).materialize(S, S, "cuda"))
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)

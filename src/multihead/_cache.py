@@ -7,7 +7,8 @@ outside the lock (two threads may compute it at once; one result is kept), so a 
 computation never blocks other threads and a computation may itself use the cache.
 
 While a CUDA graph captures, nothing is stored: a value computed then has its contents only
-once the graph replays, and an eager call must not read it before. A value read then is held
+once the graph replays, and an eager call must not read it before. Nor while a fake-tensor,
+``make_fx`` or functionalization mode is on: its tensors hold no values. A value read then is held
 for the life of the process: the graph reads its memory at every replay, after the cache may
 have let it go.
 
@@ -27,6 +28,7 @@ import torch
 
 from . import _device
 from ._fork import renew_after_fork
+from ._tracing import valueless
 
 _MISSING = object()
 
@@ -195,13 +197,14 @@ class BoundedCache:
     def put(self, key, value, limit: int | None = None) -> None:
         """Keep ``value`` under ``key``, dropping the oldest entries to stay in bounds.
 
-        Nothing is kept while a CUDA graph captures or a ``TorchDispatchMode`` is on (what
-        was made there may be a graph's, or a fake tensor with no values); nor a value
+        Nothing is kept while a CUDA graph captures or a fake-tensor, ``make_fx`` or
+        functionalization mode is on (what is made there is a graph's, or holds no
+        values: :func:`multihead._tracing.valueless`); nor a value
         holding a tensor a ``torch.func`` transform wrapped, which belongs to that
         transform's level (kept, it would escape it, and a later transform that met it
         failed inside functorch); nor one of more tensor bytes than ``limit``, where
         given, or than the cache's ``max_bytes``."""
-        if _device.capturing() or torch._C._len_torch_dispatch_stack():
+        if _device.capturing() or valueless():
             return
         if self._noted is not None:
             with self._lock:

@@ -16,6 +16,31 @@ import functools
 import torch
 
 
+#: torch's own dispatch modes whose tensors hold no values of their own: fake tensors, a
+#: ``make_fx`` trace's proxies, functionalization (``torch.export``)
+_VALUELESS = tuple(getattr(torch._C._TorchDispatchModeKey, name, None)
+                   for name in ("FAKE", "PROXY", "FUNCTIONAL"))
+
+
+def valueless() -> bool:
+    """True while a fake-tensor mode, a ``make_fx`` trace or functionalization is on: what
+    is made then holds no values (or a graph's), and no cache may keep it for later calls.
+    Other dispatch modes (``FlopCounterMode``, a logging mode) compute real tensors.
+
+    Example:
+        >>> import torch
+        >>> from torch._subclasses.fake_tensor import FakeTensorMode
+        >>> with FakeTensorMode():
+        ...     inside = valueless()
+        >>> inside, valueless()
+        (True, False)
+    """
+    if not torch._C._len_torch_dispatch_stack():
+        return False
+    return any(key is not None and torch._C._get_dispatch_mode(key) is not None
+               for key in _VALUELESS)
+
+
 def check_when_run(t: torch.Tensor, ok, message: str) -> None:
     """Values a traced graph cannot read (``torch.compile``, ``torch.export``): the graph
     raises ``RuntimeError(message)`` each time it runs with ``ok()`` false, for ``t`` on the

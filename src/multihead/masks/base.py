@@ -466,7 +466,7 @@ class Mask:
         While a CUDA graph captures, facts of a mask's tensors are computed in the graph (a
         graph's inputs change between replays, written in place, and the graph must see
         their contents at each replay, not those a cache kept), and nothing is stored; nor
-        while a ``TorchDispatchMode`` is on (fake tensors hold no values to keep).
+        while a fake-tensor or tracing mode is on (its tensors hold no values to keep).
 
         Example:
             >>> import torch, multihead as mh

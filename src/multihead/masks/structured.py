@@ -226,6 +226,8 @@ class Padding(Mask):
             if t.device.type == "cpu" and not torch.compiler.is_compiling():
                 with versioned():
                     t = t.clone()              # a private copy: its facts stay true
+            else:
+                self._own_tensors = False      # the caller's tensor, read at each call
             self.lengths, self.real = None, t
         else:
             if t.is_floating_point() or t.is_complex() or t.dim() != 1:

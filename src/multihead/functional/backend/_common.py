@@ -13,6 +13,7 @@ import torch
 from ... import masks as M
 from ...masks.base import versioned
 from ...kernels import HUGE_LSE2
+from ..._tracing import valueless
 from .._call import AttentionCall, traced
 
 #: query rows of one tile of the fused (flash) kernels, and the keys per split when the
@@ -34,16 +35,18 @@ def kept_mask(call: AttentionCall, what: str, args: tuple, build):
     kept on the mask (:meth:`~multihead.masks.Mask.cached`) for its next calls of the same
     lengths and ``args``: a mask given to every layer of a forward, or to every step of a
     loop, is then built for its first two calls only (a small call's mask took as long as
-    its kernel, and on a GPU it is several launches). Kept from the second call (a mask
-    made for one call costs no store), where they hold at most :data:`KEPT_MASK_BYTES`,
-    outside inference mode (a later call may record gradients); only read, never written.
+    its kernel, and on a GPU it is several launches). A mask holding tensors keeps it from
+    its second call (a mask made for one call costs no store); one made of ints (causal,
+    a window) from its first, shared by equal masks. Kept where they hold at most
+    :data:`KEPT_MASK_BYTES`, made outside inference mode (a later call may record
+    gradients); only read, never written.
 
     Built at every call: a mask with a bias (it may be a view of the caller's tensor, or
     need its gradient); one that holds a tensor as the caller gave it
-    (:func:`~multihead.masks.dense`, positions: a write through ``.data`` or numpy would
-    go unseen; the masks made from tensors passed to a call are copies, and kept); and
-    while ``torch.compile``, a dispatch mode (fake tensors) or a trace of symbolic
-    lengths runs.
+    (:func:`~multihead.masks.dense`, positions, a GPU bool padding: a write through
+    ``.data`` or numpy would go unseen; a small host tensor passed to a call as a mask is
+    copied, and kept: see :mod:`multihead.masks._content`); and while ``torch.compile``,
+    a fake-tensor or tracing mode, or a trace of symbolic lengths runs.
 
     Example:
         >>> import torch, multihead as mh
@@ -56,8 +59,8 @@ def kept_mask(call: AttentionCall, what: str, args: tuple, build):
         True
     """
     m = call.effective_mask
-    if (m.has_bias or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or traced(call.Sq, call.Sk) or not all(leaf._own_tensors for leaf in m.leaves())):
+    if (m.has_bias or torch.compiler.is_compiling() or valueless() or traced(call.Sq, call.Sk)
+            or not all(leaf._own_tensors for leaf in m.leaves())):
         return build()
     if m.cache_key() is None and not m.__dict__.get("_dense_again"):
         m.__dict__["_dense_again"] = True           # (its next call keeps what it builds)
