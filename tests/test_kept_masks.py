@@ -248,3 +248,19 @@ def test_a_gpu_bool_padding_is_read_at_every_call():
     got = mh.attention(q, k, v, mask=m, backend="sdpa")
     want = _expected(q, k, v, mh.masks.padding(real.clone()).materialize(S, S, "cuda"))
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("backend", ["rows", "blocksparse", "sdpa", "reference"])
+def test_a_first_call_under_a_fake_tensor_mode_leaves_no_cache_behind(backend):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    q, k, v = (torch.randn(2, 4, 19, 12) for _ in range(3))    # (sizes no other test uses:
+    m = mh.masks.causal()                                       # no real call's facts kept)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        try:               # (whether a backend can plan on fake tensors is not the point)
+            mh.attention(*(mode.from_tensor(t) for t in (q, k, v)), mask=m, backend=backend)
+        except RuntimeError:
+            pass
+    got = mh.attention(q, k, v, mask=m, backend=backend)
+    want = mh.attention(q.double(), k.double(), v.double(), mask=m, backend="reference")
+    assert type(got) is torch.Tensor
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)

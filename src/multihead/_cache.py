@@ -7,10 +7,10 @@ outside the lock (two threads may compute it at once; one result is kept), so a 
 computation never blocks other threads and a computation may itself use the cache.
 
 While a CUDA graph captures, nothing is stored: a value computed then has its contents only
-once the graph replays, and an eager call must not read it before. Nor while a fake-tensor,
-``make_fx`` or functionalization mode is on: its tensors hold no values. A value read then is held
+once the graph replays, and an eager call must not read it before. A value read then is held
 for the life of the process: the graph reads its memory at every replay, after the cache may
-have let it go.
+have let it go. Nothing is stored either while a fake-tensor, ``make_fx`` or
+functionalization mode is on: its tensors hold no values.
 
 CUDA tensors in a value are made on one stream and may be read on another (a second thread,
 a side stream). Such a read first waits for their making, and their memory is kept from
@@ -198,12 +198,11 @@ class BoundedCache:
         """Keep ``value`` under ``key``, dropping the oldest entries to stay in bounds.
 
         Nothing is kept while a CUDA graph captures or a fake-tensor, ``make_fx`` or
-        functionalization mode is on (what is made there is a graph's, or holds no
-        values: :func:`multihead._tracing.valueless`); nor a value
-        holding a tensor a ``torch.func`` transform wrapped, which belongs to that
-        transform's level (kept, it would escape it, and a later transform that met it
-        failed inside functorch); nor one of more tensor bytes than ``limit``, where
-        given, or than the cache's ``max_bytes``."""
+        functionalization mode is on (what is made there is a graph's, or holds no values:
+        :func:`multihead._tracing.valueless`); nor a value holding a tensor a
+        ``torch.func`` transform wrapped, which belongs to that transform's level (kept, it
+        would escape it, and a later transform that met it failed inside functorch); nor
+        one of more tensor bytes than ``limit``, where given, or than ``max_bytes``."""
         if _device.capturing() or valueless():
             return
         if self._noted is not None:

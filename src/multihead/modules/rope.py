@@ -556,8 +556,7 @@ class RotaryEmbedding(nn.Module):
     def _table(self, device: torch.device, dtype: torch.dtype, rows: int):
         """The shared table of at least ``rows`` positions ``(rows', 2, D)`` on ``device``,
         grown if need be (kept unless a CUDA graph captures or a fake-tensor or tracing
-        mode is on); None past
-        :data:`TABLE_BYTES`."""
+        mode is on); None past :data:`TABLE_BYTES`."""
         key = (self.rotary_dim, self.base, device, dtype)
         table = _TABLES.get(key)
         if table is None or table.shape[0] < rows:
