@@ -264,3 +264,21 @@ def test_a_first_call_under_a_fake_tensor_mode_leaves_no_cache_behind(backend):
     want = mh.attention(q.double(), k.double(), v.double(), mask=m, backend="reference")
     assert type(got) is torch.Tensor
     torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_call_whose_mask_fails_to_build_changes_nothing(monkeypatch):
+    q, k, v = _qkv()
+    m = mh.masks.causal() & mh.masks.padding(torch.tensor([4, 6]))
+    real = Padding._allowed
+
+    def failing(self, ix):
+        raise RuntimeError("out of memory (simulated)")
+    monkeypatch.setattr(Padding, "_allowed", failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        mh.attention(q, k, v, mask=m, backend="sdpa")
+    monkeypatch.setattr(Padding, "_allowed", real)
+    got = mh.attention(q, k, v, mask=m, backend="sdpa")       # its first call, as before
+    assert _kept_entries(m) == []
+    torch.testing.assert_close(got, _expected(q, k, v, m.materialize(S, S)))
+    mh.attention(q, k, v, mask=m, backend="sdpa")
+    assert len(_kept_entries(m)) == 1

@@ -17,14 +17,12 @@ for its derivative to reach it or be read).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.autograd.forward_ad as fwAD
 
 from .._cache import BoundedCache
 from .._device import capturing
-from .base import Mask
+from .base import Mask, versioned
 
 #: the largest tensor (in bytes) whose contents key a mask
 MAX_BYTES = 16 << 10
@@ -92,8 +90,7 @@ def by_content(what: str, build, tensors: tuple, extra: tuple = (), *, unkeyed: 
         return build(*tensors) if unkeyed else None
 
     def kept():
-        with (torch.inference_mode(False) if torch.is_inference_mode_enabled()
-              else contextlib.nullcontext()):
+        with versioned():                        # (a copy fit for a later backward)
             built = build(*(None if t is None else t.clone() for t in tensors))
         for leaf in built.leaves() if isinstance(built, Mask) else ():
             if not leaf._own_tensors:            # (on copies no caller holds: what is

@@ -63,8 +63,9 @@ def kept_mask(call: AttentionCall, what: str, args: tuple, build):
             or not all(leaf._own_tensors for leaf in m.leaves())):
         return build()
     if m.cache_key() is None and not m.__dict__.get("_dense_again"):
+        value = build()
         m.__dict__["_dense_again"] = True           # (its next call keeps what it builds)
-        return build()
+        return value
 
     def made():
         with versioned():
