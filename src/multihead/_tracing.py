@@ -22,6 +22,9 @@ _VALUELESS = tuple(getattr(torch._C._TorchDispatchModeKey, name, None)
                    for name in ("FAKE", "PROXY", "FUNCTIONAL"))
 
 
+_compiling, _modes = torch.compiler.is_compiling, torch._C._len_torch_dispatch_stack
+
+
 def valueless() -> bool:
     """True while a fake-tensor mode, a ``make_fx`` trace or functionalization is on: what
     is made then holds no values (or a graph's), and no cache may keep it for later calls.
@@ -189,3 +192,21 @@ def eager_under_compile(reason: str):
 def _callback():
     """The frame-evaluation callback ``torch.compile`` installs on this thread, or None."""
     return torch._C._dynamo.eval_frame.get_eval_frame_callback()
+
+
+def tracing() -> bool:
+    """True where tensors' values cannot be read on the host: while ``torch.compile`` or
+    ``torch.export`` traces, or a fake-tensor mode, a ``make_fx`` trace or
+    functionalization is on (:func:`valueless`). Code that reads a mask's values to plan
+    takes then the path a traced graph takes: it computes in the graph what it would have
+    read, and keeps nothing.
+
+    Example:
+        >>> import torch
+        >>> from torch._subclasses.fake_tensor import FakeTensorMode
+        >>> with FakeTensorMode():
+        ...     inside = tracing()
+        >>> inside, tracing()
+        (True, False)
+    """
+    return _compiling() or (_modes() != 0 and valueless())     # (a call's usual: 0.1 us)

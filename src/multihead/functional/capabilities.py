@@ -15,6 +15,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .._dtypes import SUPPORTED_DTYPES
 from ._call import AttentionCall
+from .._tracing import tracing
 
 #: leaf mask structures a backend can declare (compositions are "and", "or", "not");
 #: "at_positions" (a leaf of kind "custom") for a backend that runs those and no other custom
@@ -35,7 +36,7 @@ def shown(n) -> str:
         >>> shown(128)
         '128'
     """
-    return "a traced size" if torch.compiler.is_compiling() else str(n)
+    return "a traced size" if tracing() else str(n)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,8 @@ class Capabilities:
         lse: returns the log-sum-exp of each row.
         dropout: applies dropout on the weights.
         bias_grad: propagates gradients into a bias tensor.
-        traceable: runs inside ``torch.compile(fullgraph=True)``.
+        traceable: runs inside ``torch.compile(fullgraph=True)``, ``torch.export``, ``make_fx``
+            and on fake tensors (it reads no values on the host).
         transforms: runs under ``torch.func`` transforms (grad, vmap, jacrev, ...); False
             for a backend that reads a mask back to the host (rows), writes its tiles in
             place from an autograd Function (blocksparse) or launches its own kernels
@@ -142,8 +144,9 @@ class Capabilities:
         if not self.second_order and call.second_order:
             out.append("gives no second-order gradients under nested torch.func transforms "
                        "(grad of grad, jacrev of jacrev)")
-        if not self.traceable and torch.compiler.is_compiling():
-            out.append("is not traceable by torch.compile (a data-dependent host loop)")
+        if not self.traceable and tracing():
+            out.append("reads values on the host, which traced or fake tensors do not have "
+                       "(torch.compile, torch.export, make_fx, FakeTensorMode)")
         if not self.transforms and torch._C._are_functorch_transforms_active():
             out.append("does not run under torch.func transforms (grad, vmap, jacrev, ...)")
         elif not self.empty_vmap and call.vmapped_empty:

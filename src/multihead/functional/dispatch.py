@@ -35,7 +35,7 @@ import torch.autograd.forward_ad as fwAD
 from .. import masks as M
 from .._cache import BoundedCache
 from .._dtypes import AUTOCAST_CASTS, autocast_dtype
-from .._tracing import refuse_jit_trace
+from .._tracing import refuse_jit_trace, tracing
 from ..analysis.params import human_bytes
 from .. import _second_order as second_order
 from . import nonfinite, profiles, registry
@@ -216,7 +216,7 @@ def _uncached() -> bool:
     """True while ``torch.compile`` traces or a ``torch.func`` transform (grad, vmap) runs:
     decisions are then made afresh, not shared with plain calls (backends differ in what
     they run under a transform)."""
-    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+    return tracing() or torch._C._are_functorch_transforms_active()
 
 
 def _autocast(q, k, v):

@@ -49,6 +49,7 @@ import math
 import torch
 
 from ._call import AttentionCall
+from .._tracing import tracing
 
 
 #: dtypes whose check sums k with q and the output (a +inf score absorbed by the kernel)
@@ -180,7 +181,7 @@ def run(backend, call: AttentionCall, plan):
         >>> out[0, 0].isnan().all(-1).tolist()         # only the row that sees key 2
         [False, False, True]
     """
-    on_host = call.q.device.type == "cpu" and not torch.compiler.is_compiling()
+    on_host = call.q.device.type == "cpu" and not tracing()
     rng = torch.random.get_rng_state() if on_host and call.dropout_p > 0 else None
     out, w, lse = backend.run(call, plan)
     if not on_host:

@@ -27,7 +27,7 @@ from ..masks import Mask
 from ..masks._content import by_content
 from ..masks.structured import ids_from_offsets
 from .hf_masks import HFMask, build_mask, hybrid_hint, unreadable_mask
-from .._tracing import check_when_run, shape_text
+from .._tracing import check_when_run, shape_text, tracing
 
 NAME = "multihead"
 
@@ -174,7 +174,7 @@ def _flash_packing(kwargs, mask, batch: int, q_len: int, k_len: int):
         return mask
     if mask is not None and any(leaf.kind == "document" for leaf in mask.leaves()):
         return mask                                     # (position_ids gave them already)
-    traced = torch.compiler.is_compiling()              # (the offsets hold no values)
+    traced = tracing()                                  # (the offsets hold no values)
     if cu_q is None or cu_k is None or batch != 1 or q_len != k_len or (
             cu_q is not cu_k and (cu_q.shape != cu_k.shape if traced
                                   else not torch.equal(cu_q, cu_k))):

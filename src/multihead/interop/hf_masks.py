@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from .. import masks as M
-from .._tracing import shape_text
+from .._tracing import shape_text, tracing
 
 
 class _Overlay(NamedTuple):
@@ -294,7 +294,7 @@ def _padding(attention_mask, kv_offset: int, keys: int):
     pm = attention_mask[:, kv_offset:kv_offset + keys].bool()           # (B, <= keys)
     if pm.shape[1] < keys:
         pm = torch.nn.functional.pad(pm, (0, keys - pm.shape[1]))       # (B, keys)
-    if pm.device.type == "cpu" and not torch.compiler.is_compiling():   # (reads values)
+    if pm.device.type == "cpu" and not tracing():                       # (reads values)
         lengths = pm.sum(1)                                             # (B,)
         if bool(pm.all()):
             return None

@@ -45,6 +45,7 @@ from .flash_bwd import (_dkdv_block, _dq_block, backward_setup, check_backward, 
                         row_deltas)
 from .flash_fwd import _attend_block, _finish, fresh_state
 from .mask_program import MaskProgram, mask_program
+from .._tracing import tracing
 
 #: per-call values that must not cause a compile (lengths, list sizes and strides)
 DYNAMIC = ["Sq", "Sk", "NL", "slb", "slh", "sib", "sih"]
@@ -73,7 +74,7 @@ def block_lists(mask: MB.Mask, sq: int, sk: int, block_m: int, block_n: int, dev
         state = state.clone()                                       # (B', H', nQ, nK) int8
         # short last blocks: bounds. While tracing, always (a branch on a symbolic length
         # would compile the graph once per remainder class)
-        traced = torch.compiler.is_compiling()
+        traced = tracing()
         if traced or sq % block_m:
             state[..., -1, :] = state[..., -1, :].clamp(max=MB.PARTIAL)
         if traced or sk % block_n:
@@ -461,7 +462,7 @@ def unflatten(fn: str, q: torch.Tensor, k: torch.Tensor, source: str, tensors, i
         if t.device != q.device:
             raise ValueError(f"{fn}: the plan's tensors must be on q's device {q.device}, "
                              f"one is on {t.device}: plan on q's device")
-    if q.device.type == "cpu" and not torch.compiler.is_compiling():
+    if q.device.type == "cpu" and not tracing():
         for i, spec in enumerate(launches):       # host lists: reading them costs no sync
             _check_list_values(fn, i, *spec.lists)
     return MaskProgram(source, tuple(tensors), tuple(ints)), tuple(launches)

@@ -43,6 +43,7 @@ from .flash_sparse import (KERNELS, Launch, flatten, list_shape, plan, program,
                            run_backward, run_forward, sparse_backward, sparse_forward,
                            unflatten)
 from .mask_program import MaskProgram
+from .._tracing import tracing
 
 
 def _kw(scale, causal, window, offset, kv_lengths, documents=None) -> dict:
@@ -228,7 +229,7 @@ def attention(q, k, v, scale: float, causal: bool, window: int, offset: int,
         >>> q = torch.randn(1, 2, 32, 16, device="cuda", dtype=torch.float16)   # doctest: +SKIP
         >>> out, lse = attention(q, q, q, 0.25, True, 0, 0, None)              # doctest: +SKIP
     """
-    if torch.compiler.is_compiling():
+    if tracing():
         return flash_attention(q, k, v, scale, causal, window, offset, kv_lengths, documents)
     _refuse_transforms()                # (before the backward ahead builds anything)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -356,7 +357,7 @@ def sparse(q, k, v, mask, scale: float, again=None) -> tuple[torch.Tensor, torch
         >>> q = torch.randn(1, 2, 32, 16, device="cuda", dtype=torch.float16)   # doctest: +SKIP
         >>> out, lse = sparse(q, q, q, mh.masks.alibi(2), 0.25)                  # doctest: +SKIP
     """
-    if torch.compiler.is_compiling():
+    if tracing():
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         prog, launches = plan(mask, q, k, v, kernels=tuple(KERNELS) if grad else ("fwd",))
         return flash_sparse(q, k, v, scale, *flatten(prog, launches, q.shape[2], k.shape[2]))
@@ -420,7 +421,7 @@ def decode(q, k, v, scale: float, causal: bool, window: int, offset: int,
            kv_lengths: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of a few queries, no gradients: :func:`flash_decode` while
     ``torch.compile`` traces, :func:`.decode_forward` directly otherwise."""
-    if torch.compiler.is_compiling():
+    if tracing():
         return flash_decode(q, k, v, scale, causal, window, offset, kv_lengths)
     _refuse_transforms()
     return decode_forward(q, k, v, **_kw(scale, causal, window, offset, kv_lengths))

@@ -23,6 +23,7 @@ import torch.autograd.forward_ad as fwAD
 from .._cache import BoundedCache
 from .._device import capturing
 from .base import Mask, versioned
+from .._tracing import tracing
 
 #: the largest tensor (in bytes) whose contents key a mask
 MAX_BYTES = 16 << 10
@@ -82,7 +83,7 @@ def by_content(what: str, build, tensors: tuple, extra: tuple = (), *, unkeyed: 
         False
     """
     key = None
-    if not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+    if not (tracing() or torch._C._are_functorch_transforms_active()
             or torch._C._len_torch_dispatch_stack() or capturing()
             or fwAD._current_level >= 0):
         key = tuple(_content(t) for t in tensors)

@@ -31,7 +31,7 @@ from .. import _device as devices
 from .._device import to_device
 from .._args import positive_int
 from .._dtypes import check_dtype
-from .._tracing import concrete
+from .._tracing import concrete, tracing
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -75,7 +75,7 @@ def axis_range(start: int, stop: int, dim: int, device) -> torch.Tensor:
     shape = [1, 1, 1, 1]
     shape[dim] = stop - start
     t = torch.arange(start, stop, device=device).view(shape)        # (n at dim, 1 elsewhere)
-    if not torch.compiler.is_compiling():    # (traced: no attributes on a graph's tensors)
+    if not tracing():    # (traced: no attributes on a graph's tensors)
         t._multihead_range = (dim, start, stop, _version(t))
     return t
 
@@ -97,7 +97,7 @@ def _grid_axes(sizes: tuple, device: torch.device, keep: bool = True) -> tuple:
         >>> [tuple(t.shape) for t in a], a[3] is _grid_axes((2, 1, 3, 4), torch.device("cpu"))[3]
         ([(2, 1, 1, 1), (1, 1, 1, 1), (1, 1, 3, 1), (1, 1, 1, 4)], True)
     """
-    if (not keep or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+    if (not keep or tracing() or torch._C._len_torch_dispatch_stack()
             or not all(type(n) is int for n in sizes)):
         return tuple(axis_range(0, n, dim, device) for dim, n in enumerate(sizes))
     key = (sizes, device)
@@ -136,7 +136,7 @@ def range_of(t: torch.Tensor, dim: int) -> tuple[int, int] | None:
         >>> range_of(t, 2), range_of(t, 3), range_of(t[:, :, 1:], 2)
         ((0, 4), None, None)
     """
-    if torch.compiler.is_compiling():        # (traced: marks are not read, as not made)
+    if tracing():        # (traced: marks are not read, as not made)
         return None
     mark = getattr(t, "_multihead_range", None)
     if mark is None or mark[0] != dim or mark[3] != _version(t):
@@ -250,7 +250,7 @@ def versioned():
         ...     torch.zeros(2).is_inference()
         False
     """
-    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+    if not tracing() and torch.is_inference_mode_enabled():
         return torch.inference_mode(False)
     return contextlib.nullcontext()
 
@@ -477,7 +477,7 @@ class Mask:
             >>> m.cached("n", (), lambda: 3)
             3
         """
-        if torch.compiler.is_compiling():  # traced: the graph recomputes it on each call
+        if tracing():  # traced: the graph recomputes it on each call
             return compute()
         if torch._C._are_functorch_transforms_active():
             compute = _outside_transforms(self, compute)
@@ -510,7 +510,7 @@ class Mask:
             (True, 1, 1)
         """
         store = self.__dict__.get("_memo")
-        if store is None or torch.compiler.is_compiling() or self.cache_key() is not None:
+        if store is None or tracing() or self.cache_key() is not None:
             return None
         versions = self._versions()
         return None if versions is None else store.peek((what, args, versions))
@@ -521,7 +521,7 @@ class Mask:
         equal the old one's); None if one keeps none, as inference tensors do. While
         ``torch.compile`` traces, the counters alone."""
         try:
-            if torch.compiler.is_compiling():
+            if tracing():
                 return tuple(t._version for t in self._tensors())
             return tuple((t._version, _serial(t)) for t in self._tensors())
         except RuntimeError:
@@ -556,7 +556,7 @@ class Mask:
         at = self.__dict__.get("_facts_at")
         if at is None:                      # never stamped, or a tensor keeps no counter
             return False
-        if torch.compiler.is_compiling():
+        if tracing():
             return True
         if devices.capturing() and any(t.device.type != "cpu" for t in self._tensors()):
             return False
@@ -568,7 +568,7 @@ class Mask:
         tensor written in place since, a CUDA graph capturing, ``torch.compile`` tracing.
         Host tensors written in place since are read again."""
         if not self._facts_hold():
-            if torch.compiler.is_compiling() or not self.on_host:
+            if tracing() or not self.on_host:
                 return None
             self._read_facts(check=False)
         return getattr(self, name)
@@ -681,7 +681,7 @@ class Mask:
         tensor, or only tensors on the CPU. False while ``torch.compile`` traces a mask that
         holds tensors (a graph's tensors have no values to read)."""
         tensors = self._tensors()
-        if tensors and torch.compiler.is_compiling():
+        if tensors and tracing():
             return False
         return all(t.device.type == "cpu" for t in tensors)
 

@@ -22,7 +22,7 @@ import torch
 from .._args import counted, positive_int
 from .._dtypes import check_strided, host_tensor, integer_tensor
 from .._device import check_fits
-from .._tracing import check_when_run, concrete, eager_under_compile, shape_text, vmapped
+from .._tracing import check_when_run, concrete, eager_under_compile, shape_text, tracing, vmapped
 from .base import Index, Mask, TileIndex, one_batch, versioned
 
 _ALIGNS = ("lower_right", "upper_left")
@@ -223,7 +223,7 @@ class Padding(Mask):
             if t.dim() != 2:
                 raise ValueError(f"padding: a bool mask must be (B, S) with True = real token, "
                                  f"got shape {shape_text(t)}")
-            if t.device.type == "cpu" and not torch.compiler.is_compiling():
+            if t.device.type == "cpu" and not tracing():
                 with versioned():
                     t = t.clone()              # a private copy: its facts stay true
             else:
@@ -233,12 +233,12 @@ class Padding(Mask):
             if t.is_floating_point() or t.is_complex() or t.dim() != 1:
                 raise TypeError(f"padding: lengths must be a 1-D integer tensor (B,) or a (B, S) "
                                 f"bool tensor, got dtype {t.dtype} and shape {shape_text(t)}")
-            if not torch.compiler.is_compiling():
+            if not tracing():
                 _check_readable("padding's lengths", t)
             with versioned():
                 self.lengths, self.real = t.long().clone(), None    # a private copy, as above
         self._lengths_read = self._longest = self._fewest = None
-        if not torch.compiler.is_compiling():  # built while tracing: the values are unknown
+        if not tracing():  # built while tracing: the values are unknown
             self._read_facts()
 
     def _read_facts(self, check: bool = True) -> None:
@@ -302,7 +302,7 @@ class Padding(Mask):
         if self.real is not None:
             return f"padding(mask of shape {shape_text(self.real)}{side})"
         # (traced, the host copy of the lengths is a graph input: no values to format)
-        if torch.compiler.is_compiling() or self._host_lengths is None:
+        if tracing() or self._host_lengths is None:
             return f"padding(lengths of shape ({concrete(self.batch_size)},){side})"
         vals = self._host_lengths.tolist()
         listed = ", ".join(map(str, vals[:6])) + (", ..." if len(vals) > 6 else "")
@@ -337,7 +337,7 @@ class Padding(Mask):
             raise ValueError(f"mask: {self.describe()} has a length {concrete(self._max_len)} > "
                              f"{what} = {concrete(s)}: lengths count real tokens and cannot "
                              f"exceed the sequence")
-        if torch.compiler.is_compiling() and self.real is None and self._max_len is None:
+        if tracing() and self.real is None and self._max_len is None:
             n = self.lengths                    # traced: no values to read (checked when run)
             check_when_run(n, lambda: ((n >= 0) & (n <= s)).all(),
                            f"mask: padding(side={self.side!r}) has a length < 0 or > {what}: "
@@ -422,8 +422,8 @@ def _find_runs(ids: torch.Tensor) -> DocumentRuns:
 
 #: why cu_seqlens cannot be read while a graph is traced
 _OFFSETS_TRACED = ("document(cu_seqlens=...) reads the offsets when the mask is built (the "
-                   "ids' length is their last entry), which a traced graph cannot: build the "
-                   "mask outside the compiled or exported function, or pass ids "
+                   "ids' length is their last entry), which a traced graph or fake tensors "
+                   "cannot: build the mask outside the compiled or exported function, or pass ids "
                    "(torch.bucketize(torch.arange(S), cu_seqlens[1:], right=True))")
 
 
@@ -432,7 +432,7 @@ def _offsets_to_ids(cu_seqlens) -> torch.Tensor:
     """The document id of each position ``(total,)`` from cumulative lengths (read on the
     host: under ``torch.compile`` a graph break; ``fullgraph=True`` and ``torch.export``
     refuse it with the reason)."""
-    if torch.compiler.is_compiling():            # torch.export: no graph break to run it in
+    if tracing():        # torch.export, fake tensors: no graph break to run it in
         raise ValueError(f"document: {_OFFSETS_TRACED}")
     cu = _as_long_1d_or_2d(cu_seqlens, "cu_seqlens")
     _check_readable("document's cu_seqlens", cu)
@@ -516,7 +516,7 @@ class Document(Mask):
     def runs_known(self) -> bool:
         """True when :meth:`runs` needs no read of a device tensor (never while
         ``torch.compile`` traces: a graph's tensors have no values to read)."""
-        if torch.compiler.is_compiling():
+        if tracing():
             return False
         return self.ids.device.type == "cpu" or (self._runs is not None and self._facts_hold())
 

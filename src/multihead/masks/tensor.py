@@ -14,7 +14,7 @@ import torch
 from .._args import positive_int
 from .._dtypes import check_strided
 from .._device import to_device
-from .._tracing import concrete, shape_text
+from .._tracing import concrete, shape_text, tracing
 from .base import Index, Mask, TileIndex, grid_shape, range_of
 
 
@@ -112,7 +112,7 @@ class _RowsRead(Mask):
     _live = None
 
     def may_have_empty_rows(self, sq, sk):
-        if sq > 0 and sk == 0 or not self.memoizable or torch.compiler.is_compiling():
+        if sq > 0 and sk == 0 or not self.memoizable or tracing():
             return True
         return not self._fact("_live")
 
@@ -231,7 +231,7 @@ class Bias(_RowsRead):
                             f"multihead.masks.dense(t) for bool masks")
         t = _as_4d(values, "bias")
         self.raw = t                                           # (B|1, H|1, Sq|1, Sk|1)
-        if t.device.type == "cpu" and not torch.compiler.is_compiling() and self._read_facts():
+        if t.device.type == "cpu" and not tracing() and self._read_facts():
             bad = (torch.isnan(values) | torch.isposinf(values)).nonzero()
             at = tuple(bad[0].tolist())
             raise ValueError(f"bias contains NaN or +inf ({len(bad)} of {values.numel()} values; "
@@ -382,7 +382,7 @@ def read_free(t: torch.Tensor, read):
         >>> read_free(t, lambda: bool(t.isneginf().any()))
         True
     """
-    if t.device.type != "cpu" or torch.compiler.is_compiling():
+    if t.device.type != "cpu" or tracing():
         return None
     return read_back(t, read)
 

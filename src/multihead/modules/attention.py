@@ -26,7 +26,7 @@ from .. import masks
 from .._args import fraction, positive_int
 from .._device import usable_device
 from .._dtypes import AUTOCAST_CASTS, autocast_dtype, check_dtype, check_strided, check_weights
-from .._tracing import concrete, eager_under_compile, refuse_jit_trace, shape_text
+from .._tracing import concrete, eager_under_compile, refuse_jit_trace, shape_text, tracing
 from ..masks.positioned import distances_in_tokens
 from ..functional import attention
 from ..functional.dispatch import check_backend
@@ -637,7 +637,7 @@ def _reads_pages(cache, q: torch.Tensor, mask, valid, backend) -> bool:
         return False
     if mask is not None and not (type(mask) is masks.Window and mask.align == "lower_right"):
         return False
-    if not kernels.available() or torch.compiler.is_compiling():
+    if not kernels.available() or tracing():
         return False            # a traced graph reads the gathered pages through ops.decode
     from ..kernels._band import DTYPES, MAX_HEAD_DIM
     return q.dtype in DTYPES and max(q.shape[-1], cache.value_dim) <= MAX_HEAD_DIM

@@ -32,7 +32,7 @@ from .._cache import BoundedCache
 from .._device import to_device, usable_device
 from .._dtypes import check_strided
 from .._fork import module_lock
-from .._tracing import concrete, refuse_jit_trace, shape_text
+from .._tracing import concrete, refuse_jit_trace, shape_text, tracing
 
 #: rows of a table when first built (it doubles past them)
 FIRST_ROWS = 2048
@@ -85,7 +85,7 @@ def _check_values(positions: torch.Tensor) -> tuple[int, int] | None:
         raise TypeError(f"RotaryEmbedding: positions must be an integer or float tensor, got "
                         f"{positions.dtype}: pass integer positions (torch.arange(S) + start)")
     if not (positions.device.type == "cpu" and type(positions) is torch.Tensor and positions.numel()
-            and not torch.compiler.is_compiling()
+            and not tracing()
             and not torch._C._are_functorch_transforms_active()):
         return None
     if not positions.is_floating_point():
@@ -253,7 +253,12 @@ class RotaryEmbedding(nn.Module):
         self._note_canonical(freq)
 
     def _note_canonical(self, freq: torch.Tensor) -> None:
-        """Note ``freq`` (``inv_freq``, holding the built frequencies) as unchanged."""
+        """Note ``freq`` (``inv_freq``, holding the built frequencies) as unchanged (a fake
+        tensor's, built under ``FakeTensorMode``, never: it has no memory to note)."""
+        from torch._subclasses.fake_tensor import is_fake
+        if is_fake(freq):
+            self._canonical = (None, -1, -1, None)
+            return
         values = freq.clone() if freq.device.type == "cpu" else None
         self._canonical = (freq, freq._version, freq.data_ptr(), values)
 
@@ -530,7 +535,7 @@ class RotaryEmbedding(nn.Module):
         always, NaN/inf where the host holds it (a device's is not read back: NaN rows)."""
         freq = self.inv_freq
         read = (type(freq) in (torch.Tensor, nn.Parameter) and freq.device.type == "cpu"
-                and not torch.compiler.is_compiling()
+                and not tracing()
                 and not torch._C._are_functorch_transforms_active())
         problem = self._frequency_problem(freq, read)
         if problem == NONFINITE:
@@ -543,7 +548,7 @@ class RotaryEmbedding(nn.Module):
 
     def _tables_serve(self, x: torch.Tensor) -> bool:
         """Whether this call may read the shared table (see the module docstring)."""
-        return (not torch.compiler.is_compiling() and type(x) in (torch.Tensor, nn.Parameter)
+        return (not tracing() and type(x) in (torch.Tensor, nn.Parameter)
                 and not torch._C._are_functorch_transforms_active() and self._unchanged())
 
     @staticmethod

@@ -60,8 +60,9 @@ def band_of(call) -> TracedBand | str:
                 "would read the device)")
     parts = band_parts(call.effective_mask)
     if not isinstance(parts, BandParts):            # (the leaf's kind: describing its
-        return (f"runs under torch.compile and torch.export a band (causal, sliding window), "
-                f"key padding, or band & key padding, not this {parts.kind} mask")  # sizes
+        return (f"runs traced (torch.compile, torch.export, make_fx, fake tensors) a band "
+                f"(causal, sliding window), key padding, or band & key padding, not this "
+                f"{parts.kind} mask")                       # sizes
     band, padding = parts.window, parts.padding     # would format traced ints)
     if torch.compiler.is_dynamo_compiling() and (band is None or band.size is None):
         return ("runs under torch.compile (Dynamo) sliding windows only: a causal band or "

@@ -13,7 +13,7 @@ import torch
 from ... import masks as M
 from ...masks.base import versioned
 from ...kernels import HUGE_LSE2
-from ..._tracing import valueless
+from ..._tracing import tracing
 from .._call import AttentionCall, traced
 
 #: query rows of one tile of the fused (flash) kernels, and the keys per split when the
@@ -59,7 +59,7 @@ def kept_mask(call: AttentionCall, what: str, args: tuple, build):
         True
     """
     m = call.effective_mask
-    if (m.has_bias or torch.compiler.is_compiling() or valueless() or traced(call.Sq, call.Sk)
+    if (m.has_bias or tracing() or traced(call.Sq, call.Sk)
             or not all(leaf._own_tensors for leaf in m.leaves())):
         return build()
     if m.cache_key() is None and not m.__dict__.get("_dense_again"):

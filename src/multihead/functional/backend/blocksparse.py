@@ -45,6 +45,7 @@ from ..registry import Backend, Plan, register
 from . import _blocksparse_op, _tiles
 from ._common import HUGE_LSE
 from ._tiles import Step, make_plan
+from ..._tracing import tracing
 
 NEG_INF = float("-inf")
 
@@ -457,13 +458,13 @@ class BlockSparse(Backend):
     capabilities = Capabilities(lse=True, transforms=False, forward_ad=False, second_order=True)
 
     def check(self, call):
-        if torch.compiler.is_compiling():           # traced: as one operator, for the masks
-            band = _blocksparse_op.band_of(call)    # that travel as its arguments
+        if tracing():                               # traced: as one operator, for the
+            band = _blocksparse_op.band_of(call)    # masks that travel as its arguments
             return band if isinstance(band, str) else None
         return None
 
     def plan(self, call, profile):
-        if torch.compiler.is_compiling():
+        if tracing():
             band = _blocksparse_op.band_of(call)
             est = _blocksparse_op.estimate(call, band)
             work = _work(call, est)
@@ -488,7 +489,7 @@ class BlockSparse(Backend):
     def run(self, call, plan):
         work = call.compute_dtype                   # (half precision computed in fp32)
         q, k, v = (t.to(work) for t in (call.q, call.k, call.v))
-        if torch.compiler.is_compiling():
+        if tracing():
             out, lse = _blocksparse_op.run(q, k, v, call.scale, plan.detail)
         else:
             steps = plan.detail.get_or_compute("steps", lambda: make_plan(call))

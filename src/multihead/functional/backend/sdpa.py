@@ -43,6 +43,7 @@ from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
 from ._common import FUSED_ROWS, HUGE_LSE, KEY_SPLIT, kept_mask, mask_launches
+from ..._tracing import tracing
 
 #: the most queries for which a masked GQA call folds its query heads (decoding, verifying)
 FOLD_MASKED_MAX_SQ = 16
@@ -100,7 +101,7 @@ def _causal_pairs(sq: int, sk: int, cpu: bool = False) -> int:
         >>> _causal_pairs(512, 512, cpu=True) / 512**2, _causal_pairs(2048, 2048, cpu=True) / 2048**2
         (1.0, 0.625)
     """
-    if cpu and not (traced(sq, sk) or torch.compiler.is_compiling()):   # (no guards)
+    if cpu and not (traced(sq, sk) or tracing()):   # (no guards)
         return sum(max(0, sq - c) * min(CPU_KEY_BLOCK, sk - c)
                    for c in range(0, sk, CPU_KEY_BLOCK))
     n = min(sq, sk)
@@ -302,7 +303,7 @@ def _apart(t: torch.Tensor) -> torch.Tensor:
         >>> _apart(t).is_contiguous(), _apart(s) is s
         (True, True)
     """
-    if torch.compiler.is_compiling() or t.is_contiguous():
+    if tracing() or t.is_contiguous():
         return t                                # (traced, the layouts are torch's to keep)
     if torch._C._are_functorch_transforms_active():
         return t.contiguous()                   # (vmap's tensors have no overlap test)
@@ -327,7 +328,7 @@ def _needs_math(attn_mask: torch.Tensor, row_ok: torch.Tensor | None) -> bool:
     ``attn_mask (B', H', Sq, Sk)`` has a finite maximum of magnitude :data:`HUGE_LSE` or
     more: a host read (made on a CPU only). While ``torch.compile`` traces or a
     ``torch.func`` transform runs, where nothing can be read back: always."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if tracing() or torch._C._are_functorch_transforms_active():
         return True
     top = attn_mask.amax(dim=-1)                                          # (B', H', Sq)
     if row_ok is not None:                                # rows opened only to be zeroed

@@ -33,6 +33,7 @@ from ..capabilities import Capabilities, shown
 from ._common import BandParts, band_parts, mask_launches
 from ..cost import Work, share
 from ..registry import Backend, Plan, register
+from ..._tracing import tracing
 
 #: its FLOP rate against the vendor's fused kernel on the same device (priced as slower,
 #: so it is chosen for the work it skips, not for work both would do)
@@ -125,7 +126,7 @@ def _pairs(call: AttentionCall, band: Band, block_m: int, block_n: int) -> int:
     """(query, key) pairs of the key blocks the kernel visits, over all rows and heads
     (while ``torch.compile`` traces, where sizes may be symbolic: a bound without a loop
     over blocks, so that no size is specialized)."""
-    if torch.compiler.is_compiling():
+    if tracing():
         keys = call.Sk if band.window is None else min(call.Sk, band.window + block_n)
         return call.B * call.H * call.Sq * keys
     if band.documents is not None:                # each document a sequence of its own
@@ -154,7 +155,7 @@ def _decoding_step(call: AttentionCall) -> bool:
 
 def _share(pairs, total) -> str:
     """``"12.5% of the pairs"``; while tracing (sizes may be symbolic), no figure."""
-    if torch.compiler.is_compiling():
+    if tracing():
         return "the pairs (not counted while tracing)"
     return f"{share(pairs / max(1, total))} of the pairs"
 
@@ -234,7 +235,7 @@ class TritonFlash(Backend):
                     dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=1),
                     launches=1 + DECODE_HOST_LAUNCHES, parallel=call.B * call.Hkv * splits)
         # (traced, a count may be symbolic: comparing it to 1 would specialize the graph)
-        n = (lambda k, noun: f"{shown(k)} {noun}s") if torch.compiler.is_compiling() else counted
+        n = (lambda k, noun: f"{shown(k)} {noun}s") if tracing() else counted
         note = f"split-K decode: the keys in {n(splits, 'split')}, each K/V byte read once for " \
                f"the {n(call.group, 'query head')} of a group"
         return Plan(work, note, (band, "decode"))
