@@ -85,7 +85,7 @@ TRACED = {
 }
 
 
-@pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
+@pytest.mark.parametrize("mode", ["real", "fake", "symbolic", "real, before dispatch"])
 @pytest.mark.parametrize("name", TRACED)
 def test_a_make_fx_graph_equals_eager_attention_on_inputs_it_was_not_traced_with(mode, name):
     build = TRACED[name]
@@ -93,7 +93,9 @@ def test_a_make_fx_graph_equals_eager_attention_on_inputs_it_was_not_traced_with
     def f(q, k, v, *mask_tensors):
         return mh.attention(q, k, v, mask=build(mask_tensors))
 
-    graph = make_fx(f, tracing_mode=mode)(*_inputs(S, seed=0))
+    before = mode.endswith("before dispatch")      # (its proxies on a stack of their own)
+    graph = make_fx(f, tracing_mode=mode.split(",")[0], pre_dispatch=before)(
+        *_inputs(S, seed=0))
     # other values (a row with no key to attend to), and under "symbolic" another length
     args = _inputs(S if mode != "symbolic" else 2 * S - 3, seed=1, empty_row=True)
     got = graph(*args)
@@ -101,7 +103,21 @@ def test_a_make_fx_graph_equals_eager_attention_on_inputs_it_was_not_traced_with
     torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
 
 
-def test_a_module_with_gqa_rope_and_a_kv_cache_runs_on_fake_tensors():
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "reference"])
+def test_a_make_fx_graph_of_a_gradient_penalty_equals_eager(backend):
+    def penalty_grad(q, k, v):
+        q = q.detach().requires_grad_()
+        out = mh.attention(q, k, v, mask=M.causal(), backend=backend)
+        g, = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+        return torch.autograd.grad(g.pow(2).sum(), q)[0]
+
+    q, k, v = _inputs(S, seed=0)[:3]
+    graph = make_fx(penalty_grad)(q.double(), k.double(), v.double())
+    q, k, v = (t.double() for t in _inputs(S, seed=1)[:3])
+    torch.testing.assert_close(graph(q, k, v), penalty_grad(q, k, v))
+
+
+def test_a_module_with_gqa_rope_and_kv_caches_runs_on_fake_tensors():
     E, heads, kv_heads = 32, 4, 2
     shapes = []
     for fake in (False, True):
@@ -116,13 +132,18 @@ def test_a_module_with_gqa_rope_and_a_kv_cache_runs_on_fake_tensors():
             cache = mh.KVCache(B, 2 * S, kv_heads, E // heads)
             m(x, mask=M.causal(), cache=cache)
             step = m(torch.randn(B, 1, E), mask=M.causal(), cache=cache)
+            pool = mh.PagedKVCache(num_pages=8, page_size=4, num_kv_heads=kv_heads,
+                                   head_dim=E // heads)
+            seqs = [pool.add_sequence() for _ in range(B)]
+            m(x, mask=M.causal(), cache=pool.batch(seqs))
+            paged = m(torch.randn(B, 1, E), mask=M.causal(), cache=pool.batch(seqs))
             dropin = mh.nn.MultiheadAttention(E, heads, batch_first=True)
             kpm = torch.arange(S) >= torch.tensor([[S], [5]])              # (B, S) True: ignore
             torch_out = dropin(x, x, x, key_padding_mask=kpm)[0]
             if fake:
                 full.sum().backward()
-                assert all(is_fake(t) for t in (full, weights, step, torch_out, x.grad))
-        shapes.append([t.shape for t in (full, weights, step, torch_out, cache.k)])
+                assert all(is_fake(t) for t in (full, weights, step, paged, torch_out, x.grad))
+        shapes.append([t.shape for t in (full, weights, step, paged, torch_out, cache.k)])
     assert shapes[0] == shapes[1]
 
 

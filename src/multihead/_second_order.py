@@ -50,7 +50,6 @@ from typing import NamedTuple
 import torch
 
 from ._dtypes import without_autocast
-from ._tracing import tracing
 
 
 def refuse_second_order(backend: str) -> None:
@@ -78,7 +77,7 @@ def wanted(call) -> bool:
     :class:`~multihead.functional._call.AttentionCall`): gradients are recorded, without
     dropout, and neither ``torch.compile`` nor a ``torch.func`` transform is running."""
     return (call.requires_grad and not call.dropout_p
-            and not tracing()
+            and not torch.compiler.is_compiling()
             and not torch._C._are_functorch_transforms_active())
 
 

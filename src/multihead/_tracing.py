@@ -23,12 +23,17 @@ _VALUELESS = tuple(getattr(torch._C._TorchDispatchModeKey, name, None)
 
 
 _compiling, _modes = torch.compiler.is_compiling, torch._C._len_torch_dispatch_stack
+#: the dispatch key ``make_fx(pre_dispatch=True)`` turns on for its proxy mode, which it keeps
+#: on a stack of its own (torch.export's pre-dispatch trace)
+_PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
+_pre_dispatch = torch._C._dispatch_tls_is_dispatch_key_included
 
 
 def valueless() -> bool:
-    """True while a fake-tensor mode, a ``make_fx`` trace or functionalization is on: what
-    is made then holds no values (or a graph's), and no cache may keep it for later calls.
-    Other dispatch modes (``FlopCounterMode``, a logging mode) compute real tensors.
+    """True while a fake-tensor mode, a ``make_fx`` trace (before or after dispatch) or
+    functionalization is on: what is made then holds no values (or a graph's), and no
+    cache may keep it for later calls. Other dispatch modes (``FlopCounterMode``, a logging
+    mode) compute real tensors.
 
     Example:
         >>> import torch
@@ -38,10 +43,12 @@ def valueless() -> bool:
         >>> inside, valueless()
         (True, False)
     """
-    if not torch._C._len_torch_dispatch_stack():
-        return False
-    return any(key is not None and torch._C._get_dispatch_mode(key) is not None
-               for key in _VALUELESS)
+    if _modes() and any(key is not None and torch._C._get_dispatch_mode(key) is not None
+                        for key in _VALUELESS):
+        return True
+    return _pre_dispatch(_PRE_DISPATCH) and any(       # (its stack holds these two kinds)
+        key is not None and torch._ops._get_dispatch_mode_pre_dispatch(key) is not None
+        for key in _VALUELESS[1:])
 
 
 def check_when_run(t: torch.Tensor, ok, message: str) -> None:
@@ -209,4 +216,4 @@ def tracing() -> bool:
         >>> inside, tracing()
         (True, False)
     """
-    return _compiling() or (_modes() != 0 and valueless())     # (a call's usual: 0.1 us)
+    return _compiling() or ((_modes() or _pre_dispatch(_PRE_DISPATCH)) and valueless())

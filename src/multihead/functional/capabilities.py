@@ -29,14 +29,15 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 
 def shown(n) -> str:
-    """A size for a message: its digits, or ``"a traced size"`` while ``torch.compile``
-    traces (where it may be symbolic, and formatting it would specialize the graph to it).
+    """A size for a message: its digits, or ``"a traced size"`` for a symbolic one (while
+    ``torch.compile`` traces or ``make_fx`` traces symbolically: formatting it would
+    specialize the graph to it).
 
     Example:
         >>> shown(128)
         '128'
     """
-    return "a traced size" if tracing() else str(n)
+    return str(n) if type(n) is int else "a traced size"
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,9 @@ class Capabilities:
             out.append("gives no second-order gradients under nested torch.func transforms "
                        "(grad of grad, jacrev of jacrev)")
         if not self.traceable and tracing():
-            out.append("reads values on the host, which traced or fake tensors do not have "
-                       "(torch.compile, torch.export, make_fx, FakeTensorMode)")
+            out.append("reads values on the host, which fake tensors do not have and a traced "
+                       "graph cannot read (torch.compile, torch.export, make_fx, "
+                       "FakeTensorMode)")
         if not self.transforms and torch._C._are_functorch_transforms_active():
             out.append("does not run under torch.func transforms (grad, vmap, jacrev, ...)")
         elif not self.empty_vmap and call.vmapped_empty:

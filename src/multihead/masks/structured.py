@@ -423,7 +423,8 @@ def _find_runs(ids: torch.Tensor) -> DocumentRuns:
 #: why cu_seqlens cannot be read while a graph is traced
 _OFFSETS_TRACED = ("document(cu_seqlens=...) reads the offsets when the mask is built (the "
                    "ids' length is their last entry), which a traced graph or fake tensors "
-                   "cannot: build the mask outside the compiled or exported function, or pass ids "
+                   "cannot: build the mask outside the compiled, exported or make_fx-traced "
+                   "function (or FakeTensorMode), or pass ids "
                    "(torch.bucketize(torch.arange(S), cu_seqlens[1:], right=True))")
 
 

@@ -30,6 +30,7 @@ import torch
 
 from .._device import to_device
 from .._args import positive_int
+from .._tracing import valueless
 from .kv_cache import _CacheBase
 
 
@@ -55,6 +56,8 @@ def _longs(values: list[int]) -> torch.Tensor:
     """
     if not values:
         return torch.empty(0, dtype=torch.long, device="cpu")
+    if valueless():                 # (frombuffer makes a real tensor inside a fake mode)
+        return torch.tensor(values, dtype=torch.long, device="cpu")
     return torch.frombuffer(array.array("q", values), dtype=torch.long)
 
 

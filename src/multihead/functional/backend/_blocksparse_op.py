@@ -60,9 +60,11 @@ def band_of(call) -> TracedBand | str:
                 "would read the device)")
     parts = band_parts(call.effective_mask)
     if not isinstance(parts, BandParts):            # (the leaf's kind: describing its
-        return (f"runs traced (torch.compile, torch.export, make_fx, fake tensors) a band "
-                f"(causal, sliding window), key padding, or band & key padding, not this "
-                f"{parts.kind} mask")                       # sizes
+        what = (f"a mask composed with {parts.kind!r}" if parts.kind in ("and", "or", "not")
+                else f"this {parts.kind} mask")             # sizes
+        return (f"runs traced (torch.compile, torch.export, make_fx, fake tensors) only a "
+                f"band (causal, sliding window), key padding, or band & key padding, not "
+                f"{what}")
     band, padding = parts.window, parts.padding     # would format traced ints)
     if torch.compiler.is_dynamo_compiling() and (band is None or band.size is None):
         return ("runs under torch.compile (Dynamo) sliding windows only: a causal band or "
