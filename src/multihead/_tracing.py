@@ -216,10 +216,10 @@ def tracing() -> bool:
 
     Example:
         >>> import torch
-        >>> from torch._subclasses.fake_tensor import FakeTensorMode
-        >>> with FakeTensorMode():
-        ...     inside = tracing()
-        >>> inside, tracing()
-        (True, False)
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> seen = []
+        >>> graph = make_fx(lambda x: seen.append(tracing()) or x + 1)(torch.zeros(2))
+        >>> seen, tracing()
+        ([True], False)
     """
     return _compiling() or ((_modes() or _PRE_SLOTS != _NO_PRE) and valueless())
