@@ -1,9 +1,10 @@
 """Tensors without values: ``FakeTensorMode`` (what memory and FLOP estimators, meta
-initialization and sharding tools run a model on) and ``make_fx`` traces (real, fake and
-symbolic). A call there takes the path a traced graph takes: it reads no value on the host
-and keeps nothing, so every mask kind runs, a backend that must read values says so, and a
-``make_fx`` graph computes in the graph what an eager call reads, giving eager's results
-on inputs it was not traced with."""
+initialization and sharding tools run a model on), ``make_fx`` traces (real, fake, symbolic
+and before dispatch) and the meta device. A call there reads no value on the host and keeps
+nothing (under a fake or tracing mode it takes the path a traced graph takes), so every
+mask kind runs, a backend that must read values says so, and a ``make_fx`` graph computes
+in the graph what an eager call reads, giving eager's results on inputs it was not traced
+with."""
 
 from __future__ import annotations
 
@@ -34,6 +35,21 @@ def test_every_mask_kind_runs_on_fake_tensors_or_the_backend_says_why_not(name, 
             return
     assert all(is_fake(t) for t in (out, w, lse))
     assert (out.shape, w.shape, lse.shape) == ((B, H, S, D), (B, H, S, S), (B, H, S))
+
+
+@pytest.mark.parametrize("backend", ["auto", *ALL_BACKENDS])
+@pytest.mark.parametrize("name", MASK_NAMES)
+def test_every_mask_kind_runs_on_the_meta_device_or_the_backend_says_why_not(name, backend):
+    q, k, v = (torch.randn(B, H, S, D, device="meta") for _ in range(3))
+    mask = make_masks(B, H, S, S, seed=3)[name]
+    mask = None if mask is None else mask.to("meta")
+    try:
+        out = mh.attention(q, k, v, mask=mask, backend=backend)
+    except ValueError as e:         # (varlen read a document's ids: "no data" from torch)
+        assert backend != "auto", e
+        assert f"backend={backend!r} cannot run this call: it " in str(e)
+        return
+    assert out.device.type == "meta" and out.shape == (B, H, S, D)
 
 
 def test_auto_runs_on_fake_tensors_without_extras_too():

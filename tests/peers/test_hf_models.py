@@ -349,6 +349,31 @@ def test_flash_attention_packing_arguments_trace_under_fullgraph_compile():
                 compiled(input_ids=row, cu_seq_lens_q=cu, cu_seq_lens_k=cu, use_cache=False)
 
 
+@pytest.mark.parametrize("mode", ["fake", "symbolic"])
+def test_flash_attention_packing_arguments_hold_in_a_make_fx_graph(mode):
+    """Traced on tensors without values, transformers gives a document mask of its own
+    position_ids (arange: one document); it was taken as the packing, and a make_fx graph
+    let every document of the row attend to the others (off by 0.2)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    g = torch.Generator().manual_seed(2)
+    rows = [torch.randint(3, VOCAB, (1, 15), generator=g) for _ in range(2)]
+    ours, ref = model("llama", "multihead"), model("llama", "eager")
+    params = {**dict(ours.named_parameters()), **dict(ours.named_buffers())}
+
+    def logits(p, row, cu):
+        return torch.func.functional_call(ours, p, (), dict(
+            input_ids=row, cu_seq_lens_q=cu, cu_seq_lens_k=cu, use_cache=False)).logits
+
+    with torch.no_grad():
+        graph = make_fx(logits, tracing_mode=mode)(
+            params, rows[0], torch.tensor([0, 5, 9, 15], dtype=torch.int32))
+        cuts = [0, 2, 11, 15]                                   # another packing, another row
+        got = graph(params, rows[1], torch.tensor(cuts, dtype=torch.int32))
+        want = torch.cat([ref(input_ids=rows[1][:, a:b]).logits[0]
+                          for a, b in zip(cuts, cuts[1:])])
+    torch.testing.assert_close(got[0], want, atol=ATOL, rtol=1e-5)
+
+
 def test_a_layer_marked_causal_given_a_bidirectional_mask_stays_bidirectional():
     """Phi4-multimodal's vision layers set is_causal=True but build a bidirectional mask.
     Where nothing is masked, sdpa's builder gives None and the layer then runs causal (off

@@ -145,10 +145,10 @@ class Capabilities:
         if not self.second_order and call.second_order:
             out.append("gives no second-order gradients under nested torch.func transforms "
                        "(grad of grad, jacrev of jacrev)")
-        if not self.traceable and tracing():
-            out.append("reads values on the host, which fake tensors do not have and a traced "
-                       "graph cannot read (torch.compile, torch.export, make_fx, "
-                       "FakeTensorMode)")
+        if not self.traceable and (tracing() or device_type == "meta"):
+            out.append("reads values on the host, which fake and meta tensors do not have and "
+                       "a traced graph cannot read (torch.compile, torch.export, make_fx, "
+                       "FakeTensorMode, the meta device)")
         if not self.transforms and torch._C._are_functorch_transforms_active():
             out.append("does not run under torch.func transforms (grad, vmap, jacrev, ...)")
         elif not self.empty_vmap and call.vmapped_empty:

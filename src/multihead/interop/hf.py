@@ -172,9 +172,12 @@ def _flash_packing(kwargs, mask, batch: int, q_len: int, k_len: int):
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_k is None:
         return mask
-    if mask is not None and any(leaf.kind == "document" for leaf in mask.leaves()):
-        return mask                                     # (position_ids gave them already)
     traced = tracing()                                  # (the offsets hold no values)
+    if not traced and mask is not None and any(leaf.kind == "document"
+                                               for leaf in mask.leaves()):
+        return mask                                     # (position_ids gave them already)
+    # (traced, transformers gives documents from position_ids even where it made them
+    # itself, as arange: one document, so the offsets' are joined to them)
     if cu_q is None or cu_k is None or batch != 1 or q_len != k_len or (
             cu_q is not cu_k and (cu_q.shape != cu_k.shape if traced
                                   else not torch.equal(cu_q, cu_k))):

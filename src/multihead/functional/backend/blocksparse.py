@@ -461,6 +461,9 @@ class BlockSparse(Backend):
         if tracing():                               # traced: as one operator, for the
             band = _blocksparse_op.band_of(call)    # masks that travel as its arguments
             return band if isinstance(band, str) else None
+        m = call.effective_mask
+        if call.q.device.type == "meta" and m is not None and m._tensors():
+            return "plans its tiles from the mask's values, which meta tensors do not have"
         return None
 
     def plan(self, call, profile):
