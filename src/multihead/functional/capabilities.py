@@ -37,7 +37,9 @@ def shown(n) -> str:
         >>> shown(128)
         '128'
     """
-    return str(n) if type(n) is int else "a traced size"
+    if torch.compiler.is_compiling() or type(n) is not int:    # (Dynamo takes a SymInt
+        return "a traced size"                                  # for an int here)
+    return str(n)
 
 
 @dataclass(frozen=True)
