@@ -68,6 +68,16 @@ def test_a_backend_that_reads_values_says_so_on_fake_tensors():
             mh.attention(q, q, q, mask=M.causal(), backend="rows")
 
 
+def test_a_mask_whose_tensors_are_on_the_meta_device_is_refused_by_blocksparse_by_name():
+    q = torch.randn(B, H, S, D, device="meta")
+    mask = M.padding(torch.tensor([S, 5])).to("meta")
+    with pytest.raises(ValueError, match="backend='blocksparse' cannot run this call: it plans "
+                                         "its tiles from the mask's values, which meta tensors "
+                                         "do not have"):
+        mh.attention(q, q, q, mask=mask, backend="blocksparse")
+    assert mh.attention(q, q, q, mask=M.causal(), backend="blocksparse").device.type == "meta"
+
+
 def test_offsets_without_values_are_refused_with_what_to_pass():
     with FakeTensorMode():
         cu = torch.tensor([0, 5, 12])

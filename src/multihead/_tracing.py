@@ -28,7 +28,8 @@ _compiling, _modes = torch.compiler.is_compiling, torch._C._len_torch_dispatch_s
 _PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
 _pre_dispatch = torch._C._dispatch_tls_is_dispatch_key_included
 #: that stack's two slots (torch._ops' list, changed in place; 0.03 us to compare where the
-#: key's test takes 0.2): a list that never compares equal where this torch has none
+#: key's test takes 0.2, and no thread but the tracing one has the key): a list that never
+#: compares equal where this torch has none
 _PRE_SLOTS = getattr(getattr(torch._ops, "_mode_stack_state_for_pre_dispatch", None),
                      "_ModeStackStateForPreDispatch__infra_modes", None)
 _PRE_SLOTS, _NO_PRE = (_PRE_SLOTS, [None] * len(_PRE_SLOTS)) \
@@ -52,9 +53,9 @@ def valueless() -> bool:
     if _modes() and any(key is not None and torch._C._get_dispatch_mode(key) is not None
                         for key in _VALUELESS):
         return True
-    return _pre_dispatch(_PRE_DISPATCH) and any(       # (its stack holds these two kinds)
+    return _PRE_SLOTS != _NO_PRE and _pre_dispatch(_PRE_DISPATCH) and any(
         key is not None and torch._ops._get_dispatch_mode_pre_dispatch(key) is not None
-        for key in _VALUELESS[1:])
+        for key in _VALUELESS[1:])                    # (its stack holds these two kinds)
 
 
 def check_when_run(t: torch.Tensor, ok, message: str) -> None:
@@ -222,4 +223,4 @@ def tracing() -> bool:
         >>> seen, tracing()
         ([True], False)
     """
-    return _compiling() or ((_modes() or _PRE_SLOTS != _NO_PRE) and valueless())
+    return _compiling() or valueless()

@@ -462,7 +462,7 @@ class BlockSparse(Backend):
             band = _blocksparse_op.band_of(call)    # masks that travel as its arguments
             return band if isinstance(band, str) else None
         m = call.effective_mask
-        if call.q.device.type == "meta" and m is not None and m._tensors():
+        if call.q.device.type == "meta" and m is not None and not m.on_host:
             return "plans its tiles from the mask's values, which meta tensors do not have"
         return None
 
