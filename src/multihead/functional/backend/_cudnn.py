@@ -1,0 +1,94 @@
+"""torch's cuDNN SDPA kernel, where it costs or breaks what its peers do not.
+
+On Hopper GPUs torch (2.5 on) runs ``F.scaled_dot_product_attention`` on cuDNN's kernel first
+for fp16 and bf16. Two of its ways matter to us:
+
+- **It builds an execution graph for each new shape.** A decoding loop's cache grows by a
+  key every step, so every step built one: on an H100 (torch 2.11, bf16) a Llama layer's
+  decoding step on a :class:`multihead.KVCache` took 50.6 ms through SDPA, Hugging Face's
+  own SDPA layer 50.3 ms, its eager layer 1.1 ms (``python -m benchmarks.module_decode
+  --device cuda --dtype bf16``). A call of a decoding step's size
+  (:func:`skips_cudnn`) therefore runs with cuDNN's kernel switched off, on torch's flash
+  or memory-efficient kernel, whose launch needs no graph; larger calls keep it (its
+  forward ran 1.7-2x faster than flash's on prompts of 4k-16k).
+- **Its backward takes no undefined output gradient.** In a backward that builds a graph,
+  :mod:`multihead._second_order` gives the kernel's node none (the reference's gradients
+  go to q, k, v instead); flash's and the efficient kernel's nodes then compute nothing,
+  cuDNN's computes from memory nothing wrote (NaN came out) and returns gradients whose
+  own derivative torch does not implement. :func:`mute_in_second_order` keeps that node
+  out of such a backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: queries at most this many (the decode kernel's, :data:`multihead.kernels.decode.MAX_QUERIES`)
+#: make a call of a decoding step's size, whose key length is new every step
+DECODE_QUERIES = 16
+
+_enabled, _switch = torch._C._get_cudnn_sdp_enabled, torch._C._set_sdp_use_cudnn
+
+
+def skips_cudnn(q: torch.Tensor, Sq) -> bool:
+    """Whether SDPA's call on ``q`` (``Sq`` queries) runs with cuDNN's kernel switched off:
+    a decoding step's size on a CUDA device while cuDNN's kernel is on (a user who switched
+    it off keeps it off). Never while a graph is traced (the compiler picks the kernel).
+
+    Example:
+        >>> skips_cudnn(torch.zeros(1, 1, 1, 8), 1)       # on a CPU torch has no cuDNN kernel
+        False
+    """
+    from ..._tracing import tracing
+    return q.is_cuda and Sq <= DECODE_QUERIES and _enabled() and not tracing()
+
+
+def run_without_cudnn(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with SDPA's cuDNN kernel switched off, and on again after
+    (torch's switch is process-wide, so a thread calling at the same time may miss cuDNN
+    for that call: its speed, not its result; the switch is left as found).
+
+    Example:
+        >>> import torch.nn.functional as F
+        >>> q = torch.randn(1, 2, 1, 8)
+        >>> out = run_without_cudnn(F.scaled_dot_product_attention, q, q, q)
+        >>> out.shape, torch.backends.cuda.cudnn_sdp_enabled()
+        (torch.Size([1, 2, 1, 8]), True)
+    """
+    _switch(False)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _switch(True)
+
+
+def _is_cudnn(node) -> bool:
+    return node is not None and "Cudnn" in type(node).__name__
+
+
+def mute_in_second_order(out: torch.Tensor, depth: int = 6) -> None:
+    """Keep a cuDNN SDPA node among ``out``'s last ``depth`` autograd nodes out of a
+    backward that builds a graph (grad mode on inside it): what it returns there is
+    dropped. A plain backward runs it as torch does. Only for outputs whose q, k, v get
+    their gradients in such a backward another way
+    (:func:`multihead._second_order.differentiable_again`'s node).
+
+    Example:
+        >>> x = torch.randn(3, requires_grad=True)
+        >>> mute_in_second_order(x * 2)                   # no cuDNN node: nothing is hooked
+    """
+    node, seen = out.grad_fn, 0
+    while node is not None and not _is_cudnn(node) and seen < depth:
+        # the ops the backends add after the kernel (a row fix, a dtype, a fold) take one input
+        nxt = [f for f, _ in node.next_functions if f is not None]
+        node, seen = (nxt[0] if len(nxt) == 1 else None), seen + 1
+    if not _is_cudnn(node):
+        return
+    node.register_hook(_dropped)
+
+
+def _dropped(results, grads):
+    """The node's post-hook: nothing of what it computed in a backward that builds a graph
+    (torch lets no hook give it the output gradient it lacks: it computes from an undefined
+    one, and what it returns goes nowhere)."""
+    return tuple(None for _ in results) if torch.is_grad_enabled() else None
