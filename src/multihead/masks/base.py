@@ -499,9 +499,9 @@ class Mask:
         return store.get_or_compute((what, args, versions), compute, limit)
 
     def kept(self, what: str, args: tuple):
-        """What :meth:`cached` keeps on this object for ``what`` and ``args`` while its
-        tensors are as they are now, or None; computes and stores nothing (a mask with a
-        :meth:`cache_key` keeps nothing on itself).
+        """What :meth:`cached` keeps for ``what`` and ``args`` (on this object while its
+        tensors are as they are now; for a mask with a :meth:`cache_key`, under that key), or
+        None; computes and stores nothing.
 
         Example:
             >>> import torch, multihead as mh
@@ -509,8 +509,13 @@ class Mask:
             >>> m.kept("n", ()) is None, m.cached("n", (), lambda: 1), m.kept("n", ())
             (True, 1, 1)
         """
+        if tracing():
+            return None
+        key = self.cache_key()
+        if key is not None:
+            return _SHARED.peek((key, what, args))
         store = self.__dict__.get("_memo")
-        if store is None or tracing() or self.cache_key() is not None:
+        if store is None:
             return None
         versions = self._versions()
         return None if versions is None else store.peek((what, args, versions))

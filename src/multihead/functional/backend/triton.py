@@ -153,6 +153,14 @@ def _decoding_step(call: AttentionCall) -> bool:
     return call.Sq <= MAX_QUERIES and not call.requires_grad
 
 
+def _lists_kept(call: AttentionCall, mask, block_m: int, block_n: int) -> bool:
+    """Whether ``mask`` keeps the forward's block lists for this call (made by an earlier
+    call on the same mask object, or one equal to it by its cache key)."""
+    from ...kernels.flash_sparse import lists_args
+    return not tracing() and mask.kept("triton_lists", lists_args(
+        call.Sq, call.Sk, block_m, block_n, call.q.device, False)) is not None
+
+
 def _share(pairs, total) -> str:
     """``"12.5% of the pairs"``; while tracing (sizes may be symbolic), no figure."""
     if tracing():
@@ -217,14 +225,18 @@ class TritonFlash(Backend):
                 pairs = int(mask._tile_map(call.Sq, call.Sk, tile_q=bm, tile_k=bn, device="cpu",
                                            banded=True).density * call.pairs)
             note = f"block lists: {_share(pairs, call.pairs)} visited"
-        launches = 1
-        if _decoding_step(call):
-            # a call of a decoding step's size, where host time is the cost: a decoding
-            # loop's mask is usually new each step (a padded cache's positions are), so its
-            # lists are priced as built, and Triton's launcher costs more host time than
-            # SDPA's (as for the decode kernel)
+        launches, step = 1, _decoding_step(call)
+        # lists built in this call cost host time: a decoding loop's mask is usually new each
+        # step (a padded cache's positions are), so a step's lists are priced as built; other
+        # calls' where the mask keeps none yet (a tensor made for each batch keeps none)
+        if step or not _lists_kept(call, mask, bm, bn):
+            # a step's ops at their whole host time (and Triton's launcher costs a step more
+            # than SDPA's, as for the decode kernel); a larger call's at a launch each, the
+            # rest of their host time running while the device works (a padded cache's
+            # window over a prompt of 2048: 1,918 us in all for 1,455 us of kernels)
             ops = LIST_OPS + TILE_MAP_OPS * mask_launches(call)
-            launches += DECODE_HOST_LAUNCHES + HOST_OP_LAUNCHES * ops
+            launches += (DECODE_HOST_LAUNCHES + HOST_OP_LAUNCHES * ops) if step else ops
+            note += "; lists built in the call, priced at their host time"
         return Plan(_work(call, pairs, bm, launches), note, (sparse, "sparse"))
 
     def _decode_plan(self, call, band):
