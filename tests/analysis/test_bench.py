@@ -664,7 +664,9 @@ def test_cuda_timing_batches_small_calls_and_times_cold_calls_singly():
     dev = torch.device("cuda")
     x = torch.randn(1024, device=dev)
     warm = T.measure(lambda: x.mul_(1.0), dev)
-    assert warm.calls > 1 and warm.median * warm.calls >= 0.9e-3
+    # a batch fills about a millisecond, or stops at MAX_CALLS (a 1024-element multiply took
+    # 6.7 us on an H100: 128 calls, 0.86 ms)
+    assert warm.calls > 1 and (warm.calls == T.MAX_CALLS or warm.median * warm.calls >= 0.9e-3)
     cold = T.measure(lambda: x.mul_(1.0), dev, cold_l2=True)
     assert cold.calls == 1 and cold.reps >= T.MIN_GPU_REPS
 
