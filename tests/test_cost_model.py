@@ -459,10 +459,12 @@ def test_rows_says_the_share_of_keys_its_spans_hold(lengths):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernels' plans)")
 def test_block_lists_built_in_the_call_are_priced_at_their_host_time():
-    """A key padding tensor made on the GPU for each batch keeps no block lists: building them
-    takes some 50 torch ops on the host. On an H100 (B=4 H=8 S=128 D=64, bf16) such a call
-    took 2,171 us on our kernels against SDPA's 118 us with the same tensor, so auto runs
-    SDPA; at S=16384, where SDPA computes every pair of a dense mask, still the kernels."""
+    """A key padding tensor made on the GPU for each batch is a new mask object at each call,
+    which keeps no block lists: building them takes some 50 torch ops on the host. On an
+    H100 (B=4 H=8 S=128 D=64, bf16) such a call took 2,171 us on our kernels against SDPA's
+    118 us with the same tensor, so auto runs SDPA; at S=16384, where SDPA computes every pair
+    of a dense mask, still the kernels. A mask object passed again keeps its lists (204 us a
+    call on the kernels there): priced as kept, and its choice is not the per-call tensor's."""
     for B, H, S, want in ((4, 8, 128, "sdpa"), (2, 16, 16384, "triton")):
         q, k, v = qkv(B, H, H, S, S, D=64)
         keys = torch.ones(B, 1, 1, S, dtype=torch.bool, device="meta")
@@ -470,3 +472,10 @@ def test_block_lists_built_in_the_call_are_priced_at_their_host_time():
         assert e.chosen == want, str(e)
         kernels = next(r for r in e.rows if r.name == "triton")
         assert "priced at their host time" in kernels.plan.note
+    q, k, v = qkv(4, 8, 8, 128, 128, D=64)
+    kept = M.dense(torch.ones(4, 1, 1, 128, dtype=torch.bool, device="meta"))
+    assert not kept.made_for_call()
+    for _ in range(2):                     # after the per-call tensor's choice, and its own
+        e = choice("h100", q, k, v, mask=kept)
+        assert e.chosen == "triton", str(e)
+        assert "priced at their host time" not in e.plan.note

@@ -5,6 +5,8 @@ switch and the hooks on a node that behaves as cuDNN's does."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,9 +34,10 @@ def test_no_call_on_a_cpu_touches_the_switch(monkeypatch):
     assert seen == [True] and not _cudnn.skips_cudnn(q, 1)
 
 
-class _CudnnLikeAttention(torch.autograd.Function):
-    """A node named as torch's cuDNN one, which, as it does, reads an output gradient it was
-    not given (NaN here) and returns gradients that cannot be differentiated again."""
+class _FakeCudnnAttention(torch.autograd.Function):
+    """A node named as torch's cuDNN one (``..CudnnAttentionBackward``), which, as it does,
+    reads an output gradient it was not given (NaN here) and returns gradients that cannot
+    be differentiated again."""
 
     @staticmethod
     def forward(ctx, q):
@@ -61,17 +64,14 @@ class _NotDifferentiable(torch.autograd.Function):
         raise RuntimeError("derivative for the cuDNN-like backward is not implemented")
 
 
-_CudnnLikeAttention.__name__ = "ScaledDotProductCudnnAttention"
-
-
 def _kernel_then_again(q):
     """What dispatch builds for an SDPA call that records gradients: the kernel's node, the
     ops after it (a dtype, a row fix), and a node standing for :mod:`multihead._second_order`'s,
     which in a backward that builds a graph gives the kernel's output no gradient and q its
     own (here ``3 * grad``, differentiable)."""
-    out = _CudnnLikeAttention.apply(q).to(torch.float64).mul(1.0)
-    _cudnn.mute_in_second_order(out)
-    return _Again.apply(out, q)
+    kernel = _FakeCudnnAttention.apply(q)
+    _cudnn._mute(SimpleNamespace(requires_grad=True, dropout_p=0.0), kernel.grad_fn)
+    return _Again.apply(kernel.to(torch.float64).mul(1.0), q)
 
 
 class _Again(torch.autograd.Function):
@@ -105,9 +105,39 @@ def test_a_muted_node_runs_as_it_is_in_a_plain_backward():
 def test_without_the_hooks_that_backward_fails():
     """The double of the test above is a real one: unmuted, the node's NaN reaches q."""
     q = torch.randn(5, dtype=torch.float64, requires_grad=True)
-    out = _Again.apply(_CudnnLikeAttention.apply(q), q)
+    out = _Again.apply(_FakeCudnnAttention.apply(q), q)
     g, = torch.autograd.grad(out.sum(), q, create_graph=True)
     assert g.isnan().all()
+
+
+def test_only_an_attention_node_of_cudnn_is_muted():
+    """q made by another cuDNN op (an LSTM's, say) keeps its gradients in such a backward."""
+    class _FakeCudnnRnn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2.0
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2.0
+
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    q = _FakeCudnnRnn.apply(x)
+    _cudnn._mute(SimpleNamespace(requires_grad=True, dropout_p=0.0), q.grad_fn)
+    g, = torch.autograd.grad(q.sum(), x, create_graph=True)
+    assert torch.equal(g, torch.full_like(x, 2.0))
+
+
+def test_a_user_who_pinned_cudnn_keeps_it():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    assert _cudnn.cudnn_switchable()
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        assert not _cudnn.cudnn_switchable()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        assert not _cudnn.cudnn_switchable()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
 
 
 @pytest.mark.cuda

@@ -96,9 +96,6 @@ def differentiable_again(call, backend: str, outputs: tuple) -> tuple:
         True
     """
     _, w, lse = outputs
-    if call.q.is_cuda:                       # torch's cuDNN node takes no undefined gradient
-        from .functional.backend._cudnn import mute_in_second_order
-        mute_in_second_order(outputs[0])
     m = call.effective_mask
     # learned biases, each once (the mask's other tensors take no gradient)
     biases = () if m is None else tuple({id(t): t for t in m._tensors()

@@ -136,9 +136,11 @@ def as_mask(mask) -> M.Mask | None:
 def shared_mask(mask):
     """``mask``, where a tensor of small host contents: its :func:`as_mask`, one object for
     tensors of equal contents (:func:`multihead.masks._content.by_content`), so that its
-    decision is made once, not at every call that passes such a tensor. Anything else,
-    and a tensor :func:`as_mask` refuses (:func:`make_call` says so, after what it checks
-    first), as it is.
+    decision is made once, not at every call that passes such a tensor; another tensor's
+    :func:`as_mask`, marked as made for this call
+    (:meth:`~multihead.masks.Mask.made_for_call`). Anything else, and a tensor
+    :func:`as_mask` refuses (:func:`make_call` says so, after what it checks first), as it
+    is.
 
     Example:
         >>> import torch
@@ -150,9 +152,11 @@ def shared_mask(mask):
         return mask
     try:
         shared = by_content("attention's mask", as_mask, (mask,), unkeyed=False)
+        if shared is None:                        # (a GPU or large tensor: made afresh)
+            shared = as_mask(mask)._mark_per_call()
     except (TypeError, ValueError):
         return mask
-    return mask if shared is None else shared
+    return shared
 
 
 class AttentionCall:

@@ -87,18 +87,7 @@ def block_lists(mask: MB.Mask, sq: int, sk: int, block_m: int, block_n: int, dev
         n_part = (state == MB.PARTIAL).sum(-1, dtype=torch.int32)
         return n_full, n_part, index
 
-    return mask.cached("triton_lists", lists_args(sq, sk, block_m, block_n, device, by_key),
-                       build)
-
-
-def lists_args(sq: int, sk: int, block_m: int, block_n: int, device, by_key: bool) -> tuple:
-    """The cache arguments under which a mask keeps :func:`block_lists`' result.
-
-    Example:
-        >>> lists_args(100, 300, 64, 128, "cpu", False)
-        (100, 300, 64, 128, 'cpu', False)
-    """
-    return (sq, sk, block_m, block_n, str(torch.device(device)), by_key)
+    return mask.cached("triton_lists", (sq, sk, block_m, block_n, str(device), by_key), build)
 
 
 def list_shape(sq: int, sk: int, block_m: int, block_n: int, by_key: bool) -> tuple[int, int]:

@@ -88,7 +88,11 @@ def by_content(what: str, build, tensors: tuple, extra: tuple = (), *, unkeyed: 
             or fwAD._current_level >= 0):
         key = tuple(_content(t) for t in tensors)
     if key is None or None in key:
-        return build(*tensors) if unkeyed else None
+        if not unkeyed:
+            return None
+        built = build(*tensors)
+        # (a new object at each call: nothing derived from it outlives the call)
+        return built._mark_per_call() if isinstance(built, Mask) else built
 
     def kept():
         with versioned():                        # (a copy fit for a later backward)

@@ -409,6 +409,26 @@ class Mask:
         """
         return self.cache_key()
 
+    def made_for_call(self) -> bool:
+        """Whether this mask (or a mask it is composed of) was built by multihead for one
+        call from a tensor the caller passed (a GPU or large tensor given as ``mask=``, a
+        drop-in's ``key_padding_mask`` on a GPU): a new object at every call, so nothing
+        derived from it is kept for the next (the Triton kernels' block lists are built
+        each call, and priced so).
+
+        Example:
+            >>> import torch, multihead as mh
+            >>> mh.masks.dense(torch.ones(2, 2, dtype=torch.bool)).made_for_call()
+            False
+        """
+        return any(leaf.__dict__.get("_per_call", False) for leaf in self.leaves())
+
+    def _mark_per_call(self) -> "Mask":
+        """This mask, its leaves marked as :meth:`made_for_call`."""
+        for leaf in self.leaves():
+            leaf.__dict__["_per_call"] = True
+        return self
+
     def leaves(self):
         """The masks this one is composed of (itself for a mask that is not a composition).
 
@@ -499,9 +519,9 @@ class Mask:
         return store.get_or_compute((what, args, versions), compute, limit)
 
     def kept(self, what: str, args: tuple):
-        """What :meth:`cached` keeps for ``what`` and ``args`` (on this object while its
-        tensors are as they are now; for a mask with a :meth:`cache_key`, under that key), or
-        None; computes and stores nothing.
+        """What :meth:`cached` keeps on this object for ``what`` and ``args`` while its
+        tensors are as they are now, or None; computes and stores nothing (a mask with a
+        :meth:`cache_key` keeps nothing on itself).
 
         Example:
             >>> import torch, multihead as mh
@@ -509,13 +529,8 @@ class Mask:
             >>> m.kept("n", ()) is None, m.cached("n", (), lambda: 1), m.kept("n", ())
             (True, 1, 1)
         """
-        if tracing():
-            return None
-        key = self.cache_key()
-        if key is not None:
-            return _SHARED.peek((key, what, args))
         store = self.__dict__.get("_memo")
-        if store is None:
+        if store is None or tracing() or self.cache_key() is not None:
             return None
         versions = self._versions()
         return None if versions is None else store.peek((what, args, versions))

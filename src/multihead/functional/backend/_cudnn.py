@@ -28,25 +28,40 @@ import torch
 DECODE_QUERIES = 16
 
 _enabled, _switch = torch._C._get_cudnn_sdp_enabled, torch._C._set_sdp_use_cudnn
+_flash, _efficient = torch._C._get_flash_sdp_enabled, torch._C._get_mem_efficient_sdp_enabled
+
+
+def cudnn_switchable() -> bool:
+    """Whether cuDNN's kernel is on and another fused kernel would take its place (a user
+    who switched cuDNN off, or pinned SDPA to it with ``torch.nn.attention.sdpa_kernel``,
+    keeps that).
+
+    Example:
+        >>> cudnn_switchable()
+        True
+    """
+    return _enabled() and (_flash() or _efficient())
 
 
 def skips_cudnn(q: torch.Tensor, Sq) -> bool:
     """Whether SDPA's call on ``q`` (``Sq`` queries) runs with cuDNN's kernel switched off:
-    a decoding step's size on a CUDA device while cuDNN's kernel is on (a user who switched
-    it off keeps it off). Never while a graph is traced (the compiler picks the kernel).
+    a decoding step's size on a CUDA device, where :func:`cudnn_switchable`. Never while a
+    graph is traced (the compiler picks the kernel; a symbolic ``Sq`` is not compared).
 
     Example:
         >>> skips_cudnn(torch.zeros(1, 1, 1, 8), 1)       # on a CPU torch has no cuDNN kernel
         False
     """
     from ..._tracing import tracing
-    return q.is_cuda and Sq <= DECODE_QUERIES and _enabled() and not tracing()
+    return q.is_cuda and not tracing() and Sq <= DECODE_QUERIES and cudnn_switchable()
 
 
 def run_without_cudnn(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` with SDPA's cuDNN kernel switched off, and on again after
-    (torch's switch is process-wide, so a thread calling at the same time may miss cuDNN
-    for that call: its speed, not its result; the switch is left as found).
+    """``fn(*args, **kwargs)`` with SDPA's cuDNN kernel switched off, and on again after,
+    unless the switch was changed meanwhile (torch's switch is process-wide: a thread
+    calling SDPA at the same time may miss cuDNN for that call, its speed, not its result;
+    one that saves and restores the switch around our call, as ``sdpa_kernel`` does, may
+    restore it off).
 
     Example:
         >>> import torch.nn.functional as F
@@ -59,32 +74,33 @@ def run_without_cudnn(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     finally:
-        _switch(True)
+        if not _enabled():
+            _switch(True)
 
 
-def _is_cudnn(node) -> bool:
-    return node is not None and "Cudnn" in type(node).__name__
-
-
-def mute_in_second_order(out: torch.Tensor, depth: int = 6) -> None:
-    """Keep a cuDNN SDPA node among ``out``'s last ``depth`` autograd nodes out of a
-    backward that builds a graph (grad mode on inside it): what it returns there is
-    dropped. A plain backward runs it as torch does. Only for outputs whose q, k, v get
-    their gradients in such a backward another way
-    (:func:`multihead._second_order.differentiable_again`'s node).
+def mute_in_second_order(call, out: torch.Tensor) -> None:
+    """Keep ``out``'s node, where torch's cuDNN SDPA kernel made ``out``, out of a backward
+    that builds a graph (grad mode on inside it): what it returns there is dropped. A plain
+    backward runs it as torch does. Only where
+    :func:`multihead._second_order.differentiable_again`'s node gives q, k, v their
+    gradients in such a backward (:func:`multihead._second_order.wanted`).
 
     Example:
+        >>> from types import SimpleNamespace
         >>> x = torch.randn(3, requires_grad=True)
-        >>> mute_in_second_order(x * 2)                   # no cuDNN node: nothing is hooked
+        >>> mute_in_second_order(SimpleNamespace(q=x), x * 2)   # no cuDNN node: no hook
     """
-    node, seen = out.grad_fn, 0
-    while node is not None and not _is_cudnn(node) and seen < depth:
-        # the ops the backends add after the kernel (a row fix, a dtype, a fold) take one input
-        nxt = [f for f, _ in node.next_functions if f is not None]
-        node, seen = (nxt[0] if len(nxt) == 1 else None), seen + 1
-    if not _is_cudnn(node):
+    if out.is_cuda and out.requires_grad:
+        _mute(call, out.grad_fn)
+
+
+def _mute(call, node) -> None:
+    """:func:`mute_in_second_order` on the node, where it is cuDNN's."""
+    if node is None or "CudnnAttention" not in type(node).__name__:
         return
-    node.register_hook(_dropped)
+    from ..._second_order import wanted
+    if wanted(call):
+        node.register_hook(_dropped)
 
 
 def _dropped(results, grads):

@@ -42,7 +42,7 @@ from .._call import AttentionCall, traced
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
-from ._cudnn import DECODE_QUERIES, run_without_cudnn, skips_cudnn
+from ._cudnn import DECODE_QUERIES, cudnn_switchable, mute_in_second_order, run_without_cudnn, skips_cudnn
 from ._common import FUSED_ROWS, HUGE_LSE, KEY_SPLIT, kept_mask, mask_launches
 from ..._tracing import tracing
 
@@ -264,7 +264,8 @@ class SDPA(Backend):
                      "; enable_gqa" + ("" if native else " (K/V read once per query head)"))
         if upcast:
             note += f"; computed in float32 (a {call.q.dtype} kernel would round the bias)"
-        if profile.device_type == "cuda" and not traced(Sq) and Sq <= DECODE_QUERIES:
+        if profile.device_type == "cuda" and not traced(Sq) and Sq <= DECODE_QUERIES and \
+                cudnn_switchable():
             note += ("; cuDNN's kernel switched off (it builds a graph for each new length, "
                      "which a decoding loop makes every step)")
         exact = (mode == "masked" and m.has_bias and call.requires_grad
@@ -361,11 +362,14 @@ def _kernel(call: AttentionCall, q, k, v, attn_mask, fold: bool, kw: dict,
         if attn_mask is not None and attn_mask.shape[2] > 1:   # (one row: it broadcasts)
             attn_mask = attn_mask.repeat(1, 1, G, 1)     # once per query head: (B', 1, G*Sq, Sk')
         out = sdpa(qf, k, v, attn_mask=attn_mask, **kw)
+        mute_in_second_order(call, out)
         # not view: some kernels (CUDA's fp32 ones) return a transposed layout; and not
         # reshape, whose view check on a symbolic length adds a guard torch.export refuses
         return out.unflatten(2, (G, Sq)).flatten(1, 2)                    # (B, H, Sq, Dv)
-    return sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=True if G > 1 else False,  # a bool,
-                **kw)                                          # also where G is symbolic
+    out = sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=True if G > 1 else False,  # a bool,
+               **kw)                                           # also where G is symbolic
+    mute_in_second_order(call, out)
+    return out
 
 
 register(SDPA())

@@ -153,14 +153,6 @@ def _decoding_step(call: AttentionCall) -> bool:
     return call.Sq <= MAX_QUERIES and not call.requires_grad
 
 
-def _lists_kept(call: AttentionCall, mask, block_m: int, block_n: int) -> bool:
-    """Whether ``mask`` keeps the forward's block lists for this call (made by an earlier
-    call on the same mask object, or one equal to it by its cache key)."""
-    from ...kernels.flash_sparse import lists_args
-    return not tracing() and mask.kept("triton_lists", lists_args(
-        call.Sq, call.Sk, block_m, block_n, call.q.device, False)) is not None
-
-
 def _share(pairs, total) -> str:
     """``"12.5% of the pairs"``; while tracing (sizes may be symbolic), no figure."""
     if tracing():
@@ -226,10 +218,12 @@ class TritonFlash(Backend):
                                            banded=True).density * call.pairs)
             note = f"block lists: {_share(pairs, call.pairs)} visited"
         launches, step = 1, _decoding_step(call)
-        # lists built in this call cost host time: a decoding loop's mask is usually new each
-        # step (a padded cache's positions are), so a step's lists are priced as built; other
-        # calls' where the mask keeps none yet (a tensor made for each batch keeps none)
-        if step or not _lists_kept(call, mask, bm, bn):
+        # lists built in the call cost host time: a decoding loop's mask is usually new each
+        # step (a padded cache's positions are), so a step's lists are priced as built; so
+        # are those of a mask made for the call from the caller's tensor (a GPU padding
+        # tensor made for each batch), which keeps none for the next. A mask object the
+        # caller passes again keeps its lists: priced as kept
+        if step or mask.made_for_call():
             # a step's ops at their whole host time (and Triton's launcher costs a step more
             # than SDPA's, as for the decode kernel); a larger call's at a launch each, the
             # rest of their host time running while the device works (a padded cache's

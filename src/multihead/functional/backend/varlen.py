@@ -27,6 +27,7 @@ from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
 from ._common import FUSED_ROWS
+from ._cudnn import mute_in_second_order
 
 #: documents whose lengths are within this fraction of a group's longest share one call
 PAD_TOLERANCE = 0.1
@@ -199,6 +200,7 @@ class VarLen(Backend):
                 dropout_p=call.dropout_p, scale=call.scale,
                 enable_gqa=True if H != Hkv else False)    # a bool, also where H is symbolic
                                                            # og: (n, H, L, Dv)
+            mute_in_second_order(call, og)
             og = og.transpose(1, 2).reshape(n * L, H, Dv)              # (n*L, H, Dv)
             if bucket.contiguous:
                 out[s0:s0 + n * L] = og
