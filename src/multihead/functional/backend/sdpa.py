@@ -42,7 +42,8 @@ from .._call import AttentionCall, traced
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
-from ._cudnn import DECODE_QUERIES, cudnn_switchable, mute_in_second_order, run_without_cudnn, skips_cudnn
+from ._cudnn import (DECODE_QUERIES, cudnn_switchable, mute_in_second_order, run_without_cudnn,
+                     skips_cudnn)
 from ._common import FUSED_ROWS, HUGE_LSE, KEY_SPLIT, kept_mask, mask_launches
 from ..._tracing import tracing
 
