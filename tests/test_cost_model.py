@@ -479,3 +479,17 @@ def test_block_lists_built_in_the_call_are_priced_at_their_host_time():
         e = choice("h100", q, k, v, mask=kept)
         assert e.chosen == "triton", str(e)
         assert "priced at their host time" not in e.plan.note
+
+
+def test_only_a_mask_built_for_an_eager_call_is_marked_made_for_it():
+    """A GPU-sized or large tensor given as mask= is a new object each call; a small host
+    tensor is shared by its contents; a traced call keeps nothing for any mask, and its
+    graph's lists cost no host time per op: no mark."""
+    from multihead.functional._call import shared_mask
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    big = torch.ones(1, 1, 256, 256, dtype=torch.bool)                  # 64 KiB: not keyed
+    assert shared_mask(big).made_for_call()
+    assert not shared_mask(torch.ones(1, 1, 4, 4, dtype=torch.bool)).made_for_call()
+    with FakeTensorMode():
+        fake = torch.ones(1, 1, 256, 256, dtype=torch.bool)
+        assert not shared_mask(fake).made_for_call()

@@ -150,13 +150,10 @@ def shared_mask(mask):
     """
     if not isinstance(mask, torch.Tensor):
         return mask
-    try:
-        shared = by_content("attention's mask", as_mask, (mask,), unkeyed=False)
-        if shared is None:                        # (a GPU or large tensor: made afresh)
-            shared = as_mask(mask)._mark_per_call()
+    try:                            # (a GPU or large tensor: made afresh, marked so)
+        return by_content("attention's mask", as_mask, (mask,))
     except (TypeError, ValueError):
         return mask
-    return shared
 
 
 class AttentionCall:

@@ -246,7 +246,8 @@ def _structure(call: AttentionCall):
     return (_bucket(call.B), call.H, call.Hkv, call.D, call.Dv, _bucket(Sq), _bucket(Sk),
             Sq == 1, Sq == Sk, Sq < Sk, q.dtype, q.device, call.dropout_p > 0,
             call.return_weights, call.return_lse, call.requires_grad, call.forward_ad, shape,
-            m is not None and m.made_for_call(), profiles.generation, registry.generation, torch.get_num_threads())
+            m is not None and m.made_for_call(), profiles.generation, registry.generation,
+            torch.get_num_threads())
     # (the thread count: the CPU's profile follows it, seen only where a decision is made)
 
 

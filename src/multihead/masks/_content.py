@@ -59,8 +59,9 @@ def by_content(what: str, build, tensors: tuple, extra: tuple = (), *, unkeyed: 
     later). It is built afresh, and not kept, while ``torch.compile`` traces, a
     ``torch.func`` transform, a ``TorchDispatchMode`` (fake tensors, say) or a CUDA graph
     capture runs, inside a forward-mode ``dual_level``, and where a tensor cannot key it
-    (without ``unkeyed``: not built, None). An error ``build`` raises is raised each time
-    (nothing is kept).
+    (without ``unkeyed``: not built, None; with it, outside those modes, the mask is marked
+    :meth:`~multihead.masks.Mask.made_for_call`). An error ``build`` raises is raised each
+    time (nothing is kept).
 
     Args:
         what: the caller's name for what ``build`` makes (callers that read the same
@@ -91,8 +92,9 @@ def by_content(what: str, build, tensors: tuple, extra: tuple = (), *, unkeyed: 
         if not unkeyed:
             return None
         built = build(*tensors)
-        # (a new object at each call: nothing derived from it outlives the call)
-        return built._mark_per_call() if isinstance(built, Mask) else built
+        if key is not None and isinstance(built, Mask):   # (a tensor no content keys: a
+            built._mark_per_call()                         # new object at each eager call)
+        return built
 
     def kept():
         with versioned():                        # (a copy fit for a later backward)

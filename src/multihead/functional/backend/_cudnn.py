@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from ..._tracing import tracing
+
 #: queries at most this many (the decode kernel's, :data:`multihead.kernels.decode.MAX_QUERIES`)
 #: make a call of a decoding step's size, whose key length is new every step
 DECODE_QUERIES = 16
@@ -43,17 +45,18 @@ def cudnn_switchable() -> bool:
     return _enabled() and (_flash() or _efficient())
 
 
-def skips_cudnn(q: torch.Tensor, Sq) -> bool:
-    """Whether SDPA's call on ``q`` (``Sq`` queries) runs with cuDNN's kernel switched off:
-    a decoding step's size on a CUDA device, where :func:`cudnn_switchable`. Never while a
-    graph is traced (the compiler picks the kernel; a symbolic ``Sq`` is not compared).
+def skips_cudnn(device_type: str, Sq) -> bool:
+    """Whether SDPA's call of ``Sq`` queries on a ``device_type`` device (the inputs', or
+    the profile's that a plan is priced for) runs with cuDNN's kernel switched off: a
+    decoding step's size on CUDA, where :func:`cudnn_switchable`. Never while a graph is
+    traced (the compiler picks the kernel; a symbolic ``Sq`` is not compared).
 
     Example:
-        >>> skips_cudnn(torch.zeros(1, 1, 1, 8), 1)       # on a CPU torch has no cuDNN kernel
-        False
+        >>> skips_cudnn("cpu", 1), skips_cudnn("cuda", 17)  # no cuDNN kernel; a prompt's size
+        (False, False)
     """
-    from ..._tracing import tracing
-    return q.is_cuda and not tracing() and Sq <= DECODE_QUERIES and cudnn_switchable()
+    return device_type == "cuda" and not tracing() and Sq <= DECODE_QUERIES and \
+        cudnn_switchable()
 
 
 def run_without_cudnn(fn, *args, **kwargs):

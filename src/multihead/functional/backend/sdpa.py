@@ -42,8 +42,7 @@ from .._call import AttentionCall, traced
 from ..capabilities import Capabilities
 from ..cost import Work
 from ..registry import Backend, Plan, register
-from ._cudnn import (DECODE_QUERIES, cudnn_switchable, mute_in_second_order, run_without_cudnn,
-                     skips_cudnn)
+from ._cudnn import mute_in_second_order, run_without_cudnn, skips_cudnn
 from ._common import FUSED_ROWS, HUGE_LSE, KEY_SPLIT, kept_mask, mask_launches
 from ..._tracing import tracing
 
@@ -265,8 +264,7 @@ class SDPA(Backend):
                      "; enable_gqa" + ("" if native else " (K/V read once per query head)"))
         if upcast:
             note += f"; computed in float32 (a {call.q.dtype} kernel would round the bias)"
-        if profile.device_type == "cuda" and not traced(Sq) and Sq <= DECODE_QUERIES and \
-                cudnn_switchable():
+        if skips_cudnn(profile.device_type, Sq):
             note += ("; cuDNN's kernel switched off (it builds a graph for each new length, "
                      "which a decoding loop makes every step)")
         exact = (mode == "masked" and m.has_bias and call.requires_grad
@@ -290,7 +288,7 @@ class SDPA(Backend):
         kw = dict(dropout_p=call.dropout_p, scale=call.scale, is_causal=mode == "causal")
         math = exact and _needs_math(attn_mask, row_ok)
         sdpa = _math if math else F.scaled_dot_product_attention
-        if not math and skips_cudnn(q, call.Sq):    # a decoding step: no graph per length
+        if not math and skips_cudnn(q.device.type, call.Sq):    # a decoding step: no graph per length
             out = run_without_cudnn(_kernel, call, q, k, v, attn_mask, fold, kw, sdpa)
         else:
             out = _kernel(call, q, k, v, attn_mask, fold, kw, sdpa)
