@@ -37,19 +37,30 @@ HUGE = tl.constexpr(HUGE_LSE2)
 
 
 @triton.jit
-def _row_stats(q, k_base, blocks, n_all, rows, row_ok, qk_scale, skn, skd, b, h, Sq, Sk, T, I,
-               MASK_FN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # The forward's (m, l) of rows over their list's key blocks (blocks[:n_all]), from the
-    # scores alone: (BLOCK_M,) each, base 2.
+def block_start(blocks, j, BLOCK_N: tl.constexpr, LISTS: tl.constexpr = True):
+    """The first key of the ``j``-th block a program visits: its list's entry, or without
+    LISTS (no mask: every block, in order) the ``j``-th block."""
+    if LISTS:
+        return tl.load(blocks + j) * BLOCK_N
+    return j * BLOCK_N
+
+
+@triton.jit
+def row_stats(q, k_base, blocks, n_all, rows, row_ok, qk_scale, skn, skd, b, h, Sq, Sk, T, I,
+              MASK_FN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr = True,
+              LISTS: tl.constexpr = True):
+    """The forward's ``(m, l)`` of rows over their list's key blocks (``blocks[:n_all]``;
+    without LISTS, the first ``n_all`` blocks), from the scores alone (with the mask's
+    bias where HAS_BIAS): ``(BLOCK_M,)`` each, base 2."""
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     for j in tl.range(0, n_all, num_stages=1):
-        cols = tl.load(blocks + j) * BLOCK_N + tl.arange(0, BLOCK_N)       # (BLOCK_N,)
+        cols = block_start(blocks, j, BLOCK_N, LISTS) + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         k = load_tile(k_base, cols, Sk, skn, skd, D, BLOCK_D, True)        # (BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k)) * qk_scale                              # (BLOCK_M, BLOCK_N)
         s, ok = masked_scores(s, b, h, rows[:, None], cols[None, :], row_ok[:, None], Sq, Sk,
-                              0, 0, T, I, False, False, True, MASK_FN, True)
+                              0, 0, T, I, False, False, True, MASK_FN, HAS_BIAS)
         _, _, m_i, l_i = softmax_step(tl.where(ok, s, float("-inf")), m_i, l_i)
     return m_i, l_i
 
@@ -65,8 +76,8 @@ def exact_rows(lse2, PAIRS, q, k_base, blocks, n_all, rows, row_ok, qk_scale, sk
     huge = (a >= HUGE) & (a < float("inf")) & row_ok
     lo = tl.zeros_like(lse2)
     if tl.max(huge.to(tl.int32), 0) > 0:               # rare: such a row is in this program
-        m_i, l_i = _row_stats(q, k_base, blocks, n_all, rows, row_ok, qk_scale, skn, skd, b,
-                              h, Sq, Sk, T, I, MASK_FN, D, BLOCK_D, BLOCK_M, BLOCK_N)
+        m_i, l_i = row_stats(q, k_base, blocks, n_all, rows, row_ok, qk_scale, skn, skd, b,
+                             h, Sq, Sk, T, I, MASK_FN, D, BLOCK_D, BLOCK_M, BLOCK_N)
         huge = huge & (l_i > 0.0)
         lse2 = tl.where(huge, m_i, lse2)
         lo = tl.where(huge, tl.math.log2(tl.where(huge, l_i, 1.0)), lo)

@@ -178,6 +178,40 @@ class _TangentProduct(_Product):
         return out
 
 
+def masked_scores(call, q: torch.Tensor, k: torch.Tensor, product=torch.matmul) -> torch.Tensor:
+    """The scores ``q kᵀ · scale + bias`` of ``q (B, H, Sq, D)`` over ``k (B, Hkv, Sk, D)``
+    (the call's, or tensors shaped as them) in the call's compute dtype, ``-inf`` where the
+    call's mask hides a pair: ``(B, H, Sq, Sk)``, whose softmax is the weights. ``product``
+    multiplies (:class:`_Product` where gradients are taken).
+
+    Example:
+        >>> import multihead as mh
+        >>> from multihead.functional._call import make_call
+        >>> q = torch.ones(1, 1, 2, 4)
+        >>> call = make_call(q, q, q, mask=mh.masks.causal(), scale=None, dropout_p=0.0,
+        ...                  return_weights=False, return_lse=False)
+        >>> masked_scores(call, q, q).tolist()
+        [[[[2.0, -inf], [2.0, 2.0]]]]
+    """
+    work = call.compute_dtype
+    q, k = q.to(work), k.to(work)
+    if call.group > 1:
+        k = k.repeat_interleave(call.group, dim=1)                    # (B, H, Sk, D)
+    # q scaled, not the scores: a pass over (B, H, Sq, D) and its gradient, not over the
+    # scores (the order torch's attention takes); a scale above 1 scales the scores, where
+    # q times it could overflow and their product not
+    if call.scale <= 1:
+        scores = product(q * call.scale, k.transpose(-2, -1))         # (B, H, Sq, Sk)
+    else:
+        scores = product(q, k.transpose(-2, -1)) * call.scale
+    allowed, bias = mask_terms(call, q.device)
+    if bias is not None:
+        scores = scores + bias_as(bias, work)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores
+
+
 class Reference(Backend):
     name = "reference"
     grad_reads_hidden_keys = False     # (its product's backward reads non-finite values as 0)
@@ -198,31 +232,17 @@ class Reference(Backend):
         return Plan(work, "materializes the full score matrix")
 
     def run(self, call, plan):
-        q, k, v = call.q, call.k, call.v
-        work = call.compute_dtype
-        q, k, v = q.to(work), k.to(work), v.to(work)
-        if call.group > 1:
-            k = k.repeat_interleave(call.group, dim=1)                # (B, H, Sk, D)
-            v = v.repeat_interleave(call.group, dim=1)                # (B, H, Sk, Dv)
         # (no derivative taken: the plain product, the same numbers without a Function's
         # per-call cost)
         product = (_TangentProduct.apply if call.forward_ad else _Product.apply
                    if call.requires_grad else torch.matmul)
-        # q scaled, not the scores: a pass over (B, H, Sq, D) and its gradient, not over
-        # the scores (the order torch's attention takes); a scale above 1 scales the
-        # scores, where q times it could overflow and their product not
-        if call.scale <= 1:
-            scores = product(q * call.scale, k.transpose(-2, -1))     # (B, H, Sq, Sk)
-        else:
-            scores = product(q, k.transpose(-2, -1)) * call.scale
-        allowed, bias = mask_terms(call, q.device)
-        if bias is not None:
-            scores = scores + bias_as(bias, work)
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = masked_scores(call, call.q, call.k, product)         # (B, H, Sq, Sk)
         weights, lse = safe_softmax(scores, call.return_lse)
         if call.dropout_p > 0:
             weights = torch.nn.functional.dropout(weights, p=call.dropout_p)
+        v = call.v.to(call.compute_dtype)
+        if call.group > 1:
+            v = v.repeat_interleave(call.group, dim=1)                # (B, H, Sk, Dv)
         out = product(weights, v)                                     # (B, H, Sq, Dv)
         dt = call.q.dtype
         return (out.to(dt), weights.to(dt) if call.return_weights else None,

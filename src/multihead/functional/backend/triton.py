@@ -12,13 +12,16 @@ MQA read each K/V head in place, forward and backward (the K/V gradients are sum
 the group in registers; deterministic). A band call of at most 16 queries without
 gradients (a decoding step, a draft to verify) runs the split-K decode kernel instead
 (:mod:`multihead.kernels.decode`), which reads each K/V byte once for the whole group of
-query heads. Every path goes through ``torch.ops.multihead`` operators under ``torch.compile``
+query heads. A call that asks for the weights gets them from the weights kernel
+(:mod:`multihead.kernels.weights`: written once in the inputs' dtype, in eager calls).
+Every path goes through ``torch.ops.multihead`` operators under ``torch.compile``
 (:mod:`multihead.kernels.ops`), so ``fullgraph=True`` traces them, block lists included.
 Registered only where Triton is installed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -31,6 +34,7 @@ from ...masks.structured import _offset
 from .._call import AttentionCall
 from ..capabilities import Capabilities, shown
 from ._common import BandParts, band_parts, mask_launches
+from ._weights import kernel_weights
 from ..cost import Work, share
 from ..registry import Backend, Plan, register
 from ..._tracing import tracing
@@ -171,22 +175,59 @@ def _work(call: AttentionCall, pairs: int, block_m: int, launches: float = 1) ->
     return work
 
 
+def _weights_refused(call: AttentionCall) -> str | None:
+    """Why the weights kernel cannot give this call's weights (None: it can)."""
+    from ...kernels.mask_program import supported
+    if tracing():
+        return ("returns attention weights in eager calls only (the weights kernel is no "
+                "torch operator yet)")
+    return supported(call.effective_mask) if call.effective_mask is not None else None
+
+
+def _with_weights(call: AttentionCall, plan: Plan) -> Plan:
+    """``plan`` with the weights kernel after it: two passes of ``q kᵀ`` over the blocks
+    the mask leaves (row statistics, then the weights) and the weights written once in the
+    inputs' dtype; a mask the forward ran as a band gets block lists of its own (built
+    once, kept on the mask). Their gradient (only where a loss uses the weights) is the
+    reference's, recomputed: not priced."""
+    work = plan.work
+    launches = 1
+    if call.effective_mask is not None and plan.detail[1] != "sparse":
+        launches += LIST_OPS + TILE_MAP_OPS * mask_launches(call)
+    written = call.B * call.H * call.Sq * call.Sk * call.q.dtype.itemsize
+    work = dataclasses.replace(
+        work, flops=work.flops + 4.0 * call.pairs * call.D / EFFICIENCY,
+        bytes=work.bytes + written, launches=work.launches + launches,
+        memory=work.memory + written)            # (an output, but one the size of the scores)
+    return Plan(work, f"{plan.note}; weights written once in "
+                      f"{str(call.q.dtype).removeprefix('torch.')} by the weights kernel",
+                plan.detail)
+
+
 class TritonFlash(Backend):
     name = "triton"
     summary = ("our FlashAttention-2 in Triton (forward, backward, split-K decode): bands and "
                "packed documents from indices, any other mask by block lists, GQA in place")
     capabilities = Capabilities(devices=frozenset({"cuda"}),
                                 dtypes=frozenset({torch.float16, torch.bfloat16}),
-                                max_head_dim=256, lse=True,
+                                max_head_dim=256, lse=True, weights=True,
                                 masks=frozenset({"causal", "window", "padding", "document",
                                                  "dense", "bias", "alibi", "at_positions"}),
                                 transforms=False, forward_ad=False, second_order=True)
 
     def check(self, call):
         band = _band(call)
-        return band if isinstance(band, str) else None
+        if isinstance(band, str):
+            return band
+        if call.return_weights:
+            return _weights_refused(call)
+        return None
 
     def plan(self, call, profile):
+        plan = self._plan(call)
+        return _with_weights(call, plan) if call.return_weights else plan
+
+    def _plan(self, call):
         from ...kernels._band import launch_config
         band = _band(call)
         if isinstance(band, Sparse):
@@ -258,15 +299,16 @@ class TritonFlash(Backend):
             if second_order.wanted(call) else None
         if name == "sparse":
             out, lse = ops.sparse(call.q, call.k, call.v, band.mask, call.scale, again)
-            return out, None, lse if call.return_lse else None
-        lens = None
-        if band.padding is not None:            # one length per row of the batch, on device
-            lens = band.padding.lengths.expand(call.B).contiguous()
-        args = (call.q, call.k, call.v, call.scale, band.causal, band.window or 0, band.offset,
-                lens)
-        out, lse = (ops.decode(*args) if name == "decode" else
-                    ops.attention(*args, band.documents, again))
-        return out, None, lse if call.return_lse else None
+        else:
+            lens = None
+            if band.padding is not None:        # one length per row of the batch, on device
+                lens = band.padding.lengths.expand(call.B).contiguous()
+            args = (call.q, call.k, call.v, call.scale, band.causal, band.window or 0,
+                    band.offset, lens)
+            out, lse = (ops.decode(*args) if name == "decode" else
+                        ops.attention(*args, band.documents, again))
+        weights = kernel_weights(call) if call.return_weights else None
+        return out, weights, lse if call.return_lse else None
 
 
 if kernels.available():

@@ -1,0 +1,154 @@
+"""The attention weights ``softmax(q kᵀ · scale + bias)`` of any mask of our model, written
+once in the inputs' dtype by one Triton kernel.
+
+Where a caller asks for the weights (``return_weights=True``; ``torch.nn.MultiheadAttention``'s
+default ``need_weights=True``) the reference path materializes the scores in float32 and
+makes several passes over them (scale, mask, row maxima, softmax, a cast). This kernel
+instead computes each row's softmax statistics from ``q kᵀ`` alone, then writes each block
+of weights once: one program per (query block, batch and head) runs two passes over the
+key blocks its mask's block lists name (:func:`.flash_sparse.block_lists`, the forward's
+own, so a mask the forward ran already has them):
+
+1. the running maximum ``m`` and sum ``l`` of the online softmax (base 2), over the FULL
+   and PARTIAL blocks (:func:`._exact_rows.row_stats`);
+2. ``exp2(s - m) / l`` for each of those blocks (the mask program evaluated on the PARTIAL
+   ones, its bias added on every one), and zeros for the EMPTY ones.
+
+Only ``q kᵀ`` is recomputed (no values are read), so on a GPU the kernel costs about the
+writing of its output. The statistics come from the scores, not from a forward's
+log-sum-exp: a row the forward made NaN through a NaN value it sees, or whose huge bias
+(``-1e30``) left its lse without the log of its sum (:mod:`._exact_rows`), still gets the
+softmax of its scores, as the reference's weights do. A row with nothing to attend to gets
+zeros; a row that sees a NaN or ``+inf`` score is NaN at every key (as the reference's). Without a mask every block is
+visited, the last ones bounded.
+
+Notation: B batch, H query heads, Hkv K/V heads, G = H / Hkv, Sq/Sk lengths, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..masks import base as MB
+from ._band import LOG2E, cdiv, check_inputs, launch_config, load_tile, masked_scores, pow2, \
+    program_block
+from ._exact_rows import block_start, row_stats
+from ._launch import launch
+from .flash_sparse import _entry, _list_strides, plan
+
+#: per-call values that must not cause a compile (lengths, list sizes and strides)
+DYNAMIC = ["Sq", "Sk", "NL", "slb", "slh", "sib", "sih"]
+
+
+@triton.jit
+def _write_block(w_base, q, k_base, m_i, l_i, start, rows, row_ok, qk_scale, skn, skd, swm,
+                 swn, b, h, Sq, Sk, T, I, MASKED: tl.constexpr, ZERO: tl.constexpr,
+                 MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The weights of rows over the keys [start, start + BLOCK_N): exp2(s - m) / l, 0 where
+    # MASKED finds the pair hidden or the row sees nothing (l = 0), NaN across a row whose
+    # sum is NaN (it sees a NaN or +inf score: the reference's softmax of that row is NaN
+    # at every key, hidden ones included); ZERO: an EMPTY block, without a product.
+    cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
+    nan_row = (l_i != l_i)[:, None]                                         # (rows, 1)
+    if ZERO:
+        p = tl.where(nan_row, float("nan"), tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
+    else:
+        k = load_tile(k_base, cols, Sk, skn, skd, D, BLOCK_D, MASKED)       # (BLOCK_N, BLOCK_D)
+        s = tl.dot(q, tl.trans(k)) * qk_scale                              # (rows, BLOCK_N)
+        s, ok = masked_scores(s, b, h, rows[:, None], cols[None, :], row_ok[:, None], Sq, Sk,
+                              0, 0, T, I, False, False, MASKED, MASK_FN, HAS_BIAS)
+        live = l_i[:, None] != 0.0
+        if MASKED:
+            live = live & ok
+        shift = tl.where(m_i == float("-inf"), 0.0, m_i)                  # (rows,)
+        p = tl.math.exp2(s - shift[:, None]) / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        p = tl.where(nan_row, float("nan"), tl.where(live, p, 0.0))
+    tl.store(w_base + rows[:, None] * swm + cols[None, :] * swn, p.to(w_base.dtype.element_ty),
+             mask=row_ok[:, None] & (cols[None, :] < Sk))
+
+
+@triton.jit(do_not_specialize=DYNAMIC)
+def _weights(Q, K, W, NF, NP, IDX, qk_scale,
+             sqb, sqh, sqm, sqd, skb, skh, skn, skd, swb, swh, swm, swn,
+             slb, slh, sib, sih, NL, H, G, Sq, Sk, T, I, LISTS: tl.constexpr,
+             MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    b, h, _, _, m0 = program_block(pid_m, H, IDX, Sq, False, BLOCK_M)     # b int64
+    rows = m0 + tl.arange(0, BLOCK_M)                                       # (BLOCK_M,)
+    row_ok = rows < Sq
+    q = load_tile(Q + b * sqb + h * sqh, rows, Sq, sqm, sqd, D, BLOCK_D, True)  # (BLOCK_M, BLOCK_D)
+    k_base = K + b * skb + (h // G) * skh
+    w_base = W + b * swb + h * swh
+    if LISTS:
+        n_full, n_all, blocks = _entry(NF, NP, IDX, b, h, pid_m, slb, slh, sib, sih, NL)
+    else:                                              # no mask: every block, bounded
+        n_full, n_all, blocks = 0, NL, IDX
+    m_i, l_i = row_stats(q, k_base, blocks, n_all, rows, row_ok, qk_scale, skn, skd, b, h,
+                         Sq, Sk, T, I, MASK_FN, D, BLOCK_D, BLOCK_M, BLOCK_N, HAS_BIAS, LISTS)
+    for j in range(0, n_full):                         # blocks every pair of which is allowed
+        _write_block(w_base, q, k_base, m_i, l_i, block_start(blocks, j, BLOCK_N, LISTS),
+                     rows, row_ok, qk_scale, skn, skd, swm, swn, b, h, Sq, Sk, T, I, False,
+                     False, MASK_FN, HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
+    for j in range(n_full, n_all):                     # blocks the mask (or bounds) cut
+        _write_block(w_base, q, k_base, m_i, l_i, block_start(blocks, j, BLOCK_N, LISTS),
+                     rows, row_ok, qk_scale, skn, skd, swm, swn, b, h, Sq, Sk, T, I, True,
+                     False, MASK_FN, HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
+    for j in range(n_all, NL):                         # EMPTY blocks: zeros
+        _write_block(w_base, q, k_base, m_i, l_i, block_start(blocks, j, BLOCK_N, LISTS),
+                     rows, row_ok, qk_scale, skn, skd, swm, swn, b, h, Sq, Sk, T, I, False,
+                     True, MASK_FN, HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: MB.Mask | None, *,
+                      scale: float, config: tuple[int, int, int, int] | None = None,
+                      ) -> torch.Tensor:
+    """The weights of ``q (B, H, Sq, D)`` over ``k (B, Hkv, Sk, D)`` under ``mask``.
+
+    Args:
+        mask: a :class:`multihead.masks.Mask` whose tensors are on q's device (any mask the
+            block-sparse kernels run: :func:`.mask_program.supported`), or None.
+        scale: multiplier of the scores.
+        config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; default: the block-sparse
+            forward's, so that its block lists serve both.
+
+    Returns:
+        ``(B, H, Sq, Sk)`` in q's dtype, contiguous: each row's softmax over the keys its
+        mask allows (zeros elsewhere), a row with nothing to attend to all zeros.
+
+    Raises:
+        ValueError: naming the argument, for inputs the kernels do not take or a mask that
+            does not fit them.
+
+    Example:
+        >>> import torch, multihead as mh
+        >>> q = torch.randn(1, 2, 64, 16, device="cuda", dtype=torch.float16)      # doctest: +SKIP
+        >>> w = attention_weights(q, q, mh.masks.causal(), scale=0.25)            # doctest: +SKIP
+        >>> w.shape, bool(w[0, 0, 0, 1] == 0)                                       # doctest: +SKIP
+        (torch.Size([1, 2, 64, 64]), True)
+    """
+    args = check_inputs("attention_weights", q, k, k, scale=scale, config=config)
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    w = q.new_empty(B, H, Sq, Sk)
+    if w.numel() == 0:
+        return w
+    if mask is not None:
+        prog, (fwd,) = plan(mask, q, k, k, kernels=("fwd",), fn="attention_weights",
+                            configs=None if args.config is None else (args.config,))
+        cfg, lists = fwd.config, fwd.lists                # (n_full, n_part, index)
+        fn, tensors, ints, has_bias = prog.fn, prog.tensors, prog.ints, prog.has_bias
+        strides, n_blocks = _list_strides(lists[0], lists[2]), lists[2].shape[-1]
+    else:
+        cfg = args.config or launch_config("fwd_sparse", D, D, queries=Sq)
+        lists, fn, tensors, ints, has_bias = (w, w, w), None, None, None, False  # unread
+        strides, n_blocks = (0, 0, 0, 0), cdiv(Sk, cfg[1])
+    bm, bn, warps, stages = cfg
+    launch(_weights, (cdiv(Sq, bm), B * H), q, k, w, *lists, scale * LOG2E,
+           *q.stride(), *k.stride(), *w.stride(), *strides, n_blocks, H, H // k.shape[1],
+           Sq, Sk, tensors, ints, LISTS=mask is not None, MASK_FN=fn, HAS_BIAS=has_bias, D=D,
+           BLOCK_D=pow2(D), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    return w

@@ -1,0 +1,224 @@
+"""The Triton weights kernel (``return_weights=True`` on a GPU; ``torch.nn.MultiheadAttention``'s
+default ``need_weights=True`` through the drop-in) against the fp64 oracle, under Triton's
+interpreter on the CPU (compiled on a GPU): every mask kind and composition, GQA/MQA,
+``Sq != Sk``, empty rows, non-finite inputs, huge biases; its gradients (and their
+gradients) against the reference's; the plan that prices it; on a GPU, the backend through
+``multihead.attention`` and the drop-in against torch's module in bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import multihead as mh
+from conftest import MASK_NAMES, make_masks
+
+triton = pytest.importorskip("triton")
+from multihead.functional._call import make_call  # noqa: E402
+from multihead.functional.backend import triton as tb  # noqa: E402
+from multihead.functional.backend._weights import kernel_weights  # noqa: E402
+from multihead.kernels.weights import attention_weights  # noqa: E402
+
+M = mh.masks
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [  # B, H, Hkv, Sq, Sk, D
+    (2, 4, 2, 40, 48, 16),         # GQA, Sq < Sk
+    (2, 2, 1, 45, 30, 32),         # MQA, Sq > Sk: early rows of a lower-right band see nothing
+]
+TILES = (16, 16, 4, 1)             # many blocks: FULL, PARTIAL and EMPTY ones
+
+
+def _inputs(B, H, Hkv, Sq, Sk, D, seed=0, dtype=torch.float16):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(DEV, dtype)  # noqa: E731
+    return mk(B, H, Sq, D), mk(B, Hkv, Sk, D)
+
+
+def _oracle_weights(q, k, m, dtype=torch.float64):
+    if isinstance(m, M.Bias) and dtype == torch.float64:
+        m = M.bias(m.raw.double())
+    q, k = q.to(dtype), k.to(dtype)
+    return mh.attention(q, k, k, mask=m, backend="reference", return_weights=True)[1]
+
+
+def _assert_matches_oracle(w, q, k, m):
+    """Within the error rule: twice an fp32 reference's error once rounded to the inputs'
+    dtype, plus 2 ulp; NaN exactly where the oracle's are; rows with nothing to attend to
+    exactly zero."""
+    ref = _oracle_weights(q, k, m)
+    plain = _oracle_weights(q, k, m, torch.float32).to(q.dtype)
+    assert w.shape == ref.shape and w.dtype == q.dtype
+    assert torch.equal(w.isnan(), ref.isnan())
+    fin = ~ref.isnan()
+    err = (w.double() - ref)[fin].abs().max()
+    base = (plain.double() - ref)[fin].abs().max()
+    assert err <= 2 * base + 2 * torch.finfo(q.dtype).eps, (err, base)
+    empty = (ref == 0).all(dim=-1)
+    assert (w[empty] == 0).all()
+
+
+@pytest.mark.parametrize("config", [None, TILES], ids=["default", "tiles16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["GQA", "MQA"])
+@pytest.mark.parametrize("name", MASK_NAMES)
+def test_weights_equal_the_fp64_oracle_for_every_mask(name, shape, config):
+    B, H, Hkv, Sq, Sk, D = shape
+    q, k = _inputs(B, H, Hkv, Sq, Sk, D)
+    m = make_masks(B, H, Sq, Sk)[name]
+    m = m.to(DEV) if m is not None else None
+    _assert_matches_oracle(attention_weights(q, k, m, scale=D ** -0.5, config=config), q, k, m)
+
+
+def _nonfinite_cases(B, H, Sq, Sk):
+    k_nan, k_inf, q_nan = (torch.zeros(B, H, n, 16) for n in (Sk, Sk, Sq))
+    k_nan[0, 0, Sk - 2] = float("nan")         # a padded key: hidden from every row
+    k_inf[1, 1, 4] = float("inf")              # seen by every row of a lower-right band
+    q_nan[0, 1, 2] = float("nan")              # one query row
+    huge = torch.zeros(B, 1, Sq, Sk)
+    huge[0, :, 3] = -1e30                      # a row of huge biases: its lse loses log(sum)
+    huge[1, :, :, 5:] = float("-inf")
+    huge[0, :, 5] = float("-inf")              # a row with nothing to attend to
+    return {"NaN in a hidden key": (0, k_nan, 0, M.padding([Sk - 3, Sk])),
+            "NaN in a visible key": (0, k_nan, 0, None),
+            "inf in a visible key": (0, k_inf, 0, M.causal()),
+            "NaN in a query": (q_nan, 0, 0, M.causal()),
+            "huge and -inf biases": (0, 0, 0, M.bias(huge)),
+            "finfo.min bias": (0, 0, 0, M.bias(torch.full((1, 1, Sq, Sk), -3.4e38)))}
+
+
+@pytest.mark.parametrize("case", list(_nonfinite_cases(2, 2, 20, 37)))
+def test_non_finite_inputs_and_huge_biases_give_the_references_weights(case):
+    """A row that sees a NaN or inf is NaN at every key (hidden ones too), as torch's and the
+    reference's softmax; a hidden NaN reaches no row; a row of ``-1e30`` biases still sums
+    to one (its statistics come from the scores, not from an lse that lost its sum)."""
+    q, k = _inputs(2, 2, 2, 20, 37, 16, seed=3)
+    dq, dk, _, m = _nonfinite_cases(2, 2, 20, 37)[case]
+    q, k = q + torch.as_tensor(dq).to(q), k + torch.as_tensor(dk).to(k)
+    m = m.to(DEV) if m is not None else None
+    w = attention_weights(q, k, m, scale=0.25, config=TILES)
+    ref = mh.attention(q, k, k, mask=m, scale=0.25, backend="reference", return_weights=True)[1]
+    assert torch.equal(w.isnan(), ref.isnan())
+    torch.testing.assert_close(w.nan_to_num(), ref.nan_to_num(), atol=2e-3, rtol=0)
+    live = ~ref.isnan().any(-1) & (ref != 0).any(-1)
+    torch.testing.assert_close(w[live].float().sum(-1), torch.ones(int(live.sum())),
+                               atol=1e-2, rtol=0)
+
+
+def test_empty_shapes_and_bad_arguments():
+    q, k = _inputs(1, 2, 2, 0, 5, 16)
+    assert attention_weights(q, k, None, scale=0.25).shape == (1, 2, 0, 5)
+    q, k = _inputs(1, 2, 2, 4, 0, 16)
+    assert attention_weights(q, k, None, scale=0.25).shape == (1, 2, 4, 0)
+    q, k = _inputs(1, 2, 2, 4, 5, 16)
+    with pytest.raises(ValueError, match="attention_weights.*scale"):
+        attention_weights(q, k, None, scale=float("nan"))
+    with pytest.raises(ValueError, match="attention_weights"):
+        attention_weights(q, k, M.padding([1, 2, 3]).to(DEV), scale=0.25)
+
+
+def _call(q, k, m, dtype=None):
+    return make_call(q, k, k, mask=m, scale=None, dropout_p=0.0, return_weights=True,
+                     return_lse=False)
+
+
+@pytest.mark.parametrize("name", ["none", "causal&padding", "bias", "window&document"])
+def test_gradients_through_the_weights_equal_the_references(name):
+    """A loss of the weights: dQ and dK (summed over each GQA group) are the reference's,
+    and so are their own gradients (a backward that builds a graph)."""
+    B, H, Hkv, Sq, Sk, D = SHAPES[0]
+    q0, k0 = _inputs(B, H, Hkv, Sq, Sk, D, seed=5)
+    m = make_masks(B, H, Sq, Sk)[name]
+    m = m.to(DEV) if m is not None else None
+    g = torch.Generator().manual_seed(9)
+    dw = torch.randn(B, H, Sq, Sk, generator=g).to(DEV)
+
+    def grads(fn):
+        q, k = (t.detach().clone().requires_grad_() for t in (q0, k0))
+        w = fn(q, k)
+        dq, dk = torch.autograd.grad((w.float() * dw).sum(), (q, k), create_graph=True)
+        again = torch.autograd.grad((dq.float() ** 2).sum() + (dk.float() ** 2).sum(), (q, k))
+        return dq, dk, *again
+
+    ours = grads(lambda q, k: kernel_weights(_call(q, k, m)))
+    ref = grads(lambda q, k: mh.attention(q, k, k, mask=m, backend="reference",
+                                          return_weights=True)[1])
+    for name_, a, r in zip(("dq", "dk", "d(dq)", "d(dk)"), ours, ref):
+        assert a.dtype == r.dtype and torch.isfinite(a).all(), name_
+        torch.testing.assert_close(a, r, atol=2e-3, rtol=2e-3, msg=name_)
+
+
+def test_weights_need_no_gradient_where_the_inputs_take_none():
+    q, k = _inputs(*SHAPES[0])
+    v = k.clone().requires_grad_()                 # gradients for v only: weights need none
+    call = make_call(q, k, v, mask=None, scale=None, dropout_p=0.0, return_weights=True,
+                     return_lse=False)
+    assert kernel_weights(call).grad_fn is None
+
+
+def test_auto_prices_the_weights_kernel_on_an_h100():
+    """bf16 weights of a large call: the kernel (weights written once in bf16) against the
+    reference's fp32 passes over the scores; float32 stays off the Triton kernels."""
+    def explain(dtype, mask=None):
+        q = torch.empty(8, 16, 2048, 64, dtype=dtype, device="meta")
+        return mh.explain(q, q, q, mask=mask, return_weights=True, profile="h100")
+    e = explain(torch.bfloat16, M.padding([2000] * 8).to("meta"))
+    assert e.chosen == "triton"
+    row = next(r for r in e.rows if r.name == "triton")
+    assert "weights written once in bfloat16" in row.plan.note
+    ref = next(r for r in e.rows if r.name == "reference")
+    assert ref.seconds > 5 * row.seconds
+    assert explain(torch.bfloat16).chosen == "triton"
+    assert explain(torch.float32).chosen != "triton"
+
+
+def test_the_backend_refuses_weights_while_tracing():
+    q, k = _inputs(*SHAPES[0])
+    backend = tb.TritonFlash()
+    assert backend.check(_call(q, k, M.causal())) is None
+    seen = []
+    make_fx(lambda q: seen.append(backend.check(_call(q, k, M.causal()))) or q)(q)
+    assert seen and "eager calls only" in seen[0]
+
+
+# -- on a GPU --------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["none", "causal", "padding_left_bool", "bias", "alibi",
+                                  "window&document"])
+def test_the_backend_returns_weights_through_attention_on_cuda(name):
+    B, H, Hkv, Sq, Sk, D = 2, 8, 2, 300, 300, 64
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(B, n, Sq, D, generator=g).to("cuda", torch.bfloat16)
+               for n in (H, Hkv, Hkv))
+    m = make_masks(B, H, Sq, Sk)[name]
+    m = m.to("cuda") if m is not None else None
+    out, w = mh.attention(q, k, v, mask=m, backend="triton", return_weights=True)
+    _assert_matches_oracle(w, q, k, m)
+    ref = mh.attention(q, k, v, mask=m, backend="reference")
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_the_drop_in_returns_torchs_weights_in_bf16_on_cuda(train):
+    """``need_weights=True`` (torch's default) with a key padding mask, bfloat16: outputs,
+    averaged weights and every parameter's gradient close to torch's module."""
+    torch.manual_seed(0)
+    E, Hn, B, S = 256, 8, 4, 200
+    t = torch.nn.MultiheadAttention(E, Hn, batch_first=True).to("cuda", torch.bfloat16)
+    ours = mh.nn.MultiheadAttention(E, Hn, batch_first=True).to("cuda", torch.bfloat16)
+    ours.load_state_dict(t.state_dict())
+    t.train(train), ours.train(train)
+    x = torch.randn(B, S, E, device="cuda", dtype=torch.bfloat16)
+    kpm = torch.zeros(B, S, dtype=torch.bool, device="cuda")
+    kpm[0, 150:] = True
+    a_out, a_w = ours(x, x, x, key_padding_mask=kpm)
+    b_out, b_w = t(x, x, x, key_padding_mask=kpm)
+    torch.testing.assert_close(a_out, b_out, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(a_w, b_w, atol=5e-3, rtol=3e-2)
+    assert (a_w[0, :, 150:] == 0).all()
+    if train:
+        (a_out.float().square().sum() + a_w.float().sum()).backward()
+        (b_out.float().square().sum() + b_w.float().sum()).backward()
+        for (n, p), r in zip(ours.named_parameters(), t.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, atol=5e-2, rtol=5e-2, msg=n)
