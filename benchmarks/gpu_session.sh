@@ -35,8 +35,8 @@ tests)
     serial=${PIPESTATUS[0]}
     timeout -s INT 330 python -m pytest -q -n 14 -p no:cacheprovider --durations=15 \
         tests/test_triton.py tests/test_triton_masks.py tests/test_triton_paged.py \
-        tests/test_cuda.py tests/test_cuda_modules.py tests/test_nosync.py tests/test_cudnn.py \
-        tests/peers/test_dropin_cuda.py 2>&1 | tee "$OUT/tests.log"
+        tests/test_triton_weights.py tests/test_cuda.py tests/test_cuda_modules.py \
+        tests/test_nosync.py tests/test_cudnn.py tests/peers/test_dropin_cuda.py 2>&1 | tee "$OUT/tests.log"
     rest=${PIPESTATUS[0]}
     timeout -s INT 100 python -m pytest -q -m cuda -p no:cacheprovider \
         tests/analysis/test_bench.py 2>&1 | tee "$OUT/tests-bench.log"

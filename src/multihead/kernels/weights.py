@@ -19,8 +19,8 @@ writing of its output. The statistics come from the scores, not from a forward's
 log-sum-exp: a row the forward made NaN through a NaN value it sees, or whose huge bias
 (``-1e30``) left its lse without the log of its sum (:mod:`._exact_rows`), still gets the
 softmax of its scores, as the reference's weights do. A row with nothing to attend to gets
-zeros; a row that sees a NaN or ``+inf`` score is NaN at every key (as the reference's). Without a mask every block is
-visited, the last ones bounded.
+zeros; a row that sees a NaN or ``+inf`` score is NaN at every key (as the reference's).
+Without a mask every block is visited, the last one bounded where the keys end inside it.
 
 Notation: B batch, H query heads, Hkv K/V heads, G = H / Hkv, Sq/Sk lengths, D head dim.
 """
@@ -66,8 +66,9 @@ def _write_block(w_base, q, k_base, m_i, l_i, start, rows, row_ok, qk_scale, skn
         shift = tl.where(m_i == float("-inf"), 0.0, m_i)                  # (rows,)
         p = tl.math.exp2(s - shift[:, None]) / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         p = tl.where(nan_row, float("nan"), tl.where(live, p, 0.0))
-    tl.store(w_base + rows[:, None] * swm + cols[None, :] * swn, p.to(w_base.dtype.element_ty),
-             mask=row_ok[:, None] & (cols[None, :] < Sk))
+    # (int64: one head's Sq * Sk weights may pass 2^31)
+    tl.store(w_base + rows[:, None].to(tl.int64) * swm + cols[None, :] * swn,
+             p.to(w_base.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < Sk))
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
@@ -82,11 +83,11 @@ def _weights(Q, K, W, NF, NP, IDX, qk_scale,
     row_ok = rows < Sq
     q = load_tile(Q + b * sqb + h * sqh, rows, Sq, sqm, sqd, D, BLOCK_D, True)  # (BLOCK_M, BLOCK_D)
     k_base = K + b * skb + (h // G) * skh
-    w_base = W + b * swb + h * swh
+    w_base = W + b * swb + h.to(tl.int64) * swh      # (H * Sq * Sk may pass 2^31)
     if LISTS:
         n_full, n_all, blocks = _entry(NF, NP, IDX, b, h, pid_m, slb, slh, sib, sih, NL)
-    else:                                              # no mask: every block, bounded
-        n_full, n_all, blocks = 0, NL, IDX
+    else:                                              # no mask: every block, the last bounded
+        n_full, n_all, blocks = Sk // BLOCK_N, NL, IDX
     m_i, l_i = row_stats(q, k_base, blocks, n_all, rows, row_ok, qk_scale, skn, skd, b, h,
                          Sq, Sk, T, I, MASK_FN, D, BLOCK_D, BLOCK_M, BLOCK_N, HAS_BIAS, LISTS)
     for j in range(0, n_full):                         # blocks every pair of which is allowed

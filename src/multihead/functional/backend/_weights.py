@@ -20,22 +20,31 @@ class _KernelWeights(torch.autograd.Function):
     """The kernel's weights of ``(q, k)``; the reference's gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, call):
-        from ...kernels.weights import attention_weights
+    def forward(ctx, q, k, call, config):
         ctx.save_for_backward(q, k)
-        ctx.call = call                       # its mask, scale and compute dtype
-        return attention_weights(q, k, call.effective_mask, scale=call.scale)
+        ctx.mask, ctx.scale = call.effective_mask, call.scale     # (no tensor of the call's)
+        return _run(q, k, call, config)
 
     @staticmethod
     def backward(ctx, dw):
         q, k = ctx.saved_tensors
-        wanted = [t for t, need in zip((q, k), ctx.needs_input_grad) if need]
         graph = torch.is_grad_enabled()       # (a backward that builds a graph)
         with torch.enable_grad():
-            weights, _ = safe_softmax(masked_scores(ctx.call, q, k, _Product.apply), lse=False)
+            # views: q and k may be one tensor (self-attention through mh.attention(x, x, x)),
+            # whose gradient would be asked for twice and counted twice
+            q, k = q.view_as(q), k.view_as(k)
+            wanted = [t for t, need in zip((q, k), ctx.needs_input_grad) if need]
+            call = AttentionCall(q, k, k, ctx.mask, ctx.scale, 0.0, True, False)
+            weights, _ = safe_softmax(masked_scores(call, q, k, _Product.apply), lse=False)
             grads = iter(torch.autograd.grad(weights, wanted, dw.to(weights.dtype),
                                              create_graph=graph, allow_unused=True))
-        return (*(next(grads) if need else None for need in ctx.needs_input_grad[:2]), None)
+        return (*(next(grads) if need else None for need in ctx.needs_input_grad[:2]),
+                None, None)
+
+
+def _run(q, k, call: AttentionCall, config) -> torch.Tensor:
+    from ...kernels.weights import attention_weights
+    return attention_weights(q, k, call.effective_mask, scale=call.scale, config=config)
 
 
 def kernel_weights(call: AttentionCall) -> torch.Tensor:
@@ -51,7 +60,10 @@ def kernel_weights(call: AttentionCall) -> torch.Tensor:
         >>> kernel_weights(call).shape                                         # doctest: +SKIP
         torch.Size([1, 2, 64, 64])
     """
+    from ...kernels._band import launch_config
+    # the block-sparse forward's tiles (sized by the wider of D and Dv), so that a mask it
+    # ran has its block lists already
+    config = launch_config("fwd_sparse", call.D, call.Dv, queries=call.Sq)
     if call.q.requires_grad or call.k.requires_grad:
-        return _KernelWeights.apply(call.q, call.k, call)
-    from ...kernels.weights import attention_weights
-    return attention_weights(call.q, call.k, call.effective_mask, scale=call.scale)
+        return _KernelWeights.apply(call.q, call.k, call, config)
+    return _run(call.q, call.k, call, config)

@@ -185,11 +185,12 @@ def _weights_refused(call: AttentionCall) -> str | None:
 
 
 def _with_weights(call: AttentionCall, plan: Plan) -> Plan:
-    """``plan`` with the weights kernel after it: two passes of ``q kᵀ`` over the blocks
-    the mask leaves (row statistics, then the weights) and the weights written once in the
-    inputs' dtype; a mask the forward ran as a band gets block lists of its own (built
-    once, kept on the mask). Their gradient (only where a loss uses the weights) is the
-    reference's, recomputed: not priced."""
+    """``plan`` with the weights kernel after it: two passes of ``q kᵀ`` (row statistics,
+    then the weights; priced over every pair, an upper bound where the mask leaves EMPTY
+    blocks) and the weights written once in the inputs' dtype (counted as memory too: they
+    are the size of the scores); a mask the forward ran as a band gets the block-sparse
+    forward's lists (built once, kept on the mask). Their gradient (only where a loss uses
+    the weights) is the reference's, recomputed: not priced."""
     work = plan.work
     launches = 1
     if call.effective_mask is not None and plan.detail[1] != "sparse":
