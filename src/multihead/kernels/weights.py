@@ -6,11 +6,12 @@ default ``need_weights=True``) the reference path materializes the scores in flo
 makes several passes over them (scale, mask, row maxima, softmax, a cast). This kernel
 instead computes each row's softmax statistics from ``q kᵀ`` alone, then writes each block
 of weights once: one program per (query block, batch and head) runs two passes over the
-key blocks its mask's block lists name (:func:`.flash_sparse.block_lists`, the forward's
-own, so a mask the forward ran already has them):
+key blocks its mask's block lists name (:func:`.flash_sparse.block_lists`, kept on the
+mask: with the block-sparse forward's tiles, a mask that forward ran has them already; a
+mask the band kernels ran gets them on its first call):
 
 1. the running maximum ``m`` and sum ``l`` of the online softmax (base 2), over the FULL
-   and PARTIAL blocks (:func:`._exact_rows.row_stats`);
+   and PARTIAL blocks, the mask program evaluated on each (:func:`._exact_rows.row_stats`);
 2. ``exp2(s - m) / l`` for each of those blocks (the mask program evaluated on the PARTIAL
    ones, its bias added on every one), and zeros for the EMPTY ones.
 
@@ -114,7 +115,8 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: MB.Mask | None, *,
             block-sparse kernels run: :func:`.mask_program.supported`), or None.
         scale: multiplier of the scores.
         config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; default: the block-sparse
-            forward's, so that its block lists serve both.
+            forward's tiles for head dim D (a caller whose values are wider passes the
+            forward's own, so that one set of block lists serves both).
 
     Returns:
         ``(B, H, Sq, Sk)`` in q's dtype, contiguous: each row's softmax over the keys its

@@ -188,13 +188,20 @@ def _with_weights(call: AttentionCall, plan: Plan) -> Plan:
     """``plan`` with the weights kernel after it: two passes of ``q kᵀ`` (row statistics,
     then the weights; priced over every pair, an upper bound where the mask leaves EMPTY
     blocks) and the weights written once in the inputs' dtype (counted as memory too: they
-    are the size of the scores); a mask the forward ran as a band gets the block-sparse
-    forward's lists (built once, kept on the mask). Their gradient (only where a loss uses
-    the weights) is the reference's, recomputed: not priced."""
+    are the size of the scores). A mask the forward ran as a band gets block lists of its
+    own, kept on the mask: priced as built in a decoding step (at their host time, as
+    :meth:`TritonFlash._sparse_plan` prices a step's) and for a mask made for the call,
+    else as kept. Their gradient (only where a loss uses the weights) is the reference's,
+    recomputed: not priced."""
     work = plan.work
     launches = 1
-    if call.effective_mask is not None and plan.detail[1] != "sparse":
-        launches += LIST_OPS + TILE_MAP_OPS * mask_launches(call)
+    mask = call.effective_mask
+    if mask is not None and plan.detail[1] != "sparse":      # lists the forward did not build
+        ops = LIST_OPS + TILE_MAP_OPS * mask_launches(call)
+        if plan.detail[1] == "decode":           # a step's host time, as _sparse_plan's
+            launches += HOST_OP_LAUNCHES * ops
+        elif mask.made_for_call():
+            launches += ops                      # built in the call, for it alone
     written = call.B * call.H * call.Sq * call.Sk * call.q.dtype.itemsize
     work = dataclasses.replace(
         work, flops=work.flops + 4.0 * call.pairs * call.D / EFFICIENCY,
