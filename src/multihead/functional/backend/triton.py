@@ -175,15 +175,6 @@ def _work(call: AttentionCall, pairs: int, block_m: int, launches: float = 1) ->
     return work
 
 
-def _weights_refused(call: AttentionCall) -> str | None:
-    """Why the weights kernel cannot give this call's weights (None: it can)."""
-    from ...kernels.mask_program import supported
-    if tracing():
-        return ("returns attention weights in eager calls only (the weights kernel is no "
-                "torch operator yet)")
-    return supported(call.effective_mask) if call.effective_mask is not None else None
-
-
 def _with_weights(call: AttentionCall, plan: Plan) -> Plan:
     """``plan`` with the weights kernel after it: two passes of ``q kᵀ`` (row statistics,
     then the weights; priced over every pair, an upper bound where the mask leaves EMPTY
@@ -227,8 +218,9 @@ class TritonFlash(Backend):
         band = _band(call)
         if isinstance(band, str):
             return band
-        if call.return_weights:
-            return _weights_refused(call)
+        if call.return_weights and tracing():     # (every mask it runs has a Triton form)
+            return ("returns attention weights in eager calls only (the weights kernel is "
+                    "no torch operator yet)")
         return None
 
     def plan(self, call, profile):
