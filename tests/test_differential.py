@@ -155,14 +155,17 @@ WEIGHT_BACKENDS = [b for b in ALL_BACKENDS if mh.functional.registry.get(b).capa
 @pytest.mark.parametrize("backend", [b for b in WEIGHT_BACKENDS if b != "reference"])
 def test_weights_and_lse_equal_the_oracle_on_random_calls(backend):
     """A backend that returns weights (``rows`` crops each sequence to its live keys) gives
-    the oracle's output, weights (zeros where masked and on empty rows) and lse."""
+    the oracle's output, weights (zeros where masked and on empty rows), their head mean
+    (``return_weights="mean"``) and lse."""
     cases = _cases_for(backend)
     for i, q, k, v, mask in cases:
         got = mh.attention(q, k, v, mask=mask, backend=backend, return_weights=True,
                            return_lse=True)
         want = mh.attention(q, k, v, mask=mask, backend="reference", return_weights=True,
                             return_lse=True)
-        for name, a, b in zip(("out", "weights", "lse"), got, want):
+        mean = mh.attention(q, k, v, mask=mask, backend=backend, return_weights="mean")[1]
+        for name, a, b in zip(("out", "weights", "lse", "head mean"), (*got, mean),
+                              (*want, want[1].mean(dim=1))):
             assert a.shape == b.shape and not a.isnan().any(), (i, name)
             torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9,
                                        msg=lambda m: f"case {i} {name}, mask {mask}: {m}")

@@ -472,8 +472,11 @@ def test_odd_arguments_get_the_same_clear_errors_on_every_path():
         mh.attention(q, k, v, scale=torch.tensor(True))
     with pytest.raises(TypeError, match="requires grad"):
         mh.attention(q, k, v, scale=torch.tensor(0.3, requires_grad=True))
-    with pytest.raises(TypeError, match="return_weights must be True or False, got 'no'"):
+    with pytest.raises(TypeError, match="return_weights must be True, False or \"mean\".*"
+                                        "got 'no'"):
         mh.attention(q, k, v, return_weights="no")
+    with pytest.raises(TypeError, match="return_weights must be True, False or \"mean\""):
+        mh.attention(q, k, v, return_weights=1)
     with pytest.raises(ValueError, match="backend='sdpa' cannot run this call"):
         mh.attention(q[:, :, :0], k, v, backend="sdpa", return_weights=True)
 

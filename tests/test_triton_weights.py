@@ -1,9 +1,10 @@
 """The Triton weights kernel (``return_weights=True`` on a GPU; ``torch.nn.MultiheadAttention``'s
 default ``need_weights=True`` through the drop-in) against the fp64 oracle, under Triton's
 interpreter on the CPU (compiled on a GPU): every mask kind and composition, GQA/MQA,
-``Sq != Sk``, empty rows, non-finite inputs, huge biases; its gradients (and their
-gradients) against the reference's; the plan that prices it; on a GPU, the backend through
-``multihead.attention`` and the drop-in against torch's module in bfloat16."""
+``Sq != Sk``, empty rows, non-finite inputs, huge biases, per head and their head mean
+(``return_weights="mean"``); its gradients (and their gradients) against the reference's;
+``multihead.attention`` through the backend; the plan that prices it; on a GPU, the backend
+and the drop-in against torch's module in bfloat16."""
 
 from __future__ import annotations
 
@@ -37,19 +38,22 @@ def _inputs(B, H, Hkv, Sq, Sk, D, seed=0, dtype=torch.float16):
     return mk(B, H, Sq, D), mk(B, Hkv, Sk, D)
 
 
-def _oracle_weights(q, k, m, dtype=torch.float64):
+def _oracle_weights(q, k, m, dtype=torch.float64, average=False):
+    """The reference's weights in ``dtype`` (``average``: their mean over the heads, taken
+    here in ``dtype``, not by the call)."""
     if isinstance(m, M.Bias) and dtype == torch.float64:
         m = M.bias(m.raw.double())
     q, k = q.to(dtype), k.to(dtype)
-    return mh.attention(q, k, k, mask=m, backend="reference", return_weights=True)[1]
+    w = mh.attention(q, k, k, mask=m, backend="reference", return_weights=True)[1]
+    return w.mean(dim=1) if average else w
 
 
-def _assert_matches_oracle(w, q, k, m):
+def _assert_matches_oracle(w, q, k, m, average=False):
     """Within the error rule: twice an fp32 reference's error once rounded to the inputs'
     dtype, plus 2 ulp; NaN exactly where the oracle's are; rows with nothing to attend to
     exactly zero."""
-    ref = _oracle_weights(q, k, m)
-    plain = _oracle_weights(q, k, m, torch.float32).to(q.dtype)
+    ref = _oracle_weights(q, k, m, average=average)
+    plain = _oracle_weights(q, k, m, torch.float32, average).to(q.dtype)
     assert w.shape == ref.shape and w.dtype == q.dtype
     assert torch.equal(w.isnan(), ref.isnan())
     fin = ~ref.isnan()
@@ -60,15 +64,33 @@ def _assert_matches_oracle(w, q, k, m):
     assert (w[empty] == 0).all()
 
 
+@pytest.mark.parametrize("average", [False, True], ids=["heads", "mean"])
 @pytest.mark.parametrize("config", [None, TILES], ids=["default", "tiles16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=["GQA", "MQA"])
 @pytest.mark.parametrize("name", MASK_NAMES)
-def test_weights_equal_the_fp64_oracle_for_every_mask(name, shape, config):
+def test_weights_equal_the_fp64_oracle_for_every_mask(name, shape, config, average):
     B, H, Hkv, Sq, Sk, D = shape
     q, k = _inputs(B, H, Hkv, Sq, Sk, D)
     m = make_masks(B, H, Sq, Sk)[name]
     m = m.to(DEV) if m is not None else None
-    _assert_matches_oracle(attention_weights(q, k, m, scale=D ** -0.5, config=config), q, k, m)
+    w = attention_weights(q, k, m, scale=D ** -0.5, average=average, config=config)
+    _assert_matches_oracle(w, q, k, m, average)
+
+
+def test_the_head_mean_of_a_mask_that_differs_by_head():
+    """A dense mask of its own per head (block lists per head: the mean's kernel evaluates
+    the mask on every block) with a key block hidden from every head, a row one head sees
+    nothing in and a row no head sees anything in."""
+    B, H, Hkv, Sq, Sk, D = 2, 4, 2, 40, 70, 16
+    q, k = _inputs(B, H, Hkv, Sq, Sk, D, seed=7)
+    allowed = torch.rand(1, H, Sq, Sk, generator=torch.Generator().manual_seed(1)) > 0.4
+    allowed[..., 16:32] = False                # an EMPTY block (of 16) for every head
+    allowed[0, 1, 5] = False                   # row 5 sees nothing in head 1
+    allowed[0, :, 9] = False                   # row 9 sees nothing in any head
+    m = M.dense(allowed).to(DEV)
+    w = attention_weights(q, k, m, scale=0.25, average=True, config=TILES)
+    _assert_matches_oracle(w, q, k, m, average=True)
+    assert (w[:, 9] == 0).all() and (w[..., 16:32] == 0).all()
 
 
 def _nonfinite_cases(B, H, Sq, Sk):
@@ -84,6 +106,8 @@ def _nonfinite_cases(B, H, Sq, Sk):
             "NaN in a visible key": (0, k_nan, 0, None),
             "inf in a visible key": (0, k_inf, 0, M.causal()),
             "NaN in a query": (q_nan, 0, 0, M.causal()),
+            # (its query block has EMPTY key blocks: NaN there too)
+            "NaN in a query, upper-left": (q_nan, 0, 0, M.causal(align="upper_left")),
             "huge and -inf biases": (0, 0, 0, M.bias(huge)),
             "finfo.min bias": (0, 0, 0, M.bias(torch.full((1, 1, Sq, Sk), -3.4e38)))}
 
@@ -99,6 +123,11 @@ def test_non_finite_inputs_and_huge_biases_give_the_references_weights(case):
     m = m.to(DEV) if m is not None else None
     w = attention_weights(q, k, m, scale=0.25, config=TILES)
     ref = mh.attention(q, k, k, mask=m, scale=0.25, backend="reference", return_weights=True)[1]
+    # the head mean: NaN across a row NaN in any head, finite rows the heads' mean
+    mean = attention_weights(q, k, m, scale=0.25, average=True, config=TILES)
+    assert torch.equal(mean.isnan(), ref.isnan().any(1))
+    torch.testing.assert_close(mean.nan_to_num(), ref.float().mean(1).nan_to_num().half(),
+                               atol=2e-3, rtol=0)
     assert torch.equal(w.isnan(), ref.isnan())
     torch.testing.assert_close(w.nan_to_num(), ref.nan_to_num(), atol=2e-3, rtol=0)
     live = ~ref.isnan().any(-1) & (ref != 0).any(-1)
@@ -109,30 +138,35 @@ def test_non_finite_inputs_and_huge_biases_give_the_references_weights(case):
 def test_empty_shapes_and_bad_arguments():
     q, k = _inputs(1, 2, 2, 0, 5, 16)
     assert attention_weights(q, k, None, scale=0.25).shape == (1, 2, 0, 5)
+    assert attention_weights(q, k, None, scale=0.25, average=True).shape == (1, 0, 5)
     q, k = _inputs(1, 2, 2, 4, 0, 16)
     assert attention_weights(q, k, None, scale=0.25).shape == (1, 2, 4, 0)
     q, k = _inputs(1, 2, 2, 4, 5, 16)
+    with pytest.raises(TypeError, match="average must be True or False, got 'mean'"):
+        attention_weights(q, k, None, scale=0.25, average="mean")
     with pytest.raises(ValueError, match="attention_weights.*scale"):
         attention_weights(q, k, None, scale=float("nan"))
     with pytest.raises(ValueError, match="attention_weights"):
         attention_weights(q, k, M.padding([1, 2, 3]).to(DEV), scale=0.25)
 
 
-def _call(q, k, m):
-    return make_call(q, k, k, mask=m, scale=None, dropout_p=0.0, return_weights=True,
+def _call(q, k, m, weights=True):
+    return make_call(q, k, k, mask=m, scale=None, dropout_p=0.0, return_weights=weights,
                      return_lse=False)
 
 
+@pytest.mark.parametrize("weights", [True, "mean"], ids=["heads", "mean"])
 @pytest.mark.parametrize("name", ["none", "causal&padding", "bias", "window&document"])
-def test_gradients_through_the_weights_equal_the_references(name):
-    """A loss of the weights: dQ and dK (summed over each GQA group) are the reference's,
-    and so are their own gradients (a backward that builds a graph)."""
+def test_gradients_through_the_weights_equal_the_references(name, weights):
+    """A loss of the weights (or of their head mean): dQ and dK (summed over each GQA
+    group) are the reference's, and so are their own gradients (a backward that builds a
+    graph)."""
     B, H, Hkv, Sq, Sk, D = SHAPES[0]
     q0, k0 = _inputs(B, H, Hkv, Sq, Sk, D, seed=5)
     m = make_masks(B, H, Sq, Sk)[name]
     m = m.to(DEV) if m is not None else None
     g = torch.Generator().manual_seed(9)
-    dw = torch.randn(B, H, Sq, Sk, generator=g).to(DEV)
+    dw = torch.randn(B, *(() if weights == "mean" else (H,)), Sq, Sk, generator=g).to(DEV)
 
     def grads(fn):
         q, k = (t.detach().clone().requires_grad_() for t in (q0, k0))
@@ -141,9 +175,9 @@ def test_gradients_through_the_weights_equal_the_references(name):
         again = torch.autograd.grad((dq.float() ** 2).sum() + (dk.float() ** 2).sum(), (q, k))
         return dq, dk, *again
 
-    ours = grads(lambda q, k: kernel_weights(_call(q, k, m)))
+    ours = grads(lambda q, k: kernel_weights(_call(q, k, m, weights)))
     ref = grads(lambda q, k: mh.attention(q, k, k, mask=m, backend="reference",
-                                          return_weights=True)[1])
+                                          return_weights=weights)[1])
     for name_, a, r in zip(("dq", "dk", "d(dq)", "d(dk)"), ours, ref):
         assert a.dtype == r.dtype and torch.isfinite(a).all(), name_
         torch.testing.assert_close(a, r, atol=2e-3, rtol=2e-3, msg=name_)
@@ -177,6 +211,42 @@ def test_weights_need_no_gradient_where_the_inputs_take_none():
     assert kernel_weights(call).grad_fn is None
 
 
+@pytest.fixture
+def triton_on_this_device(monkeypatch):
+    """The triton backend runs through ``mh.attention`` on this machine's device (under the
+    interpreter on a CPU); plans made meanwhile are forgotten after."""
+    import dataclasses
+    caps = tb.TritonFlash.capabilities
+    monkeypatch.setattr(tb.TritonFlash, "capabilities", dataclasses.replace(caps, devices=None))
+    mh.functional.dispatch.clear_cache()
+    yield
+    mh.functional.dispatch.clear_cache()
+
+
+@pytest.mark.parametrize("name", ["none", "causal&padding", "bias", "alibi", "dense_per_head"])
+def test_attention_returns_the_head_mean_through_the_backend(name, triton_on_this_device):
+    """``mh.attention(..., backend="triton", return_weights="mean")``: the kernel's head mean
+    (no second mean over it), the reference's output and mean; a query row that is NaN in
+    one head is NaN across the mean (the NaN rule's second run on a host tensor)."""
+    B, H, Hkv, Sq, Sk, D = SHAPES[0]
+    q, k = _inputs(B, H, Hkv, Sq, Sk, D, seed=8)
+    v = k.flip(-1).contiguous()
+    masks = make_masks(B, H, Sq, Sk)
+    masks["dense_per_head"] = M.dense(torch.rand(1, H, Sq, Sk,
+                                                 generator=torch.Generator().manual_seed(3)) > 0.5)
+    m = masks[name]
+    m = m.to(DEV) if m is not None else None
+    out, w = mh.attention(q, k, v, mask=m, backend="triton", return_weights="mean")
+    assert w.shape == (B, Sq, Sk)
+    _assert_matches_oracle(w, q, k, m, average=True)
+    ref = mh.attention(q, k, v, mask=m, backend="reference")
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    q[1, 3, 7, 0] = float("nan")
+    w = mh.attention(q, k, v, mask=m, backend="triton", return_weights="mean")[1]
+    ref = mh.attention(q, k, v, mask=m, backend="reference", return_weights=True)[1]
+    assert torch.equal(w.isnan(), ref.isnan().any(1)) and w[1, 7].isnan().all()
+
+
 def test_auto_prices_the_weights_kernel_on_an_h100():
     """bf16 weights of a large call: the kernel (weights written once in bf16) against the
     reference's fp32 passes over the scores; float32 stays off the Triton kernels."""
@@ -191,6 +261,13 @@ def test_auto_prices_the_weights_kernel_on_an_h100():
     assert ref.seconds > 5 * row.seconds
     assert explain(torch.bfloat16).chosen == "triton"
     assert explain(torch.float32).chosen != "triton"
+    # the head mean: a head's worth of memory, not the weights per head
+    q = torch.empty(8, 16, 2048, 64, dtype=torch.bfloat16, device="meta")
+    per_head, mean = (next(r for r in mh.explain(q, q, q, return_weights=w, profile="h100").rows
+                           if r.name == "triton").plan for w in (True, "mean"))
+    assert "the weights' head mean written once" in mean.note
+    weights = 8 * 16 * 2048 * 2048 * 2
+    assert per_head.work.memory - mean.work.memory >= weights * 15 / 16 - 8 * 16 * 2048 * 8
 
 
 def test_block_lists_the_forward_did_not_build_are_priced_where_the_call_builds_them():
@@ -272,9 +349,9 @@ def test_the_drop_in_returns_torchs_weights_in_bf16_on_cuda(train):
     backend, ran = mh.functional.registry.get("triton"), []
     real = backend.run
     with mock.patch.object(backend, "run", side_effect=lambda c, p: ran.append(
-            c.return_weights) or real(c, p)):
+            (c.return_weights, c.average_weights)) or real(c, p)):
         a_out, a_w = ours(x, x, x, key_padding_mask=kpm)
-    assert ran == [True]                       # our kernels gave the weights
+    assert ran == [(True, True)]               # our kernels gave the head mean
     b_out, b_w = t(x, x, x, key_padding_mask=kpm)
     for a, b in ((a_out, b_out), (a_w, b_w)):  # (torch rounds its scores to bf16)
         rel = (a.float() - b.float()).norm() / b.float().norm()

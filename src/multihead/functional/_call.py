@@ -161,18 +161,22 @@ class AttentionCall:
 
     Attributes:
         q, k, v, mask, scale, dropout_p, return_weights, return_lse: the arguments
-            (``mask`` as a :class:`multihead.masks.Mask` or None, ``scale`` resolved).
+            (``mask`` as a :class:`multihead.masks.Mask` or None, ``scale`` resolved,
+            ``return_weights`` a bool).
+        average_weights: whether the weights asked for are their mean over the heads
+            (``return_weights="mean"``).
         B, H, Hkv, Sq, Sk, D, Dv: the sizes.
     """
 
     __slots__ = ("q", "k", "v", "mask", "scale", "dropout_p", "return_weights", "return_lse",
-                 "B", "H", "Hkv", "Sq", "Sk", "D", "Dv", "_memo")
+                 "average_weights", "B", "H", "Hkv", "Sq", "Sk", "D", "Dv", "_memo")
 
     def __init__(self, q, k, v, mask, scale: float, dropout_p: float, return_weights: bool,
-                 return_lse: bool, shapes: tuple | None = None):
+                 return_lse: bool, shapes: tuple | None = None, *, average_weights: bool = False):
         self.q, self.k, self.v, self.mask = q, k, v, mask
         self.scale, self.dropout_p = scale, dropout_p
         self.return_weights, self.return_lse = return_weights, return_lse
+        self.average_weights = average_weights
         qs, ks, vs = shapes or (q.shape, k.shape, v.shape)
         self.B, self.H, self.Sq, self.D = qs
         _, self.Hkv, self.Sk, _ = ks
@@ -333,11 +337,24 @@ def make_call(q, k, v, *, mask, scale, dropout_p, return_weights, return_lse) ->
                              f"in: every score would overflow; give a smaller scale (default: "
                              f"1/sqrt(D) = {default_scale(concrete(D)):.4g})")
     fraction("dropout_p", dropout_p)
-    for name, flag in (("return_weights", return_weights), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if not (isinstance(return_weights, bool) or weights_mean(return_weights)):
+        raise TypeError(f"return_weights must be True, False or \"mean\" (their mean over the "
+                        f"heads, (B, Sq, Sk)), got {return_weights!r}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
     m = as_mask(mask)
     if m is not None:
         m.check(B, H, Sq, Sk, q.device)
     return AttentionCall(q, k, v, m, float(scale), float(dropout_p),
-                         bool(return_weights), bool(return_lse))
+                         bool(return_weights), bool(return_lse),
+                         average_weights=weights_mean(return_weights))
+
+
+def weights_mean(return_weights) -> bool:
+    """Whether ``return_weights`` asks for the weights' mean over the heads (``"mean"``).
+
+    Example:
+        >>> weights_mean("mean"), weights_mean(True)
+        (True, False)
+    """
+    return isinstance(return_weights, str) and return_weights == "mean"

@@ -40,7 +40,7 @@ from ..analysis.params import human_bytes
 from .. import _second_order as second_order
 from . import nonfinite, profiles, registry
 from ._call import (AttentionCall, default_scale, has_tangent, in_effect, make_call,
-                    shared_mask)
+                    shared_mask, weights_mean)
 from .cost import DeviceProfile
 from .registry import Backend, Plan
 
@@ -141,7 +141,8 @@ def _describe(call: AttentionCall) -> str:
              f"{call.q.device}, {kind}",
              f"mask {mask.describe() if mask is not None else 'none'}"
              + (" (allows every pair: dropped)" if call.mask is not None and mask is None else "")]
-    wants = [w for w, on in (("weights", call.return_weights), ("lse", call.return_lse),
+    weights = "weights (head mean)" if call.average_weights else "weights"
+    wants = [w for w, on in ((weights, call.return_weights), ("lse", call.return_lse),
                              (f"dropout {call.dropout_p}", call.dropout_p > 0),
                              ("gradients", call.requires_grad),
                              ("forward-mode derivatives", call.forward_ad),
@@ -245,7 +246,8 @@ def _structure(call: AttentionCall):
     q, Sq, Sk = call.q, call.Sq, call.Sk
     return (_bucket(call.B), call.H, call.Hkv, call.D, call.Dv, _bucket(Sq), _bucket(Sk),
             Sq == 1, Sq == Sk, Sq < Sk, q.dtype, q.device, call.dropout_p > 0,
-            call.return_weights, call.return_lse, call.requires_grad, call.forward_ad, shape,
+            call.return_weights, call.average_weights, call.return_lse, call.requires_grad,
+            call.forward_ad, shape,
             m is not None and m.made_for_call(), profiles.generation, registry.generation,
             torch.get_num_threads())
     # (the thread count: the CPU's profile follows it, seen only where a decision is made)
@@ -436,7 +438,10 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
         scale: multiplier of the scores; default ``1 / sqrt(D)``.
         dropout_p: dropout on the attention weights (pass 0.0 at evaluation).
         backend: ``"auto"`` or the name of a backend (:func:`multihead.backends`).
-        return_weights: also return the weights ``(B, H, Sq, Sk)``.
+        return_weights: also return the weights ``(B, H, Sq, Sk)``; ``"mean"``: their mean
+            over the heads ``(B, Sq, Sk)`` (``torch.nn.MultiheadAttention``'s
+            ``average_attn_weights=True``), which the Triton backend writes without the
+            weights per head (H times less memory).
         return_lse: also return the log-sum-exp of each score row ``(B, H, Sq)``
             (``-inf`` for rows with nothing to attend to).
 
@@ -457,6 +462,8 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
         >>> out, w = mh.attention(q, k, v, mask=mh.masks.causal(), return_weights=True)
         >>> out.shape, w.shape
         (torch.Size([2, 8, 5, 16]), torch.Size([2, 8, 5, 7]))
+        >>> mh.attention(q, k, v, return_weights="mean")[1].shape      # averaged over heads
+        torch.Size([2, 5, 7])
 
     Shapes:
         B batch, H query heads, Hkv key/value heads, Sq queries, Sk keys,
@@ -487,8 +494,9 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
         _DECISIONS.put(free, decision)
     if call is None:                                # validated when the decision was made
         call = AttentionCall(q, k, v, mask, default_scale(q.shape[-1]) if scale is None
-                             else float(scale), float(dropout_p), return_weights, return_lse,
-                             key[0])                 # (the key's first part: the shapes)
+                             else float(scale), float(dropout_p), bool(return_weights),
+                             return_lse, key[0],     # (the key's first part: the shapes)
+                             average_weights=weights_mean(return_weights))
     backend_obj, plan = decision
     if plan is _EMPTY:
         out, w, lse = _empty(call)
@@ -500,6 +508,8 @@ def attention(q, k, v, *, mask=None, scale=None, dropout_p=0.0, backend="auto",
     if plan is not _EMPTY and not backend_obj.capabilities_on(
             call.q.device.type).second_order and second_order.wanted(call):
         out, w, lse = second_order.differentiable_again(call, backend_obj.name, (out, w, lse))
+    if call.average_weights and w.dim() == 4:       # (a backend that returns them per head)
+        w = w.mean(dim=1)                           # (B, Sq, Sk)
     if not (call.return_weights or call.return_lse):
         return out
     return (out, *(x for x, on in ((w, call.return_weights), (lse, call.return_lse)) if on))

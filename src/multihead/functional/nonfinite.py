@@ -99,7 +99,7 @@ def _sums_finite(t: torch.Tensor) -> bool:
 def _replaced(call: AttentionCall, q, k, v) -> AttentionCall:
     """The same call on other tensors of the same shapes."""
     return AttentionCall(q, k, v, call.mask, call.scale, call.dropout_p, call.return_weights,
-                         call.return_lse)
+                         call.return_lse, average_weights=call.average_weights)
 
 
 #: booleans of one chunk of (B, H, rows, Sk) in the careful path
@@ -172,7 +172,8 @@ def poisoned_rows(call: AttentionCall) -> torch.Tensor:
 
 def run(backend, call: AttentionCall, plan):
     """``backend.run(call, plan)`` under the rule of this module; returns
-    ``(out (B, H, Sq, Dv), weights (B, H, Sq, Sk) or None, lse (B, H, Sq) or None)``.
+    ``(out (B, H, Sq, Dv), weights (B, H, Sq, Sk), their head mean (B, Sq, Sk) or None,
+    lse (B, H, Sq) or None)``.
 
     Example:
         >>> import torch, multihead as mh
@@ -211,6 +212,7 @@ def run(backend, call: AttentionCall, plan):
     rows = poisoned_rows(call)                                                     # (B, H, Sq)
     nan = float("nan")
     out = out.masked_fill(rows[..., None], nan)
-    w = w.masked_fill(rows[..., None], nan) if w is not None else None
+    if w is not None:         # (a row NaN in any head is NaN in the heads' mean)
+        w = w.masked_fill((rows.any(1) if w.dim() == 3 else rows)[..., None], nan)
     lse = lse.masked_fill(rows, nan) if lse is not None else None
     return out, w, lse

@@ -336,7 +336,8 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
                                    f"build the module with dropout in [0, 1]")
         drop_all = p == 1.0
         res = mh.attention(q, k, v, mask=mask, dropout_p=0.0 if drop_all else p,
-                           return_weights=need_weights)
+                           return_weights="mean" if need_weights and average_attn_weights
+                           else need_weights)                   # (B, L, S) or (B, H, L, S)
         out, w = res if need_weights else (res, None)
         if drop_all:        # every weight dropped: torch's dropout multiplies by 0 there, so
             #                 the output is 0 and every parameter's gradient is 0, not None
@@ -355,11 +356,8 @@ class MultiheadAttention(AllOrNothing, nn.MultiheadAttention):
             out = out.squeeze(1)                                            # (L, E)
         elif self.batch_first and not fast:
             out = out.transpose(0, 1)                                       # (B, L, E)
-        if w is not None:
-            if average_attn_weights:
-                w = w.mean(dim=1)                                           # (B, L, S)
-            if unbatched:
-                w = w.squeeze(0)
+        if w is not None and unbatched:
+            w = w.squeeze(0)
         return out, w
 
     def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask,

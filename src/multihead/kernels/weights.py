@@ -41,6 +41,33 @@ from .flash_sparse import _entry, _list_strides, plan
 
 #: per-call values that must not cause a compile (lengths, list sizes and strides)
 DYNAMIC = ["Sq", "Sk", "NL", "slb", "slh", "sib", "sih"]
+#: the same for the head mean's kernel
+MEAN_DYNAMIC = ["Sq", "Sk", "NL", "n_unmasked", "slb", "sib"]
+
+
+@triton.jit
+def _probs(q, k, m_i, l_i, cols, rows, row_ok, qk_scale, b, h, Sq, Sk, T, I,
+           MASKED: tl.constexpr, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # The weights of rows over the keys `cols` of the tile k: exp2(s - m) / l, 0 where
+    # MASKED finds the pair hidden or the row sees nothing (l = 0), NaN across a row whose
+    # sum is NaN (it sees a NaN or +inf score: the reference's softmax of that row is NaN
+    # at every key, hidden ones included). fp32 (rows, BLOCK_N).
+    s = tl.dot(q, tl.trans(k)) * qk_scale                                  # (rows, BLOCK_N)
+    s, ok = masked_scores(s, b, h, rows[:, None], cols[None, :], row_ok[:, None], Sq, Sk,
+                          0, 0, T, I, False, False, MASKED, MASK_FN, HAS_BIAS)
+    live = l_i[:, None] != 0.0
+    if MASKED:
+        live = live & ok
+    shift = tl.where(m_i == float("-inf"), 0.0, m_i)                      # (rows,)
+    p = tl.math.exp2(s - shift[:, None]) / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    return tl.where((l_i != l_i)[:, None], float("nan"), tl.where(live, p, 0.0))
+
+
+@triton.jit
+def _empty_probs(l_i, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The weights of rows over an EMPTY block: 0, NaN across a row whose sum is NaN.
+    nan_row = (l_i != l_i)[:, None]                                         # (rows, 1)
+    return tl.where(nan_row, float("nan"), tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
 
 
 @triton.jit
@@ -48,25 +75,15 @@ def _write_block(w_base, q, k_base, m_i, l_i, start, rows, row_ok, qk_scale, skn
                  swn, b, h, Sq, Sk, T, I, MASKED: tl.constexpr, ZERO: tl.constexpr,
                  MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # The weights of rows over the keys [start, start + BLOCK_N): exp2(s - m) / l, 0 where
-    # MASKED finds the pair hidden or the row sees nothing (l = 0), NaN across a row whose
-    # sum is NaN (it sees a NaN or +inf score: the reference's softmax of that row is NaN
-    # at every key, hidden ones included); ZERO: an EMPTY block, without a product.
+    # One head's weights of rows over the keys [start, start + BLOCK_N), stored; ZERO: an
+    # EMPTY block, without a product.
     cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
-    nan_row = (l_i != l_i)[:, None]                                         # (rows, 1)
     if ZERO:
-        p = tl.where(nan_row, float("nan"), tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
+        p = _empty_probs(l_i, BLOCK_M, BLOCK_N)
     else:
         k = load_tile(k_base, cols, Sk, skn, skd, D, BLOCK_D, MASKED)       # (BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k)) * qk_scale                              # (rows, BLOCK_N)
-        s, ok = masked_scores(s, b, h, rows[:, None], cols[None, :], row_ok[:, None], Sq, Sk,
-                              0, 0, T, I, False, False, MASKED, MASK_FN, HAS_BIAS)
-        live = l_i[:, None] != 0.0
-        if MASKED:
-            live = live & ok
-        shift = tl.where(m_i == float("-inf"), 0.0, m_i)                  # (rows,)
-        p = tl.math.exp2(s - shift[:, None]) / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        p = tl.where(nan_row, float("nan"), tl.where(live, p, 0.0))
+        p = _probs(q, k, m_i, l_i, cols, rows, row_ok, qk_scale, b, h, Sq, Sk, T, I, MASKED,
+                   MASK_FN, HAS_BIAS)
     # (int64: one head's Sq * Sk weights may pass 2^31)
     tl.store(w_base + rows[:, None].to(tl.int64) * swm + cols[None, :] * swn,
              p.to(w_base.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < Sk))
@@ -76,51 +93,127 @@ def _write_block(w_base, q, k_base, m_i, l_i, start, rows, row_ok, qk_scale, skn
 def _weights(Q, K, W, NF, NP, IDX, qk_scale,
              sqb, sqh, sqm, sqd, skb, skh, skn, skd, swb, swh, swm, swn,
              slb, slh, sib, sih, NL, H, G, Sq, Sk, T, I, LISTS: tl.constexpr,
-             MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr,
-             BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+             MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, STATS: tl.constexpr,
+             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    # One head's weights of one query block (W: (B, H, Sq, Sk)); STATS: only the rows'
+    # softmax statistics, into W: (B, H, 2, Sq) fp32, (m, l) in base 2.
     pid_m = tl.program_id(0)
     b, h, _, _, m0 = program_block(pid_m, H, IDX, Sq, False, BLOCK_M)     # b int64
     rows = m0 + tl.arange(0, BLOCK_M)                                       # (BLOCK_M,)
     row_ok = rows < Sq
     q = load_tile(Q + b * sqb + h * sqh, rows, Sq, sqm, sqd, D, BLOCK_D, True)  # (BLOCK_M, BLOCK_D)
     k_base = K + b * skb + (h // G) * skh
-    w_base = W + b * swb + h.to(tl.int64) * swh      # (H * Sq * Sk may pass 2^31)
     if LISTS:
         n_full, n_all, blocks = _entry(NF, NP, IDX, b, h, pid_m, slb, slh, sib, sih, NL)
     else:                                              # no mask: every block, the last bounded
         n_full, n_all, blocks = Sk // BLOCK_N, NL, IDX
     m_i, l_i = row_stats(q, k_base, blocks, n_all, rows, row_ok, qk_scale, skn, skd, b, h,
                          Sq, Sk, T, I, MASK_FN, D, BLOCK_D, BLOCK_M, BLOCK_N, HAS_BIAS, LISTS)
-    for j in range(0, n_full):                         # blocks every pair of which is allowed
-        _write_block(w_base, q, k_base, m_i, l_i, block_start(blocks, j, BLOCK_N, LISTS),
-                     rows, row_ok, qk_scale, skn, skd, swm, swn, b, h, Sq, Sk, T, I, False,
-                     False, MASK_FN, HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
-    for j in range(n_full, n_all):                     # blocks the mask (or bounds) cut
-        _write_block(w_base, q, k_base, m_i, l_i, block_start(blocks, j, BLOCK_N, LISTS),
-                     rows, row_ok, qk_scale, skn, skd, swm, swn, b, h, Sq, Sk, T, I, True,
-                     False, MASK_FN, HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
-    for j in range(n_all, NL):                         # EMPTY blocks: zeros
-        _write_block(w_base, q, k_base, m_i, l_i, block_start(blocks, j, BLOCK_N, LISTS),
-                     rows, row_ok, qk_scale, skn, skd, swm, swn, b, h, Sq, Sk, T, I, False,
-                     True, MASK_FN, HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
+    if STATS:
+        at = W + (b * H + h) * 2 * Sq + rows                                # (BLOCK_M,)
+        tl.store(at, m_i, mask=row_ok)
+        tl.store(at + Sq, l_i, mask=row_ok)
+    else:
+        w_base = W + b * swb + h.to(tl.int64) * swh      # (H * Sq * Sk may pass 2^31)
+        for j in range(0, n_full):                     # blocks every pair of which is allowed
+            _write_block(w_base, q, k_base, m_i, l_i, block_start(blocks, j, BLOCK_N, LISTS),
+                         rows, row_ok, qk_scale, skn, skd, swm, swn, b, h, Sq, Sk, T, I,
+                         False, False, MASK_FN, HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
+        for j in range(n_full, n_all):                 # blocks the mask (or bounds) cut
+            _write_block(w_base, q, k_base, m_i, l_i, block_start(blocks, j, BLOCK_N, LISTS),
+                         rows, row_ok, qk_scale, skn, skd, swm, swn, b, h, Sq, Sk, T, I,
+                         True, False, MASK_FN, HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
+        for j in range(n_all, NL):                     # EMPTY blocks: zeros
+            _write_block(w_base, q, k_base, m_i, l_i, block_start(blocks, j, BLOCK_N, LISTS),
+                         rows, row_ok, qk_scale, skn, skd, swm, swn, b, h, Sq, Sk, T, I,
+                         False, True, MASK_FN, HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _head_sum(Q, K, STATS, rows, row_ok, cols, qk_scale, sqb, sqh, sqm, sqd, skb, skh, skn,
+              skd, b, H, G, Sq, Sk, T, I, MASKED: tl.constexpr, ZERO: tl.constexpr,
+              MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The sum over the H heads of their weights of rows over the keys `cols` (fp32
+    # (BLOCK_M, BLOCK_N)), each K/V head's tile loaded once for the G query heads reading it.
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for hk in range(0, H // G):
+        if not ZERO:
+            k = load_tile(K + b * skb + hk * skh, cols, Sk, skn, skd, D, BLOCK_D, MASKED)
+        for g in range(0, G):
+            h = hk * G + g
+            at = STATS + (b * H + h) * 2 * Sq + rows                        # (BLOCK_M,)
+            l_i = tl.load(at + Sq, mask=row_ok, other=0.0)
+            if ZERO:
+                acc += _empty_probs(l_i, BLOCK_M, BLOCK_N)
+            else:
+                m_i = tl.load(at, mask=row_ok, other=float("-inf"))
+                q = load_tile(Q + b * sqb + h * sqh, rows, Sq, sqm, sqd, D, BLOCK_D, True)
+                acc += _probs(q, k, m_i, l_i, cols, rows, row_ok, qk_scale, b, h, Sq, Sk, T,
+                              I, MASKED, MASK_FN, HAS_BIAS)
+    return acc
+
+
+@triton.jit(do_not_specialize=MEAN_DYNAMIC)
+def _mean_weights(Q, K, W, STATS, NF, NP, IDX, qk_scale,
+                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, swb, swm, swn,
+                  slb, sib, NL, n_unmasked, H, G, Sq, Sk, T, I, LISTS: tl.constexpr,
+                  MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The head mean of the weights over one (query block, key block) of sequence b, W:
+    # (B, Sq, Sk), from the rows' statistics in STATS (B, H, 2, Sq). The key block is the
+    # j-th of the query block's list (LISTS: one list for every head), else the j-th one,
+    # unmasked below n_unmasked (no mask: the blocks the keys fill; a mask whose lists
+    # differ by head: none, the mask program evaluated on every block).
+    pid_m = tl.program_id(0)
+    j = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                          # (BLOCK_M,)
+    row_ok = rows < Sq
+    if LISTS:
+        n_full, n_all, blocks = _entry(NF, NP, IDX, b, 0, pid_m, slb, 0, sib, 0, NL)
+        start = tl.load(blocks + j) * BLOCK_N
+    else:
+        n_full, n_all, start = n_unmasked, NL, j * BLOCK_N
+    cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
+    if j < n_full:                                     # every pair allowed, for every head
+        acc = _head_sum(Q, K, STATS, rows, row_ok, cols, qk_scale, sqb, sqh, sqm, sqd, skb,
+                        skh, skn, skd, b, H, G, Sq, Sk, T, I, False, False, MASK_FN,
+                        HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
+    elif j < n_all:                                    # cut by the mask (or the bounds)
+        acc = _head_sum(Q, K, STATS, rows, row_ok, cols, qk_scale, sqb, sqh, sqm, sqd, skb,
+                        skh, skn, skd, b, H, G, Sq, Sk, T, I, True, False, MASK_FN,
+                        HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
+    else:                                              # EMPTY for every head
+        acc = _head_sum(Q, K, STATS, rows, row_ok, cols, qk_scale, sqb, sqh, sqm, sqd, skb,
+                        skh, skn, skd, b, H, G, Sq, Sk, T, I, False, True, MASK_FN,
+                        HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
+    tl.store(W + b * swb + rows[:, None].to(tl.int64) * swm + cols[None, :] * swn,
+             (acc / H).to(W.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < Sk))
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: MB.Mask | None, *,
-                      scale: float, config: tuple[int, int, int, int] | None = None,
-                      ) -> torch.Tensor:
-    """The weights of ``q (B, H, Sq, D)`` over ``k (B, Hkv, Sk, D)`` under ``mask``.
+                      scale: float, average: bool = False,
+                      config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """The weights of ``q (B, H, Sq, D)`` over ``k (B, Hkv, Sk, D)`` under ``mask``, per
+    head or (``average``) their mean over the heads.
 
     Args:
         mask: a :class:`multihead.masks.Mask` whose tensors are on q's device (any mask the
             block-sparse kernels run: :func:`.mask_program.supported`), or None.
         scale: multiplier of the scores.
+        average: return the mean over the H heads ``(B, Sq, Sk)``, summed in fp32 from the
+            unrounded weights and written once: H times less memory than the weights per
+            head (``torch.nn.MultiheadAttention``'s default ``average_attn_weights=True``).
         config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; default: the block-sparse
             forward's tiles for head dim D (a caller whose values are wider passes the
             forward's own, so that one set of block lists serves both).
 
     Returns:
-        ``(B, H, Sq, Sk)`` in q's dtype, contiguous: each row's softmax over the keys its
-        mask allows (zeros elsewhere), a row with nothing to attend to all zeros.
+        ``(B, H, Sq, Sk)`` (``average``: ``(B, Sq, Sk)``) in q's dtype, contiguous: each
+        row's softmax over the keys its mask allows (zeros elsewhere), a row with nothing
+        to attend to all zeros.
 
     Raises:
         ValueError: naming the argument, for inputs the kernels do not take or a mask that
@@ -132,11 +225,15 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: MB.Mask | None, *,
         >>> w = attention_weights(q, q, mh.masks.causal(), scale=0.25)            # doctest: +SKIP
         >>> w.shape, bool(w[0, 0, 0, 1] == 0)                                       # doctest: +SKIP
         (torch.Size([1, 2, 64, 64]), True)
+        >>> attention_weights(q, q, None, scale=0.25, average=True).shape          # doctest: +SKIP
+        torch.Size([1, 64, 64])
     """
     args = check_inputs("attention_weights", q, k, k, scale=scale, config=config)
+    if not isinstance(average, bool):
+        raise TypeError(f"attention_weights: average must be True or False, got {average!r}")
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
-    w = q.new_empty(B, H, Sq, Sk)
+    w = q.new_empty((B, Sq, Sk) if average else (B, H, Sq, Sk))
     if w.numel() == 0:
         return w
     if mask is not None:
@@ -150,8 +247,20 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: MB.Mask | None, *,
         lists, fn, tensors, ints, has_bias = (w, w, w), None, None, None, False  # unread
         strides, n_blocks = (0, 0, 0, 0), cdiv(Sk, cfg[1])
     bm, bn, warps, stages = cfg
-    launch(_weights, (cdiv(Sq, bm), B * H), q, k, w, *lists, scale * LOG2E,
-           *q.stride(), *k.stride(), *w.stride(), *strides, n_blocks, H, H // k.shape[1],
-           Sq, Sk, tensors, ints, LISTS=mask is not None, MASK_FN=fn, HAS_BIAS=has_bias, D=D,
-           BLOCK_D=pow2(D), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    common = dict(MASK_FN=fn, HAS_BIAS=has_bias, D=D, BLOCK_D=pow2(D), BLOCK_M=bm,
+                  BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    G = H // k.shape[1]
+    # (the first launch's output: the weights, or the rows' statistics for the mean)
+    first = q.new_empty(B, H, 2, Sq, dtype=torch.float32) if average else w
+    launch(_weights, (cdiv(Sq, bm), B * H), q, k, first, *lists, scale * LOG2E,
+           *q.stride(), *k.stride(), *(0, 0, 0, 0) if average else w.stride(), *strides,
+           n_blocks, H, G, Sq, Sk, tensors, ints, LISTS=mask is not None, STATS=average,
+           **common)
+    if average:
+        # one list serves every head where the mask's lists do not vary by head (stride 0)
+        shared = mask is not None and strides[1] == strides[3] == 0
+        unmasked = Sk // bn if mask is None else 0       # (lists: their own counts)
+        launch(_mean_weights, (cdiv(Sq, bm), n_blocks, B), q, k, w, first, *lists,
+               scale * LOG2E, *q.stride(), *k.stride(), *w.stride(), strides[0], strides[2],
+               n_blocks, unmasked, H, G, Sq, Sk, tensors, ints, LISTS=shared, **common)
     return w

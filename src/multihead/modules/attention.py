@@ -455,11 +455,11 @@ class MultiHeadAttention(AllOrNothing):
                                  "padding in the mask (mh.masks.padding) for a full forward")
             q, k, v = self._qkv(x, context, positions)
             res = attention(q, k, v, mask=mask, dropout_p=p, backend=self.backend,
-                            return_weights=return_weights)
+                            return_weights=_weights_arg(return_weights, average_weights))
         else:
             return self._forward_cached(x, context, mask, return_weights, average_weights,
                                         positions, cache, valid, p)
-        return self._output(res, return_weights, average_weights)
+        return self._output(res, return_weights)
 
     @eager_under_compile(_CACHED_NOT_COMPILED)
     def _forward_cached(self, x, context, mask, return_weights, average_weights, positions,
@@ -475,8 +475,8 @@ class MultiHeadAttention(AllOrNothing):
                 res = _paged_decode(q, k, mask)
             else:
                 res = attention(q, k, v, mask=mask, dropout_p=p, backend=self.backend,
-                                return_weights=return_weights)
-            y = self._output(res, return_weights, average_weights)
+                                return_weights=_weights_arg(return_weights, average_weights))
+            y = self._output(res, return_weights)
         except BaseException as e:   # a failed call (to its last op) leaves the cache
             cache.rollback()         # as it found it
             if _refused_by_torch_func(e):
@@ -489,13 +489,11 @@ class MultiHeadAttention(AllOrNothing):
         cache.commit()
         return y
 
-    def _output(self, res, return_weights: bool, average_weights: bool):
+    def _output(self, res, return_weights: bool):
         """The output projection of attention's result ``res`` (and the weights asked)."""
         out, w = res if return_weights else (res, None)
         y = self.out_proj(self._merge(out))                            # (B, Sq, E)
-        if not return_weights:
-            return y
-        return y, (w.mean(dim=1) if average_weights else w)
+        return (y, w) if return_weights else y
 
     @_reads_weights_once
     def make_cache(self, batch_size: int, max_len: int) -> KVCache:
@@ -641,6 +639,12 @@ def _reads_pages(cache, q: torch.Tensor, mask, valid, backend) -> bool:
         return False            # a traced graph reads the gathered pages through ops.decode
     from ..kernels._band import DTYPES, MAX_HEAD_DIM
     return q.dtype in DTYPES and max(q.shape[-1], cache.value_dim) <= MAX_HEAD_DIM
+
+
+def _weights_arg(return_weights: bool, average_weights: bool):
+    """:func:`~multihead.attention`'s ``return_weights`` for the module's two flags (the
+    head mean is attention's own: the Triton backend never holds the weights per head)."""
+    return "mean" if average_weights else return_weights
 
 
 def _paged_decode(q: torch.Tensor, view: PagedView, mask) -> torch.Tensor:

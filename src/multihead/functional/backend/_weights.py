@@ -5,7 +5,9 @@ dtype; a caller's loss rarely uses them (``torch.nn.MultiheadAttention`` returns
 default, and a training loop reads the output), so their gradient is not a kernel: where a
 loss does use them, the backward recomputes the reference's weights in its compute dtype
 (:func:`.reference.masked_scores`, :func:`.reference.safe_softmax`) and differentiates
-them, with a graph where the backward builds one, so they differentiate again.
+them, with a graph where the backward builds one, so they differentiate again. The
+weights' mean over the heads (``return_weights="mean"``) is the kernel's own: it never
+holds the weights per head.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from .reference import _Product, masked_scores, safe_softmax
 
 
 class _KernelWeights(torch.autograd.Function):
-    """The kernel's weights of ``(q, k)``; the reference's gradients."""
+    """The kernel's weights of ``(q, k)`` (or their head mean); the reference's gradients."""
 
     @staticmethod
     def forward(ctx, q, k, call, config):
         ctx.save_for_backward(q, k)
         ctx.mask, ctx.scale = call.effective_mask, call.scale     # (no tensor of the call's)
+        ctx.average = call.average_weights
         return _run(q, k, call, config)
 
     @staticmethod
@@ -36,6 +39,8 @@ class _KernelWeights(torch.autograd.Function):
             wanted = [t for t, need in zip((q, k), ctx.needs_input_grad) if need]
             call = AttentionCall(q, k, k, ctx.mask, ctx.scale, 0.0, True, False)
             weights, _ = safe_softmax(masked_scores(call, q, k, _Product.apply), lse=False)
+            if ctx.average:
+                weights = weights.mean(dim=1)                              # (B, Sq, Sk)
             grads = iter(torch.autograd.grad(weights, wanted, dw.to(weights.dtype),
                                              create_graph=graph, allow_unused=True))
         return (*(next(grads) if need else None for need in ctx.needs_input_grad[:2]),
@@ -44,12 +49,14 @@ class _KernelWeights(torch.autograd.Function):
 
 def _run(q, k, call: AttentionCall, config) -> torch.Tensor:
     from ...kernels.weights import attention_weights
-    return attention_weights(q, k, call.effective_mask, scale=call.scale, config=config)
+    return attention_weights(q, k, call.effective_mask, scale=call.scale,
+                             average=call.average_weights, config=config)
 
 
 def kernel_weights(call: AttentionCall) -> torch.Tensor:
-    """The weights ``(B, H, Sq, Sk)`` of ``call`` in its inputs' dtype, from the kernel;
-    differentiable in ``q`` and ``k`` where the call takes gradients.
+    """The weights ``(B, H, Sq, Sk)`` of ``call`` (its ``average_weights``: their head mean
+    ``(B, Sq, Sk)``) in its inputs' dtype, from the kernel; differentiable in ``q`` and
+    ``k`` where the call takes gradients.
 
     Example:
         >>> import torch, multihead as mh

@@ -179,7 +179,8 @@ def _with_weights(call: AttentionCall, plan: Plan) -> Plan:
     """``plan`` with the weights kernel after it: two passes of ``q kᵀ`` (row statistics,
     then the weights; priced over every pair, an upper bound where the mask leaves EMPTY
     blocks) and the weights written once in the inputs' dtype (counted as memory too: they
-    are the size of the scores). A mask the forward ran as a band gets block lists of its
+    are the size of the scores; their head mean, a head's size, after a first launch that
+    writes the rows' statistics). A mask the forward ran as a band gets block lists of its
     own, kept on the mask: priced as built in a decoding step (at their host time, as
     :meth:`TritonFlash._sparse_plan` prices a step's) and for a mask made for the call,
     else as kept. Their gradient (only where a loss uses the weights) is the reference's,
@@ -194,11 +195,15 @@ def _with_weights(call: AttentionCall, plan: Plan) -> Plan:
         elif mask.made_for_call():
             launches += ops                      # built in the call, for it alone
     written = call.B * call.H * call.Sq * call.Sk * call.q.dtype.itemsize
+    if call.average_weights:     # the head mean, from the rows' statistics (m, l: fp32 each)
+        written = written // call.H + 8 * call.B * call.H * call.Sq
+        launches += 1
     work = dataclasses.replace(
         work, flops=work.flops + 4.0 * call.pairs * call.D / EFFICIENCY,
         bytes=work.bytes + written, launches=work.launches + launches,
         memory=work.memory + written)            # (an output, but one the size of the scores)
-    return Plan(work, f"{plan.note}; weights written once in "
+    what = "the weights' head mean" if call.average_weights else "weights"
+    return Plan(work, f"{plan.note}; {what} written once in "
                       f"{str(call.q.dtype).removeprefix('torch.')} by the weights kernel",
                 plan.detail)
 
