@@ -26,6 +26,7 @@ from multihead.kernels.decode import decode_forward, paged_decode_forward
 from multihead.kernels.flash_bwd import flash_backward
 from multihead.kernels.flash_fwd import flash_forward
 from multihead.kernels.flash_sparse import sparse_backward, sparse_forward
+from multihead.kernels.weights import attention_weights
 
 
 class _Target:
@@ -159,6 +160,13 @@ def launches():
     m = M.document(ids) & M.alibi(4)
     o, lse = sparse_forward(q, k, k, m, scale=0.1)
     sparse_backward(o, q, k, k, o, lse, m, scale=0.1, config=keys_left)
+    # the weights, per head and their head mean: no mask, lists shared by the heads, lists
+    # of each head's own (the mean evaluates the mask on every block)
+    for D in (64, 128):
+        q, k = torch.zeros(2, 4, 256, D, **bf), torch.zeros(2, 2, 256, D, **bf)
+        for m in (None, M.causal() & M.alibi(4), M.dense(torch.rand(1, 4, 256, 256) > 0.5)):
+            for average in (False, True):
+                attention_weights(q, k, m, scale=0.1, average=average)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("triton")
 
 KERNELS = {"_forward", "_dkdv", "_dq", "_partial", "_forward_sparse", "_dkdv_sparse",
-           "_dq_sparse"}
+           "_dq_sparse", "_weights", "_mean_weights"}
 
 
 def test_every_kernel_compiles_to_an_sm90_cubin():

@@ -193,6 +193,20 @@ def _mean_weights(Q, K, W, STATS, NF, NP, IDX, qk_scale,
              (acc / H).to(W.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < Sk))
 
 
+def mean_launch(block_m: int, block_n: int, warps: int) -> dict:
+    """The head mean kernel's warps and stages for the lists' tiles: a program holds two
+    fp32 tiles of (BLOCK_M, BLOCK_N) at once (the sum and a head's weights), so at least a
+    warp per 1024 of their elements (compiled for an H100, 128 x 64 tiles at D=64 spill
+    registers with 4 warps, none with 8); two stages, as its loop over heads prefetches
+    only the next head's query tile (the forward's five: 180 KB of shared memory at D=128).
+
+    Example:
+        >>> mean_launch(128, 64, 4)
+        {'num_warps': 8, 'num_stages': 2}
+    """
+    return {"num_warps": max(warps, block_m * block_n // 1024), "num_stages": 2}
+
+
 def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: MB.Mask | None, *,
                       scale: float, average: bool = False,
                       config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
@@ -262,5 +276,6 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: MB.Mask | None, *,
         unmasked = Sk // bn if mask is None else 0       # (lists: their own counts)
         launch(_mean_weights, (cdiv(Sq, bm), n_blocks, B), q, k, w, first, *lists,
                scale * LOG2E, *q.stride(), *k.stride(), *w.stride(), strides[0], strides[2],
-               n_blocks, unmasked, H, G, Sq, Sk, tensors, ints, LISTS=shared, **common)
+               n_blocks, unmasked, H, G, Sq, Sk, tensors, ints, LISTS=shared,
+               **{**common, **mean_launch(bm, bn, warps)})
     return w
