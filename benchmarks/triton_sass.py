@@ -14,8 +14,10 @@ Run (not under ``TRITON_INTERPRET=1``)::
 
     python -m benchmarks.triton_sass                       # every case
     python -m benchmarks.triton_sass --case alibi --case "window 512"
+    python -m benchmarks.triton_sass --case "weights, causal & alibi" --head-dim 64
 
-Notation: B batch, H heads, S length, D head dim; kernels at B=1 H=16 S=1024 D=128 bf16.
+Notation: B batch, H heads, S length, D head dim; kernels at B=1 H=16 S=1024 bf16, D=128
+unless ``--head-dim`` says otherwise.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 #: case name -> mask expression over M = mh.masks (None: the band kernels, window 512)
 CASES = {"window 512": None, "documents (ids)": "M.document(torch.arange(S) // 100)",
          "alibi": "M.alibi(H)", "causal & alibi": "M.causal() & M.alibi(H)",
-         "bias tile": "M.bias(torch.randn(1, H, S, S))"}
+         "bias tile": "M.bias(torch.randn(1, H, S, S))",
+         # the weights kernels (per head and their head mean) instead of the attention's
+         "weights, no mask": "None", "weights, causal & alibi": "M.causal() & M.alibi(H)",
+         "weights, dense per head": "M.dense(torch.rand(1, H, S, S) > 0.5)"}
 
 #: the instruction classes shown beside each loop's total
 SHOWN = ("MUFU", "HGMMA", "FFMA", "FMUL", "FADD", "FMNMX", "I2FP", "IABS", "ISETP", "FSEL",
@@ -71,18 +76,24 @@ def loops(cubin: bytes) -> tuple[list[collections.Counter], int]:
     return [b for b in blocks if b["MUFU"] >= 16], spills
 
 
-def compile_case(name: str) -> list[tuple[str, object]]:
-    """Compile the forward and backward kernels of one case; ``(kernel name, compiled)``."""
+def compile_case(name: str, D: int = 128) -> list[tuple[str, object]]:
+    """Compile the forward and backward kernels of one case (a weights case: the weights
+    kernels, per head and their head mean) at head dim ``D``; ``(kernel name, compiled)``."""
     from sm90_compile import compile_only
 
     import multihead as mh
     from multihead.kernels.flash_bwd import flash_backward
     from multihead.kernels.flash_fwd import flash_forward
     from multihead.kernels.flash_sparse import sparse_backward, sparse_forward
-    B, H, S, D = 1, 16, 1024, 128
+    from multihead.kernels.weights import attention_weights
+    B, H, S = 1, 16, 1024
     q = torch.zeros(B, H, S, D, dtype=torch.bfloat16)
     with compile_only(90) as done:
-        if CASES[name] is None:
+        if name.startswith("weights"):
+            mask = eval(CASES[name], {"M": mh.masks, "torch": torch, "S": S, "H": H})  # noqa: S307
+            for average in (False, True):
+                attention_weights(q, q, mask, scale=0.1, average=average)
+        elif CASES[name] is None:
             kw = dict(scale=0.1, causal=True, window=512, offset=0, kv_lengths=None)
             o, lse = flash_forward(q, q, q, **kw)
             flash_backward(o, q, q, q, o, lse, **kw)
@@ -97,6 +108,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--case", action="append", choices=list(CASES),
                     help="a case to compile (repeatable; default: all)")
+    ap.add_argument("--head-dim", type=int, default=128, help="D (default 128)")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         sys.exit("triton_sass: unset TRITON_INTERPRET (the interpreter does not compile)")
@@ -106,7 +118,7 @@ def main(argv=None) -> None:
     print("| case | kernel | loop | SASS | " + " | ".join(SHOWN) + " |")
     print("|" + " --- |" * (4 + len(SHOWN)))
     for name in a.case or list(CASES):
-        for kernel, compiled in compile_case(name):
+        for kernel, compiled in compile_case(name, a.head_dim):
             found, spills = loops(compiled.asm["cubin"])
             for i, ops in enumerate(found):
                 cells = " | ".join(str(ops[op]) for op in SHOWN)
@@ -115,6 +127,8 @@ def main(argv=None) -> None:
             if spills:
                 print(f"| {name} | {kernel} | spills | {spills} LDL/STL in the kernel |"
                       + " |" * len(SHOWN))
+            print(f"| {name} | {kernel} | shared memory | {compiled.metadata.shared} bytes |"
+                  + " |" * len(SHOWN))
 
 
 if __name__ == "__main__":

@@ -172,7 +172,7 @@ def poisoned_rows(call: AttentionCall) -> torch.Tensor:
 
 def run(backend, call: AttentionCall, plan):
     """``backend.run(call, plan)`` under the rule of this module; returns
-    ``(out (B, H, Sq, Dv), weights (B, H, Sq, Sk), their head mean (B, Sq, Sk) or None,
+    ``(out (B, H, Sq, Dv), weights (B, H, Sq, Sk) or their head mean (B, Sq, Sk) or None,
     lse (B, H, Sq) or None)``.
 
     Example:

@@ -16,7 +16,17 @@ mask the band kernels ran gets them on its first call):
    ones, its bias added on every one), and zeros for the EMPTY ones.
 
 Only ``q kᵀ`` is recomputed (no values are read), so on a GPU the kernel costs about the
-writing of its output. The statistics come from the scores, not from a forward's
+writing of its output.
+
+The weights' head mean (``average=True``) is written without the weights per head, H
+times less output: the first launch stores only each row's ``(m, l)`` per head (fp32);
+a second launch, one program per (key block, query block, sequence), sums the H heads'
+``exp2(s - m) / l`` of its tile in registers (each K/V tile loaded once for its G query
+heads) and writes the mean once. Its key block is the one at that place in the query
+block's list where the heads share one (FULL, PARTIAL or EMPTY by its place); where each
+head has its own lists (a dense or bias tensor per head) every block is evaluated through
+the mask program. Both launches compute ``q kᵀ`` for every head, so the mean costs about
+the same arithmetic as the weights per head. The statistics come from the scores, not from a forward's
 log-sum-exp: a row the forward made NaN through a NaN value it sees, or whose huge bias
 (``-1e30``) left its lse without the log of its sum (:mod:`._exact_rows`), still gets the
 softmax of its scores, as the reference's weights do. A row with nothing to attend to gets
@@ -161,13 +171,13 @@ def _mean_weights(Q, K, W, STATS, NF, NP, IDX, qk_scale,
                   slb, sib, NL, n_unmasked, H, G, Sq, Sk, T, I, LISTS: tl.constexpr,
                   MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # The head mean of the weights over one (query block, key block) of sequence b, W:
+    # The head mean of the weights over one (key block, query block) of sequence b, W:
     # (B, Sq, Sk), from the rows' statistics in STATS (B, H, 2, Sq). The key block is the
     # j-th of the query block's list (LISTS: one list for every head), else the j-th one,
     # unmasked below n_unmasked (no mask: the blocks the keys fill; a mask whose lists
     # differ by head: none, the mask program evaluated on every block).
-    pid_m = tl.program_id(0)
-    j = tl.program_id(1)
+    j = tl.program_id(0)
+    pid_m = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                          # (BLOCK_M,)
     row_ok = rows < Sq
@@ -194,17 +204,19 @@ def _mean_weights(Q, K, W, STATS, NF, NP, IDX, qk_scale,
 
 
 def mean_launch(block_m: int, block_n: int, warps: int) -> dict:
-    """The head mean kernel's warps and stages for the lists' tiles: a program holds two
+    """The head mean kernel's warps and stages for the lists' tiles. A program holds two
     fp32 tiles of (BLOCK_M, BLOCK_N) at once (the sum and a head's weights), so at least a
-    warp per 1024 of their elements (compiled for an H100, 128 x 64 tiles at D=64 spill
-    registers with 4 warps, none with 8); two stages, as its loop over heads prefetches
-    only the next head's query tile (the forward's five: 180 KB of shared memory at D=128).
+    warp per 1024 of their elements: compiled for an H100, 128 x 64 tiles at D=64 spill
+    registers with 4 warps (15 to 285 spilled loads and stores), none with 8. One stage:
+    its loop runs over heads, not keys, and with two stages an MHA call's kernel (G=1)
+    took 98 KB (D=64) to 196 KB (D=128) of shared memory, one program per SM; with one,
+    33 to 49 KB (``python -m benchmarks.triton_sass --case "weights, no mask"``).
 
     Example:
         >>> mean_launch(128, 64, 4)
-        {'num_warps': 8, 'num_stages': 2}
+        {'num_warps': 8, 'num_stages': 1}
     """
-    return {"num_warps": max(warps, block_m * block_n // 1024), "num_stages": 2}
+    return {"num_warps": max(warps, block_m * block_n // 1024), "num_stages": 1}
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: MB.Mask | None, *,
@@ -274,7 +286,8 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: MB.Mask | None, *,
         # one list serves every head where the mask's lists do not vary by head (stride 0)
         shared = mask is not None and strides[1] == strides[3] == 0
         unmasked = Sk // bn if mask is None else 0       # (lists: their own counts)
-        launch(_mean_weights, (cdiv(Sq, bm), n_blocks, B), q, k, w, first, *lists,
+        # (key blocks on the grid's first axis, whose limit is 2^31 - 1, not 65535)
+        launch(_mean_weights, (n_blocks, cdiv(Sq, bm), B), q, k, w, first, *lists,
                scale * LOG2E, *q.stride(), *k.stride(), *w.stride(), strides[0], strides[2],
                n_blocks, unmasked, H, G, Sq, Sk, tensors, ints, LISTS=shared,
                **{**common, **mean_launch(bm, bn, warps)})

@@ -6,8 +6,9 @@ default, and a training loop reads the output), so their gradient is not a kerne
 loss does use them, the backward recomputes the reference's weights in its compute dtype
 (:func:`.reference.masked_scores`, :func:`.reference.safe_softmax`) and differentiates
 them, with a graph where the backward builds one, so they differentiate again. The
-weights' mean over the heads (``return_weights="mean"``) is the kernel's own: it never
-holds the weights per head.
+weights' mean over the heads (``return_weights="mean"``) is the kernel's own, whose forward
+never holds the weights per head (the backward, where a loss uses the mean, recomputes the
+reference's per head, as for the weights themselves).
 """
 
 from __future__ import annotations
