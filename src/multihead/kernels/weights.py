@@ -1,5 +1,5 @@
 """The attention weights ``softmax(q kᵀ · scale + bias)`` of any mask of our model, written
-once in the inputs' dtype by one Triton kernel.
+once in the inputs' dtype by Triton kernels (per head, or their mean over the heads).
 
 Where a caller asks for the weights (``return_weights=True``; ``torch.nn.MultiheadAttention``'s
 default ``need_weights=True``) the reference path materializes the scores in float32 and
@@ -16,7 +16,12 @@ mask the band kernels ran gets them on its first call):
    ones, its bias added on every one), and zeros for the EMPTY ones.
 
 Only ``q kᵀ`` is recomputed (no values are read), so on a GPU the kernel costs about the
-writing of its output.
+writing of its output. The statistics come from the scores, not from a forward's
+log-sum-exp: a row the forward made NaN through a NaN value it sees, or whose huge bias
+(``-1e30``) left its lse without the log of its sum (:mod:`._exact_rows`), still gets the
+softmax of its scores, as the reference's weights do. A row with nothing to attend to gets
+zeros; a row that sees a NaN or ``+inf`` score is NaN at every key (as the reference's).
+Without a mask every block is visited, the last one bounded where the keys end inside it.
 
 The weights' head mean (``average=True``) is written without the weights per head, H
 times less output: the first launch stores only each row's ``(m, l)`` per head (fp32);
@@ -26,12 +31,7 @@ heads) and writes the mean once. Its key block is the one at that place in the q
 block's list where the heads share one (FULL, PARTIAL or EMPTY by its place); where each
 head has its own lists (a dense or bias tensor per head) every block is evaluated through
 the mask program. Both launches compute ``q kᵀ`` for every head, so the mean costs about
-the same arithmetic as the weights per head. The statistics come from the scores, not from a forward's
-log-sum-exp: a row the forward made NaN through a NaN value it sees, or whose huge bias
-(``-1e30``) left its lse without the log of its sum (:mod:`._exact_rows`), still gets the
-softmax of its scores, as the reference's weights do. A row with nothing to attend to gets
-zeros; a row that sees a NaN or ``+inf`` score is NaN at every key (as the reference's).
-Without a mask every block is visited, the last one bounded where the keys end inside it.
+the same arithmetic as the weights per head.
 
 Notation: B batch, H query heads, Hkv K/V heads, G = H / Hkv, Sq/Sk lengths, D head dim.
 """

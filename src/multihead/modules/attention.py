@@ -643,7 +643,8 @@ def _reads_pages(cache, q: torch.Tensor, mask, valid, backend) -> bool:
 
 def _weights_arg(return_weights: bool, average_weights: bool):
     """:func:`~multihead.attention`'s ``return_weights`` for the module's two flags (the
-    head mean is attention's own: the Triton backend never holds the weights per head)."""
+    head mean is attention's own: the Triton backend's forward writes it without the
+    weights per head)."""
     return "mean" if average_weights else return_weights
 
 
