@@ -36,7 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 #: case name -> mask expression over M = mh.masks (None: the band kernels, window 512)
-CASES = {"window 512": None, "documents (ids)": "M.document(torch.arange(S) // 100)",
+CASES = {"window 512": None, "window 512, dropout": None,
+         "documents (ids)": "M.document(torch.arange(S) // 100)",
          "alibi": "M.alibi(H)", "causal & alibi": "M.causal() & M.alibi(H)",
          "bias tile": "M.bias(torch.randn(1, H, S, S))",
          # the weights kernels (per head and their head mean) instead of the attention's
@@ -82,6 +83,7 @@ def compile_case(name: str, D: int = 128) -> list[tuple[str, object]]:
     from sm90_compile import compile_only
 
     import multihead as mh
+    from multihead.kernels._dropout import Dropout
     from multihead.kernels.flash_bwd import flash_backward
     from multihead.kernels.flash_fwd import flash_forward
     from multihead.kernels.flash_sparse import sparse_backward, sparse_forward
@@ -95,6 +97,8 @@ def compile_case(name: str, D: int = 128) -> list[tuple[str, object]]:
                 attention_weights(q, q, mask, scale=0.1, average=average)
         elif CASES[name] is None:
             kw = dict(scale=0.1, causal=True, window=512, offset=0, kv_lengths=None)
+            if name.endswith("dropout"):         # drawn in the kernels (seed unread here)
+                kw["dropout"] = Dropout(0.1, torch.zeros(1, dtype=torch.int64))
             o, lse = flash_forward(q, q, q, **kw)
             flash_backward(o, q, q, q, o, lse, **kw)
         else:

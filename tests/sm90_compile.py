@@ -23,6 +23,7 @@ from triton.runtime.jit import JITFunction
 import multihead as mh
 from multihead.kernels._band import launch_config
 from multihead.kernels.decode import decode_forward, paged_decode_forward
+from multihead.kernels._dropout import Dropout
 from multihead.kernels.flash_bwd import flash_backward
 from multihead.kernels.flash_fwd import flash_forward
 from multihead.kernels.flash_sparse import sparse_backward, sparse_forward
@@ -160,6 +161,16 @@ def launches():
     m = M.document(ids) & M.alibi(4)
     o, lse = sparse_forward(q, k, k, m, scale=0.1)
     sparse_backward(o, q, k, k, o, lse, m, scale=0.1, config=keys_left)
+    # dropout drawn in the band kernels: a window with padding, packed documents, and the
+    # dK/dV blocks transposed
+    drop = Dropout(0.1, torch.zeros(1, dtype=torch.int64))
+    lens = torch.tensor([200, 256])
+    for kw in (dict(window=64, kv_lengths=lens), dict(documents=torch.tensor(
+            [[0, 0, 100], [0, 100, 156], [1, 0, 256]]))):
+        o, lse = flash_forward(q, k, k, scale=0.1, causal=True, dropout=drop, **kw)
+        flash_backward(o, q, k, k, o, lse, scale=0.1, causal=True, dropout=drop, **kw)
+    flash_backward(o, q, k, k, o, lse, scale=0.1, causal=True, window=64, dropout=drop,
+                   config=keys_left)
     # the weights, per head and their head mean: no mask, lists shared by the heads, lists
     # of each head's own (the mean evaluates the mask on every block)
     for D in (64, 128):

@@ -90,8 +90,12 @@ def test_the_backend_declines_what_it_cannot_run_and_says_why():
     row = next(r for r in e.rows if r.name == "triton")
     assert row.plan is None and any("float32" in r for r in row.reasons)
     e = mh.explain(q, q, q, mask=M.sliding_window(4), dropout_p=0.1, profile="h100")
-    row = next(r for r in e.rows if r.name == "triton")
-    assert "does not implement dropout" in row.reasons
+    row = next(r for r in e.rows if r.name == "triton")                # dropout: bands run it
+    assert row.plan is not None and "dropout drawn in the kernels" in row.plan.note
+    e = mh.explain(q, q, q, mask=M.sliding_window(4) & M.alibi(2), dropout_p=0.1,
+                   profile="h100")
+    row = next(r for r in e.rows if r.name == "triton")                # ... block lists not
+    assert row.plan is None and any("runs dropout with band masks" in r for r in row.reasons)
     g = q.clone().requires_grad_()                      # gradients: the training kernels
     e = mh.explain(g, q, q, mask=M.sliding_window(4), profile="h100", backend="triton")
     assert "split-K" not in str(e)

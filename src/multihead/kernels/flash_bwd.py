@@ -34,6 +34,7 @@ import triton.language as tl
 from ._band import (LOG2E, check_inputs, check_pair, empty_like_all, finite_or_zero,
                     key_length, key_range, launch_config, load_tile, masked_scores, nonfinite,
                     pow2, program_block, query_range, schedule)
+from ._dropout import Dropout, drop_args, drop_state, kept
 from ._exact_rows import load_pairs
 from ._launch import launch
 from .flash_fwd import DYNAMIC
@@ -85,7 +86,7 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
                 WINDOWED: tl.constexpr, MASKED: tl.constexpr, MASK_FN: tl.constexpr,
                 HAS_BIAS: tl.constexpr, KEYS_LEFT: tl.constexpr, CAREFUL: tl.constexpr,
-                BOUNDED: tl.constexpr = True):
+                BOUNDED: tl.constexpr = True, DROPOUT: tl.constexpr = False, DROP=None):
     # The queries [start, start + BLOCK_M) of one head, against this program's keys
     # (CAREFUL: see _band.nonfinite; without BOUNDED, a masked block's queries are live and
     # the keys real: only the band is tested, and the rows load without bounds).
@@ -94,6 +95,8 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
     # transpose through shared memory, and the keys fill the 64-row left operand of a
     # Hopper warpgroup MMA when fewer queries would not (see keys_left). Else the block
     # is S = Q Kᵀ, as in the forward, and P, dS are transposed for those products.
+    # DROPOUT (DROP: the kernel's _dropout.drop_state): a dropped pair adds nothing to dV
+    # and its dP is 0, a kept one's is scaled by 1 / (1 - p) (dV's scale: at its store).
     rows = start + tl.arange(0, BLOCK_M)                                    # (BLOCK_M,)
     row_ok = rows < Sq
     q = load_tile(q_base, rows, Sq, sqm, sqd, D, BLOCK_D,
@@ -119,8 +122,14 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
             pt = _probs(st, ok, lse2[None, :], MASKED, lo[None, :])
         else:
             pt = _probs(st, ok, lse2[None, :], MASKED)
-        dv += tl.dot(pt.to(do.dtype), do)                                  # (BLOCK_N, BLOCK_DV)
         dpt = tl.dot(v, tl.trans(do))                                      # (BLOCK_N, BLOCK_M)
+        pvt = pt
+        if DROPOUT:
+            keep = tl.trans(kept(DROP, h, rows, DROP[5], BLOCK_M,
+                                 k.shape[0]))                               # (BLOCK_N, BLOCK_M)
+            pvt = tl.where(keep, pt, 0.0)
+            dpt = tl.where(keep, dpt * DROP[4], 0.0)
+        dv += tl.dot(pvt.to(do.dtype), do)                                 # (BLOCK_N, BLOCK_DV)
         dst = _dscores(pt, ok, dpt, delta[None, :], MASKED).to(q.dtype)
     else:
         s = tl.dot(q, tl.trans(k)) * qk_scale                              # (BLOCK_M, BLOCK_N)
@@ -131,8 +140,13 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start, Sq, col
             p = _probs(s, ok, lse2[:, None], MASKED, lo[:, None])
         else:
             p = _probs(s, ok, lse2[:, None], MASKED)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do)                         # (BLOCK_N, BLOCK_DV)
         dp = tl.dot(do, tl.trans(v))                                       # (BLOCK_M, BLOCK_N)
+        pv = p
+        if DROPOUT:
+            keep = kept(DROP, h, rows, DROP[5], BLOCK_M, k.shape[0])         # (BLOCK_M, BLOCK_N)
+            pv = tl.where(keep, p, 0.0)
+            dp = tl.where(keep, dp * DROP[4], 0.0)
+        dv += tl.dot(tl.trans(pv.to(do.dtype)), do)                        # (BLOCK_N, BLOCK_DV)
         dst = tl.trans(_dscores(p, ok, dp, delta[:, None], MASKED).to(q.dtype))
     if MASKED and CAREFUL:  # a query hidden from some keys (band, padding) may hold anything
         q, _ = finite_or_zero(q)    # (a row that sees a non-finite value has ds NaN anyway)
@@ -157,7 +171,8 @@ def _kv_band(k, v, Q, DO, LSE, DELTA, b, hk, first, cols, n_q, klen, lo, w, a, c
              Sq, qk_scale, offset, window, sqb, sqh, sqm, sqd, sdb, sdh, sdm, sdd,
              D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-             WINDOWED: tl.constexpr, KEYS_LEFT: tl.constexpr, CAREFUL: tl.constexpr):
+             WINDOWED: tl.constexpr, KEYS_LEFT: tl.constexpr, CAREFUL: tl.constexpr,
+             DROPOUT: tl.constexpr = False, DROP=None):
     # dK, dV (fp32, unscaled) of this program's keys over the query blocks [lo, hi) of each
     # query head of the group (bounds of _band.query_range): [lo, w) tests the diagonal
     # alone, [w, a) the band, [a, c) nothing, [c, hi) the window's far edge and the
@@ -176,7 +191,8 @@ def _kv_band(k, v, Q, DO, LSE, DELTA, b, hk, first, cols, n_q, klen, lo, w, a, c
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start,
                                      n_q, cols, klen, qk_scale, offset, window, sqm, sqd, sdm,
                                      sdd, b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
-                                     CAUSAL, WINDOWED, True, None, False, KEYS_LEFT, True)
+                                     CAUSAL, WINDOWED, True, None, False, KEYS_LEFT, True,
+                                     DROPOUT=DROPOUT, DROP=DROP)
         else:
             if CAUSAL:
                 for start in range(lo, w, BLOCK_M):   # the diagonal, nothing else
@@ -184,35 +200,39 @@ def _kv_band(k, v, Q, DO, LSE, DELTA, b, hk, first, cols, n_q, klen, lo, w, a, c
                                          start, n_q, cols, klen, qk_scale, offset, window, sqm,
                                          sqd, sdm, sdd, b, h, None, None, D, DV, BLOCK_D,
                                          BLOCK_DV, BLOCK_M, True, False, True, None, False,
-                                         KEYS_LEFT, False, False)
+                                         KEYS_LEFT, False, False, DROPOUT=DROPOUT, DROP=DROP)
             for start in range(w, a, BLOCK_M):        # both edges (narrow windows)
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start,
                                      n_q, cols, klen, qk_scale, offset, window, sqm, sqd, sdm,
                                      sdd, b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
-                                     CAUSAL, WINDOWED, True, None, False, KEYS_LEFT, False)
+                                     CAUSAL, WINDOWED, True, None, False, KEYS_LEFT, False,
+                                     DROPOUT=DROPOUT, DROP=DROP)
             for start in range(a, c, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start,
                                      n_q, cols, klen, qk_scale, offset, window, sqm, sqd, sdm,
                                      sdd, b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
-                                     CAUSAL, WINDOWED, False, None, False, KEYS_LEFT, False)
+                                     CAUSAL, WINDOWED, False, None, False, KEYS_LEFT, False,
+                                     DROPOUT=DROPOUT, DROP=DROP)
             for start in range(c, hi, BLOCK_M):       # past every key's diagonal
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start,
                                      n_q, cols, klen, qk_scale, offset, window, sqm, sqd, sdm,
                                      sdd, b, h, None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
-                                     False, WINDOWED, True, None, False, KEYS_LEFT, False)
+                                     False, WINDOWED, True, None, False, KEYS_LEFT, False,
+                                     DROPOUT=DROPOUT, DROP=DROP)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
-def _dkdv(Q, K, V, DO, LSE, DELTA, GK, GV, LENS, SEGS, scale, qk_scale,
+def _dkdv(Q, K, V, DO, LSE, DELTA, GK, GV, LENS, SEGS, SEED, scale, qk_scale,
           sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-          sdb, sdh, sdm, sdd, H, G, Sq, Sk, offset, window,
+          sdb, sdh, sdm, sdd, H, G, Sq, Sk, offset, window, drop_t, keep_scale,
           CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_LENS: tl.constexpr,
           VARLEN: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
           BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          KEYS_LEFT: tl.constexpr):
+          KEYS_LEFT: tl.constexpr, DROPOUT: tl.constexpr):
     Hkv = H // G
     b, hk, first, n_k, n0 = program_block(tl.program_id(0), Hkv, SEGS, Sk, VARLEN, BLOCK_N)
+    DROP = drop_state(SEED, b, H, first, drop_t, keep_scale, DROPOUT, n0)
     n_q = n_k if VARLEN else Sq                        # a document attends within itself
     bk = b * Hkv + hk
     cols = n0 + tl.arange(0, BLOCK_N)                  # (BLOCK_N,) positions in the sequence
@@ -229,12 +249,14 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, GK, GV, LENS, SEGS, scale, qk_scale,
     dk, dv = _kv_band(k, v, Q, DO, LSE, DELTA, b, hk, first, cols, n_q, klen, lo, w, a, c, hi,
                       H, G, Sq, qk_scale, offset, window, sqb, sqh, sqm, sqd, sdb, sdh, sdm,
                       sdd, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED,
-                      KEYS_LEFT, False)
+                      KEYS_LEFT, False, DROPOUT, DROP)
     if nonfinite(dk):                                  # rare: run again, carefully
         dk, dv = _kv_band(k, v, Q, DO, LSE, DELTA, b, hk, first, cols, n_q, klen, lo, w, a,
                           c, hi, H, G, Sq, qk_scale, offset, window, sqb, sqh, sqm, sqd, sdb, sdh,
                           sdm, sdd, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
-                          WINDOWED, KEYS_LEFT, True)
+                          WINDOWED, KEYS_LEFT, True, DROPOUT, DROP)
+    if DROPOUT:                                        # dV's 1 / (1 - p), once
+        dv = dv * keep_scale
     # GK, GV (the gradients): contiguous (B, Hkv, Sk, D) and (B, Hkv, Sk, DV)
     at = bk * Sk + first + cols[:, None]                                    # (BLOCK_N, 1)
     tl.store(GK + at * D + dq_[None, :], (dk * scale).to(GK.dtype.element_ty),
@@ -249,10 +271,11 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
               DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
               MASKED: tl.constexpr, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
-              CAREFUL: tl.constexpr, BOUNDED: tl.constexpr = True):
+              CAREFUL: tl.constexpr, BOUNDED: tl.constexpr = True,
+              DROPOUT: tl.constexpr = False, DROP=None):
     # The keys [start, start + BLOCK_N) against this program's queries (CAREFUL: see
     # _band.nonfinite; without BOUNDED, as in the forward's _attend_block: real keys,
-    # only the band tested).
+    # only the band tested; DROPOUT: as in _dkdv_block).
     cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
     k = load_tile(k_base, cols, klen, skn, skd, D, BLOCK_D,
                   MASKED and BOUNDED)                                       # (BLOCK_N, BLOCK_D)
@@ -264,6 +287,8 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
                           BOUNDED)
     p = _probs(s, ok, lse2[:, None], MASKED)
     dp = tl.dot(do, tl.trans(v))                                            # (BLOCK_M, BLOCK_N)
+    if DROPOUT:
+        dp = tl.where(kept(DROP, h, rows, start, q.shape[0], BLOCK_N), dp * DROP[4], 0.0)
     ds = _dscores(p, ok, dp, delta[:, None], MASKED)
     if MASKED and CAREFUL:  # a key hidden from some rows (band, padding) may hold anything
         k, _ = finite_or_zero(k)    # (a row that sees a non-finite key has ds NaN anyway)
@@ -275,7 +300,8 @@ def _q_band(q, do, lse2, delta, k_base, v_base, rows, row_ok, klen, lo, w, a, c,
             qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, D: tl.constexpr,
             DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-            WINDOWED: tl.constexpr, CAREFUL: tl.constexpr):
+            WINDOWED: tl.constexpr, CAREFUL: tl.constexpr, DROPOUT: tl.constexpr = False,
+            DROP=None):
     # dQ (fp32, unscaled) of rows over the key blocks [lo, hi) (bounds of
     # _band.key_range): [lo, w) tests the window's edge alone, [a, c) nothing, the rest
     # the band (as in the forward's _band_blocks).
@@ -285,38 +311,41 @@ def _q_band(q, do, lse2, delta, k_base, v_base, rows, row_ok, klen, lo, w, a, c,
             dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
                            qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, None, None,
                            D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True, None,
-                           False, True)
+                           False, True, DROPOUT=DROPOUT, DROP=DROP)
     else:
         if WINDOWED:
             for start in range(lo, w, BLOCK_N):       # the window's edge, nothing else
                 dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok,
                                klen, qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q,
                                None, None, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, True,
-                               True, None, False, False, False)
+                               True, None, False, False, False, DROPOUT=DROPOUT, DROP=DROP)
         for start in range(a, c, BLOCK_N):
             dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
                            qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, None, None,
                            D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, False, None,
-                           False, False)
+                           False, False, DROPOUT=DROPOUT, DROP=DROP)
         for start in range(tl.where(w < a, w, c), hi, BLOCK_N):              # the rest
             dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, klen,
                            qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, None, None,
                            D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, CAUSAL, WINDOWED, True, None,
-                           False, False)
+                           False, False, DROPOUT=DROPOUT, DROP=DROP)
     return dq
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
-def _dq(Q, K, V, DO, O, LSE, DLSE, DELTA, GQ, LENS, SEGS, scale, qk_scale,
+def _dq(Q, K, V, DO, O, LSE, DLSE, DELTA, GQ, LENS, SEGS, SEED, scale, qk_scale,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-        sdb, sdh, sdm, sdd, H, G, Sq, Sk, offset, window, sob, soh, som, sod,
+        sdb, sdh, sdm, sdd, H, G, Sq, Sk, offset, window, drop_t, keep_scale,
+        sob, soh, som, sod,
         CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_LENS: tl.constexpr,
         VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr):
+        BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr):
     # Runs before _dkdv: each program also writes delta = rowsum(dO * O) - dlse of its own
-    # rows (it holds dO already), which _dkdv then reads.
+    # rows (it holds dO already), which _dkdv then reads. (Under dropout O is the dropped
+    # output, and delta = rowsum(dO * O) still equals the rows' sum of P * dP.)
     b, h, first, n_q, m0 = program_block(tl.program_id(0), H, SEGS, Sq, VARLEN, BLOCK_M)
+    DROP = drop_state(SEED, b, H, first, drop_t, keep_scale, DROPOUT)
     n_k = n_q if VARLEN else Sk                        # a document attends within itself
     bh = b * H + h
     hk = h // G
@@ -336,11 +365,11 @@ def _dq(Q, K, V, DO, O, LSE, DLSE, DELTA, GQ, LENS, SEGS, scale, qk_scale,
     v_base = V + b * svb + hk * svh + first * svn
     dq = _q_band(q, do, lse2, delta, k_base, v_base, rows, row_ok, klen, lo, w, a, c, hi,
                  qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, D, DV, BLOCK_D,
-                 BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED, False)
+                 BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED, False, DROPOUT, DROP)
     if nonfinite(dq):                                  # rare: run again, carefully
         dq = _q_band(q, do, lse2, delta, k_base, v_base, rows, row_ok, klen, lo, w, a, c, hi,
                      qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q, D, DV, BLOCK_D,
-                     BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED, True)
+                     BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED, True, DROPOUT, DROP)
     # GQ (the gradient): contiguous (B, H, Sq, D)
     tl.store(GQ + (bh * Sq + first + rows[:, None]) * D + dq_[None, :],
              (dq * scale).to(GQ.dtype.element_ty), mask=row_ok[:, None] & (dq_[None, :] < D))
@@ -416,7 +445,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    window: int | None = None, offset: int = 0,
                    kv_lengths: torch.Tensor | None = None,
                    documents: torch.Tensor | None = None, dlse: torch.Tensor | None = None,
-                   config: tuple | None = None,
+                   config: tuple | None = None, dropout: Dropout | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`.flash_forward`'s call with these arguments.
 
@@ -428,6 +457,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dlse: ``(B, H, Sq)`` gradient of the log-sum-exp, when it was used.
         config: ``(dkdv, dq)`` launch tuples ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``;
             default: the measured table (:func:`._band.launch_config`).
+        dropout: the forward's own (the same seed: the same pairs dropped).
 
     Returns:
         ``dq (B, H, Sq, D)``, ``dk (B, Hkv, Sk, D)``, ``dv (B, Hkv, Sk, Dv)`` in the inputs'
@@ -456,16 +486,19 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     common = dict(CAUSAL=causal, WINDOWED=window is not None,
                   HAS_LENS=kv_lengths is not None, VARLEN=documents is not None, D=D, DV=Dv,
                   BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv))
+    seed, drop_t, keep_scale = drop_args(dropout, "flash_backward", q, delta)
+    common["DROPOUT"] = dropout is not None
     args = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-            H, H // Hkv, Sq, Sk, offset, window if window is not None else 0)
+            H, H // Hkv, Sq, Sk, offset, window if window is not None else 0, drop_t,
+            keep_scale)
     bm, bn, warps, stages = q_cfg                      # first: it writes delta for _dkdv
     segs, grid = schedule(documents, bm, B * H, Sq, H, delta)   # no documents: unread
-    launch(_dq, grid, q, k, v, dout, out, lse, dlse, delta, dq, lens, segs, scale,
+    launch(_dq, grid, q, k, v, dout, out, lse, dlse, delta, dq, lens, segs, seed, scale,
            scale * LOG2E, *args, *out.stride(), **common, HAS_DLSE=has_dlse, BLOCK_M=bm,
            BLOCK_N=bn, num_warps=warps, num_stages=stages)
     bm, bn, warps, stages = kv_cfg
     segs, grid = schedule(documents, bn, B * Hkv, Sk, Hkv, delta)
-    launch(_dkdv, grid, q, k, v, dout, lse, delta, dk, dv, lens, segs, scale, scale * LOG2E,
-           *args, **common, BLOCK_M=bm, BLOCK_N=bn, KEYS_LEFT=keys_left(bm, bn),
-           num_warps=warps, num_stages=stages)
+    launch(_dkdv, grid, q, k, v, dout, lse, delta, dk, dv, lens, segs, seed, scale,
+           scale * LOG2E, *args, **common, BLOCK_M=bm, BLOCK_N=bn,
+           KEYS_LEFT=keys_left(bm, bn), num_warps=warps, num_stages=stages)
     return dq, dk, dv

@@ -31,6 +31,7 @@ import triton.language as tl
 from ._band import (LOG2E, check_inputs, empty_outputs, finite_or_zero, key_length,
                     key_range, launch_config, load_tile, masked_scores, nonfinite, pow2,
                     program_block, schedule)
+from ._dropout import Dropout, drop_args, drop_state, kept
 from ._launch import launch
 
 #: arguments whose value changes per call but must not cause a compile (Triton would
@@ -57,7 +58,7 @@ def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_
                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                   CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASKED: tl.constexpr,
                   MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, CAREFUL: tl.constexpr,
-                  BOUNDED: tl.constexpr = True):
+                  BOUNDED: tl.constexpr = True, DROPOUT: tl.constexpr = False, DROP=None):
     # One step of the online softmax (base 2) over the keys [start, start + BLOCK_N) for
     # rows at query positions qpos; MASKED evaluates the mask, hi and row_ok, else every
     # (row, key) of the block is known to be visible. The mask is the band, or MASK_FN(b, h,
@@ -65,7 +66,8 @@ def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_
     # block). Without BOUNDED, a masked block's keys are known to be real (below hi) and
     # its dead rows go unstored: only the band is tested, and the tiles load unbounded.
     # CAREFUL (a second run, see _band.nonfinite) keeps a non-finite value a masked block
-    # hides from the rows. Returns (acc, m, l).
+    # hides from the rows. DROPOUT: the pairs _dropout.keep_tile drops weigh nothing in the
+    # product (DROP: the kernel's drop_state; the sum l counts them). Returns (acc, m, l).
     cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
     k = load_tile(k_base, cols, hi, skn, skd, D, BLOCK_D,
                   MASKED and BOUNDED)                                       # (BLOCK_N, BLOCK_D)
@@ -82,6 +84,8 @@ def _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, qpos, row_ok, qk_
         v, bad = finite_or_zero(v)                                          # bad (BLOCK_N,)
         seen = tl.max(tl.where(ok & bad[None, :], 1, 0), 1) > 0            # (rows,)
         l_i = tl.where(seen, float("nan"), l_i)     # a row that sees one: NaN out and lse
+    if DROPOUT:
+        p = tl.where(kept(DROP, h, qpos, start, p.shape[0], BLOCK_N), p, 0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)                  # (rows, BLOCK_DV)
     return acc, m_new, l_i
 
@@ -109,20 +113,23 @@ def _band_blocks(q, k_base, v_base, rows, row_ok, lo, w, full_lo, full_hi, hi, q
                  offset, window, skn, skd, svn, svd, b, h, n_q, D: tl.constexpr,
                  DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                 WINDOWED: tl.constexpr, CAREFUL: tl.constexpr):
+                 WINDOWED: tl.constexpr, CAREFUL: tl.constexpr, DROPOUT: tl.constexpr = False,
+                 DROP=None):
     # The online softmax of rows over the key blocks [lo, hi) (bounds of _band.key_range):
     # [lo, w) tests the window's edge alone, [full_lo, full_hi) nothing, the rest the band
     # (the diagonal and the last keys, after the leading edge's [w, full_lo) where w is
     # short of it: then full_lo = full_hi, no block is full); CAREFUL (the rare second run,
     # see _band.nonfinite): every block masked and careful, in one loop without pipelining
-    # (less to compile). Returns (acc (BLOCK_M, BLOCK_DV), m, l) in fp32.
+    # (less to compile). DROPOUT, DROP: see _attend_block. Returns (acc (BLOCK_M,
+    # BLOCK_DV), m, l) in fp32.
     acc, m_i, l_i = fresh_state(BLOCK_M, BLOCK_DV)
     if CAREFUL:
         for start in tl.range(lo, hi, BLOCK_N, num_stages=1):
             acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
                                           row_ok, qk_scale, offset, window, skn, skd, svn, svd,
                                           b, h, n_q, None, None, D, DV, BLOCK_D, BLOCK_DV,
-                                          BLOCK_N, CAUSAL, WINDOWED, True, None, False, True)
+                                          BLOCK_N, CAUSAL, WINDOWED, True, None, False, True,
+                                          DROPOUT=DROPOUT, DROP=DROP)
     else:
         if WINDOWED:
             for start in range(lo, w, BLOCK_N):        # the window's edge, nothing else
@@ -130,29 +137,34 @@ def _band_blocks(q, k_base, v_base, rows, row_ok, lo, w, full_lo, full_hi, hi, q
                                               rows, row_ok, qk_scale, offset, window, skn, skd,
                                               svn, svd, b, h, n_q, None, None, D, DV, BLOCK_D,
                                               BLOCK_DV, BLOCK_N, False, True, True, None,
-                                              False, False, False)
+                                              False, False, False, DROPOUT=DROPOUT,
+                                              DROP=DROP)
         for start in range(full_lo, full_hi, BLOCK_N):     # blocks every row sees in full
             acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
                                           row_ok, qk_scale, offset, window, skn, skd, svn, svd,
                                           b, h, n_q, None, None, D, DV, BLOCK_D, BLOCK_DV,
-                                          BLOCK_N, CAUSAL, WINDOWED, False, None, False, False)
+                                          BLOCK_N, CAUSAL, WINDOWED, False, None, False, False,
+                                          DROPOUT=DROPOUT, DROP=DROP)
         for start in range(tl.where(w < full_lo, w, full_hi), hi, BLOCK_N):   # the rest
             acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, hi, rows,
                                           row_ok, qk_scale, offset, window, skn, skd, svn, svd,
                                           b, h, n_q, None, None, D, DV, BLOCK_D, BLOCK_DV,
-                                          BLOCK_N, CAUSAL, WINDOWED, True, None, False, False)
+                                          BLOCK_N, CAUSAL, WINDOWED, True, None, False, False,
+                                          DROPOUT=DROPOUT, DROP=DROP)
     return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
-def _forward(Q, K, V, O, LSE, LENS, SEGS, qk_scale,
+def _forward(Q, K, V, O, LSE, LENS, SEGS, SEED, qk_scale,
              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
              sob, soh, som, sod,
-             H, G, Sq, Sk, offset, window,
+             H, G, Sq, Sk, offset, window, drop_t, keep_scale,
              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_LENS: tl.constexpr,
              VARLEN: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-             BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+             BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             DROPOUT: tl.constexpr):
     b, h, first, n_q, m0 = program_block(tl.program_id(0), H, SEGS, Sq, VARLEN, BLOCK_M)
+    DROP = drop_state(SEED, b, H, first, drop_t, keep_scale, DROPOUT)
     n_k = n_q if VARLEN else Sk                        # a document attends within itself
     bh = b * H + h
     hk = h // G                                        # the K/V head of this query head
@@ -170,12 +182,14 @@ def _forward(Q, K, V, O, LSE, LENS, SEGS, qk_scale,
     acc, m_i, l_i = _band_blocks(q, k_base, v_base, rows, row_ok, lo, w, full_lo, full_hi,
                                  hi, qk_scale, offset, window, skn, skd, svn, svd, b, h, n_q,
                                  D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED,
-                                 False)
+                                 False, DROPOUT, DROP)
     if nonfinite(acc):                                 # rare: run again, carefully
         acc, m_i, l_i = _band_blocks(q, k_base, v_base, rows, row_ok, lo, w, full_lo,
                                      full_hi, hi, qk_scale, offset, window, skn, skd, svn, svd,
                                      b, h, n_q, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
-                                     CAUSAL, WINDOWED, True)
+                                     CAUSAL, WINDOWED, True, DROPOUT, DROP)
+    if DROPOUT:                                        # the survivors' 1 / (1 - p)
+        acc = acc * keep_scale
     out, lse = _finish(acc, m_i, l_i)
     tl.store(O + b * sob + h * soh + (first + rows[:, None]) * som + dv[None, :] * sod,
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
@@ -187,6 +201,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
                   kv_lengths: torch.Tensor | None = None,
                   documents: torch.Tensor | None = None,
                   config: tuple[int, int, int, int] | None = None,
+                  dropout: Dropout | None = None,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q (B, H, Sq, D)`` over ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)``.
 
@@ -205,10 +220,12 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
             (:func:`._band.document_blocks`), so none visits another document's keys.
         config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; default: the measured table
             of :func:`._band.launch_config` for this head dim.
+        dropout: dropout on the weights (:class:`._dropout.Dropout`: its rate and seed);
+            the backward must get the same.
 
     Returns:
         ``(out (B, H, Sq, Dv) in q's dtype, lse (B, H, Sq) fp32)``; rows with nothing to
-        attend to give zeros and ``-inf``.
+        attend to give zeros and ``-inf``. The lse is the undropped softmax's.
 
     Example:
         >>> import torch
@@ -226,11 +243,12 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     bm, bn, warps, stages = config or launch_config("fwd", D, Dv, window)
     lens = kv_lengths.contiguous() if kv_lengths is not None else lse  # unused: HAS_LENS off
     segs, grid = schedule(documents, bm, B * H, Sq, H, lse)   # no documents: lse, unread
+    seed, drop_t, keep_scale = drop_args(dropout, "flash_forward", q, lse)
     launch(
-        _forward, grid, q, k, v, out, lse, lens, segs, scale * LOG2E,
+        _forward, grid, q, k, v, out, lse, lens, segs, seed, scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        H, H // Hkv, Sq, Sk, offset, window if window is not None else 0,
-        CAUSAL=causal, WINDOWED=window is not None,
+        H, H // Hkv, Sq, Sk, offset, window if window is not None else 0, drop_t, keep_scale,
+        CAUSAL=causal, WINDOWED=window is not None, DROPOUT=dropout is not None,
         HAS_LENS=kv_lengths is not None, VARLEN=documents is not None, D=D, DV=Dv,
         BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
         num_stages=stages)

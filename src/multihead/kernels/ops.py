@@ -36,6 +36,7 @@ from .._dtypes import without_autocast
 from .._second_order import refuse_second_order
 from . import _ahead
 from ._band import check_inputs, empty_like_all, empty_outputs, launch_config
+from ._dropout import Dropout
 from .decode import decode_forward
 from .flash_bwd import check_backward, flash_backward
 from .flash_fwd import flash_forward
@@ -46,31 +47,38 @@ from .mask_program import MaskProgram
 from .._tracing import tracing
 
 
-def _kw(scale, causal, window, offset, kv_lengths, documents=None) -> dict:
+def _kw(scale, causal, window, offset, kv_lengths, documents=None, dropout_p=0.0,
+        seed=None) -> dict:
     kw = dict(scale=scale, causal=causal, window=None if window == 0 else window,
               offset=offset, kv_lengths=kv_lengths)
     if documents is not None:             # the decode kernel takes no documents
         kw["documents"] = documents
+    if dropout_p:                         # (nor dropout)
+        kw["dropout"] = Dropout(dropout_p, seed)
     return kw
 
 
 @torch.library.custom_op("multihead::flash_attention", mutates_args=())
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     causal: bool, window: int, offset: int, kv_lengths: torch.Tensor | None,
-                    documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    documents: torch.Tensor | None = None, dropout_p: float = 0.0,
+                    seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of :func:`.flash_forward` (``window=0``: no window; ``documents``: the
-    host table of packed documents).
+    host table of packed documents; ``dropout_p > 0``: dropout drawn from ``seed``, see
+    :mod:`._dropout`).
 
     Example:
         >>> import torch
         >>> q = torch.randn(1, 2, 32, 16, device="cuda", dtype=torch.float16)   # doctest: +SKIP
         >>> out, lse = torch.ops.multihead.flash_attention(q, q, q, 0.25, True, 0, 0, None)  # doctest: +SKIP
     """
-    return flash_forward(q, k, v, **_kw(scale, causal, window, offset, kv_lengths, documents))
+    return flash_forward(q, k, v, **_kw(scale, causal, window, offset, kv_lengths, documents,
+                                        dropout_p, seed))
 
 
 @flash_attention.register_fake
-def _(q, k, v, scale, causal, window, offset, kv_lengths, documents=None):
+def _(q, k, v, scale, causal, window, offset, kv_lengths, documents=None, dropout_p=0.0,
+      seed=None):
     return empty_outputs(q, v)
 
 
@@ -79,37 +87,61 @@ def flash_attention_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: t
                              k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                              lse: torch.Tensor, scale: float, causal: bool, window: int,
                              offset: int, kv_lengths: torch.Tensor | None,
-                             documents: torch.Tensor | None = None,
+                             documents: torch.Tensor | None = None, dropout_p: float = 0.0,
+                             seed: torch.Tensor | None = None,
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`.flash_backward`."""
     return _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, offset, kv_lengths,
-                     documents)
+                     documents, dropout_p, seed)
 
 
 def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, offset, kv_lengths,
-              documents=None):
+              documents=None, dropout_p=0.0, seed=None):
     return flash_backward(dout, q, k, v, out, lse, dlse=dlse,
-                          **_kw(scale, causal, window, offset, kv_lengths, documents))
+                          **_kw(scale, causal, window, offset, kv_lengths, documents,
+                                dropout_p, seed))
 
 
 @flash_attention_backward.register_fake
-def _(dout, dlse, q, k, v, out, lse, scale, causal, window, offset, kv_lengths, documents=None):
+def _(dout, dlse, q, k, v, out, lse, scale, causal, window, offset, kv_lengths, documents=None,
+      dropout_p=0.0, seed=None):
     return empty_like_all(q, k, v)                 # contiguous, as the kernels' gradients
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, scale, causal, window, offset, kv_lengths, documents = inputs
-    ctx.save_for_backward(q, k, v, *output, kv_lengths)
+    q, k, v, scale, causal, window, offset, kv_lengths, documents, dropout_p, seed = inputs
+    ctx.save_for_backward(q, k, v, *output, kv_lengths, seed)
     ctx.args = (scale, causal, window, offset)
     ctx.documents = documents                  # a host table: kept, not saved for autograd
+    ctx.dropout_p = dropout_p
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """The gradients a backward with ``create_graph=True`` gets under dropout, as torch's
+    fused kernels give theirs (the reference cannot replay the kernels' draws): kept, and
+    refusing, with the second-order error, to be differentiated again (a gradient penalty
+    would otherwise lose attention's part silently)."""
+
+    @staticmethod
+    def forward(ctx, anchor, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(second_order.second_order_message(
+            "triton", "differentiating its gradients under dropout"))
 
 
 def _gradients(ctx, dout, dlse, backward=flash_attention_backward):
-    refuse_second_order("triton")
-    q, k, v, out, lse, kv_lengths = ctx.saved_tensors
+    if not (ctx.dropout_p and torch.is_grad_enabled()):
+        refuse_second_order("triton")
+    q, k, v, out, lse, kv_lengths, seed = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout      # the kernels take any strides
-    dq, dk, dv = backward(dout, dlse, q, k, v, out, lse, *ctx.args, kv_lengths, ctx.documents)
-    return dq, dk, dv, None, None, None, None, None, None
+    dq, dk, dv = backward(dout, dlse, q, k, v, out, lse, *ctx.args, kv_lengths, ctx.documents,
+                          ctx.dropout_p, seed)
+    if torch.is_grad_enabled():                 # (dropout: a backward that builds a graph)
+        dq, dk, dv = _FirstOrderOnly.apply(q, dq, dk, dv)
+    return dq, dk, dv, *(None,) * 8
 
 
 # (without_autocast here, not on _gradients: _Flash.backward, which calls it, has its own)
@@ -176,9 +208,10 @@ class _Flash(_Direct):
     dispatch."""
 
     @staticmethod
-    def forward(q, k, v, scale, causal, window, offset, kv_lengths, documents, again):
+    def forward(q, k, v, scale, causal, window, offset, kv_lengths, documents, dropout_p, seed,
+                again):
         return flash_forward(q, k, v, **_kw(scale, causal, window, offset, kv_lengths,
-                                            documents))
+                                            documents, dropout_p, seed))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -189,28 +222,30 @@ class _Flash(_Direct):
     @staticmethod
     @without_autocast
     def backward(ctx, dout, dlse):
-        early = _early(ctx, dout, dlse, 10)
+        early = _early(ctx, dout, dlse, 12)
         if early is not None:
             return early
         _ahead.wait()                          # its kernels, if compiling ahead
         return (*_gradients(ctx, dout, dlse, backward=_backward), None)
 
 
-def _backward_ahead(q, k, v, scale, causal, window, offset, kv_lengths, documents) -> None:
+def _backward_ahead(q, k, v, scale, causal, window, offset, kv_lengths, documents,
+                    dropout_p, seed) -> None:
     """Compile the backward's kernels of a call of this kind while its forward's compile,
     on a first call (:mod:`._ahead`): on stand-ins of the tensors the backward will get
     (``out`` and ``dout`` as the forward allocates ``out``, ``lse`` fp32)."""
     key = ("band", q.device, q.dtype, k.dtype, v.dtype, q.shape[-1], v.shape[-1], causal,
-           window == 0, kv_lengths is None, documents is None)
+           window == 0, kv_lengths is None, documents is None, dropout_p > 0)
 
     def prepare():                 # stand-ins made here: the thread holds no real tensor
         s = _ahead.stand_in
-        qs, ks, vs, lens = s(q), s(k), s(v), s(kv_lengths)
+        qs, ks, vs, lens, seeds = s(q), s(k), s(v), s(kv_lengths), s(seed)
 
         def backward():
             out, lse = empty_outputs(qs, vs)
             flash_backward(out, qs, ks, vs, out, lse,
-                           **_kw(scale, causal, window, offset, lens, documents))
+                           **_kw(scale, causal, window, offset, lens, documents, dropout_p,
+                                 seeds))
         return backward
 
     _ahead.compile_ahead(key, q.device, prepare)
@@ -218,11 +253,14 @@ def _backward_ahead(q, k, v, scale, causal, window, offset, kv_lengths, document
 
 def attention(q, k, v, scale: float, causal: bool, window: int, offset: int,
               kv_lengths: torch.Tensor | None, documents: torch.Tensor | None = None,
-              again=None) -> tuple[torch.Tensor, torch.Tensor]:
+              again=None, dropout_p: float = 0.0,
+              seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` with gradients: :func:`flash_attention` while ``torch.compile``
     traces, the kernels directly otherwise. With ``again`` (a
     :func:`multihead._second_order.spec` of the call's mask), a backward that builds a graph
-    gets gradients that differentiate again; without, it is refused.
+    gets gradients that differentiate again; without, it is refused. ``dropout_p > 0``:
+    dropout on the weights, drawn from ``seed`` (:func:`._dropout.draw`), the same in the
+    backward.
 
     Example:
         >>> import torch
@@ -230,11 +268,14 @@ def attention(q, k, v, scale: float, causal: bool, window: int, offset: int,
         >>> out, lse = attention(q, q, q, 0.25, True, 0, 0, None)              # doctest: +SKIP
     """
     if tracing():
-        return flash_attention(q, k, v, scale, causal, window, offset, kv_lengths, documents)
+        return flash_attention(q, k, v, scale, causal, window, offset, kv_lengths, documents,
+                               dropout_p, seed)
     _refuse_transforms()                # (before the backward ahead builds anything)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        _backward_ahead(q, k, v, scale, causal, window, offset, kv_lengths, documents)
-    return _Flash.apply(q, k, v, scale, causal, window, offset, kv_lengths, documents, again)
+        _backward_ahead(q, k, v, scale, causal, window, offset, kv_lengths, documents,
+                        dropout_p, seed)
+    return _Flash.apply(q, k, v, scale, causal, window, offset, kv_lengths, documents,
+                        dropout_p, seed, again)
 
 
 @torch.library.custom_op("multihead::flash_sparse", mutates_args=())

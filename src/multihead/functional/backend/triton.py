@@ -53,6 +53,12 @@ BACKWARD_EFFICIENCY = 0.6
 #: ``mh.attention`` against SDPA's 44, for 17 and 9 us of kernels, ``benchmarks/triton_step``).
 #: So auto keeps SDPA for decoding and ``backend="triton"`` opts in
 DECODE_HOST_LAUNCHES = 9
+#: a pair's dropout decision in the kernels, in tensor-core FLOPs: an eighth of a Philox
+#: draw (ten rounds, about 100 integer operations) and a few more to unpack, compare and
+#: select, about 18 integer operations, each worth 64 FLOPs on an H100 (an SM's 64 integer
+#: multiplies per clock against its tensor cores' 4,096 bf16 FLOPs). Not measured: a
+#: forward at D=128 (512 FLOPs a pair) is priced about 3x slower with dropout than without
+DROPOUT_FLOPS = 18 * 64
 #: torch ops that turn a mask's tile map into the block lists (clamps, sort, counts), on top
 #: of the map's own (priced as materializing the mask: index grids, one op per leaf)
 LIST_OPS = 8
@@ -165,8 +171,12 @@ def _share(pairs, total) -> str:
 
 
 def _work(call: AttentionCall, pairs: int, block_m: int, launches: float = 1) -> Work:
-    """The forward's (and with gradients, the backward's) work over ``pairs`` computed."""
-    work = Work(flops=2.0 * pairs * (call.D + call.Dv) / EFFICIENCY, kernel="fused",
+    """The forward's (and with gradients, the backward's) work over ``pairs`` computed
+    (with dropout, each pair's draw too: :data:`DROPOUT_FLOPS`)."""
+    flops = 2.0 * pairs * (call.D + call.Dv) / EFFICIENCY
+    if call.dropout_p:
+        flops += DROPOUT_FLOPS * pairs
+    work = Work(flops=flops, kernel="fused",
                 dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=call.group), launches=launches,
                 parallel=call.B * call.H * -(-call.Sq // block_m))  # no split over keys (yet)
     if call.requires_grad:
@@ -214,7 +224,7 @@ class TritonFlash(Backend):
                "packed documents from indices, any other mask by block lists, GQA in place")
     capabilities = Capabilities(devices=frozenset({"cuda"}),
                                 dtypes=frozenset({torch.float16, torch.bfloat16}),
-                                max_head_dim=256, lse=True, weights=True,
+                                max_head_dim=256, lse=True, weights=True, dropout=True,
                                 masks=frozenset({"causal", "window", "padding", "document",
                                                  "dense", "bias", "alibi", "at_positions"}),
                                 transforms=False, forward_ad=False, second_order=True)
@@ -223,6 +233,16 @@ class TritonFlash(Backend):
         band = _band(call)
         if isinstance(band, str):
             return band
+        if call.dropout_p > 0:
+            from ...kernels._dropout import LEVELS, drop_threshold
+            if drop_threshold(call.dropout_p) in (0, LEVELS):
+                return (f"draws dropout at a resolution of 2^-16, where dropout_p = "
+                        f"{call.dropout_p} rounds to {drop_threshold(call.dropout_p) // LEVELS}")
+            if isinstance(band, Sparse):
+                return ("runs dropout with band masks (causal, sliding window), key padding "
+                        "and packed documents only, not with block lists")
+            if call.return_weights:
+                return "returns attention weights without dropout only"
         if call.return_weights and tracing():     # (every mask it runs has a Triton form)
             return ("returns attention weights in eager calls only (the weights kernel is "
                     "no torch operator yet)")
@@ -230,6 +250,9 @@ class TritonFlash(Backend):
 
     def plan(self, call, profile):
         plan = self._plan(call)
+        if call.dropout_p:
+            plan = Plan(plan.work, f"{plan.note}; dropout drawn in the kernels (the rate "
+                                   f"rounded to a multiple of 2^-16)", plan.detail)
         return _with_weights(call, plan) if call.return_weights else plan
 
     def _plan(self, call):
@@ -239,7 +262,7 @@ class TritonFlash(Backend):
             return self._sparse_plan(call, band,
                                      *launch_config("fwd_sparse", call.D, call.Dv,
                                                    queries=call.Sq)[:2])
-        if _decoding_step(call) and band.documents is None:
+        if _decoding_step(call) and band.documents is None and not call.dropout_p:
             return self._decode_plan(call, band)
         bm, bn, _, _ = launch_config("fwd", call.D, call.Dv, band.window)
         pairs = _pairs(call, band, bm, bn)
@@ -298,6 +321,7 @@ class TritonFlash(Backend):
 
     def run(self, call, plan):
         from ...kernels import ops
+        from ...kernels._dropout import draw
         band, name = plan.detail                # ops.attention, ops.decode or ops.sparse
         # what a backward that builds a graph needs to give gradients that differentiate again
         again = second_order.spec(call.effective_mask, call.scale, self.name) \
@@ -310,8 +334,11 @@ class TritonFlash(Backend):
                 lens = band.padding.lengths.expand(call.B).contiguous()
             args = (call.q, call.k, call.v, call.scale, band.causal, band.window or 0,
                     band.offset, lens)
-            out, lse = (ops.decode(*args) if name == "decode" else
-                        ops.attention(*args, band.documents, again))
+            if name == "decode":
+                out, lse = ops.decode(*args)
+            else:                              # (dropout: a seed from torch's generator)
+                seed = draw(call.dropout_p, call.q.device).seed if call.dropout_p else None
+                out, lse = ops.attention(*args, band.documents, again, call.dropout_p, seed)
         weights = kernel_weights(call) if call.return_weights else None
         return out, weights, lse if call.return_lse else None
 
