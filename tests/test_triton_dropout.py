@@ -16,6 +16,7 @@ triton = pytest.importorskip("triton")
 from multihead.kernels import _dropout as drop, ops  # noqa: E402
 from multihead.kernels.flash_bwd import flash_backward  # noqa: E402
 from multihead.kernels.flash_fwd import flash_forward  # noqa: E402
+from test_triton import _mask as band_mask  # noqa: E402
 
 M = mh.masks
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,19 +33,10 @@ CASES = [  # B, H, Hkv, Sq, Sk, D, mask, p
 IDS = [f"{c[6]}-{c[3]}x{c[4]}-H{c[1]}kv{c[2]}-p{c[7]}" for c in CASES]
 
 
-def _mask(name: str, B: int):
-    lengths = torch.tensor([0, 13]) if name == "padding" else torch.tensor([90, 41])[:B]
-    if name == "none":
-        return None
-    band = None
-    if name.startswith("causal"):
-        band = M.causal()
-    elif name.startswith("window"):
-        parts = name.split()
-        band = M.sliding_window(int(parts[1]), align="upper_left" if "upper_left" in name
-                                else "lower_right")
-    pad = M.padding(lengths) if "padding" in name else None
-    return (band if pad is None else pad if band is None else band & pad).to(DEV)
+def _mask(name: str, B: int, Sk: int):
+    """The band masks of ``tests/test_triton.py`` by name, on the kernels' device."""
+    mask = band_mask(name, B, Sk)
+    return mask.to(DEV) if mask is not None else None
 
 
 def _inputs(B, H, Hkv, Sq, Sk, D, seed=0, dtype=torch.float16):
@@ -113,7 +105,7 @@ def test_forward_and_gradients_with_dropout_equal_the_oracle_with_the_kernels_dr
     every gradient is the oracle's for that draw. The lse is the undropped softmax's."""
     B, H, Hkv, Sq, Sk, D, name, p = case
     q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, seed=1)
-    mask = _mask(name, B)
+    mask = _mask(name, B, Sk)
     kw = dict(scale=D ** -0.5, **_band_args(q, k, mask))
     d = drop.draw(p, q.device)
     fwd_cfg, kv_cfg = (None, None) if config is None else config
