@@ -64,6 +64,20 @@ def tiny_tiles():
         yield
 
 
+@pytest.fixture
+def triton_on_this_device(monkeypatch):
+    """The triton backend runs through ``mh.attention`` on this machine's device (under the
+    interpreter on a CPU); plans made meanwhile are forgotten after."""
+    import dataclasses
+    pytest.importorskip("triton")
+    from multihead.functional.backend import triton as tb
+    caps = tb.TritonFlash.capabilities
+    monkeypatch.setattr(tb.TritonFlash, "capabilities", dataclasses.replace(caps, devices=None))
+    mh.functional.dispatch.clear_cache()
+    yield
+    mh.functional.dispatch.clear_cache()
+
+
 def oracle(q, k, v, mask=None, scale=None):
     """The reference backend in float64: the oracle of every test."""
     m = mask.to(q.device) if mask is not None else None

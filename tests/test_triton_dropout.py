@@ -5,8 +5,6 @@ the kernels run interpreted on the CPU (fp16, small shapes)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -201,16 +199,7 @@ def test_the_kernels_refuse_a_bad_dropout_by_name(bad, match):
         flash_forward(q, k, v, scale=0.25, dropout=d)
 
 
-@pytest.fixture
-def triton_on_cpu(monkeypatch):
-    """The triton backend let onto the CPU (its kernels interpreted)."""
-    from multihead.functional import registry
-    be = registry.get("triton")
-    monkeypatch.setattr(be, "capabilities", dataclasses.replace(
-        be.capabilities, devices=frozenset({"cpu", "cuda"})))
-
-
-def test_attention_with_dropout_on_the_backend_draws_from_torchs_generator(triton_on_cpu):
+def test_attention_with_dropout_on_the_backend_draws_from_torchs_generator(triton_on_this_device):
     """``mh.attention(dropout_p=...)`` on the triton backend: the seed comes from torch's
     generator (``torch.manual_seed`` repeats a call, another seed changes it), and the call
     trains as the oracle with the kernels' draws; a decoding step's size with dropout runs
@@ -236,7 +225,7 @@ def test_attention_with_dropout_on_the_backend_draws_from_torchs_generator(trito
            d.keep_scale)
 
 
-def test_the_backend_declines_dropout_where_its_kernels_have_none(triton_on_cpu):
+def test_the_backend_declines_dropout_where_its_kernels_have_none(triton_on_this_device):
     """Block lists (any other mask) and weights with dropout: declined, saying why; auto
     then runs another backend."""
     q, k, v = _inputs(1, 2, 2, 32, 32, 16)
@@ -272,7 +261,7 @@ def test_the_operator_with_dropout_passes_torch_library_opcheck():
                                                 seed))
 
 
-def test_a_backward_that_builds_a_graph_keeps_the_dropout_gradients(triton_on_cpu):
+def test_a_backward_that_builds_a_graph_keeps_the_dropout_gradients(triton_on_this_device):
     """As torch's fused kernels do with dropout (whose draws cannot be replayed by the
     reference), a backward with ``create_graph=True`` gives the kernels' gradients, equal to
     a plain backward's, and differentiating them again (a gradient penalty) raises instead
@@ -292,7 +281,7 @@ def test_a_backward_that_builds_a_graph_keeps_the_dropout_gradients(triton_on_cp
 
 
 @pytest.mark.parametrize("p", [1e-6, 1 - 1e-6])
-def test_a_rate_the_draws_cannot_resolve_is_declined(p, triton_on_cpu):
+def test_a_rate_the_draws_cannot_resolve_is_declined(p, triton_on_this_device):
     """A rate that rounds to 0 or 1 at 2^-16 is declined, saying so (auto runs another
     backend), rather than silently not dropping or dropping everything."""
     q = _inputs(1, 2, 2, 16, 16, 16)[0]
@@ -300,7 +289,7 @@ def test_a_rate_the_draws_cannot_resolve_is_declined(p, triton_on_cpu):
         mh.attention(q, q, q, mask=M.causal(), dropout_p=p, backend="triton")
 
 
-def test_fullgraph_compile_draws_the_seed_in_the_graph(triton_on_cpu):
+def test_fullgraph_compile_draws_the_seed_in_the_graph(triton_on_this_device):
     """Under ``torch.compile(fullgraph=True)`` the seed's draw and the operator trace into
     one graph: with the same generator state it gives the eager call's output, and the
     backward runs the operator's own (a new state, a new draw)."""

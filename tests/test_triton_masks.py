@@ -237,20 +237,9 @@ def test_fullgraph_compile_traces_block_lists_and_kernels_and_a_new_mask_reuses_
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
-@pytest.fixture
-def triton_on_cpu(monkeypatch):
-    """The triton backend let onto the CPU (its kernels interpreted), for tests of its
-    whole path through ``mh.attention``."""
-    import dataclasses
-    from multihead.functional import registry
-    be = registry.get("triton")
-    monkeypatch.setattr(be, "capabilities", dataclasses.replace(
-        be.capabilities, devices=frozenset({"cpu", "cuda"})))
-
-
 @pytest.mark.parametrize("name", ["causal", "window&padding", "packed documents",
                                   "document&alibi"])
-def test_every_route_of_the_backend_traces_whole_under_fullgraph_compile(name, triton_on_cpu):
+def test_every_route_of_the_backend_traces_whole_under_fullgraph_compile(name, triton_on_this_device):
     """``mh.attention(backend="triton")`` inside ``torch.compile(fullgraph=True)``, here on
     the CPU (the backend let onto it, the kernels interpreted): bands run the band operator,
     packed documents (whose host table a graph cannot read) and other masks the block lists
@@ -275,7 +264,7 @@ def test_every_route_of_the_backend_traces_whole_under_fullgraph_compile(name, t
 
 
 @pytest.mark.parametrize("name", ["causal", "packed documents", "alibi"])
-def test_double_backward_through_the_backend_equals_the_reference(name, triton_on_cpu):
+def test_double_backward_through_the_backend_equals_the_reference(name, triton_on_this_device):
     """A backward that builds a graph through the kernels (band, per-document and
     block-sparse routes, whose own backward is first-order only) gets the reference's
     gradients, which a second backward differentiates; with lse, GQA."""
@@ -313,7 +302,7 @@ def test_the_kernels_called_directly_refuse_a_backward_that_builds_a_graph(route
 
 @pytest.mark.parametrize("case", ["causal", "document&alibi", "decode"])
 def test_changing_lengths_under_compile_trace_once_more_not_once_per_length(case,
-                                                                            triton_on_cpu):
+                                                                            triton_on_this_device):
     """With ``torch.compile``'s automatic dynamic shapes, a second length retraces with
     symbolic sizes, and that graph serves every later length: planning and messages read
     no traced size (formatting one failed, or specialized the graph to it)."""
@@ -858,7 +847,7 @@ def test_a_document_table_is_checked_and_scheduled_once_until_it_changes():
         flash_forward(q, q, q, scale=1.0, documents=docs)
 
 
-def test_a_growing_decoding_loop_plans_the_triton_kernel_twice_per_doubling(triton_on_cpu):
+def test_a_growing_decoding_loop_plans_the_triton_kernel_twice_per_doubling(triton_on_this_device):
     """A decoding step with no mask in effect (causal, one query): the split-K kernel's plan
     holds at any key length, so a cache growing across 64 keys plans twice below it and twice
     above, and every step equals the fp64 oracle of its own keys."""
@@ -894,7 +883,7 @@ def _padded_window_steps(backend):
     return out
 
 
-def test_a_padded_cache_with_a_window_and_alibi_decodes_on_the_kernels(triton_on_cpu):
+def test_a_padded_cache_with_a_window_and_alibi_decodes_on_the_kernels(triton_on_this_device):
     """A padded KV cache puts its window and ALiBi at token positions (``at_positions``):
     the kernels run those masks from the positions (refused before), prompt and steps equal
     the module computed in fp64 on the reference backend."""

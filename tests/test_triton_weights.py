@@ -211,18 +211,6 @@ def test_weights_need_no_gradient_where_the_inputs_take_none():
     assert kernel_weights(call).grad_fn is None
 
 
-@pytest.fixture
-def triton_on_this_device(monkeypatch):
-    """The triton backend runs through ``mh.attention`` on this machine's device (under the
-    interpreter on a CPU); plans made meanwhile are forgotten after."""
-    import dataclasses
-    caps = tb.TritonFlash.capabilities
-    monkeypatch.setattr(tb.TritonFlash, "capabilities", dataclasses.replace(caps, devices=None))
-    mh.functional.dispatch.clear_cache()
-    yield
-    mh.functional.dispatch.clear_cache()
-
-
 @pytest.mark.parametrize("name", ["none", "causal&padding", "bias", "alibi", "dense_per_head"])
 def test_attention_returns_the_head_mean_through_the_backend(name, triton_on_this_device):
     """``mh.attention(..., backend="triton", return_weights="mean")``: the kernel's head mean

@@ -33,6 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ._band import cdiv
+from ._launch import launch
+
 #: the resolution of the dropout rate: a pair's number has 16 bits
 LEVELS = 1 << 16
 
@@ -183,11 +186,10 @@ def keep_mask(dropout: Dropout, B: int, H: int, Sq: int, Sk: int,
         >>> keep_mask(d, 1, 2, 64, 64).float().mean()                      # doctest: +SKIP
         tensor(0.75...)
     """
-    from ._launch import launch
     out = torch.empty(B, H, Sq, Sk, dtype=torch.int8, device=dropout.seed.device)
     block = 16
     if out.numel():
-        launch(_keep_grid, (triton.cdiv(Sq, block), triton.cdiv(Sk, block), B * H),
+        launch(_keep_grid, (cdiv(Sq, block), cdiv(Sk, block), B * H),
                dropout.seed, out, H, Sq, Sk, first, dropout.threshold, BLOCK=block,
                num_warps=1, num_stages=1)
     return out.bool()

@@ -133,13 +133,13 @@ class _FirstOrderOnly(torch.autograd.Function):
 
 
 def _gradients(ctx, dout, dlse, backward=flash_attention_backward):
-    if not (ctx.dropout_p and torch.is_grad_enabled()):
+    if not ctx.dropout_p:
         refuse_second_order("triton")
     q, k, v, out, lse, kv_lengths, seed = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout      # the kernels take any strides
     dq, dk, dv = backward(dout, dlse, q, k, v, out, lse, *ctx.args, kv_lengths, ctx.documents,
                           ctx.dropout_p, seed)
-    if torch.is_grad_enabled():                 # (dropout: a backward that builds a graph)
+    if torch.is_grad_enabled():       # (only with dropout: refused above otherwise)
         dq, dk, dv = _FirstOrderOnly.apply(q, dq, dk, dv)
     return dq, dk, dv, *(None,) * 8
 

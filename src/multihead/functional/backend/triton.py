@@ -235,9 +235,10 @@ class TritonFlash(Backend):
             return band
         if call.dropout_p > 0:
             from ...kernels._dropout import LEVELS, drop_threshold
-            if drop_threshold(call.dropout_p) in (0, LEVELS):
+            levels = drop_threshold(call.dropout_p)
+            if levels in (0, LEVELS):
                 return (f"draws dropout at a resolution of 2^-16, where dropout_p = "
-                        f"{call.dropout_p} rounds to {drop_threshold(call.dropout_p) // LEVELS}")
+                        f"{call.dropout_p} rounds to {levels // LEVELS}")
             if isinstance(band, Sparse):
                 return ("runs dropout with band masks (causal, sliding window), key padding "
                         "and packed documents only, not with block lists")
@@ -321,7 +322,6 @@ class TritonFlash(Backend):
 
     def run(self, call, plan):
         from ...kernels import ops
-        from ...kernels._dropout import draw
         band, name = plan.detail                # ops.attention, ops.decode or ops.sparse
         # what a backward that builds a graph needs to give gradients that differentiate again
         again = second_order.spec(call.effective_mask, call.scale, self.name) \
@@ -336,8 +336,11 @@ class TritonFlash(Backend):
                     band.offset, lens)
             if name == "decode":
                 out, lse = ops.decode(*args)
-            else:                              # (dropout: a seed from torch's generator)
-                seed = draw(call.dropout_p, call.q.device).seed if call.dropout_p else None
+            else:
+                seed = None
+                if call.dropout_p:             # a seed from torch's generator, per call
+                    from ...kernels._dropout import draw
+                    seed = draw(call.dropout_p, call.q.device).seed
                 out, lse = ops.attention(*args, band.documents, again, call.dropout_p, seed)
         weights = kernel_weights(call) if call.return_weights else None
         return out, weights, lse if call.return_lse else None
