@@ -171,6 +171,13 @@ def launches():
         flash_backward(o, q, k, k, o, lse, scale=0.1, causal=True, dropout=drop, **kw)
     flash_backward(o, q, k, k, o, lse, scale=0.1, causal=True, window=64, dropout=drop,
                    config=keys_left)
+    # ... and in the block-sparse kernels: a bias (its exact rows in dQ) with padding rows,
+    # and documents & ALiBi with the dK/dV blocks transposed
+    m = M.bias(torch.randn(1, 4, 256, 256)) & M.padding(torch.rand(2, 256) > 0.1)
+    o, lse = sparse_forward(q, k, k, m, scale=0.1, dropout=drop)
+    sparse_backward(o, q, k, k, o, lse, m, scale=0.1, dropout=drop)
+    m = M.document(ids) & M.alibi(4)
+    sparse_backward(o, q, k, k, o, lse, m, scale=0.1, config=keys_left, dropout=drop)
     # the weights, per head and their head mean: no mask, lists shared by the heads, lists
     # of each head's own (the mean evaluates the mask on every block)
     for D in (64, 128):

@@ -94,8 +94,12 @@ def test_the_backend_declines_what_it_cannot_run_and_says_why():
     assert row.plan is not None and "dropout drawn in the kernels" in row.plan.note
     e = mh.explain(q, q, q, mask=M.sliding_window(4) & M.alibi(2), dropout_p=0.1,
                    profile="h100")
-    row = next(r for r in e.rows if r.name == "triton")                # ... block lists not
-    assert row.plan is None and any("runs dropout with band masks" in r for r in row.reasons)
+    row = next(r for r in e.rows if r.name == "triton")                # ... block lists too
+    assert "block lists" in row.plan.note and "dropout drawn in the kernels" in row.plan.note
+    e = mh.explain(q, q, q, mask=M.sliding_window(4), dropout_p=0.1, return_weights=True,
+                   profile="h100")
+    row = next(r for r in e.rows if r.name == "triton")                # ... weights not
+    assert row.plan is None and any("weights without dropout" in r for r in row.reasons)
     g = q.clone().requires_grad_()                      # gradients: the training kernels
     e = mh.explain(g, q, q, mask=M.sliding_window(4), profile="h100", backend="triton")
     assert "split-K" not in str(e)

@@ -1,7 +1,8 @@
-"""Dropout inside our Triton kernels (band masks, key padding, packed documents) against the
-fp64 oracle: the reference's weights times the pairs the kernels keep
-(:func:`multihead.kernels._dropout.keep_mask`), scaled by ``1 / (1 - rate)``. Without a GPU
-the kernels run interpreted on the CPU (fp16, small shapes)."""
+"""Dropout inside our Triton kernels (band masks, key padding, packed documents, and every
+other mask through the block-sparse kernels) against the fp64 oracle: the reference's
+weights times the pairs the kernels keep (:func:`multihead.kernels._dropout.keep_mask`),
+scaled by ``1 / (1 - rate)``. Without a GPU the kernels run interpreted on the CPU (fp16,
+small shapes)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ triton = pytest.importorskip("triton")
 from multihead.kernels import _dropout as drop, ops  # noqa: E402
 from multihead.kernels.flash_bwd import flash_backward  # noqa: E402
 from multihead.kernels.flash_fwd import flash_forward  # noqa: E402
+from multihead.kernels.flash_sparse import sparse_backward, sparse_forward  # noqa: E402
+from conftest import make_masks  # noqa: E402
 from test_triton import _mask as band_mask  # noqa: E402
 
 M = mh.masks
@@ -113,6 +116,42 @@ def test_forward_and_gradients_with_dropout_equal_the_oracle_with_the_kernels_dr
                            config=None if config is None else (kv_cfg, fwd_cfg), **kw)
     keep = drop.keep_mask(d, B, H, Sq, Sk)
     assert 0 < keep.float().mean() < 1
+    _check((out, lse, *grads), q, k, v, mask, keep, d.keep_scale)
+
+
+TILES = (16, 16, 4, 1)                 # FULL, PARTIAL and EMPTY blocks at these sizes
+# (the draws do not depend on the mask: these cover what the mask changes around them, FULL
+# and PARTIAL blocks, EMPTY ones skipped, rows with nothing to attend to, a bias's rows)
+SPARSE_CASES = [(name, TILES, TILES) for name in (
+    "document", "dense", "bias", "padding_query", "causal|dense",
+    "positions(window&alibi)&padding")] + [
+    ("causal&alibi", None, None),                          # the default tiles
+    ("causal&alibi", TILES, (16, 32, 4, 1)),               # dK/dV keys-left, transposed lists
+    ("document", TILES, (16, 32, 4, 1)),
+    ("~dense&alibi", TILES, (16, 32, 4, 1)),
+]
+
+
+@pytest.mark.parametrize("name, tiles, kv_tiles", SPARSE_CASES,
+                         ids=[f"{c[0]}-{'default' if c[1] is None else 'tiles16'}"
+                              f"{'-keys-left' if c[2] and c[2][1] == 32 else ''}"
+                              for c in SPARSE_CASES])
+def test_block_list_kernels_with_dropout_equal_the_oracle_with_the_kernels_draws(
+        name, tiles, kv_tiles):
+    """Every mask kind and composition on the block-sparse kernels (GQA, ``Sq < Sk``, a
+    bias's exact rows in dQ): the forward and both backward kernels drop the pairs
+    :func:`keep_mask` names at their positions in the sequences, over FULL and PARTIAL
+    blocks and the transposed lists of the dK/dV loop, so every output and gradient is the
+    oracle's for that draw."""
+    B, H, Hkv, Sq, Sk, D = 2, 4, 2, 40, 48, 16
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, seed=2)
+    mask = make_masks(B, H, Sq, Sk)[name].to(DEV)
+    d = drop.draw(0.3, q.device)
+    out, lse = sparse_forward(q, k, v, mask, scale=D ** -0.5, config=tiles, dropout=d)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out)
+    grads = sparse_backward(dout, q, k, v, out, lse, mask, scale=D ** -0.5, dropout=d,
+                            config=None if tiles is None else (kv_tiles, tiles))
+    keep = drop.keep_mask(d, B, H, Sq, Sk)
     _check((out, lse, *grads), q, k, v, mask, keep, d.keep_scale)
 
 
@@ -225,17 +264,38 @@ def test_attention_with_dropout_on_the_backend_draws_from_torchs_generator(trito
            d.keep_scale)
 
 
-def test_the_backend_declines_dropout_where_its_kernels_have_none(triton_on_this_device):
-    """Block lists (any other mask) and weights with dropout: declined, saying why; auto
-    then runs another backend."""
+def test_the_backend_declines_weights_with_dropout(triton_on_this_device):
+    """Weights with dropout: declined, saying why; auto then runs another backend."""
     q, k, v = _inputs(1, 2, 2, 32, 32, 16)
-    alibi = M.alibi(2).to(DEV)
-    plan = str(mh.explain(q, k, v, mask=alibi, dropout_p=0.1))
-    assert "triton       cannot run: runs dropout with band masks" in plan
-    plan = str(mh.explain(q, k, v, mask=M.causal(), dropout_p=0.1, return_weights=True))
-    assert "triton       cannot run: returns attention weights without dropout only" in plan
-    with pytest.raises(ValueError, match="runs dropout with band masks"):
-        mh.attention(q, k, v, mask=alibi, dropout_p=0.1, backend="triton")
+    for mask in (M.causal(), M.alibi(2).to(DEV)):
+        plan = str(mh.explain(q, k, v, mask=mask, dropout_p=0.1, return_weights=True))
+        assert "triton       cannot run: returns attention weights without dropout only" in plan
+    with pytest.raises(ValueError, match="returns attention weights without dropout only"):
+        mh.attention(q, k, v, mask=M.causal(), dropout_p=0.1, backend="triton",
+                     return_weights=True)
+
+
+def test_a_block_list_mask_with_dropout_runs_the_sparse_kernels_from_torchs_generator(
+        triton_on_this_device):
+    """``mh.attention(dropout_p=...)`` with ALiBi & padding rows (block lists): the plan
+    says so, ``torch.manual_seed`` repeats the call, and it trains as the oracle with the
+    kernels' draws."""
+    q, k, v = _inputs(2, 4, 2, 30, 40, 16, seed=12)
+    mask = (M.alibi(4) & M.padding(torch.arange(40) < torch.tensor([[40], [17]]))).to(DEV)
+    plan = str(mh.explain(q, k, v, mask=mask, dropout_p=0.2, backend="triton"))
+    assert "block lists" in plan and "dropout drawn in the kernels" in plan
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(5)
+    out = mh.attention(*leaves, mask=mask, dropout_p=0.2, backend="triton")
+    _loss(out, out.new_zeros(1), False).backward()
+    torch.manual_seed(5)
+    assert torch.equal(out.detach(), mh.attention(q, k, v, mask=mask, dropout_p=0.2,
+                                                  backend="triton"))
+    torch.manual_seed(5)
+    d = drop.draw(0.2, q.device)
+    lse = mh.attention(q, k, v, mask=mask, backend="reference", return_lse=True)[1]
+    _check((out.detach(), lse, *(t.grad for t in leaves)), q, k, v, mask,
+           drop.keep_mask(d, 2, 4, 30, 40), d.keep_scale)
 
 
 def test_auto_runs_a_training_window_with_dropout_on_the_kernels_on_an_h100():
@@ -251,27 +311,36 @@ def test_auto_runs_a_training_window_with_dropout_on_the_kernels_on_an_h100():
     assert plan.chosen == "sdpa"
 
 
-def test_the_operator_with_dropout_passes_torch_library_opcheck():
-    """Schema, fake and autograd registration of ``multihead::flash_attention`` with its
-    dropout arguments agree with the kernels (the seed fixes the draws between runs)."""
+def test_the_operators_with_dropout_pass_torch_library_opcheck():
+    """Schema, fake and autograd registration of ``multihead::flash_attention`` and
+    ``multihead::flash_sparse`` with their dropout arguments agree with the kernels (the
+    seed fixes the draws between runs)."""
+    from multihead.kernels.flash_sparse import KERNELS, flatten, plan
     q, k, v = (t.requires_grad_() for t in _inputs(1, 4, 2, 24, 40, 16, seed=6))
     seed = drop.draw(0.2, q.device).seed
     lens = torch.tensor([30], device=DEV)
     torch.library.opcheck(ops.flash_attention, (q, k, v, 0.25, True, 8, 16, lens, None, 0.2,
                                                 seed))
+    mask = (M.alibi(4) & M.causal()).to(DEV)
+    args = flatten(*plan(mask, q, k, v, kernels=tuple(KERNELS)), 24, 40)
+    torch.library.opcheck(ops.flash_sparse, (q, k, v, 0.25, *args, 0.2, seed))
 
 
-def test_a_backward_that_builds_a_graph_keeps_the_dropout_gradients(triton_on_this_device):
+@pytest.mark.parametrize("mask", [M.causal(), M.alibi(2) & M.causal()],
+                         ids=["band", "block-lists"])
+def test_a_backward_that_builds_a_graph_keeps_the_dropout_gradients(mask,
+                                                                    triton_on_this_device):
     """As torch's fused kernels do with dropout (whose draws cannot be replayed by the
     reference), a backward with ``create_graph=True`` gives the kernels' gradients, equal to
     a plain backward's, and differentiating them again (a gradient penalty) raises instead
-    of losing attention's part silently."""
+    of losing attention's part silently: band and block-sparse kernels alike."""
     q, k, v = _inputs(1, 2, 2, 24, 24, 16, seed=8)
+    mask = mask.to(DEV)
     grads = []
     for graph in (False, True):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         torch.manual_seed(3)
-        out = mh.attention(*leaves, mask=M.causal(), dropout_p=0.25, backend="triton")
+        out = mh.attention(*leaves, mask=mask, dropout_p=0.25, backend="triton")
         grads.append(torch.autograd.grad(out.float().square().sum(), leaves,
                                          create_graph=graph))
     for a, b in zip(*grads):
@@ -289,12 +358,15 @@ def test_a_rate_the_draws_cannot_resolve_is_declined(p, triton_on_this_device):
         mh.attention(q, q, q, mask=M.causal(), dropout_p=p, backend="triton")
 
 
-def test_fullgraph_compile_draws_the_seed_in_the_graph(triton_on_this_device):
-    """Under ``torch.compile(fullgraph=True)`` the seed's draw and the operator trace into
-    one graph: with the same generator state it gives the eager call's output, and the
-    backward runs the operator's own (a new state, a new draw)."""
+@pytest.mark.parametrize("mask", [M.sliding_window(7), M.alibi(2) & M.sliding_window(7)],
+                         ids=["band", "block-lists"])
+def test_fullgraph_compile_draws_the_seed_in_the_graph(mask, triton_on_this_device):
+    """Under ``torch.compile(fullgraph=True)`` the seed's draw and the operator (band or
+    block-sparse, its lists traced too) trace into one graph: with the same generator state
+    it gives the eager call's output, and the backward runs the operator's own (a new state,
+    a new draw)."""
     q = _inputs(1, 2, 2, 32, 32, 16, seed=9)[0].requires_grad_()
-    mask = M.sliding_window(7).to(DEV)
+    mask = mask.to(DEV)
     fn = lambda q: mh.attention(q, q, q, mask=mask, dropout_p=0.2, backend="triton")  # noqa: E731
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")

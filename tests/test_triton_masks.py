@@ -238,12 +238,14 @@ def test_fullgraph_compile_traces_block_lists_and_kernels_and_a_new_mask_reuses_
 
 
 @pytest.mark.parametrize("name", ["causal", "window&padding", "packed documents",
-                                  "document&alibi"])
+                                  "document&alibi", "alibi&causal"])
 def test_every_route_of_the_backend_traces_whole_under_fullgraph_compile(name, triton_on_this_device):
     """``mh.attention(backend="triton")`` inside ``torch.compile(fullgraph=True)``, here on
     the CPU (the backend let onto it, the kernels interpreted): bands run the band operator,
     packed documents (whose host table a graph cannot read) and other masks the block lists
-    traced into the graph; forward and gradients equal the eager call's."""
+    traced into the graph (a mask without tensors too, whose tiles a plan once counted in
+    the graph, failing on a data-dependent size); forward and gradients equal the eager
+    call's."""
     B, H, Hkv, S, D = 2, 4, 2, 40, 16
     q, k, v = _inputs(B, H, Hkv, S, S, D, seed=6)
     g = torch.Generator().manual_seed(6)
@@ -251,7 +253,8 @@ def test_every_route_of_the_backend_traces_whole_under_fullgraph_compile(name, t
          "window&padding": M.sliding_window(7) & M.padding(torch.tensor([33, 18])),
          "packed documents": M.document(torch.arange(S) // 9),
          "document&alibi": M.document(torch.sort(torch.randint(0, 4, (B, S), generator=g),
-                                                 dim=1).values) & M.alibi(H)}[name].to(DEV)
+                                                 dim=1).values) & M.alibi(H),
+         "alibi&causal": M.alibi(H) & M.causal()}[name].to(DEV)
     fn = lambda *t: mh.attention(*t, mask=m, backend="triton", return_lse=True)  # noqa: E731
     torch._dynamo.reset()
     backend, graphs = _counting_backend()

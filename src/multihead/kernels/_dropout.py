@@ -16,7 +16,9 @@ is at least ``round(p * 65536)``. So:
 - a block's keys must start at a multiple of 8 (every kernel's blocks start at a multiple
   of their width, at least 16);
 - the stream is ``(b * H + h, first)``: the query head, and the first token of the packed
-  document (0 without documents), whose rows and keys are counted from it.
+  document whose rows and keys are counted from it (the band kernels' per-document
+  schedule); 0 elsewhere, the block-sparse kernels' included (documents from ids there are
+  a mask: rows and keys keep their positions in the sequences).
 
 The seed is a one-element int64 tensor on the device, drawn from torch's generator for the
 device by :func:`draw`, so ``torch.manual_seed`` fixes the draws, nothing is read back to

@@ -16,8 +16,10 @@ as in the oracle), but a row whose every score is below about ``-2.3e38`` report
 clamped log-sum-exp (near ``-2.1e38``) since base 2 cannot hold it in fp32. A row whose
 every visible score carries a huge bias has an lse too large to hold its softmax's sum: the
 backward recomputes that row's maximum and sum (:mod:`._exact_rows`). GQA/MQA,
-empty rows (zeros, lse ``-inf``) and the deterministic backward are as in
-:mod:`.flash_fwd` and :mod:`.flash_bwd`, whose block steps this file reuses.
+empty rows (zeros, lse ``-inf``), dropout (:mod:`._dropout`: a pair's draw keyed by its
+query and key positions in the sequences, the same in the three kernels) and the
+deterministic backward are as in :mod:`.flash_fwd` and :mod:`.flash_bwd`, whose block steps
+this file reuses.
 
 Positions the mask hides may hold anything (padding): on a PARTIAL block a NaN or inf in a
 hidden query, key or value never reaches a row or a gradient (the tiles are cleaned before
@@ -39,6 +41,7 @@ import triton.language as tl
 from ..masks import base as MB
 from ._band import (LOG2E, cdiv, check_arguments, check_inputs, check_pair, empty_outputs,
                     launch_config, load_tile, nonfinite, pow2, program_block)
+from ._dropout import Dropout, drop_args, drop_state
 from ._exact_rows import exact_rows
 from ._launch import launch
 from .flash_bwd import (_dkdv_block, _dq_block, backward_setup, check_backward, keys_left,
@@ -126,10 +129,10 @@ def _list_blocks(q, k_base, v_base, blocks, n_full, n_all, rows, row_ok, qk_scal
                  svn, svd, b, h, Sq, Sk, T, I, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
                  D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CAREFUL: tl.constexpr):
+                 CAREFUL: tl.constexpr, DROPOUT: tl.constexpr, DROP):
     # The online softmax of rows over their list's key blocks: the FULL ones (blocks[:n_full])
-    # as they are, the PARTIAL ones (blocks[n_full:n_all]) through the mask program.
-    # Returns (acc (BLOCK_M, BLOCK_DV), m, l) in fp32.
+    # as they are, the PARTIAL ones (blocks[n_full:n_all]) through the mask program
+    # (DROPOUT, DROP: as in _attend_block). Returns (acc (BLOCK_M, BLOCK_DV), m, l) in fp32.
     acc, m_i, l_i = fresh_state(BLOCK_M, BLOCK_DV)
     if CAREFUL:                # the rare second run (_band.nonfinite): every block masked
         for j in tl.range(0, n_all, num_stages=1):
@@ -137,32 +140,37 @@ def _list_blocks(q, k_base, v_base, blocks, n_full, n_all, rows, row_ok, qk_scal
             acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, Sk, rows,
                                           row_ok, qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq,
                                           T, I, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, False,
-                                          True, MASK_FN, HAS_BIAS, True)
+                                          True, MASK_FN, HAS_BIAS, True, DROPOUT=DROPOUT,
+                                          DROP=DROP)
     else:
         for j in range(0, n_full):                     # blocks every pair of which is allowed
             start = tl.load(blocks + j) * BLOCK_N
             acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, Sk, rows,
                                           row_ok, qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq,
                                           T, I, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, False,
-                                          False, MASK_FN, HAS_BIAS, False)
+                                          False, MASK_FN, HAS_BIAS, False, DROPOUT=DROPOUT,
+                                          DROP=DROP)
         for j in range(n_full, n_all):                 # blocks the mask program evaluates
             start = tl.load(blocks + j) * BLOCK_N
             acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_base, v_base, start, Sk, rows,
                                           row_ok, qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq,
                                           T, I, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, False,
-                                          True, MASK_FN, HAS_BIAS, False)
+                                          True, MASK_FN, HAS_BIAS, False, DROPOUT=DROPOUT,
+                                          DROP=DROP)
     return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
-def _forward_sparse(Q, K, V, O, LSE, NF, NP, IDX, qk_scale,
+def _forward_sparse(Q, K, V, O, LSE, SEED, NF, NP, IDX, qk_scale,
                     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                     sob, soh, som, sod, slb, slh, sib, sih, NL,
-                    H, G, Sq, Sk, T, I, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    H, G, Sq, Sk, T, I, drop_t, keep_scale, MASK_FN: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr):
     pid_m = tl.program_id(0)
     b, h, _, _, m0 = program_block(pid_m, H, IDX, Sq, False, BLOCK_M)     # b int64
+    DROP = drop_state(SEED, b, H, 0, drop_t, keep_scale, DROPOUT)          # absolute positions
     bh = b * H + h
     hk = h // G
     rows = m0 + tl.arange(0, BLOCK_M)                                       # (BLOCK_M,)
@@ -174,12 +182,15 @@ def _forward_sparse(Q, K, V, O, LSE, NF, NP, IDX, qk_scale,
     v_base = V + b * svb + hk * svh
     acc, m_i, l_i = _list_blocks(q, k_base, v_base, blocks, n_full, n_all, rows, row_ok,
                                  qk_scale, skn, skd, svn, svd, b, h, Sq, Sk, T, I, MASK_FN,
-                                 HAS_BIAS, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False)
+                                 HAS_BIAS, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False,
+                                 DROPOUT, DROP)
     if nonfinite(acc):                                 # rare: run again, carefully
         acc, m_i, l_i = _list_blocks(q, k_base, v_base, blocks, n_full, n_all, rows, row_ok,
                                      qk_scale, skn, skd, svn, svd, b, h, Sq, Sk, T, I,
                                      MASK_FN, HAS_BIAS, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M,
-                                     BLOCK_N, True)
+                                     BLOCK_N, True, DROPOUT, DROP)
+    if DROPOUT:                                        # the survivors' 1 / (1 - p)
+        acc = acc * keep_scale
     out, lse = _finish(acc, m_i, l_i)
     tl.store(O + b * sob + h * soh + rows[:, None] * som + dv[None, :] * sod,
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
@@ -192,9 +203,9 @@ def _kv_lists(k, v, Q, DO, LSE, DELTA, NF, NP, IDX, pid_n, b, hk, cols, H, G, Sq
               MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr,
               DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_LEFT: tl.constexpr,
-              CAREFUL: tl.constexpr):
-    # dK, dV (fp32, unscaled) of this program's keys over the query blocks of their
-    # transposed lists, for each query head of the group.
+              CAREFUL: tl.constexpr, DROPOUT: tl.constexpr, DROP):
+    # dK, dV (fp32, unscaled; DROPOUT: dV without its 1 / (1 - p)) of this program's keys
+    # over the query blocks of their transposed lists, for each query head of the group.
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     for g in range(G):                                 # the group's query heads, in registers
@@ -214,34 +225,38 @@ def _kv_lists(k, v, Q, DO, LSE, DELTA, NF, NP, IDX, pid_n, b, hk, cols, H, G, Sq
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start,
                                      Sq, cols, Sk, qk_scale, 0, 0, sqm, sqd, sdm, sdd, b, h, T,
                                      I, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, False, True,
-                                     MASK_FN, HAS_BIAS, KEYS_LEFT, True)
+                                     MASK_FN, HAS_BIAS, KEYS_LEFT, True, DROPOUT=DROPOUT,
+                                     DROP=DROP)
         else:
             for j in range(0, n_full):
                 start = tl.load(blocks + j) * BLOCK_M
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start,
                                      Sq, cols, Sk, qk_scale, 0, 0, sqm, sqd, sdm, sdd, b, h, T,
                                      I, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, False, False,
-                                     MASK_FN, HAS_BIAS, KEYS_LEFT, False)
+                                     MASK_FN, HAS_BIAS, KEYS_LEFT, False, DROPOUT=DROPOUT,
+                                     DROP=DROP)
             for j in range(n_full, n_all):
                 start = tl.load(blocks + j) * BLOCK_M
                 dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, dl_base, start,
                                      Sq, cols, Sk, qk_scale, 0, 0, sqm, sqd, sdm, sdd, b, h, T,
                                      I, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, False, False, True,
-                                     MASK_FN, HAS_BIAS, KEYS_LEFT, False)
+                                     MASK_FN, HAS_BIAS, KEYS_LEFT, False, DROPOUT=DROPOUT,
+                                     DROP=DROP)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
-def _dkdv_sparse(Q, K, V, DO, LSE, DELTA, GK, GV, NF, NP, IDX, scale, qk_scale,
+def _dkdv_sparse(Q, K, V, DO, LSE, DELTA, GK, GV, SEED, NF, NP, IDX, scale, qk_scale,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                  sdb, sdh, sdm, sdd, slb, slh, sib, sih, NL,
-                 H, G, Sq, Sk, T, I, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KEYS_LEFT: tl.constexpr):
+                 H, G, Sq, Sk, T, I, drop_t, keep_scale, MASK_FN: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, KEYS_LEFT: tl.constexpr, DROPOUT: tl.constexpr):
     pid_n = tl.program_id(0)
     Hkv = H // G
     b, hk, _, _, n0 = program_block(pid_n, Hkv, IDX, Sk, False, BLOCK_N)   # b int64
+    DROP = drop_state(SEED, b, H, 0, drop_t, keep_scale, DROPOUT, n0)
     bk = b * Hkv + hk
     cols = n0 + tl.arange(0, BLOCK_N)                                       # (BLOCK_N,)
     dq_ = tl.arange(0, BLOCK_D)
@@ -252,12 +267,14 @@ def _dkdv_sparse(Q, K, V, DO, LSE, DELTA, GK, GV, NF, NP, IDX, scale, qk_scale,
     dk, dv = _kv_lists(k, v, Q, DO, LSE, DELTA, NF, NP, IDX, pid_n, b, hk, cols, H, G, Sq, Sk,
                        T, I, qk_scale, sqb, sqh, sqm, sqd, sdb, sdh, sdm, sdd, slb, slh, sib,
                        sih, NL, MASK_FN, HAS_BIAS, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
-                       KEYS_LEFT, False)
+                       KEYS_LEFT, False, DROPOUT, DROP)
     if nonfinite(dk):                                  # rare: run again, carefully
         dk, dv = _kv_lists(k, v, Q, DO, LSE, DELTA, NF, NP, IDX, pid_n, b, hk, cols, H, G, Sq,
                            Sk, T, I, qk_scale, sqb, sqh, sqm, sqd, sdb, sdh, sdm, sdd, slb,
                            slh, sib, sih, NL, MASK_FN, HAS_BIAS, D, DV, BLOCK_D, BLOCK_DV,
-                           BLOCK_M, BLOCK_N, KEYS_LEFT, True)
+                           BLOCK_M, BLOCK_N, KEYS_LEFT, True, DROPOUT, DROP)
+    if DROPOUT:                                        # dV's 1 / (1 - p), once
+        dv = dv * keep_scale
     # GK, GV (the gradients): contiguous (B, Hkv, Sk, D) and (B, Hkv, Sk, DV)
     tl.store(GK + (bk * Sk + cols[:, None]) * D + dq_[None, :],
              (dk * scale).to(GK.dtype.element_ty), mask=col_ok[:, None] & (dq_[None, :] < D))
@@ -270,39 +287,44 @@ def _q_lists(q, do, lse2, delta, k_base, v_base, blocks, n_full, n_all, rows, ro
              skn, skd, svn, svd, b, h, Sq, Sk, T, I, MASK_FN: tl.constexpr,
              HAS_BIAS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
              BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             CAREFUL: tl.constexpr):
-    # dQ (fp32, unscaled) of rows over their list's key blocks.
+             CAREFUL: tl.constexpr, DROPOUT: tl.constexpr, DROP):
+    # dQ (fp32, unscaled) of rows over their list's key blocks (DROPOUT: as in _dq_block).
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     if CAREFUL:                # the rare second run (_band.nonfinite): every block masked
         for j in tl.range(0, n_all, num_stages=1):
             start = tl.load(blocks + j) * BLOCK_N
             dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, Sk,
                            qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq, T, I, D, DV, BLOCK_D,
-                           BLOCK_DV, BLOCK_N, False, False, True, MASK_FN, HAS_BIAS, True)
+                           BLOCK_DV, BLOCK_N, False, False, True, MASK_FN, HAS_BIAS, True,
+                           DROPOUT=DROPOUT, DROP=DROP)
     else:
         for j in range(0, n_full):
             start = tl.load(blocks + j) * BLOCK_N
             dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, Sk,
                            qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq, T, I, D, DV, BLOCK_D,
-                           BLOCK_DV, BLOCK_N, False, False, False, MASK_FN, HAS_BIAS, False)
+                           BLOCK_DV, BLOCK_N, False, False, False, MASK_FN, HAS_BIAS, False,
+                           DROPOUT=DROPOUT, DROP=DROP)
         for j in range(n_full, n_all):
             start = tl.load(blocks + j) * BLOCK_N
             dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, start, rows, row_ok, Sk,
                            qk_scale, 0, 0, skn, skd, svn, svd, b, h, Sq, T, I, D, DV, BLOCK_D,
-                           BLOCK_DV, BLOCK_N, False, False, True, MASK_FN, HAS_BIAS, False)
+                           BLOCK_DV, BLOCK_N, False, False, True, MASK_FN, HAS_BIAS, False,
+                           DROPOUT=DROPOUT, DROP=DROP)
     return dq
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
-def _dq_sparse(Q, K, V, DO, O, LSE, DLSE, DELTA, PAIRS, GQ, NF, NP, IDX, scale, qk_scale,
-               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+def _dq_sparse(Q, K, V, DO, O, LSE, DLSE, DELTA, PAIRS, GQ, SEED, NF, NP, IDX, scale,
+               qk_scale, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                sdb, sdh, sdm, sdd, slb, slh, sib, sih, NL,
-               H, G, Sq, Sk, T, I, sob, soh, som, sod, HAS_DLSE: tl.constexpr,
-               MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
+               H, G, Sq, Sk, T, I, sob, soh, som, sod, drop_t, keep_scale,
+               HAS_DLSE: tl.constexpr, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               DROPOUT: tl.constexpr):
     pid_m = tl.program_id(0)
     b, h, _, _, m0 = program_block(pid_m, H, IDX, Sq, False, BLOCK_M)     # b int64
+    DROP = drop_state(SEED, b, H, 0, drop_t, keep_scale, DROPOUT)
     bh = b * H + h
     hk = h // G
     rows = m0 + tl.arange(0, BLOCK_M)                                       # (BLOCK_M,)
@@ -323,11 +345,11 @@ def _dq_sparse(Q, K, V, DO, O, LSE, DLSE, DELTA, PAIRS, GQ, NF, NP, IDX, scale, 
                               BLOCK_D, BLOCK_M, BLOCK_N)
     dq = _q_lists(q, do, lse2, delta, k_base, v_base, blocks, n_full, n_all, rows, row_ok,
                   qk_scale, skn, skd, svn, svd, b, h, Sq, Sk, T, I, MASK_FN, HAS_BIAS, D, DV,
-                  BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False)
+                  BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, DROPOUT, DROP)
     if nonfinite(dq):                                  # rare: run again, carefully
         dq = _q_lists(q, do, lse2, delta, k_base, v_base, blocks, n_full, n_all, rows, row_ok,
                       qk_scale, skn, skd, svn, svd, b, h, Sq, Sk, T, I, MASK_FN, HAS_BIAS, D,
-                      DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True)
+                      DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, True, DROPOUT, DROP)
     if HAS_BIAS:
         dq = dq * tl.math.exp2(-lo)[:, None]           # P = exp2(s - hi) * exp2(-lo)
     # GQ (the gradient): contiguous (B, H, Sq, D)
@@ -499,9 +521,12 @@ def _launch(kernel, spec: Launch, by_key: bool, q, v, prog: MaskProgram, pointer
 
 
 def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                prog: MaskProgram, fwd: Launch) -> tuple[torch.Tensor, torch.Tensor]:
+                prog: MaskProgram, fwd: Launch, dropout: Dropout | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel of a :func:`plan` (inputs checked by the caller): ``(out
-    (B, H, Sq, Dv), lse (B, H, Sq) fp32)`` of ``q (B, H, Sq, D)`` over ``k``, ``v``.
+    (B, H, Sq, Dv), lse (B, H, Sq) fp32)`` of ``q (B, H, Sq, D)`` over ``k``, ``v``;
+    ``dropout`` on the weights, as :func:`.flash_fwd.flash_forward`'s (pairs drawn at their
+    positions in the sequences).
 
     Example:
         >>> import torch, multihead as mh
@@ -516,16 +541,20 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         return out, lse
     if Sk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    _launch(_forward_sparse, fwd, KERNELS["fwd"], q, v, prog, (q, k, v, out, lse),
-            (scale * LOG2E,), (*q.stride(), *k.stride(), *v.stride(), *out.stride()))
+    seed, *drop = drop_args(dropout, "sparse_forward", q, lse)
+    _launch(_forward_sparse, fwd, KERNELS["fwd"], q, v, prog, (q, k, v, out, lse, seed),
+            (scale * LOG2E,), (*q.stride(), *k.stride(), *v.stride(), *out.stride()), drop,
+            DROPOUT=dropout is not None)
     return out, lse
 
 
 def run_backward(dout, q, k, v, out, lse, dlse, scale: float, prog: MaskProgram,
-                 kv: Launch, dq_: Launch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 kv: Launch, dq_: Launch, dropout: Dropout | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The two backward kernels of a :func:`plan` (inputs checked by the caller):
     ``(dq, dk, dv)`` shaped as ``q``, ``k``, ``v``, from ``dout (B, H, Sq, Dv)``, the
-    forward's ``out`` and ``lse`` and, when it was used, the lse's gradient ``dlse``.
+    forward's ``out`` and ``lse`` and, when it was used, the lse's gradient ``dlse``;
+    ``dropout``: the forward's own (the same seed: the same pairs dropped).
 
     Example:
         >>> import torch, multihead as mh
@@ -547,19 +576,21 @@ def run_backward(dout, q, k, v, out, lse, dlse, scale: float, prog: MaskProgram,
     # (B, H, Sq, 2), which dQ writes; without one, dQ's PAIRS is unused
     pairs = torch.empty((*lse.shape, 2), device=q.device,
                         dtype=torch.float32) if prog.has_bias else None
+    seed, *drop = drop_args(dropout, "sparse_backward", q, delta)
     # dQ first: it writes the delta of its rows (and their pairs), which dK/dV reads
     _launch(_dq_sparse, dq_, KERNELS["bwd_q"], q, v, prog,
-            (q, k, v, dout, out, lse, dlse, delta, pairs if pairs is not None else delta, dq),
-            scales, strides, out.stride(), HAS_DLSE=has_dlse)
+            (q, k, v, dout, out, lse, dlse, delta, pairs if pairs is not None else delta, dq,
+             seed), scales, strides, (*out.stride(), *drop), HAS_DLSE=has_dlse,
+            DROPOUT=dropout is not None)
     _launch(_dkdv_sparse, kv, KERNELS["bwd_kv"], q, v, prog,
-            (q, k, v, dout, pairs if pairs is not None else lse, delta, dk, dv), scales,
-            strides, KEYS_LEFT=keys_left(*kv.config[:2]))
+            (q, k, v, dout, pairs if pairs is not None else lse, delta, dk, dv, seed), scales,
+            strides, drop, KEYS_LEFT=keys_left(*kv.config[:2]), DROPOUT=dropout is not None)
     return dq, dk, dv
 
 
 def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MB.Mask, *,
                    scale: float, config: tuple[int, int, int, int] | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   dropout: Dropout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q (B, H, Sq, D)`` over ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)``
     under any ``mask`` of our model (except a user's subclass), skipping EMPTY blocks.
 
@@ -567,10 +598,13 @@ def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MB.M
         mask: a :class:`multihead.masks.Mask` whose tensors are on q's device.
         scale: multiplier of the scores.
         config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (default: the measured table).
+        dropout: dropout on the weights (:class:`._dropout.Dropout`: its rate and seed; a
+            pair's draw is keyed by its query and key positions, counted from 0); the
+            backward must get the same.
 
     Returns:
         ``(out (B, H, Sq, Dv) in q's dtype, lse (B, H, Sq) fp32)``; rows with nothing to
-        attend to give zeros and ``-inf``.
+        attend to give zeros and ``-inf``. The lse is the undropped softmax's.
 
     Example:
         >>> import torch, multihead as mh
@@ -582,12 +616,13 @@ def sparse_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MB.M
     scale, config = args.scale, args.config
     prog, (fwd,) = plan(mask, q, k, v, kernels=("fwd",),
                         configs=None if config is None else (config,), fn="sparse_forward")
-    return run_forward(q, k, v, scale, prog, fwd)
+    return run_forward(q, k, v, scale, prog, fwd, dropout)
 
 
 def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, mask: MB.Mask, *, scale: float,
                     dlse: torch.Tensor | None = None, config: tuple | None = None,
+                    dropout: Dropout | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`sparse_forward`'s call (deterministic; the K/V
     gradients summed over each group of query heads in registers). No gradient reaches a
@@ -595,7 +630,8 @@ def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
     Args:
         dout: ``(B, H, Sq, Dv)``; out, lse: what the forward returned; dlse: the gradient
-            of the lse, when it was used; config: ``(dkdv, dq)`` launch tuples.
+            of the lse, when it was used; config: ``(dkdv, dq)`` launch tuples; dropout:
+            the forward's own.
 
     Example:
         >>> import torch, multihead as mh
@@ -610,4 +646,4 @@ def sparse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     check_backward("sparse_backward", dout, q, v, out, lse, dlse)
     prog, (kv, dq) = plan(mask, q, k, v, kernels=("bwd_kv", "bwd_q"), configs=config,
                           fn="sparse_backward")
-    return run_backward(dout, q, k, v, out, lse, dlse, scale, prog, kv, dq)
+    return run_backward(dout, q, k, v, out, lse, dlse, scale, prog, kv, dq, dropout)

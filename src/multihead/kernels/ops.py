@@ -47,6 +47,11 @@ from .mask_program import MaskProgram
 from .._tracing import tracing
 
 
+def _dropout(dropout_p: float, seed: torch.Tensor | None) -> Dropout | None:
+    # an operator's dropout arguments as the kernels take them
+    return Dropout(dropout_p, seed) if dropout_p else None
+
+
 def _kw(scale, causal, window, offset, kv_lengths, documents=None, dropout_p=0.0,
         seed=None) -> dict:
     kw = dict(scale=scale, causal=causal, window=None if window == 0 else window,
@@ -54,7 +59,7 @@ def _kw(scale, causal, window, offset, kv_lengths, documents=None, dropout_p=0.0
     if documents is not None:             # the decode kernel takes no documents
         kw["documents"] = documents
     if dropout_p:                         # (nor dropout)
-        kw["dropout"] = Dropout(dropout_p, seed)
+        kw["dropout"] = _dropout(dropout_p, seed)
     return kw
 
 
@@ -132,15 +137,25 @@ class _FirstOrderOnly(torch.autograd.Function):
             "triton", "differentiating its gradients under dropout"))
 
 
-def _gradients(ctx, dout, dlse, backward=flash_attention_backward):
-    if not ctx.dropout_p:
+def _first_order(dropout_p: float, q: torch.Tensor, gradients) -> tuple:
+    """``gradients()``, the kernels' ``(dq, dk, dv)``, in a backward that may build a graph:
+    without dropout such a backward is refused (the eager paths gave the reference's
+    gradients earlier, where the call asked for them); under dropout it gets them marked
+    first-order only (:class:`_FirstOrderOnly`)."""
+    if not dropout_p:
         refuse_second_order("triton")
+    grads = gradients()
+    if torch.is_grad_enabled():       # (only with dropout: refused above otherwise)
+        grads = _FirstOrderOnly.apply(q, *grads)
+    return grads
+
+
+def _gradients(ctx, dout, dlse, backward=flash_attention_backward):
     q, k, v, out, lse, kv_lengths, seed = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout      # the kernels take any strides
-    dq, dk, dv = backward(dout, dlse, q, k, v, out, lse, *ctx.args, kv_lengths, ctx.documents,
-                          ctx.dropout_p, seed)
-    if torch.is_grad_enabled():       # (only with dropout: refused above otherwise)
-        dq, dk, dv = _FirstOrderOnly.apply(q, dq, dk, dv)
+    dq, dk, dv = _first_order(ctx.dropout_p, q, lambda: backward(
+        dout, dlse, q, k, v, out, lse, *ctx.args, kv_lengths, ctx.documents, ctx.dropout_p,
+        seed))
     return dq, dk, dv, *(None,) * 8
 
 
@@ -281,13 +296,15 @@ def attention(q, k, v, scale: float, causal: bool, window: int, offset: int,
 @torch.library.custom_op("multihead::flash_sparse", mutates_args=())
 def flash_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, source: str,
                  tensors: list[torch.Tensor], ints: list[int], lists: list[torch.Tensor],
-                 configs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of the block-sparse forward: the arguments after ``scale`` are a
-    :func:`.flash_sparse.plan` flattened by :func:`.flash_sparse.flatten` (the mask program's
-    source and arguments; the lengths, and per kernel its block lists and launch config).
-    The lists of the backward kernels ride along when gradients are wanted. ``q (B, H, Sq,
-    D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)``; returns ``out (B, H, Sq, Dv)`` and
-    ``lse (B, H, Sq)`` fp32.
+                 configs: list[int], dropout_p: float = 0.0,
+                 seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of the block-sparse forward: the arguments from ``source`` to
+    ``configs`` are a :func:`.flash_sparse.plan` flattened by :func:`.flash_sparse.flatten`
+    (the mask program's source and arguments; the lengths, and per kernel its block lists
+    and launch config). The lists of the backward kernels ride along when gradients are
+    wanted. ``dropout_p > 0``: dropout drawn from ``seed``, as for :func:`flash_attention`.
+    ``q (B, H, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)``; returns ``out (B, H,
+    Sq, Dv)`` and ``lse (B, H, Sq)`` fp32.
 
     Example:
         >>> import torch, multihead as mh
@@ -298,11 +315,11 @@ def flash_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     """
     check_inputs("flash_sparse", q, k, v, scale=scale)
     prog, launches = unflatten("flash_sparse", q, k, source, tensors, ints, lists, configs)
-    return run_forward(q, k, v, scale, prog, launches[0])
+    return run_forward(q, k, v, scale, prog, launches[0], _dropout(dropout_p, seed))
 
 
 @flash_sparse.register_fake
-def _(q, k, v, scale, source, tensors, ints, lists, configs):
+def _(q, k, v, scale, source, tensors, ints, lists, configs, dropout_p=0.0, seed=None):
     check_inputs("flash_sparse", q, k, v, scale=scale)
     return empty_outputs(q, v)
 
@@ -313,6 +330,7 @@ def flash_sparse_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torc
                           lse: torch.Tensor, scale: float, source: str,
                           tensors: list[torch.Tensor], ints: list[int],
                           lists: list[torch.Tensor], configs: list[int],
+                          dropout_p: float = 0.0, seed: torch.Tensor | None = None,
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``, shaped as ``q``, ``k``, ``v``, of :func:`flash_sparse`'s call,
     whose plan must hold all three kernels (``kernels=tuple(KERNELS)``); ``dout (B, H, Sq,
@@ -325,30 +343,35 @@ def flash_sparse_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torc
         raise ValueError(f"{fn}: the plan must hold the forward's and both backward kernels' "
                          f"lists (3 kernels), got {len(launches)}: plan with "
                          f"kernels=('fwd', 'bwd_kv', 'bwd_q')")
-    return run_backward(dout, q, k, v, out, lse, dlse, scale, prog, *launches[1:])
+    return run_backward(dout, q, k, v, out, lse, dlse, scale, prog, *launches[1:],
+                        _dropout(dropout_p, seed))
 
 
 @flash_sparse_backward.register_fake
-def _(dout, dlse, q, k, v, out, lse, scale, source, tensors, ints, lists, configs):
+def _(dout, dlse, q, k, v, out, lse, scale, source, tensors, ints, lists, configs,
+      dropout_p=0.0, seed=None):
     return empty_like_all(q, k, v)                 # contiguous, as the kernels' gradients
 
 
 def _sparse_setup(ctx, inputs, output):
-    q, k, v, scale, source, tensors, ints, lists, configs = inputs
-    ctx.save_for_backward(q, k, v, *output, *tensors, *lists)
+    q, k, v, scale, source, tensors, ints, lists, configs, dropout_p, seed = inputs
+    ctx.save_for_backward(q, k, v, *output, seed, *tensors, *lists)
     ctx.args = (scale, source, len(tensors), ints, configs, len(lists))
+    ctx.dropout_p = dropout_p
 
 
 @without_autocast
 def _sparse_gradients(ctx, dout, dlse):
-    refuse_second_order("triton")
-    q, k, v, out, lse, *rest = ctx.saved_tensors
+    q, k, v, out, lse, seed, *rest = ctx.saved_tensors
     scale, source, n, ints, configs, n_lists = ctx.args
     dout = torch.zeros_like(out) if dout is None else dout
-    dq, dk, dv = flash_sparse_backward(dout, dlse, q, k, v, out, lse, scale, source,
-                                       rest[:n], ints, rest[n:], configs)
-    # no gradient for the rest (a list of tensors gets a list of Nones)
-    return dq, dk, dv, None, None, [None] * n, None, [None] * n_lists, None
+    dq, dk, dv = _first_order(ctx.dropout_p, q, lambda: flash_sparse_backward(
+        dout, dlse, q, k, v, out, lse, scale, source, rest[:n], ints, rest[n:], configs,
+        ctx.dropout_p, seed))
+    # no gradient for the rest (a list of tensors gets a list of Nones), for the inputs the
+    # call passed (the dispatcher drops trailing arguments equal to their defaults)
+    grads = (dq, dk, dv, None, None, [None] * n, None, [None] * n_lists, None, None, None)
+    return grads[:len(ctx.needs_input_grad)]
 
 
 flash_sparse.register_autograd(_sparse_gradients, setup_context=_sparse_setup)
@@ -359,14 +382,14 @@ class _Sparse(_Direct):
     (the backward's lists are built only when a backward runs)."""
 
     @staticmethod
-    def forward(q, k, v, mask, scale, again):
-        return sparse_forward(q, k, v, mask, scale=scale)
+    def forward(q, k, v, mask, scale, dropout_p, seed, again):
+        return sparse_forward(q, k, v, mask, scale=scale, dropout=_dropout(dropout_p, seed))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, mask, scale, ctx.again = inputs
+        q, k, v, mask, scale, ctx.dropout_p, seed, ctx.again = inputs
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, *output)
+        ctx.save_for_backward(q, k, v, *output, seed)
         ctx.mask, ctx.scale = mask, scale
         # as the forward read the mask's tensors (a spec of this mask read them already)
         same = ctx.again is not None and ctx.again.mask is mask
@@ -375,23 +398,27 @@ class _Sparse(_Direct):
     @staticmethod
     @without_autocast
     def backward(ctx, dout, dlse):
-        early = _early(ctx, dout, dlse, 6)
+        early = _early(ctx, dout, dlse, 8)
         if early is not None:
             return early
-        refuse_second_order("triton")
+        if not ctx.dropout_p:
+            refuse_second_order("triton")      # (before waiting on a compile)
         _ahead.wait()                          # its kernels, if compiling ahead
         ctx.mask._check_unchanged(ctx.versions, "triton backward")
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, seed = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
-        dq, dk, dv = sparse_backward(dout, q, k, v, out, lse, ctx.mask, scale=ctx.scale,
-                                     dlse=dlse)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = _first_order(ctx.dropout_p, q, lambda: sparse_backward(
+            dout, q, k, v, out, lse, ctx.mask, scale=ctx.scale, dlse=dlse,
+            dropout=_dropout(ctx.dropout_p, seed)))
+        return dq, dk, dv, *(None,) * 5
 
 
-def sparse(q, k, v, mask, scale: float, again=None) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse(q, k, v, mask, scale: float, again=None, dropout_p: float = 0.0,
+           seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` under any supported mask, with gradients: :func:`flash_sparse` while
     ``torch.compile`` traces (the mask's plan is traced with it, so its tensors are graph
-    inputs), the kernels directly otherwise. ``again``: as for :func:`attention`.
+    inputs), the kernels directly otherwise. ``again``, ``dropout_p`` and ``seed``: as for
+    :func:`attention`.
 
     Example:
         >>> import torch, multihead as mh
@@ -401,14 +428,16 @@ def sparse(q, k, v, mask, scale: float, again=None) -> tuple[torch.Tensor, torch
     if tracing():
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         prog, launches = plan(mask, q, k, v, kernels=tuple(KERNELS) if grad else ("fwd",))
-        return flash_sparse(q, k, v, scale, *flatten(prog, launches, q.shape[2], k.shape[2]))
+        return flash_sparse(q, k, v, scale, *flatten(prog, launches, q.shape[2], k.shape[2]),
+                            dropout_p, seed)
     _refuse_transforms()                # (before the mask's program is built and kept)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        _sparse_backward_ahead(q, k, v, mask, scale)
-    return _Sparse.apply(q, k, v, mask, scale, again)
+        _sparse_backward_ahead(q, k, v, mask, scale, dropout_p, seed)
+    return _Sparse.apply(q, k, v, mask, scale, dropout_p, seed, again)
 
 
-def _sparse_backward_ahead(q, k, v, mask, scale: float) -> None:
+def _sparse_backward_ahead(q, k, v, mask, scale: float, dropout_p: float = 0.0,
+                           seed: torch.Tensor | None = None) -> None:
     """:func:`_backward_ahead` for the block-sparse kernels, once per mask program: the
     program's tensors and the backward's block lists are stand-ins too, the lists shaped
     as :func:`.flash_sparse.block_lists` builds them for the backward's blocks (the mask's
@@ -420,7 +449,7 @@ def _sparse_backward_ahead(q, k, v, mask, scale: float) -> None:
     except Exception:             # noqa: BLE001 - the forward reports it
         return
     key = ("sparse", q.device, q.dtype, k.dtype, v.dtype, D, Dv, prog.source,
-           tuple(t.dtype for t in prog.tensors))
+           tuple(t.dtype for t in prog.tensors), dropout_p > 0)
 
     def lists(name: str, Bm: int, Hm: int) -> Launch:
         config = launch_config(name, D, Dv)
@@ -433,13 +462,14 @@ def _sparse_backward_ahead(q, k, v, mask, scale: float) -> None:
         _, (fwd,) = plan(mask, q, k, v, kernels=("fwd",), fn="sparse_forward")
         Bm, Hm = fwd.lists[0].shape[:2]                    # the mask's B', H' (1: broadcast)
         s = _ahead.stand_in
-        qs, ks, vs = s(q), s(k), s(v)
+        qs, ks, vs, seeds = s(q), s(k), s(v), s(seed)
         stand_ins = MaskProgram(prog.source, tuple(map(s, prog.tensors)), prog.ints)
         kv, dq = lists("bwd_kv", Bm, Hm), lists("bwd_q", Bm, Hm)
 
         def backward():
             out, lse = empty_outputs(qs, vs)
-            run_backward(out, qs, ks, vs, out, lse, None, scale, stand_ins, kv, dq)
+            run_backward(out, qs, ks, vs, out, lse, None, scale, stand_ins, kv, dq,
+                         _dropout(dropout_p, seeds))
         return backward
 
     _ahead.compile_ahead(key, q.device, prepare)

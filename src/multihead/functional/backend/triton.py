@@ -239,9 +239,6 @@ class TritonFlash(Backend):
             if levels in (0, LEVELS):
                 return (f"draws dropout at a resolution of 2^-16, where dropout_p = "
                         f"{call.dropout_p} rounds to {levels // LEVELS}")
-            if isinstance(band, Sparse):
-                return ("runs dropout with band masks (causal, sliding window), key padding "
-                        "and packed documents only, not with block lists")
             if call.return_weights:
                 return "returns attention weights without dropout only"
         if call.return_weights and tracing():     # (every mask it runs has a Triton form)
@@ -279,9 +276,11 @@ class TritonFlash(Backend):
     def _sparse_plan(self, call, sparse, bm, bn):
         mask = sparse.mask
         pairs = call.pairs                              # a bias only: every block is FULL
-        if mask.has_predicate and not mask.on_host:     # counting its tiles would sync
+        if mask.has_predicate and (tracing() or not mask.on_host):
+            why = ("not counted while tracing: the graph builds them" if tracing() else
+                   "counting them would read the device")
             note = (f"block lists built on {call.q.device}, EMPTY blocks skipped; priced as if "
-                    f"every block were visited (counting them would read the device)")
+                    f"every block were visited ({why})")
         else:
             if mask.has_predicate:
                 pairs = int(mask._tile_map(call.Sq, call.Sk, tile_q=bm, tile_k=bn, device="cpu",
@@ -326,8 +325,13 @@ class TritonFlash(Backend):
         # what a backward that builds a graph needs to give gradients that differentiate again
         again = second_order.spec(call.effective_mask, call.scale, self.name) \
             if second_order.wanted(call) else None
+        seed = None
+        if call.dropout_p:                      # a seed from torch's generator, per call
+            from ...kernels._dropout import draw
+            seed = draw(call.dropout_p, call.q.device).seed
         if name == "sparse":
-            out, lse = ops.sparse(call.q, call.k, call.v, band.mask, call.scale, again)
+            out, lse = ops.sparse(call.q, call.k, call.v, band.mask, call.scale, again,
+                                  call.dropout_p, seed)
         else:
             lens = None
             if band.padding is not None:        # one length per row of the batch, on device
@@ -337,10 +341,6 @@ class TritonFlash(Backend):
             if name == "decode":
                 out, lse = ops.decode(*args)
             else:
-                seed = None
-                if call.dropout_p:             # a seed from torch's generator, per call
-                    from ...kernels._dropout import draw
-                    seed = draw(call.dropout_p, call.q.device).seed
                 out, lse = ops.attention(*args, band.documents, again, call.dropout_p, seed)
         weights = kernel_weights(call) if call.return_weights else None
         return out, weights, lse if call.return_lse else None
