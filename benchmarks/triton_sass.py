@@ -35,13 +35,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-#: case name -> mask expression over M = mh.masks (None: the band kernels, window 512)
+#: case name -> mask expression over M = mh.masks (None: the band kernels, window 512); a
+#: name ending in ", dropout" compiles the kernels that draw dropout
 CASES = {"window 512": None, "window 512, dropout": None,
          "documents (ids)": "M.document(torch.arange(S) // 100)",
          "alibi": "M.alibi(H)", "causal & alibi": "M.causal() & M.alibi(H)",
+         "causal & alibi, dropout": "M.causal() & M.alibi(H)",
          "bias tile": "M.bias(torch.randn(1, H, S, S))",
          # the weights kernels (per head and their head mean) instead of the attention's
          "weights, no mask": "None", "weights, causal & alibi": "M.causal() & M.alibi(H)",
+         "weights, causal & alibi, dropout": "M.causal() & M.alibi(H)",
          "weights, dense per head": "M.dense(torch.rand(1, H, S, S) > 0.5)"}
 
 #: the instruction classes shown beside each loop's total
@@ -90,21 +93,23 @@ def compile_case(name: str, D: int = 128) -> list[tuple[str, object]]:
     from multihead.kernels.weights import attention_weights
     B, H, S = 1, 16, 1024
     q = torch.zeros(B, H, S, D, dtype=torch.bfloat16)
+    # drawn in the kernels (the seed unread here)
+    drop = Dropout(0.1, torch.zeros(1, dtype=torch.int64)) if name.endswith(", dropout") \
+        else None
     with compile_only(90) as done:
-        if name.startswith("weights"):
-            mask = eval(CASES[name], {"M": mh.masks, "torch": torch, "S": S, "H": H})  # noqa: S307
-            for average in (False, True):
-                attention_weights(q, q, mask, scale=0.1, average=average)
-        elif CASES[name] is None:
-            kw = dict(scale=0.1, causal=True, window=512, offset=0, kv_lengths=None)
-            if name.endswith("dropout"):         # drawn in the kernels (seed unread here)
-                kw["dropout"] = Dropout(0.1, torch.zeros(1, dtype=torch.int64))
+        if CASES[name] is None:
+            kw = dict(scale=0.1, causal=True, window=512, offset=0, kv_lengths=None,
+                      dropout=drop)
             o, lse = flash_forward(q, q, q, **kw)
             flash_backward(o, q, q, q, o, lse, **kw)
+            return done
+        mask = eval(CASES[name], {"M": mh.masks, "torch": torch, "S": S, "H": H})  # noqa: S307
+        if name.startswith("weights"):
+            for average in (False, True):
+                attention_weights(q, q, mask, scale=0.1, average=average, dropout=drop)
         else:
-            mask = eval(CASES[name], {"M": mh.masks, "torch": torch, "S": S, "H": H})  # noqa: S307
-            o, lse = sparse_forward(q, q, q, mask, scale=0.1)
-            sparse_backward(o, q, q, q, o, lse, mask, scale=0.1)
+            o, lse = sparse_forward(q, q, q, mask, scale=0.1, dropout=drop)
+            sparse_backward(o, q, q, q, o, lse, mask, scale=0.1, dropout=drop)
     return done
 
 

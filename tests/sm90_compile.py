@@ -185,6 +185,8 @@ def launches():
         for m in (None, M.causal() & M.alibi(4), M.dense(torch.rand(1, 4, 256, 256) > 0.5)):
             for average in (False, True):
                 attention_weights(q, k, m, scale=0.1, average=average)
+                if m is not None:                       # with the attention kernels' draws
+                    attention_weights(q, k, m, scale=0.1, average=average, dropout=drop)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Dropout inside our Triton kernels (band masks, key padding, packed documents, and every
-other mask through the block-sparse kernels) against the fp64 oracle: the reference's
-weights times the pairs the kernels keep (:func:`multihead.kernels._dropout.keep_mask`),
-scaled by ``1 / (1 - rate)``. Without a GPU the kernels run interpreted on the CPU (fp16,
-small shapes)."""
+other mask through the block-sparse kernels; the weights kernel) against the fp64 oracle:
+the reference's weights times the pairs the kernels keep
+(:func:`multihead.kernels._dropout.keep_mask`), scaled by ``1 / (1 - rate)``. Without a GPU
+the kernels run interpreted on the CPU (fp16, small shapes)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from multihead.kernels import _dropout as drop, ops  # noqa: E402
 from multihead.kernels.flash_bwd import flash_backward  # noqa: E402
 from multihead.kernels.flash_fwd import flash_forward  # noqa: E402
 from multihead.kernels.flash_sparse import sparse_backward, sparse_forward  # noqa: E402
+from multihead.kernels.weights import attention_weights  # noqa: E402
 from conftest import make_masks  # noqa: E402
 from test_triton import _mask as band_mask  # noqa: E402
 
@@ -264,15 +265,84 @@ def test_attention_with_dropout_on_the_backend_draws_from_torchs_generator(trito
            d.keep_scale)
 
 
-def test_the_backend_declines_weights_with_dropout(triton_on_this_device):
-    """Weights with dropout: declined, saying why; auto then runs another backend."""
-    q, k, v = _inputs(1, 2, 2, 32, 32, 16)
-    for mask in (M.causal(), M.alibi(2).to(DEV)):
-        plan = str(mh.explain(q, k, v, mask=mask, dropout_p=0.1, return_weights=True))
-        assert "triton       cannot run: returns attention weights without dropout only" in plan
-    with pytest.raises(ValueError, match="returns attention weights without dropout only"):
-        mh.attention(q, k, v, mask=M.causal(), dropout_p=0.1, backend="triton",
-                     return_weights=True)
+def _dropped_weights(q, k, mask, keep, keep_scale, dtype, average=False):
+    """The reference's weights in ``dtype`` times ``keep * keep_scale`` (``average``: their
+    head mean)."""
+    if isinstance(mask, M.Bias) and dtype == torch.float64:
+        mask = M.bias(mask.raw.double())
+    q, k = q.to(dtype), k.to(dtype)
+    w = mh.attention(q, k, k, mask=mask, backend="reference", return_weights=True)[1]
+    w = w * keep.to(dtype) * keep_scale
+    return w.mean(dim=1) if average else w
+
+
+@pytest.mark.parametrize("average", [False, True], ids=["heads", "mean"])
+@pytest.mark.parametrize("name", ["none", "causal", "causal&alibi", "dense", "padding_query"])
+def test_the_weights_kernel_drops_the_pairs_the_attention_kernels_drop(name, average):
+    """The weights per head and their head mean, with the attention kernels' draws (kept
+    weights scaled by ``1 / (1 - rate)``, dropped ones 0), as torch's module returns them in
+    training: no mask, a band, a bias's block lists, a mask whose lists differ by head (the
+    mean evaluates every block), rows with nothing to attend to (zeros)."""
+    B, H, Hkv, Sq, Sk, D = 2, 4, 2, 40, 48, 16
+    q, k, _ = _inputs(B, H, Hkv, Sq, Sk, D, seed=13)
+    mask = make_masks(B, H, Sq, Sk).get(name)
+    mask = mask.to(DEV) if mask is not None else None
+    d = drop.draw(0.3, q.device)
+    w = attention_weights(q, k, mask, scale=D ** -0.5, average=average, config=TILES,
+                          dropout=d)
+    keep = drop.keep_mask(d, B, H, Sq, Sk)
+    ref = _dropped_weights(q, k, mask, keep, d.keep_scale, torch.float64, average)
+    plain = _dropped_weights(q, k, mask, keep, d.keep_scale, torch.float32, average)
+    err = (w.double() - ref).abs().max()
+    base = (plain.to(q.dtype).double() - ref).abs().max()
+    assert w.shape == ref.shape and err <= 2 * base + 2 * torch.finfo(q.dtype).eps, (err, base)
+    if not average:                                # every dropped pair exactly 0
+        assert (w[~keep] == 0).all() and ((w == 0) & (ref != 0)).sum() == 0
+
+
+@pytest.mark.parametrize("name", ["window & padding", "alibi & causal", "packed documents"])
+def test_the_weights_with_dropout_are_those_the_output_was_made_of(name,
+                                                                  triton_on_this_device):
+    """``mh.attention(dropout_p=..., return_weights=True)`` on the triton backend: the output
+    is the returned weights times the values (one draw for both kernels), their head mean
+    is the weights' (the same seed under the same generator state), and the weights' own
+    gradient is the reference's times the draws. Packed documents (which the band kernels
+    would draw per document) go through the block lists."""
+    B, H, Hkv, S, D = 2, 4, 2, 40, 16
+    q, k, v = _inputs(B, H, Hkv, S, S, D, seed=14)
+    mask = {"window & padding": M.sliding_window(9) & M.padding(torch.tensor([40, 23])),
+            "alibi & causal": M.alibi(H) & M.causal(),
+            "packed documents": M.document(torch.arange(S) // 11)}[name].to(DEV)
+    plan = str(mh.explain(q, k, v, mask=mask, dropout_p=0.25, return_weights=True,
+                          backend="triton"))
+    assert "dropout drawn in the kernels" in plan and "weights kernel" in plan
+    assert ("block lists" in plan) == (name != "window & padding")
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(4)
+    out, w = mh.attention(*leaves, mask=mask, dropout_p=0.25, return_weights=True,
+                          backend="triton")
+    made = w.double() @ v.double().repeat_interleave(H // Hkv, dim=1)
+    torch.testing.assert_close(out.double(), made, atol=4e-3, rtol=4e-3)
+    torch.manual_seed(4)
+    _, mean = mh.attention(q, k, v, mask=mask, dropout_p=0.25, return_weights="mean",
+                           backend="triton")
+    torch.testing.assert_close(mean.float(), w.detach().float().mean(dim=1), atol=1e-3,
+                               rtol=1e-3)
+    r = torch.randn(w.shape, generator=torch.Generator().manual_seed(15)).to(DEV)
+    (w.float() * r).sum().backward()
+    torch.manual_seed(4)
+    d = drop.draw(0.25, q.device)
+    keep = drop.keep_mask(d, B, H, S, S)
+    for dtype in (torch.float64, torch.float32):
+        qk = [t.detach().to(dtype).requires_grad_() for t in (q, k)]
+        (_dropped_weights(*qk, mask, keep, d.keep_scale, dtype) * r.to(dtype)).sum().backward()
+        if dtype == torch.float64:
+            ref = [t.grad for t in qk]
+        else:
+            base = [(t.grad.to(q.dtype).double() - g).abs().max() for t, g in zip(qk, ref)]
+    for leaf, g, b in zip(leaves, ref, base):
+        err = (leaf.grad.double() - g).abs().max()
+        assert err <= 2 * b + 4 * torch.finfo(q.dtype).eps * g.abs().max(), (err, b)
 
 
 def test_a_block_list_mask_with_dropout_runs_the_sparse_kernels_from_torchs_generator(
@@ -324,6 +394,13 @@ def test_the_operators_with_dropout_pass_torch_library_opcheck():
     mask = (M.alibi(4) & M.causal()).to(DEV)
     args = flatten(*plan(mask, q, k, v, kernels=tuple(KERNELS)), 24, 40)
     torch.library.opcheck(ops.flash_sparse, (q, k, v, 0.25, *args, 0.2, seed))
+
+
+def test_the_weights_kernel_refuses_a_bad_dropout_by_name():
+    q, k, _ = _inputs(1, 2, 2, 16, 16, 16)
+    with pytest.raises(ValueError, match=r"attention_weights: dropout.p must be a float"):
+        attention_weights(q, k, None, scale=0.25, dropout=drop.Dropout(
+            2.0, torch.zeros(1, dtype=torch.int64, device=DEV)))
 
 
 @pytest.mark.parametrize("mask", [M.causal(), M.alibi(2) & M.causal()],

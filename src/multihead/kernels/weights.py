@@ -45,6 +45,7 @@ import triton.language as tl
 from ..masks import base as MB
 from ._band import LOG2E, cdiv, check_inputs, launch_config, load_tile, masked_scores, pow2, \
     program_block
+from ._dropout import Dropout, drop_args, drop_state, kept
 from ._exact_rows import block_start, row_stats
 from ._launch import launch
 from .flash_sparse import _entry, _list_strides, plan
@@ -56,12 +57,16 @@ MEAN_DYNAMIC = ["Sq", "Sk", "NL", "n_unmasked", "slb", "sib"]
 
 
 @triton.jit
-def _probs(q, k, m_i, l_i, cols, rows, row_ok, qk_scale, b, h, Sq, Sk, T, I,
-           MASKED: tl.constexpr, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # The weights of rows over the keys `cols` of the tile k: exp2(s - m) / l, 0 where
-    # MASKED finds the pair hidden or the row sees nothing (l = 0), NaN across a row whose
-    # sum is NaN (it sees a NaN or +inf score: the reference's softmax of that row is NaN
-    # at every key, hidden ones included). fp32 (rows, BLOCK_N).
+def _probs(q, k, m_i, l_i, start, rows, row_ok, qk_scale, b, h, Sq, Sk, T, I,
+           MASKED: tl.constexpr, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
+           BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, DROP):
+    # The weights of rows over the keys [start, start + BLOCK_N) of the tile k: exp2(s - m)
+    # / l, 0 where MASKED finds the pair hidden or the row sees nothing (l = 0), NaN across
+    # a row whose sum is NaN (it sees a NaN or +inf score: the reference's softmax of that
+    # row is NaN at every key, hidden ones included); DROPOUT: times the attention kernels'
+    # keep / (1 - p) (DROP: _dropout.drop_state; a NaN row stays NaN, as torch's dropout
+    # leaves it). fp32 (rows, BLOCK_N).
+    cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
     s = tl.dot(q, tl.trans(k)) * qk_scale                                  # (rows, BLOCK_N)
     s, ok = masked_scores(s, b, h, rows[:, None], cols[None, :], row_ok[:, None], Sq, Sk,
                           0, 0, T, I, False, False, MASKED, MASK_FN, HAS_BIAS)
@@ -70,7 +75,10 @@ def _probs(q, k, m_i, l_i, cols, rows, row_ok, qk_scale, b, h, Sq, Sk, T, I,
         live = live & ok
     shift = tl.where(m_i == float("-inf"), 0.0, m_i)                      # (rows,)
     p = tl.math.exp2(s - shift[:, None]) / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    return tl.where((l_i != l_i)[:, None], float("nan"), tl.where(live, p, 0.0))
+    p = tl.where((l_i != l_i)[:, None], float("nan"), tl.where(live, p, 0.0))
+    if DROPOUT:
+        p = p * tl.where(kept(DROP, h, rows, start, p.shape[0], BLOCK_N), DROP[4], 0.0)
+    return p
 
 
 @triton.jit
@@ -84,7 +92,8 @@ def _empty_probs(l_i, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 def _write_block(w_base, q, k_base, m_i, l_i, start, rows, row_ok, qk_scale, skn, skd, swm,
                  swn, b, h, Sq, Sk, T, I, MASKED: tl.constexpr, ZERO: tl.constexpr,
                  MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DROPOUT: tl.constexpr, DROP):
     # One head's weights of rows over the keys [start, start + BLOCK_N), stored; ZERO: an
     # EMPTY block, without a product.
     cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
@@ -92,24 +101,26 @@ def _write_block(w_base, q, k_base, m_i, l_i, start, rows, row_ok, qk_scale, skn
         p = _empty_probs(l_i, BLOCK_M, BLOCK_N)
     else:
         k = load_tile(k_base, cols, Sk, skn, skd, D, BLOCK_D, MASKED)       # (BLOCK_N, BLOCK_D)
-        p = _probs(q, k, m_i, l_i, cols, rows, row_ok, qk_scale, b, h, Sq, Sk, T, I, MASKED,
-                   MASK_FN, HAS_BIAS)
+        p = _probs(q, k, m_i, l_i, start, rows, row_ok, qk_scale, b, h, Sq, Sk, T, I, MASKED,
+                   MASK_FN, HAS_BIAS, BLOCK_N, DROPOUT, DROP)
     # (int64: one head's Sq * Sk weights may pass 2^31)
     tl.store(w_base + rows[:, None].to(tl.int64) * swm + cols[None, :] * swn,
              p.to(w_base.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < Sk))
 
 
 @triton.jit(do_not_specialize=DYNAMIC)
-def _weights(Q, K, W, NF, NP, IDX, qk_scale,
+def _weights(Q, K, W, SEED, NF, NP, IDX, qk_scale,
              sqb, sqh, sqm, sqd, skb, skh, skn, skd, swb, swh, swm, swn,
-             slb, slh, sib, sih, NL, H, G, Sq, Sk, T, I, LISTS: tl.constexpr,
-             MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, STATS: tl.constexpr,
-             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr):
+             slb, slh, sib, sih, NL, H, G, Sq, Sk, T, I, drop_t, keep_scale,
+             LISTS: tl.constexpr, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
+             STATS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr):
     # One head's weights of one query block (W: (B, H, Sq, Sk)); STATS: only the rows'
-    # softmax statistics, into W: (B, H, 2, Sq) fp32, (m, l) in base 2.
+    # softmax statistics, into W: (B, H, 2, Sq) fp32, (m, l) in base 2. DROPOUT: the
+    # weights dropped as the attention kernels dropped them (_dropout, from SEED).
     pid_m = tl.program_id(0)
     b, h, _, _, m0 = program_block(pid_m, H, IDX, Sq, False, BLOCK_M)     # b int64
+    DROP = drop_state(SEED, b, H, 0, drop_t, keep_scale, DROPOUT)
     rows = m0 + tl.arange(0, BLOCK_M)                                       # (BLOCK_M,)
     row_ok = rows < Sq
     q = load_tile(Q + b * sqb + h * sqh, rows, Sq, sqm, sqd, D, BLOCK_D, True)  # (BLOCK_M, BLOCK_D)
@@ -129,24 +140,30 @@ def _weights(Q, K, W, NF, NP, IDX, qk_scale,
         for j in range(0, n_full):                     # blocks every pair of which is allowed
             _write_block(w_base, q, k_base, m_i, l_i, block_start(blocks, j, BLOCK_N, LISTS),
                          rows, row_ok, qk_scale, skn, skd, swm, swn, b, h, Sq, Sk, T, I,
-                         False, False, MASK_FN, HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
+                         False, False, MASK_FN, HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N,
+                         DROPOUT, DROP)
         for j in range(n_full, n_all):                 # blocks the mask (or bounds) cut
             _write_block(w_base, q, k_base, m_i, l_i, block_start(blocks, j, BLOCK_N, LISTS),
                          rows, row_ok, qk_scale, skn, skd, swm, swn, b, h, Sq, Sk, T, I,
-                         True, False, MASK_FN, HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
+                         True, False, MASK_FN, HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N,
+                         DROPOUT, DROP)
         for j in range(n_all, NL):                     # EMPTY blocks: zeros
             _write_block(w_base, q, k_base, m_i, l_i, block_start(blocks, j, BLOCK_N, LISTS),
                          rows, row_ok, qk_scale, skn, skd, swm, swn, b, h, Sq, Sk, T, I,
-                         False, True, MASK_FN, HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
+                         False, True, MASK_FN, HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N,
+                         DROPOUT, DROP)
 
 
 @triton.jit
-def _head_sum(Q, K, STATS, rows, row_ok, cols, qk_scale, sqb, sqh, sqm, sqd, skb, skh, skn,
+def _head_sum(Q, K, STATS, rows, row_ok, start, qk_scale, sqb, sqh, sqm, sqd, skb, skh, skn,
               skd, b, H, G, Sq, Sk, T, I, MASKED: tl.constexpr, ZERO: tl.constexpr,
               MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr,
-              BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # The sum over the H heads of their weights of rows over the keys `cols` (fp32
-    # (BLOCK_M, BLOCK_N)), each K/V head's tile loaded once for the G query heads reading it.
+              BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              DROPOUT: tl.constexpr, DROP):
+    # The sum over the H heads of their weights of rows over the keys [start, start +
+    # BLOCK_N) (fp32 (BLOCK_M, BLOCK_N); DROPOUT: each head's dropped, as in _probs), each
+    # K/V head's tile loaded once for the G query heads reading it.
+    cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for hk in range(0, H // G):
         if not ZERO:
@@ -160,25 +177,28 @@ def _head_sum(Q, K, STATS, rows, row_ok, cols, qk_scale, sqb, sqh, sqm, sqd, skb
             else:
                 m_i = tl.load(at, mask=row_ok, other=float("-inf"))
                 q = load_tile(Q + b * sqb + h * sqh, rows, Sq, sqm, sqd, D, BLOCK_D, True)
-                acc += _probs(q, k, m_i, l_i, cols, rows, row_ok, qk_scale, b, h, Sq, Sk, T,
-                              I, MASKED, MASK_FN, HAS_BIAS)
+                acc += _probs(q, k, m_i, l_i, start, rows, row_ok, qk_scale, b, h, Sq, Sk, T,
+                              I, MASKED, MASK_FN, HAS_BIAS, BLOCK_N, DROPOUT, DROP)
     return acc
 
 
 @triton.jit(do_not_specialize=MEAN_DYNAMIC)
-def _mean_weights(Q, K, W, STATS, NF, NP, IDX, qk_scale,
+def _mean_weights(Q, K, W, STATS, SEED, NF, NP, IDX, qk_scale,
                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, swb, swm, swn,
-                  slb, sib, NL, n_unmasked, H, G, Sq, Sk, T, I, LISTS: tl.constexpr,
-                  MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  slb, sib, NL, n_unmasked, H, G, Sq, Sk, T, I, drop_t, keep_scale,
+                  LISTS: tl.constexpr, MASK_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr):
     # The head mean of the weights over one (key block, query block) of sequence b, W:
     # (B, Sq, Sk), from the rows' statistics in STATS (B, H, 2, Sq). The key block is the
     # j-th of the query block's list (LISTS: one list for every head), else the j-th one,
     # unmasked below n_unmasked (no mask: the blocks the keys fill; a mask whose lists
-    # differ by head: none, the mask program evaluated on every block).
+    # differ by head: none, the mask program evaluated on every block). DROPOUT: the mean of
+    # the weights dropped as in _weights.
     j = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
+    DROP = drop_state(SEED, b, H, 0, drop_t, keep_scale, DROPOUT)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                          # (BLOCK_M,)
     row_ok = rows < Sq
     if LISTS:
@@ -188,17 +208,17 @@ def _mean_weights(Q, K, W, STATS, NF, NP, IDX, qk_scale,
         n_full, n_all, start = n_unmasked, NL, j * BLOCK_N
     cols = start + tl.arange(0, BLOCK_N)                                    # (BLOCK_N,)
     if j < n_full:                                     # every pair allowed, for every head
-        acc = _head_sum(Q, K, STATS, rows, row_ok, cols, qk_scale, sqb, sqh, sqm, sqd, skb,
+        acc = _head_sum(Q, K, STATS, rows, row_ok, start, qk_scale, sqb, sqh, sqm, sqd, skb,
                         skh, skn, skd, b, H, G, Sq, Sk, T, I, False, False, MASK_FN,
-                        HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
+                        HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N, DROPOUT, DROP)
     elif j < n_all:                                    # cut by the mask (or the bounds)
-        acc = _head_sum(Q, K, STATS, rows, row_ok, cols, qk_scale, sqb, sqh, sqm, sqd, skb,
+        acc = _head_sum(Q, K, STATS, rows, row_ok, start, qk_scale, sqb, sqh, sqm, sqd, skb,
                         skh, skn, skd, b, H, G, Sq, Sk, T, I, True, False, MASK_FN,
-                        HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
+                        HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N, DROPOUT, DROP)
     else:                                              # EMPTY for every head
-        acc = _head_sum(Q, K, STATS, rows, row_ok, cols, qk_scale, sqb, sqh, sqm, sqd, skb,
+        acc = _head_sum(Q, K, STATS, rows, row_ok, start, qk_scale, sqb, sqh, sqm, sqd, skb,
                         skh, skn, skd, b, H, G, Sq, Sk, T, I, False, True, MASK_FN,
-                        HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N)
+                        HAS_BIAS, D, BLOCK_D, BLOCK_M, BLOCK_N, DROPOUT, DROP)
     tl.store(W + b * swb + rows[:, None].to(tl.int64) * swm + cols[None, :] * swn,
              (acc / H).to(W.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < Sk))
 
@@ -221,7 +241,8 @@ def mean_launch(block_m: int, block_n: int, warps: int) -> dict:
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: MB.Mask | None, *,
                       scale: float, average: bool = False,
-                      config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                      config: tuple[int, int, int, int] | None = None,
+                      dropout: Dropout | None = None) -> torch.Tensor:
     """The weights of ``q (B, H, Sq, D)`` over ``k (B, Hkv, Sk, D)`` under ``mask``, per
     head or (``average``) their mean over the heads.
 
@@ -235,6 +256,10 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: MB.Mask | None, *,
         config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; default: the block-sparse
             forward's tiles for head dim D (a caller whose values are wider passes the
             forward's own, so that one set of block lists serves both).
+        dropout: the attention kernels' dropout (:class:`._dropout.Dropout`: the same rate
+            and seed): the weights they multiplied the values by, each kept one scaled by
+            ``1 / (1 - p)`` and each dropped one 0, as ``torch.nn.MultiheadAttention``
+            returns them in training (``average``: their mean over the heads).
 
     Returns:
         ``(B, H, Sq, Sk)`` (``average``: ``(B, Sq, Sk)``) in q's dtype, contiguous: each
@@ -273,22 +298,23 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: MB.Mask | None, *,
         lists, fn, tensors, ints, has_bias = (w, w, w), None, None, None, False  # unread
         strides, n_blocks = (0, 0, 0, 0), cdiv(Sk, cfg[1])
     bm, bn, warps, stages = cfg
+    seed, *drop = drop_args(dropout, "attention_weights", q, w)
     common = dict(MASK_FN=fn, HAS_BIAS=has_bias, D=D, BLOCK_D=pow2(D), BLOCK_M=bm,
                   BLOCK_N=bn, num_warps=warps, num_stages=stages)
     G = H // k.shape[1]
     # (the first launch's output: the weights, or the rows' statistics for the mean)
     first = q.new_empty(B, H, 2, Sq, dtype=torch.float32) if average else w
-    launch(_weights, (cdiv(Sq, bm), B * H), q, k, first, *lists, scale * LOG2E,
+    launch(_weights, (cdiv(Sq, bm), B * H), q, k, first, seed, *lists, scale * LOG2E,
            *q.stride(), *k.stride(), *(0, 0, 0, 0) if average else w.stride(), *strides,
-           n_blocks, H, G, Sq, Sk, tensors, ints, LISTS=mask is not None, STATS=average,
-           **common)
+           n_blocks, H, G, Sq, Sk, tensors, ints, *drop, LISTS=mask is not None,
+           STATS=average, DROPOUT=dropout is not None and not average, **common)
     if average:
         # one list serves every head where the mask's lists do not vary by head (stride 0)
         shared = mask is not None and strides[1] == strides[3] == 0
         unmasked = Sk // bn if mask is None else 0       # (lists: their own counts)
         # (key blocks on the grid's first axis, whose limit is 2^31 - 1, not 65535)
-        launch(_mean_weights, (n_blocks, cdiv(Sq, bm), B), q, k, w, first, *lists,
+        launch(_mean_weights, (n_blocks, cdiv(Sq, bm), B), q, k, w, first, seed, *lists,
                scale * LOG2E, *q.stride(), *k.stride(), *w.stride(), strides[0], strides[2],
-               n_blocks, unmasked, H, G, Sq, Sk, tensors, ints, LISTS=shared,
-               **{**common, **mean_launch(bm, bn, warps)})
+               n_blocks, unmasked, H, G, Sq, Sk, tensors, ints, *drop, LISTS=shared,
+               DROPOUT=dropout is not None, **{**common, **mean_launch(bm, bn, warps)})
     return w

@@ -8,7 +8,11 @@ loss does use them, the backward recomputes the reference's weights in its compu
 them, with a graph where the backward builds one, so they differentiate again. The
 weights' mean over the heads (``return_weights="mean"``) is the kernel's own, whose forward
 never holds the weights per head (the backward, where a loss uses the mean, recomputes the
-reference's per head, as for the weights themselves).
+reference's per head, as for the weights themselves). With dropout, the weights are those
+the attention kernels multiplied the values by (each kept one scaled by ``1 / (1 - p)``, the
+dropped ones 0: the kernels' draws, :mod:`multihead.kernels._dropout`), as
+``torch.nn.MultiheadAttention`` returns them in training; their gradient is the
+reference's times those draws.
 """
 
 from __future__ import annotations
@@ -23,11 +27,11 @@ class _KernelWeights(torch.autograd.Function):
     """The kernel's weights of ``(q, k)`` (or their head mean); the reference's gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, call, config):
+    def forward(ctx, q, k, call, config, dropout):
         ctx.save_for_backward(q, k)
         ctx.mask, ctx.scale = call.effective_mask, call.scale     # (no tensor of the call's)
-        ctx.average = call.average_weights
-        return _run(q, k, call, config)
+        ctx.average, ctx.dropout = call.average_weights, dropout
+        return _run(q, k, call, config, dropout)
 
     @staticmethod
     def backward(ctx, dw):
@@ -40,24 +44,30 @@ class _KernelWeights(torch.autograd.Function):
             wanted = [t for t, need in zip((q, k), ctx.needs_input_grad) if need]
             call = AttentionCall(q, k, k, ctx.mask, ctx.scale, 0.0, True, False)
             weights, _ = safe_softmax(masked_scores(call, q, k, _Product.apply), lse=False)
+            if ctx.dropout is not None:                                    # the same draws
+                from ...kernels._dropout import keep_mask
+                B, H, Sq, Sk = weights.shape
+                keep = keep_mask(ctx.dropout, B, H, Sq, Sk)                # (B, H, Sq, Sk)
+                weights = weights * (keep * ctx.dropout.keep_scale).to(weights.dtype)
             if ctx.average:
                 weights = weights.mean(dim=1)                              # (B, Sq, Sk)
             grads = iter(torch.autograd.grad(weights, wanted, dw.to(weights.dtype),
                                              create_graph=graph, allow_unused=True))
         return (*(next(grads) if need else None for need in ctx.needs_input_grad[:2]),
-                None, None)
+                None, None, None)
 
 
-def _run(q, k, call: AttentionCall, config) -> torch.Tensor:
+def _run(q, k, call: AttentionCall, config, dropout) -> torch.Tensor:
     from ...kernels.weights import attention_weights
     return attention_weights(q, k, call.effective_mask, scale=call.scale,
-                             average=call.average_weights, config=config)
+                             average=call.average_weights, config=config, dropout=dropout)
 
 
-def kernel_weights(call: AttentionCall) -> torch.Tensor:
+def kernel_weights(call: AttentionCall, dropout=None) -> torch.Tensor:
     """The weights ``(B, H, Sq, Sk)`` of ``call`` (its ``average_weights``: their head mean
     ``(B, Sq, Sk)``) in its inputs' dtype, from the kernel; differentiable in ``q`` and
-    ``k`` where the call takes gradients.
+    ``k`` where the call takes gradients. ``dropout``: the call's
+    (:class:`multihead.kernels._dropout.Dropout`, as its attention kernels drew it).
 
     Example:
         >>> import torch, multihead as mh
@@ -73,5 +83,5 @@ def kernel_weights(call: AttentionCall) -> torch.Tensor:
     # ran has its block lists already
     config = launch_config("fwd_sparse", call.D, call.Dv, queries=call.Sq)
     if call.q.requires_grad or call.k.requires_grad:
-        return _KernelWeights.apply(call.q, call.k, call, config)
-    return _run(call.q, call.k, call, config)
+        return _KernelWeights.apply(call.q, call.k, call, config, dropout)
+    return _run(call.q, call.k, call, config, dropout)

@@ -116,6 +116,11 @@ def _find_band(call: AttentionCall) -> Band | str:
         if docs is None:
             return ("runs documents as packed sequences (ids known on the host in contiguous "
                     "runs, self-attention, no padding)")
+        if call.dropout_p and call.return_weights:
+            # (the weights kernel draws dropout at the pairs' positions in the sequences,
+            # as the block-sparse kernels do; the per-document schedule counts from each
+            # document's first token)
+            return "runs packed documents with dropout and weights through block lists"
     if window is None:
         return Band(False, None, 0, padding, docs)
     offset = 0 if docs is not None else _offset(window.align, call.Sq, call.Sk)
@@ -208,8 +213,11 @@ def _with_weights(call: AttentionCall, plan: Plan) -> Plan:
     if call.average_weights:     # the head mean, from the rows' statistics (m, l: fp32 each)
         written = written // call.H + 8 * call.B * call.H * call.Sq
         launches += 1
+    flops = 4.0 * call.pairs * call.D / EFFICIENCY
+    if call.dropout_p:                           # each weight's draw, once
+        flops += DROPOUT_FLOPS * call.pairs
     work = dataclasses.replace(
-        work, flops=work.flops + 4.0 * call.pairs * call.D / EFFICIENCY,
+        work, flops=work.flops + flops,
         bytes=work.bytes + written, launches=work.launches + launches,
         memory=work.memory + written)            # (an output, but one the size of the scores)
     what = "the weights' head mean" if call.average_weights else "weights"
@@ -239,8 +247,6 @@ class TritonFlash(Backend):
             if levels in (0, LEVELS):
                 return (f"draws dropout at a resolution of 2^-16, where dropout_p = "
                         f"{call.dropout_p} rounds to {levels // LEVELS}")
-            if call.return_weights:
-                return "returns attention weights without dropout only"
         if call.return_weights and tracing():     # (every mask it runs has a Triton form)
             return ("returns attention weights in eager calls only (the weights kernel is "
                     "no torch operator yet)")
@@ -325,10 +331,11 @@ class TritonFlash(Backend):
         # what a backward that builds a graph needs to give gradients that differentiate again
         again = second_order.spec(call.effective_mask, call.scale, self.name) \
             if second_order.wanted(call) else None
-        seed = None
+        dropout = seed = None
         if call.dropout_p:                      # a seed from torch's generator, per call
             from ...kernels._dropout import draw
-            seed = draw(call.dropout_p, call.q.device).seed
+            dropout = draw(call.dropout_p, call.q.device)
+            seed = dropout.seed
         if name == "sparse":
             out, lse = ops.sparse(call.q, call.k, call.v, band.mask, call.scale, again,
                                   call.dropout_p, seed)
@@ -342,7 +349,7 @@ class TritonFlash(Backend):
                 out, lse = ops.decode(*args)
             else:
                 out, lse = ops.attention(*args, band.documents, again, call.dropout_p, seed)
-        weights = kernel_weights(call) if call.return_weights else None
+        weights = kernel_weights(call, dropout) if call.return_weights else None
         return out, weights, lse if call.return_lse else None
 
 
