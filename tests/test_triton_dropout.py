@@ -396,11 +396,30 @@ def test_the_operators_with_dropout_pass_torch_library_opcheck():
     torch.library.opcheck(ops.flash_sparse, (q, k, v, 0.25, *args, 0.2, seed))
 
 
-def test_the_weights_kernel_refuses_a_bad_dropout_by_name():
-    q, k, _ = _inputs(1, 2, 2, 16, 16, 16)
-    with pytest.raises(ValueError, match=r"attention_weights: dropout.p must be a float"):
-        attention_weights(q, k, None, scale=0.25, dropout=drop.Dropout(
-            2.0, torch.zeros(1, dtype=torch.int64, device=DEV)))
+def test_every_kernel_and_operator_refuses_a_bad_dropout_by_name_even_with_nothing_to_do():
+    """The kernels' wrappers name themselves and ``dropout``, also for empty inputs (no
+    launch); the operators name ``dropout_p``."""
+    from multihead.kernels.flash_sparse import KERNELS, flatten, plan
+    bad = drop.Dropout(2.0, torch.zeros(1, dtype=torch.int64, device=DEV))
+    q, k, v = _inputs(1, 2, 2, 16, 16, 16)
+    for n in (16, 0):
+        e = q[:, :, :n]
+        with pytest.raises(ValueError, match=r"attention_weights: dropout.p must be a float"):
+            attention_weights(e, k, None, scale=0.25, dropout=bad)
+        for fn in (flash_forward, lambda *a, **kw: sparse_forward(*a, M.causal(), **kw)):
+            with pytest.raises(ValueError, match=r"_forward: dropout.p must be a float"):
+                fn(e, k, v, scale=0.25, dropout=bad)
+        out, lse = flash_forward(e, k, v, scale=0.25)
+        with pytest.raises(ValueError, match=r"flash_backward: dropout.p must be a float"):
+            flash_backward(out, e, k, v, out, lse, scale=0.25, dropout=bad)
+        with pytest.raises(ValueError, match=r"sparse_backward: dropout.p must be a float"):
+            sparse_backward(out, e, k, v, out, lse, M.causal(), scale=0.25, dropout=bad)
+    args = flatten(*plan(M.causal(), q, k, v, kernels=tuple(KERNELS)), 16, 16)
+    for p in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\] \(0: no dropout\)"):
+            ops.flash_sparse(q, k, v, 0.25, *args, p, bad.seed)
+        with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\]"):
+            ops.flash_attention(q, k, v, 0.25, True, 0, 0, None, None, p, bad.seed)
 
 
 @pytest.mark.parametrize("mask", [M.causal(), M.alibi(2) & M.causal()],
@@ -424,6 +443,11 @@ def test_a_backward_that_builds_a_graph_keeps_the_dropout_gradients(mask,
         assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match="first-order only.*under dropout"):
         sum(g.float().square().sum() for g in grads[1]).backward()
+    k1, v1 = (t.detach().clone().requires_grad_() for t in (k, v))   # q takes no gradient
+    out = mh.attention(q, k1, v1, mask=mask, dropout_p=0.25, backend="triton")
+    gk, gv = torch.autograd.grad(out.float().square().sum(), (k1, v1), create_graph=True)
+    with pytest.raises(RuntimeError, match="first-order only.*under dropout"):
+        (gk.float().square().sum() + gv.float().square().sum()).backward()
 
 
 @pytest.mark.parametrize("p", [1e-6, 1 - 1e-6])

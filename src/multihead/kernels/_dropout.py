@@ -40,6 +40,9 @@ from ._launch import launch
 
 #: the resolution of the dropout rate: a pair's number has 16 bits
 LEVELS = 1 << 16
+#: the kernels' dropout arguments that must not cause a compile per rate (Triton would
+#: otherwise specialize the threshold on its divisibility by 16)
+DYNAMIC = ["drop_t"]
 
 
 class Dropout(NamedTuple):

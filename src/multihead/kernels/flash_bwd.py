@@ -34,6 +34,7 @@ import triton.language as tl
 from ._band import (LOG2E, check_inputs, check_pair, empty_like_all, finite_or_zero,
                     key_length, key_range, launch_config, load_tile, masked_scores, nonfinite,
                     pow2, program_block, query_range, schedule)
+from . import _dropout
 from ._dropout import Dropout, drop_args, drop_state, kept
 from ._exact_rows import load_pairs
 from ._launch import launch
@@ -222,7 +223,7 @@ def _kv_band(k, v, Q, DO, LSE, DELTA, b, hk, first, cols, n_q, klen, lo, w, a, c
     return dk, dv
 
 
-@triton.jit(do_not_specialize=DYNAMIC)
+@triton.jit(do_not_specialize=DYNAMIC + _dropout.DYNAMIC)
 def _dkdv(Q, K, V, DO, LSE, DELTA, GK, GV, LENS, SEGS, SEED, scale, qk_scale,
           sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
           sdb, sdh, sdm, sdd, H, G, Sq, Sk, offset, window, drop_t, keep_scale,
@@ -332,7 +333,7 @@ def _q_band(q, do, lse2, delta, k_base, v_base, rows, row_ok, klen, lo, w, a, c,
     return dq
 
 
-@triton.jit(do_not_specialize=DYNAMIC)
+@triton.jit(do_not_specialize=DYNAMIC + _dropout.DYNAMIC)
 def _dq(Q, K, V, DO, O, LSE, DLSE, DELTA, GQ, LENS, SEGS, SEED, scale, qk_scale,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
         sdb, sdh, sdm, sdd, H, G, Sq, Sk, offset, window, drop_t, keep_scale,
@@ -478,6 +479,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
     has_dlse = dlse is not None
+    seed, drop_t, keep_scale = drop_args(dropout, "flash_backward", q, lse)
     (dq, dk, dv), dout, delta, dlse, lse, (kv_cfg, q_cfg) = backward_setup(
         dout, q, k, v, out, lse, dlse, config)
     if delta is None:                                  # nothing to compute: zeros
@@ -486,7 +488,6 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     common = dict(CAUSAL=causal, WINDOWED=window is not None,
                   HAS_LENS=kv_lengths is not None, VARLEN=documents is not None, D=D, DV=Dv,
                   BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv))
-    seed, drop_t, keep_scale = drop_args(dropout, "flash_backward", q, delta)
     common["DROPOUT"] = dropout is not None
     args = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(),
             H, H // Hkv, Sq, Sk, offset, window if window is not None else 0, drop_t,

@@ -31,6 +31,7 @@ import triton.language as tl
 from ._band import (LOG2E, check_inputs, empty_outputs, finite_or_zero, key_length,
                     key_range, launch_config, load_tile, masked_scores, nonfinite, pow2,
                     program_block, schedule)
+from . import _dropout
 from ._dropout import Dropout, drop_args, drop_state, kept
 from ._launch import launch
 
@@ -154,7 +155,7 @@ def _band_blocks(q, k_base, v_base, rows, row_ok, lo, w, full_lo, full_hi, hi, q
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=DYNAMIC)
+@triton.jit(do_not_specialize=DYNAMIC + _dropout.DYNAMIC)
 def _forward(Q, K, V, O, LSE, LENS, SEGS, SEED, qk_scale,
              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
              sob, soh, som, sod,
@@ -238,12 +239,12 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     B, H, Sq, D = q.shape
     _, Hkv, Sk, Dv = v.shape
     out, lse = empty_outputs(q, v)
+    seed, drop_t, keep_scale = drop_args(dropout, "flash_forward", q, lse)
     if B * H * Sq == 0:
         return out, lse
     bm, bn, warps, stages = config or launch_config("fwd", D, Dv, window)
     lens = kv_lengths.contiguous() if kv_lengths is not None else lse  # unused: HAS_LENS off
     segs, grid = schedule(documents, bm, B * H, Sq, H, lse)   # no documents: lse, unread
-    seed, drop_t, keep_scale = drop_args(dropout, "flash_forward", q, lse)
     launch(
         _forward, grid, q, k, v, out, lse, lens, segs, seed, scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),

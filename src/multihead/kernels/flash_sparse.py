@@ -41,6 +41,7 @@ import triton.language as tl
 from ..masks import base as MB
 from ._band import (LOG2E, cdiv, check_arguments, check_inputs, check_pair, empty_outputs,
                     launch_config, load_tile, nonfinite, pow2, program_block)
+from . import _dropout
 from ._dropout import Dropout, drop_args, drop_state
 from ._exact_rows import exact_rows
 from ._launch import launch
@@ -160,7 +161,7 @@ def _list_blocks(q, k_base, v_base, blocks, n_full, n_all, rows, row_ok, qk_scal
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=DYNAMIC)
+@triton.jit(do_not_specialize=DYNAMIC + _dropout.DYNAMIC)
 def _forward_sparse(Q, K, V, O, LSE, SEED, NF, NP, IDX, qk_scale,
                     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                     sob, soh, som, sod, slb, slh, sib, sih, NL,
@@ -245,7 +246,7 @@ def _kv_lists(k, v, Q, DO, LSE, DELTA, NF, NP, IDX, pid_n, b, hk, cols, H, G, Sq
     return dk, dv
 
 
-@triton.jit(do_not_specialize=DYNAMIC)
+@triton.jit(do_not_specialize=DYNAMIC + _dropout.DYNAMIC)
 def _dkdv_sparse(Q, K, V, DO, LSE, DELTA, GK, GV, SEED, NF, NP, IDX, scale, qk_scale,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                  sdb, sdh, sdm, sdd, slb, slh, sib, sih, NL,
@@ -313,7 +314,7 @@ def _q_lists(q, do, lse2, delta, k_base, v_base, blocks, n_full, n_all, rows, ro
     return dq
 
 
-@triton.jit(do_not_specialize=DYNAMIC)
+@triton.jit(do_not_specialize=DYNAMIC + _dropout.DYNAMIC)
 def _dq_sparse(Q, K, V, DO, O, LSE, DLSE, DELTA, PAIRS, GQ, SEED, NF, NP, IDX, scale,
                qk_scale, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                sdb, sdh, sdm, sdd, slb, slh, sib, sih, NL,
@@ -537,11 +538,11 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     B, H, Sq, _ = q.shape
     Sk = k.shape[2]
     out, lse = empty_outputs(q, v)
+    seed, *drop = drop_args(dropout, "sparse_forward", q, lse)
     if B * H * Sq == 0:
         return out, lse
     if Sk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    seed, *drop = drop_args(dropout, "sparse_forward", q, lse)
     _launch(_forward_sparse, fwd, KERNELS["fwd"], q, v, prog, (q, k, v, out, lse, seed),
             (scale * LOG2E,), (*q.stride(), *k.stride(), *v.stride(), *out.stride()), drop,
             DROPOUT=dropout is not None)
@@ -566,6 +567,7 @@ def run_backward(dout, q, k, v, out, lse, dlse, scale: float, prog: MaskProgram,
         ...                      kv, dq)                                         # doctest: +SKIP
     """
     has_dlse = dlse is not None
+    seed, *drop = drop_args(dropout, "sparse_backward", q, lse)
     (dq, dk, dv), dout, delta, dlse, lse, _ = backward_setup(dout, q, k, v, out, lse, dlse,
                                                              (kv.config, dq_.config))
     if delta is None:                                  # nothing to compute: zeros
@@ -576,7 +578,6 @@ def run_backward(dout, q, k, v, out, lse, dlse, scale: float, prog: MaskProgram,
     # (B, H, Sq, 2), which dQ writes; without one, dQ's PAIRS is unused
     pairs = torch.empty((*lse.shape, 2), device=q.device,
                         dtype=torch.float32) if prog.has_bias else None
-    seed, *drop = drop_args(dropout, "sparse_backward", q, delta)
     # dQ first: it writes the delta of its rows (and their pairs), which dK/dV reads
     _launch(_dq_sparse, dq_, KERNELS["bwd_q"], q, v, prog,
             (q, k, v, dout, out, lse, dlse, delta, pairs if pairs is not None else delta, dq,

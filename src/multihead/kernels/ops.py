@@ -48,7 +48,11 @@ from .._tracing import tracing
 
 
 def _dropout(dropout_p: float, seed: torch.Tensor | None) -> Dropout | None:
-    # an operator's dropout arguments as the kernels take them
+    """An operator's ``dropout_p`` and ``seed`` as the kernels take them (None: no dropout),
+    a rate outside [0, 1] refused by the operator's argument names."""
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"multihead operators: dropout_p must be in [0, 1] (0: no dropout), "
+                         f"got {dropout_p!r}")
     return Dropout(dropout_p, seed) if dropout_p else None
 
 
@@ -125,10 +129,12 @@ class _FirstOrderOnly(torch.autograd.Function):
     """The gradients a backward with ``create_graph=True`` gets under dropout, as torch's
     fused kernels give theirs (the reference cannot replay the kernels' draws): kept, and
     refusing, with the second-order error, to be differentiated again (a gradient penalty
-    would otherwise lose attention's part silently)."""
+    would otherwise lose attention's part silently). Its inputs are the backward's own
+    (q, k, v, dout, dlse or None: the gradients depend on each that requires grad), then
+    the gradients."""
 
     @staticmethod
-    def forward(ctx, anchor, *grads):
+    def forward(ctx, q, k, v, dout, dlse, *grads):
         return tuple(g.view_as(g) for g in grads)
 
     @staticmethod
@@ -137,23 +143,24 @@ class _FirstOrderOnly(torch.autograd.Function):
             "triton", "differentiating its gradients under dropout"))
 
 
-def _first_order(dropout_p: float, q: torch.Tensor, gradients) -> tuple:
-    """``gradients()``, the kernels' ``(dq, dk, dv)``, in a backward that may build a graph:
-    without dropout such a backward is refused (the eager paths gave the reference's
-    gradients earlier, where the call asked for them); under dropout it gets them marked
-    first-order only (:class:`_FirstOrderOnly`)."""
+def _first_order(dropout_p: float, inputs: tuple, gradients) -> tuple:
+    """``gradients()``, the kernels' ``(dq, dk, dv)`` of ``inputs`` ``(q, k, v, dout, dlse)``, in
+    a backward that may build a graph: without dropout such a backward is refused (the eager
+    paths gave the reference's gradients earlier, where the call asked for them); under
+    dropout it gets them marked first-order only (:class:`_FirstOrderOnly`), whichever of
+    the inputs requires grad."""
     if not dropout_p:
         refuse_second_order("triton")
     grads = gradients()
     if torch.is_grad_enabled():       # (only with dropout: refused above otherwise)
-        grads = _FirstOrderOnly.apply(q, *grads)
+        grads = _FirstOrderOnly.apply(*inputs, *grads)
     return grads
 
 
 def _gradients(ctx, dout, dlse, backward=flash_attention_backward):
     q, k, v, out, lse, kv_lengths, seed = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout      # the kernels take any strides
-    dq, dk, dv = _first_order(ctx.dropout_p, q, lambda: backward(
+    dq, dk, dv = _first_order(ctx.dropout_p, (q, k, v, dout, dlse), lambda: backward(
         dout, dlse, q, k, v, out, lse, *ctx.args, kv_lengths, ctx.documents, ctx.dropout_p,
         seed))
     return dq, dk, dv, *(None,) * 8
@@ -365,7 +372,7 @@ def _sparse_gradients(ctx, dout, dlse):
     q, k, v, out, lse, seed, *rest = ctx.saved_tensors
     scale, source, n, ints, configs, n_lists = ctx.args
     dout = torch.zeros_like(out) if dout is None else dout
-    dq, dk, dv = _first_order(ctx.dropout_p, q, lambda: flash_sparse_backward(
+    dq, dk, dv = _first_order(ctx.dropout_p, (q, k, v, dout, dlse), lambda: flash_sparse_backward(
         dout, dlse, q, k, v, out, lse, scale, source, rest[:n], ints, rest[n:], configs,
         ctx.dropout_p, seed))
     # no gradient for the rest (a list of tensors gets a list of Nones), for the inputs the
@@ -407,7 +414,7 @@ class _Sparse(_Direct):
         ctx.mask._check_unchanged(ctx.versions, "triton backward")
         q, k, v, out, lse, seed = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
-        dq, dk, dv = _first_order(ctx.dropout_p, q, lambda: sparse_backward(
+        dq, dk, dv = _first_order(ctx.dropout_p, (q, k, v, dout, dlse), lambda: sparse_backward(
             dout, q, k, v, out, lse, ctx.mask, scale=ctx.scale, dlse=dlse,
             dropout=_dropout(ctx.dropout_p, seed)))
         return dq, dk, dv, *(None,) * 5

@@ -45,6 +45,7 @@ import triton.language as tl
 from ..masks import base as MB
 from ._band import LOG2E, cdiv, check_inputs, launch_config, load_tile, masked_scores, pow2, \
     program_block
+from . import _dropout
 from ._dropout import Dropout, drop_args, drop_state, kept
 from ._exact_rows import block_start, row_stats
 from ._launch import launch
@@ -108,7 +109,7 @@ def _write_block(w_base, q, k_base, m_i, l_i, start, rows, row_ok, qk_scale, skn
              p.to(w_base.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < Sk))
 
 
-@triton.jit(do_not_specialize=DYNAMIC)
+@triton.jit(do_not_specialize=DYNAMIC + _dropout.DYNAMIC)
 def _weights(Q, K, W, SEED, NF, NP, IDX, qk_scale,
              sqb, sqh, sqm, sqd, skb, skh, skn, skd, swb, swh, swm, swn,
              slb, slh, sib, sih, NL, H, G, Sq, Sk, T, I, drop_t, keep_scale,
@@ -182,7 +183,7 @@ def _head_sum(Q, K, STATS, rows, row_ok, start, qk_scale, sqb, sqh, sqm, sqd, sk
     return acc
 
 
-@triton.jit(do_not_specialize=MEAN_DYNAMIC)
+@triton.jit(do_not_specialize=MEAN_DYNAMIC + _dropout.DYNAMIC)
 def _mean_weights(Q, K, W, STATS, SEED, NF, NP, IDX, qk_scale,
                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, swb, swm, swn,
                   slb, sib, NL, n_unmasked, H, G, Sq, Sk, T, I, drop_t, keep_scale,
@@ -285,6 +286,7 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: MB.Mask | None, *,
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
     w = q.new_empty((B, Sq, Sk) if average else (B, H, Sq, Sk))
+    seed, *drop = drop_args(dropout, "attention_weights", q, w)
     if w.numel() == 0:
         return w
     if mask is not None:
@@ -298,7 +300,6 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: MB.Mask | None, *,
         lists, fn, tensors, ints, has_bias = (w, w, w), None, None, None, False  # unread
         strides, n_blocks = (0, 0, 0, 0), cdiv(Sk, cfg[1])
     bm, bn, warps, stages = cfg
-    seed, *drop = drop_args(dropout, "attention_weights", q, w)
     common = dict(MASK_FN=fn, HAS_BIAS=has_bias, D=D, BLOCK_D=pow2(D), BLOCK_M=bm,
                   BLOCK_N=bn, num_warps=warps, num_stages=stages)
     G = H // k.shape[1]
