@@ -46,6 +46,7 @@ bench)
     python -m multihead.cli.main bench --suite full --device cuda --dtype bf16 \
         --family "window, S=16384" --family "documents, S=16384" --family decode \
         --family "paged decode" --family masks --family drop-in --family overhead \
+        --family dropout \
         --out "$OUT/bench" 2>&1 \
         | tee "$OUT/bench.log"
     ;;

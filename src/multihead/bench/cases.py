@@ -95,14 +95,19 @@ def _mask(kind: str, S: int, B: int, H: int, window: int, longest: int = 512):
 
 
 def attention_case(kind: str, S: int, *, B=1, H=12, D=64, window=256, train=False,
-                   flex=False, family: str | None = None, longest: int = 512) -> Case:
+                   flex=False, family: str | None = None, longest: int = 512,
+                   dropout: float = 0.0) -> Case:
     """Attention at length S under one mask kind (a key of :data:`LABELS`), against SDPA
     (plain, ``is_causal``, or with the mask materialized), the seeds' tutorial, and compiled
-    flex_attention (with ``flex``, and on CUDA for every masked kind)."""
+    flex_attention (with ``flex``, and on CUDA for every masked kind). With ``dropout``,
+    every call drops weights at that rate: SDPA's too, the tutorial and flex_attention
+    (which have none) are left out."""
     if kind not in LABELS:
         raise ValueError(f"unknown mask kind {kind!r}: choose one of {', '.join(LABELS)}")
     mode = "fwd+bwd" if train else "fwd"
-    label = LABELS[kind].format(window=window, longest=longest)
+    label = LABELS[kind].format(window=window, longest=longest) + (
+        f", dropout {dropout}" if dropout else "")
+    drop = {"dropout_p": dropout} if dropout else {}
 
     def build(device, dtype) -> Built:
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -115,27 +120,32 @@ def attention_case(kind: str, S: int, *, B=1, H=12, D=64, window=256, train=Fals
         density = (1.0 if allowed is None
                    else allowed.sum(dtype=torch.int64).item() / allowed.numel())
         item = torch.empty((), dtype=dtype).element_size()
-        ours = lambda: mh.attention(q, k, v, mask=mask)
+        ours = lambda: mh.attention(q, k, v, mask=mask, **drop)
         b = Built(_with_backward(ours, (q, k, v), train),
                   flops=4 * B * H * S * S * D * density * (3.5 if train else 1.0),
                   naive_bytes=B * H * S * S * item, naive={"seed tutorial"})
         peer = lambda f: _with_backward(f, (q, k, v), train)
         if device.type == "cuda" and kind in ("dense", "causal"):
-            _add_gpu_sdpa(b, peer, q, k, v, kind == "causal")
+            _add_gpu_sdpa(b, peer, q, k, v, kind == "causal", dropout)
         if kind == "dense":
-            b.peers["sdpa"] = peer(lambda: F.scaled_dot_product_attention(q, k, v))
-            b.peers["seed tutorial"] = peer(lambda: P.tutorial_attention(q, k, v))
+            b.peers["sdpa"] = peer(lambda: F.scaled_dot_product_attention(q, k, v, **drop))
+            if not dropout:
+                b.peers["seed tutorial"] = peer(lambda: P.tutorial_attention(q, k, v))
         else:
             if kind == "causal":
                 b.peers["sdpa is_causal"] = peer(lambda: F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True))
+                    q, k, v, is_causal=True, **drop))
             dense = allowed if allowed is not None else mask.additive(S, S, device, dtype)
             b.peers["sdpa + dense mask"] = peer(lambda: F.scaled_dot_product_attention(
-                q, k, v, attn_mask=dense))
+                q, k, v, attn_mask=dense, **drop))
             if allowed is not None:     # (SDPA with a bool mask holds only the S x S mask)
-                b.peers["seed tutorial"] = peer(lambda: P.tutorial_attention(q, k, v, allowed))
+                if not dropout:
+                    b.peers["seed tutorial"] = peer(lambda: P.tutorial_attention(q, k, v,
+                                                                                 allowed))
             else:                       # the tutorial has no additive bias; SDPA's is H·S²
                 b.naive = {"sdpa + dense mask"}
+        if dropout:
+            return b                    # (flex_attention has no dropout)
         if flex or (device.type == "cuda" and kind != "dense"):
             from . import flex as FX
             mods = FX.mods(kind, heads=H, device=device, window=window, doc_lengths=docs,
@@ -146,9 +156,9 @@ def attention_case(kind: str, S: int, *, B=1, H=12, D=64, window=256, train=Fals
     return Case(family or kind, f"{label}, B={B} H={H} S={S} D={D}", S, mode, build)
 
 
-def _add_gpu_sdpa(b: Built, peer, q, k, v, causal: bool) -> None:
+def _add_gpu_sdpa(b: Built, peer, q, k, v, causal: bool, dropout: float = 0.0) -> None:
     """On CUDA: SDPA pinned to its flash and cuDNN backends, as separate peers (a backend that
-    cannot run the call is reported as failed in the row)."""
+    cannot run the call is reported as failed in the row), at the case's ``dropout``."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     for label, backend in (("flash", "FLASH_ATTENTION"), ("cuDNN", "CUDNN_ATTENTION")):
         if not hasattr(SDPBackend, backend):
@@ -157,7 +167,8 @@ def _add_gpu_sdpa(b: Built, peer, q, k, v, causal: bool) -> None:
 
         def run(kind=getattr(SDPBackend, backend)):
             with sdpa_kernel(kind):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                      dropout_p=dropout)
         b.peers[f"sdpa ({label} backend)"] = peer(run)
 
 

@@ -139,6 +139,12 @@ def _cuda(suite: str) -> list[Case]:
                   for t in (False, True)]
         cases += [attention_case("documents", 16384, longest=2048, train=t, flex=True,
                                  family="documents, S=16384", **gpu) for t in (False, True)]
+        # training with attention dropout (p = 0.1): windows and ALiBi through our kernels'
+        # draws, causal kept on SDPA's fused kernel; SDPA with its mask and dropout beside
+        cases += [attention_case(k, S, window=w, train=True, dropout=0.1, family="dropout",
+                                 **gpu)
+                  for k, S, w in (("window", 16384, 256), ("window", 16384, 2048),
+                                  ("alibi", 4096, 256), ("causal", 4096, 256))]
         if kernels.available():
             cases += [paged_decode_case(32768, B=B) for B in (1, 8)]
     if not quick:
