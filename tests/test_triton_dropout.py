@@ -317,6 +317,7 @@ def test_the_weights_with_dropout_are_those_the_output_was_made_of(name,
                           backend="triton"))
     assert "dropout drawn in the kernels" in plan and "weights kernel" in plan
     assert ("block lists" in plan) == (name != "window & padding")
+    assert ("packed documents through block lists" in plan) == (name == "packed documents")
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(4)
     out, w = mh.attention(*leaves, mask=mask, dropout_p=0.25, return_weights=True,

@@ -1,5 +1,7 @@
 """The attention weights ``softmax(q kᵀ · scale + bias)`` of any mask of our model, written
-once in the inputs' dtype by Triton kernels (per head, or their mean over the heads).
+once in the inputs' dtype by Triton kernels (per head, or their mean over the heads); with
+the attention kernels' dropout, those weights times the pairs they kept, scaled
+(:mod:`._dropout`).
 
 Where a caller asks for the weights (``return_weights=True``; ``torch.nn.MultiheadAttention``'s
 default ``need_weights=True``) the reference path materializes the scores in float32 and
@@ -259,13 +261,16 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: MB.Mask | None, *,
             forward's own, so that one set of block lists serves both).
         dropout: the attention kernels' dropout (:class:`._dropout.Dropout`: the same rate
             and seed): the weights they multiplied the values by, each kept one scaled by
-            ``1 / (1 - p)`` and each dropped one 0, as ``torch.nn.MultiheadAttention``
-            returns them in training (``average``: their mean over the heads).
+            ``1 / (1 - rate)`` (``p`` rounded to a multiple of 2^-16:
+            :attr:`._dropout.Dropout.keep_scale`) and each dropped one 0, as
+            ``torch.nn.MultiheadAttention`` returns them in training (``average``: their
+            mean over the heads).
 
     Returns:
         ``(B, H, Sq, Sk)`` (``average``: ``(B, Sq, Sk)``) in q's dtype, contiguous: each
-        row's softmax over the keys its mask allows (zeros elsewhere), a row with nothing
-        to attend to all zeros.
+        row's softmax over the keys its mask allows (zeros elsewhere; with ``dropout``,
+        dropped as described, so a row no longer sums to 1), a row with nothing to attend
+        to all zeros.
 
     Raises:
         ValueError: naming the argument, for inputs the kernels do not take or a mask that

@@ -9,8 +9,8 @@ them, with a graph where the backward builds one, so they differentiate again. T
 weights' mean over the heads (``return_weights="mean"``) is the kernel's own, whose forward
 never holds the weights per head (the backward, where a loss uses the mean, recomputes the
 reference's per head, as for the weights themselves). With dropout, the weights are those
-the attention kernels multiplied the values by (each kept one scaled by ``1 / (1 - p)``, the
-dropped ones 0: the kernels' draws, :mod:`multihead.kernels._dropout`), as
+the attention kernels multiplied the values by (each kept one scaled by ``1 / (1 - rate)``,
+the rate ``p`` rounded to a multiple of 2^-16, the dropped ones 0: the kernels' draws, :mod:`multihead.kernels._dropout`), as
 ``torch.nn.MultiheadAttention`` returns them in training; their gradient is the
 reference's times those draws.
 """

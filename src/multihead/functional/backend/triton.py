@@ -84,6 +84,15 @@ class Band(NamedTuple):
 
 class Sparse(NamedTuple):
     mask: M.Mask
+    why: str | None = None                    # why a band-shaped mask takes the lists
+
+
+#: why packed documents known on the host take the block lists in a call with dropout and
+#: weights: the weights kernel draws dropout at the pairs' positions in the sequences, as
+#: the block-sparse kernels do, where the per-document schedule counts from each
+#: document's first token
+DOCUMENTS_AS_LISTS = ("packed documents through block lists (dropout with weights: the "
+                      "weights kernel draws at positions in the sequences)")
 
 
 def _band(call: AttentionCall) -> Band | Sparse | str:
@@ -100,7 +109,7 @@ def _route(call: AttentionCall) -> Band | Sparse | str:
     why = supported(call.effective_mask)
     if why is not None:
         return why
-    return Sparse(call.effective_mask)
+    return Sparse(call.effective_mask, band if band == DOCUMENTS_AS_LISTS else None)
 
 
 def _find_band(call: AttentionCall) -> Band | str:
@@ -117,10 +126,7 @@ def _find_band(call: AttentionCall) -> Band | str:
             return ("runs documents as packed sequences (ids known on the host in contiguous "
                     "runs, self-attention, no padding)")
         if call.dropout_p and call.return_weights:
-            # (the weights kernel draws dropout at the pairs' positions in the sequences,
-            # as the block-sparse kernels do; the per-document schedule counts from each
-            # document's first token)
-            return "runs packed documents with dropout and weights through block lists"
+            return DOCUMENTS_AS_LISTS
     if window is None:
         return Band(False, None, 0, padding, docs)
     offset = 0 if docs is not None else _offset(window.align, call.Sq, call.Sk)
@@ -292,6 +298,8 @@ class TritonFlash(Backend):
                 pairs = int(mask._tile_map(call.Sq, call.Sk, tile_q=bm, tile_k=bn, device="cpu",
                                            banded=True).density * call.pairs)
             note = f"block lists: {_share(pairs, call.pairs)} visited"
+        if sparse.why is not None:
+            note = f"{sparse.why}; {note}"
         launches, step = 1, _decoding_step(call)
         # lists built in the call cost host time: a decoding loop's mask is usually new each
         # step (a padded cache's positions are), so a step's lists are priced as built; so
