@@ -10,9 +10,9 @@ weights' mean over the heads (``return_weights="mean"``) is the kernel's own, wh
 never holds the weights per head (the backward, where a loss uses the mean, recomputes the
 reference's per head, as for the weights themselves). With dropout, the weights are those
 the attention kernels multiplied the values by (each kept one scaled by ``1 / (1 - rate)``,
-the rate ``p`` rounded to a multiple of 2^-16, the dropped ones 0: the kernels' draws, :mod:`multihead.kernels._dropout`), as
-``torch.nn.MultiheadAttention`` returns them in training; their gradient is the
-reference's times those draws.
+the rate ``p`` rounded to a multiple of 2^-16, the dropped ones 0: the kernels' draws,
+:mod:`multihead.kernels._dropout`), as ``torch.nn.MultiheadAttention`` returns them in
+training; their gradient is the reference's times those draws.
 """
 
 from __future__ import annotations
