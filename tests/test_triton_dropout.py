@@ -19,6 +19,7 @@ from multihead.kernels.flash_sparse import sparse_backward, sparse_forward  # no
 from multihead.kernels.weights import attention_weights  # noqa: E402
 from conftest import make_masks  # noqa: E402
 from test_triton import _mask as band_mask  # noqa: E402
+from test_triton_weights import _oracle_weights  # noqa: E402
 
 M = mh.masks
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -268,12 +269,7 @@ def test_attention_with_dropout_on_the_backend_draws_from_torchs_generator(trito
 def _dropped_weights(q, k, mask, keep, keep_scale, dtype, average=False):
     """The reference's weights in ``dtype`` times ``keep * keep_scale`` (``average``: their
     head mean)."""
-    if isinstance(mask, M.Bias) and dtype == torch.float64:
-        mask = M.bias(mask.raw.double())
-    q, k = q.to(dtype), k.to(dtype)
-    w = mh.attention(q, k, k, mask=mask, backend="reference", return_weights=True)[1]
-    w = w * keep.to(dtype) * keep_scale
-    return w.mean(dim=1) if average else w
+    return _oracle_weights(q, k, mask, dtype, average, factor=keep.double() * keep_scale)
 
 
 @pytest.mark.parametrize("average", [False, True], ids=["heads", "mean"])

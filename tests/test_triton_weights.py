@@ -38,13 +38,16 @@ def _inputs(B, H, Hkv, Sq, Sk, D, seed=0, dtype=torch.float16):
     return mk(B, H, Sq, D), mk(B, Hkv, Sk, D)
 
 
-def _oracle_weights(q, k, m, dtype=torch.float64, average=False):
-    """The reference's weights in ``dtype`` (``average``: their mean over the heads, taken
+def _oracle_weights(q, k, m, dtype=torch.float64, average=False, factor=None):
+    """The reference's weights in ``dtype``, times ``factor`` (``(B, H, Sq, Sk)``, say a
+    dropout's kept pairs scaled) where given (``average``: their mean over the heads, taken
     here in ``dtype``, not by the call)."""
     if isinstance(m, M.Bias) and dtype == torch.float64:
         m = M.bias(m.raw.double())
     q, k = q.to(dtype), k.to(dtype)
     w = mh.attention(q, k, k, mask=m, backend="reference", return_weights=True)[1]
+    if factor is not None:
+        w = w * factor.to(dtype)
     return w.mean(dim=1) if average else w
 
 

@@ -47,7 +47,13 @@ DYNAMIC = ["drop_t"]
 
 class Dropout(NamedTuple):
     """A call's dropout: rate ``p`` (0 < p <= 1) and the seed, ``(1,)`` int64 on the
-    inputs' device (:func:`draw`)."""
+    inputs' device (:func:`draw`).
+
+    Example:
+        >>> d = Dropout(0.1, torch.zeros(1, dtype=torch.int64))
+        >>> d.threshold, round(d.keep_scale, 4), Dropout(1.0, d.seed).keep_scale
+        (6554, 1.1111, 0.0)
+    """
     p: float
     seed: torch.Tensor
 

@@ -487,8 +487,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     lens = kv_lengths.contiguous() if kv_lengths is not None else delta  # unused: HAS_LENS off
     common = dict(CAUSAL=causal, WINDOWED=window is not None,
                   HAS_LENS=kv_lengths is not None, VARLEN=documents is not None, D=D, DV=Dv,
-                  BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv))
-    common["DROPOUT"] = dropout is not None
+                  BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), DROPOUT=dropout is not None)
     args = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(),
             H, H // Hkv, Sq, Sk, offset, window if window is not None else 0, drop_t,
             keep_scale)

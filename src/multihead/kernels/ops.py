@@ -408,8 +408,6 @@ class _Sparse(_Direct):
         early = _early(ctx, dout, dlse, 8)
         if early is not None:
             return early
-        if not ctx.dropout_p:
-            refuse_second_order("triton")      # (before waiting on a compile)
         _ahead.wait()                          # its kernels, if compiling ahead
         ctx.mask._check_unchanged(ctx.versions, "triton backward")
         q, k, v, out, lse, seed = ctx.saved_tensors

@@ -288,8 +288,8 @@ class SDPA(Backend):
         kw = dict(dropout_p=call.dropout_p, scale=call.scale, is_causal=mode == "causal")
         math = exact and _needs_math(attn_mask, row_ok)
         sdpa = _math if math else F.scaled_dot_product_attention
-        if not math and skips_cudnn(q.device.type, call.Sq):  # a decoding step: no graph
-            #                                                   per new length
+        # a decoding step: no cuDNN graph per new length
+        if not math and skips_cudnn(q.device.type, call.Sq):
             out = run_without_cudnn(_kernel, call, q, k, v, attn_mask, fold, kw, sdpa)
         else:
             out = _kernel(call, q, k, v, attn_mask, fold, kw, sdpa)

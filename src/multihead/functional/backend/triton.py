@@ -88,9 +88,7 @@ class Sparse(NamedTuple):
 
 
 #: why packed documents known on the host take the block lists in a call with dropout and
-#: weights: the weights kernel draws dropout at the pairs' positions in the sequences, as
-#: the block-sparse kernels do, where the per-document schedule counts from each
-#: document's first token
+#: weights (see :func:`_route`)
 DOCUMENTS_AS_LISTS = ("packed documents through block lists (dropout with weights: the "
                       "weights kernel draws at positions in the sequences)")
 
@@ -103,13 +101,17 @@ def _band(call: AttentionCall) -> Band | Sparse | str:
 
 def _route(call: AttentionCall) -> Band | Sparse | str:
     band = _find_band(call)
-    if not isinstance(band, str):
+    # packed documents with dropout and weights: the weights kernel draws at positions in
+    # the sequences, as the block-sparse kernels do, not from each document's first token
+    per_document = isinstance(band, Band) and band.documents is not None
+    if isinstance(band, Band) and not (per_document and call.dropout_p
+                                       and call.return_weights):
         return band
     from ...kernels.mask_program import supported
     why = supported(call.effective_mask)
     if why is not None:
         return why
-    return Sparse(call.effective_mask, band if band == DOCUMENTS_AS_LISTS else None)
+    return Sparse(call.effective_mask, DOCUMENTS_AS_LISTS if per_document else None)
 
 
 def _find_band(call: AttentionCall) -> Band | str:
@@ -125,8 +127,6 @@ def _find_band(call: AttentionCall) -> Band | str:
         if docs is None:
             return ("runs documents as packed sequences (ids known on the host in contiguous "
                     "runs, self-attention, no padding)")
-        if call.dropout_p and call.return_weights:
-            return DOCUMENTS_AS_LISTS
     if window is None:
         return Band(False, None, 0, padding, docs)
     offset = 0 if docs is not None else _offset(window.align, call.Sq, call.Sk)
@@ -181,12 +181,15 @@ def _share(pairs, total) -> str:
     return f"{share(pairs / max(1, total))} of the pairs"
 
 
+def _draws(call: AttentionCall, pairs) -> float:
+    """The FLOPs of drawing dropout for ``pairs`` once (none without dropout)."""
+    return DROPOUT_FLOPS * pairs if call.dropout_p else 0.0
+
+
 def _work(call: AttentionCall, pairs: int, block_m: int, launches: float = 1) -> Work:
     """The forward's (and with gradients, the backward's) work over ``pairs`` computed
-    (with dropout, each pair's draw too: :data:`DROPOUT_FLOPS`)."""
-    flops = 2.0 * pairs * (call.D + call.Dv) / EFFICIENCY
-    if call.dropout_p:
-        flops += DROPOUT_FLOPS * pairs
+    (with dropout, each pair's draw too: :func:`_draws`)."""
+    flops = 2.0 * pairs * (call.D + call.Dv) / EFFICIENCY + _draws(call, pairs)
     work = Work(flops=flops, kernel="fused",
                 dtype=call.q.dtype, bytes=call.io_bytes(kv_reads=call.group), launches=launches,
                 parallel=call.B * call.H * -(-call.Sq // block_m))  # no split over keys (yet)
@@ -219,9 +222,7 @@ def _with_weights(call: AttentionCall, plan: Plan) -> Plan:
     if call.average_weights:     # the head mean, from the rows' statistics (m, l: fp32 each)
         written = written // call.H + 8 * call.B * call.H * call.Sq
         launches += 1
-    flops = 4.0 * call.pairs * call.D / EFFICIENCY
-    if call.dropout_p:                           # each weight's draw, once
-        flops += DROPOUT_FLOPS * call.pairs
+    flops = 4.0 * call.pairs * call.D / EFFICIENCY + _draws(call, call.pairs)  # (each weight's)
     work = dataclasses.replace(
         work, flops=work.flops + flops,
         bytes=work.bytes + written, launches=work.launches + launches,
