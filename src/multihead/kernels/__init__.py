@@ -5,7 +5,10 @@ Tests run them on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.util
+import sys
+import warnings
 
 #: |lse| in base 2 from which a backward recomputes a row's softmax statistics instead of
 #: reading them from its lse, which may have lost the log of the row's sum (see
@@ -23,3 +26,59 @@ def available() -> bool:
         True
     """
     return importlib.util.find_spec("triton") is not None
+
+
+#: the module whose import makes our operators' FLOP formulas join torch's registry
+FLOP_COUNTER = "torch.utils.flop_counter"
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then()`` once, right after module ``name`` is first imported (whoever imports
+    it), by wrapping its loader; it finds nothing itself."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name or self not in sys.meta_path:
+            return None
+        sys.meta_path.remove(self)                 # once; and the lookup below skips it
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then(module):
+            exec_module(module)
+            self.then()
+        spec.loader.exec_module = exec_then        # (a loader made for this spec alone)
+        return spec
+
+
+def _register_flops() -> None:
+    try:
+        from . import ops  # noqa: F401  (it imports .flops, which registers the formulas)
+    except Exception as e:                         # noqa: BLE001 - never break torch's import
+        warnings.warn(f"multihead could not register its Triton operators' FLOP formulas "
+                      f"with {FLOP_COUNTER} ({type(e).__name__}: {e}); FlopCounterMode "
+                      f"counts no FLOPs for them", RuntimeWarning, stacklevel=2)
+
+
+def count_flops_with_torch() -> None:
+    """Make our operators' FLOP formulas (:mod:`.flops`) join ``torch.utils.flop_counter``'s
+    registry when that module is imported (now, if it is already): a ``FlopCounterMode``
+    copies the registry when it is made, so registering at the kernels' first call would
+    come too late for a counter already running, and importing the counter with multihead
+    would cost every process Triton's import (a quarter of a second).
+
+    Example:
+        >>> import torch
+        >>> count_flops_with_torch()               # (multihead did so on import)
+        >>> from torch.utils.flop_counter import flop_registry
+        >>> torch.ops.multihead.flash_attention in flop_registry
+        True
+    """
+    if FLOP_COUNTER in sys.modules:
+        _register_flops()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(FLOP_COUNTER, _register_flops))

@@ -196,6 +196,32 @@ def band(causal: bool, window: int | None, offset: int, sq: int, sk: int
     return offset, window
 
 
+def band_pairs(seqs, causal: bool, window: int | None, offset: int, block_m: int,
+               block_n: int) -> int:
+    """The (query, key) pairs the band kernels compute for one head, over ``seqs``: a
+    ``(queries, keys)`` pair per sequence (a row of the batch and its real keys, or a packed
+    document with its own, counted from its first token). Each block of ``block_m`` queries
+    computes its real rows against the keys from the window's lower edge for its first row
+    (rounded down to a block of ``block_n``: :func:`key_range`'s ``lo``) to the diagonal of its
+    last row (``hi``). What the plans price (``explain()``'s share) and the FLOP counters count
+    (:mod:`.flops`).
+
+    Example:
+        >>> band_pairs([(4, 4)], False, None, 0, 2, 2), band_pairs([(4, 4)], True, None, 0, 2, 2)
+        (16, 12)
+        >>> band_pairs([(4, 4), (4, 1)], True, 1, 0, 2, 2)     # a window of 1; 4 keys, then 1
+        10
+    """
+    total = 0
+    for sq, keys in seqs:
+        for m0 in range(0, sq, block_m):
+            top = min(keys, m0 + block_m + offset) if causal else keys
+            lo = (max(0, m0 + offset - window + 1) // block_n * block_n
+                  if window is not None else 0)
+            total += max(0, top - lo) * min(block_m, sq - m0)
+    return total
+
+
 class Arguments(NamedTuple):
     """A kernel call's scalar arguments as Python ``float``/``int`` (what Triton takes: it
     cannot specialize a NumPy integer or a ``Fraction``), None where not given."""

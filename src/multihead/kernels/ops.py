@@ -67,6 +67,13 @@ def _kw(scale, causal, window, offset, kv_lengths, documents=None, dropout_p=0.0
     return kw
 
 
+def _seen() -> bool:
+    """Whether a dispatch mode is on (``FlopCounterMode``, a logging mode, ``DebugMode``):
+    eager calls then reach the kernels through the operators, so that the mode sees each
+    kernel call (and counts its FLOPs: :mod:`.flops`)."""
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
 @torch.library.custom_op("multihead::flash_attention", mutates_args=())
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     causal: bool, window: int, offset: int, kv_lengths: torch.Tensor | None,
@@ -232,6 +239,9 @@ class _Flash(_Direct):
     @staticmethod
     def forward(q, k, v, scale, causal, window, offset, kv_lengths, documents, dropout_p, seed,
                 again):
+        if _seen():
+            return flash_attention(q, k, v, scale, causal, window, offset, kv_lengths,
+                                   documents, dropout_p, seed)
         return flash_forward(q, k, v, **_kw(scale, causal, window, offset, kv_lengths,
                                             documents, dropout_p, seed))
 
@@ -248,7 +258,8 @@ class _Flash(_Direct):
         if early is not None:
             return early
         _ahead.wait()                          # its kernels, if compiling ahead
-        return (*_gradients(ctx, dout, dlse, backward=_backward), None)
+        return (*_gradients(ctx, dout, dlse,
+                            backward=flash_attention_backward if _seen() else _backward), None)
 
 
 def _backward_ahead(q, k, v, scale, causal, window, offset, kv_lengths, documents,
@@ -390,6 +401,9 @@ class _Sparse(_Direct):
 
     @staticmethod
     def forward(q, k, v, mask, scale, dropout_p, seed, again):
+        if _seen():
+            return flash_sparse(q, k, v, scale, *_flat_plan(mask, q, k, v, ("fwd",)),
+                                dropout_p, seed)
         return sparse_forward(q, k, v, mask, scale=scale, dropout=_dropout(dropout_p, seed))
 
     @staticmethod
@@ -412,10 +426,19 @@ class _Sparse(_Direct):
         ctx.mask._check_unchanged(ctx.versions, "triton backward")
         q, k, v, out, lse, seed = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
-        dq, dk, dv = _first_order(ctx.dropout_p, (q, k, v, dout, dlse), lambda: sparse_backward(
-            dout, q, k, v, out, lse, ctx.mask, scale=ctx.scale, dlse=dlse,
-            dropout=_dropout(ctx.dropout_p, seed)))
+        dq, dk, dv = _first_order(ctx.dropout_p, (q, k, v, dout, dlse), lambda: (
+            flash_sparse_backward(dout, dlse, q, k, v, out, lse, ctx.scale,
+                                  *_flat_plan(ctx.mask, q, k, v, tuple(KERNELS)),
+                                  ctx.dropout_p, seed) if _seen() else
+            sparse_backward(dout, q, k, v, out, lse, ctx.mask, scale=ctx.scale, dlse=dlse,
+                            dropout=_dropout(ctx.dropout_p, seed))))
         return dq, dk, dv, *(None,) * 5
+
+
+def _flat_plan(mask, q, k, v, kernels: tuple[str, ...]) -> tuple:
+    """The mask's :func:`.flash_sparse.plan` for ``kernels``, as :func:`flash_sparse` and its
+    backward take it (:func:`.flash_sparse.flatten`)."""
+    return flatten(*plan(mask, q, k, v, kernels=kernels), q.shape[2], k.shape[2])
 
 
 def sparse(q, k, v, mask, scale: float, again=None, dropout_p: float = 0.0,
@@ -432,8 +455,8 @@ def sparse(q, k, v, mask, scale: float, again=None, dropout_p: float = 0.0,
     """
     if tracing():
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        prog, launches = plan(mask, q, k, v, kernels=tuple(KERNELS) if grad else ("fwd",))
-        return flash_sparse(q, k, v, scale, *flatten(prog, launches, q.shape[2], k.shape[2]),
+        return flash_sparse(q, k, v, scale,
+                            *_flat_plan(mask, q, k, v, tuple(KERNELS) if grad else ("fwd",)),
                             dropout_p, seed)
     _refuse_transforms()                # (before the mask's program is built and kept)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -500,4 +523,9 @@ def decode(q, k, v, scale: float, causal: bool, window: int, offset: int,
     if tracing():
         return flash_decode(q, k, v, scale, causal, window, offset, kv_lengths)
     _refuse_transforms()
+    if _seen():
+        return flash_decode(q, k, v, scale, causal, window, offset, kv_lengths)
     return decode_forward(q, k, v, **_kw(scale, causal, window, offset, kv_lengths))
+
+
+from . import flops  # noqa: E402,F401  (the operators' FLOP formulas, registered with torch)

@@ -145,11 +145,12 @@ def _documents(call: AttentionCall, document: M.Document) -> torch.Tensor | None
 
 def _pairs(call: AttentionCall, band: Band, block_m: int, block_n: int) -> int:
     """(query, key) pairs of the key blocks the kernel visits, over all rows and heads
-    (while ``torch.compile`` traces, where sizes may be symbolic: a bound without a loop
-    over blocks, so that no size is specialized)."""
+    (:func:`multihead.kernels._band.band_pairs`; while ``torch.compile`` traces, where sizes
+    may be symbolic: a bound without a loop over blocks, so that no size is specialized)."""
     if tracing():
         keys = call.Sk if band.window is None else min(call.Sk, band.window + block_n)
         return call.B * call.H * call.Sq * keys
+    from ...kernels._band import band_pairs
     if band.documents is not None:                # each document a sequence of its own
         seqs = [(n, n) for n in band.documents[:, 2].tolist()]
     else:
@@ -158,14 +159,7 @@ def _pairs(call: AttentionCall, band: Band, block_m: int, block_n: int) -> int:
             host = [min(call.Sk, int(n)) for n in band.padding._host_lengths.tolist()]
             hi_keys = host * call.B if len(host) == 1 else host
         seqs = [(call.Sq, hi) for hi in hi_keys]
-    total = 0
-    for sq, hi in seqs:
-        for m0 in range(0, sq, block_m):
-            top = min(hi, m0 + block_m + band.offset) if band.causal else hi
-            lo = max(0, m0 + band.offset - band.window + 1) // block_n * block_n \
-                if band.window is not None else 0
-            total += max(0, top - lo) * min(block_m, sq - m0)
-    return total * call.H
+    return band_pairs(seqs, band.causal, band.window, band.offset, block_m, block_n) * call.H
 
 
 def _decoding_step(call: AttentionCall) -> bool:
@@ -364,3 +358,4 @@ class TritonFlash(Backend):
 
 if kernels.available():
     register(TritonFlash())
+    kernels.count_flops_with_torch()
