@@ -23,10 +23,16 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TILE = 16
 
 
+#: each kernel's tiles in these tests, distinct, so that a count on another kernel's tiles
+#: shows (the decode kernel: blocks of 16 keys)
+TILES = {"fwd": (16, 16), "fwd_narrow": (32, 16), "bwd_q": (16, 32), "bwd_kv": (32, 16),
+         "fwd_sparse": (16, 16), "fwd_sparse_short": (16, 16)}
+
+
 @pytest.fixture
 def tiles16(monkeypatch, triton_on_this_device):
-    """Every kernel on 16x16 tiles (the decode kernel on blocks of 16 keys)."""
-    table = {name: {64: (TILE,) + row[64][1:] if name == "decode" else (TILE, TILE, 4, 1)}
+    """Every kernel on the small tiles of :data:`TILES`."""
+    table = {name: {64: (TILE,) + row[64][1:] if name == "decode" else TILES[name] + (4, 1)}
              for name, row in _band.LAUNCH.items()}
     monkeypatch.setattr(_band, "LAUNCH", table)
     monkeypatch.delenv("MULTIHEAD_TRITON_LAUNCH", raising=False)
@@ -61,15 +67,16 @@ def _visited(allowed: torch.Tensor, block_m: int, block_n: int) -> int:
     return total
 
 
-def _listed(allowed: torch.Tensor) -> int:
+def _listed(allowed: torch.Tensor, block_m: int, block_n: int) -> int:
     """Pairs of a block-sparse kernel's call, from the dense mask ``(B, H, Sq, Sk)``: every
     pair of each tile holding an allowed pair."""
     B, H, Sq, Sk = allowed.shape
-    pad = torch.zeros(B, H, -(-Sq // TILE) * TILE, -(-Sk // TILE) * TILE, dtype=torch.bool)
+    pad = torch.zeros(B, H, -(-Sq // block_m) * block_m, -(-Sk // block_n) * block_n,
+                      dtype=torch.bool)
     pad[..., :Sq, :Sk] = allowed
     real = torch.zeros_like(pad)
     real[..., :Sq, :Sk] = True
-    tiles = lambda t: t.unflatten(2, (-1, TILE)).unflatten(4, (-1, TILE))  # noqa: E731
+    tiles = lambda t: t.unflatten(2, (-1, block_m)).unflatten(4, (-1, block_n))  # noqa: E731
     any_allowed = tiles(pad).any(5).any(3)                      # (B, H, nQ, nK)
     return int((tiles(real).sum((3, 5)) * any_allowed).sum())
 
@@ -86,6 +93,7 @@ def test_a_call_without_mask_counts_what_torch_counts_for_sdpa(triton_on_this_de
 BANDS = {
     "causal": lambda B: M.causal(),
     "window 9": lambda B: M.sliding_window(9),
+    "window 1000": lambda B: M.sliding_window(1000),      # wider than the band: as causal
     "causal & padding": lambda B: M.causal() & M.padding(torch.tensor([50, 21])),
     "window 20 & padding": lambda B: M.sliding_window(20) & M.padding(torch.tensor([0, 37])),
     "padding": lambda B: M.padding(torch.tensor([70, 3])),
@@ -101,11 +109,13 @@ def test_band_masks_count_the_keys_each_block_of_queries_visits(tiles16, name):
     q, k, v = _inputs(B, H, Hkv, Sq, Sk, D, Dv)
     mask = BANDS[name](B)
     counts = _count(q, k, v, mask)
-    pairs = H * _visited(mask.materialize(Sq, Sk).expand(B, 1, Sq, Sk)[:, 0], TILE, TILE)
+    allowed = mask.materialize(Sq, Sk).expand(B, 1, Sq, Sk)[:, 0]
+    forward = H * _visited(allowed, *TILES["fwd_narrow" if "window" in name else "fwd"])
+    backward = H * _visited(allowed, *TILES["bwd_q"])
     per_pair = sdpa_flop_count(q.shape, k.shape, v.shape) // (B * H * Sq * Sk)
     back = sdpa_backward_flop_count((B, H, Sq, Dv), q.shape, k.shape, v.shape) // (B * H * Sq * Sk)
-    assert counts == {"flash_attention": pairs * per_pair,
-                      "flash_attention_backward": pairs * back}
+    assert counts == {"flash_attention": forward * per_pair,
+                      "flash_attention_backward": backward * back}
     grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
@@ -141,9 +151,10 @@ def test_block_sparse_masks_count_every_pair_of_the_tiles_they_list(tiles16, nam
             "dense": M.dense(dense)}[name]
     q, k, v = _inputs(B, H, H, Sq, Sk, 16, 16)
     counts = _count(q, k, v, mask)
-    pairs = _listed(mask.materialize(Sq, Sk).expand(B, H, Sq, Sk))
-    assert pairs < B * H * Sq * Sk or name == "alibi"
-    assert counts == {"flash_sparse": pairs * 2 * 32, "flash_sparse_backward": pairs * 160}
+    allowed = mask.materialize(Sq, Sk).expand(B, H, Sq, Sk)
+    forward, backward = _listed(allowed, *TILES["fwd_sparse"]), _listed(allowed, *TILES["bwd_q"])
+    assert forward < B * H * Sq * Sk or name == "alibi"
+    assert counts == {"flash_sparse": forward * 2 * 32, "flash_sparse_backward": backward * 160}
 
 
 def test_a_decoding_step_counts_the_keys_of_its_one_block_of_queries(tiles16):

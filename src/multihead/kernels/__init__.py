@@ -32,9 +32,26 @@ def available() -> bool:
 FLOP_COUNTER = "torch.utils.flop_counter"
 
 
+class _Then(importlib.abc.Loader):
+    """A module's own loader, then ``then()`` once the module has run (again on a reload)."""
+
+    def __init__(self, loader, then):
+        self.loader, self.then = loader, then
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        self.then()
+
+    def __getattr__(self, name):                   # get_source, get_filename, ...
+        return getattr(self.loader, name)
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``then()`` once, right after module ``name`` is first imported (whoever imports
-    it), by wrapping its loader; it finds nothing itself."""
+    """Runs ``then()`` right after module ``name`` is first imported (whoever imports it),
+    through a loader of its spec's own; it finds nothing itself."""
 
     def __init__(self, name: str, then):
         self.name, self.then = name, then
@@ -44,24 +61,22 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             return None
         sys.meta_path.remove(self)                 # once; and the lookup below skips it
         spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then(module):
-            exec_module(module)
-            self.then()
-        spec.loader.exec_module = exec_then        # (a loader made for this spec alone)
+        if spec is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _Then(spec.loader, self.then)
         return spec
 
 
 def _register_flops() -> None:
     try:
-        from . import ops  # noqa: F401  (it imports .flops, which registers the formulas)
+        from . import flops       # (it registers the formulas on import; again after a
+        flops.register()          # reload of torch's counter, which empties its registry)
     except Exception as e:                         # noqa: BLE001 - never break torch's import
-        warnings.warn(f"multihead could not register its Triton operators' FLOP formulas "
-                      f"with {FLOP_COUNTER} ({type(e).__name__}: {e}); FlopCounterMode "
-                      f"counts no FLOPs for them", RuntimeWarning, stacklevel=2)
+        try:
+            warnings.warn(f"multihead could not register its Triton operators' FLOP formulas "
+                          f"with {FLOP_COUNTER} ({type(e).__name__}: {e}); FlopCounterMode "
+                          f"counts no FLOPs for them", RuntimeWarning, stacklevel=2)
+        except Exception:                          # noqa: BLE001 - warnings made errors
+            pass
 
 
 def count_flops_with_torch() -> None:

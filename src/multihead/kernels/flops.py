@@ -28,9 +28,9 @@ Notation: B batch, H query heads, Sq/Sk lengths, D/Dv head dims.
 from __future__ import annotations
 
 import torch
-from torch.utils.flop_counter import register_flop_formula
 
-from ._band import band_pairs, launch_config
+from . import ops as _ops  # noqa: F401  (defines the operators)
+from ._band import band, band_pairs, launch_config
 
 
 def forward_flops(pairs: int, D: int, Dv: int) -> int:
@@ -54,11 +54,13 @@ def backward_flops(pairs: int, D: int, Dv: int) -> int:
 
 
 def _readable(t) -> bool:
-    """Whether ``t`` holds values this process can read (not fake, meta or functional)."""
+    """Whether ``t`` holds values this process can read now (not fake, meta or functional;
+    no CUDA graph capturing, which a read would break)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
     return (isinstance(t, torch.Tensor) and t.device.type != "meta"
-            and not isinstance(t, (FakeTensor, FunctionalTensor)))
+            and not isinstance(t, (FakeTensor, FunctionalTensor))
+            and not (t.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def _concrete(*sizes) -> bool:
@@ -66,13 +68,20 @@ def _concrete(*sizes) -> bool:
 
 
 def _band(q, k, v, causal: bool, window: int, offset: int, kv_lengths, documents,
-          block_m: int, block_n: int, per_pair) -> int:
+          kernel: str, per_pair) -> int:
     """FLOPs of a band kernel's call (``window`` 0: none) over the keys each block of
-    ``block_m`` queries visits."""
+    queries visits, on the tiles of ``kernel`` (``"decode"``: one block of all queries),
+    the band taken as the kernels take it (a window is causal; :func:`._band.band`)."""
     B, H, Sq, D = q.shape
     Sk, Dv = k.shape[2], v.shape[3]
-    if not _concrete(B, Sq, Sk):                   # symbolic sizes: every pair, no guard
+    if not _concrete(B, Sq, Sk, D, Dv):            # symbolic sizes: every pair, no guard
         return per_pair(B * H * Sq * Sk, D, Dv)
+    causal = causal or bool(window)
+    offset, window = band(causal, window or None, offset, Sq, Sk)
+    if kernel == "decode":
+        block_m, block_n = max(1, Sq), launch_config("decode", D, Dv)[0]
+    else:
+        block_m, block_n = launch_config(kernel, D, Dv, window)[:2]
     if documents is not None and _readable(documents):
         seqs = [(n, n) for n in documents[:, 2].tolist()]        # (b, first, length) rows
     else:
@@ -80,7 +89,7 @@ def _band(q, k, v, causal: bool, window: int, offset: int, kv_lengths, documents
         if kv_lengths is not None and _readable(kv_lengths):
             keys = [min(Sk, max(0, n)) for n in kv_lengths.tolist()]   # (B,)
         seqs = [(Sq, n) for n in keys]
-    pairs = band_pairs(seqs, causal, window or None, offset, block_m, block_n)
+    pairs = band_pairs(seqs, causal, window, offset, block_m, block_n)
     return per_pair(pairs * H, D, Dv)
 
 
@@ -101,40 +110,51 @@ def _listed(q, k, v, lists, configs, i: int, per_pair) -> int:
     return per_pair(per_mask * (B // Bm) * (H // Hm), D, Dv)
 
 
-ops = torch.ops.multihead
-
-
-@register_flop_formula(ops.flash_attention, get_raw=True)
 def _flash_attention(q, k, v, scale, causal, window, offset, kv_lengths, documents=None,
                      *args, out_val=None, **kwargs) -> int:
-    bm, bn = launch_config("fwd", q.shape[3], v.shape[3], window or None)[:2]
-    return _band(q, k, v, causal, window, offset, kv_lengths, documents, bm, bn, forward_flops)
+    return _band(q, k, v, causal, window, offset, kv_lengths, documents, "fwd", forward_flops)
 
 
-@register_flop_formula(ops.flash_attention_backward, get_raw=True)
 def _flash_attention_backward(dout, dlse, q, k, v, out, lse, scale, causal, window, offset,
                               kv_lengths, documents=None, *args, out_val=None,
                               **kwargs) -> int:
-    bm, bn = launch_config("bwd_q", q.shape[3], v.shape[3])[:2]       # the dQ kernel's loop
-    return _band(q, k, v, causal, window, offset, kv_lengths, documents, bm, bn,
+    # (the pairs of the dQ kernel's loop; the dK/dV kernel's visit the same band by key)
+    return _band(q, k, v, causal, window, offset, kv_lengths, documents, "bwd_q",
                  backward_flops)
 
 
-@register_flop_formula(ops.flash_decode, get_raw=True)
 def _flash_decode(q, k, v, scale, causal, window, offset, kv_lengths, *args, out_val=None,
                   **kwargs) -> int:
-    block_n = launch_config("decode", q.shape[3], v.shape[3])[0]      # one block of queries
-    return _band(q, k, v, causal, window, offset, kv_lengths, None, max(1, q.shape[2]), block_n,
-                 forward_flops)
+    return _band(q, k, v, causal, window, offset, kv_lengths, None, "decode", forward_flops)
 
 
-@register_flop_formula(ops.flash_sparse, get_raw=True)
 def _flash_sparse(q, k, v, scale, source, tensors, ints, lists, configs, *args,
                   out_val=None, **kwargs) -> int:
     return _listed(q, k, v, lists, configs, 0, forward_flops)
 
 
-@register_flop_formula(ops.flash_sparse_backward, get_raw=True)
 def _flash_sparse_backward(dout, dlse, q, k, v, out, lse, scale, source, tensors, ints, lists,
                            configs, *args, out_val=None, **kwargs) -> int:
     return _listed(q, k, v, lists, configs, 2, backward_flops)     # the dQ kernel's lists
+
+
+def register() -> None:
+    """Put the formulas into torch's registry, those missing from it (again after a reload
+    of ``torch.utils.flop_counter``, which rebuilds it).
+
+    Example:
+        >>> from torch.utils.flop_counter import flop_registry
+        >>> register(); torch.ops.multihead.flash_sparse in flop_registry
+        True
+    """
+    from torch.utils import flop_counter
+    ops = torch.ops.multihead
+    for op, formula in [(ops.flash_attention, _flash_attention),
+                        (ops.flash_attention_backward, _flash_attention_backward),
+                        (ops.flash_decode, _flash_decode), (ops.flash_sparse, _flash_sparse),
+                        (ops.flash_sparse_backward, _flash_sparse_backward)]:
+        if op not in flop_counter.flop_registry:
+            flop_counter.register_flop_formula(op, get_raw=True)(formula)
+
+
+register()

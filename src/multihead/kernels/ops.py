@@ -16,7 +16,9 @@ mask of the same structure reuses the compiled graph and kernels.
 Eager calls skip the operator wrappers: :func:`attention`, :func:`sparse` and :func:`decode`
 call the kernels directly (through a ``torch.autograd.Function`` for gradients) unless
 ``torch.compile`` is tracing, because a ``custom_op``'s eager dispatch cost about 100 us of
-host time per call on an H100 machine, five times a decoding step's kernels.
+host time per call on an H100 machine, five times a decoding step's kernels. While a dispatch
+mode is on (``FlopCounterMode``, a logging mode) they call the operators, so that the mode
+sees each kernel call (:mod:`.flops` counts their FLOPs).
 
 A window of ``0`` means none (the schema has no room for ``None`` and an int in one place
 that would not also recompile per value).
@@ -234,7 +236,7 @@ def _early(ctx, dout, dlse, n_inputs: int):
 
 class _Flash(_Direct):
     """The eager path of :func:`attention`: the same kernels without the operator's
-    dispatch."""
+    dispatch (through the operators while a dispatch mode is on)."""
 
     @staticmethod
     def forward(q, k, v, scale, causal, window, offset, kv_lengths, documents, dropout_p, seed,
@@ -289,7 +291,7 @@ def attention(q, k, v, scale: float, causal: bool, window: int, offset: int,
               again=None, dropout_p: float = 0.0,
               seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` with gradients: :func:`flash_attention` while ``torch.compile``
-    traces, the kernels directly otherwise. With ``again`` (a
+    traces, the kernels directly otherwise (through :class:`_Flash`). With ``again`` (a
     :func:`multihead._second_order.spec` of the call's mask), a backward that builds a graph
     gets gradients that differentiate again; without, it is refused. ``dropout_p > 0``:
     dropout on the weights, drawn from ``seed`` (:func:`._dropout.draw`), the same in the
@@ -519,13 +521,11 @@ def _(q, k, v, scale, causal, window, offset, kv_lengths):
 def decode(q, k, v, scale: float, causal: bool, window: int, offset: int,
            kv_lengths: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of a few queries, no gradients: :func:`flash_decode` while
-    ``torch.compile`` traces, :func:`.decode_forward` directly otherwise."""
+    ``torch.compile`` traces or a dispatch mode is on, :func:`.decode_forward` directly
+    otherwise."""
     if tracing():
         return flash_decode(q, k, v, scale, causal, window, offset, kv_lengths)
     _refuse_transforms()
     if _seen():
         return flash_decode(q, k, v, scale, causal, window, offset, kv_lengths)
     return decode_forward(q, k, v, **_kw(scale, causal, window, offset, kv_lengths))
-
-
-from . import flops  # noqa: E402,F401  (the operators' FLOP formulas, registered with torch)
