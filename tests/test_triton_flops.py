@@ -30,7 +30,7 @@ TILES = {"fwd": (16, 16), "fwd_narrow": (32, 16), "bwd_q": (16, 32), "bwd_kv": (
 
 
 @pytest.fixture
-def tiles16(monkeypatch, triton_on_this_device):
+def distinct_tiles(monkeypatch, triton_on_this_device):
     """Every kernel on the small tiles of :data:`TILES`."""
     table = {name: {64: (TILE,) + row[64][1:] if name == "decode" else TILES[name] + (4, 1)}
              for name, row in _band.LAUNCH.items()}
@@ -101,7 +101,7 @@ BANDS = {
 
 
 @pytest.mark.parametrize("name", list(BANDS))
-def test_band_masks_count_the_keys_each_block_of_queries_visits(tiles16, name):
+def test_band_masks_count_the_keys_each_block_of_queries_visits(distinct_tiles, name):
     """Per block of 16 queries, its rows against the keys from the block of its least
     allowed key to its greatest (lower-right aligned, 48 queries over 70 keys); the counts
     taken while the counter runs change no output or gradient."""
@@ -127,7 +127,7 @@ def test_band_masks_count_the_keys_each_block_of_queries_visits(tiles16, name):
     assert all(torch.equal(t.grad, g) for t, g in zip((q, k, v), grads))
 
 
-def test_packed_documents_count_each_document_from_its_first_token(tiles16):
+def test_packed_documents_count_each_document_from_its_first_token(distinct_tiles):
     """Documents known on the host run one program per (document, query block): a block's
     keys are counted within its document, blocks aligned at the document's first token."""
     lengths = [21, 40, 3]
@@ -139,7 +139,7 @@ def test_packed_documents_count_each_document_from_its_first_token(tiles16):
 
 
 @pytest.mark.parametrize("name", ["alibi", "causal & alibi", "dense"])
-def test_block_sparse_masks_count_every_pair_of_the_tiles_they_list(tiles16, name):
+def test_block_sparse_masks_count_every_pair_of_the_tiles_they_list(distinct_tiles, name):
     """Every pair of each 16x16 tile that holds an allowed pair, per batch and head; ALiBi
     alone lists every tile."""
     B, H, Sq, Sk = 2, 2, 48, 70
@@ -157,7 +157,7 @@ def test_block_sparse_masks_count_every_pair_of_the_tiles_they_list(tiles16, nam
     assert counts == {"flash_sparse": forward * 2 * 32, "flash_sparse_backward": backward * 160}
 
 
-def test_a_decoding_step_counts_the_keys_of_its_one_block_of_queries(tiles16):
+def test_a_decoding_step_counts_the_keys_of_its_one_block_of_queries(distinct_tiles):
     """The split-K decode kernel (no gradients, 3 queries over a padded cache under a
     window): its queries are one block."""
     q, k, v = _inputs(2, 4, 2, 3, 70, 16, 16, grad=False)
@@ -168,7 +168,7 @@ def test_a_decoding_step_counts_the_keys_of_its_one_block_of_queries(tiles16):
     assert counts == {"flash_decode": pairs * 2 * 32}
 
 
-def test_without_values_lengths_and_lists_count_every_pair(tiles16):
+def test_without_values_lengths_and_lists_count_every_pair(distinct_tiles):
     """Fake tensors (what torch.compile's estimates run on): key lengths and block lists
     hold no values, so every key of the band, and every pair of a block-sparse call,
     counts; a band without them counts as with real tensors."""

@@ -46,6 +46,8 @@ class _Then(importlib.abc.Loader):
         self.then()
 
     def __getattr__(self, name):                   # get_source, get_filename, ...
+        if name == "loader":                       # (not set yet: no recursion)
+            raise AttributeError(name)
         return getattr(self.loader, name)
 
 

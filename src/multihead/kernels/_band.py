@@ -165,8 +165,8 @@ def check_inputs(fn: str, q, k, v, kv_lengths=None, documents=None, offset=0, *,
             raise ValueError(f"{fn}: pass documents or kv_lengths, not both (padding inside "
                              f"packed documents: give the padding its own document)")
         _check_documents(fn, documents, B, q.shape[2], k.shape[2], offset)
-    causal = bool(causal) or plain.window is not None
-    offset, window = band(causal, plain.window, plain.offset, q.shape[2], k.shape[2])
+    causal, offset, window = kernel_band(causal, plain.window, plain.offset, q.shape[2],
+                                         k.shape[2])
     return plain._replace(offset=offset, window=window, causal=causal)
 
 
@@ -220,6 +220,20 @@ def band_pairs(seqs, causal: bool, window: int | None, offset: int, block_m: int
                   if window is not None else 0)
             total += max(0, top - lo) * min(block_m, sq - m0)
     return total
+
+
+def kernel_band(causal: bool, window: int | None, offset: int, sq: int, sk: int
+                ) -> tuple[bool, int, int | None]:
+    """``(causal, offset, window)`` as the kernels run a band of ``sq`` queries over ``sk``
+    keys: a window is causal, and :func:`band` bounds the offset and the window.
+
+    Example:
+        >>> kernel_band(False, 4, 0, 8, 8), kernel_band(True, 1000, 0, 8, 8)
+        ((True, 0, 4), (True, 0, 8))
+    """
+    causal = bool(causal) or window is not None
+    offset, window = band(causal, window, offset, sq, sk)
+    return causal, offset, window
 
 
 class Arguments(NamedTuple):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from . import ops as _ops  # noqa: F401  (defines the operators)
-from ._band import band, band_pairs, launch_config
+from ._band import band_pairs, kernel_band, launch_config
 
 
 def forward_flops(pairs: int, D: int, Dv: int) -> int:
@@ -71,13 +71,12 @@ def _band(q, k, v, causal: bool, window: int, offset: int, kv_lengths, documents
           kernel: str, per_pair) -> int:
     """FLOPs of a band kernel's call (``window`` 0: none) over the keys each block of
     queries visits, on the tiles of ``kernel`` (``"decode"``: one block of all queries),
-    the band taken as the kernels take it (a window is causal; :func:`._band.band`)."""
+    the band taken as the kernels take it (:func:`._band.kernel_band`)."""
     B, H, Sq, D = q.shape
     Sk, Dv = k.shape[2], v.shape[3]
     if not _concrete(B, Sq, Sk, D, Dv):            # symbolic sizes: every pair, no guard
         return per_pair(B * H * Sq * Sk, D, Dv)
-    causal = causal or bool(window)
-    offset, window = band(causal, window or None, offset, Sq, Sk)
+    causal, offset, window = kernel_band(causal, window or None, offset, Sq, Sk)
     if kernel == "decode":
         block_m, block_n = max(1, Sq), launch_config("decode", D, Dv)[0]
     else:

@@ -428,12 +428,15 @@ class _Sparse(_Direct):
         ctx.mask._check_unchanged(ctx.versions, "triton backward")
         q, k, v, out, lse, seed = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
-        dq, dk, dv = _first_order(ctx.dropout_p, (q, k, v, dout, dlse), lambda: (
-            flash_sparse_backward(dout, dlse, q, k, v, out, lse, ctx.scale,
-                                  *_flat_plan(ctx.mask, q, k, v, tuple(KERNELS)),
-                                  ctx.dropout_p, seed) if _seen() else
-            sparse_backward(dout, q, k, v, out, lse, ctx.mask, scale=ctx.scale, dlse=dlse,
-                            dropout=_dropout(ctx.dropout_p, seed))))
+
+        def gradients():
+            if _seen():                        # through the operator, seen by the mode
+                return flash_sparse_backward(dout, dlse, q, k, v, out, lse, ctx.scale,
+                                             *_flat_plan(ctx.mask, q, k, v, tuple(KERNELS)),
+                                             ctx.dropout_p, seed)
+            return sparse_backward(dout, q, k, v, out, lse, ctx.mask, scale=ctx.scale,
+                                   dlse=dlse, dropout=_dropout(ctx.dropout_p, seed))
+        dq, dk, dv = _first_order(ctx.dropout_p, (q, k, v, dout, dlse), gradients)
         return dq, dk, dv, *(None,) * 5
 
 
